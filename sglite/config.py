@@ -33,6 +33,7 @@ class EngineConfig:
         grammar_backend: ``sglite`` (ours) | ``xgrammar`` | ``llguidance``.
         random_seed: seed of the engine's default generator (requests without ``sampling_seed``).
         context_length: override of the model's maximum context (tokens).
+        check_invariants: run ``Scheduler.check_invariants`` after every step (slow; for tests).
     """
 
     model_path: Optional[str] = None
@@ -51,6 +52,7 @@ class EngineConfig:
     random_seed: int = 0
     context_length: Optional[int] = None
     log_level: str = "warning"
+    check_invariants: bool = False  # assert pool/tree invariants after every step (tests)
 
     def __post_init__(self):
         def bad(name, msg):

@@ -1,0 +1,11 @@
+"""Constrained decoding: regex, JSON Schema, EBNF and lark grammars as byte-level automata.
+
+Public API (DESIGN §5): :class:`TokenizerInfo`, :class:`GrammarBackend`, :class:`CompiledGrammar`,
+:class:`GrammarMatcher`. Imports nothing from sglite but :mod:`sglite.errors`.
+"""
+from .backend import KINDS, GrammarBackend
+from .compiled import CompiledGrammar
+from .matcher import GrammarMatcher
+from .tokenizer_info import TokenizerInfo
+
+__all__ = ["KINDS", "CompiledGrammar", "GrammarBackend", "GrammarMatcher", "TokenizerInfo"]

@@ -1,0 +1,201 @@
+"""Incremental, UTF-8-safe detokenization with stop strings and stop regexes.
+
+Decoding follows the prefix/read-offset scheme of vLLM's ``detokenize_incrementally`` and
+SGLang's detokenizer manager: each step decodes only a short window of recent tokens
+(``ids[prefix_offset:]``) and releases the part past the already-read text, unless that part
+ends in U+FFFD (a byte-level token that stops mid-character), which is held back until the
+character completes. Stop strings may span tokens, so a tail that could still become a stop
+string (or a stop-regex match) is held back and released once it no longer can.
+"""
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+from ..errors import InvalidRequestError
+
+_REPLACEMENT = "\ufffd"
+
+
+class _RegexPrefixChecker:
+    """Tells whether a string could still grow into a match of a regex (an interegular FSM).
+
+    ``None`` pattern support (lookarounds, anchors, backrefs...) makes :meth:`could_start`
+    always False: such regexes are only matched, never held back for.
+    """
+
+    def __init__(self, pattern: str):
+        self.fsm = None
+        try:
+            import interegular
+
+            fsm = interegular.parse_pattern(pattern).to_fsm()
+        except Exception:  # interegular.Unsupported and parse errors: no hold-back
+            return
+        self.fsm = fsm
+        self.live = self._live_states(fsm)
+        from interegular.fsm import anything_else
+
+        self.other = fsm.alphabet[anything_else] if anything_else in fsm.alphabet else None
+
+    @staticmethod
+    def _live_states(fsm) -> set:
+        reverse: dict = {}
+        for src, moves in fsm.map.items():
+            for dst in moves.values():
+                reverse.setdefault(dst, set()).add(src)
+        live, todo = set(fsm.finals), list(fsm.finals)
+        while todo:
+            for src in reverse.get(todo.pop(), ()):
+                if src not in live:
+                    live.add(src)
+                    todo.append(src)
+        return live
+
+    def could_start(self, text: str) -> bool:
+        """True if ``text`` is a prefix of some string the regex matches (FSM still live)."""
+        if self.fsm is None:
+            return False
+        state = self.fsm.initial
+        alphabet, fsm_map = self.fsm.alphabet, self.fsm.map
+        for ch in text:
+            symbol = alphabet[ch] if ch in alphabet else self.other
+            state = fsm_map.get(state, {}).get(symbol)
+            if state is None or state not in self.live:
+                return False
+        return state in self.live
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output token ids into released text deltas.
+
+    Args:
+        tokenizer: a :class:`sglite.runtime.tokenizer.Tokenizer` (needs ``decode``).
+        skip_special_tokens / spaces_between_special_tokens: passed to ``tokenizer.decode``.
+        stop: stop strings (a str or a sequence); empty strings are ignored.
+        stop_regex: Python regexes; a match anywhere in the output stops it. Hold-back uses an
+            interegular FSM; regexes it cannot parse (lookarounds, anchors) are matched only
+            within the not-yet-released tail.
+        no_stop_trim: keep the matched stop text in the output.
+
+    Attributes:
+        text: all text released so far (the concatenation of every delta).
+        finished: a stop matched or :meth:`flush` ran; later pushes are ignored.
+        matched_stop: the stop string (or the regex's matched text) that ended output, else None.
+
+    Raises:
+        InvalidRequestError: a ``stop_regex`` does not compile (field ``stop_regex``).
+    """
+
+    def __init__(self, tokenizer, *, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True, stop: str | Sequence[str] = (),
+                 stop_regex: str | Sequence[str] = (), no_stop_trim: bool = False):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
+        self.stop = tuple(s for s in ([stop] if isinstance(stop, str) else stop or ()) if s)
+        patterns = [stop_regex] if isinstance(stop_regex, str) else list(stop_regex or ())
+        self.stop_regex = []
+        for pattern in patterns:
+            try:
+                self.stop_regex.append(re.compile(pattern))
+            except re.error as exc:
+                raise InvalidRequestError(f"stop_regex: cannot compile {pattern!r}: {exc}",
+                                          field="stop_regex") from exc
+        self._regex_prefix = [_RegexPrefixChecker(p) for p in patterns]
+        self.no_stop_trim = no_stop_trim
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.finished = False
+        self.matched_stop: str | None = None
+        self._prefix_offset = 0  # window start: text before it is final
+        self._read_offset = 0  # tokens up to here are released (or pending)
+        self._prefix_text = ""  # decode(token_ids[prefix_offset:read_offset]), cached
+        self._pending = ""  # decoded but held back (could start a stop)
+
+    # ------------------------------------------------------------------------------- public
+
+    def push(self, token_ids: Sequence[int]) -> tuple[str, str | None]:
+        """Append output tokens; return ``(text released now, matched stop or None)``.
+
+        Mutates the detokenizer. Costs two short decodes of the recent window, not the whole
+        output. Ignored (returns ``("", None)``) once :attr:`finished`.
+        """
+        if self.finished:
+            return "", None
+        self.token_ids.extend(int(t) for t in token_ids)
+        return self._release(self._decode_window(final=False), final=False)
+
+    def flush(self) -> str:
+        """Release everything held back (incomplete characters as U+FFFD, stop-string
+        prefixes) and finish. Returns the released delta; a stop matched here sets
+        :attr:`matched_stop`."""
+        if self.finished:
+            return ""
+        delta, _ = self._release(self._decode_window(final=True), final=True)
+        self.finished = True
+        return delta
+
+    # ------------------------------------------------------------------------------- internals
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     spaces_between_special_tokens=self.spaces_between_special_tokens)
+
+    def _decode_window(self, final: bool) -> str:
+        """New complete text of the window, advancing the offsets when there is some."""
+        new_text = self._decode(self.token_ids[self._prefix_offset:])
+        if len(new_text) <= len(self._prefix_text):
+            return ""
+        if new_text.endswith(_REPLACEMENT) and not final:
+            return ""  # a character is still incomplete: wait for its remaining bytes
+        chunk = new_text[len(self._prefix_text):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
+        self._prefix_text = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
+        return chunk
+
+    def _release(self, chunk: str, final: bool) -> tuple[str, str | None]:
+        pending = self._pending + chunk
+        found = self._find_stop(pending)
+        if found is not None:
+            start, end, matched = found
+            delta = pending[: end if self.no_stop_trim else start]
+            self._pending = ""
+            self.text += delta
+            self.finished = True
+            self.matched_stop = matched
+            return delta, matched
+        hold = 0 if final else self._holdback(pending)
+        delta, self._pending = pending[: len(pending) - hold], pending[len(pending) - hold:]
+        self.text += delta
+        return delta, None
+
+    def _find_stop(self, text: str) -> tuple[int, int, str] | None:
+        """Earliest (start, end, matched text) of any stop string or regex match in ``text``."""
+        best = None
+        for s in self.stop:
+            i = text.find(s)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, i + len(s), s)
+        for regex in self.stop_regex:
+            m = regex.search(text)
+            if m is not None and (best is None or m.start() < best[0]):
+                best = (m.start(), m.end(), m.group(0))
+        return best
+
+    def _holdback(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that could still start a stop."""
+        hold = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(text)), hold, -1):
+                if text.endswith(s[:k]):
+                    hold = k
+                    break
+        for checker in self._regex_prefix:
+            if checker.fsm is None:
+                continue
+            for start in range(0, len(text) - hold):
+                if checker.could_start(text[start:]):
+                    hold = len(text) - start
+                    break
+        return hold

@@ -1,0 +1,112 @@
+"""KV memory: ``ReqToTokenPool`` (request rows → token slots) and ``TokenToKVPool`` (slots → K/V).
+
+Layout follows SGLang's token-level paged KV (SGLang paper, §3 "RadixAttention"): every token of
+every running request owns one *slot*; ``req_to_token[row, pos]`` is the slot of token ``pos`` of
+the request in ``row``. Slots are handed out in pages of ``page_size`` tokens (slot
+``page * page_size + offset``); slot 0 (page 0) is reserved as padding and never allocated.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class ReqToTokenPool:
+    """Rows of the slot table, one per running request.
+
+    Attributes:
+        req_to_token: [max_reqs, max_context] int32 slot of each token of each row.
+    """
+
+    def __init__(self, max_reqs: int, max_context: int, device="cpu"):
+        self.size = max_reqs
+        self.max_context = max_context
+        self.req_to_token = torch.zeros(max_reqs, max_context, dtype=torch.int32, device=device)  # [R, L]
+        self._free = list(range(max_reqs - 1, -1, -1))
+
+    def alloc(self) -> Optional[int]:
+        """A free row index, or None when all rows are in use."""
+        return self._free.pop() if self._free else None
+
+    def free(self, row: int) -> None:
+        """Return ``row`` to the pool."""
+        assert row not in self._free, f"row {row} freed twice"
+        self._free.append(row)
+
+    def available(self) -> int:
+        return len(self._free)
+
+
+class TokenToKVPool:
+    """Per-layer K/V buffers ``[num_slots, n_kv_heads, head_dim]`` plus a page allocator.
+
+    ``num_slots = (num_pages + 1) * page_size``; page 0 is padding. Capacity in tokens is
+    ``num_pages * page_size``. Allocation never splits a page between owners.
+    """
+
+    def __init__(self, num_tokens: int, page_size: int, num_layers: int, n_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device="cpu"):
+        self.page_size = page_size
+        self.num_pages = max(1, num_tokens // page_size)
+        self.capacity = self.num_pages * page_size
+        num_slots = (self.num_pages + 1) * page_size
+        self.k_buffers = [torch.zeros(num_slots, n_kv_heads, head_dim, dtype=dtype, device=device)
+                          for _ in range(num_layers)]  # L x [S, Hkv, D]
+        self.v_buffers = [torch.zeros(num_slots, n_kv_heads, head_dim, dtype=dtype, device=device)
+                          for _ in range(num_layers)]  # L x [S, Hkv, D]
+        self.bytes_per_token = 2 * num_layers * n_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+        self.device = device
+        self._free_pages = list(range(self.num_pages, 0, -1))  # stack; pop() gives low pages first
+
+    # ------------------------------------------------------------------ allocation
+    def free_tokens(self) -> int:
+        return len(self._free_pages) * self.page_size
+
+    def tokens_needed(self, seq_len: int, n_new: int) -> int:
+        """Slots (whole pages, in tokens) that extending a sequence of ``seq_len`` by ``n_new`` takes."""
+        ps = self.page_size
+        have = -(-seq_len // ps) * ps
+        return max(0, -(-(seq_len + n_new) // ps) * ps - have)
+
+    def alloc_extend(self, last_slot: Optional[int], seq_len: int, n_new: int) -> Optional[torch.Tensor]:
+        """Slots for ``n_new`` tokens appended to a sequence of ``seq_len`` tokens.
+
+        ``last_slot`` is the slot of the sequence's last token (None when ``seq_len == 0``);
+        the rest of its page is used first. Returns [n_new] int64, or None when memory is short
+        (nothing is allocated then).
+        """
+        ps = self.page_size
+        if n_new == 0:
+            return torch.empty(0, dtype=torch.int64)
+        if ps == 1:
+            if len(self._free_pages) < n_new:
+                return None
+            pages = [self._free_pages.pop() for _ in range(n_new)]
+            return torch.tensor(pages, dtype=torch.int64)
+        used_in_page = seq_len % ps
+        head = min(n_new, ps - used_in_page) if (used_in_page and last_slot is not None) else 0
+        need_pages = -(-(n_new - head) // ps)
+        if len(self._free_pages) < need_pages:
+            return None
+        out = []
+        if head:
+            out.extend(range(last_slot + 1, last_slot + 1 + head))
+        remaining = n_new - head
+        for _ in range(need_pages):
+            p = self._free_pages.pop()
+            take = min(ps, remaining)
+            out.extend(range(p * ps, p * ps + take))
+            remaining -= take
+        return torch.tensor(out, dtype=torch.int64)
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Free the pages holding ``slots`` ([n] int64). Callers free whole pages only."""
+        if slots.numel() == 0:
+            return
+        pages = torch.unique(slots // self.page_size).tolist()
+        assert 0 not in pages, "slot 0 (padding) freed"
+        self._free_pages.extend(pages)
+
+    def free_page_set(self) -> set[int]:
+        return set(self._free_pages)

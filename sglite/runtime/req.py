@@ -1,0 +1,91 @@
+"""Req: one generation request as the scheduler tracks it, and its finish reasons."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from ..sampling_params import SamplingParams
+
+
+@dataclass
+class FinishReason:
+    """Why a request ended: ``stop`` (matched str or token id), ``length`` or ``abort``."""
+
+    type: str
+    matched: Union[str, int, None] = None
+    length: Optional[int] = None
+    message: Optional[str] = None
+
+    def to_dict(self) -> dict:
+        if self.type == "stop":
+            return {"type": "stop", "matched": self.matched}
+        if self.type == "length":
+            return {"type": "length", "length": self.length}
+        return {"type": "abort", "message": self.message or "aborted"}
+
+
+@dataclass
+class Req:
+    """A request inside the scheduler.
+
+    Token bookkeeping: ``seq = input_ids + output_ids``; ``kv_len`` tokens of ``seq`` have K/V
+    in the pool at ``req_to_token[row, :kv_len]``; the first ``prefix_len`` of them belong to the
+    radix tree (locked at ``last_node``), the rest to this request. A request is prefilling while
+    ``kv_len < len(input_ids)``; afterwards each step extends it by its pending tokens
+    (``seq[kv_len:]``: one sampled token, or several after a jump-forward).
+    """
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    sink: Callable[[dict], None]
+    seed: int
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    token_ids_logprob: Optional[list[int]] = None
+    stream: bool = False
+    grammar: Any = None  # GrammarMatcher or None
+    detok: Any = None  # IncrementalDetokenizer
+    output_ids: list[int] = field(default_factory=list)
+    row: Optional[int] = None
+    kv_len: int = 0
+    alloc_len: int = 0
+    prefix_len: int = 0
+    last_node: Any = None
+    cached_tokens: int = 0
+    finished: Optional[FinishReason] = None
+    text: str = ""
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_time: Optional[float] = None
+    aborted: bool = False
+    retracted: int = 0
+    blocked_by: Optional["Req"] = None  # admitted only after this request finished (shared prefix)
+    input_token_logprobs: list = field(default_factory=list)
+    input_top_logprobs: list = field(default_factory=list)
+    output_token_logprobs: list = field(default_factory=list)
+    output_top_logprobs: list = field(default_factory=list)
+    output_token_ids_logprobs: list = field(default_factory=list)
+    input_token_ids_logprobs: list = field(default_factory=list)
+
+    @property
+    def seq(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.kv_len < len(self.input_ids)
+
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0
+
+    def slots(self, pool_table: torch.Tensor) -> torch.Tensor:
+        """[kv_len] int64 slots of this request's computed tokens."""
+        return pool_table[self.row, :self.kv_len].long()

@@ -1,0 +1,296 @@
+"""Scheduler: continuous batching over a radix-cached paged KV pool.
+
+One :meth:`Scheduler.step` = schedule → forward → sample → process results. Every request in
+``running`` holds a ``req_to_token`` row; each step it is extended by its pending tokens
+(``seq[kv_len:]``): the whole prompt chunk by chunk (chunked prefill), one sampled token (decode),
+or a jump-forward string. Pending runs of one token go through decode attention, longer ones
+through extend attention, all in one mixed forward. When the pool cannot hold the next step, the
+newest requests are retracted (KV left in the radix tree, request requeued) and later resumed with
+identical greedy output. Source: SGLang paper §3 (RadixAttention, cache-aware scheduling).
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Optional
+
+import torch
+
+from ..config import EngineConfig
+from .forward_batch import ForwardBatch
+from .output import OutputProcessor
+from .radix_cache import RadixCache
+from .req import FinishReason, Req
+from .sampler import Sampler
+from .schedule_policy import order_waiting
+
+log = logging.getLogger("sglite.scheduler")
+
+
+class Scheduler:
+    """Owns the waiting/running queues, the KV pools' allocation and the radix cache."""
+
+    def __init__(self, config: EngineConfig, runner, tokenizer):
+        self.config = config
+        self.runner = runner
+        self.req_pool = runner.req_to_token_pool
+        self.kv_pool = runner.token_to_kv_pool
+        self.page_size = config.page_size
+        self.cache = RadixCache(self.kv_pool, config.page_size, disabled=config.disable_radix_cache)
+        self.sampler = Sampler(runner.vocab_size, tokenizer.eos_token_ids, runner.device)
+        self.out = OutputProcessor(tokenizer, config.enable_jump_forward)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "retractions": 0,
+                      "evicted_tokens": 0, "steps": 0, "finished_requests": 0, "aborted_requests": 0}
+
+    # ------------------------------------------------------------------ queue API
+    def add_request(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> bool:
+        """Finish request ``rid`` (waiting or running) with reason abort; frees its KV now."""
+        for r in list(self.waiting):
+            if r.rid == rid:
+                self.waiting.remove(r)
+                self._finish(r, FinishReason("abort", message="aborted by client"))
+                return True
+        for r in list(self.running):
+            if r.rid == rid:
+                self.running.remove(r)
+                self._finish(r, FinishReason("abort", message="aborted by client"))
+                return True
+        return False
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def available_tokens(self) -> int:
+        """Free plus evictable KV tokens."""
+        return self.kv_pool.free_tokens() + self.cache.evictable_size
+
+    # ------------------------------------------------------------------ memory helpers
+    def _ensure_free(self, need: int) -> bool:
+        free = self.kv_pool.free_tokens()
+        if free >= need:
+            return True
+        self.stats["evicted_tokens"] += self.cache.evict(need - free)
+        return self.kv_pool.free_tokens() >= need
+
+    def _alloc(self, req: Req, n: int) -> bool:
+        last = int(self.req_pool.req_to_token[req.row, req.kv_len - 1]) if req.kv_len else None
+        if not self._ensure_free(self.kv_pool.tokens_needed(req.kv_len, n)):
+            return False
+        slots = self.kv_pool.alloc_extend(last, req.kv_len, n)
+        if slots is None:
+            return False
+        self.req_pool.req_to_token[req.row, req.kv_len:req.kv_len + n] = slots.to(torch.int32)
+        req.alloc_len = req.kv_len + n
+        return True
+
+    def _release(self, req: Req) -> None:
+        """Give a request's KV to the radix tree (or free it) and its row back to the pool."""
+        if req.row is None:
+            return
+        slots = self.req_pool.req_to_token[req.row, :req.alloc_len].long()  # [alloc_len]
+        aligned = req.kv_len - req.kv_len % self.page_size
+        already = self.cache.insert(req.seq[:aligned], slots[:aligned])
+        self.kv_pool.free(slots[req.prefix_len:already])
+        # computed tokens past the last whole page, and slots allocated for this step but not
+        # computed (retraction), lie in pages this request owns alone
+        self.kv_pool.free(slots[max(aligned, already):])
+        if req.last_node is not None:
+            self.cache.dec_lock_ref(req.last_node)
+        self.req_pool.free(req.row)
+        req.row, req.last_node, req.kv_len, req.prefix_len, req.alloc_len = None, None, 0, 0, 0
+
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        req.finished = reason
+        self._release(req)
+        if reason.type == "abort":
+            self.stats["aborted_requests"] += 1
+        else:
+            self.stats["finished_requests"] += 1
+        self.out.emit_final(req)
+
+    # ------------------------------------------------------------------ scheduling
+    def _budget(self) -> int:
+        c = self.config.chunk_size
+        return min(c, self.config.max_prefill_tokens) if c else self.config.max_prefill_tokens
+
+    def _retract_one(self, plan: list) -> bool:
+        """Retract the running request with the fewest output tokens (newest); requeue it first."""
+        cands = [r for r in self.running if not r.prefilling] or list(self.running)
+        if len(self.running) <= 1:
+            return False
+        victim = min(cands, key=lambda r: (len(r.output_ids), -r.arrival))
+        self.running.remove(victim)
+        plan[:] = [(r, n) for r, n in plan if r is not victim]
+        self._release(victim)
+        victim.retracted += 1
+        self.stats["retractions"] += 1
+        self.waiting.appendleft(victim)
+        return True
+
+    def _plan_running(self) -> list[tuple[Req, int]]:
+        plan, budget = [], self._budget()
+        for r in list(self.running):
+            pending = r.seq_len - r.kv_len
+            n = 1 if pending == 1 else min(pending, budget)
+            if n == 0:
+                continue
+            if pending > 1:
+                budget -= n
+            while not self._alloc(r, n):
+                if not self._retract_one(plan):
+                    raise MemoryError("KV pool too small for a single request")  # guarded at admission
+                if r not in self.running:
+                    break
+            else:
+                plan.append((r, n))
+        return plan
+
+    def _prefix_cap(self, r: Req) -> int:
+        cap = r.seq_len - 1
+        if r.wants_input_logprobs():
+            cap = min(cap, max(r.logprob_start_len - 1, 0))
+        return cap
+
+    def _admit(self, plan: list) -> None:
+        budget = self._budget() - sum(n for r, n in plan if n > 1)
+        order = order_waiting(self.config.schedule_policy, list(self.waiting), self.cache)
+        for r in order:
+            if budget <= 0 or len(self.running) >= self.config.max_running_requests:
+                break
+            if r.blocked_by is not None and r.blocked_by.finished is None:
+                continue  # its shared prefix is being prefilled by another request
+            prefix, node = self.cache.match_prefix(r.seq[:self._prefix_cap(r)])
+            m = len(prefix)
+            n = min(r.seq_len - m, budget)
+            reserve = (len(self.running) + 1) * self.page_size
+            if self.kv_pool.tokens_needed(m, n) + reserve > self.kv_pool.free_tokens() + self.cache.evictable_size:
+                break  # FIFO fairness: do not let later requests overtake
+            row = self.req_pool.alloc()
+            if row is None:
+                break
+            self.cache.inc_lock_ref(node)
+            r.row, r.last_node, r.prefix_len, r.kv_len, r.alloc_len = row, node, m, m, m
+            if m:
+                self.req_pool.req_to_token[row, :m] = prefix.to(torch.int32)
+            if not self._alloc(r, n):
+                self.cache.dec_lock_ref(node)
+                self.req_pool.free(row)
+                r.row, r.last_node, r.prefix_len, r.kv_len = None, None, 0, 0
+                break
+            if not r.retracted:
+                r.cached_tokens = m
+                self.stats["prompt_tokens"] += len(r.input_ids)
+                self.stats["cached_tokens"] += m
+            self.waiting.remove(r)
+            self.running.append(r)
+            plan.append((r, n))
+            budget -= n
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> bool:
+        """Run one scheduling step. Returns False when there was nothing to do."""
+        if not self.has_work():
+            return False
+        plan = self._plan_running()
+        self._admit(plan)
+        if not plan:
+            return False
+        self.stats["steps"] += 1
+        plan.sort(key=lambda e: e[1] == 1)  # extend entries first, then decode entries
+        fb, rows = self._build_batch(plan)
+        logits = self.runner.forward(fb)  # [M, V]
+        self._process(plan, rows, logits)
+        return True
+
+    def _build_batch(self, plan):
+        ids, pos, locs, logit_idx = [], [], [], []
+        ext_rows, ext_pre, ext_len, dec_rows, dec_lens = [], [], [], [], []
+        rows = []  # per plan entry: (sample_row or None, [(input position, logits row)] for input logprobs)
+        table = self.req_pool.req_to_token
+        offset = 0
+        for r, n in plan:
+            start = r.kv_len
+            seq = r.seq
+            ids.extend(seq[start:start + n])
+            pos.extend(range(start, start + n))
+            locs.append(table[r.row, start:start + n])
+            if n > 1:
+                ext_rows.append(r.row); ext_pre.append(start); ext_len.append(n)
+            else:
+                dec_rows.append(r.row); dec_lens.append(start + 1)
+            in_rows = []
+            if r.wants_input_logprobs():
+                lo = max(start, r.logprob_start_len - 1, 0)
+                hi = min(start + n, len(r.input_ids) - 1)
+                for p in range(lo, hi):
+                    in_rows.append((p + 1, len(logit_idx)))
+                    logit_idx.append(offset + p - start)
+            sample_row = None
+            if start + n == r.seq_len and r.params.max_new_tokens > 0 and not r.finished:
+                sample_row = len(logit_idx)
+                logit_idx.append(offset + n - 1)
+            rows.append((sample_row, in_rows))
+            offset += n
+        t = lambda x: torch.tensor(x, dtype=torch.int64)
+        fb = ForwardBatch(
+            input_ids=t(ids), positions=t(pos), out_cache_loc=torch.cat(locs).long(), req_to_token=table,
+            ext_req_pool_indices=t(ext_rows), ext_prefix_lens=t(ext_pre), ext_extend_lens=t(ext_len),
+            dec_req_pool_indices=t(dec_rows), dec_seq_lens=t(dec_lens), logits_indices=t(logit_idx))
+        return fb, rows
+
+    def _process(self, plan, rows, logits: torch.Tensor) -> None:
+        sample_reqs, sample_rows = [], []
+        for (r, n), (srow, in_rows) in zip(plan, rows):
+            r.kv_len += n
+            if in_rows:
+                self.out.record_input_logprobs(r, logits, in_rows)
+            if srow is not None:
+                sample_reqs.append(r)
+                sample_rows.append(srow)
+        if sample_reqs:
+            sl = logits[torch.tensor(sample_rows)]  # [B, V]
+            res = self.sampler.sample(sl, sample_reqs)
+            for i, (r, tok) in enumerate(zip(sample_reqs, res.next_ids)):
+                self.stats["generated_tokens"] += 1
+                reason = self.out.append_token(r, tok, res.logprobs[i] if res.logprobs is not None and r.return_logprob else None)
+                if reason is not None:
+                    self.running.remove(r)
+                    self._finish(r, reason)
+        for r, n in plan:  # prefill-only requests (max_new_tokens == 0)
+            if r.finished is None and r.params.max_new_tokens == 0 and not r.prefilling:
+                self.running.remove(r)
+                self._finish(r, FinishReason("length", length=0))
+
+    # ------------------------------------------------------------------ maintenance
+    def flush_cache(self) -> bool:
+        """Drop the radix tree. Refused (False) while requests run or wait."""
+        if self.has_work():
+            return False
+        self.cache.flush()
+        return True
+
+    def check_invariants(self) -> None:
+        """Assert pool + tree consistency: every page is free, in the tree, or owned by exactly one
+        running request; counters match; locked paths cover running requests' prefixes."""
+        self.cache.check_invariants()
+        ps = self.page_size
+        free = self.kv_pool.free_page_set()
+        assert len(free) == len(self.kv_pool._free_pages), "a page is free twice"
+        tree_pages = {s // ps for s in self.cache.tree_slots()}
+        assert not (tree_pages & free), "a page is both free and in the tree"
+        owned = set()
+        for r in self.running:
+            assert r.row is not None, "running request without a row"
+            s = r.slots(self.req_pool.req_to_token)[r.prefix_len:].tolist()
+            pages = {x // ps for x in s}
+            assert not (pages & free), f"request {r.rid} reads a free page"
+            assert not (pages & tree_pages), f"request {r.rid} owns a tree page"
+            assert not (pages & owned), f"request {r.rid} shares a page with another request"
+            owned |= pages
+        total = len(free) + len(tree_pages) + len(owned)
+        assert total == self.kv_pool.num_pages, f"pages lost: {total} accounted of {self.kv_pool.num_pages}"

@@ -1,0 +1,189 @@
+"""Tokenizer wrapper: encode/decode, EOS ids, the chat template and the role markers it uses."""
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from ..errors import InvalidRequestError
+
+# Sentinel message contents used to read the role markers out of a chat template. Plain
+# alphanumerics so that templates which ``trim`` or escape contents leave them intact.
+_SENTINELS = {"system": "SGLITESENTINELSYS", "user": "SGLITESENTINELUSR", "assistant": "SGLITESENTINELAST"}
+
+
+def _as_id_set(value: Any) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    return {int(v) for v in value if v is not None}
+
+
+class Tokenizer:
+    """A Hugging Face tokenizer plus the facts the runtime needs about it.
+
+    Attributes:
+        hf: the underlying ``transformers`` tokenizer.
+        vocab_size: width of the model's logits (``hf_config.vocab_size`` when a config is given,
+            else ``len(hf)``); may exceed the number of real tokens (padding rows).
+        eos_token_ids: every id that ends generation: the config's ``eos_token_id`` (int or list),
+            the tokenizer's EOS, ``generation_config.json``'s EOS and the chat template's
+            end-of-turn token (e.g. ``<|im_end|>``).
+        special_token_ids: ids of special tokens (skipped by ``decode(skip_special_tokens=True)``).
+    """
+
+    def __init__(self, hf, hf_config=None, generation_eos: Iterable[int] = ()):
+        self.hf = hf
+        self.vocab_size = int(getattr(hf_config, "vocab_size", 0) or len(hf))
+        specials = set(hf.all_special_ids)
+        for tid, added in getattr(hf, "added_tokens_decoder", {}).items():
+            if getattr(added, "special", False):
+                specials.add(int(tid))
+        self.special_token_ids = frozenset(specials)
+        eos = _as_id_set(getattr(hf_config, "eos_token_id", None))
+        eos |= _as_id_set(hf.eos_token_id)
+        eos |= set(generation_eos)
+        eot = self._end_of_turn_id()
+        if eot is not None:
+            eos.add(eot)
+        self.eos_token_ids = frozenset(eos)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, hf_config=None) -> "Tokenizer":
+        """Load the tokenizer of an HF folder (see :func:`sglite.runtime.model_loader.load_checkpoint`).
+
+        Raises:
+            InvalidRequestError: the folder has no loadable tokenizer.
+        """
+        from transformers import AutoTokenizer
+
+        model_dir = Path(model_dir)
+        try:
+            hf = AutoTokenizer.from_pretrained(str(model_dir))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise InvalidRequestError(
+                f"model_path: no loadable tokenizer in {str(model_dir)!r}: {exc}", field="model_path"
+            ) from exc
+        gen_eos: set[int] = set()
+        gen_file = model_dir / "generation_config.json"
+        if gen_file.is_file():
+            gen_eos = _as_id_set(json.loads(gen_file.read_text()).get("eos_token_id"))
+        return cls(hf, hf_config=hf_config, generation_eos=gen_eos)
+
+    # ----------------------------------------------------------------------------- encode/decode
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; special-token strings in ``text`` map to their ids."""
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
+        """Text of ``ids``. No clean-up of spaces, so decoding is a pure function of the ids
+        (what the incremental detokenizer relies on). ``spaces_between_special_tokens`` only
+        matters for slow (Python) tokenizers."""
+        kwargs = {}
+        if not getattr(self.hf, "is_fast", True):
+            kwargs["spaces_between_special_tokens"] = spaces_between_special_tokens
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens,
+                              clean_up_tokenization_spaces=False, **kwargs)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        """Raw vocabulary strings (e.g. ``'Ġthe'`` for byte-level BPE)."""
+        return list(self.hf.convert_ids_to_tokens(list(ids)))
+
+    def id_to_text(self, token_id: int) -> str:
+        """Readable text of one token for logprob entries (special tokens kept; a partial UTF-8
+        character shows as U+FFFD)."""
+        return self.decode([int(token_id)], skip_special_tokens=False)
+
+    # ----------------------------------------------------------------------------- chat template
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Render ``messages`` (``[{"role", "content"}, ...]``) with the model's chat template.
+
+        Raises:
+            InvalidRequestError: the tokenizer has no chat template or the template rejects them.
+        """
+        if not getattr(self.hf, "chat_template", None):
+            raise InvalidRequestError("messages: this model's tokenizer has no chat template",
+                                      field="messages")
+        try:
+            return self.hf.apply_chat_template(messages, tools=tools, tokenize=False,
+                                               add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # jinja raises TemplateError / TypeError / KeyError ...
+            raise InvalidRequestError(f"messages: chat template failed: {exc}", field="messages") from exc
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+
+    @cached_property
+    def _markers(self) -> tuple[dict[str, tuple[str, str]], str, str | None]:
+        """Role markers, end-of-turn string and default system prompt, read off the template by
+        rendering conversations with sentinel contents and diffing the renders."""
+        msgs = [{"role": r, "content": _SENTINELS[r]} for r in ("system", "user", "assistant")]
+        markers: dict[str, tuple[str, str]] = {}
+        prev = ""
+        for i, msg in enumerate(msgs):
+            full = self._render(msgs[: i + 1])
+            if not full.startswith(prev):
+                raise InvalidRequestError(
+                    "chat_template: rendering is not incremental; cannot derive role markers",
+                    field="chat_template")
+            part = full[len(prev):]
+            before, sep, after = part.partition(msg["content"])
+            if not sep:
+                raise InvalidRequestError(
+                    f"chat_template: message content of role {msg['role']!r} is not rendered verbatim",
+                    field="chat_template")
+            markers[msg["role"]] = (before, after)
+            prev = full
+        end_of_turn = markers["assistant"][1].strip()
+        # Default system prompt: what the template puts before the user turn when none is given.
+        user_only = self._render([msgs[1]])
+        head = user_only[: user_only.index(_SENTINELS["user"])]
+        user_before = markers["user"][0]
+        default_system = None
+        sys_before, sys_after = markers["system"]
+        if head.endswith(user_before):
+            head = head[: len(head) - len(user_before)]
+            if head.startswith(sys_before) and head.endswith(sys_after) and \
+                    len(head) >= len(sys_before) + len(sys_after):
+                default_system = head[len(sys_before): len(head) - len(sys_after)]
+        return markers, end_of_turn, default_system
+
+    def role_markers(self) -> dict[str, tuple[str, str]]:
+        """``{role: (before, after)}`` for system/user/assistant: the text the chat template puts
+        before and after a message's content (e.g. ``("<|im_start|>user\\n", "<|im_end|>\\n")``).
+
+        Raises:
+            InvalidRequestError: no chat template, or one whose output is not derivable this way.
+        """
+        return dict(self._markers[0])
+
+    @property
+    def end_of_turn(self) -> str:
+        """The string that ends an assistant turn (e.g. ``"<|im_end|>"``), whitespace stripped."""
+        return self._markers[1]
+
+    @property
+    def default_system_prompt(self) -> str | None:
+        """The system prompt the template inserts when the messages have none, else None."""
+        return self._markers[2]
+
+    def _end_of_turn_id(self) -> int | None:
+        """Id of the end-of-turn token if the chat template ends turns with one token."""
+        if not getattr(self.hf, "chat_template", None):
+            return None
+        try:
+            eot = self.end_of_turn
+        except InvalidRequestError:
+            return None
+        ids = self.encode(eot) if eot else []
+        return ids[0] if len(ids) == 1 else None
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer({type(self.hf).__name__}, vocab_size={self.vocab_size}, "
+                f"eos_token_ids={sorted(self.eos_token_ids)})")

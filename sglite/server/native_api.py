@@ -1,0 +1,168 @@
+"""SGLang's native routes: ``/generate``, ``/health``, ``/get_model_info``, ``/get_server_info``,
+``/flush_cache``, ``/abort_request``, ``/metrics``.
+
+Shapes follow SGLang's ``http_server.py`` and ``io_struct.GenerateReqInput`` (see
+docs/reference/sglang_compat.md §c.1-c.3): a single request answers ``{"text", "output_ids",
+"meta_info"}``, a batch (or ``n > 1``) a list of those; streaming sends cumulative outputs as SSE
+(each with ``"index"`` in a batch) and ends with ``data: [DONE]``.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from .. import __version__
+from .engine_client import EngineClient, GenItem, merge_streams, until_disconnect
+from .errors import ApiError, error_response, from_value_error, jsonable
+from .metrics import CONTENT_TYPE
+from .protocol import AbortRequest, GenerateRequest
+from .sse import sse_event, sse_response
+
+
+def _as_batch(req: GenerateRequest) -> tuple[list[dict], bool]:
+    """``[{"prompt"|"input_ids": ...}]`` and whether the request is a batch."""
+    if (req.text is None) == (req.input_ids is None):
+        raise ApiError("exactly one of text or input_ids must be given", param="text")
+    if req.text is not None:
+        if isinstance(req.text, str):
+            return [{"prompt": req.text}], False
+        prompts, field = [{"prompt": t} for t in req.text], "text"
+    else:
+        ids = req.input_ids
+        if ids and isinstance(ids[0], list):
+            prompts, field = [{"input_ids": x} for x in ids], "input_ids"
+        else:
+            return [{"input_ids": ids}], False
+    if not prompts:
+        raise ApiError(f"{field}: a batch must not be empty", param=field)
+    return prompts, True
+
+
+def _sampling_list(req: GenerateRequest, size: int) -> list[dict]:
+    sp = req.sampling_params
+    if isinstance(sp, list):
+        if len(sp) != size:
+            raise ApiError(f"sampling_params: got {len(sp)} entries for a batch of {size}", param="sampling_params")
+        return [dict(x) for x in sp]
+    return [dict(sp or {}) for _ in range(size)]
+
+
+def build_items(req: GenerateRequest, client: EngineClient) -> tuple[list[GenItem], bool]:
+    """Expand a ``/generate`` request into engine requests (batch x n), validating each.
+
+    Raises:
+        ApiError: 400 naming the field.
+    """
+    prompts, batch = _as_batch(req)
+    sps = _sampling_list(req, len(prompts))
+    rids = req.rid if isinstance(req.rid, list) else None
+    if rids is not None and len(rids) != len(prompts):
+        raise ApiError(f"rid: got {len(rids)} ids for a batch of {len(prompts)}", param="rid")
+    base = req.rid if isinstance(req.rid, str) else uuid.uuid4().hex
+    items = []
+    for i, (p, sp) in enumerate(zip(prompts, sps)):
+        try:
+            client.validate(sp)
+        except ValueError as e:
+            raise from_value_error(e, prefix="sampling_params.") from e
+        n = int(sp.pop("n", 1) or 1)
+        rid = rids[i] if rids else (base if not batch else f"{base}_{i}")
+        for j in range(n):
+            spj = dict(sp)
+            if n > 1 and spj.get("sampling_seed") is not None:
+                spj["sampling_seed"] = int(spj["sampling_seed"]) + j
+            items.append(GenItem(sampling_params=spj, rid=rid if n == 1 else f"{rid}_{j}",
+                                 return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
+                                 top_logprobs_num=req.top_logprobs_num, **p))
+    return items, batch or len(items) > 1
+
+
+def build_native_router(client: EngineClient, metrics, server_info: dict) -> APIRouter:
+    """Routes bound to ``client`` (no module-level state)."""
+    router = APIRouter()
+
+    @router.post("/generate")
+    async def generate(req: GenerateRequest, request: Request):
+        items, many = build_items(req, client)
+        if req.stream:
+            try:
+                streams = await client.open_streams(items)
+            except ValueError as e:
+                raise from_value_error(e, prefix="sampling_params.") from e
+
+            async def events():
+                async for i, chunk in merge_streams(streams):
+                    out = jsonable(chunk)
+                    if many:
+                        out["index"] = i
+                    yield sse_event(out)
+            return sse_response(events())
+        try:
+            outs = await until_disconnect(request.receive, client.generate_many(items))
+        except ValueError as e:
+            raise from_value_error(e, prefix="sampling_params.") from e
+        outs = jsonable(outs)
+        return JSONResponse(outs if many else outs[0])
+
+    @router.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @router.get("/health_generate")
+    async def health_generate():
+        try:
+            await asyncio.wait_for(client.generate(GenItem(prompt="Hi", sampling_params={
+                "max_new_tokens": 1, "temperature": 0})), timeout=20)
+        except Exception as e:  # noqa: BLE001 - any failure means unhealthy
+            return error_response(f"engine unhealthy: {type(e).__name__}: {e}", 503)
+        return {"status": "ok"}
+
+    @router.get("/get_model_info")
+    async def get_model_info():
+        info = jsonable(client.model_info)
+        info.setdefault("tokenizer_path", info.get("model_path"))
+        info.setdefault("is_generation", True)
+        info["served_model_name"] = server_info.get("served_model_name")
+        return info
+
+    @router.get("/get_server_info")
+    async def get_server_info():
+        info = jsonable(await asyncio.to_thread(client.engine.get_server_info))
+        info.update(server_info)
+        info["version"] = __version__
+        return info
+
+    @router.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        ok = await asyncio.to_thread(client.engine.flush_cache)
+        if not ok:
+            return error_response("cache not flushed: requests are running or waiting", 400)
+        return {"success": True, "message": "Cache flushed."}
+
+    @router.post("/abort_request")
+    async def abort_request(req: AbortRequest):
+        if req.abort_all:
+            return {"success": True, "aborted": client.abort_all()}
+        if not req.rid:
+            raise ApiError("give rid or abort_all", param="rid")
+        known = [r for r in list(client.active) if r == req.rid or r.startswith(req.rid + "_")]
+        for r in known or [req.rid]:
+            client.abort(r)
+        return {"success": True, "aborted": len(known)}
+
+    @router.get("/metrics")
+    async def metrics_route():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return router
+
+
+def public_server_info(cfg) -> dict:
+    """Server options safe to show in ``/get_server_info`` (the API key is hidden)."""
+    d = dataclasses.asdict(cfg)
+    d["api_key"] = "***" if d.get("api_key") else None
+    return d
+

@@ -1,0 +1,158 @@
+"""OpenAI request -> engine requests: sampling params, prompts, chat messages, and the
+OpenAI-only checks (model name, ``max_tokens > 0`` and within the context, non-empty
+``messages``). Value ranges of sampling fields are checked by ``SamplingParams.from_dict``;
+its errors are renamed to the OpenAI field (``max_new_tokens`` -> ``max_tokens``, ...).
+"""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from .engine_client import EngineClient, GenItem
+from .errors import ApiError, from_value_error
+from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+
+RENAME = {"max_new_tokens": "max_tokens", "sampling_seed": "seed", "min_new_tokens": "min_tokens",
+          "json_schema": "response_format", "n": "n"}
+_PASS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+         "repetition_penalty", "stop_token_ids", "logit_bias", "regex", "ebnf")
+
+
+def check_model(model: Optional[str], names: set[str]) -> None:
+    """400 ``model_not_found`` unless ``model`` is None or one of the served names."""
+    if model is not None and model not in names:
+        raise ApiError(f"model: {model!r} is not served here; available: {sorted(names)}",
+                       param="model", code="model_not_found")
+
+
+def _response_format_schema(req) -> Optional[str]:
+    rf = req.response_format
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return json.dumps({"type": "object"})
+    schema = rf.json_schema.schema_ if rf.json_schema is not None else None
+    if schema is None:
+        schema = rf.schema_
+    if schema is None:
+        raise ApiError("response_format.json_schema.schema: required for type json_schema",
+                       param="response_format.json_schema.schema")
+    return json.dumps(schema)
+
+
+def sampling_params(req, max_tokens: Optional[int], max_field: str, client: EngineClient,
+                    prompt_tokens: Optional[int] = None) -> dict:
+    """Engine sampling params of an OpenAI request (validated; ``n`` is left out).
+
+    Raises:
+        ApiError: 400 naming the OpenAI field.
+    """
+    ctx = client.context_length
+    if max_tokens is not None:
+        if max_tokens <= 0:
+            raise ApiError(f"{max_field}: must be > 0, got {max_tokens}", param=max_field)
+        if ctx and max_tokens > ctx:
+            raise ApiError(f"{max_field}: {max_tokens} exceeds the context length ({ctx} tokens)", param=max_field)
+        if ctx and prompt_tokens is not None and prompt_tokens + max_tokens > ctx:
+            raise ApiError(f"{max_field}: prompt ({prompt_tokens} tokens) + {max_field} ({max_tokens}) exceeds "
+                           f"the context length ({ctx} tokens)", param=max_field)
+    elif ctx and prompt_tokens is not None:
+        max_tokens = max(ctx - prompt_tokens, 1)
+    sp = {k: getattr(req, k) for k in _PASS if getattr(req, k, None) is not None}
+    if max_tokens is not None:
+        sp["max_new_tokens"] = max_tokens
+    if req.stop is not None:
+        sp["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    if req.seed is not None:
+        sp["sampling_seed"] = req.seed % (2 ** 63)
+    if req.min_tokens is not None:
+        sp["min_new_tokens"] = req.min_tokens
+    for flag in ("ignore_eos", "no_stop_trim"):
+        if getattr(req, flag):
+            sp[flag] = True
+    if not req.skip_special_tokens:
+        sp["skip_special_tokens"] = False
+    schema = _response_format_schema(req)
+    own = getattr(req, "json_schema", None)
+    if own is not None:
+        if schema is not None:
+            raise ApiError("json_schema: only one constraint may be set, got json_schema and response_format",
+                           param="json_schema")
+        schema = own if isinstance(own, str) else json.dumps(own)
+    if schema is not None:
+        sp["json_schema"] = schema
+    try:
+        client.validate({**sp, "n": req.n})
+    except ValueError as e:
+        raise from_value_error(e, RENAME) from e
+    return sp
+
+
+def fan_out(prompts: list[dict], sp: dict, n: int, base_rid: str, logprobs: int) -> list[GenItem]:
+    """``len(prompts) * n`` engine requests, choice index ``p * n + j``; seeds ``seed + j``."""
+    items = []
+    for p_idx, p in enumerate(prompts):
+        for j in range(n):
+            spj = dict(sp)
+            if n > 1 and spj.get("sampling_seed") is not None:
+                spj["sampling_seed"] = (spj["sampling_seed"] + j) % (2 ** 63)
+            items.append(GenItem(sampling_params=spj, rid=f"{base_rid}-{p_idx * n + j}",
+                                 return_logprob=logprobs >= 0, top_logprobs_num=max(logprobs, 0), **p))
+    return items
+
+
+def completion_prompts(req: CompletionRequest) -> list[dict]:
+    """``[{"prompt": str} | {"input_ids": [...]}]`` of a completions request."""
+    p = req.prompt
+    if isinstance(p, str):
+        return [{"prompt": p}]
+    if not p:
+        raise ApiError("prompt: must not be empty", param="prompt")
+    if isinstance(p[0], str):
+        return [{"prompt": x} for x in p]
+    if isinstance(p[0], int):
+        return [{"input_ids": list(p)}]
+    if any(not x for x in p):
+        raise ApiError("prompt: token-id prompts must not be empty", param="prompt")
+    return [{"input_ids": list(x)} for x in p]
+
+
+def _content_text(m: ChatMessage, i: int) -> Optional[str]:
+    if m.content is None or isinstance(m.content, str):
+        return m.content
+    parts = []
+    for part in m.content:
+        if part.type != "text" or part.text is None:
+            raise ApiError(f"messages[{i}].content: only text parts are supported, got {part.type!r}",
+                           param=f"messages[{i}].content")
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    """Messages as plain dicts for the chat template (tool-call arguments as objects)."""
+    if not req.messages:
+        raise ApiError("messages: must contain at least one message", param="messages")
+    out = []
+    for i, m in enumerate(req.messages):
+        role = {"developer": "system", "function": "tool"}.get(m.role, m.role)
+        d = {"role": role, "content": _content_text(m, i) or ""}
+        if m.name:
+            d["name"] = m.name
+        if m.tool_call_id:
+            d["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            calls = []
+            for c in m.tool_calls:
+                args = c.function.arguments
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args) if args.strip() else {}
+                    except json.JSONDecodeError:
+                        raise ApiError(f"messages[{i}].tool_calls: arguments are not valid JSON",
+                                       param=f"messages[{i}].tool_calls") from None
+                calls.append({"id": c.id, "type": "function",
+                              "function": {"name": c.function.name, "arguments": args or {}}})
+            d["tool_calls"] = calls
+        out.append(d)
+    return out

@@ -1,0 +1,38 @@
+"""ServerConfig: the HTTP server's own options (engine options live in :class:`sglite.EngineConfig`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Options of the HTTP layer.
+
+    Attributes:
+        host: interface to bind (``127.0.0.1`` by default; ``0.0.0.0`` for all).
+        port: TCP port.
+        api_key: when set, every route but ``/health`` and ``/metrics`` needs
+            ``Authorization: Bearer <api_key>``.
+        served_model_name: the model id of ``/v1/models``; None = the model path's base name.
+        max_request_bytes: request bodies above this many bytes get 413.
+        log_level: uvicorn/sglite log level.
+        warm_prefix_for_n: prefill a prompt once before fanning out ``n > 1`` samples.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: Optional[str] = None
+    served_model_name: Optional[str] = None
+    max_request_bytes: int = 8 * 1024 * 1024
+    log_level: str = "info"
+    warm_prefix_for_n: bool = True
+
+    def __post_init__(self):
+        if not (0 <= self.port <= 65535):
+            raise InvalidRequestError(f"port: must be in [0, 65535], got {self.port}", field="port")
+        if self.max_request_bytes < 1024:
+            raise InvalidRequestError(f"max_request_bytes: must be >= 1024, got {self.max_request_bytes}",
+                                      field="max_request_bytes")

@@ -1,0 +1,38 @@
+"""Session-wide fixtures: the real default checkpoint (converted once into the default cache) and
+tiny random-weight checkpoints that share its tokenizer."""
+import pytest
+
+
+@pytest.fixture(scope="session")
+def real_checkpoint():
+    """The default model (SmolLM2-135M-Instruct), converted from GGUF once into the default cache
+    (``$SGLITE_CACHE_DIR`` or ``~/.cache/sglite``): ~25 s the first time, ~1 s after."""
+    from sglite.runtime.model_loader import load_checkpoint
+
+    return load_checkpoint(None)
+
+
+@pytest.fixture(scope="session")
+def real_tokenizer(real_checkpoint):
+    """:class:`sglite.runtime.tokenizer.Tokenizer` of the default model."""
+    from sglite.runtime.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(real_checkpoint.model_dir, real_checkpoint.hf_config)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, real_checkpoint):
+    """Tiny random Llama (hidden 64, 2 layers, 4 heads, 2 KV heads, SmolLM2 vocabulary)."""
+    from sglite.testing import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), seed=0,
+                           vocab_from=real_checkpoint.model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_dir(tmp_path_factory, real_checkpoint):
+    """Tiny random Qwen2 (q/k/v biases), otherwise like ``tiny_model_dir``."""
+    from sglite.testing import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_qwen"), seed=1, qkv_bias=True,
+                           vocab_from=real_checkpoint.model_dir)

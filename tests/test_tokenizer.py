@@ -1,0 +1,104 @@
+"""Tokenizer wrapper: ids, EOS set, chat template and role markers derived from it."""
+from types import SimpleNamespace
+
+import pytest
+
+from sglite.errors import InvalidRequestError
+from sglite.runtime.tokenizer import Tokenizer
+
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi there"},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": "Capital of France?"},
+]
+
+
+def test_basic_facts(real_tokenizer, real_checkpoint):
+    tok = real_tokenizer
+    assert tok.vocab_size == real_checkpoint.hf_config.vocab_size == len(tok.hf)
+    im_end = tok.hf.convert_tokens_to_ids("<|im_end|>")
+    assert im_end in tok.eos_token_ids
+    assert real_checkpoint.hf_config.eos_token_id in tok.eos_token_ids
+    assert {tok.hf.bos_token_id, im_end} <= tok.special_token_ids
+    assert tok.hf.convert_tokens_to_ids("Hello") not in tok.special_token_ids
+
+
+@pytest.mark.parametrize("text", ["Hello world", "  spaces\n\ttabs", "你好，世界 😀👍🏽", "naïve café"])
+def test_roundtrip(real_tokenizer, text):
+    ids = real_tokenizer.encode(text)
+    assert ids and all(isinstance(i, int) for i in ids)
+    assert real_tokenizer.decode(ids) == text
+
+
+def test_special_tokens_in_decode(real_tokenizer):
+    tok = real_tokenizer
+    ids = tok.encode("Hi<|im_end|>there")
+    assert tok.hf.convert_tokens_to_ids("<|im_end|>") in ids
+    assert tok.decode(ids) == "Hithere"
+    assert tok.decode(ids, skip_special_tokens=False) == "Hi<|im_end|>there"
+    assert tok.convert_ids_to_tokens(tok.encode(" the")) == ["Ġthe"]
+    assert tok.id_to_text(tok.encode(" the")[0]) == " the"
+    assert tok.id_to_text(tok.hf.convert_tokens_to_ids("<|im_end|>")) == "<|im_end|>"
+
+
+def test_config_overrides_vocab_size_and_eos(real_tokenizer):
+    cfg = SimpleNamespace(vocab_size=49280, eos_token_id=[0, 7])
+    tok = Tokenizer(real_tokenizer.hf, hf_config=cfg, generation_eos=[9])
+    assert tok.vocab_size == 49280
+    assert {0, 7, 9, real_tokenizer.hf.eos_token_id} <= tok.eos_token_ids
+
+
+def test_role_markers_rebuild_the_template(real_tokenizer):
+    tok = real_tokenizer
+    markers = tok.role_markers()
+    assert set(markers) == {"system", "user", "assistant"}
+    built = "".join(markers[m["role"]][0] + m["content"] + markers[m["role"]][1] for m in MESSAGES)
+    assert built == tok.apply_chat_template(MESSAGES, add_generation_prompt=False)
+    gen = tok.apply_chat_template(MESSAGES, add_generation_prompt=True)
+    assert gen == built + markers["assistant"][0]
+    assert tok.end_of_turn == "<|im_end|>"
+
+
+def test_default_system_prompt(real_tokenizer):
+    tok = real_tokenizer
+    default = tok.default_system_prompt
+    assert default and "SmolLM" in default
+    sys_b, sys_a = tok.role_markers()["system"]
+    usr_b, usr_a = tok.role_markers()["user"]
+    rendered = tok.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=False)
+    assert rendered == sys_b + default + sys_a + usr_b + "x" + usr_a
+
+
+def test_markers_come_from_the_template_not_chatml(real_checkpoint):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(real_checkpoint.model_dir)
+    hf.chat_template = (
+        "{{ bos_token }}{% for m in messages %}[{{ m['role'] | upper }}]: {{ m['content'] }}"
+        "{% if m['role'] == 'assistant' %}<|endoftext|>{% endif %}{{ '\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}[ASSISTANT]: {% endif %}")
+    tok = Tokenizer(hf)
+    assert hf.convert_tokens_to_ids("<|endoftext|>") in tok.eos_token_ids
+    markers = tok.role_markers()
+    assert markers["user"] == ("[USER]: ", "\n")
+    assert markers["assistant"] == ("[ASSISTANT]: ", "<|endoftext|>\n")
+    assert markers["system"][0].endswith("[SYSTEM]: ")
+    assert tok.end_of_turn == "<|endoftext|>"
+    assert tok.default_system_prompt is None
+
+
+def test_no_chat_template(real_checkpoint):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(real_checkpoint.model_dir)
+    hf.chat_template = None
+    tok = Tokenizer(hf)
+    assert tok.eos_token_ids == {hf.eos_token_id}
+    with pytest.raises(InvalidRequestError, match="chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_from_dir_without_tokenizer(tmp_path):
+    with pytest.raises(InvalidRequestError, match="tokenizer"):
+        Tokenizer.from_dir(tmp_path)

@@ -168,7 +168,7 @@ def _sample_kernel(Logits, Mask, Temp, TopP, TopK, MinP, Seed, Pos, Out, B, V, s
             race_s = tl.where(supd, smax, race_s)
 
     if any_trunc:
-        xmax = best_x
+        xmax = tl.where(best_x > float("-inf"), best_x, 0.0)  # 0 for padding / fully masked rows
         # normaliser of the temperature softmax (top-p compares masses against top_p * Z)
         z = tl.zeros([ROWS], tl.float32)
         if any_top_p:

@@ -84,7 +84,8 @@ class IncrementalDetokenizer:
         matched_stop: the stop string (or the regex's matched text) that ended output, else None.
 
     Raises:
-        InvalidRequestError: a ``stop_regex`` does not compile (field ``stop_regex``).
+        InvalidRequestError: a ``stop_regex`` does not compile or matches the empty string
+            (field ``stop_regex``).
     """
 
     def __init__(self, tokenizer, *, skip_special_tokens: bool = True,
@@ -102,6 +103,9 @@ class IncrementalDetokenizer:
             except re.error as exc:
                 raise InvalidRequestError(f"stop_regex: cannot compile {pattern!r}: {exc}",
                                           field="stop_regex") from exc
+            if self.stop_regex[-1].fullmatch("") is not None:
+                raise InvalidRequestError(f"stop_regex: {pattern!r} matches the empty string",
+                                          field="stop_regex")
         self._regex_prefix = [_RegexPrefixChecker(p) for p in patterns]
         self.no_stop_trim = no_stop_trim
         self.token_ids: list[int] = []

@@ -1,0 +1,225 @@
+"""``@function``: a program (SGLang's ``SglFunction``) with ``run``, ``run_batch``, ``trace``, ``bind``.
+
+Before a program sends anything it is traced up to its first value read (a *prefix trace*,
+see :mod:`.tracer`); that catches nested roles and bad expressions before any request, and
+gives the constant prefix that :func:`run_batch` hoists (prefills once for the whole batch).
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import inspect
+import logging
+import os
+import re
+from typing import Optional
+
+import networkx as nx
+
+from sglite.errors import InvalidRequestError, SgliteError
+from sglite.sampling_params import SamplingParams
+
+from .api import resolve_backend
+from .compiler import check_roles, constant_prefix, hoist_prefix
+from .interpreter import run_program
+from .ir import Argument
+from .tracer import trace_program
+
+logger = logging.getLogger(__name__)
+
+#: run-level defaults (SGLang's ``SglFunction.run``); a gen's unset arguments take these
+RUN_DEFAULTS = {"max_new_tokens": 128, "stop": None, "stop_token_ids": None, "temperature": 1.0, "top_p": 1.0,
+                "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+                "ignore_eos": False, "return_logprob": None, "logprob_start_len": None,
+                "top_logprobs_num": None}
+
+
+def _run_defaults(options: dict) -> dict:
+    """Merge ``options`` into RUN_DEFAULTS and validate the sampling ones.
+
+    Raises:
+        InvalidRequestError: an unknown option or a bad value, naming it.
+    """
+    unknown = sorted(set(options) - set(RUN_DEFAULTS))
+    if unknown:
+        raise InvalidRequestError(f"unknown run option(s) {unknown}; known: {sorted(RUN_DEFAULTS)}",
+                                  field=unknown[0])
+    d = {**RUN_DEFAULTS, **options}
+    sp = {k: v for k, v in d.items() if v is not None and k in SamplingParams.__dataclass_fields__}
+    SamplingParams(**sp).validate()
+    return d
+
+
+class Function:
+    """A DSL program: ``func(s, *args)``; the first parameter must be named ``s``.
+
+    Calling it (``fn(**kw)``) is ``fn.run(**kw)``.
+
+    Raises:
+        InvalidRequestError: the function's first parameter is not ``s``.
+    """
+
+    def __init__(self, func, bound: Optional[dict] = None):
+        params = list(inspect.signature(func).parameters.values())
+        if not params or params[0].name != "s":
+            raise InvalidRequestError(f"@function {getattr(func, '__name__', func)!r}: the first parameter "
+                                      f"must be named 's'", field="function")
+        self.func = func
+        self._params = [p for p in params[1:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        self._names = [p.name for p in self._params]
+        self.bound = dict(bound or {})
+        self.__name__ = getattr(func, "__name__", "program")
+        self.__doc__ = getattr(func, "__doc__", None)
+
+    # ------------------------------------------------------------------ arguments
+    def bind(self, **kwargs) -> "Function":
+        """A new Function with some arguments fixed.
+
+        Raises:
+            InvalidRequestError: a name that is not an argument.
+        """
+        for k in kwargs:
+            if k not in self._names:
+                raise InvalidRequestError(f"{self.__name__}.bind: unknown argument {k!r}; arguments: {self._names}",
+                                          field=k)
+        return Function(self.func, {**self.bound, **kwargs})
+
+    def bind_arguments(self, args: tuple = (), kwargs: Optional[dict] = None) -> dict:
+        """Map positional and keyword arguments onto the program's parameters (defaults filled).
+
+        Raises:
+            InvalidRequestError: "arguments mismatch" (too many / missing / unknown / duplicate).
+        """
+        kwargs = kwargs or {}
+        free = [p for p in self._params if p.name not in self.bound and p.kind == p.POSITIONAL_OR_KEYWORD]
+        n_req = sum(1 for p in free if p.default is p.empty)
+        if len(args) > len(free):
+            raise InvalidRequestError(f"{self.__name__}: arguments mismatch: got {len(args)} positional, "
+                                      f"expected {n_req} to {len(free)}", field="arguments")
+        values = dict(self.bound)
+        values.update((p.name, v) for p, v in zip(free, args))
+        for k, v in kwargs.items():
+            if k not in self._names:
+                raise InvalidRequestError(f"{self.__name__}: arguments mismatch: unknown argument {k!r}; "
+                                          f"arguments: {self._names}", field=k)
+            if k in values and k not in self.bound:
+                raise InvalidRequestError(f"{self.__name__}: argument {k!r} given twice", field=k)
+            values[k] = v
+        missing = [p.name for p in self._params if p.name not in values and p.default is p.empty]
+        if missing:
+            raise InvalidRequestError(f"{self.__name__}: arguments mismatch: missing {missing}", field=missing[0])
+        for p in self._params:
+            values.setdefault(p.name, p.default)
+        return values
+
+    def _bind_item(self, item) -> dict:
+        if isinstance(item, dict):
+            return self.bind_arguments((), item)
+        if isinstance(item, (tuple, list)):
+            return self.bind_arguments(tuple(item), {})
+        raise InvalidRequestError(f"{self.__name__}.run_batch: each item must be a dict or a tuple/list of "
+                                  f"positional arguments, got {type(item).__name__}", field="batch_kwargs")
+
+    # ------------------------------------------------------------------ compile-time checks
+    def prefix_trace(self, arguments: dict) -> Optional[nx.DiGraph]:
+        """Trace the program up to its first value read and check it (no request is sent).
+
+        Returns the graph, or None when the body cannot be traced (it raised on placeholder values).
+
+        Raises:
+            SgliteError (InvalidRequestError/GrammarError): nested roles, bad gen/select arguments.
+        """
+        try:
+            graph = trace_program(self.func, arguments, strict=True)
+        except (SgliteError, re.error):
+            raise
+        except Exception as e:  # the body needs real values; checks happen at run time instead
+            logger.debug("prefix trace of %s stopped: %r", self.__name__, e)
+            return None
+        check_roles(graph)
+        return graph
+
+    # ------------------------------------------------------------------ running
+    def run(self, *args, stream: bool = False, backend=None, **kwargs):
+        """Run once; returns a :class:`~sglite.frontend.state.ProgramState`.
+
+        Keyword arguments named in :data:`RUN_DEFAULTS` (``max_new_tokens``, ``temperature``, …)
+        are run-level sampling defaults; the rest are program arguments.
+
+        Raises:
+            InvalidRequestError / GrammarError: bad arguments, nested roles, bad expressions —
+            before any request is sent.
+        """
+        options = {k: kwargs.pop(k) for k in list(kwargs) if k in RUN_DEFAULTS}
+        defaults = _run_defaults(options)
+        arguments = self.bind_arguments(args, kwargs)
+        backend = resolve_backend(backend)
+        self.prefix_trace(arguments)
+        return run_program(self.func, arguments, backend, defaults, stream)
+
+    __call__ = run
+
+    def run_batch(self, batch_kwargs, *, backend=None, num_threads="auto", progress_bar: bool = False,
+                  **options) -> list:
+        """Run once per item (dicts or positional tuples); states in input order.
+
+        Every item's arguments are checked and every program prefix-traced before any request;
+        the prefix the batch shares is prefilled once; programs run on ``num_threads`` threads
+        ("auto": max(96, 16 × CPUs), at most the batch size).
+
+        Raises:
+            InvalidRequestError: arity errors, bad options, nested roles (nothing is sent then).
+        """
+        defaults = _run_defaults(options)
+        items = [self._bind_item(x) for x in batch_kwargs]
+        if not items:
+            return []
+        if num_threads == "auto":
+            num_threads = max(96, 16 * (os.cpu_count() or 1))
+        if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
+            raise InvalidRequestError(f"run_batch.num_threads: must be 'auto' or an integer >= 1, got "
+                                      f"{num_threads!r}", field="num_threads")
+        backend = resolve_backend(backend)
+        graphs = [self.prefix_trace(a) for a in items]
+        template = backend.get_chat_template()
+        hoist_prefix(backend, [constant_prefix(g, template) for g in graphs if g is not None])
+        bar = None
+        if progress_bar:
+            from tqdm import tqdm
+            bar = tqdm(total=len(items), desc=self.__name__)
+        with cf.ThreadPoolExecutor(min(num_threads, len(items))) as pool:
+            futures = [pool.submit(run_program, self.func, a, backend, defaults, False) for a in items]
+            if bar is not None:
+                for _ in cf.as_completed(futures):
+                    bar.update(1)
+                bar.close()
+            return [f.result() for f in futures]
+
+    def trace(self, *, backend=None, **kwargs) -> nx.DiGraph:
+        """The program's request graph (see :mod:`.tracer`); missing arguments become placeholders.
+
+        With a backend, ``graph.graph["constant_prefix"]`` is the prompt text every run starts with.
+        """
+        values = dict(self.bound)
+        for p in self._params:
+            if p.name in kwargs:
+                values[p.name] = kwargs[p.name]
+            elif p.name not in values:
+                values[p.name] = Argument(p.name)
+        graph = trace_program(self.func, values, strict=False)
+        graph.graph["function"] = self.__name__
+        if backend is not None:
+            graph.graph["constant_prefix"] = constant_prefix(graph, resolve_backend(backend).get_chat_template())
+        return graph
+
+    def __repr__(self):
+        return f"<sglite function {self.__name__}({', '.join(self._names)})>"
+
+
+def function(func=None, *, num_api_spec_tokens: Optional[int] = None):
+    """Decorator making ``func(s, ...)`` a :class:`Function` (``@function`` or ``@function()``).
+
+    ``num_api_spec_tokens`` is accepted for SGLang compatibility and ignored.
+    """
+    if func is None:
+        return lambda f: Function(f)
+    return Function(func)

@@ -1,0 +1,52 @@
+"""The FastAPI application: native + OpenAI routes over one in-process engine.
+
+``create_app(engine, ServerConfig(...))`` builds a fresh app (its own metrics registry, its own
+set of in-flight requests); nothing is global, so tests may run several apps side by side.
+"""
+from __future__ import annotations
+
+import os
+
+from fastapi import FastAPI
+
+from .. import __version__
+from .engine_client import EngineClient
+from .errors import install_error_handlers
+from .metrics import ServerMetrics
+from .middleware import ApiKeyMiddleware, BodyLimitMiddleware, HttpMetricsMiddleware
+from .native_api import build_native_router, public_server_info
+from .openai_api import build_openai_router
+from .openai_common import OpenAIContext
+from .settings import ServerConfig
+
+
+def served_model_name(model_info: dict, config: ServerConfig) -> str:
+    """The model id clients pass as ``model``: the configured name or the model path's base name."""
+    if config.served_model_name:
+        return config.served_model_name
+    path = str(model_info.get("model_path") or "default").rstrip("/")
+    return os.path.basename(path) or path
+
+
+def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
+    """Build the HTTP app for ``engine`` (an object with the ``sglite.Engine`` contract).
+
+    Middleware, outermost first: HTTP metrics, API key (when ``config.api_key``), body cap.
+    """
+    config = config or ServerConfig()
+    metrics = ServerMetrics(engine.get_server_info)
+    client = EngineClient(engine, metrics)
+    name = served_model_name(client.model_info, config)
+    names = {name, str(client.model_info.get("model_path") or name)}
+    app = FastAPI(title="sglite", version=__version__,
+                  description="SGLang-compatible native API and OpenAI-compatible API")
+    app.state.client, app.state.metrics, app.state.config = client, metrics, config
+    install_error_handlers(app)
+    app.include_router(build_native_router(client, metrics, {**public_server_info(config),
+                                                             "served_model_name": name}))
+    app.include_router(build_openai_router(OpenAIContext(client, name, names, config.warm_prefix_for_n)))
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(HttpMetricsMiddleware, metrics=metrics)
+    return app

@@ -1,0 +1,141 @@
+"""``POST /v1/chat/completions``: chat template, tools, response_format, streaming.
+
+The prompt is the engine's chat template over ``messages`` (with the tools shown when
+``tool_choice`` is not ``none``); forced tool calls add a JSON-schema constraint (see
+:mod:`sglite.server.tool_calls`). Streamed chunks carry ``delta.role`` first, then
+``delta.content`` pieces, then (for calls) one ``delta.tool_calls`` chunk, then a chunk with
+``finish_reason`` (``tool_calls`` when the model called a tool) and ``matched_stop``.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Optional
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from .engine_client import merge_streams
+from .errors import ApiError
+from .openai_common import open_items, run_items
+from .openai_format import chat_logprobs, finish_info, new_id, now, num_logprob_tokens, usage_of
+from .openai_params import chat_messages, check_model, fan_out, sampling_params
+from .protocol import ChatCompletionRequest
+from .sse import sse_event, sse_response
+from .tool_calls import ToolPlan, ToolStreamFilter, parse_tool_calls, plan_tools, render_prompt
+
+MAX_TOP_LOGPROBS = 20
+
+
+def _logprobs_k(req: ChatCompletionRequest) -> int:
+    if req.top_logprobs is not None:
+        if not (0 <= req.top_logprobs <= MAX_TOP_LOGPROBS):
+            raise ApiError(f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}",
+                           param="top_logprobs")
+        if not req.logprobs:
+            raise ApiError("top_logprobs: requires logprobs to be true", param="top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else -1
+
+
+def _prompt(ctx, req: ChatCompletionRequest, plan: ToolPlan) -> str:
+    msgs = chat_messages(req)
+    if req.continue_final_message and msgs[-1]["role"] != "assistant":
+        raise ApiError("continue_final_message: the last message must be the assistant's",
+                       param="continue_final_message")
+    try:
+        return render_prompt(ctx.client.engine, msgs, plan, add_generation_prompt=not req.continue_final_message)
+    except ApiError:
+        raise
+    except Exception as e:  # noqa: BLE001 - template errors (e.g. role order) are the request's fault
+        raise ApiError(f"messages: the chat template rejected them: {e}", param="messages") from e
+
+
+def _prepare(ctx, req: ChatCompletionRequest):
+    check_model(req.model, ctx.names)
+    k = _logprobs_k(req)
+    plan = plan_tools(req.tools, req.tool_choice)
+    has_format = req.response_format is not None and req.response_format.type != "text"
+    if plan.mode == "forced" and (req.regex is not None or req.ebnf is not None or has_format):
+        raise ApiError("tool_choice: a forced tool call cannot be combined with regex, ebnf or response_format "
+                       "(only one constraint may be set)", param="tool_choice")
+    prompt = _prompt(ctx, req, plan)
+    ptoks = ctx.client.count_tokens(prompt)
+    ctx_len = ctx.client.context_length
+    if ptoks is not None and ctx_len and ptoks >= ctx_len:
+        raise ApiError(f"messages: the prompt has {ptoks} tokens, more than the context length ({ctx_len})",
+                       param="messages")
+    if req.max_completion_tokens is not None:
+        max_tokens, field = req.max_completion_tokens, "max_completion_tokens"
+    else:
+        max_tokens, field = req.max_tokens, "max_tokens"
+    sp = sampling_params(req, max_tokens, field, ctx.client, prompt_tokens=ptoks)
+    if plan.mode == "forced":
+        sp["json_schema"] = json.dumps(plan.schema)
+    items = fan_out([{"prompt": prompt}], sp, req.n, req.rid or uuid.uuid4().hex, k)
+    return items, plan, k
+
+
+def _chat_choice(i: int, out: dict, plan: ToolPlan, k: int) -> dict:
+    meta = out.get("meta_info", {})
+    fr, ms = finish_info(meta)
+    content, calls = parse_tool_calls(out.get("text", ""), plan)
+    msg: dict = {"role": "assistant", "content": content}
+    if calls:
+        msg["tool_calls"] = calls
+        fr = "tool_calls"
+    return {"index": i, "message": msg, "logprobs": chat_logprobs(meta, 0, None) if k >= 0 else None,
+            "finish_reason": fr, "matched_stop": ms}
+
+
+async def _chat_events(ctx, req: ChatCompletionRequest, streams, plan: ToolPlan, k: int):
+    rid, created = new_id("chatcmpl"), now()
+    filters = [ToolStreamFilter(plan) for _ in streams]
+    lp_sent = [0] * len(streams)
+    last: list[Optional[dict]] = [None] * len(streams)
+
+    def chunk(i, delta, fr=None, ms=None, lp=None):
+        choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": fr}
+        if fr is not None:
+            choice["matched_stop"] = ms
+        return sse_event({"id": rid, "object": "chat.completion.chunk", "created": created,
+                          "model": ctx.model_name, "choices": [choice]})
+    async for i, out in merge_streams(streams):
+        meta, text = out.get("meta_info", {}), out.get("text", "")
+        if last[i] is None:
+            yield chunk(i, {"role": "assistant", "content": ""})
+        last[i] = out
+        fr, ms = finish_info(meta)
+        calls: list = []
+        if fr is None:
+            delta = filters[i].feed(text)
+        else:
+            delta, calls = filters[i].finish(text)
+        lp = None
+        if k >= 0 and num_logprob_tokens(meta) > lp_sent[i]:
+            lp = chat_logprobs(meta, lp_sent[i], None)
+            lp_sent[i] = num_logprob_tokens(meta)
+        if delta or lp:
+            yield chunk(i, {"content": delta}, lp=lp)
+        if calls:
+            yield chunk(i, {"tool_calls": [dict(c, index=j) for j, c in enumerate(calls)]})
+            fr = "tool_calls"
+        if fr is not None:
+            yield chunk(i, {}, fr, ms)
+    if req.stream_options is not None and req.stream_options.include_usage:
+        yield sse_event({"id": rid, "object": "chat.completion.chunk", "created": created,
+                         "model": ctx.model_name, "choices": [],
+                         "usage": usage_of([o for o in last if o is not None], req.n)})
+
+
+def add_chat_route(router: APIRouter, ctx) -> None:
+    """Register ``POST /v1/chat/completions`` on ``router``, bound to ``ctx`` (an OpenAIContext)."""
+    @router.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        items, plan, k = _prepare(ctx, req)
+        if req.stream:
+            streams = await open_items(ctx, items, req.n)
+            return sse_response(_chat_events(ctx, req, streams, plan, k))
+        outs = await run_items(ctx, request, items, req.n)
+        choices = [_chat_choice(i, o, plan, k) for i, o in enumerate(outs)]
+        return JSONResponse({"id": new_id("chatcmpl"), "object": "chat.completion", "created": now(),
+                             "model": ctx.model_name, "choices": choices, "usage": usage_of(outs, req.n)})

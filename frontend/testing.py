@@ -64,6 +64,8 @@ class FakeBackend(Backend):
             return 0
 
     def _text(self, prompt: str, sp: dict) -> str:
+        if sp.get("max_new_tokens", 128) == 0:
+            return ""
         if self.respond is not None:
             text = self.respond(prompt, sp)
         else:

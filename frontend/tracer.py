@@ -178,6 +178,11 @@ class TracerGroup:
     def __getitem__(self, i):
         return self.states[i]
 
+    def __setitem__(self, i, value):
+        # ``forks[i] += expr`` assigns the (same) branch back
+        if value is not self.states[i]:
+            raise TypeError("fork branches cannot be replaced")
+
     def __len__(self):
         return len(self.states)
 

@@ -182,7 +182,7 @@ def _sample_kernel(Logits, Mask, Temp, TopP, TopK, MinP, Seed, Pos, Out, B, V, s
         if any_bisect:
             hi = _order_key(xmax).to(tl.int64) + 1
             k_eff = tl.where(k_on, top_k, V + 1)
-            p_eff = tl.where(p_on, top_p, 2.0) * z
+            p_eff = tl.where(p_on, top_p * z, float("inf"))
             for _ in range(N_BISECT):
                 mid = lo + ((hi - lo) >> 1)
                 cnt = tl.zeros([ROWS], tl.int64)

@@ -36,3 +36,13 @@ def tiny_qwen_dir(tmp_path_factory, real_checkpoint):
 
     return make_tiny_llama(tmp_path_factory.mktemp("tiny_qwen"), seed=1, qkv_bias=True,
                            vocab_from=real_checkpoint.model_dir)
+
+
+@pytest.fixture(scope="session")
+def real_engine(real_checkpoint):
+    """ONE engine on the default model for the whole test session (float32: parity-grade)."""
+    from sglite import Engine
+
+    e = Engine(dtype="float32", max_total_tokens=65536)
+    yield e
+    e.shutdown()

@@ -222,7 +222,7 @@ def test_masked_tokens_never_drawn_large_vocab(impl):
 
 def test_triton_sampling_is_deterministic_and_batch_invariant():
     gen = torch.Generator().manual_seed(12)
-    B, V = 9, 640
+    B, V = 9, 300
     logits = torch.randn(B, V, generator=gen).to(DEVICE)
     temp, top_p, top_k, min_p, seed, pos = params(B, temp=1.0)
     seed = torch.arange(B, device=DEVICE) * 17
@@ -233,7 +233,7 @@ def test_triton_sampling_is_deterministic_and_batch_invariant():
     assert torch.equal(a, b)
     perm = torch.randperm(B, generator=gen).to(DEVICE)
     c = T.sample(logits[perm], temp[perm], top_p[perm], top_k[perm], min_p[perm], seed[perm], pos[perm],
-                 rows_per_program=2, block_v=128)
+                 rows_per_program=4, block_v=128)
     assert torch.equal(c, a[perm])
     d = T.sample(logits, temp, top_p, top_k, min_p, seed, pos + 1)
     assert not torch.equal(d, a)  # the position advances the random stream

@@ -187,12 +187,7 @@ def _read_config(model_dir: Path):
         raise InvalidRequestError(
             f"model_path: cannot read {str(model_dir / 'config.json')!r}: {exc}", field="model_path"
         ) from exc
-    arch = _architecture_of(config)
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise InvalidRequestError(
-            f"model_path: architectures={getattr(config, 'architectures', None)!r} "
-            f"(model_type={getattr(config, 'model_type', None)!r}) is not supported; supported: "
-            f"{sorted(SUPPORTED_ARCHITECTURES)}", field="model_path")
+    _check_architecture(config, model_dir)
     return config
 
 
@@ -242,7 +237,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         del config.quantization_config  # the folder holds plain float32 weights
     config.architectures = [type(model).__name__]
     config.dtype = torch.float32
-    _read_arch_or_raise(config, gguf)
+    _check_architecture(config, gguf)
 
     state = model.state_dict()
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -256,9 +251,10 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     (out / "sglite_source.json").write_text(json.dumps({"gguf": str(gguf.resolve())}))
 
 
-def _read_arch_or_raise(config, gguf: Path) -> None:
+def _check_architecture(config, where: Path) -> None:
     arch = _architecture_of(config)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise InvalidRequestError(
-            f"model_path: GGUF {str(gguf)!r} has architectures={config.architectures!r}; "
+            f"model_path: {str(where)!r} has architectures={getattr(config, 'architectures', None)!r} "
+            f"(model_type={getattr(config, 'model_type', None)!r}), which is not supported; "
             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}", field="model_path")

@@ -135,6 +135,8 @@ class Scheduler:
     def _plan_running(self) -> list[tuple[Req, int]]:
         plan, budget = [], self._budget()
         for r in list(self.running):
+            if r not in self.running:  # retracted to make room for an earlier one
+                continue
             pending = r.seq_len - r.kv_len
             n = 1 if pending == 1 else min(pending, budget)
             if n == 0:

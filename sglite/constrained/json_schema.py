@@ -1,0 +1,189 @@
+"""JSON Schema → grammar rules (AST). Recursion via ``$ref`` becomes rule calls, not unrolling.
+
+Supported: ``type`` (incl. lists), ``enum``, ``const``, ``properties``, ``required``,
+``additionalProperties``, ``patternProperties`` (with ``additionalProperties: false``), ``items``,
+``prefixItems``, ``minItems``, ``maxItems``, ``minLength``, ``maxLength``, ``pattern``, ``format``,
+``minimum``/``maximum``/``exclusive*`` (integer-valued bounds for numbers), ``anyOf``, ``oneOf``
+(as anyOf: exclusivity is not enforced), ``allOf`` (merged), local ``$ref`` / ``$defs`` /
+``definitions``, ``nullable``, boolean schemas. Anything else that constrains instances raises
+:class:`GrammarError` naming the keyword and its JSON path. Properties are emitted in schema order,
+then additional properties. Whitespace between tokens follows ``whitespace_pattern`` (default
+:data:`DEFAULT_WS`: one space, or a newline plus up to 16 spaces/tabs: bounded, so no runaway newlines).
+"""
+from __future__ import annotations
+
+from urllib.parse import unquote
+
+from sglite.errors import GrammarError
+
+from . import ast as A
+from . import json_terms as J
+from .json_merge import ANNOTATIONS, merge_schemas
+from .regex_parse import parse_regex
+
+DEFAULT_WS = r"[ ]?|\n[ \t]{0,16}"
+UNSUPPORTED = ("not", "if", "then", "else", "contains", "minContains", "maxContains", "dependentRequired",
+               "dependentSchemas", "dependencies", "propertyNames", "unevaluatedProperties",
+               "unevaluatedItems", "$dynamicRef", "$recursiveRef", "maxProperties")
+TYPES = ("null", "boolean", "object", "array", "number", "string")
+
+
+def schema_to_rules(schema, *, whitespace_pattern: str | None = None) -> dict:
+    """Rules for ``schema`` with start rule ``"root"``. Raises GrammarError (message has the JSON path)."""
+    ws = parse_regex(DEFAULT_WS if whitespace_pattern is None else whitespace_pattern)
+    return _Converter(schema, ws).run()
+
+
+def _raw(node):
+    """Sequence node kept as one object so the NFA builder can share it (no flattening)."""
+    return ("seq", node) if isinstance(node, tuple) and node and isinstance(node[0], tuple) else node
+
+
+class _Converter:
+    def __init__(self, root, ws):
+        if not isinstance(root, (dict, bool)):
+            raise GrammarError(f"json_schema must be an object or a boolean, got {type(root).__name__}")
+        self.root, self.ws = root, ws
+        self.rules: dict = {}
+        self.sep = A.seq(ws, A.lit(","), ws)
+        self.colon = A.seq(ws, A.lit(":"), ws)
+
+    def run(self) -> dict:
+        self.rules["root"] = self.node(self.root, "#")
+        self._any_rules()
+        return self.rules
+
+    def _any_rules(self):
+        if "any" in self.rules:
+            return
+        self.rules["any"] = A.NOTHING
+        member = A.seq(J.STRING, self.colon, A.ref("any"))
+        obj = A.seq(A.lit("{"), self.ws, A.opt(A.seq(member, A.star(A.seq(self.sep, member)))), self.ws, A.lit("}"))
+        arr = A.seq(A.lit("["), self.ws, A.opt(A.seq(A.ref("any"), A.star(A.seq(self.sep, A.ref("any"))))),
+                    self.ws, A.lit("]"))
+        self.rules["any"] = A.alt(obj, arr, J.STRING, J.NUMBER, A.lit("true"), A.lit("false"), A.lit("null"))
+
+    # -- references -----------------------------------------------------------------------------
+    def resolve(self, ref: str, path: str):
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise GrammarError(f"{path}/$ref: only local references ('#...') are supported, got {ref!r}")
+        node = self.root
+        for part in [p for p in ref[1:].split("/") if p != ""]:
+            part = unquote(part).replace("~1", "/").replace("~0", "~")
+            try:
+                node = node[int(part)] if isinstance(node, list) else node[part]
+            except (KeyError, IndexError, ValueError, TypeError):
+                raise GrammarError(f"{path}/$ref: {ref!r} does not resolve") from None
+        return node
+
+    def ref_rule(self, ref: str, path: str):
+        name = "ref:" + ref
+        if name not in self.rules:
+            target = self.resolve(ref, path)
+            self.rules[name] = A.NOTHING  # placeholder while converting (recursion)
+            self.rules[name] = self.node(target, ref)
+        return A.ref(name)
+
+    def deref(self, schema, path):
+        """Schema with a top-level $ref replaced by its target merged with the siblings."""
+        seen = 0
+        while isinstance(schema, dict) and "$ref" in schema:
+            seen += 1
+            if seen > 50:
+                raise GrammarError(f"{path}/$ref: reference chain too long (cycle?)")
+            rest = {k: v for k, v in schema.items() if k != "$ref"}
+            schema = merge_schemas(self.resolve(schema["$ref"], path), rest, path)
+        return schema
+
+    # -- dispatch -----------------------------------------------------------------------------------
+    def node(self, schema, path: str):
+        if schema is True:
+            self._any_rules()
+            return A.ref("any")
+        if schema is False:
+            return A.NOTHING
+        if not isinstance(schema, dict):
+            raise GrammarError(f"{path}: a schema must be an object or a boolean")
+        for kw in UNSUPPORTED:
+            if kw in schema:
+                raise GrammarError(f"{path}/{kw}: keyword {kw!r} is not supported")
+        if "$ref" in schema:
+            if all(k in ANNOTATIONS or k in ("$defs", "definitions") for k in schema if k != "$ref"):
+                return self.ref_rule(schema["$ref"], path)
+            return self.node(self.deref(schema, path), path)
+        if "allOf" in schema:
+            merged = {k: v for k, v in schema.items() if k != "allOf"}
+            for i, sub in enumerate(schema["allOf"]):
+                merged = merge_schemas(merged, self.deref(sub, f"{path}/allOf/{i}"), f"{path}/allOf/{i}")
+            return self.node(merged, path)
+        for kw in ("anyOf", "oneOf"):
+            if kw in schema:
+                rest = {k: v for k, v in schema.items() if k != kw}
+                branches = schema[kw]
+                if not isinstance(branches, list) or not branches:
+                    raise GrammarError(f"{path}/{kw}: must be a non-empty array")
+                return A.alt(*[self.node(merge_schemas(rest, self.deref(b, f"{path}/{kw}/{i}"), path)
+                                         if rest else b, f"{path}/{kw}/{i}") for i, b in enumerate(branches)])
+        if schema.get("nullable") is True:
+            rest = {k: v for k, v in schema.items() if k != "nullable"}
+            return A.alt(A.lit("null"), self.node(rest, path))
+        if "const" in schema:
+            return A.lit(J.json_text(schema["const"]))
+        if "enum" in schema:
+            if not isinstance(schema["enum"], list):
+                raise GrammarError(f"{path}/enum: must be an array")
+            return A.alt(*[A.lit(J.json_text(v)) for v in schema["enum"]]) if schema["enum"] else A.NOTHING
+        types = schema.get("type", list(TYPES))
+        types = [types] if isinstance(types, str) else types
+        for t in types:
+            if t not in TYPES + ("integer",):
+                raise GrammarError(f"{path}/type: unknown type {t!r}")
+        if "number" in types:
+            types = [t for t in types if t != "integer"]
+        return A.alt(*[self.typed(t, schema, path) for t in types]) if types else A.NOTHING
+
+    def typed(self, t: str, s: dict, path: str):
+        if t == "null":
+            return A.lit("null")
+        if t == "boolean":
+            return A.alt(A.lit("true"), A.lit("false"))
+        if t in ("integer", "number"):
+            return self.number(t == "integer", s, path)
+        if t == "string":
+            return self.string(s, path)
+        if t == "array":
+            from .json_arrays import array_node
+            return array_node(self, s, path)
+        from .json_objects import object_node
+        return object_node(self, s, path)
+
+    def number(self, integer: bool, s: dict, path: str):
+        mult = s.get("multipleOf")
+        if mult is not None and not (integer and mult == int(mult) and int(mult) == 1):
+            raise GrammarError(f"{path}/multipleOf: keyword 'multipleOf' is not supported")
+        lo, hi, lo_ex, hi_ex = s.get("minimum"), s.get("maximum"), False, False
+        emin, emax = s.get("exclusiveMinimum"), s.get("exclusiveMaximum")
+        if emin is True or emax is True:  # draft 4 booleans
+            lo_ex, hi_ex = emin is True, emax is True
+        if isinstance(emin, (int, float)) and not isinstance(emin, bool) and (lo is None or emin >= lo):
+            lo, lo_ex = emin, True
+        if isinstance(emax, (int, float)) and not isinstance(emax, bool) and (hi is None or emax <= hi):
+            hi, hi_ex = emax, True
+        return J.number_range(lo, lo_ex, hi, hi_ex, integer, path)
+
+    def string(self, s: dict, path: str):
+        lo, hi = int(s.get("minLength", 0)), s.get("maxLength")
+        hi = -1 if hi is None else int(hi)
+        if "pattern" in s and "format" in s:
+            raise GrammarError(f"{path}/format: 'format' together with 'pattern' is not supported")
+        if ("pattern" in s or "format" in s) and (lo > 0 or hi >= 0):
+            raise GrammarError(f"{path}/maxLength: minLength/maxLength together with pattern/format is not supported")
+        if "pattern" in s:
+            body = J.pattern_body(s["pattern"], f"{path}/pattern")
+        elif "format" in s:
+            body = J.format_body(s["format"], f"{path}/format")
+        else:
+            if hi >= 0 and hi < lo:
+                return A.NOTHING
+            body = A.rep(J.CHAR, lo, hi)
+        return A.seq(A.lit('"'), body, A.lit('"'))

@@ -1,0 +1,152 @@
+"""SGLang-native routes against the FakeEngine: /generate (single, batch, ids, n, stream,
+logprobs), info routes, flush, abort, metrics."""
+import json
+import time
+
+import httpx
+import pytest
+
+from sglite.server.runner import ServerThread
+from sglite.server.testing import FakeEngine
+
+REPLY = "Hello world! The quick brown fox jumps over the lazy dog."
+GREEDY = {"max_new_tokens": 6, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerThread(FakeEngine(reply=REPLY, step_delay=0.001)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=20) as c:
+        yield c
+
+
+def sse_events(resp) -> list:
+    out = []
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            out.append(line[6:])
+    assert out[-1] == "[DONE]"
+    return [json.loads(x) for x in out[:-1]]
+
+
+def test_generate_single_text(http):
+    r = http.post("/generate", json={"text": "Hi", "sampling_params": GREEDY}).json()
+    assert r["text"] == REPLY[:6] and r["output_ids"] == list(REPLY[:6].encode())
+    m = r["meta_info"]
+    assert (m["prompt_tokens"], m["completion_tokens"]) == (2, 6)
+    assert m["finish_reason"] == {"type": "length", "length": 6} and "cached_tokens" in m
+
+
+def test_generate_batch_text_and_ids_with_per_item_params(http):
+    r = http.post("/generate", json={"text": ["a", "b"], "sampling_params": [
+        {"max_new_tokens": 2, "temperature": 0}, {"max_new_tokens": 3, "temperature": 0}]}).json()
+    assert [x["text"] for x in r] == [REPLY[:2], REPLY[:3]]
+    r = http.post("/generate", json={"input_ids": [[1, 2, 3], [4, 5]], "sampling_params": GREEDY}).json()
+    assert [x["meta_info"]["prompt_tokens"] for x in r] == [3, 2]
+    r = http.post("/generate", json={"input_ids": [7, 8], "sampling_params": GREEDY}).json()
+    assert isinstance(r, dict) and r["meta_info"]["prompt_tokens"] == 2
+
+
+def test_generate_n_returns_list(http):
+    r = http.post("/generate", json={"text": "Hi", "sampling_params": {**GREEDY, "n": 3}}).json()
+    assert isinstance(r, list) and len(r) == 3 and {x["text"] for x in r} == {REPLY[:6]}
+
+
+def test_generate_logprobs_layout(http):
+    r = http.post("/generate", json={"text": "Hey", "sampling_params": GREEDY, "return_logprob": True,
+                                     "logprob_start_len": 0, "top_logprobs_num": 2}).json()
+    m = r["meta_info"]
+    out = m["output_token_logprobs"]
+    assert [e[1] for e in out] == r["output_ids"] and "".join(e[2] for e in out) == r["text"]
+    assert all(len(t) == 2 for t in m["output_top_logprobs"])
+    assert m["input_token_logprobs"][0][0] is None and len(m["input_token_logprobs"]) == 3
+
+
+def test_generate_stream_cumulative_and_done(server):
+    with httpx.stream("POST", server.url + "/generate", json={"text": "Hi", "sampling_params": GREEDY,
+                                                               "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        evs = sse_events(r)
+    texts = [e["text"] for e in evs]
+    assert texts[-1] == REPLY[:6] and all(texts[-1].startswith(t) for t in texts) and len(texts) > 1
+    assert evs[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert all(e["meta_info"]["finish_reason"] is None for e in evs[:-1])
+
+
+def test_generate_stream_batch_has_index(server):
+    with httpx.stream("POST", server.url + "/generate", json={"text": ["a", "b"], "sampling_params": GREEDY,
+                                                               "stream": True}) as r:
+        evs = sse_events(r)
+    final = {e["index"]: e["text"] for e in evs if e["meta_info"]["finish_reason"]}
+    assert final == {0: REPLY[:6], 1: REPLY[:6]}
+
+
+def test_model_and_server_info(http):
+    info = http.get("/get_model_info").json()
+    for key in ("model_path", "role_markers", "end_of_turn", "default_system_prompt", "context_length"):
+        assert key in info
+    s = http.get("/get_server_info").json()
+    assert s["available_tokens"] == s["max_total_tokens"] == 4096
+    assert s["api_key"] is None and s["port"] > 0 and "version" in s
+
+
+def test_flush_cache_and_health(http):
+    assert http.get("/health").status_code == 200
+    assert http.get("/health_generate").status_code == 200
+    r = http.post("/flush_cache")
+    assert r.status_code == 200 and r.json()["success"] is True
+
+
+def test_flush_cache_refused_while_running():
+    eng = FakeEngine(step_delay=0.05)
+    with ServerThread(eng) as srv:
+        with httpx.stream("POST", srv.url + "/generate", json={"text": "x", "sampling_params": {
+                "max_new_tokens": 50, "ignore_eos": True}, "stream": True}) as r:
+            next(r.iter_lines())
+            bad = httpx.post(srv.url + "/flush_cache")
+            assert bad.status_code == 400 and "running" in bad.json()["error"]["message"]
+
+
+def test_abort_request_by_rid(server):
+    eng = server.engine
+    with httpx.stream("POST", server.url + "/generate", json={
+            "text": "x", "rid": "my-req", "stream": True,
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}) as r:
+        lines = r.iter_lines()
+        next(lines)
+        ok = httpx.post(server.url + "/abort_request", json={"rid": "my-req"}).json()
+        assert ok["success"] and ok["aborted"] == 1
+        evs = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert evs[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "my-req" in eng.aborted
+
+
+def test_metrics_after_requests(http):
+    http.post("/generate", json={"text": "Hi", "sampling_params": GREEDY})
+    text = http.get("/metrics").text
+
+    def value(name):
+        return float(next(ln.split()[-1] for ln in text.splitlines() if ln.startswith(name)))
+    for name in ("sglite_num_running_reqs", "sglite_num_queue_reqs", "sglite_kv_usage", "sglite_cache_hit_rate"):
+        assert name in text
+    assert value("sglite_time_to_first_token_seconds_count") >= 1
+    assert value("sglite_e2e_request_latency_seconds_count") >= 1
+    assert value("sglite_time_per_output_token_seconds_count") >= 1
+    assert value("sglite_generation_tokens_total") >= 6
+    assert value("sglite_max_total_tokens") == 4096
+    assert 'sglite_http_requests_total{route="/generate",status="200"}' in text
+
+
+def test_metrics_count_grows(http):
+    def gen_count():
+        t = http.get("/metrics").text
+        return float(next(ln.split()[-1] for ln in t.splitlines() if ln.startswith("sglite_generation_tokens_total")))
+    before = gen_count()
+    http.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    time.sleep(0.01)
+    assert gen_count() == before + 4

@@ -58,8 +58,10 @@ class Backend:
             texts = r.get("texts") or [None] * len(r["token_ids"])
             entries.append([[lp, tid, tx] for lp, tid, tx in zip(r["logprobs"], r["token_ids"], texts)])
             if need_uncond:
-                uncond.append([[lp, tid, tx] for lp, tid, tx in
-                               zip(r["unconditional_logprobs"], r["token_ids"], texts)])
+                ulps = list(r["unconditional_logprobs"])
+                if len(ulps) == len(r["token_ids"]) - 1:  # the context-free first token may be omitted
+                    ulps = [None] + ulps
+                uncond.append([[lp, tid, tx] for lp, tid, tx in zip(ulps, r["token_ids"], texts)])
         return choices_method(choices=list(choices), normalized_prompt_logprobs=[mean_logprob(e) for e in entries],
                               input_token_logprobs=entries, output_token_logprobs=[[] for _ in choices],
                               unconditional_token_logprobs=uncond if need_uncond else None)

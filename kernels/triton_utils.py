@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 
 @triton.jit
@@ -10,9 +11,10 @@ def _probe():
     pass
 
 
-#: True when this process decorated kernels for Triton's CPU interpreter (``TRITON_INTERPRET=1``
-#: was set before triton was imported); immutable after import.
-INTERPRETED: bool = type(_probe).__name__ == "InterpretedFunction"
+#: True when this process decorated both triton's own library functions and ours for the CPU
+#: interpreter (``TRITON_INTERPRET=1`` was set before triton was first imported); immutable.
+INTERPRETED: bool = (type(_probe).__name__ == "InterpretedFunction"
+                     and type(tl.max).__name__ == "InterpretedFunction")
 
 
 def next_pow2(n: int) -> int:

@@ -107,7 +107,8 @@ def test_flush_cache_refused_while_running():
     with ServerThread(eng) as srv:
         with httpx.stream("POST", srv.url + "/generate", json={"text": "x", "sampling_params": {
                 "max_new_tokens": 50, "ignore_eos": True}, "stream": True}) as r:
-            next(r.iter_lines())
+            lines = r.iter_lines()  # keep the iterator: dropping it closes the connection
+            next(lines)
             bad = httpx.post(srv.url + "/flush_cache")
             assert bad.status_code == 400 and "running" in bad.json()["error"]["message"]
 

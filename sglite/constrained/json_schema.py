@@ -4,7 +4,7 @@ Supported: ``type`` (incl. lists), ``enum``, ``const``, ``properties``, ``requir
 ``additionalProperties``, ``patternProperties`` (with ``additionalProperties: false``), ``items``,
 ``prefixItems``, ``minItems``, ``maxItems``, ``minLength``, ``maxLength``, ``pattern``, ``format``,
 ``minimum``/``maximum``/``exclusive*`` (integer-valued bounds for numbers), ``anyOf``, ``oneOf``
-(as anyOf: exclusivity is not enforced), ``allOf`` (merged), local ``$ref`` / ``$defs`` /
+(when its branches are provably exclusive), ``allOf`` (merged), local ``$ref`` / ``$defs`` /
 ``definitions``, ``nullable``, boolean schemas. Anything else that constrains instances raises
 :class:`GrammarError` naming the keyword and its JSON path. Properties are emitted in schema order,
 then additional properties. Whitespace between tokens follows ``whitespace_pattern`` (default
@@ -18,7 +18,7 @@ from sglite.errors import GrammarError
 
 from . import ast as A
 from . import json_terms as J
-from .json_merge import ANNOTATIONS, merge_schemas
+from .json_merge import ANNOTATIONS, merge_schemas, provably_disjoint
 from .regex_parse import parse_regex
 
 DEFAULT_WS = r"[ ]?|\n[ \t]{0,16}"
@@ -32,11 +32,6 @@ def schema_to_rules(schema, *, whitespace_pattern: str | None = None) -> dict:
     """Rules for ``schema`` with start rule ``"root"``. Raises GrammarError (message has the JSON path)."""
     ws = parse_regex(DEFAULT_WS if whitespace_pattern is None else whitespace_pattern)
     return _Converter(schema, ws).run()
-
-
-def _raw(node):
-    """Sequence node kept as one object so the NFA builder can share it (no flattening)."""
-    return ("seq", node) if isinstance(node, tuple) and node and isinstance(node[0], tuple) else node
 
 
 class _Converter:
@@ -122,17 +117,19 @@ class _Converter:
                 branches = schema[kw]
                 if not isinstance(branches, list) or not branches:
                     raise GrammarError(f"{path}/{kw}: must be a non-empty array")
+                if kw == "oneOf":
+                    self.check_one_of(branches, path)
                 return A.alt(*[self.node(merge_schemas(rest, self.deref(b, f"{path}/{kw}/{i}"), path)
                                          if rest else b, f"{path}/{kw}/{i}") for i, b in enumerate(branches)])
         if schema.get("nullable") is True:
             rest = {k: v for k, v in schema.items() if k != "nullable"}
             return A.alt(A.lit("null"), self.node(rest, path))
         if "const" in schema:
-            return A.lit(J.json_text(schema["const"]))
+            return J.value_node(schema["const"])
         if "enum" in schema:
             if not isinstance(schema["enum"], list):
                 raise GrammarError(f"{path}/enum: must be an array")
-            return A.alt(*[A.lit(J.json_text(v)) for v in schema["enum"]]) if schema["enum"] else A.NOTHING
+            return A.alt(*[J.value_node(v) for v in schema["enum"]]) if schema["enum"] else A.NOTHING
         types = schema.get("type", list(TYPES))
         types = [types] if isinstance(types, str) else types
         for t in types:
@@ -141,6 +138,14 @@ class _Converter:
         if "number" in types:
             types = [t for t in types if t != "integer"]
         return A.alt(*[self.typed(t, schema, path) for t in types]) if types else A.NOTHING
+
+    def check_one_of(self, branches, path):
+        subs = [self.deref(b, f"{path}/oneOf/{i}") for i, b in enumerate(branches)]
+        for i in range(len(subs)):
+            for j in range(i + 1, len(subs)):
+                if not provably_disjoint(subs[i], subs[j]):
+                    raise GrammarError(f"{path}/oneOf: branches {i} and {j} are not provably exclusive "
+                                       "(exactly-one cannot be enforced)")
 
     def typed(self, t: str, s: dict, path: str):
         if t == "null":

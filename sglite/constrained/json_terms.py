@@ -35,6 +35,26 @@ def json_text(value) -> bytes:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
 
 
+def value_node(value):
+    """Compact JSON of a ``const``/``enum`` value; integral numbers also as ``1.0`` (JSON equality)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, list, dict)):
+        return A.lit(json_text(value))
+    if isinstance(value, (int, float)):
+        if value != value or value in (float("inf"), float("-inf")) or value != int(value):
+            return A.lit(json_text(value))
+        whole = str(int(value))
+        return A.seq(A.lit(whole), A.opt(A.seq(A.lit("."), A.rep(A.lit("0"), 1, -1))))
+    if isinstance(value, list):
+        parts = [A.lit("[")]
+        for i, v in enumerate(value):
+            parts += [A.lit(",")] * (i > 0) + [value_node(v)]
+        return A.seq(*parts, A.lit("]"))
+    parts = [A.lit("{")]
+    for i, (k, v) in enumerate(value.items()):
+        parts += [A.lit(",")] * (i > 0) + [A.lit(json_text(k) + b":"), value_node(v)]
+    return A.seq(*parts, A.lit("}"))
+
+
 def to_json_body(node):
     """Lift a regex AST over decoded characters into one over JSON string-body bytes."""
     kind = node[0]
@@ -56,7 +76,7 @@ def to_json_body(node):
 def pattern_body(pattern: str, where: str):
     """JSON string body for an ECMA-262 ``pattern`` (search semantics: unanchored unless ^/$)."""
     try:
-        node = parse_regex(pattern)
+        node = parse_regex(pattern, ecma=True)
     except GrammarError as e:
         raise GrammarError(f"{where}: {e}") from None
     body = to_json_body(node)
@@ -82,7 +102,9 @@ def key_not_in(names) -> object:
             alts.append(A.lit('"'))
         kids = [c for c in node if c is not None]
         other = A.subtract(A.complement(SPECIAL), [(ord(c), ord(c)) for c in kids])
-        alts.append(A.seq(A.alt(A.cset(other), ESCAPE), anything))
+        simple = "".join(e for e in '"\\/bfnrt' if json.loads(f'"\\{e}"') not in kids)
+        esc = A.seq(A.lit("\\"), A.alt(A.chars(simple), A.seq(A.lit("u"), A.rep(_HEX, 4, 4))))
+        alts.append(A.seq(A.alt(A.cset(other), esc), anything))
         for c in kids:
             alts.append(A.seq(A.lit(encode_char(ord(c))), build(node[c], False)))
         return A.alt(*alts)
@@ -159,7 +181,7 @@ def number_range(lo, lo_ex: bool, hi, hi_ex: bool, integer: bool, where: str):
     return A.alt(*alts)
 
 
-_DATE = r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
+_DATE = r"\d{4}-(02-(0[1-9]|1\d|2\d)|(0[469]|11)-(0[1-9]|[12]\d|30)|(0[13578]|1[02])-(0[1-9]|[12]\d|3[01]))"
 _TIME = r"([01]\d|2[0-3]):[0-5]\d:([0-5]\d|60)(\.\d+)?([Zz]|[+-]([01]\d|2[0-3]):[0-5]\d)"
 _LABEL = r"[a-zA-Z0-9]([a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?"
 _OCTET = r"(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
@@ -170,8 +192,8 @@ _IPV6 = "|".join([
     rf"{_H}:(:{_H}){{1,6}}", rf":((:{_H}){{1,7}}|:)", rf"({_H}:){{6}}{_OCTET}(\.{_OCTET}){{3}}",
     rf"::(ffff(:0{{1,4}})?:)?{_OCTET}(\.{_OCTET}){{3}}", rf"({_H}:){{1,4}}:{_OCTET}(\.{_OCTET}){{3}}",
 ])
-_DUR_DATE = r"\d+Y(\d+M)?(\d+D)?|\d+M(\d+D)?|\d+D"
-_DUR_TIME = r"T(\d+H(\d+M)?(\d+S)?|\d+M(\d+S)?|\d+S)"
+_DUR_DATE = r"\d+Y(\d+M(\d+D)?)?|\d+M(\d+D)?|\d+D"
+_DUR_TIME = r"T(\d+H(\d+M(\d+S)?)?|\d+M(\d+S)?|\d+S)"
 FORMATS = {
     "date": _DATE, "time": _TIME, "date-time": rf"{_DATE}[Tt]{_TIME}",
     "duration": rf"P(({_DUR_DATE})({_DUR_TIME})?|{_DUR_TIME}|\d+W)",

@@ -25,6 +25,8 @@ except ImportError:  # pragma: no cover - Python 3.10
 _DIGIT = ((48, 57),)
 _WORD = ((48, 57), (65, 90), (95, 95), (97, 122))
 _SPACE = ((9, 13), (32, 32))
+_ECMA_SPACE = ((9, 13), (32, 32), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A), (0x2028, 0x2029),
+               (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000), (0xFEFF, 0xFEFF))
 _CATEGORIES = {
     C.CATEGORY_DIGIT: (_DIGIT, False), C.CATEGORY_NOT_DIGIT: (_DIGIT, True),
     C.CATEGORY_WORD: (_WORD, False), C.CATEGORY_NOT_WORD: (_WORD, True),
@@ -36,8 +38,10 @@ _UNSUPPORTED = {
 }
 
 
-def parse_regex(pattern: str, *, dotall: bool = False):
+def parse_regex(pattern: str, *, dotall: bool = False, ecma: bool = False):
     """Parse a Python regex into an AST node matching exactly the strings ``re.fullmatch`` accepts.
+
+    ``ecma=True`` gives ``\\s``/``\\S`` ECMA-262's Unicode white space (JSON Schema ``pattern``).
 
     Raises:
         GrammarError: invalid syntax, or a construct that is not regular (message names it).
@@ -49,12 +53,16 @@ def parse_regex(pattern: str, *, dotall: bool = False):
     except (re.error, OverflowError, RecursionError) as e:
         raise GrammarError(f"invalid regex {pattern!r}: {e}") from None
     flags = tree.state.flags
-    return _Converter(pattern).seq(list(tree), flags, top=True)
+    return _Converter(pattern, ecma).seq(list(tree), flags, top=True)
 
 
 class _Converter:
-    def __init__(self, pattern: str):
+    def __init__(self, pattern: str, ecma: bool = False):
         self.pattern = pattern
+        self.categories = dict(_CATEGORIES)
+        if ecma:
+            self.categories[C.CATEGORY_SPACE] = (_ECMA_SPACE, False)
+            self.categories[C.CATEGORY_NOT_SPACE] = (_ECMA_SPACE, True)
 
     def fail(self, what: str):
         raise GrammarError(f"regex {self.pattern!r}: {what} is not supported (not a regular language)")
@@ -124,7 +132,7 @@ class _Converter:
             elif op == C.RANGE:
                 ivs.append(av)
             elif op == C.CATEGORY:
-                base, neg = _CATEGORIES.get(av, (None, None))
+                base, neg = self.categories.get(av, (None, None))
                 if base is None:
                     self.fail(f"character category {av}")
                 ivs.extend(A.complement(base) if neg else base)

@@ -17,13 +17,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import SgliteError
+from ..errors import GrammarError, SgliteError
 
 logger = logging.getLogger("sglite.server")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 500: "internal_server_error",
           503: "service_unavailable"}
+_CONSTRAINTS = ("regex", "json_schema", "ebnf", "lark")
 
 
 class ApiError(Exception):
@@ -73,8 +74,11 @@ def from_value_error(exc: ValueError, rename: Optional[dict] = None, prefix: str
         field = api
     elif field:
         field = f"{prefix}{field}"
-    if field is None and type(exc).__name__ == "GrammarError":
-        field = "grammar"
+    if field is None and isinstance(exc, GrammarError):
+        head = msg.split(":", 1)[0].strip()
+        field = head if head in _CONSTRAINTS else "grammar"
+        if rename and field in rename:
+            field = rename[field]
     return ApiError(msg, 400, param=field)
 
 

@@ -68,6 +68,11 @@ def build_items(req: GenerateRequest, client: EngineClient) -> tuple[list[GenIte
             client.validate(sp)
         except ValueError as e:
             raise from_value_error(e, prefix="sampling_params.") from e
+        if "input_ids" in p:
+            try:
+                client.check_ids(p["input_ids"], "input_ids")
+            except ValueError as e:
+                raise from_value_error(e) from e
         n = int(sp.pop("n", 1) or 1)
         rid = rids[i] if rids else (base if not batch else f"{base}_{i}")
         for j in range(n):

@@ -48,7 +48,7 @@ def _echo_texts(ctx: OpenAIContext, req: CompletionRequest, prompts: list[dict])
     return out
 
 
-def _prepare(ctx: OpenAIContext, req: CompletionRequest) -> tuple[list[GenItem], list[str], int]:
+def _prepare(ctx: OpenAIContext, req: CompletionRequest) -> tuple[list[GenItem], list[str], int, dict]:
     check_model(req.model, ctx.names)
     if req.suffix:
         raise ApiError("suffix: not supported", param="suffix")
@@ -70,9 +70,9 @@ def _prepare(ctx: OpenAIContext, req: CompletionRequest) -> tuple[list[GenItem],
     ctx_len = ctx.client.context_length
     if longest is not None and ctx_len and longest >= ctx_len:
         raise ApiError(f"prompt: {longest} tokens exceed the context length ({ctx_len} tokens)", param="prompt")
-    sp = sampling_params(req, req.max_tokens, "max_tokens", ctx.client, prompt_tokens=longest)
+    sp, rename = sampling_params(req, req.max_tokens, "max_tokens", ctx.client, prompt_tokens=longest)
     items = fan_out(prompts, sp, req.n, req.rid or uuid.uuid4().hex, k)
-    return items, _echo_texts(ctx, req, prompts), k
+    return items, _echo_texts(ctx, req, prompts), k, rename
 
 
 def _completion_choice(i: int, out: dict, echo: str, k: int) -> dict:
@@ -129,11 +129,11 @@ def build_openai_router(ctx: OpenAIContext) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        items, echoes, k = _prepare(ctx, req)
+        items, echoes, k, rename = _prepare(ctx, req)
         if req.stream:
-            streams = await open_items(ctx, items, req.n)
+            streams = await open_items(ctx, items, req.n, rename)
             return sse_response(_completion_events(ctx, req, streams, echoes, k))
-        outs = await run_items(ctx, request, items, req.n)
+        outs = await run_items(ctx, request, items, req.n, rename)
         choices = [_completion_choice(i, o, echoes[i // req.n], k) for i, o in enumerate(outs)]
         return JSONResponse({"id": new_id("cmpl"), "object": "text_completion", "created": now(),
                              "model": ctx.model_name, "choices": choices, "usage": usage_of(outs, req.n)})

@@ -68,11 +68,12 @@ def _prepare(ctx, req: ChatCompletionRequest):
         max_tokens, field = req.max_completion_tokens, "max_completion_tokens"
     else:
         max_tokens, field = req.max_tokens, "max_tokens"
-    sp = sampling_params(req, max_tokens, field, ctx.client, prompt_tokens=ptoks)
+    sp, rename = sampling_params(req, max_tokens, field, ctx.client, prompt_tokens=ptoks)
     if plan.mode == "forced":
         sp["json_schema"] = json.dumps(plan.schema)
+        rename["json_schema"] = "tools"
     items = fan_out([{"prompt": prompt}], sp, req.n, req.rid or uuid.uuid4().hex, k)
-    return items, plan, k
+    return items, plan, k, rename
 
 
 def _chat_choice(i: int, out: dict, plan: ToolPlan, k: int) -> dict:
@@ -131,11 +132,11 @@ def add_chat_route(router: APIRouter, ctx) -> None:
     """Register ``POST /v1/chat/completions`` on ``router``, bound to ``ctx`` (an OpenAIContext)."""
     @router.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        items, plan, k = _prepare(ctx, req)
+        items, plan, k, rename = _prepare(ctx, req)
         if req.stream:
-            streams = await open_items(ctx, items, req.n)
+            streams = await open_items(ctx, items, req.n, rename)
             return sse_response(_chat_events(ctx, req, streams, plan, k))
-        outs = await run_items(ctx, request, items, req.n)
+        outs = await run_items(ctx, request, items, req.n, rename)
         choices = [_chat_choice(i, o, plan, k) for i, o in enumerate(outs)]
         return JSONResponse({"id": new_id("chatcmpl"), "object": "chat.completion", "created": now(),
                              "model": ctx.model_name, "choices": choices, "usage": usage_of(outs, req.n)})

@@ -8,7 +8,6 @@ from fastapi import Request
 
 from .engine_client import EngineClient, GenItem, until_disconnect
 from .errors import from_value_error
-from .openai_params import RENAME
 
 
 @dataclass
@@ -21,7 +20,8 @@ class OpenAIContext:
     warm_prefix_for_n: bool = True
 
 
-async def run_items(ctx: OpenAIContext, request: Request, items: list[GenItem], n: int) -> list[dict]:
+async def run_items(ctx: OpenAIContext, request: Request, items: list[GenItem], n: int,
+                    rename: dict) -> list[dict]:
     """Warm the prefixes (``n > 1``), then run every item; cancelled if the client leaves."""
     async def go():
         await warm(ctx, items, n)
@@ -29,16 +29,16 @@ async def run_items(ctx: OpenAIContext, request: Request, items: list[GenItem], 
     try:
         return await until_disconnect(request.receive, go())
     except ValueError as e:
-        raise from_value_error(e, RENAME) from e
+        raise from_value_error(e, rename) from e
 
 
-async def open_items(ctx: OpenAIContext, items: list[GenItem], n: int):
+async def open_items(ctx: OpenAIContext, items: list[GenItem], n: int, rename: dict):
     """Warm the prefixes (``n > 1``), then open a stream per item (400 on bad input)."""
     try:
         await warm(ctx, items, n)
         return await ctx.client.open_streams(items)
     except ValueError as e:
-        raise from_value_error(e, RENAME) from e
+        raise from_value_error(e, rename) from e
 
 
 async def warm(ctx: OpenAIContext, items: list[GenItem], n: int) -> None:

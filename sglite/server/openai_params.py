@@ -12,8 +12,14 @@ from .engine_client import EngineClient, GenItem
 from .errors import ApiError, from_value_error
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
-RENAME = {"max_new_tokens": "max_tokens", "sampling_seed": "seed", "min_new_tokens": "min_tokens",
-          "json_schema": "response_format", "n": "n"}
+
+
+def renames(max_field: str = "max_tokens", schema_field: str = "response_format") -> dict:
+    """Engine field -> OpenAI field, for error messages and ``param``."""
+    return {"max_new_tokens": max_field, "sampling_seed": "seed", "min_new_tokens": "min_tokens",
+            "json_schema": schema_field}
+
+
 _PASS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
          "repetition_penalty", "stop_token_ids", "logit_bias", "regex", "ebnf")
 
@@ -41,8 +47,9 @@ def _response_format_schema(req) -> Optional[str]:
 
 
 def sampling_params(req, max_tokens: Optional[int], max_field: str, client: EngineClient,
-                    prompt_tokens: Optional[int] = None) -> dict:
-    """Engine sampling params of an OpenAI request (validated; ``n`` is left out).
+                    prompt_tokens: Optional[int] = None) -> tuple[dict, dict]:
+    """Engine sampling params of an OpenAI request (validated; ``n`` is left out), and the
+    engine-field -> request-field renames for later errors (see :func:`renames`).
 
     Raises:
         ApiError: 400 naming the OpenAI field.
@@ -74,18 +81,20 @@ def sampling_params(req, max_tokens: Optional[int], max_field: str, client: Engi
         sp["skip_special_tokens"] = False
     schema = _response_format_schema(req)
     own = getattr(req, "json_schema", None)
+    rename = renames(max_field, "response_format")
     if own is not None:
         if schema is not None:
             raise ApiError("json_schema: only one constraint may be set, got json_schema and response_format",
                            param="json_schema")
         schema = own if isinstance(own, str) else json.dumps(own)
+        rename["json_schema"] = "json_schema"
     if schema is not None:
         sp["json_schema"] = schema
     try:
         client.validate({**sp, "n": req.n})
     except ValueError as e:
-        raise from_value_error(e, RENAME) from e
-    return sp
+        raise from_value_error(e, rename) from e
+    return sp, rename
 
 
 def fan_out(prompts: list[dict], sp: dict, n: int, base_rid: str, logprobs: int) -> list[GenItem]:

@@ -1,0 +1,108 @@
+"""`sglite` command line: serve | generate | run | bench | kv-estimate."""
+from __future__ import annotations
+
+import argparse
+import json
+import runpy
+import sys
+
+
+def _cmd_kv_estimate(args) -> int:
+    from .kv_estimate import estimate, format_estimate, load_config
+
+    if not args.model_path and not args.config and not args.default_model:
+        print("kv-estimate: give --model-path, --config or --default-model", file=sys.stderr)
+        return 2
+    cfg = load_config(args.model_path, args.config)
+    print(format_estimate(estimate(cfg, args.seq_len, args.batch, args.dtype)))
+    return 0
+
+
+def _cmd_generate(args) -> int:
+    from .runtime.engine import Engine
+
+    params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
+    if args.regex:
+        params["regex"] = args.regex
+    if args.json_schema:
+        params["json_schema"] = args.json_schema
+    with Engine(model_path=args.model_path, dtype=args.dtype) as e:
+        prompt = args.prompt
+        if args.chat:
+            prompt = e.apply_chat_template([{"role": "user", "content": prompt}])
+        out = e.generate(prompt, params)
+    print(json.dumps(out, indent=2) if args.json else out["text"])
+    return 0
+
+
+def _cmd_serve(argv) -> int:
+    from .server.launch import main as serve_main
+
+    serve_main(argv)
+    return 0
+
+
+def _cmd_run(args) -> int:
+    sys.argv = [args.script] + args.script_args
+    runpy.run_path(args.script, run_name="__main__")
+    return 0
+
+
+BENCHES = {
+    "offline": "sglite.bench.offline",
+    "serving": "sglite.bench.serving",
+    "sweep": "sglite.bench.sweep",
+    "grammar": "sglite.bench.grammar",
+}
+
+
+def _cmd_bench(argv) -> int:
+    import importlib
+
+    if not argv or argv[0] not in BENCHES:
+        print(f"usage: sglite bench {{{'|'.join(BENCHES)}}} [options]", file=sys.stderr)
+        return 2
+    mod = importlib.import_module(BENCHES[argv[0]])
+    return mod.main(argv[1:]) or 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "serve":
+        return _cmd_serve(argv[1:])
+    if argv and argv[0] == "bench":
+        return _cmd_bench(argv[1:])
+    p = argparse.ArgumentParser(prog="sglite", description="sglite: structured generation runtime")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("serve", help="start the HTTP server (see `sglite serve --help`)")
+    sub.add_parser("bench", help="benchmarks: offline | serving | sweep | grammar")
+    k = sub.add_parser("kv-estimate", help="KV-cache bytes per token and totals")
+    k.add_argument("--model-path")
+    k.add_argument("--config", help="a HF config.json")
+    k.add_argument("--default-model", action="store_true")
+    k.add_argument("--seq-len", type=int, default=4096)
+    k.add_argument("--batch", type=int, default=16)
+    k.add_argument("--dtype", default="float16")
+    g = sub.add_parser("generate", help="one generation on a model")
+    g.add_argument("prompt")
+    g.add_argument("--model-path")
+    g.add_argument("--dtype", default="auto")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--regex")
+    g.add_argument("--json-schema")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("--json", action="store_true", help="print the whole output dict")
+    r = sub.add_parser("run", help="run a Python program (e.g. an @function script)")
+    r.add_argument("script")
+    r.add_argument("script_args", nargs=argparse.REMAINDER)
+    args = p.parse_args(argv)
+    try:
+        return {"kv-estimate": _cmd_kv_estimate, "generate": _cmd_generate, "run": _cmd_run}[args.cmd](args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

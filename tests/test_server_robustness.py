@@ -1,0 +1,174 @@
+"""Bad requests get OpenAI-shaped 400s naming the field; disconnects abort; API key; body cap."""
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from sglite.server.runner import ServerThread
+from sglite.server.settings import ServerConfig
+from sglite.server.testing import FakeEngine
+
+MSG = [{"role": "user", "content": "hi"}]
+CHAT, COMP, GEN = "/v1/chat/completions", "/v1/completions", "/generate"
+
+BAD = [  # (route, body, field that must be named)
+    (CHAT, {"model": "gpt-9", "messages": MSG}, "model"),
+    (CHAT, {"messages": []}, "messages"),
+    (CHAT, {}, "messages"),
+    (CHAT, {"messages": MSG, "max_tokens": 0}, "max_tokens"),
+    (CHAT, {"messages": MSG, "max_tokens": -3}, "max_tokens"),
+    (CHAT, {"messages": MSG, "max_tokens": 10 ** 7}, "max_tokens"),
+    (CHAT, {"messages": MSG, "max_completion_tokens": -1}, "max_completion_tokens"),
+    (COMP, {"prompt": "hi", "max_tokens": 511}, "max_tokens"),  # prompt + max_tokens past context
+    (CHAT, {"messages": MSG, "n": 0}, "n"),
+    (CHAT, {"messages": MSG, "temperature": -0.5}, "temperature"),
+    (CHAT, {"messages": MSG, "temperature": "hot"}, "temperature"),
+    (CHAT, {"messages": MSG, "top_p": 0}, "top_p"),
+    (CHAT, {"messages": MSG, "top_p": 1.5}, "top_p"),
+    (CHAT, {"messages": MSG, "regex": "a+", "ebnf": 'root ::= "a"'}, "ebnf"),
+    (CHAT, {"messages": MSG, "regex": "a+", "response_format": {"type": "json_object"}}, "response_format"),
+    (COMP, {"prompt": "x", "json_schema": {"type": "object"}, "response_format": {"type": "json_object"}},
+     "json_schema"),
+    (CHAT, {"messages": MSG, "stop": [""]}, "stop"),
+    (CHAT, {"messages": MSG, "stop": ""}, "stop"),
+    (CHAT, {"messages": MSG, "regex": "(unclosed"}, "regex"),
+    (COMP, {"prompt": "x", "json_schema": "{not json"}, "json_schema"),
+    (COMP, {"prompt": "x", "ebnf": "no rules here"}, "ebnf"),
+    (COMP, {"prompt": "x" * 600}, "prompt"),
+    (COMP, {"prompt": [], "max_tokens": 2}, "prompt"),
+    (COMP, {"prompt": [1, 2, 99999]}, "prompt"),
+    (COMP, {"prompt": "x", "logprobs": 50}, "logprobs"),
+    (CHAT, {"messages": [{"role": "user", "content": "x" * 600}]}, "messages"),
+    (CHAT, {"messages": MSG, "tool_choice": "required"}, "tool_choice"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice.function.name"),
+    (CHAT, {"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "xml"}}, "response_format.type"),
+    (CHAT, {"messages": MSG, "logit_bias": {"5": 500}}, "logit_bias"),
+    (GEN, {"sampling_params": {}}, "text"),
+    (GEN, {"text": "x", "input_ids": [1]}, "text"),
+    (GEN, {"text": "x", "sampling_params": {"temprature": 1}}, "temprature"),
+    (GEN, {"text": "x", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+    (GEN, {"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
+    (GEN, {"input_ids": [1, -4]}, "input_ids"),
+    (GEN, {"text": []}, "text"),
+    ("/abort_request", {}, "rid"),
+]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerThread(FakeEngine(context_length=512, step_delay=0.002)) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("route,body,field", BAD, ids=[f"{r}:{f}" for r, _, f in BAD])
+def test_bad_request_is_400_naming_field(server, route, body, field):
+    r = httpx.post(server.url + route, json=body, timeout=10)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert field in err["message"], err
+    assert err["param"] is not None and field.split(".")[0] in err["param"], err
+    assert err["type"] == "invalid_request_error"
+
+
+def test_malformed_json_and_wrong_content(server):
+    r = httpx.post(server.url + CHAT, content=b'{"messages": [', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(server.url + GEN, content=b"[1, 2", headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    r = httpx.get(server.url + "/nope")
+    assert r.status_code == 404 and r.json()["error"]["message"]
+
+
+def test_server_healthy_after_bad_requests(server):
+    for route, body, _ in BAD[:10]:
+        httpx.post(server.url + route, json=body)
+    assert httpx.get(server.url + "/health").status_code == 200
+    r = httpx.post(server.url + CHAT, json={"messages": MSG, "max_tokens": 4})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    info = httpx.get(server.url + "/get_server_info").json()
+    assert info["available_tokens"] == info["max_total_tokens"]
+
+
+def test_openai_client_sees_bad_request(server):
+    cl = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        cl.chat.completions.create(model="fake-model", messages=MSG, temperature=-1)
+    assert "temperature" in str(e.value)
+
+
+def _wait(pred, timeout=3.0):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if pred():
+            return time.monotonic() - t0
+        time.sleep(0.005)
+    raise AssertionError("condition not reached")
+
+
+@pytest.mark.parametrize("route,body", [
+    (CHAT, {"messages": MSG, "max_tokens": 400, "ignore_eos": True, "stream": True, "rid": "gone-chat"}),
+    (GEN, {"text": "x", "stream": True, "rid": "gone-gen", "sampling_params": {"max_new_tokens": 400,
+                                                                               "ignore_eos": True}}),
+])
+def test_stream_disconnect_aborts_within_a_step(route, body):
+    eng = FakeEngine(step_delay=0.02)
+    with ServerThread(eng) as srv:
+        with httpx.stream("POST", srv.url + route, json=body) as r:
+            lines = r.iter_lines()
+            got = [ln for ln, _ in zip(lines, range(6))]
+            assert any(ln.startswith("data: {") for ln in got)
+            assert len(eng._held) == 1
+            t_close = time.monotonic()
+        _wait(lambda: eng.aborted)
+        assert time.monotonic() - t_close < 0.5  # a few 20 ms steps at most
+        assert eng.aborted[0].startswith(body["rid"])
+        _wait(lambda: eng.get_server_info()["available_tokens"] == eng.max_total_tokens)
+
+
+def test_non_stream_disconnect_aborts():
+    eng = FakeEngine(step_delay=0.02)
+    with ServerThread(eng) as srv:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(srv.url + COMP, json={"prompt": "x", "max_tokens": 400, "ignore_eos": True, "rid": "nst"},
+                       timeout=0.3)
+        _wait(lambda: eng.aborted)
+        assert eng.aborted[0].startswith("nst")
+        _wait(lambda: not eng._held)
+
+
+def test_api_key_required():
+    with ServerThread(FakeEngine(), ServerConfig(port=0, api_key="sekret")) as srv:
+        assert httpx.get(srv.url + "/health").status_code == 200
+        r = httpx.get(srv.url + "/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        r = httpx.post(srv.url + GEN, json={"text": "x"}, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0).models.list()
+        ok = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekret", max_retries=0)
+        assert ok.completions.create(model="fake-model", prompt="x", max_tokens=2).usage.completion_tokens == 2
+        assert httpx.get(srv.url + "/get_server_info", headers={"Authorization": "Bearer sekret"}).json()[
+            "api_key"] == "***"
+
+
+def test_body_size_capped():
+    with ServerThread(FakeEngine(), ServerConfig(port=0, max_request_bytes=4096)) as srv:
+        big = {"prompt": "x" * 8000, "max_tokens": 1}
+        r = httpx.post(srv.url + COMP, json=big)
+        assert r.status_code == 413 and "4096" in r.json()["error"]["message"]
+
+        def chunks():  # no content-length: chunked transfer
+            data = json.dumps(big).encode()
+            for i in range(0, len(data), 1000):
+                yield data[i:i + 1000]
+        r = httpx.post(srv.url + COMP, content=chunks(), headers={"content-type": "application/json"})
+        assert r.status_code == 413
+        assert httpx.post(srv.url + COMP, json={"prompt": "x", "max_tokens": 1}).status_code == 200

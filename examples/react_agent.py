@@ -46,7 +46,7 @@ def agent(s, question, max_steps=3, max_tokens=24):
             break
         tool, schema = TOOLS[action]
         with s.assistant():
-            s += "Arguments: " + sglite.gen(f"args{step}", json_schema=schema, max_tokens=max_tokens + 16)
+            s += "Arguments: " + sglite.gen(f"args{step}", json_schema=schema, max_tokens=64)
         args = json.loads(s[f"args{step}"])
         s += sglite.user("Observation: " + tool(**args))
     s += sglite.assistant("Final answer: " + sglite.gen("answer", max_tokens=max_tokens, stop="\n"))

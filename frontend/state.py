@@ -10,8 +10,6 @@ import contextlib
 import threading
 from typing import Iterator, Optional
 
-from sglite.errors import SgliteError
-
 from .executor import StreamExecutor
 from .ir import ExprList, RoleBegin, RoleEnd, VarScopeBegin, VarScopeEnd
 
@@ -267,10 +265,3 @@ class ProgramStateGroup:
         """Each branch's whole text."""
         return [s.text() for s in self.states]
 
-
-def raise_if_failed(state: ProgramState) -> ProgramState:
-    """Return ``state``; raise its error (SgliteError wrapping) if the program failed."""
-    err = state.error()
-    if err is not None:
-        raise SgliteError(f"program failed: {err}") from err
-    return state

@@ -27,8 +27,11 @@ from .state import RoleMixin
 MAX_TRACE_OPS = 20_000
 
 
-class StopTrace(Exception):
-    """Raised inside a strict trace when the program reads a value only a backend can produce."""
+class StopTrace(BaseException):
+    """Raised inside a strict trace when the program reads a value only a backend can produce.
+
+    A BaseException, so a broad ``except Exception`` in the program body cannot swallow it.
+    """
 
 
 class _TraceContext:

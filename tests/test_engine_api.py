@@ -159,3 +159,25 @@ def test_flush_cache_empties_tree(engine):
     assert engine.flush_cache() is True
     info = engine.get_server_info()
     assert info["evictable_tokens"] == 0 and info["free_tokens"] == info["max_total_tokens"]
+
+
+def test_flush_cache_refused_while_requests_run(engine):
+    it = engine.generate("keep running", {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True},
+                         stream=True, rid="long-runner")
+    next(it)
+    assert engine.flush_cache() is False
+    engine.abort("long-runner")
+    last = list(it)[-1]
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert engine.flush_cache() is True
+
+
+def test_engine_options_are_validated(tiny_model_dir):
+    from sglite import Engine
+
+    with pytest.raises(ValueError, match="schedule_policy"):
+        Engine(model_path=str(tiny_model_dir), schedule_policy="random-ish")
+    with pytest.raises(ValueError, match="unknown engine option"):
+        Engine(model_path=str(tiny_model_dir), max_running_requestz=3)
+    with pytest.raises(ValueError, match="does not exist"):
+        Engine(model_path="/nonexistent/model.gguf")

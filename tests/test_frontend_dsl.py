@@ -326,3 +326,39 @@ def test_n_gives_list_and_first_continues(fb):
     assert isinstance(st["a"], list) and len(st["a"]) == 3
     assert st.text() == "x" + st["a"][0] and len(st.get_meta_info("a")) == 3
     assert re.fullmatch(r"ans\d+", st["a"][1])
+
+
+def test_prefix_trace_survives_broad_except_and_stream_body_errors(fb):
+    @sglite.function
+    def prog(s):
+        s += "a" + sglite.gen("x", max_tokens=3)
+        try:
+            value = s["x"]
+        except Exception:  # must not swallow the tracer's stop
+            value = "swallowed"
+        s += "|" + value
+        if value == "swallowed":
+            raise AssertionError("the prefix trace leaked into the program")
+
+    st = prog.run(backend=fb)
+    assert st.text() == "a" + st["x"] + "|" + st["x"]
+
+    @sglite.function
+    def boom(s):
+        s += "a" + sglite.gen("x", max_tokens=3)
+        s["x"]
+        raise RuntimeError("body failed")
+
+    st = boom.run(backend=fb, stream=True)
+    assert "".join(st.text_iter()) == st.text()
+    assert isinstance(st.error(), RuntimeError)
+
+
+def test_frontend_never_imports_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, sglite, sglite.frontend, sglite.frontend.testing\n"
+            "sglite.function; sglite.gen('x'); sglite.RuntimeEndpoint\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -172,3 +172,16 @@ def test_body_size_capped():
         r = httpx.post(srv.url + COMP, content=chunks(), headers={"content-type": "application/json"})
         assert r.status_code == 413
         assert httpx.post(srv.url + COMP, json={"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+def test_engine_crash_is_500_and_connection_survives():
+    eng = FakeEngine()
+
+    async def boom(*a, **k):
+        raise RuntimeError("kaput")
+    eng.async_generate = boom
+    with ServerThread(eng) as srv, httpx.Client(base_url=srv.url) as c:
+        r = c.post(GEN, json={"text": "x"})
+        assert r.status_code == 500 and "RuntimeError" in r.json()["error"]["message"]
+        assert c.get("/health").status_code == 200  # same keep-alive connection
+        assert 'status="500"' in c.get("/metrics").text

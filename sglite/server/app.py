@@ -13,7 +13,7 @@ from .. import __version__
 from .engine_client import EngineClient
 from .errors import install_error_handlers
 from .metrics import ServerMetrics
-from .middleware import ApiKeyMiddleware, BodyLimitMiddleware, HttpMetricsMiddleware
+from .middleware import ApiKeyMiddleware, BodyLimitMiddleware, HttpMetricsMiddleware, InternalErrorMiddleware
 from .native_api import build_native_router, public_server_info
 from .openai_api import build_openai_router
 from .openai_common import OpenAIContext
@@ -31,7 +31,8 @@ def served_model_name(model_info: dict, config: ServerConfig) -> str:
 def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     """Build the HTTP app for ``engine`` (an object with the ``sglite.Engine`` contract).
 
-    Middleware, outermost first: HTTP metrics, API key (when ``config.api_key``), body cap.
+    Middleware, outermost first: 500 on unexpected errors, HTTP metrics, API key (when
+    ``config.api_key``), body cap.
     """
     config = config or ServerConfig()
     metrics = ServerMetrics(engine.get_server_info)
@@ -49,4 +50,5 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     app.add_middleware(HttpMetricsMiddleware, metrics=metrics)
+    app.add_middleware(InternalErrorMiddleware)
     return app

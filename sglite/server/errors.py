@@ -8,7 +8,6 @@ unexpected is 500 with a generic message (the traceback goes to the log only).
 """
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any, Optional
 
@@ -19,7 +18,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import GrammarError, SgliteError
 
-logger = logging.getLogger("sglite.server")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 500: "internal_server_error",
@@ -122,11 +120,6 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(str(exc.detail), exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("internal error: %s", exc)
-        return error_response(f"internal server error: {type(exc).__name__}", 500)
 
 
 def jsonable(obj: Any) -> Any:

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 from typing import Optional
 
 from .errors import error_body
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
+logger = logging.getLogger("sglite.server")
 
 
 async def _send_error(send, status: int, message: str, param: Optional[str] = None) -> None:
@@ -100,3 +102,32 @@ class HttpMetricsMiddleware:
             route = scope.get("route")
             path = getattr(route, "path", None) or "unmatched"
             self.metrics.observe_http(path, status["code"])
+
+
+class InternalErrorMiddleware:
+    """Turn an unexpected exception into a 500 error body, without re-raising.
+
+    (Starlette's own handler re-raises after answering, which makes uvicorn drop the
+    keep-alive connection.) If the response has already started, the error is only logged.
+    """
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_wrapper(msg):
+            nonlocal started
+            if msg["type"] == "http.response.start":
+                started = True
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        except Exception as exc:  # noqa: BLE001 - the server must keep serving
+            logger.exception("internal error on %s: %s", scope.get("path"), exc)
+            if not started:
+                await _send_error(send, 500, f"internal server error: {type(exc).__name__}: {exc}")

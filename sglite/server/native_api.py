@@ -140,7 +140,8 @@ def build_native_router(client: EngineClient, metrics, server_info: dict) -> API
         info["version"] = __version__
         return info
 
-    @router.api_route("/flush_cache", methods=["GET", "POST"])
+    @router.get("/flush_cache", operation_id="flush_cache_get")
+    @router.post("/flush_cache", operation_id="flush_cache_post")
     async def flush_cache():
         ok = await asyncio.to_thread(client.engine.flush_cache)
         if not ok:
@@ -160,7 +161,7 @@ def build_native_router(client: EngineClient, metrics, server_info: dict) -> API
 
     @router.get("/metrics")
     async def metrics_route():
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+        return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE)
 
     return router
 

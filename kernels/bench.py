@@ -177,7 +177,7 @@ def build_cases(cfg: BenchConfig, impls: List[str]) -> List[Case]:
     for label, sargs, note in [
             ("masked sampling", sampling_args(0.8, 1.0, 0, 0.0), "temperature 0.8 + grammar mask (headline)"),
             ("masked greedy", sampling_args(0.0, 1.0, 0, 0.0), "argmax + grammar mask"),
-            ("masked top-k/top-p", sampling_args(0.8, 0.9, 50, 0.05), "bisection path (34 passes)")]:
+            ("masked top-k/top-p", sampling_args(0.8, 0.9, 50, 0.05), "threshold search (11 passes)")]:
         cases.append(Case(f"sample ({label})", f"B={B} V={V}",
                           bind("sample", logits, *sargs, mask), bytes_moved=read, note=note))
     return cases

@@ -33,8 +33,10 @@ def _gather_kv(k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, max
     pos = torch.arange(max_len, device=rows.device)  # [L]
     valid = pos[None, :] < seq_lens[:, None]  # [B, L] bool
     rows = torch.where(valid, rows, torch.zeros_like(rows))  # [B, L]
-    k = k_buffer[rows]  # [B, L, Hkv, D]
-    v = v_buffer[rows]  # [B, L, Hkv, D]
+    B, L = rows.shape
+    flat = rows.reshape(-1)  # [B*L]; index_select is much faster than 2-D advanced indexing on CPU
+    k = k_buffer.index_select(0, flat).view(B, L, *k_buffer.shape[1:])  # [B, L, Hkv, D]
+    v = v_buffer.index_select(0, flat).view(B, L, *v_buffer.shape[1:])  # [B, L, Hkv, D]
     return k, v, valid
 
 
@@ -99,8 +101,8 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     for row, p, e in zip(rlist, plist, elist):
         total = p + e
         slots = req_to_token[row, :total].long()  # [T]
-        k = k_buffer[slots].transpose(0, 1)  # [Hkv, T, D]
-        v = v_buffer[slots].transpose(0, 1)  # [Hkv, T, D]
+        k = k_buffer.index_select(0, slots).transpose(0, 1)  # [Hkv, T, D]
+        v = v_buffer.index_select(0, slots).transpose(0, 1)  # [Hkv, T, D]
         qi = q[start:start + e].transpose(0, 1)  # [Hq, e, D]
         # causal mask with offset: query i sees keys 0 .. p + i
         qpos = torch.arange(e, device=q.device)[:, None] + p  # [e, 1]
@@ -176,19 +178,27 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tenso
     out = x.argmax(dim=-1)  # [B]
     if bool(greedy.all()):
         return out
-    t = torch.where(greedy, torch.ones_like(temperatures), temperatures).float()  # [B]
-    probs = torch.softmax(x / t[:, None], dim=-1)  # [B, V]
-    sorted_p, sorted_idx = probs.sort(dim=-1, descending=True)  # [B, V]
-    ranks = torch.arange(V, device=x.device)[None, :]  # [1, V]
-    k = torch.where((top_ks <= 0) | (top_ks >= V), torch.full_like(top_ks, V), top_ks)  # [B]
-    keep = ranks < k[:, None]  # [B, V]
-    cum = sorted_p.cumsum(dim=-1)  # [B, V]
-    keep &= (cum - sorted_p) < top_ps[:, None]  # [B, V] mass before this token < top_p
-    keep &= sorted_p >= (min_ps[:, None] * sorted_p[:, :1])  # [B, V]
-    keep[:, 0] = True
-    sorted_p = sorted_p.masked_fill(~keep, 0.0)  # [B, V]
-    noise = _row_noise(seeds, positions, V, x.device)  # [B, V] indexed by token id
-    noise_sorted = noise.gather(1, sorted_idx)  # [B, V]
-    choice = (sorted_p / noise_sorted).argmax(dim=-1)  # [B]
-    sampled = sorted_idx.gather(1, choice[:, None]).squeeze(1)  # [B]
-    return torch.where(greedy, out, sampled)
+    # every step below is per row: compute it for the sampling rows only
+    sr = (~greedy).nonzero().squeeze(1)  # [Bs] sampling rows
+    xs = x.index_select(0, sr)  # [Bs, V]
+    t = temperatures.index_select(0, sr).float()  # [Bs]
+    probs = torch.softmax(xs / t[:, None], dim=-1)  # [Bs, V]
+    top = probs.argmax(dim=-1, keepdim=True)  # [Bs, 1] always kept
+    keep = probs >= min_ps.index_select(0, sr)[:, None] * probs.gather(1, top)  # [Bs, V] min-p
+    top_ks, top_ps = top_ks.index_select(0, sr), top_ps.index_select(0, sr)  # [Bs]
+    k_on = (top_ks > 0) & (top_ks < V)  # [Bs]
+    ranked = (k_on | (top_ps < 1.0)).nonzero().squeeze(1)  # [Br] rows needing a sort
+    if ranked.numel():
+        sorted_p, sorted_idx = probs.index_select(0, ranked).sort(dim=-1, descending=True)  # [Br, V]
+        ranks = torch.arange(V, device=x.device)[None, :]  # [1, V]
+        k = torch.where(k_on, top_ks, torch.full_like(top_ks, V)).index_select(0, ranked)  # [Br]
+        keep_sorted = ranks < k[:, None]  # [Br, V]
+        cum = sorted_p.cumsum(dim=-1)  # [Br, V]
+        keep_sorted &= (cum - sorted_p) < top_ps.index_select(0, ranked)[:, None]  # mass before < top_p
+        keep_rank = torch.zeros_like(keep_sorted).scatter_(1, sorted_idx, keep_sorted)  # [Br, V] by id
+        keep[ranked] &= keep_rank
+    keep.scatter_(1, top, True)  # [Bs, V]
+    probs = probs.masked_fill(~keep, 0.0)  # [Bs, V]
+    noise = _row_noise(seeds.index_select(0, sr), positions.index_select(0, sr), V, x.device)  # [Bs, V]
+    out[sr] = (probs / noise).argmax(dim=-1)  # [Bs]
+    return out

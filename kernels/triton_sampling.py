@@ -7,8 +7,9 @@ Same signatures and semantics as :mod:`sglite.kernels.reference`. The bitmask is
 Sampling algorithm (one program per row, or per tile of rows under the interpreter):
   1. one pass over the vocabulary: masked max / argmax (greedy rows; first index on ties, like
      ``torch.argmax``), fused with the draw for rows without truncation;
-  2. rows with top-k / top-p: the cut-off logit is found by bisection over the order-preserving
-     integer image of float32 (32 passes, exact: it separates any two distinct floats). The
+  2. rows with top-k / top-p: the cut-off logit is found by a 16-ary search over the
+     order-preserving integer image of float32 (8 passes of 15 cut points each, exact: it
+     separates any two distinct floats). The
      kept set {x >= t} keeps the k largest logits (top-k) and the shortest prefix of the sorted
      distribution whose mass reaches top_p (top-p, Holtzman et al. 2020), whichever is smaller;
      min-p (Nguyen et al. 2024) keeps p >= min_p * p_max;
@@ -122,7 +123,7 @@ def _gumbel(seed, pos, offs):
 @triton.jit
 def _sample_kernel(Logits, Mask, Temp, TopP, TopK, MinP, Seed, Pos, Out, B, V, stride_l, stride_m,
                    HAS_MASK: tl.constexpr, ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
-                   N_BISECT: tl.constexpr):
+                   BLOCK_S: tl.constexpr, RADIX: tl.constexpr, N_PASSES: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)
     rmask = rows < B
@@ -177,27 +178,35 @@ def _sample_kernel(Logits, Mask, Temp, TopP, TopK, MinP, Seed, Pos, Out, B, V, s
                 x, allowed = _load_tile(Logits, Mask, rows, rmask, offs, V, stride_l, stride_m, HAS_MASK)
                 e = tl.exp((x - xmax[:, None]) * inv_t[:, None])
                 z += tl.sum(tl.where(allowed, e, 0.0), 1)
-        # bisection for the largest key t with count(key >= t) >= k or mass(key >= t) >= top_p * Z
+        # RADIX-ary search for the largest key t with count(key >= t) >= k or mass(key >= t) >=
+        # top_p * Z: each pass tests RADIX - 1 cut points of [lo, hi) at once (invariant: the
+        # condition holds at lo, fails at hi), so 2^32 keys take log_RADIX(2^32) passes
         lo = tl.full([ROWS], -2147483648, tl.int64)
         if any_bisect:
             hi = _order_key(xmax).to(tl.int64) + 1
             k_eff = tl.where(k_on, top_k, V + 1)
             p_eff = tl.where(p_on, top_p * z, float("inf"))
-            for _ in range(N_BISECT):
-                mid = lo + ((hi - lo) >> 1)
-                cnt = tl.zeros([ROWS], tl.int64)
-                mass = tl.zeros([ROWS], tl.float32)
-                for v0 in range(0, V, BLOCK_V):
-                    offs = v0 + tl.arange(0, BLOCK_V)
+            js = tl.arange(0, RADIX).to(tl.int64)  # [RX]
+            for _ in range(N_PASSES):
+                width = hi - lo  # [R]
+                cuts = lo[:, None] + (width[:, None] * js[None, :]) // RADIX  # [R, RX]
+                cnt = tl.zeros([ROWS, RADIX], tl.int64)
+                mass = tl.zeros([ROWS, RADIX], tl.float32)
+                for v0 in range(0, V, BLOCK_S):
+                    offs = v0 + tl.arange(0, BLOCK_S)
                     x, allowed = _load_tile(Logits, Mask, rows, rmask, offs, V, stride_l, stride_m,
                                             HAS_MASK)
-                    sel = allowed & (_order_key(x).to(tl.int64) >= mid[:, None])
+                    key = tl.where(allowed, _order_key(x), -2147483648).to(tl.int64)  # [R, BS]
+                    e = tl.where(allowed, tl.exp((x - xmax[:, None]) * inv_t[:, None]), 0.0)
+                    sel = key[:, :, None] >= cuts[:, None, :]  # [R, BS, RX]
+                    sel = sel & allowed[:, :, None]
                     cnt += tl.sum(sel.to(tl.int64), 1)
-                    e = tl.exp((x - xmax[:, None]) * inv_t[:, None])
-                    mass += tl.sum(tl.where(sel, e, 0.0), 1)
-                ok = (cnt >= k_eff) | (mass >= p_eff)
-                lo = tl.where(ok, mid, lo)
-                hi = tl.where(ok, hi, mid)
+                    mass += tl.sum(tl.where(sel, e[:, :, None], 0.0), 1)
+                ok = (cnt >= k_eff[:, None]) | (mass >= p_eff[:, None]) | (js[None, :] == 0)
+                j = tl.max(tl.where(ok, js[None, :], 0), 1)  # [R] last cut where it holds
+                new_lo = lo + (width * j) // RADIX
+                hi = lo + (width * (j + 1)) // RADIX
+                lo = new_lo
         thr = tl.where(k_on | p_on, lo, -2147483648)
         mp = tl.where(mp_on, min_p, 0.0)
         # final pass: draw among kept tokens of the truncated rows
@@ -260,12 +269,15 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tenso
     if logits.is_cuda:
         bv = int(block_v or min(2048, next_pow2(V)))
         rows = int(rows_per_program or 1)
+        bs = min(bv, 512)  # search passes hold [rows, bs, 16] tiles
     else:
         bv = int(block_v or min(4096, next_pow2(V)))
         rows = int(rows_per_program or min(next_pow2(B), prev_pow2(max(1, 32768 // bv))))
+        bs = max(1, min(bv, 16384 // (16 * rows)))
     grid = (triton.cdiv(B, rows),)
     _sample_kernel[grid](logits, bitmask if bitmask is not None else logits, *params, out, B, V,
                          logits.stride(0), bitmask.stride(0) if bitmask is not None else 0,
-                         HAS_MASK=bitmask is not None, ROWS=rows, BLOCK_V=bv, N_BISECT=32,
+                         HAS_MASK=bitmask is not None, ROWS=rows, BLOCK_V=bv, BLOCK_S=bs,
+                         RADIX=16, N_PASSES=8,
                          num_warps=8)
     return out

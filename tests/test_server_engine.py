@@ -105,7 +105,7 @@ def test_bad_inputs_are_400(server, model):
                         ({"model": model, "prompt": "x", "json_schema": {"type": "object", "properties": 5}},
                          "json_schema"),
                         ({"model": model, "prompt": "word " * 3000}, "prompt"),
-                        ({"model": model, "prompt": "x", "max_tokens": 2047}, "max_tokens")]:
+                        ({"model": model, "prompt": "x", "max_tokens": 2048}, "max_tokens")]:
         r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
         assert r.status_code == 400, r.text
         assert field in r.json()["error"]["message"] or field == r.json()["error"]["param"], r.text

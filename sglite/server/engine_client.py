@@ -125,6 +125,9 @@ class EngineClient:
             return None
 
     def abort(self, rid: str) -> None:
+        """Abort engine request ``rid`` (never raises); counted in the metrics when it was ours."""
+        if rid in self.active and self.metrics is not None:
+            self.metrics.aborted.inc()
         try:
             self.engine.abort(rid)
         except Exception:  # noqa: BLE001 - abort of an unknown/finished rid is fine

@@ -62,7 +62,8 @@ def from_value_error(exc: ValueError, rename: Optional[dict] = None, prefix: str
     """Turn an engine/validation ``ValueError`` into a 400 :class:`ApiError`.
 
     ``InvalidRequestError.field`` becomes ``param``; ``rename`` maps engine field names to the
-    API's names (e.g. ``max_new_tokens`` -> ``max_tokens``) in both the param and the message.
+    API's names (e.g. ``max_new_tokens`` -> ``max_tokens``) in both the param and the message;
+    its ``"grammar"`` entry names the request's constraint field for a ``GrammarError``.
     """
     field = getattr(exc, "field", None)
     msg = str(exc) or exc.__class__.__name__
@@ -74,9 +75,11 @@ def from_value_error(exc: ValueError, rename: Optional[dict] = None, prefix: str
         field = f"{prefix}{field}"
     if field is None and isinstance(exc, GrammarError):
         head = msg.split(":", 1)[0].strip()
-        field = head if head in _CONSTRAINTS else "grammar"
+        field = head if head in _CONSTRAINTS else (rename or {}).get("grammar", "grammar")
         if rename and field in rename:
             field = rename[field]
+        if field not in msg:
+            msg = f"{field}: {msg}"
     return ApiError(msg, 400, param=field)
 
 

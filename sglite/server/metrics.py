@@ -72,6 +72,8 @@ class ServerMetrics:
         self.cached_tokens = Counter("sglite_cached_tokens", "Prompt tokens served from the cache", registry=r)
         self.requests = Counter("sglite_requests", "Finished engine requests by finish reason",
                                 ["finish_reason"], registry=r)
+        self.aborted = Counter("sglite_aborted_requests", "Engine requests aborted by the server "
+                               "(client gone, abort_request)", registry=r)
         self.http_requests = Counter("sglite_http_requests", "HTTP requests by route and status",
                                      ["route", "status"], registry=r)
         r.register(_EngineGauges(engine_info))

@@ -85,6 +85,15 @@ def build_items(req: GenerateRequest, client: EngineClient) -> tuple[list[GenIte
     return items, batch or len(items) > 1
 
 
+def _grammar_rename(items: list[GenItem]) -> dict:
+    """``{"grammar": "sampling_params.<kind>"}`` of the first constrained item (for GrammarError)."""
+    for it in items:
+        for key in ("regex", "json_schema", "ebnf", "lark"):
+            if it.sampling_params.get(key) is not None:
+                return {"grammar": f"sampling_params.{key}"}
+    return {}
+
+
 def build_native_router(client: EngineClient, metrics, server_info: dict) -> APIRouter:
     """Routes bound to ``client`` (no module-level state)."""
     router = APIRouter()
@@ -96,7 +105,7 @@ def build_native_router(client: EngineClient, metrics, server_info: dict) -> API
             try:
                 streams = await client.open_streams(items)
             except ValueError as e:
-                raise from_value_error(e, prefix="sampling_params.") from e
+                raise from_value_error(e, _grammar_rename(items), prefix="sampling_params.") from e
 
             async def events():
                 async for i, chunk in merge_streams(streams):
@@ -108,7 +117,7 @@ def build_native_router(client: EngineClient, metrics, server_info: dict) -> API
         try:
             outs = await until_disconnect(request.receive, client.generate_many(items))
         except ValueError as e:
-            raise from_value_error(e, prefix="sampling_params.") from e
+            raise from_value_error(e, _grammar_rename(items), prefix="sampling_params.") from e
         outs = jsonable(outs)
         return JSONResponse(outs if many else outs[0])
 

@@ -71,7 +71,7 @@ def _prepare(ctx, req: ChatCompletionRequest):
     sp, rename = sampling_params(req, max_tokens, field, ctx.client, prompt_tokens=ptoks)
     if plan.mode == "forced":
         sp["json_schema"] = json.dumps(plan.schema)
-        rename["json_schema"] = "tools"
+        rename["json_schema"] = rename["grammar"] = "tools"
     items = fan_out([{"prompt": prompt}], sp, req.n, req.rid or uuid.uuid4().hex, k)
     return items, plan, k, rename
 

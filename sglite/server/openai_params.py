@@ -90,6 +90,9 @@ def sampling_params(req, max_tokens: Optional[int], max_field: str, client: Engi
         rename["json_schema"] = "json_schema"
     if schema is not None:
         sp["json_schema"] = schema
+    for key in ("regex", "ebnf", "json_schema"):
+        if key in sp:
+            rename["grammar"] = rename.get(key, key)
     try:
         client.validate({**sp, "n": req.n})
     except ValueError as e:

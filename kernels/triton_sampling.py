@@ -273,7 +273,7 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tenso
     else:
         bv = int(block_v or min(4096, next_pow2(V)))
         rows = int(rows_per_program or min(next_pow2(B), prev_pow2(max(1, 32768 // bv))))
-        bs = max(1, min(bv, 16384 // (16 * rows)))
+        bs = min(bv, max(16, prev_pow2((1 << 19) // (16 * rows))))
     grid = (triton.cdiv(B, rows),)
     _sample_kernel[grid](logits, bitmask if bitmask is not None else logits, *params, out, B, V,
                          logits.stride(0), bitmask.stride(0) if bitmask is not None else 0,

@@ -51,7 +51,7 @@ class EngineConfig:
     grammar_backend: str = "sglite"
     random_seed: int = 0
     context_length: Optional[int] = None
-    log_level: str = "warning"
+    log_level: str = "info"
     check_invariants: bool = False  # assert pool/tree invariants after every step (tests)
 
     def __post_init__(self):
@@ -74,6 +74,8 @@ class EngineConfig:
             bad("max_prefill_tokens", f"must be >= 1, got {self.max_prefill_tokens}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
             bad("chunked_prefill_size", f"must be -1 (off) or >= 1, got {self.chunked_prefill_size}")
+        if str(self.log_level).lower() not in ("debug", "info", "warning", "error", "critical"):
+            bad("log_level", f"must be debug, info, warning, error or critical, got {self.log_level!r}")
         if self.page_size < 1:
             bad("page_size", f"must be >= 1, got {self.page_size}")
 

@@ -259,3 +259,40 @@ def test_sample_rejects_bad_parameter_shapes():
     with pytest.raises(ValueError, match="bitmask rows"):
         T.sample(logits, temp, top_p, top_k, min_p, seed, pos,
                  bitmask=torch.zeros(2, 1, dtype=torch.int32, device=DEVICE))
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_truncation_sets_on_a_large_vocab(impl):
+    """Draws stay inside the top-k set, the top-p nucleus and the min-p set of a 3000-token row."""
+    gen = torch.Generator().manual_seed(14)
+    V, n = 3000, 16
+    row = 2.5 * torch.randn(V, generator=gen)
+    logits = row[None].repeat(3 * n, 1).to(DEVICE)
+    temp, top_p, top_k, min_p, seed, pos = params(3 * n, temp=1.0)
+    top_k[:n], top_p[n:2 * n], min_p[2 * n:] = 5, 0.5, 0.3
+    got = IMPLS[impl].sample(logits, temp, top_p, top_k, min_p, seed, pos).cpu()
+    probs = torch.softmax(row, 0)
+    sp, si = probs.sort(descending=True)
+    top5 = set(si[:5].tolist())
+    nucleus = set(si[(sp.cumsum(0) - sp) < 0.5].tolist())
+    minp = set(torch.nonzero(probs >= 0.3 * probs.max()).flatten().tolist())
+    assert 3 <= len(nucleus) < 200 and 2 <= len(minp) < len(nucleus)
+    for part, allowed_set in ((got[:n], top5), (got[n:2 * n], nucleus), (got[2 * n:], minp)):
+        drawn = set(part.tolist())
+        assert drawn <= allowed_set
+        assert len(drawn) >= 2  # really random, not collapsed to the argmax
+
+
+def test_dispatcher_routes_cpu_tensors_to_interpreted_triton():
+    from sglite import kernels
+
+    gen = torch.Generator().manual_seed(15)
+    logits = torch.randn(4, 100, generator=gen).to(DEVICE)
+    mask, allowed = random_bitmask(4, 100, gen)
+    args = params(4, temp=0.7, top_k=10)
+    assert torch.equal(kernels.sample(logits, *args, bitmask=mask, impl="triton"),
+                       T.sample(logits, *args, bitmask=mask))
+    a, b = logits.clone(), logits.clone()
+    kernels.apply_token_bitmask(a, mask, impl="triton")
+    R.apply_token_bitmask(b, mask)
+    assert torch.equal(a, b)

@@ -10,7 +10,7 @@ import pytest
 
 from sglite.server.runner import ServerThread
 
-CLIENTS, MAX_TOKENS = 64, 12
+CLIENTS, MAX_TOKENS = 64, 8
 
 pytestmark = pytest.mark.slow
 

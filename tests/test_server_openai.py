@@ -140,6 +140,13 @@ def test_response_format_json_schema(server, client):
     assert json.loads(_last_sp(server)["json_schema"]) == schema
 
 
+def test_json_streams_in_pieces_without_tools(client):
+    chunks = list(client.chat.completions.create(model="fake-model", messages=USER, max_tokens=20, stream=True,
+                                                 response_format={"type": "json_object"}))
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(pieces) > 2 and isinstance(json.loads("".join(pieces)), dict)
+
+
 def test_response_format_json_object(server, client):
     r = client.chat.completions.create(model="fake-model", messages=USER, max_tokens=20,
                                        response_format={"type": "json_object"})

@@ -64,11 +64,11 @@ def fmt(value: Any, digits: int = 2) -> str:
 
 def format_serving(metrics: dict, title: str = "Serving Benchmark Result", extra: Optional[dict] = None) -> str:
     """The result block printed by ``sglite bench serving`` (one ``label: value`` line each)."""
-    width = 56
+    width = 62
     lines = [f" {title} ".center(width, "=")]
 
     def row(label, value, digits=2):
-        lines.append(f"{label:<38}{fmt(value, digits):>18}")
+        lines.append(f"{label:<46}{fmt(value, digits):>16}")
 
     for k, v in (extra or {}).items():
         row(k, v)

@@ -56,7 +56,7 @@ class Session:
 class WorkloadOptions:
     """Sizes of the generated workloads (lengths in words ≈ tokens).
 
-    random: input/output lengths uniform in ``[len·(1-range_ratio), len]``.
+    random: input/output lengths uniform in ``[len·range_ratio, len]`` (SGLang's meaning; 1 = fixed).
     shared-prefix: ``num_groups`` system prompts of ``system_len`` words, each followed by
     questions of ``question_len`` words; ``output_len`` new tokens.
     multi-turn: ``num_turns`` turns per conversation, user messages of ``turn_len`` words,
@@ -88,7 +88,7 @@ def random_words(rng: random.Random, n: int) -> str:
 
 
 def _length(rng: random.Random, full: int, ratio: float) -> int:
-    return rng.randint(max(1, int(full * (1 - ratio))), full)
+    return rng.randint(max(1, int(full * ratio)), full)
 
 
 def random_workload(n: int, rng: random.Random, o: WorkloadOptions) -> list[Session]:

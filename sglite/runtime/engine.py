@@ -64,7 +64,12 @@ class Engine:
 
     def __init__(self, model_path: Optional[str] = None, **kwargs):
         self.config = EngineConfig.from_kwargs(model_path=model_path, **kwargs)
-        logging.getLogger("sglite").setLevel(self.config.log_level.upper())
+        root = logging.getLogger("sglite")
+        root.setLevel(self.config.log_level.upper())
+        if not root.handlers and not logging.getLogger().handlers:
+            h = logging.StreamHandler()
+            h.setFormatter(logging.Formatter("[sglite %(asctime)s %(levelname)s] %(message)s", "%H:%M:%S"))
+            root.addHandler(h)
         ckpt = load_checkpoint(model_path)
         self.checkpoint = ckpt
         self.tokenizer = Tokenizer.from_dir(ckpt.model_dir, ckpt.hf_config)

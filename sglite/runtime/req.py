@@ -75,6 +75,15 @@ class Req:
     def seq(self) -> list[int]:
         return self.input_ids + self.output_ids
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """``seq[start:end]`` without building the whole sequence."""
+        n_in = len(self.input_ids)
+        if start >= n_in:
+            return self.output_ids[start - n_in:end - n_in]
+        if end <= n_in:
+            return self.input_ids[start:end]
+        return self.input_ids[start:] + self.output_ids[:end - n_in]
+
     @property
     def seq_len(self) -> int:
         return len(self.input_ids) + len(self.output_ids)

@@ -217,8 +217,7 @@ class Scheduler:
         offset = 0
         for r, n in plan:
             start = r.kv_len
-            seq = r.seq
-            ids.extend(seq[start:start + n])
+            ids.extend(r.tokens(start, start + n))
             pos.extend(range(start, start + n))
             locs.append(table[r.row, start:start + n])
             if n > 1:

@@ -160,6 +160,8 @@ class ToolStreamFilter:
         self.plan, self.sent = plan, 0
 
     def _safe_len(self, text: str) -> int:
+        if self.plan.mode == "none":
+            return len(text)
         if self.plan.mode == "forced":
             return 0
         i = text.find(OPEN_TAG)

@@ -1,0 +1,110 @@
+"""``sglite bench sweep``: one workload at several request rates against server configurations in turn.
+
+    sglite bench sweep --dataset shared-prefix --request-rates 0.5,1,2,4 \\
+        --config "radix=" --config "no-radix=--disable-radix-cache" \\
+        --server-args "--dtype bfloat16" --slo-ttft-ms 2000 --slo-tpot-ms 150 \\
+        --output-json sweep.json --plot sweep.png
+
+Each ``--config LABEL=FLAGS`` starts its own server (``--server-args`` + ``FLAGS``; see
+:mod:`sglite.bench.launcher`), runs the workload once per rate (the prefix cache flushed before
+each), and stops it. The chart has goodput, P95 TTFT and P95 TPOT against request rate with one
+line per configuration; the table adds DistServe's goodput (the highest rate whose SLO
+attainment is ≥ ``--attainment-target``).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Optional, Sequence
+
+from .launcher import LaunchedServer
+from .report import format_table, write_json
+from .serving import _rate, add_workload_args, run_dataset, server_argv
+from .stats import max_rate_meeting_attainment
+
+COLUMNS = (("config", "config"), ("request_rate", "rate (req/s)"), ("request_throughput", "req/s"),
+           ("goodput", "goodput (req/s)"), ("slo_attainment", "SLO attainment"),
+           ("ttft_ms.p50", "P50 TTFT ms"), ("ttft_ms.p95", "P95 TTFT ms"), ("tpot_ms.p50", "P50 TPOT ms"),
+           ("tpot_ms.p95", "P95 TPOT ms"), ("tpot_ms.p99", "P99 TPOT ms"), ("output_throughput", "out tok/s"),
+           ("cache_hit_rate", "cache hit"))
+
+
+def parse_config(text: str) -> tuple[str, str]:
+    """``"LABEL=FLAGS"`` → ``(LABEL, FLAGS)``.
+
+    Raises:
+        ValueError: no ``=`` or an empty label.
+    """
+    label, sep, flags = text.partition("=")
+    if not sep or not label.strip():
+        raise ValueError(f"config: expected LABEL=FLAGS (e.g. 'no-radix=--disable-radix-cache'), got {text!r}")
+    return label.strip(), flags.strip()
+
+
+def parse_rates(text: str) -> list[float]:
+    """``"0.5,1,inf"`` → ``[0.5, 1.0, inf]``.
+
+    Raises:
+        ValueError: an empty list or a rate that is not > 0.
+    """
+    rates = [_rate(x) for x in text.split(",") if x.strip()]
+    if not rates or any(not r > 0 for r in rates):
+        raise ValueError(f"request_rates: need one or more rates > 0 (or inf), got {text!r}")
+    return rates
+
+
+def sweep_rows(series: dict[str, list[dict]]) -> list[dict]:
+    """Flatten ``{label: [point]}`` into table rows (``config`` + ``request_rate`` + metrics)."""
+    return [{"config": label, **p["metrics"], "request_rate": p["request_rate"]}
+            for label, pts in series.items() for p in pts]
+
+
+def distserve_goodput(series: dict[str, list[dict]], target: float) -> dict[str, Optional[float]]:
+    """Per configuration, the highest swept rate with SLO attainment ≥ ``target`` (None if none)."""
+    return {label: max_rate_meeting_attainment(((p["request_rate"], p["metrics"]["slo_attainment"]) for p in pts),
+                                               target) for label, pts in series.items()}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sglite bench sweep", description=__doc__.split("\n\n")[0])
+    p.add_argument("--request-rates", default="1,2,4", help="comma-separated rates (req/s); 'inf' allowed")
+    p.add_argument("--config", action="append", default=None, metavar="LABEL=FLAGS",
+                   help="a server configuration (repeat; default: radix cache on vs off)")
+    p.add_argument("--server-args", default="", help="flags of `sglite serve` common to every configuration")
+    p.add_argument("--attainment-target", type=float, default=0.9)
+    p.add_argument("--output-json", default=None)
+    p.add_argument("--plot", default=None, help="PNG: goodput, P95 TTFT, P95 TPOT vs rate")
+    add_workload_args(p)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``sglite bench sweep``; returns 0 when every run completed some request."""
+    a = build_parser().parse_args(argv)
+    rates = parse_rates(a.request_rates)
+    configs = [parse_config(c) for c in (a.config or ["radix=", "no-radix=--disable-radix-cache"])]
+    series: dict[str, list[dict]] = {}
+    for label, flags in configs:
+        argv_server = server_argv(a, a.server_args) + server_argv(argparse.Namespace(model_path=None), flags)
+        with LaunchedServer(argv_server, a.launch_mode) as srv:
+            for rate in rates:
+                res = run_dataset(a, srv.url, rate, f"{label} @ {rate}")
+                series.setdefault(label, []).append({"request_rate": rate, "metrics": res.metrics,
+                                                     "server_args": argv_server})
+                print(f"{label} @ {rate} req/s: goodput {res.metrics['goodput']:.3f} req/s, "
+                      f"P95 TTFT {res.metrics['ttft_ms']['p95']:.1f} ms, "
+                      f"P95 TPOT {res.metrics['tpot_ms']['p95']:.1f} ms", flush=True)
+    print(format_table(sweep_rows(series), COLUMNS))
+    good = distserve_goodput(series, a.attainment_target)
+    for label, g in good.items():
+        shown = "none of the rates" if g is None else ("inf" if math.isinf(g) else f"{g:g} req/s")
+        print(f"DistServe goodput ({label}, attainment >= {a.attainment_target:.0%}): {shown}")
+    if a.output_json:
+        write_json(a.output_json, {"dataset": a.dataset, "args": vars(a), "series": series,
+                                   "distserve_goodput": good})
+    if a.plot:
+        from .plots import plot_sweep
+
+        slo = f"SLO TTFT<={a.slo_ttft_ms} ms, TPOT<={a.slo_tpot_ms} ms"
+        plot_sweep(series, a.plot, title=f"{a.dataset}: {' vs '.join(series)} ({slo})")
+    return 0 if all(p["metrics"]["completed"] for pts in series.values() for p in pts) else 1

@@ -115,6 +115,8 @@ def _decode_partial_kernel(Q, KBuf, VBuf, ReqToToken, ReqIdx, SeqLens, MidO, Mid
                 mask=gmask[:, None] & dmask[None, :], other=0.0)  # [BG, BD]
     if UPCAST:
         q = q.to(tl.float32)
+    else:
+        q = q.to(KBuf.dtype.element_ty)  # tl.dot needs matching operand types
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -228,7 +230,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         mid_lse = torch.empty(B, Hq, splits, dtype=torch.float32, device=q.device)
     else:
         mid_o, mid_lse = workspace
-    ieee = q.dtype == torch.float32 and not interp
+    ieee = k_buffer.dtype == torch.float32 and not interp
     _decode_partial_kernel[(B, Hkv, splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, float(sm_scale),
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
@@ -273,6 +275,8 @@ def _extend_kernel(Q, KBuf, VBuf, Out, ReqToToken, ReqIdx, PrefixLens, ExtendLen
                 mask=mmask[:, None] & dmask[None, :], other=0.0)  # [BM, BD]
     if UPCAST:
         q = q.to(tl.float32)
+    else:
+        q = q.to(KBuf.dtype.element_ty)  # tl.dot needs matching operand types
     qpos = prefix + offs_m  # [BM] absolute positions
     # keys needed by this block: the prefix and new tokens up to the block's last valid query;
     # an empty range when the block lies past this request's new tokens
@@ -354,7 +358,7 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     bm = int(block_m or (32 if interp else 64))
     bn = int(block_n or (32 if interp else 64))
     q_start = torch.cumsum(extend_lens, 0) - extend_lens  # [B] first q row of each request
-    ieee = q.dtype == torch.float32 and not interp
+    ieee = k_buffer.dtype == torch.float32 and not interp
     grid = (B, Hq, triton.cdiv(max_ext, bm))
     _extend_kernel[grid](
         q, k_buffer, v_buffer, out, req_to_token, req_pool_indices, prefix_lens, extend_lens, q_start,

@@ -188,3 +188,15 @@ def test_store_kv_rejects_bad_shapes():
     with pytest.raises(ValueError, match="store_kv"):
         T.store_kv(kb, kb.clone(), torch.tensor([1, 2], device=DEVICE),
                    torch.zeros(2, 3, 8, device=DEVICE), torch.zeros(2, 3, 8, device=DEVICE))
+
+
+def test_dispatcher_routes_to_triton_kernels():
+    from sglite import kernels
+
+    gen = torch.Generator().manual_seed(4)
+    kb, vb, r2t, rows = make_pool([5, 12], 1, 64, torch.float32, gen)
+    q = torch.randn(2, 3, 64, generator=gen).to(DEVICE)
+    lens = torch.tensor([5, 12], device=DEVICE)
+    a = kernels.decode_attention(q, kb, vb, r2t, rows, lens, 0.125, impl="triton")
+    b = kernels.decode_attention(q, kb, vb, r2t, rows, lens, 0.125, impl="torch")
+    assert rel_err(a, b) < 1e-5

@@ -141,8 +141,10 @@ def test_response_format_json_schema(server, client):
 
 
 def test_json_streams_in_pieces_without_tools(client):
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}}
     chunks = list(client.chat.completions.create(model="fake-model", messages=USER, max_tokens=20, stream=True,
-                                                 response_format={"type": "json_object"}))
+                                                 response_format={"type": "json_schema",
+                                                                  "json_schema": {"name": "n", "schema": schema}}))
     pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     assert len(pieces) > 2 and isinstance(json.loads("".join(pieces)), dict)
 

@@ -27,7 +27,7 @@ class FinishReason:
         return {"type": "abort", "message": self.message or "aborted"}
 
 
-@dataclass
+@dataclass(eq=False)
 class Req:
     """A request inside the scheduler.
 

@@ -25,6 +25,7 @@ BAD = [  # (route, body, field that must be named)
     (CHAT, {"messages": MSG, "n": 0}, "n"),
     (CHAT, {"messages": MSG, "temperature": -0.5}, "temperature"),
     (CHAT, {"messages": MSG, "temperature": "hot"}, "temperature"),
+    (CHAT, {"messages": MSG, "temperature": "inf"}, "temperature"),
     (CHAT, {"messages": MSG, "top_p": 0}, "top_p"),
     (CHAT, {"messages": MSG, "top_p": 1.5}, "top_p"),
     (CHAT, {"messages": MSG, "regex": "a+", "ebnf": 'root ::= "a"'}, "ebnf"),

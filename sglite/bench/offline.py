@@ -29,7 +29,7 @@ import time
 from typing import Optional, Sequence
 
 from .report import format_table, write_json
-from .stats import RequestOutcome, compute_metrics, summarize
+from .stats import RequestOutcome, compute_metrics
 from .workloads import random_words
 
 PARTS = ("a", "b", "c", "d")

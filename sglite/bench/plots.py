@@ -99,6 +99,9 @@ def plot_sweep(series: dict[str, Sequence[dict]], path, title: str = "") -> Path
             xs = [p["request_rate"] if math.isfinite(p["request_rate"]) else inf_x for p in pts]
             ys = [(p["metrics"].get(key) or {}).get(sub) if sub else p["metrics"].get(key) for p in pts]
             ax.plot(xs, [math.nan if y is None else y for y in ys], marker="o", label=label)
+        if len(finite) != sum(len(pts) for pts in series.values()):
+            ticks = sorted(set(finite)) + [inf_x]
+            ax.set_xticks(ticks, [f"{t:g}" for t in ticks[:-1]] + ["inf"])
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
@@ -109,9 +112,13 @@ def plot_sweep(series: dict[str, Sequence[dict]], path, title: str = "") -> Path
 
 
 def plot_bars(groups: Sequence[tuple[str, dict[str, float]]], path, ylabel: str = "", title: str = "") -> Path:
-    """Grouped bars: one group per ``(name, {series: value})``; writes a PNG at ``path``."""
-    fig, axes = _figure(max(1, len(groups)), 1, width=3.4)
-    for ax, (name, vals) in zip(axes[0], groups):
+    """Bar panels, one per ``(name, {series: value})``, four to a row; writes a PNG at ``path``."""
+    ncols = min(4, max(1, len(groups)))
+    nrows = max(1, -(-len(groups) // ncols))
+    fig, axes = _figure(ncols, nrows, width=3.6, height=3.0)
+    for ax in list(axes.flat)[len(groups):]:
+        ax.set_visible(False)
+    for ax, (name, vals) in zip(axes.flat, groups):
         rects = ax.bar(list(vals), [0.0 if v is None else v for v in vals.values()],
                        color=[f"C{i}" for i in range(len(vals))])
         ax.bar_label(rects, fmt="%.1f", fontsize=8)

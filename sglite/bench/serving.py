@@ -127,11 +127,13 @@ def _warmup(cfg: http_client.ClientConfig, n: int) -> None:
 
 
 def _cache_hit_rate(before: dict, after: dict, fallback: float) -> float:
+    """Δ cached_tokens / Δ prompt_tokens of the server's counters; ``fallback`` (the responses'
+    own ``cached_tokens``) when the server does not expose the counters."""
     try:
         d_prompt = after["prompt_tokens"] - before["prompt_tokens"]
         return (after["cached_tokens"] - before["cached_tokens"]) / d_prompt if d_prompt > 0 else NAN
     except (KeyError, TypeError):
-        return after.get("cache_hit_rate", fallback) if after else fallback
+        return fallback
 
 
 def _prepare(cfg: http_client.ClientConfig, opts: RunOptions) -> tuple[http_client.ClientConfig, dict]:

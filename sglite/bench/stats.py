@@ -99,10 +99,10 @@ class RequestOutcome:
         """True when successful and within every SLO given (a request without TPOT meets the TPOT SLO)."""
         if not self.success:
             return False
-        if slo_ttft_ms is not None and not self.ttft * 1000 <= slo_ttft_ms:
+        if slo_ttft_ms is not None and not self.ttft <= slo_ttft_ms / 1000:
             return False
         tpot = self.tpot
-        return slo_tpot_ms is None or math.isnan(tpot) or tpot * 1000 <= slo_tpot_ms
+        return slo_tpot_ms is None or math.isnan(tpot) or tpot <= slo_tpot_ms / 1000
 
 
 def outcome_from_timeline(start: float, chunk_times: Sequence[float], prompt_tokens: int, output_tokens: int,

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, allow_inf_nan=False)
 
 
 # ----------------------------------------------------------------------------- native

@@ -177,7 +177,8 @@ def build_cases(cfg: BenchConfig, impls: List[str]) -> List[Case]:
     for label, sargs, note in [
             ("masked sampling", sampling_args(0.8, 1.0, 0, 0.0), "temperature 0.8 + grammar mask (headline)"),
             ("masked greedy", sampling_args(0.0, 1.0, 0, 0.0), "argmax + grammar mask"),
-            ("masked top-k/top-p", sampling_args(0.8, 0.9, 50, 0.05), "threshold search (11 passes)")]:
+            ("masked top-k/top-p", sampling_args(0.8, 0.9, 50, 0.05),
+             "top-k 50, top-p 0.9, min-p 0.05 (Triton: 16-ary threshold search)")]:
         cases.append(Case(f"sample ({label})", f"B={B} V={V}",
                           bind("sample", logits, *sargs, mask), bytes_moved=read, note=note))
     return cases
@@ -204,15 +205,16 @@ def run(cfg: BenchConfig) -> dict:
                          "GBps": gbps, "frac_copy": case.bytes_moved / t / bw,
                          "TFLOPs": case.flops / t / 1e12 if case.flops else None, "note": case.note})
     result = {"device": name, "dtype": str(cfg.dtype).replace("torch.", ""), "copy_GBps": bw / 1e9,
-              "rows": rows, "torch": torch.__version__}
+              "rows": rows, "torch": torch.__version__, "cpu_threads": torch.get_num_threads()}
     print(format_table(result))
     return result
 
 
 def format_table(result: dict) -> str:
     """Markdown table of a :func:`run` result."""
-    lines = [f"device: {result['device']}, KV dtype {result['dtype']}, torch {result['torch']}, "
-             f"copy bandwidth {result['copy_GBps']:.0f} GB/s (read + write)", "",
+    lines = [f"device: {result['device']}, KV dtype {result['dtype']}, torch {result['torch']} "
+             f"({result['cpu_threads']} CPU threads), copy bandwidth {result['copy_GBps']:.0f} GB/s "
+             "(read + write)", "",
              "| op | shape | impl | time (µs) | GB/s | of copy BW | TFLOP/s | note |",
              "|---|---|---|---:|---:|---:|---:|---|"]
     for r in result["rows"]:

@@ -45,7 +45,7 @@ def resolve_impl(impl: Optional[str], example: Optional[torch.Tensor]) -> str:
 def _op(name: str, impl: str):
     if impl == "torch":
         return getattr(reference, name)
-    mod = importlib.import_module(f".triton_ops", __package__)
+    mod = importlib.import_module(".triton_ops", __package__)
     return getattr(mod, name)
 
 

@@ -190,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--noreuse-requests", type=int, default=64)
     p.add_argument("--noreuse-input-len", type=int, default=256)
     p.add_argument("--noreuse-output-len", type=int, default=32)
+    p.add_argument("--bandwidth-mib", type=int, default=512, help="(a) size of the bandwidth probe tensor")
     p.add_argument("--max-total-tokens", type=int, default=131072, help="KV pool of each engine (tokens)")
     p.add_argument("--engine-args", default="", help='more EngineConfig flags, e.g. "--chunked-prefill-size 256"')
     p.add_argument("--output-json", default=None)
@@ -223,7 +224,7 @@ def run(a: argparse.Namespace) -> dict:
             hf = HFBaseline(engine.checkpoint.model_dir, engine.runner.dtype,
                             engine.tokenizer.hf.pad_token_id or min(engine.tokenizer.eos_token_ids))
             if "a" in parts:
-                r, details["a"] = part_a(a, engine, hf, prompts, measure_read_bandwidth())
+                r, details["a"] = part_a(a, engine, hf, prompts, measure_read_bandwidth(a.bandwidth_mib << 20))
                 rows += r
             if "b" in parts:
                 r, details["b"] = part_b(a, engine, hf, prompts)

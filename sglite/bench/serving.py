@@ -290,6 +290,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.launch:
         with LaunchedServer(server_argv(a, a.server_args), a.launch_mode) as srv:
             res = run_dataset(a, srv.url, a.request_rate, label)
+        res.config["server_args"] = server_argv(a, a.server_args)
     else:
         res = run_dataset(a, a.base_url.rstrip("/"), a.request_rate, label)
     extra = {"Dataset:": a.dataset, "Request rate (req/s):": a.request_rate,

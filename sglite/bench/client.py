@@ -66,7 +66,7 @@ async def send_native(http: httpx.AsyncClient, cfg: ClientConfig, prompt: str, m
     sp = {"max_new_tokens": max_tokens, "temperature": cfg.temperature, "ignore_eos": ignore_eos, **extra}
     payload = {"text": prompt, "sampling_params": sp, "stream": True}
     start = time.perf_counter()
-    times, n_ids, text, meta = [], 0, "", {}
+    times, n_ids, text, meta, last = [], 0, "", {}, None
     try:
         async with http.stream("POST", cfg.base_url + "/generate", json=payload, headers=cfg.headers) as r:
             if r.status_code != 200:
@@ -76,7 +76,7 @@ async def send_native(http: httpx.AsyncClient, cfg: ClientConfig, prompt: str, m
                 data = _data_lines(line)
                 if not data or data == "[DONE]":
                     continue
-                now = time.perf_counter()
+                now = last = time.perf_counter()
                 ev = json.loads(data)
                 if "error" in ev:
                     return RequestOutcome(False, start=start - t0, error=str(ev["error"])[:300]), ""
@@ -91,7 +91,8 @@ async def send_native(http: httpx.AsyncClient, cfg: ClientConfig, prompt: str, m
     if (meta.get("finish_reason") or {}).get("type") == "abort":
         return RequestOutcome(False, start=start - t0, error=str(meta["finish_reason"].get("message"))), text
     out = outcome_from_timeline(start, times, int(meta.get("prompt_tokens") or 0),
-                                int(meta.get("completion_tokens") or n_ids), int(meta.get("cached_tokens") or 0))
+                                int(meta.get("completion_tokens") or n_ids), int(meta.get("cached_tokens") or 0),
+                                end=last if times else None)
     out.start = start - t0
     return out, text
 
@@ -106,7 +107,7 @@ async def send_openai(http: httpx.AsyncClient, cfg: ClientConfig, prompt: str, m
                "temperature": cfg.temperature, "stream": True, "stream_options": {"include_usage": True},
                **({"ignore_eos": True} if ignore_eos else {}), **extra}
     start = time.perf_counter()
-    times, text, usage, chunks = [], "", {}, 0
+    times, text, usage, chunks, last = [], "", {}, 0, None
     try:
         async with http.stream("POST", cfg.base_url + "/v1/completions", json=payload, headers=cfg.headers) as r:
             if r.status_code != 200:
@@ -116,7 +117,7 @@ async def send_openai(http: httpx.AsyncClient, cfg: ClientConfig, prompt: str, m
                 data = _data_lines(line)
                 if not data or data == "[DONE]":
                     continue
-                now = time.perf_counter()
+                now = last = time.perf_counter()
                 ev = json.loads(data)
                 if "error" in ev:
                     return RequestOutcome(False, start=start - t0, error=str(ev["error"])[:300]), ""
@@ -130,7 +131,8 @@ async def send_openai(http: httpx.AsyncClient, cfg: ClientConfig, prompt: str, m
         return RequestOutcome(False, start=start - t0, error=f"{type(e).__name__}: {e}"), ""
     details = usage.get("prompt_tokens_details") or {}
     out = outcome_from_timeline(start, times, int(usage.get("prompt_tokens") or 0),
-                                int(usage.get("completion_tokens") or chunks), int(details.get("cached_tokens") or 0))
+                                int(usage.get("completion_tokens") or chunks), int(details.get("cached_tokens") or 0),
+                                end=last if times else None)
     out.start = start - t0
     return out, text
 

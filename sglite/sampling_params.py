@@ -6,6 +6,7 @@ The dict form (``to_dict`` / ``from_dict``) is also the wire format of the nativ
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -66,16 +67,25 @@ class SamplingParams:
             self.stop = [self.stop]
         if isinstance(self.stop_regex, str):
             self.stop_regex = [self.stop_regex]
-        if isinstance(self.stop_token_ids, int):
+        if isinstance(self.stop_token_ids, int) and not isinstance(self.stop_token_ids, bool):
             self.stop_token_ids = [self.stop_token_ids]
+        for name in ("stop", "stop_regex", "stop_token_ids"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, (list, tuple)):
+                bad(name, f"must be a list (or a single value), got {type(v).__name__}")
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, f"must be true or false, got {getattr(self, name)!r}")
         for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 bad(name, f"must be an integer, got {v!r}")
         for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
-                bad(name, f"must be a number, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                bad(name, f"must be a finite number, got {v!r}")
+        if self.max_new_tokens > 1 << 30:
+            bad("max_new_tokens", f"must be <= {1 << 30}, got {self.max_new_tokens}")
         if self.max_new_tokens < 0:
             bad("max_new_tokens", f"must be >= 0, got {self.max_new_tokens}")
         if self.min_new_tokens < 0:
@@ -86,15 +96,17 @@ class SamplingParams:
             bad("temperature", f"must be >= 0, got {self.temperature}")
         if not (0 < self.top_p <= 1):
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            bad("top_k", f"must be -1 (disabled) or >= 1, got {self.top_k}")
+        if self.top_k == 0 or self.top_k < -1 or self.top_k > 1 << 30:
+            bad("top_k", f"must be -1 (disabled) or in [1, {1 << 30}], got {self.top_k}")
+        if self.temperature > 1000:
+            bad("temperature", f"must be <= 1000, got {self.temperature}")
         if not (0 <= self.min_p <= 1):
             bad("min_p", f"must be in [0, 1], got {self.min_p}")
         for name in ("frequency_penalty", "presence_penalty"):
             if not (-2 <= getattr(self, name) <= 2):
                 bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
-        if not (0 < self.repetition_penalty <= 2):
-            bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
+        if not (0.01 <= self.repetition_penalty <= 2):
+            bad("repetition_penalty", f"must be in [0.01, 2], got {self.repetition_penalty}")
         if not (1 <= self.n <= 128):
             bad("n", f"must be in [1, 128], got {self.n}")
         for s in self.stop or []:
@@ -107,13 +119,14 @@ class SamplingParams:
                 bad("stop_regex", f"entries must be non-empty strings, got {s!r}")
             try:
                 re.compile(s)
-            except re.error as e:
+            except (re.error, RecursionError, OverflowError) as e:
                 bad("stop_regex", f"invalid regex {s!r}: {e}")
         for t in self.stop_token_ids or []:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size and t >= vocab_size):
                 bad("stop_token_ids", f"entries must be token ids in [0, {vocab_size}), got {t!r}")
-        if self.sampling_seed is not None and (isinstance(self.sampling_seed, bool) or not isinstance(self.sampling_seed, int)):
-            bad("sampling_seed", f"must be an integer, got {self.sampling_seed!r}")
+        if self.sampling_seed is not None and (isinstance(self.sampling_seed, bool) or not isinstance(self.sampling_seed, int)
+                                               or not -2**63 <= self.sampling_seed < 2**64):
+            bad("sampling_seed", f"must be a 64-bit integer, got {self.sampling_seed!r}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 bad("logit_bias", "must be a mapping token_id -> bias")
@@ -137,8 +150,8 @@ class SamplingParams:
                 bad("regex", "must be a string")
             try:
                 re.compile(self.regex)
-            except re.error as e:
-                bad("regex", f"invalid regex {self.regex!r}: {e}")
+            except (re.error, RecursionError, OverflowError) as e:
+                bad("regex", f"invalid regex: {str(e)[:200] or type(e).__name__}")
         return self
 
     @property

@@ -45,6 +45,7 @@ from ..config import EngineConfig
 from .engine_requests import RequestBuilder
 from .model_loader import load_checkpoint, load_state_dict
 from .model_runner import ModelRunner, resolve_device, resolve_dtype
+from ..errors import InvalidRequestError
 from .req import FinishReason
 from .scheduler import Scheduler
 from .tokenizer import Tokenizer
@@ -84,6 +85,8 @@ class Engine:
         self.scheduler = Scheduler(self.config, self.runner, self.tokenizer)
         self.requests = RequestBuilder(self.config, self.tokenizer, self.runner, random.Random(self.config.random_seed))
         self._inbox: queue.Queue = queue.Queue()
+        self._active: set[str] = set()  # rids in flight (duplicates are refused)
+        self._active_lock = threading.Lock()
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="sglite-scheduler", daemon=True)
         self._thread.start()
@@ -113,8 +116,11 @@ class Engine:
             except Exception as exc:  # keep serving: fail the running requests, free their KV
                 log.exception("scheduler step failed")
                 for r in list(sched.running):
-                    sched.running.remove(r)
-                    sched._finish(r, FinishReason("abort", message=f"internal error: {exc!r}"))
+                    try:
+                        sched.running.remove(r)
+                        sched._finish(r, FinishReason("abort", message=f"internal error: {exc!r}"))
+                    except Exception:  # never let recovery kill the loop
+                        log.exception("could not finish request %s cleanly", r.rid)
 
     def _handle(self, item) -> None:
         kind = item[0]
@@ -138,10 +144,31 @@ class Engine:
         return fut.result()
 
     def _submit(self, reqs) -> None:
-        if self._stopped:
+        """Register the requests' rids (a duplicate in flight raises) and queue them."""
+        if self._stopped or not self._thread.is_alive():
             raise RuntimeError("engine is shut down")
+        with self._active_lock:
+            rids = [r.rid for r in reqs]
+            dup = sorted((set(rids) & self._active) | {x for x in rids if rids.count(x) > 1})
+            if dup:
+                raise InvalidRequestError(f"rid: request id(s) {dup[:3]} already in flight", field="rid")
+            self._active.update(rids)
         for r in reqs:
+            r.sink = self._releasing_sink(r.rid, r.sink)
             self._inbox.put(("req", r))
+
+    def _releasing_sink(self, rid, sink):
+        def wrapped(ev):
+            if ev["meta_info"]["finish_reason"] is not None:
+                with self._active_lock:
+                    self._active.discard(rid)
+            sink(ev)
+        return wrapped
+
+    def _wait(self, event: threading.Event) -> None:
+        while not event.wait(0.5):
+            if not self._thread.is_alive():
+                raise RuntimeError("engine loop has stopped")
 
     # ------------------------------------------------------------------ generate
     def _build(self, prompt, sampling_params, input_ids, rid, sink_factory, **kw):
@@ -180,19 +207,29 @@ class Engine:
 
         batch = self._build(prompt, sampling_params, input_ids, rid, sink_factory, **kw)
         self._submit(batch.all_reqs)
-        done.wait()
+        self._wait(done)
         outs = [results[i] for i in range(batch.num_outputs)]
         return outs if batch.is_list else outs[0]
 
     def _stream_sync(self, q, batch):
         finished = 0
-        while finished < batch.num_outputs:
-            i, ev = q.get()
-            if batch.num_outputs > 1:
-                ev = dict(ev, index=i)
-            if ev["meta_info"]["finish_reason"] is not None:
-                finished += 1
-            yield ev
+        try:
+            while finished < batch.num_outputs:
+                try:
+                    i, ev = q.get(timeout=0.5)
+                except queue.Empty:
+                    if not self._thread.is_alive():
+                        raise RuntimeError("engine loop has stopped") from None
+                    continue
+                if batch.num_outputs > 1:
+                    ev = dict(ev, index=i)
+                if ev["meta_info"]["finish_reason"] is not None:
+                    finished += 1
+                yield ev
+        finally:
+            if finished < batch.num_outputs:  # the consumer stopped early: free the KV
+                for r in batch.all_reqs:
+                    self.abort(r.rid)
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              logprob_start_len=-1, top_logprobs_num=0, token_ids_logprob=None,
@@ -208,13 +245,18 @@ class Engine:
 
         async def agen():
             finished = 0
-            while finished < batch.num_outputs:
-                i, ev = await q.get()
-                if batch.num_outputs > 1:
-                    ev = dict(ev, index=i)
-                if ev["meta_info"]["finish_reason"] is not None:
-                    finished += 1
-                yield ev
+            try:
+                while finished < batch.num_outputs:
+                    i, ev = await q.get()
+                    if batch.num_outputs > 1:
+                        ev = dict(ev, index=i)
+                    if ev["meta_info"]["finish_reason"] is not None:
+                        finished += 1
+                    yield ev
+            finally:
+                if finished < batch.num_outputs:  # cancelled or closed early: free the KV
+                    for r in batch.all_reqs:
+                        self.abort(r.rid)
 
         if stream:
             return agen()
@@ -251,12 +293,15 @@ class Engine:
                                     return_logprob=True, logprob_start_len=spec.logprob_start_lens,
                                     shared_prefix=spec.prompt_ids)
         self._submit(batch.all_reqs)
-        done.wait()
+        self._wait(done)
         return spec.collect([results[i] for i in range(batch.num_outputs)])
 
     # ------------------------------------------------------------------ control
     def abort(self, rid: str) -> None:
-        """Abort request ``rid`` (no-op if unknown or finished); its KV is freed within one step."""
+        """Abort request ``rid`` and its samples ``rid-<k>`` (n > 1); no-op if unknown or finished.
+
+        The KV is freed within one step; the request ends with finish_reason type ``abort``.
+        """
         self._inbox.put(("abort", rid))
 
     def flush_cache(self) -> bool:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from ..config import EngineConfig
-from ..errors import CapacityError, InvalidRequestError
+from ..errors import CapacityError, GrammarError, InvalidRequestError
 from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
 from .req import Req
@@ -96,6 +96,11 @@ class RequestBuilder:
             for p in items:
                 if not isinstance(p, str):
                     raise InvalidRequestError(f"text: prompts must be strings, got {type(p).__name__}", field="text")
+                try:
+                    p.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise InvalidRequestError(f"text: not valid Unicode text ({exc.reason} at {exc.start})",
+                                              field="text") from None
             return [self.tokenizer.encode(p) for p in items], is_list
         if not isinstance(input_ids, list) or not input_ids:
             raise InvalidRequestError("input_ids: must be a non-empty list of token ids (or of lists)", field="input_ids")
@@ -145,18 +150,32 @@ class RequestBuilder:
         sps = [SamplingParams.from_dict(d, self.runner.vocab_size) for d in sps]
         starts = logprob_start_len if isinstance(logprob_start_len, list) else [logprob_start_len] * n_in
         rids = rid if isinstance(rid, list) else [rid] * n_in
-        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 20:
+        for name, vals in (("logprob_start_len", starts), ("rid", rids)):
+            if len(vals) != n_in:
+                raise InvalidRequestError(f"{name}: {len(vals)} given for {n_in} prompts", field=name)
+        for r in rids:
+            if r is not None and not isinstance(r, str):
+                raise InvalidRequestError(f"rid: must be a string, got {type(r).__name__}", field="rid")
+        if not isinstance(return_logprob, bool):
+            raise InvalidRequestError("return_logprob: must be true or false", field="return_logprob")
+        if isinstance(top_logprobs_num, bool) or not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 20:
             raise InvalidRequestError("top_logprobs_num: must be an integer in [0, 20]", field="top_logprobs_num")
+        if token_ids_logprob is not None and not isinstance(token_ids_logprob, list):
+            raise InvalidRequestError("token_ids_logprob: must be a list of token ids", field="token_ids_logprob")
         for t in token_ids_logprob or []:
-            if not isinstance(t, int) or not 0 <= t < self.runner.vocab_size:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.runner.vocab_size:
                 raise InvalidRequestError(f"token_ids_logprob: {t!r} is not a token id", field="token_ids_logprob")
         grammars = []
         for ids, sp, st in zip(all_ids, sps, starts):
             self._check_len(ids, sp)
-            if not isinstance(st, int) or st < -1 or st > len(ids):
+            if isinstance(st, bool) or not isinstance(st, int) or st < -1 or st > len(ids):
                 raise InvalidRequestError(f"logprob_start_len: must be -1 or in [0, {len(ids)}], got {st!r}",
                                           field="logprob_start_len")
-            grammars.append(self.compile_grammar(sp))
+            try:
+                grammars.append(self.compile_grammar(sp))
+            except RecursionError:
+                kind = sp.constraint[0]
+                raise GrammarError(f"{kind}: nested too deeply to compile") from None
         batch = Batch(is_list=is_list or any(sp.n > 1 for sp in sps))
         shared = None
         if shared_prefix and not self.config.disable_radix_cache:
@@ -167,7 +186,7 @@ class RequestBuilder:
             base = rids[i] if (isinstance(rids[i], str) and rids[i]) else uuid.uuid4().hex
             kw = dict(return_logprob=return_logprob, logprob_start_len=st, top_logprobs_num=top_logprobs_num,
                       token_ids_logprob=token_ids_logprob, stream=stream)
-            seed = sp.sampling_seed if sp.sampling_seed is not None else self.rng.getrandbits(62)
+            seed = sp.sampling_seed % 2**62 if sp.sampling_seed is not None else self.rng.getrandbits(62)
             blocker = shared
             if sp.n > 1 and not self.config.disable_radix_cache:
                 pre = SamplingParams(max_new_tokens=0)

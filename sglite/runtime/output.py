@@ -129,6 +129,9 @@ class OutputProcessor:
         return {"text": r.text, "output_ids": list(r.output_ids), "meta_info": meta}
 
     def emit_final(self, r: Req) -> None:
-        if r.finished.type != "stop" and r.detok is not None:
-            r.text += r.detok.flush()
-        r.sink(self.build(r))
+        """Send the final event; never raises before the sink is called (callers wait on it)."""
+        try:
+            if r.finished.type != "stop" and r.detok is not None:
+                r.text += r.detok.flush()
+        finally:
+            r.sink(self.build(r))

@@ -48,19 +48,17 @@ class Scheduler:
     def add_request(self, req: Req) -> None:
         self.waiting.append(req)
 
-    def abort(self, rid: str) -> bool:
-        """Finish request ``rid`` (waiting or running) with reason abort; frees its KV now."""
-        for r in list(self.waiting):
-            if r.rid == rid:
-                self.waiting.remove(r)
+    def abort(self, rid: str) -> int:
+        """Finish request ``rid`` and its samples ``rid-<k>`` (waiting or running) with reason
+        abort, freeing their KV now. Returns how many requests were aborted."""
+        match = lambda r: r.rid == rid or r.rid.startswith(rid + "-")
+        n = 0
+        for queue_ in (self.waiting, self.running):
+            for r in [r for r in queue_ if match(r)]:
+                queue_.remove(r)
                 self._finish(r, FinishReason("abort", message="aborted by client"))
-                return True
-        for r in list(self.running):
-            if r.rid == rid:
-                self.running.remove(r)
-                self._finish(r, FinishReason("abort", message="aborted by client"))
-                return True
-        return False
+                n += 1
+        return n
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -106,7 +104,12 @@ class Scheduler:
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finished = reason
-        self._release(req)
+        try:
+            self._release(req)
+        finally:
+            self._count_and_emit(req, reason)
+
+    def _count_and_emit(self, req: Req, reason: FinishReason) -> None:
         if reason.type == "abort":
             self.stats["aborted_requests"] += 1
         else:

@@ -156,9 +156,14 @@ class EngineClient:
     # ---------------------------------------------------------------- generation
     async def generate(self, item: GenItem) -> dict:
         """Run one request to completion; cancelled -> the engine request is aborted."""
+        fresh = item.rid not in self.active
         self.active.add(item.rid)
         try:
             out = await self._call(item, stream=False)
+        except ValueError:  # refused before scheduling (e.g. its rid is in flight): nothing to abort
+            if fresh:
+                self.release(item.rid)
+            raise
         except BaseException:
             self.abort(item.rid)
             raise
@@ -181,6 +186,7 @@ class EngineClient:
 
     async def open_stream(self, item: GenItem) -> EngineStream:
         """Start a streamed request and pull its first chunk (errors raise here, before any output)."""
+        fresh = item.rid not in self.active
         self.active.add(item.rid)
         try:
             res = await self._call(item, stream=True)
@@ -191,6 +197,10 @@ class EngineClient:
                 first = await it.__anext__()
             except StopAsyncIteration:
                 first = None
+        except ValueError:  # refused before scheduling: nothing to abort
+            if fresh:
+                self.release(item.rid)
+            raise
         except BaseException:
             self.abort(item.rid)
             raise

@@ -8,6 +8,7 @@ unexpected is 500 with a generic message (the traceback goes to the log only).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Optional
 
@@ -16,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..sampling_params import SamplingParams
 from ..errors import GrammarError, SgliteError
 
 
@@ -58,6 +60,9 @@ def error_response(message: str, status: int = 400, param: Optional[str] = None,
     return JSONResponse(error_body(message, status, param, code), status_code=status)
 
 
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
 def from_value_error(exc: ValueError, rename: Optional[dict] = None, prefix: str = "") -> ApiError:
     """Turn an engine/validation ``ValueError`` into a 400 :class:`ApiError`.
 
@@ -72,7 +77,7 @@ def from_value_error(exc: ValueError, rename: Optional[dict] = None, prefix: str
         msg = msg.replace(f"sampling_params.{field}", api).replace(field, api)
         field = api
     elif field:
-        field = f"{prefix}{field}"
+        field = f"{prefix}{field}" if field in _SAMPLING_FIELDS else field
     if field is None and isinstance(exc, GrammarError):
         head = msg.split(":", 1)[0].strip()
         field = head if head in _CONSTRAINTS else (rename or {}).get("grammar", "grammar")

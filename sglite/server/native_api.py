@@ -163,7 +163,8 @@ def build_native_router(client: EngineClient, metrics, server_info: dict) -> API
             return {"success": True, "aborted": client.abort_all()}
         if not req.rid:
             raise ApiError("give rid or abort_all", param="rid")
-        known = [r for r in list(client.active) if r == req.rid or r.startswith(req.rid + "_")]
+        known = [r for r in list(client.active)
+                 if r == req.rid or r.startswith(req.rid + "_") or r.startswith(req.rid + "-")]
         for r in known or [req.rid]:
             client.abort(r)
         return {"success": True, "aborted": len(known)}

@@ -10,9 +10,6 @@ import sys
 def _cmd_kv_estimate(args) -> int:
     from .kv_estimate import estimate, format_estimate, load_config
 
-    if not args.model_path and not args.config and not args.default_model:
-        print("kv-estimate: give --model-path, --config or --default-model", file=sys.stderr)
-        return 2
     cfg = load_config(args.model_path, args.config)
     print(format_estimate(estimate(cfg, args.seq_len, args.batch, args.dtype)))
     return 0
@@ -77,20 +74,19 @@ def main(argv=None) -> int:
     sub.add_parser("serve", help="start the HTTP server (see `sglite serve --help`)")
     sub.add_parser("bench", help="benchmarks: offline | serving | sweep | grammar")
     k = sub.add_parser("kv-estimate", help="KV-cache bytes per token and totals")
-    k.add_argument("--model-path")
-    k.add_argument("--config", help="a HF config.json")
-    k.add_argument("--default-model", action="store_true")
-    k.add_argument("--seq-len", type=int, default=4096)
-    k.add_argument("--batch", type=int, default=16)
-    k.add_argument("--dtype", default="float16")
+    k.add_argument("--model-path", help="HF folder or .gguf file (default: the default model)")
+    k.add_argument("--config", help="a HF config.json instead of a model")
+    k.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
+    k.add_argument("--batch", type=int, default=16, help="sequences (default 16)")
+    k.add_argument("--dtype", default="float16", help="KV dtype: float32|float16|bfloat16|fp8 (default float16)")
     g = sub.add_parser("generate", help="one generation on a model")
-    g.add_argument("prompt")
-    g.add_argument("--model-path")
-    g.add_argument("--dtype", default="auto")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--regex")
-    g.add_argument("--json-schema")
+    g.add_argument("prompt", help="raw prompt text (completion mode unless --chat)")
+    g.add_argument("--model-path", help="HF folder or .gguf file (default: the default model)")
+    g.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16 (default auto)")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="default 64")
+    g.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
+    g.add_argument("--regex", help="constrain the output to this regex")
+    g.add_argument("--json-schema", help="constrain the output to this JSON Schema (JSON text)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("--json", action="store_true", help="print the whole output dict")
     r = sub.add_parser("run", help="run a Python program (e.g. an @function script)")

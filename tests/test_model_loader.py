@@ -145,7 +145,7 @@ def _fake_converter(tiny_model_dir, calls, fail=False):
     return convert
 
 
-def test_gguf_converted_once_and_keyed_by_mtime(tmp_path, tiny_model_dir, monkeypatch):
+def test_gguf_converted_once_and_keyed_by_content(tmp_path, tiny_model_dir, monkeypatch):
     calls = []
     monkeypatch.setattr(model_loader, "_convert_gguf", _fake_converter(tiny_model_dir, calls))
     gguf = tmp_path / "m.gguf"
@@ -156,6 +156,12 @@ def test_gguf_converted_once_and_keyed_by_mtime(tmp_path, tiny_model_dir, monkey
     assert len(calls) == 1 and first.model_dir == second.model_dir
     assert first.model_dir.parent == cache and first.source == str(gguf)
     os.utime(gguf, ns=(gguf.stat().st_atime_ns, gguf.stat().st_mtime_ns + 10**9))
+    assert load_checkpoint(str(gguf), cache_dir=str(cache)).model_dir == first.model_dir  # touch: same file
+    copy = tmp_path / "elsewhere" / "m.gguf"
+    copy.parent.mkdir()
+    shutil.copyfile(gguf, copy)
+    assert load_checkpoint(str(copy), cache_dir=str(cache)).model_dir == first.model_dir  # another clone
+    gguf.write_bytes(b"GGUF2")
     third = load_checkpoint(str(gguf), cache_dir=str(cache))
     assert len(calls) == 2 and third.model_dir != first.model_dir
 

@@ -192,9 +192,15 @@ def _read_config(model_dir: Path):
 
 
 def _gguf_cache_key(gguf: Path) -> str:
+    # keyed by content (size + first and last MiB), not by path: every clone/venv holding the
+    # same file shares one converted copy
     st = gguf.stat()
-    raw = f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}|{_CACHE_FORMAT}"
-    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+    h = hashlib.sha256(f"{gguf.name}|{st.st_size}|{_CACHE_FORMAT}".encode())
+    with open(gguf, "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, st.st_size - (1 << 20)))
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:16]
 
 
 def _converted_gguf_dir(gguf: Path, cache_root: Path) -> Path:

@@ -25,7 +25,8 @@ def served_model_name(model_info: dict, config: ServerConfig) -> str:
     if config.served_model_name:
         return config.served_model_name
     path = str(model_info.get("model_path") or "default").rstrip("/")
-    return os.path.basename(path) or path
+    base = os.path.basename(path) or path
+    return base[:-5] if base.endswith(".gguf") else base
 
 
 def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
@@ -38,7 +39,8 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     metrics = ServerMetrics(engine.get_server_info)
     client = EngineClient(engine, metrics)
     name = served_model_name(client.model_info, config)
-    names = {name, str(client.model_info.get("model_path") or name)}
+    path = str(client.model_info.get("model_path") or name)
+    names = {name, path, os.path.basename(path.rstrip("/")), "default"}  # "default": SGLang clients' habit
     app = FastAPI(title="sglite", version=__version__,
                   description="SGLang-compatible native API and OpenAI-compatible API")
     app.state.client, app.state.metrics, app.state.config = client, metrics, config

@@ -28,22 +28,21 @@ def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, out_cache_loc: torc
     v_buffer[out_cache_loc] = v.to(v_buffer.dtype)  # [N, Hkv, D]
 
 
-def _gather_kv(k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, max_len):
+def _gather_rows(req_to_token, req_pool_indices, seq_lens, max_len):
     rows = req_to_token[req_pool_indices, :max_len].long()  # [B, L] slots (garbage past seq_len)
     pos = torch.arange(max_len, device=rows.device)  # [L]
     valid = pos[None, :] < seq_lens[:, None]  # [B, L] bool
     rows = torch.where(valid, rows, torch.zeros_like(rows))  # [B, L]
-    B, L = rows.shape
-    flat = rows.reshape(-1)  # [B*L]; index_select is much faster than 2-D advanced indexing on CPU
-    k = k_buffer.index_select(0, flat).view(B, L, *k_buffer.shape[1:])  # [B, L, Hkv, D]
-    v = v_buffer.index_select(0, flat).view(B, L, *v_buffer.shape[1:])  # [B, L, Hkv, D]
-    return k, v, valid
+    return rows.reshape(-1), valid  # [B*L] int64, [B, L] bool
 
 
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      seq_lens: torch.Tensor, sm_scale: float) -> torch.Tensor:
-    """One query token per request over its paged KV (GQA), softmax in float32.
+    """One query token per request over its paged KV (GQA), scores and softmax in float32.
+
+    Gathers each KV head separately (``index_select`` of a strided head view yields a
+    contiguous ``[B, L, D]`` block, so the batched matmuls need no further copies).
 
     Args:
         q: [B, Hq, D] query of each request's newest token.
@@ -57,16 +56,19 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     """
     B, Hq, D = q.shape
     Hkv = k_buffer.shape[1]
-    max_len = int(seq_lens.max())
-    k, v, valid = _gather_kv(k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, max_len)
-    group = Hq // Hkv
-    qf = q.float().view(B, Hkv, group, D)  # [B, Hkv, G, D]
-    kf = k.float().permute(0, 2, 3, 1)  # [B, Hkv, D, L]
-    scores = torch.matmul(qf, kf) * sm_scale  # [B, Hkv, G, L]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))  # [B, Hkv, G, L]
-    p = torch.softmax(scores, dim=-1)  # [B, Hkv, G, L]
-    out = torch.matmul(p, v.float().permute(0, 2, 1, 3))  # [B, Hkv, G, D]
-    return out.reshape(B, Hq, D).to(q.dtype)  # [B, Hq, D]
+    G = Hq // Hkv
+    L = int(seq_lens.max())
+    flat, valid = _gather_rows(req_to_token, req_pool_indices, seq_lens, L)  # [B*L], [B, L]
+    masked = (~valid)[:, None, :]  # [B, 1, L]
+    qf = q.float().view(B, Hkv, G, D)  # [B, Hkv, G, D]
+    outs = []
+    for h in range(Hkv):
+        kh = k_buffer[:, h].index_select(0, flat).view(B, L, D).float()  # [B, L, D]
+        vh = v_buffer[:, h].index_select(0, flat).view(B, L, D).float()  # [B, L, D]
+        scores = torch.bmm(qf[:, h], kh.transpose(1, 2)).mul_(sm_scale)  # [B, G, L]
+        scores.masked_fill_(masked, float("-inf"))
+        outs.append(torch.bmm(torch.softmax(scores, dim=-1), vh))  # [B, G, D]
+    return torch.stack(outs, dim=1).reshape(B, Hq, D).to(q.dtype)  # [B, Hq, D]
 
 
 def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,

@@ -23,7 +23,7 @@ def test_offline_all_parts_tiny(tiny_model_dir, tmp_path, capsys):
     assert {r["part"] for r in data["rows"]} == {"a", "b", "c", "d"}
     assert "| a | TPOT (ms) |" in capsys.readouterr().out
     a = data["parts"]["a"]
-    assert a["weight_bytes"] > 0 and a["bandwidth"]["best_gbps"] > 0 and a["floor_tpot_s"] > 0
+    assert a["weight_bytes"] > 0 and a["bandwidth"]["read_gbps"] > 0 and a["floor_tpot_s"] > 0
     for who in ("sglite", "hf"):
         assert 0 < a[who]["ttft_s"] <= a[who]["e2e_s"] and a[who]["tpot_s"] > 0
     b = data["parts"]["b"]
@@ -41,7 +41,7 @@ def test_offline_all_parts_tiny(tiny_model_dir, tmp_path, capsys):
 
 def test_bandwidth_probe_is_plausible():
     bw = measure_read_bandwidth(n_bytes=16 << 20, repeats=2)
-    assert 0.1 < bw["best_gbps"] < 10_000 and bw["best_gbps"] == max(bw["sum_gbps"], bw["copy_gbps"])
+    assert 0.1 < bw["read_gbps"] < 10_000 and 0.1 < bw["copy_gbps"] < 10_000
 
 
 def test_unknown_part_is_named(tiny_model_dir):

@@ -221,3 +221,15 @@ def test_min_p_and_top_k_one_equal_greedy(engine):
     k1 = engine.generate("trunc", {"max_new_tokens": 8, "temperature": 1.0, "top_k": 1, "ignore_eos": True})["output_ids"]
     m1 = engine.generate("trunc", {"max_new_tokens": 8, "temperature": 0.8, "min_p": 1.0, "ignore_eos": True})["output_ids"]
     assert g == k1 == m1
+
+
+def test_requests_submitted_together_share_an_uncached_prefix(engine):
+    engine.flush_cache()
+    prefix = list(range(1000, 1200))
+    prompts = [prefix + [3000 + i, 3100 + i, 3200 + i] for i in range(8)]
+    before = engine.get_server_info()
+    outs = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
+    after = engine.get_server_info()
+    computed = (after["prompt_tokens"] - before["prompt_tokens"]) - (after["cached_tokens"] - before["cached_tokens"])
+    assert computed <= 200 + 8 * 3 + 8, f"the shared prefix was prefilled more than once ({computed} tokens)"
+    assert sum(o["meta_info"]["cached_tokens"] >= 200 for o in outs) >= 7

@@ -1,8 +1,10 @@
 """``sglite bench grammar``: compile time and per-token mask time of sglite's grammar backend, with
 xgrammar / llguidance side by side when installed (same SmolLM2 tokenizer, same instances).
 
-Per (engine, target): compile ms (fresh backend, no cache), cold mask p50 (first pass), warm mask
-p50/p99 µs (later passes over the model's own tokenization of a valid instance + EOS), compile ΔRSS.
+Per (engine, target): compile ms (fresh backend, no cache), cold mask p50 / max / total (first pass),
+warm mask p50/p99 µs (later passes over the model's own tokenization of a valid instance + EOS),
+compile ΔRSS. The recursive targets (``json_object``, ``json_recursive``, ``lark_json``) measure the
+pushdown matcher's cold cost on a nested instance.
 ``--coverage`` adds the maskbench-sample coverage (compiles, accepts valid, rejects invalid) for
 sglite and llguidance, read from ``../shared/data`` (evaluation data is never shipped).
 """
@@ -35,11 +37,24 @@ OBJECT_INSTANCE = {"name": "Alice Smith", "age": 34, "status": "active", "tags":
 CLIFF_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["code", "content"], "properties": {
     "code": {"enum": [f"CODE_{i:03d}" for i in range(300)]}, "content": {"type": "string", "maxLength": 2000}}}
 CLIFF_INSTANCE = {"code": "CODE_123", "content": "The quick brown fox jumps over the lazy dog. " * 4}
+NESTED_INSTANCE = {"id": 12, "name": "Widget \"x\"", "tags": ["a", "b", {"deep": [1, 2.5e3, None, True]}],
+                   "meta": {"owner": {"name": "Ann", "roles": ["admin", "dev"], "limits": {"cpu": 2, "mem": -0.5}}},
+                   "empty": {}, "list": [[], [[1]], {"k": "v"}]}
+TREE_SCHEMA = {"$defs": {"node": {"type": "object", "additionalProperties": False, "required": ["value"],
+                                  "properties": {"value": {"type": "integer"},
+                                                 "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}},
+               "$ref": "#/$defs/node"}
+TREE_INSTANCE = {"value": 1, "children": [{"value": 2, "children": [{"value": 3, "children": [{"value": 5}]}]},
+                                          {"value": 4, "children": []}]}
 TARGETS = {
     "json": ("json_schema", OBJECT_SCHEMA, json.dumps(OBJECT_INSTANCE)),
     "regex_email": ("regex", EMAIL, "john.doe@example.com"),
     "regex_datetime": ("regex", DATETIME, "2024-01-15T10:30:00.123Z"),
     "json_cliff": ("json_schema", CLIFF_SCHEMA, json.dumps(CLIFF_INSTANCE)),
+    # recursive grammars (pushdown matcher): the first pass over a nested instance is the cold cost
+    "json_object": ("json_object", None, json.dumps(NESTED_INSTANCE, indent=1)),
+    "json_recursive": ("json_schema", TREE_SCHEMA, json.dumps(TREE_INSTANCE)),
+    "lark_json": ("lark", "builtin:json", json.dumps(NESTED_INSTANCE, indent=1)),
 }
 EOS = 2
 
@@ -66,6 +81,8 @@ class SgliteEngine:
 
         return GrammarBackend(self.info).compile(kind, spec)
 
+    supports = staticmethod(lambda kind: True)
+
     def run(self, compiled, ids):
         import torch
 
@@ -89,9 +106,13 @@ class LLGuidanceEngine:
         self.lt = llguidance.hf.from_tokenizer(tok, n_vocab=49152)
         self.bm = llguidance.torch.allocate_token_bitmask(1, 49152)
 
+    supports = staticmethod(lambda kind: kind != "lark")
+
     def compile(self, kind, spec):
         import llguidance
 
+        if kind == "json_object":
+            kind, spec = "json_schema", {"type": "object"}
         grm = (llguidance.LLMatcher.grammar_from_json_schema(spec) if kind == "json_schema"
                else llguidance.LLMatcher.grammar_from_regex(spec))
         m = llguidance.LLMatcher(self.lt, grm, log_level=0)
@@ -122,8 +143,12 @@ class XGrammarEngine:
         self.xgr, self.ti = xgr, xgr.TokenizerInfo.from_huggingface(tok, vocab_size=49152)
         self.bm = xgr.allocate_token_bitmask(1, 49152)
 
+    supports = staticmethod(lambda kind: kind != "lark")
+
     def compile(self, kind, spec):
         c = self.xgr.GrammarCompiler(self.ti, cache_enabled=False)
+        if kind == "json_object":
+            return c.compile_builtin_json_grammar()
         return c.compile_json_schema(json.dumps(spec)) if kind == "json_schema" else c.compile_regex(spec)
 
     def run(self, compiled, ids):
@@ -148,6 +173,12 @@ def engines(tok, names):
 
 def measure(engine, target, tok, passes: int) -> dict:
     kind, spec, text = TARGETS[target]
+    if not engine.supports(kind):
+        return None
+    if isinstance(spec, str) and spec.startswith("builtin:"):
+        from sglite import grammars
+
+        spec = grammars.read(spec.split(":", 1)[1])
     ids = tok.encode(text, add_special_tokens=False) + [EOS]
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
@@ -163,6 +194,8 @@ def measure(engine, target, tok, passes: int) -> dict:
     us = np.array(warm) * 1e6
     return {"engine": engine.name, "target": target, "compile_ms": round(compile_ms, 2),
             "cold_mask_us_p50": round(float(np.median(cold)) * 1e6, 1),
+            "cold_mask_ms_max": round(float(np.max(cold)) * 1e3, 2),
+            "cold_mask_ms_total": round(float(np.sum(cold)) * 1e3, 1),
             "mask_us_p50": round(float(np.percentile(us, 50)), 1), "mask_us_p99": round(float(np.percentile(us, 99)), 1),
             "compile_drss_mb": round(rss, 1), "tokens": len(ids), "accepts": ok}
 
@@ -198,6 +231,49 @@ def coverage(tok, path: Path) -> dict:
     return counts
 
 
+def _engine_counts(cases_by_schema, sg_backend, llg):
+    """[sglite ok, llguidance ok] schema counts over (schema, [(ids, valid)]) items."""
+    from sglite.errors import GrammarError
+
+    ok = [0, 0]
+    for schema, cases in cases_by_schema:
+        try:
+            g = sg_backend.compile("json_schema", schema)
+            ok[0] += all(_sg_accepts(g, ids) == valid for ids, valid in cases)
+        except GrammarError:
+            pass
+        if llg:
+            try:
+                grm = llg.compile("json_schema", schema)
+                ok[1] += all(llg.run(grm, ids)[1] == valid for ids, valid in cases)
+            except (ValueError, RuntimeError):
+                pass
+    return ok
+
+
+def suite_coverage(tok, folder: Path) -> dict:
+    """JSON-Schema-Test-Suite, per keyword file: groups (schema + its instances) that sglite and
+    llguidance get entirely right (compile, accept every valid, reject every invalid instance),
+    instances fed as the model's own tokens of their compact serialization (keys in schema order)."""
+    from sglite.bench.grammar_coverage import canonical_instance
+    from sglite.constrained import GrammarBackend, TokenizerInfo
+
+    backend = GrammarBackend(TokenizerInfo.from_hf(tok, 49152, {EOS}))
+    llg = (engines(tok, {"llguidance"}) or [None])[0]
+    out = {}
+    for f in sorted(list(folder.glob("*.json")) + list(folder.glob("format/*.json"))):
+        groups = json.loads(f.read_text())
+        items = []
+        for grp in groups:
+            cases = [(tok.encode(json.dumps(canonical_instance(grp["schema"], t["data"]), ensure_ascii=False,
+                                            separators=(",", ":")), add_special_tokens=False) + [EOS], t["valid"])
+                     for t in grp["tests"]]
+            items.append((grp["schema"], cases))
+        sg, lg = _engine_counts(items, backend, llg)
+        out[str(f.relative_to(folder))] = {"groups": len(groups), "sglite": sg, "llguidance": lg if llg else None}
+    return out
+
+
 def _sg_accepts(g, ids) -> bool:
     m = g.matcher()
     return all(m.accept_token(t) for t in ids)
@@ -210,6 +286,7 @@ def main(argv=None) -> int:
     p.add_argument("--targets", default=",".join(TARGETS))
     p.add_argument("--passes", type=int, default=20)
     p.add_argument("--coverage", action="store_true", help="also run the maskbench-sample coverage")
+    p.add_argument("--suite", action="store_true", help="also run the JSON-Schema-Test-Suite per-file table")
     p.add_argument("--data", default=str(Path(__file__).resolve().parents[2].parent / "shared" / "data"))
     args = p.parse_args(argv)
     tok = load_tokenizer()
@@ -217,7 +294,19 @@ def main(argv=None) -> int:
         for target in args.targets.split(","):
             if target not in TARGETS:
                 p.error(f"unknown target {target!r}; known: {', '.join(TARGETS)}")
-            print(json.dumps(measure(engine, target, tok, args.passes)), flush=True)
+            row = measure(engine, target, tok, args.passes)
+            if row is not None:
+                print(json.dumps(row), flush=True)
+    if args.suite:
+        folder = Path(args.data) / "json-schema-test-suite" / "draft2020-12"
+        if folder.is_dir():
+            table = suite_coverage(tok, folder)
+            for name, row in table.items():
+                print(json.dumps({"suite_file": name, **row}), flush=True)
+            print(json.dumps({"suite_total": {k: sum(r[k] or 0 for r in table.values())
+                                              for k in ("groups", "sglite", "llguidance")}}), flush=True)
+        else:
+            print(json.dumps({"suite": f"{folder} not found"}), flush=True)
     if args.coverage:
         sample = Path(args.data) / "jsonschemabench" / "maskbench_sample.jsonl"
         if sample.is_file():

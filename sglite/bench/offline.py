@@ -25,6 +25,7 @@ import argparse
 import gc
 import random
 import shlex
+import sys
 import time
 from typing import Optional, Sequence
 
@@ -35,6 +36,10 @@ from .workloads import random_words
 PARTS = ("a", "b", "c", "d")
 COLUMNS = (("part", "part"), ("metric", "metric"), ("sglite", "sglite"), ("baseline", "baseline"),
            ("baseline_name", "baseline is"), ("ratio", "ratio"), ("target", "target"))
+
+
+def _log(msg: str) -> None:
+    print(f"[bench offline {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def _row(part, metric, ours, base=None, name="", ratio=None, target=""):
@@ -94,7 +99,7 @@ def part_a(a, engine, hf, prompts: Prompts, bw: dict) -> tuple[list, dict]:
     runs = [_engine_latency(engine, p, a.latency_new_tokens) for p in ps]
     ours = {k: sorted(r[k] for r in runs)[len(runs) // 2] for k in runs[0]}
     base = hf.latency(ps, a.latency_new_tokens)
-    floor_s = hf.weight_bytes / (bw["best_gbps"] * 1e9)
+    floor_s = hf.weight_bytes / (bw["read_gbps"] * 1e9)
     res = {"sglite": ours, "hf": base, "weight_bytes": hf.weight_bytes, "bandwidth": bw, "floor_tpot_s": floor_s}
     rows = [_row("a", "TTFT (ms)", ours["ttft_s"] * 1e3, base["ttft_s"] * 1e3, "HF generate",
                  ours["ttft_s"] / base["ttft_s"]),
@@ -103,7 +108,7 @@ def part_a(a, engine, hf, prompts: Prompts, bw: dict) -> tuple[list, dict]:
             _row("a", "decode tok/s", 1 / ours["tpot_s"], 1 / base["tpot_s"], "HF generate",
                  base["tpot_s"] / ours["tpot_s"]),
             _row("a", "TPOT vs bandwidth floor (ms)", ours["tpot_s"] * 1e3, floor_s * 1e3,
-                 f"floor ({hf.weight_bytes / 1e6:.0f} MB @ {bw['best_gbps']:.1f} GB/s)",
+                 f"floor ({hf.weight_bytes / 1e6:.0f} MB @ {bw['read_gbps']:.1f} GB/s read)",
                  floor_s / ours["tpot_s"], ">= 0.5 (floor/TPOT)")]
     return rows, res
 
@@ -224,9 +229,11 @@ def run(a: argparse.Namespace) -> dict:
             hf = HFBaseline(engine.checkpoint.model_dir, engine.runner.dtype,
                             engine.tokenizer.hf.pad_token_id or min(engine.tokenizer.eos_token_ids))
             if "a" in parts:
+                _log("part a: batch-1 latency")
                 r, details["a"] = part_a(a, engine, hf, prompts, measure_read_bandwidth(a.bandwidth_mib << 20))
                 rows += r
             if "b" in parts:
+                _log("part b: throughput")
                 r, details["b"] = part_b(a, engine, hf, prompts)
                 rows += r
             del hf
@@ -236,6 +243,7 @@ def run(a: argparse.Namespace) -> dict:
             try:
                 for name, fn in (("c", part_c), ("d", part_d)):
                     if name in parts:
+                        _log(f"part {name}: radix cache on vs off")
                         r, details[name] = fn(a, engine, off, prompts)
                         rows += r
             finally:

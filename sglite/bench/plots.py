@@ -121,7 +121,7 @@ def plot_bars(groups: Sequence[tuple[str, dict[str, float]]], path, ylabel: str 
     for ax, (name, vals) in zip(axes.flat, groups):
         rects = ax.bar(list(vals), [0.0 if v is None else v for v in vals.values()],
                        color=[f"C{i}" for i in range(len(vals))])
-        ax.bar_label(rects, fmt="%.1f", fontsize=8)
+        ax.bar_label(rects, fmt="%.3g", fontsize=8)
         ax.set_title(name, fontsize=9)
         ax.set_ylabel(ylabel)
         ax.tick_params(axis="x", labelsize=8)

@@ -26,6 +26,8 @@ from .schedule_policy import order_waiting
 
 log = logging.getLogger("sglite.scheduler")
 
+HOLD_BACK_TOKENS = 32  # defer a request sharing more than this many uncached tokens with a prefilling one
+
 
 class Scheduler:
     """Owns the waiting/running queues, the KV pools' allocation and the radix cache."""
@@ -102,6 +104,27 @@ class Scheduler:
         self.req_pool.free(req.row)
         req.row, req.last_node, req.kv_len, req.prefix_len, req.alloc_len = None, None, 0, 0, 0
 
+    def _cache_unfinished(self, req: Req) -> None:
+        """Insert a still-running request's computed tokens into the tree and lock them there.
+
+        Requests arriving while this one runs (or its later prefill chunks) then reuse its
+        prefix at once instead of after it finishes (SGLang's ``cache_unfinished_req``).
+        """
+        aligned = req.kv_len - req.kv_len % self.page_size
+        if self.cache.disabled or aligned <= req.prefix_len:
+            return
+        table = self.req_pool.req_to_token
+        slots = table[req.row, :aligned].long()  # [aligned]
+        ids = req.tokens(0, aligned)
+        already = self.cache.insert(ids, slots)
+        self.kv_pool.free(slots[req.prefix_len:already])  # duplicates of what the tree had
+        tree_slots, node = self.cache.match_prefix(ids)
+        assert len(tree_slots) == aligned, "inserted prefix not found again"
+        table[req.row, req.prefix_len:aligned] = tree_slots[req.prefix_len:].to(torch.int32)
+        self.cache.inc_lock_ref(node)
+        self.cache.dec_lock_ref(req.last_node)
+        req.last_node, req.prefix_len = node, aligned
+
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finished = reason
         try:
@@ -161,9 +184,22 @@ class Scheduler:
             cap = min(cap, max(r.logprob_start_len - 1, 0))
         return cap
 
+    def _shares_uncached_prefix(self, r: Req, m: int, prefilling: list) -> bool:
+        """True when ``r`` shares more than ``HOLD_BACK_TOKENS`` beyond its cached ``m`` tokens with
+        a request now prefilling: admitting it next step lets it reuse that prefix (SGLang's
+        in-batch prefix caching)."""
+        if self.cache.disabled or r.seq_len - m <= HOLD_BACK_TOKENS:
+            return False
+        head = r.tokens(m, m + HOLD_BACK_TOKENS + 1)
+        for o in prefilling:
+            if o.tokens(m, m + HOLD_BACK_TOKENS + 1) == head:
+                return True
+        return False
+
     def _admit(self, plan: list) -> None:
         budget = self._budget() - sum(n for r, n in plan if n > 1)
         order = order_waiting(self.config.schedule_policy, list(self.waiting), self.cache)
+        prefilling = [r for r in self.running if r.prefilling]
         for r in order:
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
@@ -171,6 +207,8 @@ class Scheduler:
                 continue  # its shared prefix is being prefilled by another request
             prefix, node = self.cache.match_prefix(r.seq[:self._prefix_cap(r)])
             m = len(prefix)
+            if self._shares_uncached_prefix(r, m, prefilling):
+                continue
             n = min(r.seq_len - m, budget)
             reserve = (len(self.running) + 1) * self.page_size
             if self.kv_pool.tokens_needed(m, n) + reserve > self.kv_pool.free_tokens() + self.cache.evictable_size:
@@ -193,6 +231,7 @@ class Scheduler:
                 self.stats["cached_tokens"] += m
             self.waiting.remove(r)
             self.running.append(r)
+            prefilling.append(r)
             plan.append((r, n))
             budget -= n
 
@@ -251,6 +290,8 @@ class Scheduler:
         sample_reqs, sample_rows = [], []
         for (r, n), (srow, in_rows) in zip(plan, rows):
             r.kv_len += n
+            if n > 1:
+                self._cache_unfinished(r)
             if in_rows or (r.wants_input_logprobs() and r.logprob_start_len == 0):
                 self.out.record_input_logprobs(r, logits, in_rows)
             if srow is not None:

@@ -34,12 +34,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import random
 import threading
 import uuid
 from concurrent.futures import Future
 from typing import Optional, Union
+
+import torch
 
 from ..config import EngineConfig
 from .engine_requests import RequestBuilder
@@ -71,14 +74,12 @@ class Engine:
             h = logging.StreamHandler()
             h.setFormatter(logging.Formatter("[sglite %(asctime)s %(levelname)s] %(message)s", "%H:%M:%S"))
             root.addHandler(h)
-        if self.config.num_threads:
-            import torch
-
-            torch.set_num_threads(self.config.num_threads)
         ckpt = load_checkpoint(model_path)
         self.checkpoint = ckpt
         self.tokenizer = Tokenizer.from_dir(ckpt.model_dir, ckpt.hf_config)
         device = resolve_device(self.config.device)
+        if device == "cpu":
+            torch.set_num_threads(self.config.num_threads or max(1, (os.cpu_count() or 2) - 1))
         sd = load_state_dict(ckpt, resolve_dtype(self.config.dtype, device), device)
         self.runner = ModelRunner(self.config, ckpt.hf_config, sd)
         del sd

@@ -115,3 +115,85 @@ def test_json_schema_test_suite(backend, path):
         if status == "fail" and (path.name, group["description"]) not in KNOWN:
             wrong[group["description"]] = bad
     assert not wrong, wrong
+
+
+# ---------------------------------------------------------------- keywords added for coverage
+@pytest.mark.parametrize("lo,lo_ex,hi,hi_ex", [
+    (0.25, False, None, False), (None, False, 2.75, True), (-3.125, True, -0.05, False), (0.01, False, 0.1, True),
+    (-0.5, False, 0.5, False), (0.1, True, 100.5, False),
+])
+def test_decimal_bounds_agree_with_arithmetic(backend, lo, lo_ex, hi, hi_ex):
+    from decimal import Decimal
+
+    s = {"type": "number"}
+    if lo is not None:
+        s["exclusiveMinimum" if lo_ex else "minimum"] = lo
+    if hi is not None:
+        s["exclusiveMaximum" if hi_ex else "maximum"] = hi
+    g = backend.compile("json_schema", s)
+    texts = [f"{sign}{i}{f}" for sign in ("", "-") for i in (0, 1, 2, 3, 99, 100, 101)
+             for f in ("", ".0", ".01", ".05", ".0500", ".09", ".1", ".125", ".25", ".2499", ".2501", ".5", ".75", ".9")]
+    for t in texts:
+        x = Decimal(t)
+        want = ((lo is None or (x > Decimal(str(lo)) if lo_ex else x >= Decimal(str(lo))))
+                and (hi is None or (x < Decimal(str(hi)) if hi_ex else x <= Decimal(str(hi)))))
+        if want and t.startswith("-") and x == 0:
+            continue  # "-0..." is refused by design (a sound narrowing)
+        assert accepts(g, t.encode()) == want, (s, t)
+
+
+def test_multiple_of(backend):
+    s = {"type": "integer", "minimum": -40, "maximum": 40, "multipleOf": 16}
+    for text, valid in [("-32", True), ("0", True), ("16", True), ("32", True), ("48", False), ("8", False)]:
+        assert ok(backend, s, text) == valid, text
+    cents = {"type": "number", "multipleOf": 0.01}
+    for text, valid in [("1.25", True), ("-3", True), ("0.125", False), ("2.500", True), ("7.1", True)]:
+        assert ok(backend, cents, text) == valid, text
+    with pytest.raises(GrammarError, match="multipleOf"):
+        backend.compile("json_schema", {"type": "number", "multipleOf": 0.3})
+
+
+def test_enum_filtered_by_sibling_keywords(backend):
+    s = {"type": "object", "properties": {"b": {"enum": ["x", 3, "yy"], "type": "string", "maxLength": 1}}}
+    assert ok(backend, s, '{"b":"x"}')
+    assert not ok(backend, s, '{"b":3}') and not ok(backend, s, '{"b":"yy"}')
+    assert not ok(backend, {"properties": {"b": {"enum": ["A"], "type": "object"}}}, '{"b":"A"}')
+
+
+def test_min_properties_one_and_match_all_pattern_properties(backend):
+    assert not ok(backend, {"type": "object", "minProperties": 1}, "{}")
+    assert ok(backend, {"type": "object", "minProperties": 1}, '{"a":1}')
+    s = {"type": "object", "properties": {"basic": {"type": "string"}}, "required": ["basic"],
+         "patternProperties": {".*": {"type": "string", "maxLength": 2}}}
+    assert ok(backend, s, '{"basic":"ab","x":"y"}')
+    assert not ok(backend, s, '{"basic":"abc"}')  # the pattern's schema applies to declared properties too
+    assert not ok(backend, s, '{"basic":"a","x":1}')
+
+
+def test_one_of_disjoint_by_required_and_forbidden(backend):
+    s = {"type": "object", "oneOf": [
+        {"additionalProperties": False, "properties": {"a": {"type": "string"}}, "required": ["a"]},
+        {"additionalProperties": False, "properties": {"b": {"type": "string"}}, "required": ["b"]}]}
+    assert ok(backend, s, '{"a":"x"}') and ok(backend, s, '{"b":"x"}') and not ok(backend, s, '{"c":"x"}')
+    with pytest.raises(GrammarError, match="oneOf"):  # untyped branches may both accept a non-object
+        backend.compile("json_schema", {"oneOf": [{"required": ["a"]}, {"additionalProperties": False}]})
+
+
+def test_pattern_properties_partition_keys(backend):
+    s = {"type": "object", "properties": {"ab": {"type": "string"}},
+         "patternProperties": {"^a": {"type": "integer"}, "b$": {"type": "integer", "minimum": 10}}}
+    cases = [('{"ab":"x"}', False),  # "ab" matches both patterns: must be a string and an integer >= 10
+             ('{"a1":5}', True), ('{"a1":"x"}', False), ('{"xb":5}', False), ('{"xb":10}', True),
+             ('{"axb":5}', False), ('{"axb":12}', True), ('{"zz":"any"}', True), ('{"zz":[1]}', True)]
+    for text, valid in cases:
+        assert ok(backend, s, text) == valid, text
+    closed = {"type": "object", "additionalProperties": False, "patternProperties": {"^[a-z]{2}$": {"type": "string"}}}
+    assert ok(backend, closed, '{"en":"x","fr":"y"}') and not ok(backend, closed, '{"eng":"x"}')
+
+
+def test_length_intersected_with_pattern_and_format(backend):
+    s = {"type": "string", "pattern": "^[a-z]+[0-9]*$", "minLength": 3, "maxLength": 5}
+    for text, valid in [('"ab"', False), ('"abc"', True), ('"ab12"', True), ('"abc123"', False), ('"1ab"', False)]:
+        assert ok(backend, s, text) == valid, text
+    email = {"type": "string", "format": "email", "maxLength": 12}
+    assert ok(backend, email, '"a@b.co"') and not ok(backend, email, '"abcdefg@b.com"')

@@ -82,8 +82,8 @@ class GrammarBackend:
                 spec = json.loads(spec)
             except json.JSONDecodeError as e:
                 raise GrammarError(f"json_schema is not valid JSON: {e}") from None
-        rules, root = build_rules(kind, spec, self.whitespace_pattern)
         try:
+            rules, root = build_rules(kind, spec, self.whitespace_pattern)
             compiled = CompiledGrammar(Automaton(rules, root), self.info, kind, spec)
         except RecursionError:
             raise GrammarError(f"{kind} grammar is nested too deeply") from None

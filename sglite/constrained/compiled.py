@@ -9,9 +9,10 @@ Two state representations behind one interface:
   breadth-first (GLR-like) recognizer, so ambiguous grammars work without backtracking.
 
 Masks are cached per state (DESIGN §5 lead 3): a warm mask is a dict lookup plus one tensor copy.
-For a pushdown state the mask is the union over its stacks of the top frame's walk (lead 4: tokens
-that stay inside the top rule are decided by the vectorized walk); only tokens that cross a rule
-boundary mid-token are re-run through the full pushdown step.
+For a pushdown state the mask is the union over its stacks of per-stack masks (:mod:`.pushdown_mask`):
+tokens that stay inside the top rule come from a cached vectorized vocabulary walk (lead 4), only
+tokens that cross a rule boundary mid-token go through a vectorized pushdown walk, and a stack's mask
+is cached under the top frames that decided it, so new nesting depths of a known shape cost lookups.
 """
 from __future__ import annotations
 
@@ -22,11 +23,13 @@ import torch
 
 from .dfa import DEAD
 from .grammar import Automaton
+from .pushdown_mask import StackMasker
 from .token_walk import pack_ids, walk_vocab
 from .tokenizer_info import TokenizerInfo
 
 MAX_STACK_DEPTH = 512
 MAX_FORCED_BYTES = 2048
+MAX_STATE_MASKS = 8192
 
 
 class CompiledGrammar:
@@ -43,6 +46,9 @@ class CompiledGrammar:
         self._lock = threading.RLock()
         self._masks: dict = {}
         self._walks: dict = {}
+        self._stack_masks = (StackMasker(automaton.dfas, tokenizer_info.sorted_vocab, self._walk,
+                                         tokenizer_info.mask_words, MAX_STACK_DEPTH)
+                             if self.pushdown else None)
         self.initial_state = (self._close({((automaton.root, self.root.start),)})
                               if self.pushdown else self.root.start)
 
@@ -123,6 +129,8 @@ class CompiledGrammar:
                 m = self._masks.get(state)
                 if m is None:
                     m = torch.from_numpy(self._compute_mask(state))
+                    if self.pushdown and len(self._masks) >= MAX_STATE_MASKS:
+                        self._masks.pop(next(iter(self._masks)))  # oldest; stack masks stay cached
                     self._masks[state] = m
         return m
 
@@ -137,20 +145,14 @@ class CompiledGrammar:
     def _compute_mask(self, state) -> np.ndarray:
         info = self.info
         if not self.pushdown:
-            ids = [self._walk(self.automaton.root, state, False).alive_ids]
+            out = pack_ids(self._walk(self.automaton.root, state, False).alive_ids, info.mask_words)
         else:
-            ids, unsure = [], set()
+            out = np.zeros(info.mask_words, dtype=np.int32)
             for st in state:
-                w = self._walk(st[-1][0], st[-1][1], len(st) > 1)
-                ids.append(w.alive_ids)
-                unsure.update(w.uncertain_ids.tolist())
-            if unsure:
-                ok = set(np.concatenate(ids).tolist()) if ids else set()
-                extra = [t for t in unsure - ok if self.step_bytes(state, info.token_bytes[t]) is not None]
-                ids.append(np.array(extra, dtype=np.int64))
+                out |= self._stack_masks.mask(st)
         if self.accepting(state):
-            ids.append(np.array(sorted(info.eos_token_ids), dtype=np.int64))
-        return pack_ids(np.concatenate(ids) if ids else [], info.mask_words)
+            out = out | pack_ids(sorted(info.eos_token_ids), info.mask_words)
+        return out
 
     def forced_bytes(self, state) -> bytes:
         """Bytes every continuation of ``state`` must start with (stops at an accepting state)."""

@@ -130,4 +130,11 @@ def provably_disjoint(a, b, depth: int = 0) -> bool:
     for name in set(a.get("required") or []) & set(b.get("required") or []):
         if name in pa and name in pb and provably_disjoint(pa[name], pb[name], depth + 1):
             return True
+    if {"object"} not in (ka, kb):  # below, common instances must be objects
+        return False
+    for x, y, py in ((a, b, pb), (b, a, pa)):  # x requires a property y forbids
+        for name in x.get("required") or []:
+            if py.get(name) is False or (name not in py and y.get("additionalProperties", True) is False
+                                         and not y.get("patternProperties")):
+                return True
     return False

@@ -1,12 +1,14 @@
 """JSON Schema → grammar rules (AST). Recursion via ``$ref`` becomes rule calls, not unrolling.
 
-Supported: ``type`` (incl. lists), ``enum``, ``const``, ``properties``, ``required``,
-``additionalProperties``, ``patternProperties`` (with ``additionalProperties: false``), ``items``,
-``prefixItems``, ``minItems``, ``maxItems``, ``minLength``, ``maxLength``, ``pattern``, ``format``,
-``minimum``/``maximum``/``exclusive*`` (integer-valued bounds for numbers), ``anyOf``, ``oneOf``
-(when its branches are provably exclusive), ``allOf`` (merged), local ``$ref`` / ``$defs`` /
-``definitions``, ``nullable``, boolean schemas. Anything else that constrains instances raises
-:class:`GrammarError` naming the keyword and its JSON path. Properties are emitted in schema order,
+Supported: ``type`` (incl. lists), ``enum``/``const`` (values filtered by their sibling keywords),
+``properties``, ``required``, ``additionalProperties``, ``patternProperties`` (keys partitioned by the
+patterns they match, via DFA products in :mod:`.fsm_ops`), ``minProperties`` up to 1 beyond the
+required count, ``items``, ``prefixItems``, ``minItems``, ``maxItems``, ``minLength``, ``maxLength``,
+``pattern``, ``format`` (length, pattern and format intersected), ``minimum``/``maximum``/``exclusive*``
+(any decimal value, :mod:`.json_numbers`), ``multipleOf`` (integer with both bounds, or ``10^-k``),
+``anyOf``, ``oneOf`` (when its branches are provably exclusive), ``allOf`` (merged), local ``$ref`` /
+``$defs`` / ``definitions``, ``nullable``, boolean schemas. Anything else that constrains instances
+raises :class:`GrammarError` naming the keyword and its JSON path. Properties are emitted in schema order,
 then additional properties. Whitespace between tokens follows ``whitespace_pattern`` (default
 :data:`DEFAULT_WS`: one space, or a newline plus up to 16 spaces/tabs: bounded, so no runaway newlines).
 """
@@ -26,6 +28,19 @@ UNSUPPORTED = ("not", "if", "then", "else", "contains", "minContains", "maxConta
                "dependentSchemas", "dependencies", "propertyNames", "unevaluatedProperties",
                "unevaluatedItems", "$dynamicRef", "$recursiveRef", "maxProperties")
 TYPES = ("null", "boolean", "object", "array", "number", "string")
+
+
+def _type_ok(value, types) -> bool:
+    types = [types] if isinstance(types, str) else list(types)
+    if value is None:
+        return "null" in types
+    if isinstance(value, bool):
+        return "boolean" in types
+    if isinstance(value, (int, float)):
+        whole = isinstance(value, int) or float(value).is_integer()
+        return "number" in types or ("integer" in types and whole)
+    kind = {str: "string", list: "array", dict: "object"}.get(type(value))
+    return kind in types
 
 
 def schema_to_rules(schema, *, whitespace_pattern: str | None = None) -> dict:
@@ -118,18 +133,22 @@ class _Converter:
                 if not isinstance(branches, list) or not branches:
                     raise GrammarError(f"{path}/{kw}: must be a non-empty array")
                 if kw == "oneOf":
-                    self.check_one_of(branches, path)
+                    self.check_one_of([merge_schemas(rest, self.deref(b, f"{path}/oneOf/{i}"), path) if rest else b
+                                       for i, b in enumerate(branches)], path)
                 return A.alt(*[self.node(merge_schemas(rest, self.deref(b, f"{path}/{kw}/{i}"), path)
                                          if rest else b, f"{path}/{kw}/{i}") for i, b in enumerate(branches)])
         if schema.get("nullable") is True:
             rest = {k: v for k, v in schema.items() if k != "nullable"}
             return A.alt(A.lit("null"), self.node(rest, path))
-        if "const" in schema:
-            return J.value_node(schema["const"])
-        if "enum" in schema:
-            if not isinstance(schema["enum"], list):
-                raise GrammarError(f"{path}/enum: must be an array")
-            return A.alt(*[J.value_node(v) for v in schema["enum"]]) if schema["enum"] else A.NOTHING
+        if "const" in schema or "enum" in schema:
+            if "const" in schema:
+                values, rest = [schema["const"]], {k: v for k, v in schema.items() if k != "const"}
+            else:
+                values, rest = schema["enum"], {k: v for k, v in schema.items() if k != "enum"}
+                if not isinstance(values, list):
+                    raise GrammarError(f"{path}/enum: must be an array")
+            values = [v for v in values if self.admits(rest, v, path)]
+            return A.alt(*[J.value_node(v) for v in values]) if values else A.NOTHING
         types = schema.get("type", list(TYPES))
         types = [types] if isinstance(types, str) else types
         for t in types:
@@ -138,6 +157,27 @@ class _Converter:
         if "number" in types:
             types = [t for t in types if t != "integer"]
         return A.alt(*[self.typed(t, schema, path) for t in types]) if types else A.NOTHING
+
+    def admits(self, rest: dict, value, path: str) -> bool:
+        """Whether ``value`` (of an enum/const) satisfies the sibling keywords ``rest``.
+
+        ``type`` is checked directly; other constraints by running the value's compact JSON through
+        the grammar of ``rest`` (object keys must then be in ``rest``'s declared order).
+        """
+        if "type" in rest and not _type_ok(value, rest["type"]):
+            return False
+        if not set(rest) - ANNOTATIONS - {"type", "$defs", "definitions", "nullable"}:
+            return True
+        from .compiled import CompiledGrammar
+        from .grammar import Automaton
+        from .tokenizer_info import TokenizerInfo
+
+        conv = _Converter(self.root, A.EMPTY)
+        conv.rules["root"] = conv.node(rest, path)
+        conv._any_rules()
+        g = CompiledGrammar(Automaton(conv.rules, "root"), TokenizerInfo([b"x"], set()))
+        state = g.step_bytes(g.initial_state, J.json_text(value))
+        return state is not None and g.accepting(state)
 
     def check_one_of(self, branches, path):
         subs = [self.deref(b, f"{path}/oneOf/{i}") for i, b in enumerate(branches)]
@@ -164,8 +204,8 @@ class _Converter:
 
     def number(self, integer: bool, s: dict, path: str):
         mult = s.get("multipleOf")
-        if mult is not None and not (integer and mult == int(mult) and int(mult) == 1):
-            raise GrammarError(f"{path}/multipleOf: keyword 'multipleOf' is not supported")
+        if mult is not None and integer and not isinstance(mult, bool) and mult == 1:
+            mult = None
         lo, hi, lo_ex, hi_ex = s.get("minimum"), s.get("maximum"), False, False
         emin, emax = s.get("exclusiveMinimum"), s.get("exclusiveMaximum")
         if emin is True or emax is True:  # draft 4 booleans
@@ -174,21 +214,28 @@ class _Converter:
             lo, lo_ex = emin, True
         if isinstance(emax, (int, float)) and not isinstance(emax, bool) and (hi is None or emax <= hi):
             hi, hi_ex = emax, True
+        if mult is not None:
+            from .json_numbers import multiple_of
+
+            return multiple_of(mult, integer, lo, lo_ex, hi, hi_ex, path)
         return J.number_range(lo, lo_ex, hi, hi_ex, integer, path)
 
     def string(self, s: dict, path: str):
         lo, hi = int(s.get("minLength", 0)), s.get("maxLength")
         hi = -1 if hi is None else int(hi)
-        if "pattern" in s and "format" in s:
-            raise GrammarError(f"{path}/format: 'format' together with 'pattern' is not supported")
-        if ("pattern" in s or "format" in s) and (lo > 0 or hi >= 0):
-            raise GrammarError(f"{path}/maxLength: minLength/maxLength together with pattern/format is not supported")
+        if hi >= 0 and hi < lo:
+            return A.NOTHING
+        parts = []  # regular constraints on the string body, intersected when there are several
         if "pattern" in s:
-            body = J.pattern_body(s["pattern"], f"{path}/pattern")
-        elif "format" in s:
-            body = J.format_body(s["format"], f"{path}/format")
-        else:
-            if hi >= 0 and hi < lo:
-                return A.NOTHING
-            body = A.rep(J.CHAR, lo, hi)
+            parts.append(J.pattern_body(s["pattern"], f"{path}/pattern"))
+        if "format" in s:
+            parts.append(J.format_body(s["format"], f"{path}/format"))
+        if not parts or lo > 0 or hi >= 0:
+            parts.append(A.rep(J.CHAR, lo, hi))
+        body = parts[0]
+        if len(parts) > 1:
+            from .fsm_ops import intersect_nodes
+
+            for other in parts[1:]:
+                body = intersect_nodes(body, other, f"{path}/maxLength" if "maxLength" in s else f"{path}/format")
         return A.seq(A.lit('"'), body, A.lit('"'))

@@ -161,8 +161,12 @@ def number_range(lo, lo_ex: bool, hi, hi_ex: bool, integer: bool, where: str):
     if lo is None and hi is None:
         return INTEGER if integer else NUMBER
     for name, v in (("minimum", lo), ("maximum", hi)):
-        if v is not None and not integer and v != int(v):
-            raise GrammarError(f"{where}: non-integer {name} {v} on a number is not supported")
+        if v is not None and (v != v or v in (float("inf"), float("-inf"))):
+            raise GrammarError(f"{where}: {name} {v} is not a finite number")
+    if not integer:
+        from .json_numbers import decimal_range
+
+        return decimal_range(lo, lo_ex, hi, hi_ex)
     if integer:
         import math
         lo = None if lo is None else (math.floor(lo) + 1 if lo_ex else math.ceil(lo))

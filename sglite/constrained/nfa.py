@@ -121,6 +121,10 @@ class NFA:
             s = self.new()
             self.calls[s].append((node[1], nxt))
             return s
+        if kind == "dfa":
+            from .fsm_ops import nfa_states
+
+            return nfa_states(node, self, nxt)
         raise AssertionError(f"unknown AST node {kind!r}")
 
     def _rep(self, body, lo: int, hi: int, nxt: int) -> int:

@@ -21,19 +21,33 @@ class WalkResult:
 
     Attributes:
         alive_ids: int64 [k] token ids fully consumed without dying (stay inside this rule).
-        uncertain_ids: int64 [m] ids that died inside this rule after passing a boundary state
-            (a call, or an accepting state when the rule may return) mid-token: only the pushdown
-            matcher can decide them.
+        uncertain_rows: int64 [m] rows (of the sorted vocabulary matrix) of the tokens that died
+            inside this rule after passing a boundary state (a call, or an accepting state when the
+            rule may return) mid-token: only the pushdown matcher can decide them.
+        uncertain_ids: int64 [m] the token ids of those rows.
     """
 
     alive_ids: np.ndarray
+    uncertain_rows: np.ndarray
     uncertain_ids: np.ndarray
 
 
 def walk_vocab(dfa: LazyDFA, state: int, vocab: SortedVocab, may_return: bool) -> WalkResult:
-    """Walk all tokens of ``vocab`` from ``state`` (expands DFA rows on demand; mutates only ``dfa``)."""
+    """Walk all tokens of ``vocab`` from ``state`` (expands DFA rows on demand; mutates only ``dfa``).
+
+    The first step only visits tokens whose first byte is live from ``state`` (per-first-byte row
+    lists), later steps only the survivors; byte ``j`` of the survivors is read from the contiguous
+    column ``vocab.columns[j]``.
+    """
     track = may_return or dfa.any_call
-    idx = np.arange(len(vocab.ids), dtype=np.int64)  # rows still alive, ascending
+    if not dfa.expanded[state]:
+        dfa.expand(state)
+    live = np.nonzero(dfa.trans[state])[0]
+    if len(live) == 256:
+        idx = np.arange(len(vocab.ids), dtype=np.int64)  # rows still alive, ascending
+    else:
+        groups = [vocab.first_byte_rows[b] for b in live.tolist()]
+        idx = np.sort(np.concatenate(groups)) if groups else np.zeros(0, dtype=np.int64)
     cur = np.full(len(idx), state, dtype=np.int32)
     touched = np.zeros(len(idx), dtype=bool)
     alive_rows, uncertain_rows = [], []
@@ -44,16 +58,17 @@ def walk_vocab(dfa: LazyDFA, state: int, vocab: SortedVocab, may_return: bool) -
             idx, cur, touched = idx[:k], cur[:k], touched[:k]
         if k == 0:
             break
-        need = ~dfa.expanded[cur]
-        if need.any():
-            for s in np.unique(cur[need]):
-                dfa.expand(int(s))
-        if track and j > 0:
-            flag = dfa.has_call[cur]
-            if may_return:
-                flag |= dfa.acc[cur]
-            touched |= flag
-        cur = dfa.trans[cur, vocab.matrix[idx, j]]
+        if j > 0:
+            need = ~dfa.expanded[cur]
+            if need.any():
+                for s in np.unique(cur[need]):
+                    dfa.expand(int(s))
+            if track:
+                flag = dfa.has_call[cur]
+                if may_return:
+                    flag |= dfa.acc[cur]
+                touched |= flag
+        cur = dfa.trans[cur, vocab.columns[j][idx]]
         dead = cur == DEAD
         if dead.any():
             if track:
@@ -62,8 +77,9 @@ def walk_vocab(dfa: LazyDFA, state: int, vocab: SortedVocab, may_return: bool) -
             idx, cur, touched = idx[keep], cur[keep], touched[keep]
     else:
         alive_rows.append(idx)
-    cat = (lambda rows: vocab.ids[np.concatenate(rows)] if rows else np.zeros(0, dtype=np.int64))
-    return WalkResult(cat(alive_rows), cat(uncertain_rows))
+    cat = (lambda rows: np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64))
+    unsure = cat(uncertain_rows)
+    return WalkResult(vocab.ids[cat(alive_rows)], unsure, vocab.ids[unsure])
 
 
 def pack_ids(ids, words: int) -> np.ndarray:

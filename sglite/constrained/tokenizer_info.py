@@ -101,6 +101,8 @@ class SortedVocab:
         matrix: uint8 [N, L] token bytes, zero padded (L = longest token).
         lengths: int64 [N].
         active: int64 [L]; ``active[j]`` = number of tokens longer than ``j`` (a prefix of ``ids``).
+        columns: uint8 [L, N], the transposed matrix (``columns[j]`` contiguous: byte ``j`` of every row).
+        first_byte_rows: 256 int64 arrays, ascending rows whose first byte is ``b``.
     """
 
     def __init__(self, token_bytes: list):
@@ -113,3 +115,6 @@ class SortedVocab:
         for k, (_, b) in enumerate(pairs):
             self.matrix[k, : len(b)] = np.frombuffer(b, dtype=np.uint8)
         self.active = np.array([int(np.sum(self.lengths > j)) for j in range(width)], dtype=np.int64)
+        self.columns = np.ascontiguousarray(self.matrix.T)
+        first = self.matrix[:, 0] if width else np.zeros(0, dtype=np.uint8)
+        self.first_byte_rows = [np.nonzero(first == b)[0].astype(np.int64) for b in range(256)]

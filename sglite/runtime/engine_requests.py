@@ -70,10 +70,21 @@ class RequestBuilder:
     # ------------------------------------------------------------------ grammar
     @property
     def grammar_backend(self):
+        """The grammar backend named by ``config.grammar_backend`` (built on first use).
+
+        ``sglite`` (ours); ``llguidance`` / ``xgrammar`` for comparison when installed (ValueError
+        naming the pip package otherwise).
+        """
         if self._grammar is None:
-            from ..constrained import GrammarBackend, TokenizerInfo
-            info = TokenizerInfo.from_hf(self.tokenizer.hf, self.runner.vocab_size, set(self.tokenizer.eos_token_ids))
-            self._grammar = GrammarBackend(info)
+            name = self.config.grammar_backend
+            eos = set(self.tokenizer.eos_token_ids)
+            if name == "sglite":
+                from ..constrained import GrammarBackend, TokenizerInfo
+                info = TokenizerInfo.from_hf(self.tokenizer.hf, self.runner.vocab_size, eos)
+                self._grammar = GrammarBackend(info)
+            else:
+                from ..constrained.external import make_backend
+                self._grammar = make_backend(name, self.tokenizer.hf, self.runner.vocab_size, eos)
         return self._grammar
 
     def compile_grammar(self, sp: SamplingParams):

@@ -1,0 +1,231 @@
+"""Optional third-party grammar backends behind sglite's interface, for comparison only
+(``grammar_backend="llguidance"`` or ``"xgrammar"``; the ``bench`` extra installs them).
+
+Each backend has ``compile(kind, spec)`` (cached) returning an object with ``matcher()``; the matcher
+has the methods of :class:`~sglite.constrained.matcher.GrammarMatcher`: ``fill_next_token_bitmask``,
+``accept_token`` (False and no change for a refused token), ``is_terminated``,
+``find_jump_forward_string``, ``rollback``, ``fork``. Kinds: regex, json_schema, json_object, ebnf
+(GBNF), lark, choices. Grammar errors raise :class:`~sglite.errors.GrammarError`.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import threading
+from collections import OrderedDict
+
+from sglite.errors import GrammarError
+
+EXTERNAL = ("llguidance", "xgrammar")
+
+
+def make_backend(name: str, hf_tokenizer, vocab_size: int, eos_token_ids):
+    """The backend called ``name`` for a Hugging Face (fast) tokenizer.
+
+    Raises:
+        ValueError: unknown name, or the package is not installed (names the pip package).
+    """
+    if name not in EXTERNAL:
+        raise ValueError(f"grammar_backend: unknown backend {name!r}; known: sglite, {', '.join(EXTERNAL)}")
+    if importlib.util.find_spec(name) is None:
+        raise ValueError(f"grammar_backend={name!r} needs the {name!r} package: pip install {name} "
+                         "(or the sglite[bench] extra)")
+    cls = LLGuidanceBackend if name == "llguidance" else XGrammarBackend
+    return cls(hf_tokenizer, vocab_size, sorted(set(int(t) for t in eos_token_ids)))
+
+
+class _Cached:
+    def __init__(self, max_cache: int = 256):
+        self._cache: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+        self.max_cache = max_cache
+
+    def compile(self, kind: str, spec):
+        """Compile (cached by kind and spec). Raises GrammarError."""
+        key = (kind, json.dumps(spec, sort_keys=True) if not isinstance(spec, str) else spec)
+        with self._lock:
+            hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        out = self._compile(kind, spec)
+        with self._lock:
+            self._cache[key] = out
+            while len(self._cache) > self.max_cache:
+                self._cache.popitem(last=False)
+        return out
+
+    def compile_async(self, kind: str, spec):
+        from concurrent.futures import Future
+
+        fut: Future = Future()
+        try:
+            fut.set_result(self.compile(kind, spec))
+        except Exception as e:  # noqa: BLE001 - handed to the caller through the future
+            fut.set_exception(e)
+        return fut
+
+
+# ---------------------------------------------------------------------------------- llguidance
+class LLGuidanceBackend(_Cached):
+    """llguidance (Microsoft guidance's Rust matcher) behind sglite's backend interface."""
+
+    name = "llguidance"
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: list):
+        super().__init__()
+        import llguidance.hf
+
+        self.vocab_size, self.eos_token_ids = vocab_size, eos_token_ids
+        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids)
+
+    def _compile(self, kind, spec):
+        import llguidance
+
+        try:
+            if kind == "json_schema":
+                grm = llguidance.LLMatcher.grammar_from_json_schema(spec if isinstance(spec, str) else json.dumps(spec))
+            elif kind == "json_object":
+                grm = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}')
+            elif kind == "regex":
+                grm = llguidance.LLMatcher.grammar_from_regex(spec)
+            elif kind in ("ebnf", "lark"):
+                grm = llguidance.grammar_from("gbnf" if kind == "ebnf" else "lark", spec)
+            elif kind == "choices":
+                grm = llguidance.grammar_from("choice", json.dumps(list(spec)))
+            else:
+                raise GrammarError(f"llguidance backend: unknown grammar kind {kind!r}")
+            err = llguidance.LLMatcher.validate_grammar(grm, self.tokenizer)
+        except (ValueError, RuntimeError, TypeError) as e:
+            raise GrammarError(f"llguidance: {e}") from None
+        if err:
+            raise GrammarError(f"llguidance: {err}")
+        return _LLGCompiled(self, grm)
+
+
+class _LLGCompiled:
+    def __init__(self, backend, grammar: str):
+        self.backend, self.grammar = backend, grammar
+
+    def matcher(self):
+        import llguidance
+
+        return LLGuidanceMatcher(llguidance.LLMatcher(self.backend.tokenizer, self.grammar, log_level=0),
+                                 frozenset(self.backend.eos_token_ids))
+
+
+class LLGuidanceMatcher:
+    """Per-request llguidance matcher with sglite's GrammarMatcher methods."""
+
+    def __init__(self, m, eos: frozenset):
+        self.m, self.eos = m, eos
+
+    def fill_next_token_bitmask(self, bitmask, row: int = 0) -> None:
+        """Write the mask into ``bitmask[row]`` (int32 [B, ceil(V/32)], CPU)."""
+        import llguidance.torch
+
+        llguidance.torch.fill_next_token_bitmask(self.m, bitmask, row)
+
+    def accept_token(self, token_id: int) -> bool:
+        t = int(token_id)
+        if t in self.eos:
+            if not self.m.is_accepting() or self.m.is_error():
+                return False
+            self.m.consume_token(t)
+            return True
+        if self.m.is_stopped() or self.m.validate_tokens([t]) != 1:
+            return False
+        return bool(self.m.consume_token(t))
+
+    def is_terminated(self) -> bool:
+        return bool(self.m.is_stopped())
+
+    def find_jump_forward_string(self) -> str:
+        data = self.m.compute_ff_bytes()
+        for cut in range(len(data), max(len(data) - 4, -1), -1):
+            try:
+                return data[:cut].decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+        return ""
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.m.rollback(int(num_tokens))
+
+    def fork(self) -> "LLGuidanceMatcher":
+        return LLGuidanceMatcher(self.m.deep_copy(), self.eos)
+
+
+# ---------------------------------------------------------------------------------- xgrammar
+class XGrammarBackend(_Cached):
+    """XGrammar (MLC) behind sglite's backend interface."""
+
+    name = "xgrammar"
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: list):
+        super().__init__()
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size, stop_token_ids=eos_token_ids)
+        self.compiler = xgr.GrammarCompiler(info)
+
+    def _compile(self, kind, spec):
+        c = self.compiler
+        try:
+            if kind == "json_schema":
+                g = c.compile_json_schema(spec if isinstance(spec, str) else json.dumps(spec))
+            elif kind == "json_object":
+                g = c.compile_builtin_json_grammar()
+            elif kind == "regex":
+                g = c.compile_regex(spec)
+            elif kind == "ebnf":
+                g = c.compile_grammar(spec)
+            elif kind == "lark":
+                g = c.compile_lark(spec) if hasattr(c, "compile_lark") else None
+                if g is None:
+                    raise GrammarError("xgrammar backend: this xgrammar has no lark support")
+            elif kind == "choices":
+                alts = " | ".join(json.dumps(x) for x in spec)
+                g = c.compile_grammar(f"root ::= {alts}")
+            else:
+                raise GrammarError(f"xgrammar backend: unknown grammar kind {kind!r}")
+        except GrammarError:
+            raise
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError subclasses
+            raise GrammarError(f"xgrammar: {e}") from None
+        return _XGCompiled(self.xgr, g)
+
+
+class _XGCompiled:
+    def __init__(self, xgr, compiled):
+        self.xgr, self.compiled = xgr, compiled
+
+    def matcher(self):
+        return XGrammarMatcher(self.xgr.GrammarMatcher(self.compiled))
+
+
+class XGrammarMatcher:
+    """Per-request XGrammar matcher with sglite's GrammarMatcher methods."""
+
+    def __init__(self, m):
+        self.m = m
+
+    def fill_next_token_bitmask(self, bitmask, row: int = 0) -> None:
+        self.m.fill_next_token_bitmask(bitmask, row)
+
+    def accept_token(self, token_id: int) -> bool:
+        return bool(self.m.accept_token(int(token_id)))
+
+    def is_terminated(self) -> bool:
+        return bool(self.m.is_terminated())
+
+    def find_jump_forward_string(self) -> str:
+        return self.m.find_jump_forward_string()
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.m.rollback(int(num_tokens))
+
+    def fork(self) -> "XGrammarMatcher":
+        return XGrammarMatcher(self.m.fork())

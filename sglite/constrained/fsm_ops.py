@@ -1,0 +1,159 @@
+"""Boolean operations on regular sub-languages: AST → explicit byte DFA, intersection, difference,
+and back into the grammar as a ``("dfa", TableDFA)`` AST node (built into the NFA state by state).
+
+Used where a JSON Schema combines two regular constraints on one string (``pattern`` with
+``minLength``/``maxLength``, ``pattern`` with ``format``) and for ``patternProperties`` keys ("matches
+these patterns and not those, and is none of the declared names"). The product construction is the
+textbook one (Rabin & Scott 1959; Hopcroft & Ullman, *Introduction to Automata Theory*, §3.2);
+difference runs the second automaton as a complement, its dead state meaning "accept from here on".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from sglite.errors import GrammarError
+
+MAX_STATES = 200_000
+
+
+@dataclass(eq=False)
+class TableDFA:
+    """Explicit byte DFA. ``trans`` int32 [n, 256] (state 0 = dead), ``acc`` bool [n], ``start``.
+
+    Every live state can reach an accepting state (trimmed)."""
+
+    trans: np.ndarray
+    acc: np.ndarray
+    start: int
+
+    @property
+    def n(self) -> int:
+        return len(self.acc)
+
+    def accepts(self, data: bytes) -> bool:
+        s = self.start
+        for b in data:
+            s = int(self.trans[s, b])
+            if s == 0:
+                return False
+        return bool(self.acc[s])
+
+
+def from_node(node, what: str, max_states: int = MAX_STATES) -> TableDFA:
+    """Explicit DFA of a rule-free AST node. Raises GrammarError above ``max_states`` states."""
+    from .dfa import LazyDFA
+    from .grammar import _coreachable
+    from .nfa import NFA
+
+    nfa = NFA(max_states * 4)
+    final = nfa.new()
+    start = nfa.build(node, final)
+    if any(nfa.calls):
+        raise GrammarError(f"{what}: a rule reference cannot be intersected")
+    dfa = LazyDFA(nfa, start, final, _coreachable(nfa, final))
+    seen, todo = {dfa.start}, [dfa.start]
+    while todo:
+        s = todo.pop()
+        dfa.expand(s)
+        if len(dfa.sets) > max_states:
+            raise GrammarError(f"{what}: more than {max_states} automaton states")
+        for t in np.unique(dfa.trans[s]).tolist():
+            if t and t not in seen:
+                seen.add(t)
+                todo.append(t)
+    n = len(dfa.sets)
+    return _trim(dfa.trans[:n].copy(), dfa.acc[:n].copy(), dfa.start)
+
+
+def product(a: TableDFA, b: TableDFA, negate_b: bool, what: str, max_states: int = MAX_STATES):
+    """L(a) ∩ L(b), or L(a) \\ L(b) when ``negate_b``; None when empty."""
+    nb = b.n + 1
+    index = {(a.start, b.start): 1}
+    pairs = [(0, 0), (a.start, b.start)]
+    todo = [1]
+    out_rows: dict = {}
+    zero = np.zeros(256, dtype=np.int32)
+    while todo:
+        k = todo.pop()
+        sa, sb = pairs[k]
+        ta = a.trans[sa]
+        tb = b.trans[sb] if sb else zero
+        live = ta != 0 if negate_b else (ta != 0) & (tb != 0)
+        row = np.zeros(256, dtype=np.int32)
+        if live.any():
+            keys = ta[live].astype(np.int64) * nb + tb[live]
+            uniq, inv = np.unique(keys, return_inverse=True)
+            ids = np.empty(len(uniq), dtype=np.int32)
+            for i, key in enumerate(uniq.tolist()):
+                p = (key // nb, key % nb)
+                j = index.get(p)
+                if j is None:
+                    j = len(pairs)
+                    if j > max_states:
+                        raise GrammarError(f"{what}: more than {max_states} automaton states")
+                    index[p] = j
+                    pairs.append(p)
+                    todo.append(j)
+                ids[i] = j
+            row[live] = ids[inv]
+        out_rows[k] = row
+    n = len(pairs)
+    trans = np.zeros((n, 256), dtype=np.int32)
+    for k, row in out_rows.items():
+        trans[k] = row
+    pa = np.array([p[0] for p in pairs])
+    pb = np.array([p[1] for p in pairs])
+    b_acc = np.concatenate([[False], b.acc[1:]])[pb] if b.n else np.zeros(n, dtype=bool)
+    acc = a.acc[pa] & (~b_acc if negate_b else b_acc)
+    acc[0] = False
+    return _trim(trans, acc, 1)
+
+
+def _trim(trans: np.ndarray, acc: np.ndarray, start: int):
+    """Drop states that cannot reach acceptance (transitions into them become dead)."""
+    n = len(acc)
+    rev: list[list[int]] = [[] for _ in range(n)]
+    src, byte = np.nonzero(trans)
+    for s, t in set(zip(src.tolist(), trans[src, byte].tolist())):
+        rev[t].append(s)
+    good = np.zeros(n, dtype=bool)
+    stack = np.nonzero(acc)[0].tolist()
+    good[stack] = True
+    while stack:
+        for s in rev[stack.pop()]:
+            if not good[s]:
+                good[s] = True
+                stack.append(s)
+    good[0] = False
+    if not good[start]:
+        return None
+    trans = np.where(good[trans], trans, 0).astype(np.int32)
+    return TableDFA(trans, acc & good, start)
+
+
+def intersect_nodes(a, b, what: str):
+    """AST node for L(a) ∩ L(b) (``NOTHING`` when empty)."""
+    from . import ast as A
+
+    out = product(from_node(a, what), from_node(b, what), False, what)
+    return A.NOTHING if out is None else ("dfa", out)
+
+
+def nfa_states(node, nfa, nxt: int) -> int:
+    """Build a ``("dfa", TableDFA)`` node into ``nfa`` (one NFA state per DFA state) → entry state."""
+    t: TableDFA = node[1]
+    ids = [nfa.new() for _ in range(t.n)]
+    for s in range(1, t.n):
+        row = t.trans[s]
+        cuts = np.flatnonzero(np.diff(row)) + 1
+        starts = np.concatenate([[0], cuts])
+        ends = np.concatenate([cuts - 1, [255]])
+        for lo, hi in zip(starts.tolist(), ends.tolist()):
+            tgt = int(row[lo])
+            if tgt:
+                nfa.edges[ids[s]].append((lo, hi, ids[tgt]))
+        if t.acc[s]:
+            nfa.eps[ids[s]].append(nxt)
+    return ids[t.start]

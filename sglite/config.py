@@ -9,6 +9,7 @@ from .errors import InvalidRequestError
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+GRAMMAR_BACKENDS = ("sglite", "xgrammar", "llguidance")
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,8 @@ class EngineConfig:
             bad("chunked_prefill_size", f"must be -1 (off) or >= 1, got {self.chunked_prefill_size}")
         if str(self.log_level).lower() not in ("debug", "info", "warning", "error", "critical"):
             bad("log_level", f"must be debug, info, warning, error or critical, got {self.log_level!r}")
+        if self.grammar_backend not in GRAMMAR_BACKENDS:
+            bad("grammar_backend", f"must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}")
         if self.num_threads is not None and self.num_threads < 1:
             bad("num_threads", f"must be >= 1, got {self.num_threads}")
         if self.page_size < 1:

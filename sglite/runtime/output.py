@@ -96,7 +96,16 @@ class OutputProcessor:
         s = r.grammar.find_jump_forward_string()
         if not s:
             return None
-        for tok in self.tokenizer.encode(s):
+        toks = self.tokenizer.encode(s)
+        probe = r.grammar.fork()
+        if not all(probe.accept_token(t) for t in toks):
+            return None
+        if not probe.is_terminated():
+            # leave the last token to the model: the canonical tokens of the forced string alone
+            # often end where the model would have merged the boundary with what follows
+            # (`name"` + `:` vs `name` + `":`), and keeping it would change the text
+            toks = toks[:-1]
+        for tok in toks:
             if not r.grammar.accept_token(tok):
                 break
             reason = self._check(r, tok, jumped=True)

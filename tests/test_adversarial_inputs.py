@@ -249,10 +249,11 @@ def test_server_deeply_nested_regex_is_400(srv):
     assert r.status_code == 400, r.text[:200]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: negative maxLength is accepted and ignored by the JSON-schema compiler")
 def test_negative_max_length_is_grammar_error(eng):
-    with pytest.raises(GrammarError):
+    with pytest.raises(GrammarError, match="maxLength"):
         eng.generate("x", {"max_new_tokens": 2, "json_schema": {"type": "string", "maxLength": -1}})
+    with pytest.raises(GrammarError, match="maxItems"):
+        eng.generate("x", {"max_new_tokens": 2, "json_schema": {"type": "array", "maxItems": 1.5}})
 
 
 def test_tiny_repetition_penalty_gives_finite_logprobs(eng):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from sglite.errors import GrammarError
 
 from . import ast as A
+from . import json_terms as J
 
 
 def array_node(conv, s: dict, path: str):
@@ -16,8 +17,8 @@ def array_node(conv, s: dict, path: str):
     if isinstance(items, list):  # draft 4-2019 tuple form
         prefix, items = items, s.get("additionalItems", True)
     prefix = list(prefix or [])
-    lo, hi = int(s.get("minItems", 0)), s.get("maxItems")
-    hi = -1 if hi is None else int(hi)
+    lo, hi = J.count_keyword(s, "minItems", path) or 0, J.count_keyword(s, "maxItems", path)
+    hi = -1 if hi is None else hi
     elems = [conv.node(p, f"{path}/prefixItems/{i}") for i, p in enumerate(prefix)]
     item = conv.node(items, f"{path}/items")
     if item == A.NOTHING:

@@ -221,8 +221,8 @@ class _Converter:
         return J.number_range(lo, lo_ex, hi, hi_ex, integer, path)
 
     def string(self, s: dict, path: str):
-        lo, hi = int(s.get("minLength", 0)), s.get("maxLength")
-        hi = -1 if hi is None else int(hi)
+        lo, hi = J.count_keyword(s, "minLength", path) or 0, J.count_keyword(s, "maxLength", path)
+        hi = -1 if hi is None else hi
         if hi >= 0 and hi < lo:
             return A.NOTHING
         parts = []  # regular constraints on the string body, intersected when there are several

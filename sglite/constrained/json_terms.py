@@ -213,3 +213,14 @@ def format_body(fmt: str, where: str):
     if fmt not in FORMATS:
         raise GrammarError(f"{where}: format {fmt!r} is not supported (known: {', '.join(FORMATS)})")
     return to_json_body(parse_regex(FORMATS[fmt]))
+
+
+def count_keyword(schema: dict, key: str, path: str):
+    """The non-negative integer value of a counting keyword (``minLength``, ``maxItems``, ...), or
+    None when absent. Raises GrammarError naming the keyword and its JSON path otherwise."""
+    v = schema.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or v < 0:
+        raise GrammarError(f"{path}/{key}: must be a non-negative integer, got {v!r}")
+    return int(v)

@@ -27,6 +27,9 @@ class EngineConfig:
         max_running_requests: most requests decoding at once.
         max_prefill_tokens: most new tokens admitted into one prefill step.
         chunked_prefill_size: prompts longer than this are prefilled in chunks (-1 / None: off).
+        decode_steps_per_chunk: decode-only steps run after each step that carried a prefill chunk
+            beside decoding requests (decode priority; 0 = every step mixes a chunk in). Trades a
+            longer TTFT for long prompts against shorter stalls for requests already decoding.
         page_size: KV slots allocated and prefix-matched in whole pages of this many tokens.
         disable_radix_cache: never reuse a prefix across requests.
         schedule_policy: ``fcfs`` | ``lpm`` | ``dfs-weight``.
@@ -50,6 +53,7 @@ class EngineConfig:
     max_running_requests: int = 64
     max_prefill_tokens: int = 8192
     chunked_prefill_size: Optional[int] = 512
+    decode_steps_per_chunk: int = 1
     page_size: int = 1
     disable_radix_cache: bool = False
     schedule_policy: str = "fcfs"
@@ -87,6 +91,8 @@ class EngineConfig:
             bad("grammar_backend", f"must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}")
         if self.num_threads is not None and self.num_threads < 1:
             bad("num_threads", f"must be >= 1, got {self.num_threads}")
+        if self.decode_steps_per_chunk < 0:
+            bad("decode_steps_per_chunk", f"must be >= 0, got {self.decode_steps_per_chunk}")
         if self.page_size < 1:
             bad("page_size", f"must be >= 1, got {self.page_size}")
 

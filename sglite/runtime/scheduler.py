@@ -41,6 +41,7 @@ class Scheduler:
         self.cache = RadixCache(self.kv_pool, config.page_size, disabled=config.disable_radix_cache)
         self.sampler = Sampler(runner.vocab_size, tokenizer.eos_token_ids, runner.device)
         self.out = OutputProcessor(tokenizer, config.enable_jump_forward)
+        self._decode_only_left = 0
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "retractions": 0,
@@ -158,10 +159,12 @@ class Scheduler:
         self.waiting.appendleft(victim)
         return True
 
-    def _plan_running(self) -> list[tuple[Req, int]]:
+    def _plan_running(self, decode_only: bool = False) -> list[tuple[Req, int]]:
         plan, budget = [], self._budget()
         for r in list(self.running):
             if r not in self.running:  # retracted to make room for an earlier one
+                continue
+            if decode_only and r.prefilling:
                 continue
             pending = r.seq_len - r.kv_len
             n = 1 if pending == 1 else min(pending, budget)
@@ -240,10 +243,22 @@ class Scheduler:
         """Run one scheduling step. Returns False when there was nothing to do."""
         if not self.has_work():
             return False
-        plan = self._plan_running()
-        self._admit(plan)
+        # decode priority: after a step that carried a prefill chunk beside decoding requests, run
+        # `decode_steps_per_chunk` decode-only steps, so a long prompt stalls each decoding
+        # request for a fraction of the chunk time instead of the whole of it
+        decode_only = self._decode_only_left > 0 and any(not r.prefilling for r in self.running)
+        plan = self._plan_running(decode_only)
+        if decode_only:
+            self._decode_only_left -= 1
+        else:
+            self._decode_only_left = 0
+            self._admit(plan)
         if not plan:
             return False
+        had_chunk = any(r.prefilling for r, _ in plan)
+        had_decode = any(not r.prefilling for r, _ in plan)
+        if had_chunk and had_decode and self.config.chunk_size:
+            self._decode_only_left = self.config.decode_steps_per_chunk
         self.stats["steps"] += 1
         plan.sort(key=lambda e: e[1] == 1)  # extend entries first, then decode entries
         fb, rows = self._build_batch(plan)

@@ -171,6 +171,29 @@ class Engine:
             if not self._thread.is_alive():
                 raise RuntimeError("engine loop has stopped")
 
+    def _run_to_completion(self, build):
+        """Build a batch with ``build(sink_factory)``, submit it and wait for every final event.
+
+        Returns (batch, final output dicts in output order)."""
+        results: dict = {}
+        done = threading.Event()
+        lock = threading.Lock()
+
+        def sink_factory(i):
+            def sink(ev):
+                if ev["meta_info"]["finish_reason"] is None:
+                    return
+                with lock:
+                    results[i] = ev
+                    if len(results) == batch.num_outputs:
+                        done.set()
+            return sink
+
+        batch = build(sink_factory)
+        self._submit(batch.all_reqs)
+        self._wait(done)
+        return batch, [results[i] for i in range(batch.num_outputs)]
+
     # ------------------------------------------------------------------ generate
     def _build(self, prompt, sampling_params, input_ids, rid, sink_factory, **kw):
         """Validate and build the requests of one call (raises before anything is queued)."""
@@ -192,24 +215,8 @@ class Engine:
             batch = self._build(prompt, sampling_params, input_ids, rid, lambda i: (lambda ev: q.put((i, ev))), **kw)
             self._submit(batch.all_reqs)
             return self._stream_sync(q, batch)
-        results: dict = {}
-        done = threading.Event()
-        lock = threading.Lock()
-
-        def sink_factory(i):
-            def sink(ev):
-                if ev["meta_info"]["finish_reason"] is None:
-                    return
-                with lock:
-                    results[i] = ev
-                    if len(results) == batch.num_outputs:
-                        done.set()
-            return sink
-
-        batch = self._build(prompt, sampling_params, input_ids, rid, sink_factory, **kw)
-        self._submit(batch.all_reqs)
-        self._wait(done)
-        outs = [results[i] for i in range(batch.num_outputs)]
+        batch, outs = self._run_to_completion(
+            lambda sink_factory: self._build(prompt, sampling_params, input_ids, rid, sink_factory, **kw))
         return outs if batch.is_list else outs[0]
 
     def _stream_sync(self, q, batch):
@@ -280,22 +287,10 @@ class Engine:
             InvalidRequestError: empty ``continuations`` or a non-string entry.
         """
         spec = self.requests.score_requests(prompt, continuations, unconditional)
-        results: dict = {}
-        done = threading.Event()
-
-        def sink_factory(i):
-            def sink(ev):
-                results[i] = ev
-                if len(results) == batch.num_outputs:
-                    done.set()
-            return sink
-
-        batch = self.requests.build(None, spec.sampling_params, spec.input_ids, None, sink_factory,
-                                    return_logprob=True, logprob_start_len=spec.logprob_start_lens,
-                                    shared_prefix=spec.prompt_ids)
-        self._submit(batch.all_reqs)
-        self._wait(done)
-        return spec.collect([results[i] for i in range(batch.num_outputs)])
+        _, outs = self._run_to_completion(lambda sink_factory: self.requests.build(
+            None, spec.sampling_params, spec.input_ids, None, sink_factory, return_logprob=True,
+            logprob_start_len=spec.logprob_start_lens, shared_prefix=spec.prompt_ids))
+        return spec.collect(outs)
 
     # ------------------------------------------------------------------ control
     def abort(self, rid: str) -> None:

@@ -195,15 +195,12 @@ class ProgramState(RoleMixin):
         return f"ProgramState(text={self._ex.asm.text[-80:]!r}, vars={sorted(self._ex.variables)})"
 
 
-class ProgramStateGroup:
-    """The branches of ``s.fork(n)``. ``forks += expr`` broadcasts; ``forks += [e0, e1, …]``
-    gives each branch its own; ``forks += lambda i: …`` builds one per branch."""
+class ForkGroupMixin:
+    """Branch access and ``+=`` broadcasting shared by run-time and traced fork groups
+    (``forks += expr`` broadcasts, ``forks += [e0, e1, …]`` one per branch,
+    ``forks += lambda i: …`` builds one per branch). Subclasses set ``self.states``."""
 
-    def __init__(self, states: list, parent: ProgramState):
-        self.states = states
-        self.parent = parent
-
-    def __getitem__(self, i: int) -> ProgramState:
+    def __getitem__(self, i: int):
         return self.states[i]
 
     def __setitem__(self, i, value):
@@ -230,6 +227,15 @@ class ProgramStateGroup:
             for s in self.states:
                 s += other
         return self
+
+
+class ProgramStateGroup(ForkGroupMixin):
+    """The branches of ``s.fork(n)``. ``forks += expr`` broadcasts; ``forks += [e0, e1, …]``
+    gives each branch its own; ``forks += lambda i: …`` builds one per branch."""
+
+    def __init__(self, states: list, parent: ProgramState):
+        self.states = states
+        self.parent = parent
 
     def join(self, mode: str = "gather_variable") -> None:
         """Wait for every branch, then merge into the parent.

@@ -22,7 +22,7 @@ from sglite.errors import InvalidRequestError
 
 from .ir import (Argument, Gen, RoleBegin, RoleEnd, Select, Text, VarRef, VarScopeBegin, VarScopeEnd,
                  flatten)
-from .state import RoleMixin
+from .state import ForkGroupMixin, RoleMixin
 
 MAX_TRACE_OPS = 20_000
 
@@ -172,39 +172,11 @@ class TracerState(RoleMixin):
         return None
 
 
-class TracerGroup:
+class TracerGroup(ForkGroupMixin):
     """Fork branches while tracing (same ``+=`` forms as ProgramStateGroup)."""
 
     def __init__(self, states: list, parent: TracerState, fork_node: int):
         self.states, self.parent, self.fork_node = states, parent, fork_node
-
-    def __getitem__(self, i):
-        return self.states[i]
-
-    def __setitem__(self, i, value):
-        # ``forks[i] += expr`` assigns the (same) branch back
-        if value is not self.states[i]:
-            raise TypeError("fork branches cannot be replaced")
-
-    def __len__(self):
-        return len(self.states)
-
-    def __iter__(self):
-        return iter(self.states)
-
-    def __iadd__(self, other):
-        if callable(other) and not hasattr(other, "__add__"):
-            for i, s in enumerate(self.states):
-                s += other(i)
-        elif isinstance(other, (list, tuple)):
-            if len(other) != len(self.states):
-                raise ValueError(f"fork: got {len(other)} expressions for {len(self.states)} branches")
-            for s, e in zip(self.states, other):
-                s += e
-        else:
-            for s in self.states:
-                s += other
-        return self
 
     def join(self, mode: str = "gather_variable") -> None:
         """Record a join node fed by every branch's last op; new branch variables now come from it."""

@@ -53,7 +53,7 @@ class EngineConfig:
     max_running_requests: int = 64
     max_prefill_tokens: int = 8192
     chunked_prefill_size: Optional[int] = 512
-    decode_steps_per_chunk: int = 1
+    decode_steps_per_chunk: int = 2
     page_size: int = 1
     disable_radix_cache: bool = False
     schedule_policy: str = "fcfs"

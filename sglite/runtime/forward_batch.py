@@ -1,8 +1,9 @@
 """ForwardBatch: the tensors one model step needs, passed explicitly to ``model.forward``.
 
 A step is *mixed*: the first ``num_extend_tokens`` entries of ``input_ids`` belong to extend
-requests (prefill chunks, jump-forward appends), the rest are one token per decode request.
-All linear layers run once over the concatenation; attention runs per part.
+requests (prefill chunks), the rest are decode rows: one per decode request, and one per token
+of short extends (jump-forward appends, the uncached tail of a cached prompt), each row with its
+own causal length. All linear layers run once over the concatenation; attention runs per part.
 """
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ class ForwardBatch:
         ext_req_pool_indices: [Be] int64 rows of extend requests.
         ext_prefix_lens: [Be] int64 tokens already in the pool per extend request.
         ext_extend_lens: [Be] int64 new tokens per extend request (sum = num_extend_tokens).
-        dec_req_pool_indices: [Bd] int64 rows of decode requests.
-        dec_seq_lens: [Bd] int64 tokens attended per decode request (incl. the new one).
+        dec_req_pool_indices: [Bd] int64 ``req_to_token`` row of each decode row.
+        dec_seq_lens: [Bd] int64 tokens each decode row attends to (incl. its own token).
         logits_indices: [M] int64 indices into ``input_ids`` whose next-token logits are needed.
     """
 

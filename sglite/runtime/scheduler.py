@@ -26,6 +26,7 @@ from .schedule_policy import order_waiting
 
 log = logging.getLogger("sglite.scheduler")
 
+SMALL_EXTEND = 8  # extends of at most this many tokens (jump-forward, cached prompts) run as decode rows
 HOLD_BACK_TOKENS = 32  # defer a request sharing more than this many uncached tokens with a prefilling one
 
 
@@ -260,7 +261,7 @@ class Scheduler:
         if had_chunk and had_decode and self.config.chunk_size:
             self._decode_only_left = self.config.decode_steps_per_chunk
         self.stats["steps"] += 1
-        plan.sort(key=lambda e: e[1] == 1)  # extend entries first, then decode entries
+        plan.sort(key=lambda e: e[1] <= SMALL_EXTEND)  # extend entries first, then decode rows
         fb, rows = self._build_batch(plan)
         logits = self.runner.forward(fb)  # [M, V]
         self._process(plan, rows, logits)
@@ -277,10 +278,10 @@ class Scheduler:
             ids.extend(r.tokens(start, start + n))
             pos.extend(range(start, start + n))
             locs.append(table[r.row, start:start + n])
-            if n > 1:
+            if n > SMALL_EXTEND:
                 ext_rows.append(r.row); ext_pre.append(start); ext_len.append(n)
-            else:
-                dec_rows.append(r.row); dec_lens.append(start + 1)
+            else:  # one decode-attention row per token, each seeing the tokens up to itself
+                dec_rows.extend([r.row] * n); dec_lens.extend(range(start + 1, start + n + 1))
             in_rows = []
             if r.wants_input_logprobs():
                 lo = max(start, r.logprob_start_len - 1, 0)

@@ -219,6 +219,17 @@ class Engine:
             lambda sink_factory: self._build(prompt, sampling_params, input_ids, rid, sink_factory, **kw))
         return outs if batch.is_list else outs[0]
 
+    @staticmethod
+    def _tag(batch, i: int, ev: dict) -> tuple[dict, bool]:
+        """A stream event with its output ``index`` (several outputs) and whether it is final."""
+        if batch.num_outputs > 1:
+            ev = dict(ev, index=i)
+        return ev, ev["meta_info"]["finish_reason"] is not None
+
+    def _abort_batch(self, batch) -> None:
+        for r in batch.all_reqs:
+            self.abort(r.rid)
+
     def _stream_sync(self, q, batch):
         finished = 0
         try:
@@ -229,15 +240,12 @@ class Engine:
                     if not self._thread.is_alive():
                         raise RuntimeError("engine loop has stopped") from None
                     continue
-                if batch.num_outputs > 1:
-                    ev = dict(ev, index=i)
-                if ev["meta_info"]["finish_reason"] is not None:
-                    finished += 1
+                ev, done = self._tag(batch, i, ev)
+                finished += done
                 yield ev
         finally:
             if finished < batch.num_outputs:  # the consumer stopped early: free the KV
-                for r in batch.all_reqs:
-                    self.abort(r.rid)
+                self._abort_batch(batch)
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              logprob_start_len=-1, top_logprobs_num=0, token_ids_logprob=None,
@@ -256,15 +264,12 @@ class Engine:
             try:
                 while finished < batch.num_outputs:
                     i, ev = await q.get()
-                    if batch.num_outputs > 1:
-                        ev = dict(ev, index=i)
-                    if ev["meta_info"]["finish_reason"] is not None:
-                        finished += 1
+                    ev, done = self._tag(batch, i, ev)
+                    finished += done
                     yield ev
             finally:
                 if finished < batch.num_outputs:  # cancelled or closed early: free the KV
-                    for r in batch.all_reqs:
-                        self.abort(r.rid)
+                    self._abort_batch(batch)
 
         if stream:
             return agen()

@@ -187,5 +187,5 @@ class SamplingParams:
         if unknown:
             raise InvalidRequestError(
                 f"sampling_params: unknown key(s) {unknown}; known keys: {sorted(known)}", field=unknown[0])
-        kw = {k: v for k, v in d.items() if v is not None or k in ("regex", "json_schema", "ebnf", "lark", "sampling_seed", "logit_bias", "stop", "stop_token_ids", "stop_regex")}
+        kw = {k: v for k, v in d.items() if v is not None}  # None means "the default" for every key
         return cls(**kw).validate(vocab_size)

@@ -15,6 +15,7 @@ import threading
 from collections import OrderedDict
 
 from sglite.errors import GrammarError
+from .tokenizer_info import decode_utf8_prefix
 
 EXTERNAL = ("llguidance", "xgrammar")
 
@@ -47,7 +48,10 @@ class _Cached:
             hit = self._cache.get(key)
         if hit is not None:
             return hit
-        out = self._compile(kind, spec)
+        try:
+            out = self._compile(kind, spec)
+        except RecursionError:
+            raise GrammarError(f"{kind} grammar is nested too deeply") from None
         with self._lock:
             self._cache[key] = out
             while len(self._cache) > self.max_cache:
@@ -141,12 +145,7 @@ class LLGuidanceMatcher:
 
     def find_jump_forward_string(self) -> str:
         data = self.m.compute_ff_bytes()
-        for cut in range(len(data), max(len(data) - 4, -1), -1):
-            try:
-                return data[:cut].decode("utf-8")
-            except UnicodeDecodeError:
-                continue
-        return ""
+        return decode_utf8_prefix(data)
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .compiled import CompiledGrammar
+from .tokenizer_info import decode_utf8_prefix
 
 
 class GrammarMatcher:
@@ -92,12 +93,7 @@ class GrammarMatcher:
         if terminated:
             return ""
         data = self.compiled.forced_bytes(state)
-        for cut in range(len(data), max(len(data) - 4, -1), -1):
-            try:
-                return data[:cut].decode("utf-8")
-            except UnicodeDecodeError:
-                continue
-        return ""
+        return decode_utf8_prefix(data)
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (clamped to what was accepted)."""

@@ -118,3 +118,14 @@ class SortedVocab:
         self.columns = np.ascontiguousarray(self.matrix.T)
         first = self.matrix[:, 0] if width else np.zeros(0, dtype=np.uint8)
         self.first_byte_rows = [np.nonzero(first == b)[0].astype(np.int64) for b in range(256)]
+
+
+def decode_utf8_prefix(data: bytes) -> str:
+    """The longest prefix of ``data`` that is complete UTF-8 text (drops at most 3 trailing bytes
+    of a character cut in half; "" if none decodes). Used for jump-forward strings."""
+    for cut in range(len(data), max(len(data) - 4, -1), -1):
+        try:
+            return data[:cut].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+    return ""

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from ..config import EngineConfig
-from ..errors import CapacityError, GrammarError, InvalidRequestError
+from ..errors import CapacityError, InvalidRequestError
 from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
 from .req import Req
@@ -182,11 +182,7 @@ class RequestBuilder:
             if isinstance(st, bool) or not isinstance(st, int) or st < -1 or st > len(ids):
                 raise InvalidRequestError(f"logprob_start_len: must be -1 or in [0, {len(ids)}], got {st!r}",
                                           field="logprob_start_len")
-            try:
-                grammars.append(self.compile_grammar(sp))
-            except RecursionError:
-                kind = sp.constraint[0]
-                raise GrammarError(f"{kind}: nested too deeply to compile") from None
+            grammars.append(self.compile_grammar(sp))
         batch = Batch(is_list=is_list or any(sp.n > 1 for sp in sps))
         shared = None
         if shared_prefix and not self.config.disable_radix_cache:

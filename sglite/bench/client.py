@@ -56,6 +56,33 @@ def _data_lines(line: str) -> Optional[str]:
     return line[5:].strip()
 
 
+class _StreamFailed(Exception):
+    """An HTTP error status or an ``error`` event in a streamed response."""
+
+
+async def _sse_events(http: httpx.AsyncClient, url: str, payload: dict, headers: dict):
+    """POST ``payload`` to ``url`` and yield ``(arrival time, event dict)`` per SSE ``data:`` line
+    until ``[DONE]``. Raises _StreamFailed on a non-200 status or an ``error`` event, and
+    httpx / JSON errors as they come."""
+    async with http.stream("POST", url, json=payload, headers=headers) as r:
+        if r.status_code != 200:
+            body = (await r.aread()).decode(errors="replace")
+            raise _StreamFailed(f"HTTP {r.status_code}: {body[:300]}")
+        async for line in r.aiter_lines():
+            data = _data_lines(line)
+            if not data or data == "[DONE]":
+                continue
+            now = time.perf_counter()
+            ev = json.loads(data)
+            if "error" in ev:
+                raise _StreamFailed(str(ev["error"])[:300])
+            yield now, ev
+
+
+def _failed(start: float, t0: float, error: str) -> tuple[RequestOutcome, str]:
+    return RequestOutcome(False, start=start - t0, error=error), ""
+
+
 async def send_native(http: httpx.AsyncClient, cfg: ClientConfig, prompt: str, max_tokens: int,
                       extra: dict, ignore_eos: bool, t0: float) -> tuple[RequestOutcome, str]:
     """One streamed native ``/generate`` request; returns its outcome and final text.
@@ -68,26 +95,18 @@ async def send_native(http: httpx.AsyncClient, cfg: ClientConfig, prompt: str, m
     start = time.perf_counter()
     times, n_ids, text, meta, last = [], 0, "", {}, None
     try:
-        async with http.stream("POST", cfg.base_url + "/generate", json=payload, headers=cfg.headers) as r:
-            if r.status_code != 200:
-                body = (await r.aread()).decode(errors="replace")
-                return RequestOutcome(False, start=start - t0, error=f"HTTP {r.status_code}: {body[:300]}"), ""
-            async for line in r.aiter_lines():
-                data = _data_lines(line)
-                if not data or data == "[DONE]":
-                    continue
-                now = last = time.perf_counter()
-                ev = json.loads(data)
-                if "error" in ev:
-                    return RequestOutcome(False, start=start - t0, error=str(ev["error"])[:300]), ""
-                ids = ev.get("output_ids")
-                grew = len(ids) > n_ids if ids is not None else len(ev.get("text", "")) > len(text)
-                if grew:
-                    times.append(now)
-                n_ids = len(ids) if ids is not None else n_ids
-                text, meta = ev.get("text", text), ev.get("meta_info", meta)
+        async for now, ev in _sse_events(http, cfg.base_url + "/generate", payload, cfg.headers):
+            last = now
+            ids = ev.get("output_ids")
+            grew = len(ids) > n_ids if ids is not None else len(ev.get("text", "")) > len(text)
+            if grew:
+                times.append(now)
+            n_ids = len(ids) if ids is not None else n_ids
+            text, meta = ev.get("text", text), ev.get("meta_info", meta)
+    except _StreamFailed as e:
+        return _failed(start, t0, str(e))
     except (httpx.HTTPError, json.JSONDecodeError) as e:
-        return RequestOutcome(False, start=start - t0, error=f"{type(e).__name__}: {e}"), ""
+        return _failed(start, t0, f"{type(e).__name__}: {e}")
     if (meta.get("finish_reason") or {}).get("type") == "abort":
         return RequestOutcome(False, start=start - t0, error=str(meta["finish_reason"].get("message"))), text
     out = outcome_from_timeline(start, times, int(meta.get("prompt_tokens") or 0),
@@ -109,26 +128,18 @@ async def send_openai(http: httpx.AsyncClient, cfg: ClientConfig, prompt: str, m
     start = time.perf_counter()
     times, text, usage, chunks, last = [], "", {}, 0, None
     try:
-        async with http.stream("POST", cfg.base_url + "/v1/completions", json=payload, headers=cfg.headers) as r:
-            if r.status_code != 200:
-                body = (await r.aread()).decode(errors="replace")
-                return RequestOutcome(False, start=start - t0, error=f"HTTP {r.status_code}: {body[:300]}"), ""
-            async for line in r.aiter_lines():
-                data = _data_lines(line)
-                if not data or data == "[DONE]":
-                    continue
-                now = last = time.perf_counter()
-                ev = json.loads(data)
-                if "error" in ev:
-                    return RequestOutcome(False, start=start - t0, error=str(ev["error"])[:300]), ""
-                delta = "".join(c.get("text") or "" for c in ev.get("choices") or [])
-                if delta:
-                    times.append(now)
-                    text += delta
-                    chunks += 1
-                usage = ev.get("usage") or usage
+        async for now, ev in _sse_events(http, cfg.base_url + "/v1/completions", payload, cfg.headers):
+            last = now
+            delta = "".join(c.get("text") or "" for c in ev.get("choices") or [])
+            if delta:
+                times.append(now)
+                text += delta
+                chunks += 1
+            usage = ev.get("usage") or usage
+    except _StreamFailed as e:
+        return _failed(start, t0, str(e))
     except (httpx.HTTPError, json.JSONDecodeError) as e:
-        return RequestOutcome(False, start=start - t0, error=f"{type(e).__name__}: {e}"), ""
+        return _failed(start, t0, f"{type(e).__name__}: {e}")
     details = usage.get("prompt_tokens_details") or {}
     out = outcome_from_timeline(start, times, int(usage.get("prompt_tokens") or 0),
                                 int(usage.get("completion_tokens") or chunks), int(details.get("cached_tokens") or 0),

@@ -35,6 +35,10 @@ class EngineConfig:
         schedule_policy: ``fcfs`` | ``lpm`` | ``dfs-weight``.
         enable_jump_forward: append grammar-forced strings in one extend step.
         grammar_backend: ``sglite`` (ours) | ``xgrammar`` | ``llguidance``.
+        constrained_json_whitespace_pattern: regex for the whitespace JSON Schema grammars allow
+            around ``,`` ``:`` and brackets (sglite backend). None = compact JSON (no whitespace):
+            every separator is then forced, which jump-forward skips; ``"[ ]?"`` is outlines'
+            default, ``r"[ ]?|\n[ \t]{0,16}"`` allows one-line indentation.
         random_seed: seed of the engine's default generator (requests without ``sampling_seed``).
         context_length: override of the model's maximum context (tokens).
         num_threads: CPU threads for torch ops (a process-wide setting), on CPU devices only.
@@ -59,6 +63,7 @@ class EngineConfig:
     schedule_policy: str = "fcfs"
     enable_jump_forward: bool = True
     grammar_backend: str = "sglite"
+    constrained_json_whitespace_pattern: Optional[str] = None
     random_seed: int = 0
     context_length: Optional[int] = None
     log_level: str = "info"
@@ -89,6 +94,13 @@ class EngineConfig:
             bad("log_level", f"must be debug, info, warning, error or critical, got {self.log_level!r}")
         if self.grammar_backend not in GRAMMAR_BACKENDS:
             bad("grammar_backend", f"must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}")
+        if self.constrained_json_whitespace_pattern is not None:
+            from .constrained.regex_parse import parse_regex
+            from .errors import GrammarError
+            try:
+                parse_regex(self.constrained_json_whitespace_pattern)
+            except GrammarError as e:
+                bad("constrained_json_whitespace_pattern", f"invalid regex: {e}")
         if self.num_threads is not None and self.num_threads < 1:
             bad("num_threads", f"must be >= 1, got {self.num_threads}")
         if self.decode_steps_per_chunk < 0:

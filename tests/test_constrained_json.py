@@ -15,6 +15,13 @@ def backend():
     return byte_backend()
 
 
+@pytest.fixture(scope="module")
+def flexible():
+    from sglite.constrained import GrammarBackend
+    from sglite.constrained.json_schema import FLEXIBLE_WS
+    return GrammarBackend(byte_backend().info, whitespace_pattern=FLEXIBLE_WS)
+
+
 def ok(backend, schema, text: str) -> bool:
     return accepts(backend.compile("json_schema", schema), text.encode())
 
@@ -26,7 +33,7 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
 
 
 @pytest.mark.parametrize("text,valid", [
-    ('{"name":"bob","age":3}', True), ('{"name": "bob", "age": 150}', True), ('{"name":"bob","age":151}', False),
+    ('{"name":"bob","age":3}', True), ('{"name":"bob","age":150}', True), ('{"name":"bob","age":151}', False),
     ('{"name":"bob","age":-1}', False), ('{"name":"bobbyy","age":1}', False), ('{"age":3}', False),
     ('{"name":"b","age":3,"tags":[]}', False), ('{"name":"b","age":3,"tags":["x","y"]}', True),
     ('{"name":"b","age":3,"tags":["x","y","z"]}', False), ('{"name":"b","age":3,"zip":"12345"}', True),
@@ -52,7 +59,22 @@ def test_number_bounds(backend):
         assert ok(backend, s, text) == valid, text
 
 
-def test_whitespace_is_bounded(backend):
+def test_default_whitespace_is_compact(backend, flexible):
+    assert ok(backend, PERSON, '{"name":"bob","age":150}')
+    assert not ok(backend, PERSON, '{"name": "bob", "age": 150}')
+    assert not ok(backend, {"type": "array"}, "[1, 2]") and ok(backend, {"type": "array"}, "[1,2]")
+    assert ok(flexible, PERSON, '{"name": "bob", "age": 150}')
+
+
+def test_whitespace_pattern_option(backend):
+    from sglite.constrained import GrammarBackend
+    tabs = GrammarBackend(backend.info, whitespace_pattern=r"\t?")
+    assert ok(tabs, PERSON, '{\t"name":\t"bob",\t"age":1}')
+    assert not ok(tabs, PERSON, '{ "name":"bob","age":1}')
+
+
+def test_flexible_whitespace_is_bounded(flexible):
+    backend = flexible
     assert ok(backend, {"type": "object"}, '{\n  "a": [1, 2]\n}')
     assert not ok(backend, {"type": "object"}, "{" + "\n" * 3 + "}")
     m = backend.compile("json_schema", {"type": "array"}).matcher()
@@ -65,8 +87,8 @@ def test_json_object_and_jump_forward(backend):
     assert not accepts(backend.compile("json_object", None), b"[1]")
     m = backend.compile("json_schema", {"type": "object", "properties": {"name": {"type": "string"}},
                                         "required": ["name"], "additionalProperties": False}).matcher()
-    assert m.find_jump_forward_string() == "{"
-    assert m.accept_string("{") and m.accept_string('"') and m.find_jump_forward_string() == 'name"'
+    assert m.find_jump_forward_string() == '{"name":"'
+    assert m.accept_string('{"') and m.find_jump_forward_string() == 'name":"'
 
 
 @pytest.mark.parametrize("schema,needle", [

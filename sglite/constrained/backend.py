@@ -55,7 +55,7 @@ class GrammarBackend:
     Args:
         tokenizer_info: the model's vocabulary (:class:`TokenizerInfo`).
         whitespace_pattern: regex for the whitespace JSON Schema grammars allow between tokens
-            (default: at most 2 characters from `` \\t\\n\\r``... see :mod:`.json_schema`).
+            (default None: compact JSON, no whitespace; see :mod:`.json_schema`).
         max_cache: compiled grammars kept (LRU).
         max_workers: threads of the compile pool.
     """

@@ -10,7 +10,9 @@ required count, ``items``, ``prefixItems``, ``minItems``, ``maxItems``, ``minLen
 ``$defs`` / ``definitions``, ``nullable``, boolean schemas. Anything else that constrains instances
 raises :class:`GrammarError` naming the keyword and its JSON path. Properties are emitted in schema order,
 then additional properties. Whitespace between tokens follows ``whitespace_pattern`` (default
-:data:`DEFAULT_WS`: one space, or a newline plus up to 16 spaces/tabs: bounded, so no runaway newlines).
+:data:`DEFAULT_WS`, empty: compact JSON as ``json.dumps(separators=(",", ":"))`` writes it, so no
+runaway whitespace and every separator and key is forced, which jump-forward appends without a
+decode step; :data:`FLEXIBLE_WS` allows one space or one newline plus up to 16 spaces/tabs).
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from . import json_terms as J
 from .json_merge import ANNOTATIONS, merge_schemas, provably_disjoint
 from .regex_parse import parse_regex
 
-DEFAULT_WS = r"[ ]?|\n[ \t]{0,16}"
+DEFAULT_WS = ""
+FLEXIBLE_WS = r"[ ]?|\n[ \t]{0,16}"
 UNSUPPORTED = ("not", "if", "then", "else", "contains", "minContains", "maxContains", "dependentRequired",
                "dependentSchemas", "dependencies", "propertyNames", "unevaluatedProperties",
                "unevaluatedItems", "$dynamicRef", "$recursiveRef", "maxProperties")

@@ -104,6 +104,7 @@ class Engine:
                 if item[0] == "stop":
                     for r in list(sched.waiting) + list(sched.running):
                         sched.abort(r.rid)
+                    sched.close()
                     return
                 self._handle(item)
                 try:

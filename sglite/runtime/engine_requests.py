@@ -81,7 +81,8 @@ class RequestBuilder:
             if name == "sglite":
                 from ..constrained import GrammarBackend, TokenizerInfo
                 info = TokenizerInfo.from_hf(self.tokenizer.hf, self.runner.vocab_size, eos)
-                self._grammar = GrammarBackend(info)
+                self._grammar = GrammarBackend(
+                    info, whitespace_pattern=self.config.constrained_json_whitespace_pattern)
             else:
                 from ..constrained.external import make_backend
                 self._grammar = make_backend(name, self.tokenizer.hf, self.runner.vocab_size, eos)

@@ -57,12 +57,27 @@ class Sampler:
                 row[seen] = torch.where(row[seen] > 0, row[seen] / rp, row[seen] * rp)
             row -= p.frequency_penalty * counts + p.presence_penalty * seen.float()
 
-    def sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampleOutput:
+    def grammar_bitmask(self, reqs: list[Req]) -> Optional[torch.Tensor]:
+        """The grammar masks of ``reqs`` as ``int32 [B, ceil(V/32)]`` (-1 rows for unconstrained
+        requests), or None when no request has a grammar. Reads the matchers only, so the scheduler
+        may run it on another thread while the model's forward runs (the matchers advance after)."""
+        if all(r.grammar is None for r in reqs):
+            return None
+        bitmask = torch.full((len(reqs), self.words), -1, dtype=torch.int32)  # [B, W] all allowed
+        for i, r in enumerate(reqs):
+            if r.grammar is not None:
+                r.grammar.fill_next_token_bitmask(bitmask, i)
+        return bitmask
+
+    def sample(self, logits: torch.Tensor, reqs: list[Req],
+               bitmask: Optional[torch.Tensor] = None) -> SampleOutput:
         """Pick the next token of each request.
 
         Args:
             logits: [B, V] float32 next-token logits, row i for ``reqs[i]`` (mutated).
             reqs: the requests, for their sampling params, output so far and grammar matchers.
+            bitmask: ``grammar_bitmask(reqs)`` when already computed (e.g. overlapped with the
+                forward); computed here when None.
         Returns:
             SampleOutput with B token ids.
         """
@@ -74,12 +89,9 @@ class Sampler:
         if want_lp:
             temps = torch.tensor([p.temperature if p.temperature > 1e-6 else 1.0 for p in ps], device=logits.device)
             logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)  # [B, V]
-        bitmask = None
-        if any(r.grammar is not None for r in reqs):
-            bitmask = torch.full((B, self.words), -1, dtype=torch.int32)  # [B, W] all allowed
-            for i, r in enumerate(reqs):
-                if r.grammar is not None:
-                    r.grammar.fill_next_token_bitmask(bitmask, i)
+        if bitmask is None:
+            bitmask = self.grammar_bitmask(reqs)
+        if bitmask is not None:
             bitmask = bitmask.to(logits.device)
         dev = logits.device
         next_ids = kernels.sample(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import torch
@@ -43,6 +44,7 @@ class Scheduler:
         self.sampler = Sampler(runner.vocab_size, tokenizer.eos_token_ids, runner.device)
         self.out = OutputProcessor(tokenizer, config.enable_jump_forward)
         self._decode_only_left = 0
+        self._mask_executor: Optional[ThreadPoolExecutor] = None
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "retractions": 0,
@@ -263,9 +265,29 @@ class Scheduler:
         self.stats["steps"] += 1
         plan.sort(key=lambda e: e[1] <= SMALL_EXTEND)  # extend entries first, then decode rows
         fb, rows = self._build_batch(plan)
-        logits = self.runner.forward(fb)  # [M, V]
-        self._process(plan, rows, logits)
+        sample_reqs = [r for (r, _), (srow, _) in zip(plan, rows) if srow is not None]
+        mask = None
+        if any(r.grammar is not None for r in sample_reqs):
+            # grammar masks overlap the forward: they depend only on tokens already accepted, and
+            # the forward's matmuls release the GIL (the mask thread runs on the spare core)
+            mask = self._mask_pool().submit(self.sampler.grammar_bitmask, sample_reqs)
+        try:
+            logits = self.runner.forward(fb)  # [M, V]
+        finally:
+            bitmask = mask.result() if mask is not None else None
+        self._process(plan, rows, logits, bitmask)
         return True
+
+    def _mask_pool(self) -> ThreadPoolExecutor:
+        if self._mask_executor is None:
+            self._mask_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglite-grammar-mask")
+        return self._mask_executor
+
+    def close(self) -> None:
+        """Stop the grammar-mask thread (the engine calls this when its loop ends)."""
+        if self._mask_executor is not None:
+            self._mask_executor.shutdown(wait=True)
+            self._mask_executor = None
 
     def _build_batch(self, plan):
         ids, pos, locs, logit_idx = [], [], [], []
@@ -302,7 +324,7 @@ class Scheduler:
             dec_req_pool_indices=t(dec_rows), dec_seq_lens=t(dec_lens), logits_indices=t(logit_idx))
         return fb, rows
 
-    def _process(self, plan, rows, logits: torch.Tensor) -> None:
+    def _process(self, plan, rows, logits: torch.Tensor, bitmask: Optional[torch.Tensor] = None) -> None:
         sample_reqs, sample_rows = [], []
         for (r, n), (srow, in_rows) in zip(plan, rows):
             r.kv_len += n
@@ -315,7 +337,7 @@ class Scheduler:
                 sample_rows.append(srow)
         if sample_reqs:
             sl = logits[torch.tensor(sample_rows)]  # [B, V]
-            res = self.sampler.sample(sl, sample_reqs)
+            res = self.sampler.sample(sl, sample_reqs, bitmask)
             for i, (r, tok) in enumerate(zip(sample_reqs, res.next_ids)):
                 self.stats["generated_tokens"] += 1
                 reason = self.out.append_token(r, tok, res.logprobs[i] if res.logprobs is not None and r.return_logprob else None)

@@ -219,3 +219,16 @@ def test_length_intersected_with_pattern_and_format(backend):
         assert ok(backend, s, text) == valid, text
     email = {"type": "string", "format": "email", "maxLength": 12}
     assert ok(backend, email, '"a@b.co"') and not ok(backend, email, '"abcdefg@b.com"')
+
+
+@pytest.mark.parametrize("extra,forced", [([], True), ([b'":"a'], False)])
+def test_forces_token_text_sees_tokens_that_reach_past_the_forced_string(extra, forced):
+    from sglite.constrained import GrammarBackend, TokenizerInfo
+    vocab = [bytes([b]) for b in range(256)] + [b'":"', b'":', b"name"] + extra + [None]
+    be = GrammarBackend(TokenizerInfo(vocab, {len(vocab) - 1}))
+    m = be.compile("json_schema", {"type": "object", "properties": {"name": {"type": "string"}},
+                                   "required": ["name"], "additionalProperties": False}).matcher()
+    assert m.accept_string('{"name') and m.find_jump_forward_string() == '":"'
+    assert m.forces_token_text(256) == forced  # b'":"'
+    assert not m.forces_token_text(257)  # b'":' is allowed, but so is b'":"', which is longer
+    assert not m.forces_token_text(258)  # b"name" is not allowed here

@@ -1,6 +1,7 @@
 """Per-request grammar matcher: cheap to create, fork and roll back (state history is a list)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .compiled import CompiledGrammar
@@ -94,6 +95,29 @@ class GrammarMatcher:
             return ""
         data = self.compiled.forced_bytes(state)
         return decode_utf8_prefix(data)
+
+    def forces_token_text(self, token_id: int) -> bool:
+        """Whether every token the grammar allows next is a prefix of ``token_id``'s bytes.
+
+        Then any continuation the model picks spells exactly those bytes first (perhaps in
+        smaller pieces), so jump-forward may append ``token_id`` itself instead of leaving the
+        boundary to the model. False when ``token_id`` is special or itself not allowed.
+        Never mutates the matcher.
+        """
+        state, terminated = self._history[-1]
+        info = self.compiled.info
+        target = info.token_bytes[token_id] if 0 <= token_id < info.vocab_size else None
+        if terminated or not target:
+            return False
+        words = self.compiled.mask(state).numpy().view(np.uint8)  # [4W] little-endian bytes
+        allowed = np.flatnonzero(np.unpackbits(words, bitorder="little")[:info.vocab_size])
+        if token_id not in set(allowed.tolist()):
+            return False
+        for t in allowed.tolist():
+            b = info.token_bytes[t]
+            if b is None or len(b) > len(target) or target[:len(b)] != b:
+                return False
+        return True
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (clamped to what was accepted)."""

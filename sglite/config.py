@@ -46,6 +46,10 @@ class EngineConfig:
             tokenizer threads. Measured on the 2-core machines: with both cores busy, a 2-thread
             bf16 decode step at batch 1 took 39 ms once and 4.3 s another time (threads waiting
             for a core), against a steady 54 ms with one thread.
+        cpu_decode_gemv: ``auto`` | ``fp16`` | ``off``: one-row matmuls (batch-1 decode) of a bf16
+            model on CPU through float16 weight copies (2x faster on Zen 4's oneDNN; a second
+            copy of the weights; see :mod:`sglite.runtime.models.cpu_gemv`). ``auto`` probes the
+            speed at load and adopts it when >= 1.3x faster.
         check_invariants: run ``Scheduler.check_invariants`` after every step (slow; for tests).
     """
 
@@ -68,6 +72,7 @@ class EngineConfig:
     context_length: Optional[int] = None
     log_level: str = "info"
     num_threads: Optional[int] = None  # torch intra-op threads on CPU; None: cores - 1 (at least 1)
+    cpu_decode_gemv: str = "auto"
     check_invariants: bool = False  # assert pool/tree invariants after every step (tests)
 
     def __post_init__(self):
@@ -101,6 +106,8 @@ class EngineConfig:
                 parse_regex(self.constrained_json_whitespace_pattern)
             except GrammarError as e:
                 bad("constrained_json_whitespace_pattern", f"invalid regex: {e}")
+        if self.cpu_decode_gemv not in ("auto", "fp16", "off"):
+            bad("cpu_decode_gemv", f"must be auto|fp16|off, got {self.cpu_decode_gemv!r}")
         if self.num_threads is not None and self.num_threads < 1:
             bad("num_threads", f"must be >= 1, got {self.num_threads}")
         if self.decode_steps_per_chunk < 0:

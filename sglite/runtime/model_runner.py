@@ -10,6 +10,7 @@ from ..config import EngineConfig
 from ..errors import InvalidRequestError
 from .forward_batch import ForwardBatch
 from .kv_pool import ReqToTokenPool, TokenToKVPool
+from .models.cpu_gemv import want_fp16_gemv
 from .models.llama import LlamaArch, LlamaModel
 
 log = logging.getLogger("sglite.model_runner")
@@ -72,6 +73,11 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.arch = LlamaArch.from_hf_config(hf_config)
         self.model = LlamaModel(self.arch, state_dict, self.dtype, self.device)
+        probe = [L[k] for L in self.model.layers for k in ("qkv", "o", "gate_up", "down")]
+        if want_fp16_gemv(config.cpu_decode_gemv, self.dtype, self.device, probe):
+            self.model.enable_fp16_gemv()
+            log.info("batch-1 decode matmuls through float16 weight copies (cpu_decode_gemv=%s)",
+                     config.cpu_decode_gemv)
         self.vocab_size = self.arch.vocab_size
         self.context_length = config.context_length or self.arch.max_position_embeddings
         if self.context_length > self.arch.max_position_embeddings:

@@ -7,6 +7,7 @@ projections are fused into one matmul each. Attention and KV writes go through
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -18,6 +19,9 @@ from sglite import kernels
 from sglite.errors import InvalidRequestError
 
 from ..forward_batch import ForwardBatch
+from .cpu_gemv import linear
+
+log = logging.getLogger("sglite.models.llama")
 
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -73,11 +77,14 @@ def _rope_cache(arch: LlamaArch, max_pos: int, device) -> tuple[torch.Tensor, to
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x: [N, H, D]; cos/sin: [N, D/2]."""
+    """Rotate-half RoPE in x's dtype (HF's order of operations, so bf16 rounds as HF's does).
+
+    x: [N, H, D]; cos/sin: [N, D/2] in x's dtype. Returns [N, H, D].
+    """
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()  # [N, H, D/2]
+    x1, x2 = x[..., :half], x[..., half:]  # [N, H, D/2]
     c, s = cos[:, None, :], sin[:, None, :]  # [N, 1, D/2]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)  # [N, H, D]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)  # [N, H, D]
 
 
 class LlamaModel:
@@ -112,8 +119,16 @@ class LlamaModel:
                 layer["q_norm"] = w(p + "self_attn.q_norm.weight")  # [D]
                 layer["k_norm"] = w(p + "self_attn.k_norm.weight")  # [D]
             self.layers.append(layer)
+        self.gemv16: Optional[list] = None  # per layer float16 weights for one-row matmuls (CPU bf16)
+        self.lm_head16: Optional[torch.Tensor] = None
         self.cos, self.sin = _rope_cache(arch, arch.max_position_embeddings, device)
         self.sm_scale = 1.0 / math.sqrt(arch.head_dim)
+
+    def enable_fp16_gemv(self) -> None:
+        """Keep float16 copies of the matmul weights for one-row products (see :mod:`.cpu_gemv`)."""
+        half = lambda t: t.to(torch.float16)  # noqa: E731
+        self.gemv16 = [{k: half(L[k]) for k in ("qkv", "o", "gate_up", "down")} for L in self.layers]
+        self.lm_head16 = half(self.lm_head)
 
     def weight_bytes(self) -> int:
         """Bytes of weights read per decode step (embedding lookup excluded unless tied to the head)."""
@@ -132,20 +147,35 @@ class LlamaModel:
         Returns:
             [M, V] float32 logits for the rows ``fb.logits_indices``.
         """
+        fp16 = self.gemv16 is not None
+        logits = self._forward(fb, k_buffers, v_buffers, fp16)
+        if fp16 and (fb.input_ids.shape[0] == 1 or logits.shape[0] == 1) and not bool(logits.isfinite().all()):
+            # an activation left fp16's range: redo the step on the bf16 path (it rewrites the
+            # same KV slots) and stop using fp16 for this model
+            log.warning("fp16 GEMV overflowed; falling back to %s matmuls", self.dtype)
+            self.gemv16 = self.lm_head16 = None
+            logits = self._forward(fb, k_buffers, v_buffers, False)
+        return logits
+
+    def _forward(self, fb: ForwardBatch, k_buffers, v_buffers, fp16: bool) -> torch.Tensor:
         a = self.arch
         Hq, Hkv, D = a.num_heads, a.num_kv_heads, a.head_dim
         ne = fb.num_extend_tokens
         x = self.embed[fb.input_ids]  # [N, H]
-        cos, sin = self.cos[fb.positions], self.sin[fb.positions]  # [N, D/2]
+        cos = self.cos[fb.positions].to(self.dtype)  # [N, D/2]
+        sin = self.sin[fb.positions].to(self.dtype)  # [N, D/2]
         for li, L in enumerate(self.layers):
+            W16 = self.gemv16[li] if fp16 else {}
             h = F.rms_norm(x, (a.hidden_size,), L["in_norm"], a.rms_norm_eps)  # [N, H]
-            qkv = F.linear(h, L["qkv"], L.get("qkv_bias"))  # [N, (Hq+2Hkv)D]
-            q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
-            q, k, v = q.view(-1, Hq, D), k.view(-1, Hkv, D), v.view(-1, Hkv, D)  # [N, H*, D]
+            qkv = linear(h, L["qkv"], L.get("qkv_bias"), W16.get("qkv"))  # [N, (Hq+2Hkv)D]
+            qk, v = qkv.split([(Hq + Hkv) * D, Hkv * D], dim=-1)
+            qk, v = qk.view(-1, Hq + Hkv, D), v.view(-1, Hkv, D)  # [N, Hq+Hkv, D], [N, Hkv, D]
             if a.qk_norm:
-                q = F.rms_norm(q, (D,), L["q_norm"], a.rms_norm_eps)
-                k = F.rms_norm(k, (D,), L["k_norm"], a.rms_norm_eps)
-            q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)  # [N, H*, D]
+                q = F.rms_norm(qk[:, :Hq], (D,), L["q_norm"], a.rms_norm_eps)
+                k = F.rms_norm(qk[:, Hq:], (D,), L["k_norm"], a.rms_norm_eps)
+                qk = torch.cat((q, k), dim=1)
+            qk = _apply_rope(qk, cos, sin)  # [N, Hq+Hkv, D] (q and k heads rotated together)
+            q, k = qk[:, :Hq], qk[:, Hq:]  # [N, Hq, D], [N, Hkv, D]
             kernels.store_kv(k_buffers[li], v_buffers[li], fb.out_cache_loc, k, v)
             parts = []
             if ne:
@@ -157,11 +187,11 @@ class LlamaModel:
                     q[ne:], k_buffers[li], v_buffers[li], fb.req_to_token, fb.dec_req_pool_indices,
                     fb.dec_seq_lens, self.sm_scale))  # [Nd, Hq, D]
             o = parts[0] if len(parts) == 1 else torch.cat(parts)  # [N, Hq, D]
-            x = x + F.linear(o.reshape(-1, Hq * D), L["o"])  # [N, H]
+            x = x + linear(o.reshape(-1, Hq * D), L["o"], None, W16.get("o"))  # [N, H]
             h = F.rms_norm(x, (a.hidden_size,), L["post_norm"], a.rms_norm_eps)  # [N, H]
-            gu = F.linear(h, L["gate_up"])  # [N, 2I]
+            gu = linear(h, L["gate_up"], None, W16.get("gate_up"))  # [N, 2I]
             g, u = gu.chunk(2, dim=-1)
-            x = x + F.linear(F.silu(g) * u, L["down"])  # [N, H]
+            x = x + linear(F.silu(g) * u, L["down"], None, W16.get("down"))  # [N, H]
         x = x[fb.logits_indices]  # [M, H]
         x = F.rms_norm(x, (a.hidden_size,), self.norm, a.rms_norm_eps)  # [M, H]
-        return F.linear(x, self.lm_head).float()  # [M, V]
+        return linear(x, self.lm_head, None, self.lm_head16 if fp16 else None).float()  # [M, V]

@@ -17,11 +17,14 @@ def _naive(q, kb, vb, slots, scale):
 @pytest.mark.parametrize("lens,hkv,group,dtype", [([1], 1, 1, torch.float32), ([37], 3, 3, torch.float32),
                                                   ([300], 3, 3, torch.bfloat16), ([5, 1, 64], 2, 4, torch.float32),
                                                   ([1, 129], 3, 3, torch.bfloat16)])
-def test_decode_attention_matches_naive(lens, hkv, group, dtype):
+@pytest.mark.parametrize("head_major", [False, True])
+def test_decode_attention_matches_naive(lens, hkv, group, dtype, head_major):
     gen = torch.Generator().manual_seed(len(lens) * 7 + hkv)
     D, S = 64, 512
     kb = torch.randn(S, hkv, D, generator=gen).to(dtype)
     vb = torch.randn(S, hkv, D, generator=gen).to(dtype)
+    if head_major:  # TokenToKVPool's layout: [Hkv, S, D] storage seen as [S, Hkv, D]
+        kb, vb = kb.transpose(0, 1).contiguous().transpose(0, 1), vb.transpose(0, 1).contiguous().transpose(0, 1)
     r2t = torch.zeros(len(lens) + 2, 400, dtype=torch.int32)
     perm = torch.randperm(S - 1, generator=gen) + 1
     rows, start = [], 0
@@ -46,3 +49,24 @@ def test_batch_one_path_equals_batched_path():
     both = R.decode_attention(q, kb, vb, r2t, torch.tensor([0, 1]), torch.tensor([40, 17]), 0.25)
     one = R.decode_attention(q[1:], kb, vb, r2t, torch.tensor([1]), torch.tensor([17]), 0.25)
     assert torch.allclose(both[1:], one, atol=1e-6)
+
+
+@pytest.mark.parametrize("head_major", [False, True])
+def test_extend_attention_matches_naive(head_major):
+    gen = torch.Generator().manual_seed(11)
+    S, hkv, g, D = 256, 2, 3, 32
+    kb, vb = torch.randn(S, hkv, D, generator=gen), torch.randn(S, hkv, D, generator=gen)
+    if head_major:
+        kb, vb = kb.transpose(0, 1).contiguous().transpose(0, 1), vb.transpose(0, 1).contiguous().transpose(0, 1)
+    prefix, ext = [0, 7], [5, 9]
+    r2t = torch.zeros(3, 64, dtype=torch.int32)
+    perm = torch.randperm(S - 1, generator=gen) + 1
+    r2t[1, :5], r2t[2, :16] = perm[:5].int(), perm[5:21].int()
+    q = torch.randn(sum(ext), hkv * g, D, generator=gen)
+    out = R.extend_attention(q, kb, vb, r2t, torch.tensor([1, 2]), torch.tensor(prefix), torch.tensor(ext), 0.2)
+    i = 0
+    for row, p, e in zip([1, 2], prefix, ext):
+        for j in range(e):  # new token j sees prefix + new tokens 0..j
+            ref = _naive(q[i], kb, vb, r2t[row, :p + j + 1].long(), 0.2)
+            assert (out[i].double() - ref).abs().max() < 1e-5
+            i += 1

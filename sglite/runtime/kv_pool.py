@@ -41,6 +41,9 @@ class ReqToTokenPool:
 class TokenToKVPool:
     """Per-layer K/V buffers ``[num_slots, n_kv_heads, head_dim]`` plus a page allocator.
 
+    The buffers are views of head-major storage (``[n_kv_heads, num_slots, head_dim]``); kernels
+    take them by strides and must accept both this and a contiguous ``[S, Hkv, D]`` layout.
+
     ``num_slots = (num_pages + 1) * page_size``; page 0 is padding. Capacity in tokens is
     ``num_pages * page_size``. Allocation never splits a page between owners.
     """
@@ -51,10 +54,13 @@ class TokenToKVPool:
         self.num_pages = max(1, num_tokens // page_size)
         self.capacity = self.num_pages * page_size
         num_slots = (self.num_pages + 1) * page_size
-        self.k_buffers = [torch.zeros(num_slots, n_kv_heads, head_dim, dtype=dtype, device=device)
-                          for _ in range(num_layers)]  # L x [S, Hkv, D]
-        self.v_buffers = [torch.zeros(num_slots, n_kv_heads, head_dim, dtype=dtype, device=device)
-                          for _ in range(num_layers)]  # L x [S, Hkv, D]
+        # head-major storage [Hkv, S, D], exposed as [S, Hkv, D] views: one head's keys form a
+        # contiguous plane, so a gather of one head's rows takes index_select's fast path (on CPU
+        # 0.09 vs 1.0 ms for 16.6k rows of a strided head view, the bulk of batched decode)
+        self.k_buffers = [torch.zeros(n_kv_heads, num_slots, head_dim, dtype=dtype, device=device).transpose(0, 1)
+                          for _ in range(num_layers)]  # L x [S, Hkv, D], strides (D, S*D, 1)
+        self.v_buffers = [torch.zeros(n_kv_heads, num_slots, head_dim, dtype=dtype, device=device).transpose(0, 1)
+                          for _ in range(num_layers)]  # L x [S, Hkv, D], strides (D, S*D, 1)
         self.bytes_per_token = 2 * num_layers * n_kv_heads * head_dim * torch.finfo(dtype).bits // 8
         self.device = device
         self._free_pages = list(range(self.num_pages, 0, -1))  # stack; pop() gives low pages first

@@ -37,6 +37,7 @@ OBJECT_INSTANCE = {"name": "Alice Smith", "age": 34, "status": "active", "tags":
 CLIFF_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["code", "content"], "properties": {
     "code": {"enum": [f"CODE_{i:03d}" for i in range(300)]}, "content": {"type": "string", "maxLength": 2000}}}
 CLIFF_INSTANCE = {"code": "CODE_123", "content": "The quick brown fox jumps over the lazy dog. " * 4}
+COMPACT = (",", ":")  # sglite's default JSON whitespace (none); every engine accepts it
 NESTED_INSTANCE = {"id": 12, "name": "Widget \"x\"", "tags": ["a", "b", {"deep": [1, 2.5e3, None, True]}],
                    "meta": {"owner": {"name": "Ann", "roles": ["admin", "dev"], "limits": {"cpu": 2, "mem": -0.5}}},
                    "empty": {}, "list": [[], [[1]], {"k": "v"}]}
@@ -47,13 +48,13 @@ TREE_SCHEMA = {"$defs": {"node": {"type": "object", "additionalProperties": Fals
 TREE_INSTANCE = {"value": 1, "children": [{"value": 2, "children": [{"value": 3, "children": [{"value": 5}]}]},
                                           {"value": 4, "children": []}]}
 TARGETS = {
-    "json": ("json_schema", OBJECT_SCHEMA, json.dumps(OBJECT_INSTANCE)),
+    "json": ("json_schema", OBJECT_SCHEMA, json.dumps(OBJECT_INSTANCE, separators=COMPACT)),
     "regex_email": ("regex", EMAIL, "john.doe@example.com"),
     "regex_datetime": ("regex", DATETIME, "2024-01-15T10:30:00.123Z"),
-    "json_cliff": ("json_schema", CLIFF_SCHEMA, json.dumps(CLIFF_INSTANCE)),
+    "json_cliff": ("json_schema", CLIFF_SCHEMA, json.dumps(CLIFF_INSTANCE, separators=COMPACT)),
     # recursive grammars (pushdown matcher): the first pass over a nested instance is the cold cost
-    "json_object": ("json_object", None, json.dumps(NESTED_INSTANCE, indent=1)),
-    "json_recursive": ("json_schema", TREE_SCHEMA, json.dumps(TREE_INSTANCE)),
+    "json_object": ("json_object", None, json.dumps(NESTED_INSTANCE, separators=COMPACT)),
+    "json_recursive": ("json_schema", TREE_SCHEMA, json.dumps(TREE_INSTANCE, separators=COMPACT)),
     "lark_json": ("lark", "builtin:json", json.dumps(NESTED_INSTANCE, indent=1)),
 }
 EOS = 2

@@ -9,7 +9,8 @@ Nodes are plain tuples (cheap, immutable):
 * ``("alt", (node, ...))``      alternation (``("alt", ())`` matches nothing)
 * ``("rep", node, lo, hi)``     ``lo`` to ``hi`` repetitions, ``hi = -1`` for unbounded
 * ``("ref", name)``             a reference to a rule of the grammar (resolved by :mod:`.grammar`)
-* ``("dfa", TableDFA)``         an explicit byte DFA (from :mod:`.fsm_ops`: intersections, differences)
+* ``("dfa", TableDFA)``         an explicit byte DFA (from :mod:`.fsm_ops`: intersections, differences;
+                                a ``CountedDFA`` from :mod:`.counted` for a large length bound)
 
 A grammar is ``(rules: dict[str, node], root: str)``. The same node object may occur several times;
 the NFA builder shares it when it is followed by the same continuation (used for JSON object suffixes).

@@ -32,6 +32,11 @@ class TableDFA:
     def n(self) -> int:
         return len(self.acc)
 
+    @property
+    def nullable(self) -> bool:
+        """Whether the empty string is in the language."""
+        return bool(self.acc[self.start])
+
     def accepts(self, data: bytes) -> bool:
         s = self.start
         for b in data:
@@ -134,16 +139,32 @@ def _trim(trans: np.ndarray, acc: np.ndarray, start: int):
 
 
 def intersect_nodes(a, b, what: str):
-    """AST node for L(a) ∩ L(b) (``NOTHING`` when empty)."""
-    from . import ast as A
+    """AST node for L(a) ∩ L(b) (``NOTHING`` when empty).
 
+    When ``b`` is a repetition whose bound exceeds the NFA's unroll limit (a large ``maxLength``),
+    the result is a counted product (:mod:`.counted`) whose size does not grow with the bound."""
+    from . import ast as A
+    from .nfa import UNROLL_LIMIT
+
+    if b[0] == "rep" and max(b[2], b[3]) > UNROLL_LIMIT:
+        from .counted import count_intersect
+
+        try:
+            return count_intersect(a, b[1], b[2], b[3], what)
+        except GrammarError:
+            pass  # body not a prefix code or irregular counts: the explicit product may still fit
     out = product(from_node(a, what), from_node(b, what), False, what)
     return A.NOTHING if out is None else ("dfa", out)
 
 
 def nfa_states(node, nfa, nxt: int) -> int:
-    """Build a ``("dfa", TableDFA)`` node into ``nfa`` (one NFA state per DFA state) → entry state."""
-    t: TableDFA = node[1]
+    """Build a ``("dfa", TableDFA)`` node into ``nfa`` (one NFA state per DFA state) → entry state.
+    A ``CountedDFA`` payload (:mod:`.counted`) becomes a counted region."""
+    t = node[1]
+    if not isinstance(t, TableDFA):
+        from .counted import build_into
+
+        return build_into(node, nfa, nxt)
     ids = [nfa.new() for _ in range(t.n)]
     for s in range(1, t.n):
         row = t.trans[s]

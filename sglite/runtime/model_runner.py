@@ -6,6 +6,8 @@ import os
 
 import torch
 
+from sglite import kernels
+
 from ..config import EngineConfig
 from ..errors import InvalidRequestError
 from .forward_batch import ForwardBatch
@@ -93,6 +95,8 @@ class ModelRunner:
             tokens = int(min(MAX_POOL_TOKENS, max(budget // self.bytes_per_token, 4 * self.context_length)))
         self.token_to_kv_pool = TokenToKVPool(tokens, config.page_size, a.num_layers, a.num_kv_heads,
                                               a.head_dim, self.dtype, self.device)
+        if self.device == "cpu":  # build (or load) the C++ decode-attention kernel now, not in the first step
+            kernels.resolve_impl(None, self.token_to_kv_pool.k_buffers[0], "decode_attention")
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests + 8, self.context_length + 8, self.device)
         self.max_total_tokens = self.token_to_kv_pool.capacity
         log.info("KV pool: %d tokens, %d bytes per token (%.1f MiB), dtype %s, device %s",

@@ -46,10 +46,12 @@ class EngineConfig:
             tokenizer threads. Measured on the 2-core machines: with both cores busy, a 2-thread
             bf16 decode step at batch 1 took 39 ms once and 4.3 s another time (threads waiting
             for a core), against a steady 54 ms with one thread.
-        cpu_decode_gemv: ``auto`` | ``fp16`` | ``off``: one-row matmuls (batch-1 decode) of a bf16
-            model on CPU through float16 weight copies (2x faster on Zen 4's oneDNN; a second
-            copy of the weights; see :mod:`sglite.runtime.models.cpu_gemv`). ``auto`` probes the
-            speed at load and adopts it when >= 1.3x faster.
+        cpu_decode_gemv: ``auto`` | ``cpp`` | ``fp16`` | ``off``: the path of one-row matmuls
+            (batch-1 decode) of a bf16 model on CPU (see :mod:`sglite.runtime.models.cpu_gemv`):
+            ``cpp`` a C++ AVX-512-BF16 GEMV (compiled on first use; no weight copies; measured 3.6x
+            oneDNN's bf16 on Zen 4), ``fp16`` float16 weight copies through oneDNN (2x; a second
+            copy of the weights), ``off`` oneDNN bf16. ``auto`` times them at load on the model's
+            matrices and keeps the fastest (fp16 only when >= 1.3x faster than ``off``).
         check_invariants: run ``Scheduler.check_invariants`` after every step (slow; for tests).
     """
 
@@ -106,8 +108,8 @@ class EngineConfig:
                 parse_regex(self.constrained_json_whitespace_pattern)
             except GrammarError as e:
                 bad("constrained_json_whitespace_pattern", f"invalid regex: {e}")
-        if self.cpu_decode_gemv not in ("auto", "fp16", "off"):
-            bad("cpu_decode_gemv", f"must be auto|fp16|off, got {self.cpu_decode_gemv!r}")
+        if self.cpu_decode_gemv not in ("auto", "cpp", "fp16", "off"):
+            bad("cpu_decode_gemv", f"must be auto|cpp|fp16|off, got {self.cpu_decode_gemv!r}")
         if self.num_threads is not None and self.num_threads < 1:
             bad("num_threads", f"must be >= 1, got {self.num_threads}")
         if self.decode_steps_per_chunk < 0:

@@ -1,9 +1,11 @@
-"""Batch-1 decode through float16 weight copies of a bf16 model (cpu_decode_gemv): same greedy
-tokens as the bf16 path, close logits, and a fallback when an activation leaves fp16's range."""
+"""Batch-1 decode matmuls of a bf16 model (cpu_decode_gemv): the C++ GEMV and float16 weight copies
+give the same greedy tokens as the bf16 path and close logits; fp16 falls back when an activation
+leaves its range; ``auto`` picks from a probe; ``cpp`` degrades to ``off`` without the kernel."""
 import pytest
 import torch
 
-from sglite.runtime.models.cpu_gemv import linear, want_fp16_gemv
+from sglite.runtime.models import cpu_gemv
+from sglite.runtime.models.cpu_gemv import choose_gemv, cpp_gemv_fn, linear
 
 
 def _engine(model_dir, mode):
@@ -21,27 +23,64 @@ def test_linear_routes_only_single_rows():
     assert torch.equal(linear(x3, w, None, w16), torch.nn.functional.linear(x3, w))
 
 
-def test_mode_choice():
+def test_linear_routes_cpp_only_few_rows():
+    calls = []
+
+    def fake(x, w, b):
+        calls.append(x.shape[0])
+        return torch.nn.functional.linear(x, w, b)
+
+    w = torch.randn(8, 4).bfloat16()
+    for m in (1, 3, cpu_gemv.CPP_MAX_ROWS, cpu_gemv.CPP_MAX_ROWS + 1):
+        linear(torch.randn(m, 4).bfloat16(), w, None, w.half(), fake)
+    assert calls == [1, 3, cpu_gemv.CPP_MAX_ROWS]  # cpp wins over fp16 copies; large M: F.linear
+
+
+def test_mode_choice(monkeypatch):
     w = [torch.randn(16, 16).bfloat16()]
-    assert not want_fp16_gemv("off", torch.bfloat16, "cpu", w)
-    assert not want_fp16_gemv("fp16", torch.float32, "cpu", w)  # only bf16 models
-    assert want_fp16_gemv("fp16", torch.bfloat16, "cpu", w)
+    assert choose_gemv("off", torch.bfloat16, "cpu", w) == "off"
+    assert choose_gemv("fp16", torch.float32, "cpu", w) == "off"  # only bf16 models
+    assert choose_gemv("cpp", torch.bfloat16, "cuda", w) == "off"  # only CPU
+    assert choose_gemv("fp16", torch.bfloat16, "cpu", w) == "fp16"
     with pytest.raises(ValueError, match="cpu_decode_gemv"):
-        want_fp16_gemv("int8", torch.bfloat16, "cpu", w)
+        choose_gemv("int8", torch.bfloat16, "cpu", w)
+    # auto keeps the fastest probed path; fp16 only when >= MIN_SPEEDUP x faster than off
+    for times, want in [({"off": 1.0, "fp16": 0.5, "cpp": 0.3}, "cpp"),
+                        ({"off": 1.0, "fp16": 0.5, "cpp": 0.6}, "fp16"),
+                        ({"off": 1.0, "fp16": 0.9, "cpp": 1.2}, "off"),
+                        ({"off": 1.0, "fp16": 0.9}, "off"),  # fp16 not enough faster, no kernel
+                        ({"off": 1.0, "fp16": 0.7}, "fp16")]:
+        monkeypatch.setattr(cpu_gemv, "probe_times", lambda ws, t=times: dict(t))
+        assert choose_gemv("auto", torch.bfloat16, "cpu", w) == want, times
+    monkeypatch.setattr(cpu_gemv.cpp_kernel, "load", lambda: None)  # the kernel did not build
+    assert choose_gemv("cpp", torch.bfloat16, "cpu", w) == "off"
 
 
-def test_fp16_gemv_matches_bf16_path(tiny_model_dir):
+def test_probe_times_streams_each_candidate():
+    w = [torch.randn(32, 64).bfloat16() for _ in range(3)]
+    t = cpu_gemv.probe_times(w, reps=1)
+    assert {"off", "fp16"} <= set(t) and all(v > 0 for v in t.values())
+    assert ("cpp" in t) == (cpp_gemv_fn() is not None)
+
+
+def test_gemv_paths_match_bf16_path(tiny_model_dir):
     from sglite import Engine
 
     prompts = [[5, 9, 17, 33, 2, 8], list(range(40, 75))]
     params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
     res = {}
-    for mode in ("off", "fp16", "float32"):
+    modes = ("off", "fp16", "cpp") if cpp_gemv_fn() is not None else ("off", "fp16")
+    for mode in modes + ("float32",):
         if mode == "float32":
             e = Engine(model_path=str(tiny_model_dir), dtype="float32", max_total_tokens=4096)
         else:
             e = _engine(tiny_model_dir, mode)
             assert (e.runner.model.gemv16 is not None) == (mode == "fp16")
+            assert (e.runner.model.gemv_cpp is not None) == (mode == "cpp")
+            if mode == "cpp":  # weights moved into the 2 MiB-aligned huge-page buffer, head tied to it
+                m = e.runner.model
+                assert m.layers[0]["qkv"].untyped_storage().data_ptr() % (2 << 20) == 0
+                assert m.lm_head.untyped_storage().data_ptr() == m.layers[0]["qkv"].untyped_storage().data_ptr()
         try:
             res[mode] = [e.generate(input_ids=p, sampling_params=params, return_logprob=True)
                          for p in prompts]  # one at a time: every decode step is batch 1
@@ -51,17 +90,19 @@ def test_fp16_gemv_matches_bf16_path(tiny_model_dir):
     def lps(out):
         return [x[0] for x in out["meta_info"]["output_token_logprobs"]]
 
-    err = {"off": [], "fp16": []}
+    err = {m: [] for m in modes}
     for i in range(len(prompts)):
-        assert res["off"][i]["output_ids"] == res["fp16"][i]["output_ids"]
+        for m in modes:
+            assert res["off"][i]["output_ids"] == res[m][i]["output_ids"], m
         if res["float32"][i]["output_ids"] != res["off"][i]["output_ids"]:
             continue  # a bf16 near-tie: no common tokens to compare logprobs on
         for mode in err:
             err[mode] += [abs(a - b) for a, b in zip(lps(res[mode][i]), lps(res["float32"][i]))]
     assert err["fp16"], "no prompt where bf16 and float32 agree"
-    # the fp16 path is no less accurate than the bf16 one (both measured against float32)
+    # the fp16 and cpp paths are no less accurate than the bf16 one (all measured against float32)
     mean = {k: sum(v) / len(v) for k, v in err.items()}
-    assert mean["fp16"] <= 1.5 * mean["off"] + 0.01, mean
+    for m in modes:
+        assert mean[m] <= 1.5 * mean["off"] + 0.01, mean
 
 
 def test_overflow_falls_back_to_bf16(tiny_model_dir):

@@ -12,7 +12,7 @@ from ..config import EngineConfig
 from ..errors import InvalidRequestError
 from .forward_batch import ForwardBatch
 from .kv_pool import ReqToTokenPool, TokenToKVPool
-from .models.cpu_gemv import want_fp16_gemv
+from .models.cpu_gemv import choose_gemv
 from .models.llama import LlamaArch, LlamaModel
 
 log = logging.getLogger("sglite.model_runner")
@@ -75,11 +75,17 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.arch = LlamaArch.from_hf_config(hf_config)
         self.model = LlamaModel(self.arch, state_dict, self.dtype, self.device)
+        if self.device == "cpu" and self.dtype == torch.bfloat16 and config.cpu_decode_gemv in ("auto", "cpp"):
+            self.model.pack_hugepages()  # what the C++ GEMV reads fastest: probe and run on it
         probe = [L[k] for L in self.model.layers for k in ("qkv", "o", "gate_up", "down")]
-        if want_fp16_gemv(config.cpu_decode_gemv, self.dtype, self.device, probe):
+        gemv = choose_gemv(config.cpu_decode_gemv, self.dtype, self.device, probe)
+        if gemv == "fp16":
             self.model.enable_fp16_gemv()
-            log.info("batch-1 decode matmuls through float16 weight copies (cpu_decode_gemv=%s)",
-                     config.cpu_decode_gemv)
+        elif gemv == "cpp":
+            gemv = "cpp" if self.model.enable_cpp_gemv() else "off"
+        if gemv != "off":
+            log.info("batch-1 decode matmuls through %s (cpu_decode_gemv=%s)",
+                     {"fp16": "float16 weight copies", "cpp": "the C++ bf16 GEMV"}[gemv], config.cpu_decode_gemv)
         self.vocab_size = self.arch.vocab_size
         self.context_length = config.context_length or self.arch.max_position_embeddings
         if self.context_length > self.arch.max_position_embeddings:

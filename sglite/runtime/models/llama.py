@@ -19,7 +19,7 @@ from sglite import kernels
 from sglite.errors import InvalidRequestError
 
 from ..forward_batch import ForwardBatch
-from .cpu_gemv import linear
+from .cpu_gemv import cpp_gemv_fn, linear
 
 log = logging.getLogger("sglite.models.llama")
 
@@ -121,6 +121,7 @@ class LlamaModel:
             self.layers.append(layer)
         self.gemv16: Optional[list] = None  # per layer float16 weights for one-row matmuls (CPU bf16)
         self.lm_head16: Optional[torch.Tensor] = None
+        self.gemv_cpp = None  # C++ one-row bf16 matmul (CPU), see .cpu_gemv
         self.cos, self.sin = _rope_cache(arch, arch.max_position_embeddings, device)
         self.sm_scale = 1.0 / math.sqrt(arch.head_dim)
 
@@ -129,6 +130,29 @@ class LlamaModel:
         half = lambda t: t.to(torch.float16)  # noqa: E731
         self.gemv16 = [{k: half(L[k]) for k in ("qkv", "o", "gate_up", "down")} for L in self.layers]
         self.lm_head16 = half(self.lm_head)
+
+    def pack_hugepages(self) -> bool:
+        """Move the matmul weights and the LM head (with the embedding when tied) into one buffer
+        advised for huge pages, which the C++ GEMV streams faster (see :mod:`.cpu_gemv`); same bytes,
+        the old tensors are released. Returns False (nothing moved) when the kernel is unavailable."""
+        from sglite.kernels.cpu_gemv import hugepage_copies
+
+        keys, tied = ("qkv", "o", "gate_up", "down"), self.lm_head is self.embed
+        packed = hugepage_copies([L[k] for L in self.layers for k in keys] + [self.lm_head])
+        if packed is None:
+            return False
+        *mats, self.lm_head = packed
+        for i, L in enumerate(self.layers):
+            L.update(zip(keys, mats[4 * i:4 * i + 4]))
+        if tied:
+            self.embed = self.lm_head
+        return True
+
+    def enable_cpp_gemv(self) -> bool:
+        """Route one-row products through the C++ bf16 GEMV (see :mod:`.cpu_gemv`). Returns False
+        when the kernel is unavailable."""
+        self.gemv_cpp = cpp_gemv_fn()
+        return self.gemv_cpp is not None
 
     def weight_bytes(self) -> int:
         """Bytes of weights read per decode step (embedding lookup excluded unless tied to the head)."""
@@ -164,10 +188,11 @@ class LlamaModel:
         x = self.embed[fb.input_ids]  # [N, H]
         cos = self.cos[fb.positions].to(self.dtype)  # [N, D/2]
         sin = self.sin[fb.positions].to(self.dtype)  # [N, D/2]
+        cpp = self.gemv_cpp
         for li, L in enumerate(self.layers):
             W16 = self.gemv16[li] if fp16 else {}
             h = F.rms_norm(x, (a.hidden_size,), L["in_norm"], a.rms_norm_eps)  # [N, H]
-            qkv = linear(h, L["qkv"], L.get("qkv_bias"), W16.get("qkv"))  # [N, (Hq+2Hkv)D]
+            qkv = linear(h, L["qkv"], L.get("qkv_bias"), W16.get("qkv"), cpp)  # [N, (Hq+2Hkv)D]
             qk, v = qkv.split([(Hq + Hkv) * D, Hkv * D], dim=-1)
             qk, v = qk.view(-1, Hq + Hkv, D), v.view(-1, Hkv, D)  # [N, Hq+Hkv, D], [N, Hkv, D]
             if a.qk_norm:
@@ -187,11 +212,11 @@ class LlamaModel:
                     q[ne:], k_buffers[li], v_buffers[li], fb.req_to_token, fb.dec_req_pool_indices,
                     fb.dec_seq_lens, self.sm_scale))  # [Nd, Hq, D]
             o = parts[0] if len(parts) == 1 else torch.cat(parts)  # [N, Hq, D]
-            x = x + linear(o.reshape(-1, Hq * D), L["o"], None, W16.get("o"))  # [N, H]
+            x = x + linear(o.reshape(-1, Hq * D), L["o"], None, W16.get("o"), cpp)  # [N, H]
             h = F.rms_norm(x, (a.hidden_size,), L["post_norm"], a.rms_norm_eps)  # [N, H]
-            gu = linear(h, L["gate_up"], None, W16.get("gate_up"))  # [N, 2I]
+            gu = linear(h, L["gate_up"], None, W16.get("gate_up"), cpp)  # [N, 2I]
             g, u = gu.chunk(2, dim=-1)
-            x = x + linear(F.silu(g) * u, L["down"], None, W16.get("down"))  # [N, H]
+            x = x + linear(F.silu(g) * u, L["down"], None, W16.get("down"), cpp)  # [N, H]
         x = x[fb.logits_indices]  # [M, H]
         x = F.rms_norm(x, (a.hidden_size,), self.norm, a.rms_norm_eps)  # [M, H]
-        return linear(x, self.lm_head, None, self.lm_head16 if fp16 else None).float()  # [M, V]
+        return linear(x, self.lm_head, None, self.lm_head16 if fp16 else None, cpp).float()  # [M, V]

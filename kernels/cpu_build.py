@@ -1,0 +1,88 @@
+"""Compile small C++ CPU kernels on first use and reuse the build in later processes.
+
+:func:`load_cpp` wraps ``torch.utils.cpp_extension.load_inline``. The build directory is
+``<cache>/torch_extensions/<name>_<tag>`` where ``<cache>`` is ``$SGLITE_CACHE_DIR`` or
+``~/.cache/sglite`` (the same root as ``sglite.runtime.model_loader.default_cache_dir``; kernels
+import nothing of the runtime, so the rule is repeated here) and ``<tag>`` hashes the source, the
+flags, the torch version and the CPU's feature flags: a rebuilt source, another torch, or another
+CPU (``-march``-style flags differ) never loads a stale binary, while every later process with the
+same inputs loads the existing one in milliseconds. ``load_inline`` itself locks the directory, so
+two processes building at once do not clash.
+
+Failure (no compiler, no ninja, a compile error, a read-only cache, ...) logs ONE warning naming
+the kernel and returns None: callers keep their torch path.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def cache_root() -> Path:
+    """``$SGLITE_CACHE_DIR`` if set, else ``~/.cache/sglite`` (as the model loader's cache)."""
+    env = os.environ.get("SGLITE_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "sglite"
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (``flags`` on x86, ``Features`` on Arm);
+    empty when the file is unreadable (non-Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def build_tag(*parts: str) -> str:
+    """12-hex hash of ``parts``, the torch version and the CPU flags (names a build directory)."""
+    h = hashlib.sha1("\0".join((*parts, torch.__version__, " ".join(sorted(cpu_flags())))).encode())
+    return h.hexdigest()[:12]
+
+
+def load_cpp(name: str, source: str, extra_cflags: Sequence[str] = ("-O3",), *,
+             functions: Optional[Sequence[str]] = None, ops_namespace: Optional[str] = None):
+    """Build (or reuse) and load C++ ``source``; None after one logged warning on any failure.
+
+    Args:
+        name: extension name (a Python identifier); the build lands in
+            ``cache_root()/torch_extensions/<name>_<tag>``.
+        source: C++ text. With ``functions``, torch's headers are included and pybind bindings
+            are generated for those function names; with ``ops_namespace`` the source registers
+            its own ``TORCH_LIBRARY(ops_namespace, ...)`` and includes what it needs.
+        extra_cflags: compiler flags (e.g. ``-O3 -mavx512bf16``).
+        functions: names of C++ functions to expose on the returned module.
+        ops_namespace: instead of a module, return ``getattr(torch.ops, ops_namespace)``.
+    Returns:
+        The Python module (``functions``) or the ``torch.ops`` namespace (``ops_namespace``); None
+        when the build or the load failed. Raises ValueError when neither or both are given.
+    """
+    if (functions is None) == (ops_namespace is None):
+        raise ValueError("load_cpp: pass exactly one of functions= or ops_namespace=")
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        full = f"{name}_{build_tag(source, ' '.join(extra_cflags))}"
+        build_dir = cache_root() / "torch_extensions" / full
+        build_dir.mkdir(parents=True, exist_ok=True)
+        if functions is not None:
+            return load_inline(name=full, cpp_sources=[source], functions=list(functions),
+                               extra_cflags=list(extra_cflags), build_directory=str(build_dir), verbose=False)
+        load_inline(name=full, cpp_sources=[source], extra_cflags=list(extra_cflags),
+                    build_directory=str(build_dir), is_python_module=False, no_implicit_headers=True,
+                    verbose=False)
+        return getattr(torch.ops, ops_namespace)
+    except Exception as e:  # no compiler / ninja, compile error, unwritable cache, unsupported platform
+        msg = (str(e).strip().splitlines() or [""])[-1]
+        log.warning("sglite C++ kernel %r unavailable (%s: %s); using the torch path", name, type(e).__name__, msg)
+        return None

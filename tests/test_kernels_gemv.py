@@ -1,0 +1,101 @@
+"""C++ few-row bf16 GEMV (sglite.kernels.cpu_gemv) against an fp32 reference of the same bf16
+inputs, the huge-page packing, and the build helper's fallback (sglite.kernels.cpu_build)."""
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sglite.kernels import cpu_build, cpu_gemv
+
+
+def _kernel():
+    missing = [f for f in cpu_gemv.REQUIRED_FLAGS if f not in cpu_build.cpu_flags()]
+    if missing:
+        pytest.skip(f"CPU lacks {', '.join(missing)}")
+    mod = cpu_gemv.load()
+    if mod is None:
+        pytest.skip("the C++ GEMV did not build here (no compiler or ninja; see the logged warning)")
+    return mod
+
+
+def _check(y, x, w, b=None):
+    """y equals the fp32 product of the bf16 inputs rounded to bf16, up to summation order."""
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())  # [M, N] fp32
+    assert y.dtype == torch.bfloat16 and y.shape == ref.shape
+    # summation-order error of fp32 dots (K terms) plus one bf16 rounding (half an ulp = 2^-8 rel.)
+    order = x.shape[1] * 2.0 ** -23 * (x.float().abs() @ w.float().abs().T)
+    tol = ref.abs() * 2.0 ** -8 + 1.01 * order + 1e-30
+    err = (y.float() - ref).abs()
+    assert bool((err <= tol).all()), float((err / tol).max())
+    # and nearly always exactly the rounded reference (a truncating rounding would miss half)
+    assert int((y != ref.bfloat16()).sum()) <= max(1, ref.numel() // 30)
+
+
+@pytest.mark.parametrize("N", [1, 7, 64, 576, 1000])
+@pytest.mark.parametrize("K", [1, 7, 64, 576, 1000])
+def test_gemv_matches_fp32_reference(N, K):
+    _kernel()
+    g = torch.Generator().manual_seed(N * 1009 + K)
+    w = torch.randn(N, K, generator=g).bfloat16()
+    for M in (1, 2, 5, cpu_gemv.MAX_ROWS):
+        x = torch.randn(M, K, generator=g).bfloat16()
+        assert cpu_gemv.supports(x, w)
+        _check(cpu_gemv.gemv(x, w), x, w)
+
+
+def test_gemv_bias_threads_and_layouts():
+    mod = _kernel()
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 1000, generator=g).bfloat16()[1:2, ::2]  # [1, 500] non-contiguous row
+    w = torch.randn(333, 500, generator=g).bfloat16()
+    b = torch.randn(333, generator=g).bfloat16()
+    _check(mod.gemv_bf16(x, w, b), x, w, b)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        big = torch.randn(4099, 96, generator=g).bfloat16()
+        xb = torch.randn(1, 96, generator=g).bfloat16()
+        _check(cpu_gemv.gemv(xb, big), xb, big)
+    finally:
+        torch.set_num_threads(old)
+    # uncovered inputs run F.linear (float32, several rows)
+    xf, wf = torch.randn(2, 5), torch.randn(3, 5)
+    assert torch.equal(cpu_gemv.gemv(xf, wf), F.linear(xf, wf))
+    with pytest.raises(RuntimeError, match="K"):
+        mod.gemv_bf16(x[:, :-1], w, None)
+    x9 = torch.randn(cpu_gemv.MAX_ROWS + 1, 500).bfloat16()
+    assert not cpu_gemv.supports(x9, w)
+    with pytest.raises(RuntimeError, match="M <= 8"):
+        mod.gemv_bf16(x9, w, None)
+    assert torch.equal(cpu_gemv.gemv(x9, w), F.linear(x9, w))
+    x4 = torch.randn(4, 500, generator=g).bfloat16()
+    _check(mod.gemv_bf16(x4, w, b), x4, w, b)
+
+
+def test_hugepage_copies_are_equal_aligned_and_shared():
+    _kernel()
+    ts = [torch.randn(5, 7).bfloat16(), torch.randn(3).bfloat16(), torch.randn(64, 64).bfloat16()]
+    cp = cpu_gemv.hugepage_copies(ts)
+    assert all(torch.equal(a, b) and a.shape == b.shape and a.dtype == b.dtype for a, b in zip(ts, cp))
+    assert all(c.data_ptr() % 64 == 0 for c in cp)
+    assert cp[0].untyped_storage().data_ptr() == cp[2].untyped_storage().data_ptr()
+    assert cp[0].untyped_storage().data_ptr() % (2 << 20) == 0
+
+
+def test_failed_build_returns_none_and_warns(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("SGLITE_CACHE_DIR", str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="sglite.kernels.cpu_build"):
+        assert cpu_build.load_cpp("sglite_forced_failure", "#error forced failure\n", ("-O0",),
+                                  ops_namespace="sglite_forced_failure") is None
+    assert any("sglite_forced_failure" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="exactly one"):
+        cpu_build.load_cpp("x", "", functions=["f"], ops_namespace="x")
+
+
+def test_gemv_falls_back_without_kernel(monkeypatch):
+    monkeypatch.setattr(cpu_gemv, "load", lambda: None)
+    x, w = torch.randn(1, 33).bfloat16(), torch.randn(9, 33).bfloat16()
+    assert not cpu_gemv.available()
+    assert torch.equal(cpu_gemv.gemv(x, w), F.linear(x, w))
+    assert cpu_gemv.hugepage_copies([w]) is None

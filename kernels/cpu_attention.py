@@ -18,27 +18,23 @@ each V row once and accumulates the G outputs. All arithmetic is float32 (bf16 w
 dtype once). The reference instead rounds bf16 scores and weights to bf16 (HF eager), so the two
 agree to bf16 rounding, and this kernel is the closer one to a float64 computation.
 
-Build: compiled on first use with ``torch.utils.cpp_extension.load_inline`` (``-O3
--march=native``; AVX-512 intrinsics when the compiler targets AVX-512F/BW/VL, register-tiled for
-padded D of 64 or 128 with G <= 8, portable scalar loops otherwise) into
-``$SGLITE_CACHE_DIR/torch_extensions/<name>`` when ``SGLITE_CACHE_DIR`` is set, else torch's default extensions directory (``$TORCH_EXTENSIONS_DIR`` or
-``~/.cache/torch_extensions``); ``<name>`` carries a hash of the torch version and the CPU flags,
-so later processes reuse the build and another CPU never loads it. Fallback: if the build fails
+Build: compiled on first use by :func:`.cpu_build.load_cpp` (``-O3 -march=native``; AVX-512
+intrinsics when the compiler targets AVX-512F/BW/VL, register-tiled for padded D of 64 or 128 with
+G <= 8, portable scalar loops otherwise) into the sglite cache's ``torch_extensions/`` folder,
+under a name that hashes the source, flags, torch version and CPU flags, so later processes reuse
+the build and another CPU never loads it. Fallback: if the build fails
 (no compiler, no ninja, ...) one warning is logged and every call runs the torch reference; inputs
 the kernel does not cover (other devices or dtypes, D > 256) go to the reference too.
 """
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
-import os
-from pathlib import Path
-from typing import Optional
 
 import torch
 
 from . import reference
+from .cpu_build import load_cpp
 
 log = logging.getLogger(__name__)
 
@@ -390,47 +386,11 @@ TORCH_LIBRARY_IMPL(sglite_cpu_attention, CPU, m) { m.impl("decode_attention", &d
 """
 
 
-def _build_dir(name: str) -> Optional[str]:
-    """``$SGLITE_CACHE_DIR/torch_extensions/<name>`` when the variable is set, else None (torch's default)."""
-    root = os.environ.get("SGLITE_CACHE_DIR")
-    if not root:
-        return None
-    path = Path(root).expanduser() / "torch_extensions" / name
-    path.mkdir(parents=True, exist_ok=True)
-    return str(path)
-
-
-def _cpu_tag() -> str:
-    """Short hash of the torch version and the CPU's feature flags (``-march=native`` builds differ per CPU)."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        pass
-    return hashlib.sha1(f"{torch.__version__}|{flags}".encode()).hexdigest()[:10]
-
-
-def _compile():
-    """Build (or reuse) and load the extension; returns the ``torch.ops`` namespace. Raises on failure."""
-    from torch.utils.cpp_extension import load_inline
-
-    name = f"sglite_cpu_attention_{_cpu_tag()}"
-    load_inline(name=name, cpp_sources=[_SOURCE], extra_cflags=["-O3", "-march=native"],
-                build_directory=_build_dir(name), is_python_module=False, no_implicit_headers=True,
-                verbose=False)
-    return getattr(torch.ops, _LIB)
-
-
 @functools.lru_cache(maxsize=None)
 def load():
-    """The compiled ops namespace (built once per process), or None after logging one warning."""
-    try:
-        return _compile()
-    except Exception as e:  # no compiler, no ninja, unsupported platform, ...
-        log.warning("sglite C++ CPU attention kernel unavailable (%s: %s); using the torch reference",
-                    type(e).__name__, (str(e).strip().splitlines() or [""])[-1])
-        return None
+    """The compiled ops namespace (built once per process, cached on disk by
+    :func:`.cpu_build.load_cpp`), or None after one logged warning."""
+    return load_cpp("sglite_cpu_attention", _SOURCE, ("-O3", "-march=native"), ops_namespace=_LIB)
 
 
 def available() -> bool:

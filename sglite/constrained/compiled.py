@@ -121,6 +121,10 @@ class CompiledGrammar:
                 out.update(self.automaton.dfas[rule].live_bytes(d).tolist())
             return out
 
+    def has_mask(self, state) -> bool:
+        """Whether ``mask(state)`` is cached (a dict lookup, so filling it costs microseconds)."""
+        return state in self._masks
+
     def mask(self, state) -> torch.Tensor:
         """Packed allowed-token mask, int32 [ceil(V/32)] (cached per state; do not modify it)."""
         m = self._masks.get(state)

@@ -40,6 +40,11 @@ class GrammarMatcher:
             return
         bitmask[row].copy_(self.compiled.mask(state))
 
+    def mask_is_cached(self) -> bool:
+        """Whether ``fill_next_token_bitmask`` is a cache hit now (no vocabulary walk needed)."""
+        state, terminated = self._history[-1]
+        return terminated or self.compiled.has_mask(state)
+
     def accept_token(self, token_id: int) -> bool:
         """Advance over ``token_id``; False (and no change) if the grammar does not allow it."""
         state, terminated = self._history[-1]

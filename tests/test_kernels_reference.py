@@ -70,3 +70,15 @@ def test_extend_attention_matches_naive(head_major):
             ref = _naive(q[i], kb, vb, r2t[row, :p + j + 1].long(), 0.2)
             assert (out[i].double() - ref).abs().max() < 1e-5
             i += 1
+
+
+def test_zeros_hugepage_is_aligned_zeroed_and_usable():
+    from sglite.runtime.host_memory import HUGE_PAGE, zeros_hugepage
+
+    t = zeros_hugepage((3, 50000, 64), torch.bfloat16)  # 19 MB: the huge-page path
+    assert t.shape == (3, 50000, 64) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert t.data_ptr() % HUGE_PAGE == 0 and not t.any()
+    t[1, 7] = 1.0
+    assert int(t.sum()) == 64
+    small = zeros_hugepage((4, 4), torch.float32)  # below the threshold: plain zeros
+    assert small.shape == (4, 4) and not small.any()

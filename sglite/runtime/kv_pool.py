@@ -11,6 +11,8 @@ from typing import Optional
 
 import torch
 
+from .host_memory import zeros_hugepage
+
 
 class ReqToTokenPool:
     """Rows of the slot table, one per running request.
@@ -57,10 +59,15 @@ class TokenToKVPool:
         # head-major storage [Hkv, S, D], exposed as [S, Hkv, D] views: one head's keys form a
         # contiguous plane, so a gather of one head's rows takes index_select's fast path (on CPU
         # 0.09 vs 1.0 ms for 16.6k rows of a strided head view, the bulk of batched decode)
-        self.k_buffers = [torch.zeros(n_kv_heads, num_slots, head_dim, dtype=dtype, device=device).transpose(0, 1)
-                          for _ in range(num_layers)]  # L x [S, Hkv, D], strides (D, S*D, 1)
-        self.v_buffers = [torch.zeros(n_kv_heads, num_slots, head_dim, dtype=dtype, device=device).transpose(0, 1)
-                          for _ in range(num_layers)]  # L x [S, Hkv, D], strides (D, S*D, 1)
+        # (on CPU in transparent huge pages: scattered row reads, see host_memory)
+        def storage():
+            shape = (n_kv_heads, num_slots, head_dim)
+            if str(device) == "cpu":
+                return zeros_hugepage(shape, dtype)
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.k_buffers = [storage().transpose(0, 1) for _ in range(num_layers)]  # L x [S, Hkv, D], strides (D, S*D, 1)
+        self.v_buffers = [storage().transpose(0, 1) for _ in range(num_layers)]  # L x [S, Hkv, D], strides (D, S*D, 1)
         self.bytes_per_token = 2 * num_layers * n_kv_heads * head_dim * torch.finfo(dtype).bits // 8
         self.device = device
         self._free_pages = list(range(self.num_pages, 0, -1))  # stack; pop() gives low pages first

@@ -23,7 +23,7 @@ import numpy as np
 
 from sglite.errors import GrammarError
 
-from .fsm_ops import MAX_STATES, TableDFA, _trim, from_node
+from .fsm_ops import MAX_STATES, TableDFA, _trim, explore_pairs, from_node, table_into_nfa
 from .nfa import Counter
 
 MAX_PERIOD_STEPS = 1 << 15  # iterations of A_r searched for a repeat before giving up
@@ -117,40 +117,14 @@ def count_intersect(pattern, body, lo: int, hi: int, what: str, max_states: int 
 
 def _product(p: TableDFA, b: TableDFA, what: str, max_states: int):
     """Pairs (pattern state, body state); a finished body returns to the body's start state."""
-    nb = b.n + 1
     back = np.where(b.acc, b.start, np.arange(b.n)).astype(np.int64)  # accepting body state → start
     back[0] = 0
-    index = {(p.start, b.start): 1}
-    pairs = [(0, 0), (p.start, b.start)]
-    rows: dict = {}
-    todo = [1]
-    while todo:
-        k = todo.pop()
-        sp, sb = pairs[k]
+
+    def rows(sp, sb):
         tp, tb = p.trans[sp], back[b.trans[sb]]
-        live = (tp != 0) & (tb != 0)
-        row = np.zeros(256, dtype=np.int32)
-        if live.any():
-            keys = tp[live].astype(np.int64) * nb + tb[live]
-            uniq, inv = np.unique(keys, return_inverse=True)
-            ids = np.empty(len(uniq), dtype=np.int32)
-            for i, key in enumerate(uniq.tolist()):
-                pair = (key // nb, key % nb)
-                j = index.get(pair)
-                if j is None:
-                    j = len(pairs)
-                    if j > max_states:
-                        raise GrammarError(f"{what}: more than {max_states} automaton states")
-                    index[pair] = j
-                    pairs.append(pair)
-                    todo.append(j)
-                ids[i] = j
-            row[live] = ids[inv]
-        rows[k] = row
-    n = len(pairs)
-    trans = np.zeros((n, 256), dtype=np.int32)
-    for k, row in rows.items():
-        trans[k] = row
+        return tp, tb, (tp != 0) & (tb != 0)
+
+    trans, pairs = explore_pairs((p.start, b.start), rows, b.n + 1, what, max_states)
     pp = np.array([q[0] for q in pairs])
     pb = np.array([q[1] for q in pairs])
     boundary = pb == b.start
@@ -206,18 +180,7 @@ def build_into(node, nfa, nxt: int) -> int:
     cd: CountedDFA = node[1]
     t = cd.dfa
     base = len(nfa.eps)
-    ids = [nfa.new() for _ in range(t.n)]
-    for s in range(1, t.n):
-        row = t.trans[s]
-        cuts = np.flatnonzero(np.diff(row)) + 1
-        starts = np.concatenate([[0], cuts])
-        ends = np.concatenate([cuts - 1, [255]])
-        for lo, hi in zip(starts.tolist(), ends.tolist()):
-            tgt = int(row[lo])
-            if tgt:
-                nfa.edges[ids[s]].append((lo, hi, ids[tgt]))
-        if t.acc[s]:
-            nfa.eps[ids[s]].append(nxt)
+    ids = table_into_nfa(t, nfa, nxt)  # consecutive ids base .. base + t.n - 1
     nfa.add_counter(Counter(cd.lo, cd.hi, ids[t.start], base, base + t.n, cd.viable),
                     [ids[s] for s in np.flatnonzero(cd.boundary).tolist()])
     return ids[t.start]

@@ -72,23 +72,24 @@ def from_node(node, what: str, max_states: int = MAX_STATES) -> TableDFA:
     return _trim(dfa.trans[:n].copy(), dfa.acc[:n].copy(), dfa.start)
 
 
-def product(a: TableDFA, b: TableDFA, negate_b: bool, what: str, max_states: int = MAX_STATES):
-    """L(a) ∩ L(b), or L(a) \\ L(b) when ``negate_b``; None when empty."""
-    nb = b.n + 1
-    index = {(a.start, b.start): 1}
-    pairs = [(0, 0), (a.start, b.start)]
+def explore_pairs(start: tuple, rows, nb: int, what: str, max_states: int):
+    """Subset-free product exploration: states are pairs reachable from ``start``.
+
+    ``rows(x, y)`` gives the successor arrays ``(tx, ty)`` ([256] int each) and a [256] bool
+    ``live`` mask for pair (x, y); pair ids are 1-based (0 = dead), second components < ``nb``.
+    Returns (trans int32 [n, 256], pairs list of (x, y), index 0 = the dead pair).
+    Raises GrammarError past ``max_states`` pairs.
+    """
+    index = {start: 1}
+    pairs = [(0, 0), start]
     todo = [1]
     out_rows: dict = {}
-    zero = np.zeros(256, dtype=np.int32)
     while todo:
         k = todo.pop()
-        sa, sb = pairs[k]
-        ta = a.trans[sa]
-        tb = b.trans[sb] if sb else zero
-        live = ta != 0 if negate_b else (ta != 0) & (tb != 0)
+        tx, ty, live = rows(*pairs[k])
         row = np.zeros(256, dtype=np.int32)
         if live.any():
-            keys = ta[live].astype(np.int64) * nb + tb[live]
+            keys = tx[live].astype(np.int64) * nb + ty[live]
             uniq, inv = np.unique(keys, return_inverse=True)
             ids = np.empty(len(uniq), dtype=np.int32)
             for i, key in enumerate(uniq.tolist()):
@@ -104,10 +105,23 @@ def product(a: TableDFA, b: TableDFA, negate_b: bool, what: str, max_states: int
                 ids[i] = j
             row[live] = ids[inv]
         out_rows[k] = row
-    n = len(pairs)
-    trans = np.zeros((n, 256), dtype=np.int32)
+    trans = np.zeros((len(pairs), 256), dtype=np.int32)
     for k, row in out_rows.items():
         trans[k] = row
+    return trans, pairs
+
+
+def product(a: TableDFA, b: TableDFA, negate_b: bool, what: str, max_states: int = MAX_STATES):
+    """L(a) ∩ L(b), or L(a) \\ L(b) when ``negate_b``; None when empty."""
+    zero = np.zeros(256, dtype=np.int32)
+
+    def rows(sa, sb):
+        ta = a.trans[sa]
+        tb = b.trans[sb] if sb else zero
+        return ta, tb, (ta != 0 if negate_b else (ta != 0) & (tb != 0))
+
+    trans, pairs = explore_pairs((a.start, b.start), rows, b.n + 1, what, max_states)
+    n = len(pairs)
     pa = np.array([p[0] for p in pairs])
     pb = np.array([p[1] for p in pairs])
     b_acc = np.concatenate([[False], b.acc[1:]])[pb] if b.n else np.zeros(n, dtype=bool)
@@ -165,6 +179,12 @@ def nfa_states(node, nfa, nxt: int) -> int:
         from .counted import build_into
 
         return build_into(node, nfa, nxt)
+    return table_into_nfa(t, nfa, nxt)[t.start]
+
+
+def table_into_nfa(t: TableDFA, nfa, nxt: int) -> list:
+    """Add one NFA state per state of ``t`` (byte-range edges; accepting states step to ``nxt``).
+    Returns the new NFA state ids, indexed by ``t``'s state."""
     ids = [nfa.new() for _ in range(t.n)]
     for s in range(1, t.n):
         row = t.trans[s]
@@ -177,4 +197,4 @@ def nfa_states(node, nfa, nxt: int) -> int:
                 nfa.edges[ids[s]].append((lo, hi, ids[tgt]))
         if t.acc[s]:
             nfa.eps[ids[s]].append(nxt)
-    return ids[t.start]
+    return ids

@@ -250,3 +250,22 @@ def test_jump_forward_same_text_fewer_steps(tiny_pair):
     assert out[True]["text"] == out[False]["text"], (out[True]["text"], out[False]["text"])
     assert json.loads(out[True]["text"]) == {"name": "Bob", "age": 7, "city": "Rome"}
     assert steps[True] < steps[False], steps
+
+
+@pytest.mark.parametrize("pattern,sep", [(None, '","'), ("[ ]", '" , "')])
+def test_json_whitespace_pattern_engine_option(tiny_model_dir, pattern, sep):
+    from sglite import Engine
+
+    e = Engine(model_path=str(tiny_model_dir), dtype="float32", max_total_tokens=4096,
+               constrained_json_whitespace_pattern=pattern)
+    try:
+        out = e.generate("Person: ", {"max_new_tokens": 64, "temperature": 0, "json_schema": FORCED})
+    finally:
+        e.shutdown()
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    value = json.loads(out["text"])
+    assert set(value) == {"name", "age", "city"}
+    if pattern is None:  # compact by default
+        assert out["text"] == json.dumps(value, separators=(",", ":"))
+    else:  # exactly one space around every separator and bracket
+        assert out["text"].startswith("{ ") and sep in out["text"] and out["text"].endswith(" }")

@@ -31,9 +31,9 @@ def test_linear_routes_cpp_only_few_rows():
         return torch.nn.functional.linear(x, w, b)
 
     w = torch.randn(8, 4).bfloat16()
-    for m in (1, 3, cpu_gemv.CPP_MAX_ROWS, cpu_gemv.CPP_MAX_ROWS + 1):
-        linear(torch.randn(m, 4).bfloat16(), w, None, w.half(), fake)
-    assert calls == [1, 3, cpu_gemv.CPP_MAX_ROWS]  # cpp wins over fp16 copies; large M: F.linear
+    for m in (0, 1, 3, cpu_gemv.CPP_MAX_ROWS, cpu_gemv.CPP_MAX_ROWS + 1):
+        assert linear(torch.randn(m, 4).bfloat16(), w, None, w.half(), fake).shape == (m, 8)
+    assert calls == [1, 3, cpu_gemv.CPP_MAX_ROWS]  # cpp wins over fp16 copies; none or many rows: F.linear
 
 
 def test_mode_choice(monkeypatch):
@@ -122,3 +122,21 @@ def test_overflow_falls_back_to_bf16(tiny_model_dir):
         assert out["output_ids"] == want["output_ids"]
     finally:
         e.shutdown()
+
+
+def test_chunked_prefill_step_without_logits_rows(tiny_model_dir):
+    """A prefill chunk that samples nothing has zero LM-head rows: it must not reach the kernel."""
+    from sglite import Engine
+
+    prompt = list(range(30, 75))  # 45 tokens, chunks of 16: two steps without a sampled token
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    outs = {}
+    for mode in ("off", "cpp"):
+        e = Engine(model_path=str(tiny_model_dir), dtype="bfloat16", max_total_tokens=4096, cpu_decode_gemv=mode,
+                   chunked_prefill_size=16)
+        try:
+            outs[mode] = e.generate(input_ids=prompt, sampling_params=params)
+        finally:
+            e.shutdown()
+    assert outs["cpp"]["meta_info"]["finish_reason"]["type"] == "length"
+    assert outs["cpp"]["output_ids"] == outs["off"]["output_ids"]

@@ -108,14 +108,14 @@ def choose_gemv(mode: str, dtype: torch.dtype, device: str, probe_weights: list[
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, weight16=None, cpp=None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; x of at most :data:`CPP_MAX_ROWS` rows goes through ``cpp``
+    """``F.linear(x, weight, bias)``; x of 1 to :data:`CPP_MAX_ROWS` rows goes through ``cpp``
     (the C++ kernel, from :func:`cpp_gemv_fn`) when given; else a one-row ``x`` goes through
     ``weight16`` (float16 copy) when given.
 
     x: [M, K] (bf16 when ``cpp``/``weight16`` are given); weight: [N, K] (contiguous for ``cpp``);
     bias: [N] or None; weight16: [N, K] float16 or None. Returns [M, N] in x's dtype.
     """
-    if cpp is not None and x.shape[0] <= CPP_MAX_ROWS:
+    if cpp is not None and 1 <= x.shape[0] <= CPP_MAX_ROWS:  # zero rows: a step with nothing to sample
         return cpp(x, weight, bias)
     if weight16 is not None and x.shape[0] == 1:
         y = F.linear(x.to(torch.float16), weight16).to(x.dtype)

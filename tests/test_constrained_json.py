@@ -232,3 +232,20 @@ def test_forces_token_text_sees_tokens_that_reach_past_the_forced_string(extra, 
     assert m.forces_token_text(256) == forced  # b'":"'
     assert not m.forces_token_text(257)  # b'":' is allowed, but so is b'":"', which is longer
     assert not m.forces_token_text(258)  # b"name" is not allowed here
+
+
+def test_grammar_cache_is_lru_and_keeps_property_order():
+    from sglite.constrained.grammar_cache import GrammarCache, cache_key
+
+    a = {"properties": {"x": {}, "y": {}}}
+    b = {"properties": {"y": {}, "x": {}}}
+    assert cache_key("json_schema", a) != cache_key("json_schema", b)  # order decides the output order
+    cache, calls = GrammarCache(max_size=2), []
+
+    def compile_(name):
+        calls.append(name)
+        return name
+
+    for name in ("r1", "r2", "r1", "r3", "r1", "r2"):  # r2 is the least recently used when r3 arrives
+        assert cache.get_or_compile("regex", name, lambda n=name: compile_(n)) == name
+    assert calls == ["r1", "r2", "r3", "r2"] and len(cache) == 2

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import threading
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from sglite.errors import GrammarError
@@ -12,6 +10,7 @@ from sglite.errors import GrammarError
 from . import ast as A
 from .compiled import CompiledGrammar
 from .grammar import Automaton
+from .grammar_cache import GrammarCache
 from .regex_parse import parse_regex
 from .tokenizer_info import TokenizerInfo
 
@@ -41,14 +40,6 @@ def build_rules(kind: str, spec, whitespace_pattern: str | None) -> tuple[dict, 
     raise GrammarError(f"unknown grammar kind {kind!r}; known: {', '.join(KINDS)}")
 
 
-def _cache_key(kind: str, spec):
-    if isinstance(spec, (dict, list, bool)) and kind != "choices":
-        return kind, json.dumps(spec)
-    if kind == "choices" and isinstance(spec, (list, tuple)):
-        return kind, tuple(spec)
-    return kind, spec
-
-
 class GrammarBackend:
     """Compiles and caches grammars for one tokenizer.
 
@@ -64,34 +55,21 @@ class GrammarBackend:
                  max_cache: int = 256, max_workers: int = 2):
         self.info = tokenizer_info
         self.whitespace_pattern = whitespace_pattern
-        self.max_cache = max_cache
-        self._cache: OrderedDict = OrderedDict()
-        self._lock = threading.Lock()
+        self._cache = GrammarCache(max_cache)
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="sglite-grammar")
 
     def compile(self, kind: str, spec) -> CompiledGrammar:
         """Compile ``spec`` of ``kind`` (cached by (kind, spec)). Raises GrammarError."""
-        key = _cache_key(kind, spec)
-        with self._lock:
-            hit = self._cache.get(key)
-            if hit is not None:
-                self._cache.move_to_end(key)
-                return hit
+        return self._cache.get_or_compile(kind, spec, lambda: self._compile(kind, spec))
+
+    def _compile(self, kind: str, spec) -> CompiledGrammar:
         if kind == "json_schema" and isinstance(spec, str):
             try:
                 spec = json.loads(spec)
             except json.JSONDecodeError as e:
                 raise GrammarError(f"json_schema is not valid JSON: {e}") from None
-        try:
-            rules, root = build_rules(kind, spec, self.whitespace_pattern)
-            compiled = CompiledGrammar(Automaton(rules, root), self.info, kind, spec)
-        except RecursionError:
-            raise GrammarError(f"{kind} grammar is nested too deeply") from None
-        with self._lock:
-            self._cache[key] = compiled
-            while len(self._cache) > self.max_cache:
-                self._cache.popitem(last=False)
-        return compiled
+        rules, root = build_rules(kind, spec, self.whitespace_pattern)
+        return CompiledGrammar(Automaton(rules, root), self.info, kind, spec)
 
     def compile_async(self, kind: str, spec) -> Future:
         """Compile on the backend's thread pool; the future raises GrammarError on bad specs.

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import threading
-from collections import OrderedDict
-
 from sglite.errors import GrammarError
+
+from .grammar_cache import GrammarCache
 from .tokenizer_info import decode_utf8_prefix
 
 EXTERNAL = ("llguidance", "xgrammar")
@@ -37,26 +36,11 @@ def make_backend(name: str, hf_tokenizer, vocab_size: int, eos_token_ids):
 
 class _Cached:
     def __init__(self, max_cache: int = 256):
-        self._cache: OrderedDict = OrderedDict()
-        self._lock = threading.Lock()
-        self.max_cache = max_cache
+        self._cache = GrammarCache(max_cache)
 
     def compile(self, kind: str, spec):
         """Compile (cached by kind and spec). Raises GrammarError."""
-        key = (kind, json.dumps(spec, sort_keys=True) if not isinstance(spec, str) else spec)
-        with self._lock:
-            hit = self._cache.get(key)
-        if hit is not None:
-            return hit
-        try:
-            out = self._compile(kind, spec)
-        except RecursionError:
-            raise GrammarError(f"{kind} grammar is nested too deeply") from None
-        with self._lock:
-            self._cache[key] = out
-            while len(self._cache) > self.max_cache:
-                self._cache.popitem(last=False)
-        return out
+        return self._cache.get_or_compile(kind, spec, lambda: self._compile(kind, spec))
 
     def compile_async(self, kind: str, spec):
         from concurrent.futures import Future
@@ -117,7 +101,19 @@ class _LLGCompiled:
                                  frozenset(self.backend.eos_token_ids))
 
 
-class LLGuidanceMatcher:
+class _ExternalMatcher:
+    """Answers of the optional GrammarMatcher queries that these backends cannot give cheaply."""
+
+    def forces_token_text(self, token_id: int) -> bool:
+        """Always False: jump-forward leaves the boundary token to the model."""
+        return False
+
+    def mask_is_cached(self) -> bool:
+        """Always False: the scheduler computes these masks on its mask thread, during the forward."""
+        return False
+
+
+class LLGuidanceMatcher(_ExternalMatcher):
     """Per-request llguidance matcher with sglite's GrammarMatcher methods."""
 
     def __init__(self, m, eos: frozenset):
@@ -204,7 +200,7 @@ class _XGCompiled:
         return XGrammarMatcher(self.xgr.GrammarMatcher(self.compiled))
 
 
-class XGrammarMatcher:
+class XGrammarMatcher(_ExternalMatcher):
     """Per-request XGrammar matcher with sglite's GrammarMatcher methods."""
 
     def __init__(self, m):

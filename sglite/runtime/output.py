@@ -98,9 +98,14 @@ class OutputProcessor:
             return None
         toks = self.tokenizer.encode(s)
         probe = r.grammar.fork()
-        if not all(probe.accept_token(t) for t in toks):
+        if not all(probe.accept_token(t) for t in toks[:-1]):
             return None
-        if not probe.is_terminated() and not self._last_is_forced(r, toks):
+        # whether no token allowed at the last token's position reaches past its bytes: then the
+        # boundary cannot merge with what follows and the last token is jumped too
+        last_forced = probe.forces_token_text(toks[-1])
+        if not probe.accept_token(toks[-1]):
+            return None
+        if not probe.is_terminated() and not last_forced:
             # leave the last token to the model: the canonical tokens of the forced string alone
             # often end where the model would have merged the boundary with what follows
             # (`name"` + `:` vs `name` + `":`), and keeping it would change the text
@@ -112,18 +117,6 @@ class OutputProcessor:
             if reason is not None:
                 return reason
         return None
-
-    @staticmethod
-    def _last_is_forced(r: Req, toks: list[int]) -> bool:
-        """Whether no token allowed at the last forced token's position reaches past its bytes
-        (then the boundary cannot merge with what follows, and the last token is jumped too).
-        Needs ``forces_token_text`` on the matcher (sglite's own); False for other backends."""
-        if not hasattr(r.grammar, "forces_token_text"):
-            return False
-        probe = r.grammar.fork()
-        if not all(probe.accept_token(t) for t in toks[:-1]):
-            return False
-        return probe.forces_token_text(toks[-1])
 
     # ------------------------------------------------------------------ events
     def build(self, r: Req) -> dict:

@@ -31,12 +31,6 @@ SMALL_EXTEND = 8  # extends of at most this many tokens (jump-forward, cached pr
 HOLD_BACK_TOKENS = 32  # defer a request sharing more than this many uncached tokens with a prefilling one
 
 
-def _mask_cached(matcher) -> bool:
-    """Whether the matcher's next mask is a cache lookup (matchers without the query: assume not)."""
-    check = getattr(matcher, "mask_is_cached", None)
-    return bool(check()) if check is not None else False
-
-
 class Scheduler:
     """Owns the waiting/running queues, the KV pools' allocation and the radix cache."""
 
@@ -271,9 +265,10 @@ class Scheduler:
         self.stats["steps"] += 1
         plan.sort(key=lambda e: e[1] <= SMALL_EXTEND)  # extend entries first, then decode rows
         fb, rows = self._build_batch(plan)
-        sample_reqs = [r for (r, _), (srow, _) in zip(plan, rows) if srow is not None]
+        samples = [(r, srow) for (r, _), (srow, _) in zip(plan, rows) if srow is not None]
+        sample_reqs = [r for r, _ in samples]
         mask = None
-        if any(r.grammar is not None and not _mask_cached(r.grammar) for r in sample_reqs):
+        if any(r.grammar is not None and not r.grammar.mask_is_cached() for r in sample_reqs):
             # a mask needs a vocabulary walk (ms): overlap it with the forward (it depends only on
             # tokens already accepted; the forward's ops release the GIL, the walk runs on the
             # spare core). Cached masks are filled after the forward instead: with all masks warm,
@@ -283,7 +278,7 @@ class Scheduler:
             logits = self.runner.forward(fb)  # [M, V]
         finally:
             bitmask = mask.result() if mask is not None else None
-        self._process(plan, rows, logits, bitmask)
+        self._process(plan, rows, logits, samples, bitmask)
         return True
 
     def _mask_pool(self) -> ThreadPoolExecutor:
@@ -332,17 +327,17 @@ class Scheduler:
             dec_req_pool_indices=t(dec_rows), dec_seq_lens=t(dec_lens), logits_indices=t(logit_idx))
         return fb, rows
 
-    def _process(self, plan, rows, logits: torch.Tensor, bitmask: Optional[torch.Tensor] = None) -> None:
-        sample_reqs, sample_rows = [], []
-        for (r, n), (srow, in_rows) in zip(plan, rows):
+    def _process(self, plan, rows, logits: torch.Tensor, samples: list, bitmask: Optional[torch.Tensor] = None) -> None:
+        """Advance the plan's requests past this step; ``samples`` = [(req, logits row)] of the
+        requests that sample a token (in plan order), ``bitmask`` their grammar masks if computed."""
+        for (r, n), (_, in_rows) in zip(plan, rows):
             r.kv_len += n
             if n > 1:
                 self._cache_unfinished(r)
             if in_rows or (r.wants_input_logprobs() and r.logprob_start_len == 0):
                 self.out.record_input_logprobs(r, logits, in_rows)
-            if srow is not None:
-                sample_reqs.append(r)
-                sample_rows.append(srow)
+        sample_reqs = [r for r, _ in samples]
+        sample_rows = [row for _, row in samples]
         if sample_reqs:
             sl = logits[torch.tensor(sample_rows)]  # [B, V]
             res = self.sampler.sample(sl, sample_reqs, bitmask)

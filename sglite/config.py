@@ -52,6 +52,12 @@ class EngineConfig:
             oneDNN's bf16 on Zen 4), ``fp16`` float16 weight copies through oneDNN (2x; a second
             copy of the weights), ``off`` oneDNN bf16. ``auto`` times them at load on the model's
             matrices and keeps the fastest (fp16 only when >= 1.3x faster than ``off``).
+        enable_deterministic_inference: batch-invariant inference (SGLang's / vLLM's name; the
+            "batch-invariant kernels" idea of Thinking Machines, "Defeating Nondeterminism in LLM
+            Inference", 2025): a request's greedy tokens and logprobs do not depend on what else is
+            in the batch, on the prefill chunk size or on radix-cache hits, in bf16 too. Every token
+            runs as a decode-attention row, and matmuls, attention and reductions use kernels whose
+            per-row reduction order is fixed. Slower; see ``docs/benchmarks.md``.
         check_invariants: run ``Scheduler.check_invariants`` after every step (slow; for tests).
     """
 
@@ -75,6 +81,7 @@ class EngineConfig:
     log_level: str = "info"
     num_threads: Optional[int] = None  # torch intra-op threads on CPU; None: cores - 1 (at least 1)
     cpu_decode_gemv: str = "auto"
+    enable_deterministic_inference: bool = False
     check_invariants: bool = False  # assert pool/tree invariants after every step (tests)
 
     def __post_init__(self):

@@ -8,8 +8,12 @@ own causal length. All linear layers run once over the concatenation; attention 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .step_plan import StepPlan
 
 
 @dataclass
@@ -39,6 +43,29 @@ class ForwardBatch:
     dec_req_pool_indices: torch.Tensor
     dec_seq_lens: torch.Tensor
     logits_indices: torch.Tensor
+
+    @classmethod
+    def from_plan(cls, plan: "StepPlan", req_to_token: torch.Tensor) -> "ForwardBatch":
+        """The tensors of a laid-out :class:`~sglite.runtime.step_plan.StepPlan` (extend entries
+        first), reading each entry's slots from ``req_to_token`` ([R, Lmax] int32, reserved by the
+        KV manager for this step)."""
+        ids, pos, locs = [], [], []
+        ext_rows, ext_pre, ext_len, dec_rows, dec_lens = [], [], [], [], []
+        for e in plan.entries:
+            r, start, n = e.req, e.start, e.n
+            ids.extend(r.tokens(start, start + n))
+            pos.extend(range(start, start + n))
+            locs.append(req_to_token[r.kv.row, start:start + n])
+            if e.decode_rows:  # one decode-attention row per token, each seeing the tokens up to itself
+                dec_rows.extend([r.kv.row] * n)
+                dec_lens.extend(range(start + 1, start + n + 1))
+            else:
+                ext_rows.append(r.kv.row); ext_pre.append(start); ext_len.append(n)
+        t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+        return cls(input_ids=t(ids), positions=t(pos), out_cache_loc=torch.cat(locs).long(),
+                   req_to_token=req_to_token, ext_req_pool_indices=t(ext_rows), ext_prefix_lens=t(ext_pre),
+                   ext_extend_lens=t(ext_len), dec_req_pool_indices=t(dec_rows), dec_seq_lens=t(dec_lens),
+                   logits_indices=t(plan.logits_offsets()))
 
     @property
     def num_extend_tokens(self) -> int:

@@ -5,9 +5,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
-import torch
 
 from ..sampling_params import SamplingParams
+from .kv_manager import KVState
 
 
 @dataclass
@@ -31,10 +31,10 @@ class FinishReason:
 class Req:
     """A request inside the scheduler.
 
-    Token bookkeeping: ``seq = input_ids + output_ids``; ``kv_len`` tokens of ``seq`` have K/V
-    in the pool at ``req_to_token[row, :kv_len]``; the first ``prefix_len`` of them belong to the
-    radix tree (locked at ``last_node``), the rest to this request. A request is prefilling while
-    ``kv_len < len(input_ids)``; afterwards each step extends it by its pending tokens
+    Token bookkeeping: ``seq = input_ids + output_ids``; ``kv`` (a
+    :class:`~sglite.runtime.kv_manager.KVState`, written only by the ``KVManager``) says how many
+    tokens of ``seq`` have K/V in the pool and where. A request is prefilling while
+    ``kv.kv_len < len(input_ids)``; afterwards each step extends it by its pending tokens
     (``seq[kv_len:]``: one sampled token, or several after a jump-forward).
     """
 
@@ -51,11 +51,7 @@ class Req:
     grammar: Any = None  # GrammarMatcher or None
     detok: Any = None  # IncrementalDetokenizer
     output_ids: list[int] = field(default_factory=list)
-    row: Optional[int] = None
-    kv_len: int = 0
-    alloc_len: int = 0
-    prefix_len: int = 0
-    last_node: Any = None
+    kv: KVState = field(default_factory=KVState)
     cached_tokens: int = 0
     finished: Optional[FinishReason] = None
     text: str = ""
@@ -90,11 +86,12 @@ class Req:
 
     @property
     def prefilling(self) -> bool:
-        return self.kv_len < len(self.input_ids)
+        return self.kv.kv_len < len(self.input_ids)
 
     def wants_input_logprobs(self) -> bool:
         return self.return_logprob and self.logprob_start_len >= 0
 
-    def slots(self, pool_table: torch.Tensor) -> torch.Tensor:
-        """[kv_len] int64 slots of this request's computed tokens."""
-        return pool_table[self.row, :self.kv_len].long()
+    @property
+    def pending(self) -> int:
+        """Tokens of ``seq`` without K/V yet."""
+        return self.seq_len - self.kv.kv_len

@@ -1,0 +1,190 @@
+"""KVManager: every transition of a request's KV state, over the slot table, the page pool and the
+radix tree (SGLang paper §3, RadixAttention).
+
+A request's KV state is one record, :class:`KVState` (``req.kv``): ``kv_len`` tokens of its
+sequence have K/V in the pool at ``req_to_token[row, :kv_len]``; the first ``prefix_len`` of them
+belong to the radix tree (locked at ``last_node``), the rest to the request; ``alloc_len`` slots
+are reserved (``alloc_len - kv_len`` of them for the step being run). Only this class writes it:
+
+    admit(req, n)          waiting -> running: take a row, reuse the cached prefix, reserve n slots
+    extend(req, n)         reserve n more slots for the next step (evicting cached KV if needed)
+    commit(req, n)         after the forward: n reserved slots now hold K/V (cache_unfinished if n > 1)
+    release(req)           finished / aborted / retracted: KV to the tree (whole pages) or freed,
+                           row returned, state reset in one assignment
+    cache_unfinished(req)  insert a running request's computed prefix into the tree and lock it
+    check_invariants(reqs) every page free, in the tree, or owned by exactly one running request
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+import torch
+
+from .kv_pool import ReqToTokenPool, TokenToKVPool
+from .radix_cache import RadixCache
+
+
+@dataclass
+class KVState:
+    """KV bookkeeping of one request (see the module docstring). ``row`` is None when not running."""
+
+    row: Optional[int] = None
+    kv_len: int = 0
+    alloc_len: int = 0
+    prefix_len: int = 0
+    last_node: Any = None
+
+
+class KVManager:
+    """Owns the slot table, the page pool and the radix cache of one scheduler.
+
+    Args:
+        req_pool: rows of the slot table (``req_to_token`` [R, Lmax] int32).
+        kv_pool: the page allocator and K/V buffers.
+        page_size: tokens per page (the tree stores whole pages only).
+        disable_radix_cache: make the tree a pass-through (no reuse).
+    """
+
+    def __init__(self, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool, page_size: int,
+                 disable_radix_cache: bool = False):
+        self.req_pool, self.kv_pool, self.page_size = req_pool, kv_pool, page_size
+        self.cache = RadixCache(kv_pool, page_size, disabled=disable_radix_cache)
+        self.evicted_tokens = 0
+
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        """[R, Lmax] int32 slot table (shared)."""
+        return self.req_pool.req_to_token
+
+    # ------------------------------------------------------------------ capacity
+    def free_tokens(self) -> int:
+        return self.kv_pool.free_tokens()
+
+    def available_tokens(self) -> int:
+        """Free plus evictable KV tokens."""
+        return self.kv_pool.free_tokens() + self.cache.evictable_size
+
+    def match_prefix(self, ids: list[int]) -> tuple[torch.Tensor, Any]:
+        """Longest cached prefix of ``ids``: ([m] int64 slots, tree node). Nothing is locked."""
+        return self.cache.match_prefix(ids)
+
+    def can_admit(self, cached: int, n: int, running: int) -> bool:
+        """Whether a request with ``cached`` tokens in the tree can take ``n`` new ones now, keeping
+        one page of headroom per running request (``running`` includes the new one)."""
+        need = self.kv_pool.tokens_needed(cached, n) + running * self.page_size
+        return need <= self.available_tokens()
+
+    def _ensure_free(self, need: int) -> bool:
+        free = self.kv_pool.free_tokens()
+        if free >= need:
+            return True
+        self.evicted_tokens += self.cache.evict(need - free)
+        return self.kv_pool.free_tokens() >= need
+
+    # ------------------------------------------------------------------ transitions
+    def admit(self, req, prefix: torch.Tensor, node: Any, n: int) -> bool:
+        """Give ``req`` a row holding its cached ``prefix`` (slots from :meth:`match_prefix`, locked
+        at ``node``) and reserve ``n`` more slots. Returns False with nothing changed when no row or
+        not enough KV is left."""
+        row = self.req_pool.alloc()
+        if row is None:
+            return False
+        m = len(prefix)
+        self.cache.inc_lock_ref(node)
+        if m:
+            self.req_pool.req_to_token[row, :m] = prefix.to(torch.int32)
+        req.kv = KVState(row=row, kv_len=m, alloc_len=m, prefix_len=m, last_node=node)
+        if not self.extend(req, n):
+            self.cache.dec_lock_ref(node)
+            self.req_pool.free(row)
+            req.kv = KVState()
+            return False
+        return True
+
+    def extend(self, req, n: int) -> bool:
+        """Reserve slots for ``n`` tokens past ``req.kv.kv_len`` (evicting unlocked tree KV when the
+        pool is short). Returns False with nothing reserved when it cannot."""
+        kv = req.kv
+        last = int(self.req_pool.req_to_token[kv.row, kv.kv_len - 1]) if kv.kv_len else None
+        if not self._ensure_free(self.kv_pool.tokens_needed(kv.kv_len, n)):
+            return False
+        slots = self.kv_pool.alloc_extend(last, kv.kv_len, n)
+        if slots is None:
+            return False
+        self.req_pool.req_to_token[kv.row, kv.kv_len:kv.kv_len + n] = slots.to(torch.int32)
+        kv.alloc_len = kv.kv_len + n
+        return True
+
+    def commit(self, req, n: int) -> None:
+        """The step computed K/V of ``n`` reserved tokens; a multi-token extend (prefill chunk) is
+        then shared through the tree at once (:meth:`cache_unfinished`)."""
+        kv = req.kv
+        assert kv.kv_len + n <= kv.alloc_len, f"request {req.rid}: commit past its reserved slots"
+        kv.kv_len += n
+        if n > 1:
+            self.cache_unfinished(req)
+
+    def release(self, req) -> None:
+        """Give a request's computed whole pages to the radix tree (or free them), free the rest
+        (partial last page, slots reserved but not computed), return its row; state reset."""
+        kv = req.kv
+        if kv.row is None:
+            return
+        slots = self.req_pool.req_to_token[kv.row, :kv.alloc_len].long()  # [alloc_len]
+        aligned = kv.kv_len - kv.kv_len % self.page_size
+        already = self.cache.insert(req.tokens(0, aligned), slots[:aligned])
+        self.kv_pool.free(slots[kv.prefix_len:already])  # duplicates of what the tree had
+        self.kv_pool.free(slots[max(aligned, already):])  # pages this request owns alone
+        if kv.last_node is not None:
+            self.cache.dec_lock_ref(kv.last_node)
+        self.req_pool.free(kv.row)
+        req.kv = KVState()
+
+    def cache_unfinished(self, req) -> None:
+        """Insert a running request's computed whole pages into the tree and lock them there, so
+        requests arriving meanwhile (or its later chunks) reuse them (SGLang's
+        ``cache_unfinished_req``)."""
+        kv = req.kv
+        aligned = kv.kv_len - kv.kv_len % self.page_size
+        if self.cache.disabled or aligned <= kv.prefix_len:
+            return
+        table = self.req_pool.req_to_token
+        slots = table[kv.row, :aligned].long()  # [aligned]
+        ids = req.tokens(0, aligned)
+        already = self.cache.insert(ids, slots)
+        self.kv_pool.free(slots[kv.prefix_len:already])  # duplicates of what the tree had
+        tree_slots, node = self.cache.match_prefix(ids)
+        assert len(tree_slots) == aligned, "inserted prefix not found again"
+        table[kv.row, kv.prefix_len:aligned] = tree_slots[kv.prefix_len:].to(torch.int32)
+        self.cache.inc_lock_ref(node)
+        self.cache.dec_lock_ref(kv.last_node)
+        kv.last_node, kv.prefix_len = node, aligned
+
+    # ------------------------------------------------------------------ maintenance
+    def flush(self) -> None:
+        """Drop the radix tree (callers make sure nothing runs)."""
+        self.cache.flush()
+
+    def check_invariants(self, running: Iterable) -> None:
+        """Assert pool + tree consistency: every page is free, in the tree, or owned by exactly one
+        running request; counters match; running requests hold rows and read no free page."""
+        self.cache.check_invariants()
+        ps = self.page_size
+        free = self.kv_pool.free_page_set()
+        assert len(free) == len(self.kv_pool._free_pages), "a page is free twice"
+        tree_pages = {s // ps for s in self.cache.tree_slots()}
+        assert not (tree_pages & free), "a page is both free and in the tree"
+        owned: set = set()
+        for r in running:
+            kv = r.kv
+            assert kv.row is not None, f"running request {r.rid} without a row"
+            assert kv.prefix_len <= kv.kv_len <= kv.alloc_len, f"request {r.rid}: inconsistent KV lengths"
+            s = self.req_pool.req_to_token[kv.row, kv.prefix_len:kv.kv_len].tolist()
+            pages = {x // ps for x in s}
+            assert not (pages & free), f"request {r.rid} reads a free page"
+            assert not (pages & tree_pages), f"request {r.rid} owns a tree page"
+            assert not (pages & owned), f"request {r.rid} shares a page with another request"
+            owned |= pages
+        total = len(free) + len(tree_pages) + len(owned)
+        assert total == self.kv_pool.num_pages, f"pages lost: {total} accounted of {self.kv_pool.num_pages}"

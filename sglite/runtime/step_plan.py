@@ -1,0 +1,99 @@
+"""StepPlan: what one scheduler step runs, as one record (built by the scheduler, read by
+:meth:`ForwardBatch.from_plan` and by result processing).
+
+Each :class:`StepEntry` extends one request by ``n`` tokens (``seq[start:start + n]``): a prefill
+chunk, one sampled token (decode) or a jump-forward string. Entries that run as *extend* rows (more
+than ``small_extend`` tokens, unless every token is forced onto decode rows) come first in the
+batch, then the decode rows (one per token). :meth:`StepPlan.layout` numbers the logits rows: each
+entry's input-logprob rows and its sampling row (the last token of a request that has caught up
+with its sequence and still generates).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .req import Req
+
+SMALL_EXTEND = 8  # extends of at most this many tokens (jump-forward, cached prompts) run as decode rows
+
+
+@dataclass(eq=False)
+class StepEntry:
+    """One request's part of a step.
+
+    Attributes:
+        req: the request.
+        n: tokens computed this step (>= 1).
+        start: ``req.kv.kv_len`` when planned: the first computed token's position.
+        decode_rows: the n tokens run as decode-attention rows (each with its own causal length).
+        sample_row: logits row sampled for the next token, or None (a non-final prefill chunk).
+        input_rows: [(prompt position, logits row)] whose logprobs the request asked for.
+    """
+
+    req: Req
+    n: int
+    start: int
+    decode_rows: bool = False
+    sample_row: Optional[int] = None
+    input_rows: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def ends_sequence(self) -> bool:
+        return self.start + self.n == self.req.seq_len
+
+
+@dataclass
+class StepPlan:
+    """The entries of one step, extend entries first. ``decode_only``: a decode-priority step."""
+
+    entries: list[StepEntry]
+    decode_only: bool = False
+
+    @property
+    def sampling(self) -> list[StepEntry]:
+        """Entries that sample a token, in plan (= logits-row) order."""
+        return [e for e in self.entries if e.sample_row is not None]
+
+    @property
+    def has_chunk(self) -> bool:
+        return any(e.req.prefilling for e in self.entries)
+
+    @property
+    def has_decode(self) -> bool:
+        return any(not e.req.prefilling for e in self.entries)
+
+    def layout(self, small_extend: Optional[int] = SMALL_EXTEND) -> "StepPlan":
+        """Order the entries (extend entries first, stable) and number their logits rows.
+
+        ``small_extend``: entries of at most this many tokens run as decode rows; None runs every
+        token as a decode row (deterministic inference: one attention kernel for every token, so a
+        token's result does not depend on chunking or on the batch). Returns self.
+        """
+        for e in self.entries:
+            e.decode_rows = small_extend is None or e.n <= small_extend
+        self.entries.sort(key=lambda e: e.decode_rows)
+        row = 0
+        for e in self.entries:
+            r = e.req
+            e.input_rows = []
+            if r.wants_input_logprobs():
+                lo = max(e.start, r.logprob_start_len - 1, 0)
+                hi = min(e.start + e.n, len(r.input_ids) - 1)
+                e.input_rows = [(p + 1, row + i) for i, p in enumerate(range(lo, hi))]
+                row += len(e.input_rows)
+            e.sample_row = None
+            if e.ends_sequence and r.params.max_new_tokens > 0 and r.finished is None:
+                e.sample_row = row
+                row += 1
+        return self
+
+    def logits_offsets(self) -> list[int]:
+        """Index into the step's tokens of every logits row, in row order."""
+        out, offset = [], 0
+        for e in self.entries:
+            out.extend(offset + p - 1 - e.start for p, _ in e.input_rows)
+            if e.sample_row is not None:
+                out.append(offset + e.n - 1)
+            offset += e.n
+        return out

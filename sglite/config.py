@@ -58,6 +58,9 @@ class EngineConfig:
             in the batch, on the prefill chunk size or on radix-cache hits, in bf16 too. Every token
             runs as a decode-attention row, and matmuls, attention and reductions use kernels whose
             per-row reduction order is fixed. Slower; see ``docs/benchmarks.md``.
+        decode_log_interval: log a "Decode batch" line (running requests, token usage, generation
+            throughput) every this many decode steps; a "Prefill batch" line is logged for every
+            step with prompt tokens (SGLang's wording and flag).
         check_invariants: run ``Scheduler.check_invariants`` after every step (slow; for tests).
     """
 
@@ -82,6 +85,7 @@ class EngineConfig:
     num_threads: Optional[int] = None  # torch intra-op threads on CPU; None: cores - 1 (at least 1)
     cpu_decode_gemv: str = "auto"
     enable_deterministic_inference: bool = False
+    decode_log_interval: int = 40
     check_invariants: bool = False  # assert pool/tree invariants after every step (tests)
 
     def __post_init__(self):
@@ -123,6 +127,8 @@ class EngineConfig:
             bad("decode_steps_per_chunk", f"must be >= 0, got {self.decode_steps_per_chunk}")
         if self.page_size < 1:
             bad("page_size", f"must be >= 1, got {self.page_size}")
+        if self.decode_log_interval < 1:
+            bad("decode_log_interval", f"must be >= 1, got {self.decode_log_interval}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

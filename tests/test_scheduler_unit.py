@@ -293,3 +293,23 @@ def test_kv_manager_failed_admission_leaves_no_state():
     assert r.kv == KVState() and req_pool.available() == 1
     assert kv.available_tokens() == 8
     kv.check_invariants([])
+
+
+def test_batch_log_lines_as_sglang_words_them(caplog):
+    sched, _ = make(chunked_prefill_size=8, decode_log_interval=2)
+    reqs = [req("a", [1] * 12, 6), req("b", [2] * 5, 6)]
+    with caplog.at_level("INFO", logger="sglite.scheduler"):
+        run(sched, reqs)
+    lines = [r.getMessage() for r in caplog.records]
+    prefill = [x for x in lines if x.startswith("Prefill batch.")]
+    decode = [x for x in lines if x.startswith("Decode batch.")]
+    assert prefill[0].startswith("Prefill batch. #new-seq: 1, #new-token: 8, #cached-token: 0, token usage: ")
+    assert all("#running-req: " in x and "#queue-req: " in x for x in prefill)
+    assert decode and all("gen throughput (token/s): " in x and "token usage: " in x for x in decode)
+    assert sum(int(x.split("#new-token: ")[1].split(",")[0]) for x in prefill) == 12 + 5
+
+
+def test_decode_log_interval_is_validated():
+    from sglite.errors import InvalidRequestError
+    with pytest.raises(InvalidRequestError, match="decode_log_interval"):
+        EngineConfig(decode_log_interval=0)

@@ -28,6 +28,7 @@ from .output import OutputProcessor
 from .req import FinishReason, Req
 from .sampler import Sampler
 from .schedule_policy import order_waiting
+from .step_log import StepLogger
 from .step_plan import SMALL_EXTEND, StepEntry, StepPlan
 
 log = logging.getLogger("sglite.scheduler")
@@ -54,6 +55,7 @@ class Scheduler:
         self.out = OutputProcessor(tokenizer, config.enable_jump_forward)
         self.masks = MaskOverlap(self.sampler)
         self.small_extend = None if config.enable_deterministic_inference else SMALL_EXTEND
+        self.step_log = StepLogger(config.decode_log_interval)
         self._decode_only_left = 0
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -154,6 +156,7 @@ class Scheduler:
         if plan.has_chunk and plan.has_decode and self.config.chunk_size:
             self._decode_only_left = self.config.decode_steps_per_chunk
         self.counters["steps"] += 1
+        self.step_log.log_step(plan, self.kv, len(self.running), len(self.waiting))
         return plan
 
     def _budget(self) -> int:

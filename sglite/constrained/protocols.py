@@ -37,6 +37,9 @@ class GrammarMatcherProtocol(Protocol):
       complete sentence; after termination the row is all zeros. It never mutates the matcher.
     * ``accept_token`` of a token the mask forbids returns False and changes nothing.
     * ``fork`` gives an independent copy: advancing one never changes the other's mask.
+    * Threads: the scheduler may fill masks on its mask thread while the step thread runs the
+      forward; it never calls a mutating method (``accept_token``, ``rollback``) on the same
+      matcher at the same time. A compiled grammar is shared by many matchers and threads.
     * ``rollback(n)`` undoes the last ``n`` accepted tokens (``0 <= n <=`` tokens accepted since
       the start), so ``accept_token`` × k then ``rollback(k)`` restores the mask exactly. This is
       what speculative decoding needs to drop rejected draft tokens.

@@ -18,6 +18,28 @@ from sglite.errors import InvalidRequestError
 ROLES = ("system", "user", "assistant")
 
 
+def role_transition(open_role: Optional[str], role: str, begin: bool) -> Optional[str]:
+    """The role open after ``role``'s begin (``begin``) or end, given the ``open_role`` before.
+
+    One rule for the assembler and for the checks made before anything is sent.
+
+    Raises:
+        InvalidRequestError: an unknown role, a role opened inside another (nested roles), or an
+            end that does not match the open role (``field="role"``).
+    """
+    if begin:
+        if role not in ROLES:
+            raise InvalidRequestError(f"role must be one of {ROLES}, got {role!r}", field="role")
+        if open_role is not None:
+            raise InvalidRequestError(f"Nested roles are not allowed: {role!r} opened inside "
+                                      f"{open_role!r}", field="role")
+        return role
+    if open_role != role:
+        raise InvalidRequestError(f"{role}_end() without a matching {role}_begin() "
+                                  f"(open role: {open_role!r})", field="role")
+    return None
+
+
 @dataclass(frozen=True)
 class ChatTemplate:
     """Role markers of a model's chat format.
@@ -81,11 +103,7 @@ class TextAssembler:
         Raises:
             InvalidRequestError: if a role is already open (nested roles) or the role is unknown.
         """
-        if role not in ROLES:
-            raise InvalidRequestError(f"role must be one of {ROLES}, got {role!r}", field="role")
-        if self.cur_role is not None:
-            raise InvalidRequestError(f"Nested roles are not allowed: {role!r} opened inside "
-                                      f"{self.cur_role!r}", field="role")
+        role_transition(self.cur_role, role, True)
         t = self.template
         if not self.messages and role != "system" and t.default_system_prompt:
             self._open("system")
@@ -103,9 +121,7 @@ class TextAssembler:
         Raises:
             InvalidRequestError: if ``role`` is not the open role.
         """
-        if self.cur_role != role:
-            raise InvalidRequestError(f"{role}_end() without a matching {role}_begin() "
-                                      f"(open role: {self.cur_role!r})", field="role")
+        role_transition(self.cur_role, role, False)
         content = self.text[self._role_start:].lstrip()
         self.append(self.template.suffix(role))
         self.messages.append({"role": role, "content": content})

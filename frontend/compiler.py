@@ -17,7 +17,7 @@ import networkx as nx
 
 from sglite.errors import InvalidRequestError
 
-from .chat_template import ChatTemplate, TextAssembler
+from .chat_template import ChatTemplate, TextAssembler, role_transition
 
 #: below this many characters a shared prefix is not worth a separate prefill (SGLang: 64)
 MIN_HOIST_CHARS = 64
@@ -41,16 +41,7 @@ def check_roles(graph: nx.DiGraph) -> None:
         a = graph.nodes[nid]
         s, cur = a["stream"], open_role.get(a["stream"])
         if a["op"] == "role":
-            if a["phase"] == "begin":
-                if cur is not None:
-                    raise InvalidRequestError(f"Nested roles are not allowed: {a['role']!r} opened inside "
-                                              f"{cur!r}", field="role")
-                open_role[s] = a["role"]
-            else:
-                if cur != a["role"]:
-                    raise InvalidRequestError(f"{a['role']}_end() without a matching {a['role']}_begin() "
-                                              f"(open role: {cur!r})", field="role")
-                open_role[s] = None
+            open_role[s] = role_transition(cur, a["role"], a["phase"] == "begin")
         elif a["op"] == "fork":
             for b in a["branches"]:
                 open_role[b] = cur

@@ -4,6 +4,12 @@
 running until it reads a value (``s[name]``, ``s.text()``), and fork branches, each with its
 own executor, run concurrently (SGLang's interpreter model, ``StreamExecutor``). An exception
 in the worker is kept (``error()``); later ops of that stream are skipped.
+
+A program's main stream starts *deferred* (``defer=True``): its ops are held, and their role
+blocks checked as they are appended, until the body first needs a value (``sync``: a read, a
+fork, the end of the body). So nested or unmatched roles raise from the offending ``s += …`` in
+the body, and a body that fails before its first read has sent nothing, without tracing the body
+first (the program body runs exactly once per run).
 """
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ from typing import Optional
 
 from sglite.errors import InvalidRequestError
 
-from .chat_template import TextAssembler
+from .chat_template import TextAssembler, role_transition
 from .ir import (LOGPROB_KEYS, SAMPLING_KEYS, Argument, Gen, RoleBegin, RoleEnd, Select, Text,
                  VarRef, VarScopeBegin, VarScopeEnd, flatten)
 
@@ -31,10 +37,11 @@ class StreamExecutor:
             the logprob keys); a gen's unset arguments take these values.
         stream: generate with ``backend.generate_stream`` and record text deltas for ``text_iter``.
         assembler: the text/messages to start from (copied), e.g. the parent's at a fork.
+        defer: hold submitted ops (checking their roles) until the first ``sync``.
     """
 
     def __init__(self, backend, defaults: dict, stream: bool = False, assembler: Optional[TextAssembler] = None,
-                 variables: Optional[dict] = None, meta_info: Optional[dict] = None):
+                 variables: Optional[dict] = None, meta_info: Optional[dict] = None, defer: bool = False):
         self.backend = backend
         self.defaults = dict(defaults)
         self.stream = stream
@@ -55,29 +62,67 @@ class StreamExecutor:
         self._error: Optional[BaseException] = None
         self._lock = threading.Lock()
         self._queue: Optional[queue.Queue] = None
+        self._deferred: Optional[list] = [] if defer else None
+        self._deferred_role = self.asm.cur_role  # the role open after the deferred ops
+        #: set once held ops may reach the backend (the first ``sync``); ``sent`` tells the same
+        self.released = threading.Event()
+        self.sent = not defer
+        if not defer:
+            self.released.set()
 
     # ------------------------------------------------------------------ queue and worker
     def submit(self, expr) -> None:
-        """Queue the ops of ``expr`` (str/Expr) for execution; returns at once."""
+        """Queue the ops of ``expr`` (str/Expr) for execution; returns at once.
+
+        Raises:
+            InvalidRequestError: while deferred, a role block of ``expr`` nests or mismatches
+                (nothing of ``expr`` is queued then).
+        """
         ops = flatten(expr)
         with self._lock:
-            if self._queue is None:
-                self._queue = queue.Queue()
-                threading.Thread(target=self._loop, args=(self._queue,), daemon=True,
-                                 name="sglite-program").start()
-            for op in ops:
-                self._queue.put(op)
+            if self._deferred is not None:
+                role = self._deferred_role
+                for op in ops:
+                    if isinstance(op, (RoleBegin, RoleEnd)):
+                        role = role_transition(role, op.role, isinstance(op, RoleBegin))
+                self._deferred_role = role
+                self._deferred.extend(ops)
+                return
+            self._put(ops)
+
+    def _put(self, ops: list) -> None:
+        """Hand ``ops`` to the worker (starting it). Caller holds ``_lock``."""
+        if self._queue is None:
+            self._queue = queue.Queue()
+            threading.Thread(target=self._loop, args=(self._queue,), daemon=True,
+                             name="sglite-program").start()
+        for op in ops:
+            self._queue.put(op)
+
+    def release(self) -> None:
+        """End the deferral: queue the held ops; later ops are queued as they come."""
+        with self._lock:
+            held, self._deferred = self._deferred, None
+            if held:
+                self._put(held)
+            self.sent = True
+        self.released.set()
 
     def sync(self) -> None:
-        """Block until every queued op has run."""
+        """Release held ops, then block until every queued op has run."""
+        self.release()
         with self._lock:
             q = self._queue
         if q is not None:
             q.join()
 
     def close(self) -> None:
-        """Stop the worker thread (a later ``submit`` starts a new one); closes fork children too."""
+        """Stop the worker thread (a later ``submit`` starts a new one); closes fork children too.
+
+        Ops still held (the body failed before its first read) are dropped: they never run.
+        """
         with self._lock:
+            self._deferred = None
             if self._queue is not None:
                 self._queue.put(_STOP)
                 self._queue = None

@@ -1,8 +1,10 @@
 """``@function``: a program (SGLang's ``SglFunction``) with ``run``, ``run_batch``, ``trace``, ``bind``.
 
-Before a program sends anything it is traced up to its first value read (a *prefix trace*,
-see :mod:`.tracer`); that catches nested roles and bad expressions before any request, and
-gives the constant prefix that :func:`run_batch` hoists (prefills once for the whole batch).
+``run`` runs the body once: its ops are held until its first value read, so nested roles and bad
+expressions raise before any request (see :mod:`.interpreter`). Only ``run_batch`` traces first
+(a *prefix trace* up to each program's first value read, see :mod:`.tracer`): it needs every
+item checked before any item sends, and the constant prefix it hoists (prefilled once for the
+whole batch).
 """
 from __future__ import annotations
 
@@ -145,15 +147,16 @@ class Function:
         Keyword arguments named in :data:`RUN_DEFAULTS` (``max_new_tokens``, ``temperature``, …)
         are run-level sampling defaults; the rest are program arguments.
 
+        The body runs exactly once (no trace): its ops are held until it first reads a value.
+
         Raises:
-            InvalidRequestError / GrammarError: bad arguments, nested roles, bad expressions —
-            before any request is sent.
+            InvalidRequestError / GrammarError: bad arguments, nested roles, bad expressions
+            appended before the body's first value read — before any request is sent.
         """
         options = {k: kwargs.pop(k) for k in list(kwargs) if k in RUN_DEFAULTS}
         defaults = _run_defaults(options)
         arguments = self.bind_arguments(args, kwargs)
         backend = resolve_backend(backend)
-        self.prefix_trace(arguments)
         return run_program(self.func, arguments, backend, defaults, stream)
 
     __call__ = run

@@ -1,5 +1,10 @@
 """Run one program eagerly: the body runs in the caller's thread (or a background thread when
-streaming) and its ops run in the state's executor thread (SGLang's ``run_program``)."""
+streaming) and its ops run in the state's executor thread (SGLang's ``run_program``).
+
+The body runs exactly once. Its ops are held until its first value read (see
+:class:`~sglite.frontend.executor.StreamExecutor`, ``defer``), so role errors and bad expressions
+before that read raise from the body before any request is sent; no prefix trace is needed.
+"""
 from __future__ import annotations
 
 import threading
@@ -13,9 +18,11 @@ def run_program(func, arguments: dict, backend, defaults: dict, stream: bool = F
 
     Without ``stream`` this returns when the program has finished; an exception raised by the
     body itself propagates, one raised by an op (a backend error) is in ``state.error()``.
-    With ``stream`` it returns at once; body exceptions go to ``state.error()`` too.
+    With ``stream`` it returns once the program's first ops reach the backend (its first value
+    read, or the end of the body); an exception the body raises before that propagates as
+    without ``stream`` (nothing was sent), later ones go to ``state.error()``.
     """
-    ex = StreamExecutor(backend, defaults, stream)
+    ex = StreamExecutor(backend, defaults, stream, defer=True)
     done = threading.Event()
     state = ProgramState(ex, done)
 
@@ -32,13 +39,24 @@ def run_program(func, arguments: dict, backend, defaults: dict, stream: bool = F
         body()
         return state
 
+    early: list = []   # what the body raised before anything was sent
+
     def guarded():
         try:
             body()
-        except Exception as e:  # reported through state.error()
-            ex.set_error(e)
+        except Exception as e:  # reported through state.error(), or raised by run_program
+            if ex.sent:
+                ex.set_error(e)
+            else:
+                early.append(e)
+        finally:
+            ex.released.set()
 
     t = threading.Thread(target=guarded, daemon=True, name="sglite-program-body")
     state._body_thread = t
     t.start()
+    ex.released.wait()
+    if early:
+        t.join()
+        raise early[0]
     return state

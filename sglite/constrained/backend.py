@@ -11,6 +11,7 @@ from . import ast as A
 from .compiled import CompiledGrammar
 from .grammar import Automaton
 from .grammar_cache import GrammarCache
+from .protocols import GrammarBackendProtocol
 from .regex_parse import parse_regex
 from .tokenizer_info import TokenizerInfo
 
@@ -40,7 +41,7 @@ def build_rules(kind: str, spec, whitespace_pattern: str | None) -> tuple[dict, 
     raise GrammarError(f"unknown grammar kind {kind!r}; known: {', '.join(KINDS)}")
 
 
-class GrammarBackend:
+class GrammarBackend(GrammarBackendProtocol):
     """Compiles and caches grammars for one tokenizer.
 
     Args:

@@ -23,6 +23,7 @@ import torch
 
 from .dfa import DEAD
 from .grammar import Automaton
+from .protocols import CompiledGrammarProtocol
 from .pushdown_mask import StackMasker
 from .token_walk import pack_ids, walk_vocab
 from .tokenizer_info import TokenizerInfo
@@ -32,7 +33,7 @@ MAX_FORCED_BYTES = 2048
 MAX_STATE_MASKS = 8192
 
 
-class CompiledGrammar:
+class CompiledGrammar(CompiledGrammarProtocol):
     """Shared, immutable-from-outside compiled grammar. Create matchers with :meth:`matcher`.
 
     Thread-safe: slow paths (DFA expansion, mask computation) run under one lock.

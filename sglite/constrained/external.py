@@ -1,11 +1,13 @@
 """Optional third-party grammar backends behind sglite's interface, for comparison only
 (``grammar_backend="llguidance"`` or ``"xgrammar"``; the ``bench`` extra installs them).
 
-Each backend has ``compile(kind, spec)`` (cached) returning an object with ``matcher()``; the matcher
-has the methods of :class:`~sglite.constrained.matcher.GrammarMatcher`: ``fill_next_token_bitmask``,
-``accept_token`` (False and no change for a refused token), ``is_terminated``,
-``find_jump_forward_string``, ``rollback``, ``fork``. Kinds: regex, json_schema, json_object, ebnf
-(GBNF), lark, choices. Grammar errors raise :class:`~sglite.errors.GrammarError`.
+The backends, their compiled grammars and their matchers subclass the Protocols of
+:mod:`sglite.constrained.protocols` (:class:`GrammarBackendProtocol`, :class:`CompiledGrammarProtocol`,
+:class:`GrammarMatcherProtocol`), the same seam sglite's own backend implements; the shared contract
+suite (``tests/test_grammar_protocol.py``) runs over them when they are installed. Kinds: regex,
+json_schema, json_object, ebnf (GBNF), lark, choices. Grammar errors raise
+:class:`~sglite.errors.GrammarError`. ``rollback`` counts the tokens accepted, so rolling back more
+than that raises ValueError as sglite's matcher does (the libraries' own limits differ).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import json
 from sglite.errors import GrammarError
 
 from .grammar_cache import GrammarCache
+from .protocols import CompiledGrammarProtocol, GrammarBackendProtocol, GrammarMatcherProtocol
 from .tokenizer_info import decode_utf8_prefix
 
 EXTERNAL = ("llguidance", "xgrammar")
@@ -34,7 +37,9 @@ def make_backend(name: str, hf_tokenizer, vocab_size: int, eos_token_ids):
     return cls(hf_tokenizer, vocab_size, sorted(set(int(t) for t in eos_token_ids)))
 
 
-class _Cached:
+class _Cached(GrammarBackendProtocol):
+    """Caching and ``compile_async`` shared by the external backends (subclasses define ``_compile``)."""
+
     def __init__(self, max_cache: int = 256):
         self._cache = GrammarCache(max_cache)
 
@@ -43,6 +48,7 @@ class _Cached:
         return self._cache.get_or_compile(kind, spec, lambda: self._compile(kind, spec))
 
     def compile_async(self, kind: str, spec):
+        """Compile at once in the caller's thread; the future holds the result or the GrammarError."""
         from concurrent.futures import Future
 
         fut: Future = Future()
@@ -51,6 +57,9 @@ class _Cached:
         except Exception as e:  # noqa: BLE001 - handed to the caller through the future
             fut.set_exception(e)
         return fut
+
+    def shutdown(self) -> None:
+        """Nothing to release (no threads of our own)."""
 
 
 # ---------------------------------------------------------------------------------- llguidance
@@ -90,7 +99,7 @@ class LLGuidanceBackend(_Cached):
         return _LLGCompiled(self, grm)
 
 
-class _LLGCompiled:
+class _LLGCompiled(CompiledGrammarProtocol):
     def __init__(self, backend, grammar: str):
         self.backend, self.grammar = backend, grammar
 
@@ -101,8 +110,16 @@ class _LLGCompiled:
                                  frozenset(self.backend.eos_token_ids))
 
 
-class _ExternalMatcher:
-    """Answers of the optional GrammarMatcher queries that these backends cannot give cheaply."""
+class _ExternalMatcher(GrammarMatcherProtocol):
+    """Shared part of the adapters: the answers these libraries cannot give cheaply, and the count
+    of accepted tokens that bounds ``rollback``. Subclasses set ``self.m`` and ``self.n``."""
+
+    def _check_rollback(self, num_tokens) -> int:
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"rollback: num_tokens must be an integer >= 0, got {num_tokens!r}")
+        if num_tokens > self.n:
+            raise ValueError(f"rollback: num_tokens ({num_tokens}) exceeds the {self.n} tokens accepted")
+        return num_tokens
 
     def forces_token_text(self, token_id: int) -> bool:
         """Always False: jump-forward leaves the boundary token to the model."""
@@ -114,41 +131,59 @@ class _ExternalMatcher:
 
 
 class LLGuidanceMatcher(_ExternalMatcher):
-    """Per-request llguidance matcher with sglite's GrammarMatcher methods."""
+    """Per-request llguidance matcher with sglite's GrammarMatcher methods.
 
-    def __init__(self, m, eos: frozenset):
-        self.m, self.eos = m, eos
+    An accepted EOS is recorded here, not consumed by llguidance (whose rollback does not count
+    it), so ``rollback`` undoes EOS like any other token, as sglite's matcher does.
+    """
+
+    def __init__(self, m, eos: frozenset, n: int = 0, eos_accepted: bool = False):
+        self.m, self.eos, self.n, self.eos_accepted = m, eos, n, eos_accepted
 
     def fill_next_token_bitmask(self, bitmask, row: int = 0) -> None:
-        """Write the mask into ``bitmask[row]`` (int32 [B, ceil(V/32)], CPU)."""
+        """Write the mask into ``bitmask[row]`` (int32 [B, ceil(V/32)], CPU); zeros once EOS is accepted."""
+        if self.eos_accepted:
+            bitmask[row].zero_()
+            return
         import llguidance.torch
 
         llguidance.torch.fill_next_token_bitmask(self.m, bitmask, row)
 
     def accept_token(self, token_id: int) -> bool:
         t = int(token_id)
+        if self.eos_accepted:
+            return False
         if t in self.eos:
             if not self.m.is_accepting() or self.m.is_error():
                 return False
-            self.m.consume_token(t)
+            self.eos_accepted = True
+            self.n += 1
             return True
         if self.m.is_stopped() or self.m.validate_tokens([t]) != 1:
             return False
-        return bool(self.m.consume_token(t))
+        ok = bool(self.m.consume_token(t))
+        self.n += ok
+        return ok
 
     def is_terminated(self) -> bool:
-        return bool(self.m.is_stopped())
+        return self.eos_accepted or bool(self.m.is_stopped())
 
     def find_jump_forward_string(self) -> str:
+        if self.eos_accepted:
+            return ""
         data = self.m.compute_ff_bytes()
         return decode_utf8_prefix(data)
 
     def rollback(self, num_tokens: int) -> None:
-        if num_tokens:
-            self.m.rollback(int(num_tokens))
+        k = self._check_rollback(num_tokens)
+        if k and self.eos_accepted:
+            self.eos_accepted, self.n, k = False, self.n - 1, k - 1
+        if k:
+            self.m.rollback(k)
+            self.n -= k
 
     def fork(self) -> "LLGuidanceMatcher":
-        return LLGuidanceMatcher(self.m.deep_copy(), self.eos)
+        return LLGuidanceMatcher(self.m.deep_copy(), self.eos, self.n, self.eos_accepted)
 
 
 # ---------------------------------------------------------------------------------- xgrammar
@@ -192,7 +227,7 @@ class XGrammarBackend(_Cached):
         return _XGCompiled(self.xgr, g)
 
 
-class _XGCompiled:
+class _XGCompiled(CompiledGrammarProtocol):
     def __init__(self, xgr, compiled):
         self.xgr, self.compiled = xgr, compiled
 
@@ -203,14 +238,16 @@ class _XGCompiled:
 class XGrammarMatcher(_ExternalMatcher):
     """Per-request XGrammar matcher with sglite's GrammarMatcher methods."""
 
-    def __init__(self, m):
-        self.m = m
+    def __init__(self, m, n: int = 0):
+        self.m, self.n = m, n
 
     def fill_next_token_bitmask(self, bitmask, row: int = 0) -> None:
         self.m.fill_next_token_bitmask(bitmask, row)
 
     def accept_token(self, token_id: int) -> bool:
-        return bool(self.m.accept_token(int(token_id)))
+        ok = bool(self.m.accept_token(int(token_id)))
+        self.n += ok
+        return ok
 
     def is_terminated(self) -> bool:
         return bool(self.m.is_terminated())
@@ -219,8 +256,9 @@ class XGrammarMatcher(_ExternalMatcher):
         return self.m.find_jump_forward_string()
 
     def rollback(self, num_tokens: int) -> None:
-        if num_tokens:
-            self.m.rollback(int(num_tokens))
+        if self._check_rollback(num_tokens):
+            self.m.rollback(num_tokens)
+            self.n -= num_tokens
 
     def fork(self) -> "XGrammarMatcher":
-        return XGrammarMatcher(self.m.fork())
+        return XGrammarMatcher(self.m.fork(), self.n)

@@ -5,10 +5,11 @@ import numpy as np
 import torch
 
 from .compiled import CompiledGrammar
+from .protocols import GrammarMatcherProtocol
 from .tokenizer_info import decode_utf8_prefix
 
 
-class GrammarMatcher:
+class GrammarMatcher(GrammarMatcherProtocol):
     """Tracks one request's position in a :class:`CompiledGrammar`.
 
     The history holds one ``(state, terminated)`` entry per accepted token (or forced string), so
@@ -125,11 +126,19 @@ class GrammarMatcher:
         return True
 
     def rollback(self, num_tokens: int) -> None:
-        """Undo the last ``num_tokens`` accepted tokens (clamped to what was accepted)."""
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        keep = max(1, len(self._history) - num_tokens)
-        del self._history[keep:]
+        """Undo the last ``num_tokens`` accepted tokens (a forced string counts as one); a list
+        truncation, O(num_tokens).
+
+        Raises:
+            ValueError: ``num_tokens`` is negative or more than :attr:`num_accepted`.
+        """
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"rollback: num_tokens must be an integer >= 0, got {num_tokens!r}")
+        if num_tokens > self.num_accepted:
+            raise ValueError(f"rollback: num_tokens ({num_tokens}) exceeds the {self.num_accepted} "
+                             f"tokens accepted")
+        if num_tokens:
+            del self._history[-num_tokens:]
 
     def fork(self) -> "GrammarMatcher":
         """An independent copy at the same position (shares the compiled grammar and caches)."""

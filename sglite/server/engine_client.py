@@ -151,11 +151,15 @@ class EngineClient:
         self.active.discard(rid)
 
     def abort_matching(self, rid: str) -> int:
-        """Abort ``rid`` (and its ``rid-...`` requests); returns how many calls in flight it hit."""
-        known = [r for r in list(self.active) if matches_rid(r, rid)]
-        for r in known or [rid]:
+        """Abort ``rid`` and its ``rid-...`` requests; returns how many calls in flight it hit
+        (calls named ``rid`` or ``rid-...``, or the one call of which ``rid`` is an item/sample)."""
+        inside = [r for r in list(self.active) if matches_rid(r, rid)]
+        for r in inside:
             self.abort(r)
-        return len(known)
+        if inside:
+            return len(inside)
+        self.abort(rid)  # one item or sample of a call (or unknown): the engine aborts just that
+        return sum(matches_rid(rid, r) for r in self.active)
 
     def abort_all(self) -> int:
         rids = list(self.active)

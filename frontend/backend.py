@@ -106,6 +106,9 @@ class EngineBackend(Backend):
     def score(self, prompt, continuations, unconditional=False):
         return self.engine.score(prompt, list(continuations), unconditional=unconditional)
 
+    def cache_prefix(self, prefix: str) -> dict:
+        return self.engine.cache_prefix(prefix)  # Engine.cache_prefix: {"prompt_tokens", "cached_tokens"}
+
     def flush_cache(self) -> bool:
         return bool(self.engine.flush_cache())
 

@@ -16,14 +16,16 @@ def _cmd_kv_estimate(args) -> int:
 
 
 def _cmd_generate(args) -> int:
+    from .logging_setup import configure
     from .runtime.engine import Engine
 
+    configure(args.log_level)
     params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
     if args.regex:
         params["regex"] = args.regex
     if args.json_schema:
         params["json_schema"] = args.json_schema
-    with Engine(model_path=args.model_path, dtype=args.dtype) as e:
+    with Engine(model_path=args.model_path, dtype=args.dtype, log_level=args.log_level) as e:
         prompt = args.prompt
         if args.chat:
             prompt = e.apply_chat_template([{"role": "user", "content": prompt}])
@@ -89,6 +91,7 @@ def main(argv=None) -> int:
     g.add_argument("--json-schema", help="constrain the output to this JSON Schema (JSON text)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("--json", action="store_true", help="print the whole output dict")
+    g.add_argument("--log-level", default="info", help="debug|info|warning|error|critical (default info)")
     r = sub.add_parser("run", help="run a Python program (e.g. an @function script)")
     r.add_argument("script")
     r.add_argument("script_args", nargs=argparse.REMAINDER)

@@ -143,15 +143,15 @@ def test_non_bool_skip_special_tokens_does_not_kill_engine(tiny_model_dir):
         t.join(8)
         assert not t.is_alive(), "the request never finished"
         assert isinstance(res.get("exc"), ValueError) or "out" in res, res
-        assert e._thread.is_alive(), "the scheduler thread died"
+        assert e._loop.alive, "the scheduler thread died"
         t2, res2 = _in_thread(lambda: e.generate("Hello", SP))
         t2.join(15)
         assert res2.get("out", {}).get("meta_info", {}).get("finish_reason", {}).get("type") == "length", res2
     finally:
-        if e._thread.is_alive():
+        if e._loop.alive:
             e.shutdown()
         else:
-            e._stopped = True
+            e._loop.stopped = True
 
 
 def test_huge_top_k_does_not_abort_co_batched_requests(eng):

@@ -151,3 +151,25 @@ def test_metrics_count_grows(http):
     http.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
     time.sleep(0.01)
     assert gen_count() == before + 4
+
+
+def test_abort_one_batch_item_by_engine_rid(server):
+    """Batch items are named ``<rid>-<i>`` by the engine; aborting one leaves the others running."""
+    with httpx.stream("POST", server.url + "/generate", json={
+            "text": ["x", "y"], "rid": "bt", "stream": True,
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}) as r:
+        lines = r.iter_lines()
+        next(lines)
+        ok = httpx.post(server.url + "/abort_request", json={"rid": "bt-1"}).json()
+        assert ok["success"] and ok["aborted"] == 1
+        finals = {}
+        for x in lines:
+            if x.startswith("data: {"):
+                ev = json.loads(x[6:])
+                if ev["meta_info"]["finish_reason"]:
+                    finals[ev["index"]] = ev["meta_info"]["finish_reason"]["type"]
+                    if len(finals) == 1:
+                        assert finals == {1: "abort"}
+                        httpx.post(server.url + "/abort_request", json={"rid": "bt"})
+    assert finals == {0: "abort", 1: "abort"}
+    assert "bt-1" in server.engine.aborted and server.engine.aborted[-1] == "bt"

@@ -89,16 +89,23 @@ def test_completion_stream_equals_non_stream(client):
 
 
 def test_n3_distinct_choices_share_prefix_and_seeds(server, client):
+    from sglite.runtime.engine_protocol import sample_seed
+
     before = len(server.engine.calls)
     r = client.chat.completions.create(model="fake-model", messages=USER, n=3, temperature=0.8, seed=7,
                                        max_tokens=10)
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
     calls = server.engine.calls[before:]
-    assert calls[0]["sampling_params"]["max_new_tokens"] == 0  # prefix warm-up
-    seeds = sorted(c["sampling_params"]["sampling_seed"] for c in calls[1:])
-    assert seeds == [7, 8, 9]
+    assert len(calls) == 1  # the server passes n through: the engine fans out (and shares the prefill)
+    sp = calls[0]["sampling_params"]
+    assert (sp["n"], sp["sampling_seed"], sp["max_new_tokens"]) == (3, 7, 10)
+    # choice j samples with the engine's seed of sample j, as Engine.generate(n=3) does in Python
+    for c in r.choices:
+        alone = client.chat.completions.create(model="fake-model", messages=USER, temperature=0.8, max_tokens=10,
+                                               seed=sample_seed(7, c.index))
+        assert alone.choices[0].message.content == c.message.content
     assert len({c.message.content for c in r.choices}) > 1
-    assert r.usage.completion_tokens == 30 and r.usage.prompt_tokens == calls[1]["prompt"].__len__()
+    assert r.usage.completion_tokens == 30 and r.usage.prompt_tokens == len(calls[0]["prompt"])
 
 
 def test_n3_streaming(client):

@@ -79,7 +79,7 @@ class IncrementalDetokenizer:
         no_stop_trim: keep the matched stop text in the output.
 
     Attributes:
-        text: all text released so far (the concatenation of every delta).
+        text: all text released so far (the concatenation of every delta; see :meth:`take`).
         finished: a stop matched or :meth:`flush` ran; later pushes are ignored.
         matched_stop: the stop string (or the regex's matched text) that ended output, else None.
 
@@ -116,6 +116,7 @@ class IncrementalDetokenizer:
         self._read_offset = 0  # tokens up to here are released (or pending)
         self._prefix_text = ""  # decode(token_ids[prefix_offset:read_offset]), cached
         self._pending = ""  # decoded but held back (could start a stop)
+        self._taken = 0  # length of text already handed out by take()
 
     # ------------------------------------------------------------------------------- public
 
@@ -138,6 +139,11 @@ class IncrementalDetokenizer:
             return ""
         delta, _ = self._release(self._decode_window(final=True), final=True)
         self.finished = True
+        return delta
+
+    def take(self) -> str:
+        """The text released since the previous call (the next piece of a stream event)."""
+        delta, self._taken = self.text[self._taken:], len(self.text)
         return delta
 
     # ------------------------------------------------------------------------------- internals

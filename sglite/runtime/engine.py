@@ -18,11 +18,16 @@
     sampling_params: dict of SamplingParams keys (or a list, one per prompt). With n > 1 each
         prompt gives n dicts (flattened, prompt-major); the n samples share the prompt's KV.
     engine.generate(..., stream=True) -> iterator of dicts of the same shape with CUMULATIVE
-        "text"/"output_ids" so far (the last one per request has finish_reason set; earlier None);
-        with several requests (batch or n > 1) each dict also has "index".
+        "text"/"output_ids" (and logprob lists) so far, as SGLang streams them (the last one per
+        request has finish_reason set; earlier None); with several requests (batch or n > 1) each
+        dict also has "index". With incremental=True each dict carries only what is new since the
+        previous one of its request (SGLang's --incremental-streaming-output, per call).
     engine.async_generate(...)  -> coroutine returning the same; with stream=True an async iterator.
     Extra keyword args of generate: input_ids, return_logprob=False, logprob_start_len=-1,
-        top_logprobs_num=0, token_ids_logprob=None, rid=None (str, or list for a batch; used by abort).
+        top_logprobs_num=0, token_ids_logprob=None, rid=None (str, or list for a batch; used by abort),
+        incremental=False. Request ids and sample seeds: see sglite.runtime.engine_protocol.
+    engine.cache_prefix(prompt | input_ids=...) -> {"prompt_tokens", "cached_tokens"}: prefill a
+        prefix into the radix cache (what n > 1 and score do internally before fanning out).
     engine.score(prompt, continuations, unconditional=False) -> list of
         {"text", "token_ids", "logprobs", "unconditional_logprobs" (when asked)}.
     engine.abort(rid); engine.flush_cache() -> bool; engine.get_server_info() -> dict;
@@ -33,34 +38,33 @@ Errors: InvalidRequestError (ValueError) naming the field, raised before anythin
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import queue
 import random
 import threading
-import uuid
-from concurrent.futures import Future
 from typing import Optional, Union
 
 import torch
 
 from ..config import EngineConfig
+from ..logging_setup import configure_if_unset
+from .engine_loop import EngineLoop
 from .engine_requests import RequestBuilder
+from .engine_stream import BatchView, OutputAccumulator
+from .logprob_options import LogprobOptions
 from .model_loader import load_checkpoint, load_state_dict
 from .model_runner import ModelRunner, resolve_device, resolve_dtype
-from ..errors import InvalidRequestError
-from .req import FinishReason
 from .scheduler import Scheduler
 from .tokenizer import Tokenizer
-
-log = logging.getLogger("sglite.engine")
 
 
 class Engine:
     """Tokenizer + scheduler + model runner, with the step loop in one background thread.
 
-    Callers (sync, asyncio, HTTP) talk to the loop through a thread-safe queue; results come back
-    through per-request sinks. Options: see :class:`sglite.config.EngineConfig`.
+    Callers (sync, asyncio, HTTP) talk to the loop (:class:`~sglite.runtime.engine_loop.EngineLoop`)
+    through its inbox; results come back through per-request sinks as deltas
+    (:class:`~sglite.runtime.output.OutputEvent`), joined here into output dicts. Implements
+    :class:`~sglite.runtime.engine_protocol.EngineProtocol`. Options: see :class:`sglite.config.EngineConfig`.
 
     Raises:
         InvalidRequestError: a bad option or an unusable model path (names the field / path).
@@ -68,12 +72,7 @@ class Engine:
 
     def __init__(self, model_path: Optional[str] = None, **kwargs):
         self.config = EngineConfig.from_kwargs(model_path=model_path, **kwargs)
-        root = logging.getLogger("sglite")
-        root.setLevel(self.config.log_level.upper())
-        if not root.handlers and not logging.getLogger().handlers:
-            h = logging.StreamHandler()
-            h.setFormatter(logging.Formatter("[sglite %(asctime)s %(levelname)s] %(message)s", "%H:%M:%S"))
-            root.addHandler(h)
+        configure_if_unset(self.config.log_level)
         ckpt = load_checkpoint(model_path)
         self.checkpoint = ckpt
         self.tokenizer = Tokenizer.from_dir(ckpt.model_dir, ckpt.hf_config)
@@ -85,93 +84,9 @@ class Engine:
         del sd
         self.scheduler = Scheduler(self.config, self.runner, self.tokenizer)
         self.requests = RequestBuilder(self.config, self.tokenizer, self.runner, random.Random(self.config.random_seed))
-        self._inbox: queue.Queue = queue.Queue()
-        self._active: set[str] = set()  # rids in flight (duplicates are refused)
-        self._active_lock = threading.Lock()
-        self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="sglite-scheduler", daemon=True)
-        self._thread.start()
+        self._loop = EngineLoop(self.scheduler, self.config.check_invariants)
 
-    # ------------------------------------------------------------------ loop thread
-    def _loop(self) -> None:
-        sched = self.scheduler
-        while True:
-            try:
-                item = self._inbox.get(timeout=0.1) if not sched.has_work() else self._inbox.get_nowait()
-            except queue.Empty:
-                item = None
-            while item is not None:
-                if item[0] == "stop":
-                    for r in list(sched.waiting) + list(sched.running):
-                        sched.abort(r.rid)
-                    sched.close()
-                    return
-                self._handle(item)
-                try:
-                    item = self._inbox.get_nowait()
-                except queue.Empty:
-                    item = None
-            try:
-                sched.step()
-                if self.config.check_invariants:
-                    sched.check_invariants()
-            except Exception as exc:  # keep serving: fail the running requests, free their KV
-                log.exception("scheduler step failed")
-                for r in list(sched.running):
-                    try:
-                        sched.running.remove(r)
-                        sched._finish(r, FinishReason("abort", message=f"internal error: {exc!r}"))
-                    except Exception:  # never let recovery kill the loop
-                        log.exception("could not finish request %s cleanly", r.rid)
-
-    def _handle(self, item) -> None:
-        kind = item[0]
-        if kind == "req":
-            self.scheduler.add_request(item[1])
-        elif kind == "abort":
-            self.scheduler.abort(item[1])
-        elif kind == "call":
-            fn, fut = item[1], item[2]
-            try:
-                fut.set_result(fn())
-            except Exception as exc:
-                fut.set_exception(exc)
-
-    def _call(self, fn):
-        """Run ``fn`` on the loop thread between steps and return its result."""
-        if self._stopped:
-            raise RuntimeError("engine is shut down")
-        fut: Future = Future()
-        self._inbox.put(("call", fn, fut))
-        return fut.result()
-
-    def _submit(self, reqs) -> None:
-        """Register the requests' rids (a duplicate in flight raises) and queue them."""
-        if self._stopped or not self._thread.is_alive():
-            raise RuntimeError("engine is shut down")
-        with self._active_lock:
-            rids = [r.rid for r in reqs]
-            dup = sorted((set(rids) & self._active) | {x for x in rids if rids.count(x) > 1})
-            if dup:
-                raise InvalidRequestError(f"rid: request id(s) {dup[:3]} already in flight", field="rid")
-            self._active.update(rids)
-        for r in reqs:
-            r.sink = self._releasing_sink(r.rid, r.sink)
-            self._inbox.put(("req", r))
-
-    def _releasing_sink(self, rid, sink):
-        def wrapped(ev):
-            if ev["meta_info"]["finish_reason"] is not None:
-                with self._active_lock:
-                    self._active.discard(rid)
-            sink(ev)
-        return wrapped
-
-    def _wait(self, event: threading.Event) -> None:
-        while not event.wait(0.5):
-            if not self._thread.is_alive():
-                raise RuntimeError("engine loop has stopped")
-
+    # ------------------------------------------------------------------ plumbing
     def _run_to_completion(self, build):
         """Build a batch with ``build(sink_factory)``, submit it and wait for every final event.
 
@@ -181,105 +96,124 @@ class Engine:
         lock = threading.Lock()
 
         def sink_factory(i):
+            acc = OutputAccumulator()
+
             def sink(ev):
-                if ev["meta_info"]["finish_reason"] is None:
+                out = acc.add(ev)
+                if not ev.finished:
                     return
                 with lock:
-                    results[i] = ev
+                    results[i] = out
                     if len(results) == batch.num_outputs:
                         done.set()
             return sink
 
         batch = build(sink_factory)
-        self._submit(batch.all_reqs)
-        self._wait(done)
+        self._loop.submit(batch.all_reqs)
+        self._loop.wait(done)
         return batch, [results[i] for i in range(batch.num_outputs)]
 
-    # ------------------------------------------------------------------ generate
-    def _build(self, prompt, sampling_params, input_ids, rid, sink_factory, **kw):
-        """Validate and build the requests of one call (raises before anything is queued)."""
-        return self.requests.build(prompt, sampling_params, input_ids, rid, sink_factory, **kw)
+    def _builder(self, prompt, sampling_params, input_ids, rid, return_logprob, logprob_start_len,
+                 top_logprobs_num, token_ids_logprob, stream):
+        """``sink_factory -> Batch`` for one call; the logprob options are validated right away."""
+        per_prompt = logprob_start_len if isinstance(logprob_start_len, list) else None
+        lp = LogprobOptions.from_args(return_logprob, -1 if per_prompt is not None else logprob_start_len,
+                                      top_logprobs_num, token_ids_logprob, self.runner.vocab_size)
+        return lambda sink_factory: self.requests.build(prompt, sampling_params, input_ids, rid, sink_factory,
+                                                        logprobs=lp, logprob_start_len=per_prompt, stream=stream)
 
+    # ------------------------------------------------------------------ generate
     def generate(self, prompt: Union[str, list[str], None] = None, sampling_params: Union[dict, list, None] = None,
-                 input_ids: Optional[list] = None, return_logprob: bool = False, logprob_start_len: int = -1,
-                 top_logprobs_num: int = 0, token_ids_logprob: Optional[list[int]] = None,
-                 stream: bool = False, rid: Union[str, list, None] = None):
+                 input_ids: Optional[list] = None, return_logprob: bool = False,
+                 logprob_start_len: Union[int, list] = -1, top_logprobs_num: int = 0,
+                 token_ids_logprob: Optional[list[int]] = None, stream: bool = False,
+                 rid: Union[str, list, None] = None, incremental: bool = False):
         """Generate for one prompt (→ dict) or a batch (→ list of dicts); see the module docstring.
 
         Raises:
             InvalidRequestError / GrammarError / CapacityError before anything is scheduled.
         """
-        kw = dict(return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                  top_logprobs_num=top_logprobs_num, token_ids_logprob=token_ids_logprob, stream=stream)
+        build = self._builder(prompt, sampling_params, input_ids, rid, return_logprob, logprob_start_len,
+                              top_logprobs_num, token_ids_logprob, stream)
         if stream:
             q: queue.Queue = queue.Queue()
-            batch = self._build(prompt, sampling_params, input_ids, rid, lambda i: (lambda ev: q.put((i, ev))), **kw)
-            self._submit(batch.all_reqs)
-            return self._stream_sync(q, batch)
-        batch, outs = self._run_to_completion(
-            lambda sink_factory: self._build(prompt, sampling_params, input_ids, rid, sink_factory, **kw))
+            batch = build(lambda i: (lambda ev: q.put((i, ev))))
+            self._loop.submit(batch.all_reqs)
+            return self._stream_sync(q, batch, BatchView(batch.num_outputs, incremental))
+        batch, outs = self._run_to_completion(build)
         return outs if batch.is_list else outs[0]
 
-    @staticmethod
-    def _tag(batch, i: int, ev: dict) -> tuple[dict, bool]:
-        """A stream event with its output ``index`` (several outputs) and whether it is final."""
-        if batch.num_outputs > 1:
-            ev = dict(ev, index=i)
-        return ev, ev["meta_info"]["finish_reason"] is not None
-
-    def _abort_batch(self, batch) -> None:
-        for r in batch.all_reqs:
-            self.abort(r.rid)
-
-    def _stream_sync(self, q, batch):
+    def _stream_sync(self, q, batch, view: BatchView):
         finished = 0
         try:
             while finished < batch.num_outputs:
                 try:
                     i, ev = q.get(timeout=0.5)
                 except queue.Empty:
-                    if not self._thread.is_alive():
+                    if not self._loop.alive:
                         raise RuntimeError("engine loop has stopped") from None
                     continue
-                ev, done = self._tag(batch, i, ev)
-                finished += done
-                yield ev
+                finished += ev.finished
+                yield view.view(i, ev)
         finally:
             if finished < batch.num_outputs:  # the consumer stopped early: free the KV
-                self._abort_batch(batch)
+                self._loop.abort_reqs(batch.all_reqs)
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              logprob_start_len=-1, top_logprobs_num=0, token_ids_logprob=None,
-                             stream=False, rid=None):
+                             stream=False, rid=None, incremental=False):
         """Asyncio version of :meth:`generate`. With ``stream=True`` returns an async iterator."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        kw = dict(return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                  top_logprobs_num=top_logprobs_num, token_ids_logprob=token_ids_logprob, stream=stream)
-        batch = self._build(prompt, sampling_params, input_ids, rid,
-                            lambda i: (lambda ev: loop.call_soon_threadsafe(q.put_nowait, (i, ev))), **kw)
-        self._submit(batch.all_reqs)
+        build = self._builder(prompt, sampling_params, input_ids, rid, return_logprob, logprob_start_len,
+                              top_logprobs_num, token_ids_logprob, stream)
+        batch = build(lambda i: (lambda ev: loop.call_soon_threadsafe(q.put_nowait, (i, ev))))
+        self._loop.submit(batch.all_reqs)
+        view = BatchView(batch.num_outputs, incremental and stream)
 
         async def agen():
             finished = 0
             try:
                 while finished < batch.num_outputs:
                     i, ev = await q.get()
-                    ev, done = self._tag(batch, i, ev)
-                    finished += done
-                    yield ev
+                    finished += ev.finished
+                    yield view.view(i, ev)
             finally:
                 if finished < batch.num_outputs:  # cancelled or closed early: free the KV
-                    self._abort_batch(batch)
+                    self._loop.abort_reqs(batch.all_reqs)
 
         if stream:
             return agen()
         results = {}
-        async for ev in agen():
-            if ev["meta_info"]["finish_reason"] is not None:
-                results[ev.pop("index", 0)] = ev
+        async for out in agen():
+            if out["meta_info"]["finish_reason"] is not None:
+                results[out.pop("index", 0)] = out
         outs = [results[i] for i in sorted(results)]
         return outs if batch.is_list else outs[0]
+
+    def cache_prefix(self, prompt: Optional[str] = None, input_ids: Optional[list[int]] = None) -> dict:
+        """Prefill ``prompt`` (text) or ``input_ids`` into the radix cache, generating nothing.
+
+        Later requests starting with it reuse its KV (page-aligned; at most ``len - 1`` tokens,
+        as for any prompt). A no-op apart from validation when the radix cache is disabled.
+        Returns ``{"prompt_tokens": int, "cached_tokens": int}`` (tokens of the prefix, and how
+        many of them were cached already).
+
+        Raises:
+            InvalidRequestError: not exactly one prefix, or empty; CapacityError: it cannot fit.
+        """
+        done, box = threading.Event(), {}
+
+        def sink(ev):
+            if ev.finished:
+                box["meta"] = ev.meta_info
+                done.set()
+        req = self.requests.prefix_request(prompt, input_ids, sink)
+        if self.config.disable_radix_cache:
+            return {"prompt_tokens": len(req.input_ids), "cached_tokens": 0}
+        self._loop.submit([req])
+        self._loop.wait(done)
+        return {"prompt_tokens": box["meta"]["prompt_tokens"], "cached_tokens": box["meta"]["cached_tokens"]}
 
     # ------------------------------------------------------------------ scoring
     def score(self, prompt: str, continuations: list[str], unconditional: bool = False) -> list[dict]:
@@ -294,25 +228,25 @@ class Engine:
         """
         spec = self.requests.score_requests(prompt, continuations, unconditional)
         _, outs = self._run_to_completion(lambda sink_factory: self.requests.build(
-            None, spec.sampling_params, spec.input_ids, None, sink_factory, return_logprob=True,
-            logprob_start_len=spec.logprob_start_lens, shared_prefix=spec.prompt_ids))
+            None, spec.sampling_params, spec.input_ids, None, sink_factory,
+            logprobs=LogprobOptions(return_logprob=True), logprob_start_len=spec.logprob_start_lens,
+            shared_prefix=spec.prompt_ids))
         return spec.collect(outs)
 
     # ------------------------------------------------------------------ control
     def abort(self, rid: str) -> None:
-        """Abort request ``rid`` and its samples ``rid-<k>`` (n > 1); no-op if unknown or finished.
-
-        The KV is freed within one step; the request ends with finish_reason type ``abort``.
-        """
-        self._inbox.put(("abort", rid))
+        """Abort request ``rid`` and every ``rid-...`` one (its samples, its batch items); no-op if
+        unknown or finished. The KV is freed within one step; the request ends with finish_reason
+        type ``abort``."""
+        self._loop.abort(rid)
 
     def flush_cache(self) -> bool:
         """Empty the radix cache. Returns False (refused) while requests are queued or running."""
-        return self._call(self.scheduler.flush_cache)
+        return self._loop.call(self.scheduler.flush_cache)
 
     def check_invariants(self) -> None:
         """Assert pool and radix-tree invariants (on the loop thread)."""
-        self._call(self.scheduler.check_invariants)
+        self._loop.call(self.scheduler.check_invariants)
 
     def get_server_info(self) -> dict:
         """Config, KV capacity and usage, queue lengths and counters (a snapshot)."""
@@ -328,7 +262,7 @@ class Engine:
                     "cache_hit_rate": hit, "bytes_per_token": self.runner.bytes_per_token,
                     "dtype": str(self.runner.dtype).replace("torch.", ""), "device": self.runner.device,
                     "context_length": self.runner.context_length, **st}
-        return self._call(snap)
+        return self._loop.call(snap)
 
     def model_info(self) -> dict:
         """Model facts clients need (path, context length, vocab, chat template markers)."""
@@ -345,10 +279,9 @@ class Engine:
 
     def shutdown(self) -> None:
         """Stop the loop thread; unfinished requests end with reason abort."""
-        if not self._stopped:
-            self._stopped = True
-            self._inbox.put(("stop",))
-            self._thread.join(timeout=30)
+        loop = getattr(self, "_loop", None)  # absent when __init__ failed
+        if loop is not None:
+            loop.stop()
 
     def __enter__(self):
         return self

@@ -14,6 +14,8 @@ from ..config import EngineConfig
 from ..errors import CapacityError, InvalidRequestError
 from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
+from .engine_protocol import item_rid, sample_rid, sample_seed
+from .logprob_options import NO_LOGPROBS, LogprobOptions
 from .req import Req
 
 
@@ -145,11 +147,36 @@ class RequestBuilder:
         return Req(rid=rid, input_ids=ids, params=sp, sink=sink, seed=seed,
                    grammar=grammar.matcher() if grammar is not None else None, detok=detok, **kw)
 
+    def _prefill_only(self, rid: str, ids: list[int]) -> Req:
+        """A request that only prefills ``ids`` into the radix cache (no output, no sink)."""
+        return self._req(rid, list(ids), SamplingParams(max_new_tokens=0), lambda ev: None, None, 0)
+
+    def _rids(self, rid, n_in: int, is_list: bool) -> list[str]:
+        """One base rid per prompt (see :mod:`sglite.runtime.engine_protocol` for the scheme)."""
+        if isinstance(rid, list):
+            if len(rid) != n_in:
+                raise InvalidRequestError(f"rid: {len(rid)} given for {n_in} prompts", field="rid")
+            rids = rid
+        else:
+            rids = [rid]
+        for r in rids:
+            if r is not None and not isinstance(r, str):
+                raise InvalidRequestError(f"rid: must be a string, got {type(r).__name__}", field="rid")
+        if isinstance(rid, list):
+            return [r or uuid.uuid4().hex for r in rids]
+        base = rid or uuid.uuid4().hex
+        return [item_rid(base, i) for i in range(n_in)] if is_list else [base]
+
     # ------------------------------------------------------------------ public
-    def build(self, prompt, sampling_params, input_ids, rid, sink_factory: Callable, *, return_logprob=False,
-              logprob_start_len=-1, top_logprobs_num=0, token_ids_logprob=None, stream=False,
+    def build(self, prompt, sampling_params, input_ids, rid, sink_factory: Callable, *,
+              logprobs: LogprobOptions = NO_LOGPROBS, logprob_start_len=None, stream=False,
               shared_prefix: Optional[list[int]] = None) -> Batch:
         """Validate everything, then build the requests of one generate call.
+
+        ``logprobs`` are the call's options; ``logprob_start_len`` (a list, one per prompt)
+        overrides their start per prompt. ``n > 1`` samples of a prompt wait for one prefill-only
+        request of it (``Req.blocked_by``), so they share its KV; ``shared_prefix`` is prefilled
+        once the same way before every request of the call.
 
         Raises:
             InvalidRequestError, GrammarError, CapacityError.
@@ -160,55 +187,55 @@ class RequestBuilder:
         if len(sps) != n_in:
             raise InvalidRequestError(f"sampling_params: {len(sps)} given for {n_in} prompts", field="sampling_params")
         sps = [SamplingParams.from_dict(d, self.runner.vocab_size) for d in sps]
-        starts = logprob_start_len if isinstance(logprob_start_len, list) else [logprob_start_len] * n_in
-        rids = rid if isinstance(rid, list) else [rid] * n_in
-        for name, vals in (("logprob_start_len", starts), ("rid", rids)):
-            if len(vals) != n_in:
-                raise InvalidRequestError(f"{name}: {len(vals)} given for {n_in} prompts", field=name)
-        for r in rids:
-            if r is not None and not isinstance(r, str):
-                raise InvalidRequestError(f"rid: must be a string, got {type(r).__name__}", field="rid")
-        if not isinstance(return_logprob, bool):
-            raise InvalidRequestError("return_logprob: must be true or false", field="return_logprob")
-        if isinstance(top_logprobs_num, bool) or not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 20:
-            raise InvalidRequestError("top_logprobs_num: must be an integer in [0, 20]", field="top_logprobs_num")
-        if token_ids_logprob is not None and not isinstance(token_ids_logprob, list):
-            raise InvalidRequestError("token_ids_logprob: must be a list of token ids", field="token_ids_logprob")
-        for t in token_ids_logprob or []:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.runner.vocab_size:
-                raise InvalidRequestError(f"token_ids_logprob: {t!r} is not a token id", field="token_ids_logprob")
-        grammars = []
+        starts = logprob_start_len if logprob_start_len is not None else logprobs.logprob_start_len
+        starts = starts if isinstance(starts, list) else [starts] * n_in
+        if len(starts) != n_in:
+            raise InvalidRequestError(f"logprob_start_len: {len(starts)} given for {n_in} prompts",
+                                      field="logprob_start_len")
+        rids = self._rids(rid, n_in, is_list)
+        opts, grammars = [], []
         for ids, sp, st in zip(all_ids, sps, starts):
             self._check_len(ids, sp)
-            if isinstance(st, bool) or not isinstance(st, int) or st < -1 or st > len(ids):
-                raise InvalidRequestError(f"logprob_start_len: must be -1 or in [0, {len(ids)}], got {st!r}",
-                                          field="logprob_start_len")
+            o = LogprobOptions.from_args(logprobs.return_logprob, st, logprobs.top_logprobs_num,
+                                         logprobs.token_ids_logprob, self.runner.vocab_size)
+            o.check_prompt(len(ids))
+            opts.append(o)
             grammars.append(self.compile_grammar(sp))
         batch = Batch(is_list=is_list or any(sp.n > 1 for sp in sps))
+        cache_on = not self.config.disable_radix_cache
         shared = None
-        if shared_prefix and not self.config.disable_radix_cache:
-            shared = self._req(uuid.uuid4().hex + "-shared", list(shared_prefix), SamplingParams(max_new_tokens=0),
-                               lambda ev: None, None, 0)
+        if shared_prefix and cache_on:
+            shared = self._prefill_only(uuid.uuid4().hex + "-shared", shared_prefix)
             batch.all_reqs.append(shared)
-        for i, (ids, sp, st, g) in enumerate(zip(all_ids, sps, starts, grammars)):
-            base = rids[i] if (isinstance(rids[i], str) and rids[i]) else uuid.uuid4().hex
-            kw = dict(return_logprob=return_logprob, logprob_start_len=st, top_logprobs_num=top_logprobs_num,
-                      token_ids_logprob=token_ids_logprob, stream=stream)
-            seed = sp.sampling_seed % 2**62 if sp.sampling_seed is not None else self.rng.getrandbits(62)
+        for base, ids, sp, o, g in zip(rids, all_ids, sps, opts, grammars):
+            seed = sp.sampling_seed if sp.sampling_seed is not None else self.rng.getrandbits(62)
             blocker = shared
-            if sp.n > 1 and not self.config.disable_radix_cache:
-                pre = SamplingParams(max_new_tokens=0)
-                blocker = self._req(base + "-prefix", ids, pre, lambda ev: None, None, 0)
+            if sp.n > 1 and cache_on:
+                blocker = self._prefill_only(base + "-prefix", ids)
                 blocker.blocked_by = shared
                 batch.all_reqs.append(blocker)
             for j in range(sp.n):
-                k = len(batch.outputs)
-                r = self._req(base if sp.n == 1 else f"{base}-{j}", ids, sp, sink_factory(k), g,
-                              (seed + 7919 * j) % (2**62), **kw)
+                r = self._req(base if sp.n == 1 else sample_rid(base, j), ids, sp, sink_factory(len(batch.outputs)),
+                              g, sample_seed(seed, j), logprobs=o, stream=stream)
                 r.blocked_by = blocker
                 batch.all_reqs.append(r)
                 batch.outputs.append(r)
         return batch
+
+    def prefix_request(self, prompt, input_ids, sink) -> Req:
+        """The prefill-only request of :meth:`Engine.cache_prefix` (validated like a prompt).
+
+        Raises:
+            InvalidRequestError, CapacityError: not one prompt, or one that cannot fit.
+        """
+        all_ids, is_list = self._ids(prompt, input_ids)
+        if is_list:
+            raise InvalidRequestError("cache_prefix: give one prefix (a string or one list of ids)", field="text")
+        sp = SamplingParams(max_new_tokens=0)
+        self._check_len(all_ids[0], sp)
+        r = self._prefill_only(uuid.uuid4().hex + "-cache", all_ids[0])
+        r.sink = sink
+        return r
 
     def score_requests(self, prompt: str, continuations: list[str], unconditional: bool) -> ScoreSpec:
         """Token ids and logprob start positions for :meth:`Engine.score`."""

@@ -4,6 +4,9 @@ Per token: grammar advance → EOS / stop-token / stop-string / grammar-terminat
 → jump-forward (SGLang paper §4, compressed FSM: a string the grammar forces is appended as its
 canonical tokens, each passing the same checks, and computed by one extend step next time).
 Events go to the request's ``sink``: partial ones for streaming requests, and one final event.
+Each :class:`OutputEvent` carries only what is new since the request's previous event (text
+piece, output ids, logprob entries); :class:`sglite.runtime.engine_stream.OutputAccumulator`
+joins them back into SGLang's cumulative output dicts where those are wanted.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from .engine_stream import OutputEvent
 from .req import FinishReason, Req
 
 
@@ -60,20 +64,19 @@ class OutputProcessor:
             if not r.grammar.accept_token(tok):
                 return FinishReason("abort", message=f"grammar rejected token {tok} (internal error)")
         if tok in self.eos and not p.ignore_eos:
-            r.text += r.detok.flush()
+            r.detok.flush()
             return FinishReason("stop", matched=tok)
         if p.stop_token_ids and tok in p.stop_token_ids:
-            r.text += r.detok.flush()
+            r.detok.flush()
             return FinishReason("stop", matched=tok)
-        delta, matched = r.detok.push([tok])
-        r.text += delta
+        _, matched = r.detok.push([tok])
         if matched is not None:
             return FinishReason("stop", matched=matched)
         if r.grammar is not None and r.grammar.is_terminated():
-            r.text += r.detok.flush()
+            r.detok.flush()
             return FinishReason("stop", matched=None)
         if len(r.output_ids) >= p.max_new_tokens:
-            r.text += r.detok.flush()
+            r.detok.flush()
             return FinishReason("length", length=p.max_new_tokens)
         return None
 
@@ -89,7 +92,7 @@ class OutputProcessor:
         if reason is None and r.grammar is not None and self.enable_jump_forward and not r.return_logprob:
             reason = self._jump_forward(r)
         if reason is None and r.stream:
-            r.sink(self.build(r))
+            r.sink(self.event(r))
         return reason
 
     def _jump_forward(self, r: Req) -> Optional[FinishReason]:
@@ -119,8 +122,16 @@ class OutputProcessor:
         return None
 
     # ------------------------------------------------------------------ events
-    def build(self, r: Req) -> dict:
-        """The request's output dict (SGLang's shape); ``finish_reason`` None while running."""
+    @staticmethod
+    def _new(r: Req, name: str, entries: list) -> list:
+        """Entries of ``entries`` not sent yet (advances the request's cursor for ``name``)."""
+        k = r.emitted.get(name, 0)
+        r.emitted[name] = len(entries)
+        return entries[k:]
+
+    def event(self, r: Req) -> OutputEvent:
+        """The request's next event (what is new since its previous one); ``finish_reason`` None
+        while running."""
         now = time.perf_counter()
         meta = {
             "id": r.rid,
@@ -132,20 +143,20 @@ class OutputProcessor:
             "ttft": (r.first_token_time - r.arrival) if r.first_token_time else None,
         }
         if r.return_logprob:
-            meta["input_token_logprobs"] = list(r.input_token_logprobs)
-            meta["output_token_logprobs"] = list(r.output_token_logprobs)
+            names = ["input_token_logprobs", "output_token_logprobs"]
             if r.top_logprobs_num:
-                meta["input_top_logprobs"] = list(r.input_top_logprobs)
-                meta["output_top_logprobs"] = list(r.output_top_logprobs)
+                names += ["input_top_logprobs", "output_top_logprobs"]
             if r.token_ids_logprob:
-                meta["input_token_ids_logprobs"] = list(r.input_token_ids_logprobs)
-                meta["output_token_ids_logprobs"] = list(r.output_token_ids_logprobs)
-        return {"text": r.text, "output_ids": list(r.output_ids), "meta_info": meta}
+                names += ["input_token_ids_logprobs", "output_token_ids_logprobs"]
+            for name in names:
+                meta[name] = self._new(r, name, getattr(r, name))
+        text = r.detok.take() if r.detok is not None else ""
+        return OutputEvent(text, self._new(r, "output_ids", r.output_ids), meta)
 
     def emit_final(self, r: Req) -> None:
         """Send the final event; never raises before the sink is called (callers wait on it)."""
         try:
             if r.finished.type != "stop" and r.detok is not None:
-                r.text += r.detok.flush()
+                r.detok.flush()
         finally:
-            r.sink(self.build(r))
+            r.sink(self.event(r))

@@ -5,9 +5,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
-
 from ..sampling_params import SamplingParams
 from .kv_manager import KVState
+from .logprob_options import NO_LOGPROBS, LogprobOptions
 
 
 @dataclass
@@ -36,17 +36,18 @@ class Req:
     tokens of ``seq`` have K/V in the pool and where. A request is prefilling while
     ``kv.kv_len < len(input_ids)``; afterwards each step extends it by its pending tokens
     (``seq[kv_len:]``: one sampled token, or several after a jump-forward).
+
+    Output: the text lives in ``detok`` (no cumulative copy here); each event sent to ``sink``
+    (an :class:`sglite.runtime.output.OutputEvent`) carries only what is new since the previous
+    one (``emitted`` counts the output ids and logprob entries already sent).
     """
 
     rid: str
     input_ids: list[int]
     params: SamplingParams
-    sink: Callable[[dict], None]
+    sink: Callable[[Any], None]  # receives OutputEvent
     seed: int
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    token_ids_logprob: Optional[list[int]] = None
+    logprobs: LogprobOptions = NO_LOGPROBS
     stream: bool = False
     grammar: Any = None  # GrammarMatcher or None
     detok: Any = None  # IncrementalDetokenizer
@@ -54,7 +55,6 @@ class Req:
     kv: KVState = field(default_factory=KVState)
     cached_tokens: int = 0
     finished: Optional[FinishReason] = None
-    text: str = ""
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: Optional[float] = None
     aborted: bool = False
@@ -66,6 +66,24 @@ class Req:
     output_top_logprobs: list = field(default_factory=list)
     output_token_ids_logprobs: list = field(default_factory=list)
     input_token_ids_logprobs: list = field(default_factory=list)
+    emitted: dict = field(default_factory=dict)  # output list name -> entries already sent in events
+
+    # the logprob options, as the scheduler and sampler read them
+    @property
+    def return_logprob(self) -> bool:
+        return self.logprobs.return_logprob
+
+    @property
+    def logprob_start_len(self) -> int:
+        return self.logprobs.logprob_start_len
+
+    @property
+    def top_logprobs_num(self) -> int:
+        return self.logprobs.top_logprobs_num
+
+    @property
+    def token_ids_logprob(self) -> Optional[tuple[int, ...]]:
+        return self.logprobs.token_ids_logprob
 
     @property
     def seq(self) -> list[int]:
@@ -89,7 +107,7 @@ class Req:
         return self.kv.kv_len < len(self.input_ids)
 
     def wants_input_logprobs(self) -> bool:
-        return self.return_logprob and self.logprob_start_len >= 0
+        return self.logprobs.wants_input
 
     @property
     def pending(self) -> int:

@@ -47,7 +47,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     install_error_handlers(app)
     app.include_router(build_native_router(client, metrics, {**public_server_info(config),
                                                              "served_model_name": name}))
-    app.include_router(build_openai_router(OpenAIContext(client, name, names, config.warm_prefix_for_n)))
+    app.include_router(build_openai_router(OpenAIContext(client, name, names)))
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)

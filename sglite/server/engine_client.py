@@ -1,100 +1,115 @@
-"""Async facade over the in-process :class:`sglite.Engine` for the HTTP layer.
+"""Async facade over an engine (:class:`~sglite.runtime.engine_protocol.EngineProtocol`) for the
+HTTP layer.
 
-The server sends every prompt (and every one of ``n`` samples) as its own engine request with
-its own request id, so that a disconnecting client can abort exactly its requests. Streams are
-opened by pulling their first chunk, so that validation errors surface as HTTP 400 before any
-response byte is sent. Whatever ends a stream early (client gone, error, cancellation) aborts
-the engine request in a ``finally``.
+One HTTP request is one engine call (:class:`GenCall`): every prompt of a batch and every one of
+``n`` samples is the engine's to fan out, with the engine's request ids and sample seeds (see
+:mod:`sglite.runtime.engine_protocol`), so a seeded request samples the same over HTTP as in
+Python. Streams are opened by pulling their first event, so that validation errors surface as
+HTTP 400 before any response byte is sent. Whatever ends a stream early (client gone, error,
+cancellation) aborts the call's engine requests in a ``finally``.
 """
 from __future__ import annotations
 
 import asyncio
-import inspect
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
 from ..errors import InvalidRequestError
+from ..runtime.engine_protocol import EngineProtocol, matches_rid
+from ..runtime.logprob_options import NO_LOGPROBS, LogprobOptions
 from ..sampling_params import SamplingParams
 
 
 @dataclass
-class GenItem:
-    """One engine request. Exactly one of ``prompt`` (text) / ``input_ids`` is set."""
+class GenCall:
+    """One engine call: the prompts of one HTTP request (text or token ids), their sampling params
+    (``n`` included), the request id and the logprob options.
 
-    prompt: Optional[str] = None
-    input_ids: Optional[list[int]] = None
-    sampling_params: dict = field(default_factory=dict)
+    ``batch`` False sends the single prompt as is (the engine uses ``rid`` unchanged); True sends
+    a list (the engine names item ``i`` ``<rid>-<i>``). Outputs come in engine order: prompt-major,
+    ``n`` per prompt.
+    """
+
+    prompts: Optional[list[str]] = None
+    input_ids: Optional[list[list[int]]] = None
+    sampling_params: list[dict] = field(default_factory=lambda: [{}])
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
+    logprobs: LogprobOptions = NO_LOGPROBS
+    batch: bool = False
 
-    def kwargs(self, stream: bool) -> dict:
-        kw: dict[str, Any] = {"sampling_params": self.sampling_params, "stream": stream, "rid": self.rid}
+    @property
+    def num_outputs(self) -> int:
+        return sum(int(sp.get("n", 1) or 1) for sp in self.sampling_params)
+
+    def kwargs(self, stream: bool, incremental: bool = False) -> dict:
+        """Keyword arguments of ``engine.async_generate`` for this call."""
+        one = lambda xs: xs if self.batch else xs[0]  # noqa: E731
+        kw: dict[str, Any] = {"sampling_params": one(self.sampling_params), "stream": stream, "rid": self.rid,
+                              **self.logprobs.to_kwargs()}
+        if stream:
+            kw["incremental"] = incremental
         if self.input_ids is not None:
-            kw["input_ids"] = self.input_ids
+            kw["input_ids"] = one(self.input_ids)
         else:
-            kw["prompt"] = self.prompt
-        if self.return_logprob:
-            kw.update(return_logprob=True, logprob_start_len=self.logprob_start_len,
-                      top_logprobs_num=self.top_logprobs_num)
+            kw["prompt"] = one(self.prompts)
         return kw
 
 
 def is_finished(chunk: dict) -> bool:
-    """True when an engine output dict carries a finish reason (the last chunk of a stream)."""
-    return bool(chunk.get("meta_info", {}).get("finish_reason"))
+    """True when an engine output dict carries a finish reason (the last one of its output)."""
+    return chunk["meta_info"]["finish_reason"] is not None
 
 
 class EngineStream:
-    """One open engine stream: iterate it for cumulative output dicts; ``abort()`` is idempotent."""
+    """One open engine stream: iterate it for ``(output index, dict)``; ``abort()`` is idempotent.
 
-    def __init__(self, client: "EngineClient", rid: str, it, first: Optional[dict]):
-        self._client, self.rid, self._it, self._first = client, rid, it, first
-        self.finished = first is not None and is_finished(first)
+    The dicts are cumulative or, when opened with ``incremental=True``, deltas.
+    """
+
+    def __init__(self, client: "EngineClient", call: GenCall, it, first: dict):
+        self._client, self.call, self._it, self._first = client, call, it, first
+        self._left = call.num_outputs
+        self.finished = False
 
     def abort(self) -> None:
-        """Abort the engine request unless it already finished (never raises)."""
+        """Abort the call's engine requests unless they all finished (never raises)."""
         if not self.finished:
             self.finished = True
-            self._client.abort(self.rid)
-        self._client.release(self.rid)
+            self._client.abort(self.call.rid)
+        self._client.release(self.call.rid)
 
-    async def __aiter__(self) -> AsyncIterator[dict]:
+    def _take(self, chunk: dict) -> tuple[int, dict]:
+        self._left -= is_finished(chunk)
+        self._client.observe(chunk)
+        return chunk.pop("index", 0), chunk
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, dict]]:
         try:
-            if self._first is not None:
-                chunk, self._first = self._first, None
-                self._client.observe(chunk)
-                yield chunk
-            if self.finished:
-                return
-            async for chunk in self._it:
-                self.finished = is_finished(chunk)
-                self._client.observe(chunk)
-                yield chunk
-                if self.finished:
-                    break
+            chunk, self._first = self._first, None
+            yield self._take(chunk)
+            while self._left > 0:
+                yield self._take(await self._it.__anext__())
             self.finished = True
         finally:
             self.abort()
 
 
 class EngineClient:
-    """Async access to an engine: validation, single and streamed generation, aborts, metrics.
+    """Async access to an engine: validation, single and streamed calls, aborts, metrics.
 
     Args:
-        engine: an object with the :mod:`sglite.runtime.engine` contract.
+        engine: an :class:`~sglite.runtime.engine_protocol.EngineProtocol` implementation.
         metrics: a :class:`sglite.server.metrics.ServerMetrics` or None.
     """
 
-    def __init__(self, engine, metrics=None):
+    def __init__(self, engine: EngineProtocol, metrics=None):
         self.engine = engine
         self.metrics = metrics
-        self.active: set[str] = set()
+        self.active: set[str] = set()  # rids of the calls in flight
         self.model_info = dict(engine.model_info())
-        self.context_length = int(self.model_info.get("context_length") or 0) or None
-        self.vocab_size = self.model_info.get("vocab_size")
+        self.context_length = int(self.model_info["context_length"])
+        self.vocab_size = int(self.model_info["vocab_size"])
 
     # ---------------------------------------------------------------- helpers
     def validate(self, sampling_params: dict) -> None:
@@ -109,23 +124,21 @@ class EngineClient:
         """Raise InvalidRequestError unless ``ids`` is a non-empty list of token ids in the vocabulary."""
         if not ids:
             raise InvalidRequestError(f"{field}: must not be empty", field=field)
-        hi = self.vocab_size
-        bad = next((t for t in ids if t < 0 or (hi and t >= hi)), None)
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise InvalidRequestError(f"{field}: token id {bad} outside [0, {hi})", field=field)
+            raise InvalidRequestError(f"{field}: token id {bad} outside [0, {self.vocab_size})", field=field)
 
     def count_tokens(self, text: str) -> Optional[int]:
-        """Number of tokens of ``text`` with the engine's tokenizer, or None if unavailable."""
-        tok = getattr(self.engine, "tokenizer", None)
-        if tok is None or not hasattr(tok, "encode"):
-            return None
+        """Number of tokens of ``text`` with the engine's tokenizer, or None when it cannot encode
+        it (e.g. a lone surrogate): counting is advisory, the engine re-checks and names the field."""
         try:
-            return len(tok.encode(text))
-        except Exception:  # noqa: BLE001 - counting is advisory; the engine re-checks
+            return len(self.engine.tokenizer.encode(text))
+        except Exception:  # noqa: BLE001
             return None
 
     def abort(self, rid: str) -> None:
-        """Abort engine request ``rid`` (never raises); counted in the metrics when it was ours."""
+        """Abort engine request ``rid`` and its ``rid-...`` ones (never raises); counted in the
+        metrics when it was ours."""
         if rid in self.active and self.metrics is not None:
             self.metrics.aborted.inc()
         try:
@@ -137,6 +150,17 @@ class EngineClient:
     def release(self, rid: str) -> None:
         self.active.discard(rid)
 
+    def abort_matching(self, rid: str) -> int:
+        """Abort ``rid`` and its ``rid-...`` requests; returns how many calls in flight it hit
+        (calls named ``rid`` or ``rid-...``, or the one call of which ``rid`` is an item/sample)."""
+        inside = [r for r in list(self.active) if matches_rid(r, rid)]
+        for r in inside:
+            self.abort(r)
+        if inside:
+            return len(inside)
+        self.abort(rid)  # one item or sample of a call (or unknown): the engine aborts just that
+        return sum(matches_rid(rid, r) for r in self.active)
+
     def abort_all(self) -> int:
         rids = list(self.active)
         for rid in rids:
@@ -145,128 +169,47 @@ class EngineClient:
 
     def observe(self, chunk: dict) -> None:
         if self.metrics is not None and is_finished(chunk):
-            self.metrics.observe_finished(chunk.get("meta_info", {}))
-
-    async def _call(self, item: GenItem, stream: bool):
-        res = self.engine.async_generate(**item.kwargs(stream))
-        if inspect.isawaitable(res):
-            res = await res
-        return res
+            self.metrics.observe_finished(chunk["meta_info"])
 
     # ---------------------------------------------------------------- generation
-    async def generate(self, item: GenItem) -> dict:
-        """Run one request to completion; cancelled -> the engine request is aborted."""
-        fresh = item.rid not in self.active
-        self.active.add(item.rid)
+    async def run(self, call: GenCall) -> list[dict]:
+        """Run one call to completion: its outputs in engine order. Cancelled -> aborted.
+
+        Raises:
+            ValueError: refused before scheduling (bad input, rid in flight); nothing to abort.
+        """
+        fresh = call.rid not in self.active
+        self.active.add(call.rid)
         try:
-            out = await self._call(item, stream=False)
-        except ValueError:  # refused before scheduling (e.g. its rid is in flight): nothing to abort
+            out = await self.engine.async_generate(**call.kwargs(stream=False))
+        except ValueError:
             if fresh:
-                self.release(item.rid)
+                self.release(call.rid)
             raise
         except BaseException:
-            self.abort(item.rid)
+            self.abort(call.rid)
             raise
-        self.release(item.rid)
-        if isinstance(out, list):  # an engine answering a single prompt with a list
-            out = out[0]
-        self.observe(out)
-        return out
+        self.release(call.rid)
+        outs = out if isinstance(out, list) else [out]
+        for o in outs:
+            self.observe(o)
+        return outs
 
-    async def generate_many(self, items: list[GenItem]) -> list[dict]:
-        """Run requests concurrently; the first error aborts the others and is re-raised."""
-        tasks = [asyncio.ensure_future(self.generate(it)) for it in items]
+    async def open(self, call: GenCall, incremental: bool = False) -> EngineStream:
+        """Start a streamed call and pull its first event (errors raise here, before any output)."""
+        fresh = call.rid not in self.active
+        self.active.add(call.rid)
         try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
-
-    async def open_stream(self, item: GenItem) -> EngineStream:
-        """Start a streamed request and pull its first chunk (errors raise here, before any output)."""
-        fresh = item.rid not in self.active
-        self.active.add(item.rid)
-        try:
-            res = await self._call(item, stream=True)
-            if isinstance(res, dict):  # engine answered at once (e.g. max_new_tokens == 0)
-                return EngineStream(self, item.rid, _empty(), res)
-            it = res.__aiter__()
-            try:
-                first = await it.__anext__()
-            except StopAsyncIteration:
-                first = None
+            it = (await self.engine.async_generate(**call.kwargs(stream=True, incremental=incremental))).__aiter__()
+            first = await it.__anext__()
         except ValueError:  # refused before scheduling: nothing to abort
             if fresh:
-                self.release(item.rid)
+                self.release(call.rid)
             raise
         except BaseException:
-            self.abort(item.rid)
+            self.abort(call.rid)
             raise
-        return EngineStream(self, item.rid, it, first)
-
-    async def open_streams(self, items: list[GenItem]) -> list[EngineStream]:
-        """Open several streams concurrently; on any error abort all of them and re-raise."""
-        tasks = [asyncio.ensure_future(self.open_stream(it)) for it in items]
-        results = await asyncio.gather(*tasks, return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            for r in results:
-                if isinstance(r, EngineStream):
-                    r.abort()
-            raise errors[0]
-        return list(results)
-
-    async def warm_prefix(self, item: GenItem) -> None:
-        """Prefill ``item``'s prompt once (``max_new_tokens=0``) so ``n`` samples share its KV.
-
-        SGLang does the same for parallel sampling; skipped when the radix cache is off.
-        """
-        sp = {k: v for k, v in item.sampling_params.items()
-              if k not in ("regex", "json_schema", "ebnf", "lark", "n")}
-        sp.update(max_new_tokens=0, min_new_tokens=0)
-        await self.generate(GenItem(prompt=item.prompt, input_ids=item.input_ids, sampling_params=sp))
-
-
-async def _empty():
-    return
-    yield  # pragma: no cover
-
-
-async def merge_streams(streams: list[EngineStream]) -> AsyncIterator[tuple[int, dict]]:
-    """Interleave several streams as ``(index, chunk)`` in arrival order.
-
-    Errors of any stream are re-raised; leaving early (client gone) aborts every unfinished one.
-    """
-    queue: asyncio.Queue = asyncio.Queue()
-    end = object()
-
-    async def pump(i: int, s: EngineStream):
-        try:
-            async for chunk in s:
-                await queue.put((i, chunk, None))
-        except Exception as e:  # noqa: BLE001 - forwarded to the consumer
-            await queue.put((i, None, e))
-        finally:
-            queue.put_nowait((i, end, None))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, chunk, err = await queue.get()
-            if chunk is end:
-                remaining -= 1
-            elif err is not None:
-                raise err
-            else:
-                yield i, chunk
-    finally:
-        for t in tasks:
-            t.cancel()
-        for s in streams:
-            s.abort()
+        return EngineStream(self, call, it, first)
 
 
 class ClientDisconnected(Exception):

@@ -13,6 +13,7 @@ import logging
 from typing import Sequence, Union
 
 from ..config import DTYPES, SCHEDULE_POLICIES, EngineConfig
+from ..logging_setup import configure as configure_logging
 from .settings import ServerConfig
 
 logger = logging.getLogger("sglite.server")
@@ -73,7 +74,7 @@ def main(args_or_argv: Union[argparse.Namespace, Sequence[str], None] = None, en
 
     args = args_or_argv if isinstance(args_or_argv, argparse.Namespace) else build_parser().parse_args(args_or_argv)
     cfg = server_config(args)
-    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(cfg.log_level)
     own = engine is None
     if own:
         from ..runtime.engine import Engine

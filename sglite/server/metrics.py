@@ -79,21 +79,19 @@ class ServerMetrics:
         r.register(_EngineGauges(engine_info))
 
     def observe_finished(self, meta: dict) -> None:
-        """Record one finished engine request from its ``meta_info`` (times in seconds)."""
-        prompt = int(meta.get("prompt_tokens") or 0)
-        completion = int(meta.get("completion_tokens") or 0)
-        self.prompt_tokens.inc(prompt)
+        """Record one finished engine request from its ``meta_info`` (the engine contract's keys;
+        times in seconds)."""
+        completion = meta["completion_tokens"]
+        self.prompt_tokens.inc(meta["prompt_tokens"])
         self.generation_tokens.inc(completion)
-        self.cached_tokens.inc(int(meta.get("cached_tokens") or 0))
-        fr = meta.get("finish_reason") or {}
-        self.requests.labels(finish_reason=str(fr.get("type", "unknown")) if isinstance(fr, dict) else str(fr)).inc()
-        ttft, e2e = meta.get("ttft"), meta.get("e2e_latency")
-        if isinstance(ttft, (int, float)) and ttft >= 0:
+        self.cached_tokens.inc(meta["cached_tokens"])
+        self.requests.labels(finish_reason=meta["finish_reason"]["type"]).inc()
+        ttft, e2e = meta["ttft"], meta["e2e_latency"]  # ttft None: no token was generated
+        if ttft is not None:
             self.ttft.observe(ttft)
-        if isinstance(e2e, (int, float)) and e2e >= 0:
-            self.e2e.observe(e2e)
-            if isinstance(ttft, (int, float)) and completion > 1 and e2e >= ttft:
-                self.tpot.observe((e2e - ttft) / (completion - 1))
+        self.e2e.observe(e2e)
+        if ttft is not None and completion > 1 and e2e >= ttft:
+            self.tpot.observe((e2e - ttft) / (completion - 1))
 
     def observe_http(self, route: str, status: int) -> None:
         self.http_requests.labels(route=route, status=str(status)).inc()

@@ -4,7 +4,9 @@
 Shapes follow SGLang's ``http_server.py`` and ``io_struct.GenerateReqInput`` (see
 docs/reference/sglang_compat.md §c.1-c.3): a single request answers ``{"text", "output_ids",
 "meta_info"}``, a batch (or ``n > 1``) a list of those; streaming sends cumulative outputs as SSE
-(each with ``"index"`` in a batch) and ends with ``data: [DONE]``.
+(each with ``"index"`` in a batch) and ends with ``data: [DONE]``. One HTTP request is one engine
+call: the engine fans out the batch and the ``n`` samples, with its request ids (``<rid>-<i>`` per
+batch item, ``-<j>`` per sample; see :mod:`sglite.runtime.engine_protocol`).
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from .. import __version__
-from .engine_client import EngineClient, GenItem, merge_streams, until_disconnect
+from ..runtime.logprob_options import LogprobOptions
+from .engine_client import EngineClient, GenCall, until_disconnect
 from .errors import ApiError, error_response, from_value_error, jsonable
 from .metrics import CONTENT_TYPE
 from .protocol import AbortRequest, GenerateRequest
@@ -50,20 +53,18 @@ def _sampling_list(req: GenerateRequest, size: int) -> list[dict]:
     return [dict(sp or {}) for _ in range(size)]
 
 
-def build_items(req: GenerateRequest, client: EngineClient) -> tuple[list[GenItem], bool]:
-    """Expand a ``/generate`` request into engine requests (batch x n), validating each.
+def build_call(req: GenerateRequest, client: EngineClient) -> tuple[GenCall, bool]:
+    """The engine call of a ``/generate`` request (prompts x ``n`` fanned out by the engine), and
+    whether the answer is a list (a batch or ``n > 1``), validating each prompt's params.
 
     Raises:
         ApiError: 400 naming the field.
     """
     prompts, batch = _as_batch(req)
     sps = _sampling_list(req, len(prompts))
-    rids = req.rid if isinstance(req.rid, list) else None
-    if rids is not None and len(rids) != len(prompts):
-        raise ApiError(f"rid: got {len(rids)} ids for a batch of {len(prompts)}", param="rid")
-    base = req.rid if isinstance(req.rid, str) else uuid.uuid4().hex
-    items = []
-    for i, (p, sp) in enumerate(zip(prompts, sps)):
+    if isinstance(req.rid, list) and len(req.rid) != len(prompts):
+        raise ApiError(f"rid: got {len(req.rid)} ids for a batch of {len(prompts)}", param="rid")
+    for p, sp in zip(prompts, sps):
         try:
             client.validate(sp)
         except ValueError as e:
@@ -73,23 +74,21 @@ def build_items(req: GenerateRequest, client: EngineClient) -> tuple[list[GenIte
                 client.check_ids(p["input_ids"], "input_ids")
             except ValueError as e:
                 raise from_value_error(e) from e
-        n = int(sp.pop("n", 1) or 1)
-        rid = rids[i] if rids else (base if not batch else f"{base}_{i}")
-        for j in range(n):
-            spj = dict(sp)
-            if n > 1 and spj.get("sampling_seed") is not None:
-                spj["sampling_seed"] = int(spj["sampling_seed"]) + j
-            items.append(GenItem(sampling_params=spj, rid=rid if n == 1 else f"{rid}_{j}",
-                                 return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
-                                 top_logprobs_num=req.top_logprobs_num, **p))
-    return items, batch or len(items) > 1
+    try:
+        lp = LogprobOptions.from_args(req.return_logprob, req.logprob_start_len, req.top_logprobs_num)
+    except ValueError as e:
+        raise from_value_error(e) from e
+    key = "input_ids" if "input_ids" in prompts[0] else "prompts"
+    call = GenCall(sampling_params=sps, rid=req.rid or uuid.uuid4().hex, logprobs=lp, batch=batch,
+                   **{key: [p["input_ids" if key == "input_ids" else "prompt"] for p in prompts]})
+    return call, batch or call.num_outputs > 1
 
 
-def _grammar_rename(items: list[GenItem]) -> dict:
-    """``{"grammar": "sampling_params.<kind>"}`` of the first constrained item (for GrammarError)."""
-    for it in items:
+def _grammar_rename(call: GenCall) -> dict:
+    """``{"grammar": "sampling_params.<kind>"}`` of the first constrained prompt (for GrammarError)."""
+    for sp in call.sampling_params:
         for key in ("regex", "json_schema", "ebnf", "lark"):
-            if it.sampling_params.get(key) is not None:
+            if sp.get(key) is not None:
                 return {"grammar": f"sampling_params.{key}"}
     return {}
 
@@ -100,24 +99,24 @@ def build_native_router(client: EngineClient, metrics, server_info: dict) -> API
 
     @router.post("/generate")
     async def generate(req: GenerateRequest, request: Request):
-        items, many = build_items(req, client)
+        call, many = build_call(req, client)
         if req.stream:
             try:
-                streams = await client.open_streams(items)
+                stream = await client.open(call)  # cumulative events, as SGLang streams them
             except ValueError as e:
-                raise from_value_error(e, _grammar_rename(items), prefix="sampling_params.") from e
+                raise from_value_error(e, _grammar_rename(call), prefix="sampling_params.") from e
 
             async def events():
-                async for i, chunk in merge_streams(streams):
+                async for i, chunk in stream:
                     out = jsonable(chunk)
                     if many:
                         out["index"] = i
                     yield sse_event(out)
             return sse_response(events())
         try:
-            outs = await until_disconnect(request.receive, client.generate_many(items))
+            outs = await until_disconnect(request.receive, client.run(call))
         except ValueError as e:
-            raise from_value_error(e, _grammar_rename(items), prefix="sampling_params.") from e
+            raise from_value_error(e, _grammar_rename(call), prefix="sampling_params.") from e
         outs = jsonable(outs)
         return JSONResponse(outs if many else outs[0])
 
@@ -128,8 +127,8 @@ def build_native_router(client: EngineClient, metrics, server_info: dict) -> API
     @router.get("/health_generate")
     async def health_generate():
         try:
-            await asyncio.wait_for(client.generate(GenItem(prompt="Hi", sampling_params={
-                "max_new_tokens": 1, "temperature": 0})), timeout=20)
+            await asyncio.wait_for(client.run(GenCall(prompts=["Hi"], sampling_params=[{
+                "max_new_tokens": 1, "temperature": 0}])), timeout=20)
         except Exception as e:  # noqa: BLE001 - any failure means unhealthy
             return error_response(f"engine unhealthy: {type(e).__name__}: {e}", 503)
         return {"status": "ok"}
@@ -163,11 +162,7 @@ def build_native_router(client: EngineClient, metrics, server_info: dict) -> API
             return {"success": True, "aborted": client.abort_all()}
         if not req.rid:
             raise ApiError("give rid or abort_all", param="rid")
-        known = [r for r in list(client.active)
-                 if r == req.rid or r.startswith(req.rid + "_") or r.startswith(req.rid + "-")]
-        for r in known or [req.rid]:
-            client.abort(r)
-        return {"success": True, "aborted": len(known)}
+        return {"success": True, "aborted": client.abort_matching(req.rid)}
 
     @router.get("/metrics")
     async def metrics_route():

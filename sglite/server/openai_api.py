@@ -1,11 +1,11 @@
 """OpenAI-compatible routes: ``/v1/models``, ``/v1/completions`` (here) and
 ``/v1/chat/completions`` (:mod:`sglite.server.openai_chat`).
 
-Each prompt and each of ``n`` choices is its own engine request (choice index ``p * n + j``);
-with ``n > 1`` the prompt is prefilled once first so the choices share its KV. Streams send
-OpenAI chunks whose text is the delta of the engine's cumulative text, one final chunk per
-choice with ``finish_reason`` and SGLang's ``matched_stop``, then (``stream_options.include_usage``)
-a usage chunk with no choices, then ``data: [DONE]``.
+One request is one engine call; the engine fans out the prompts and the ``n`` choices (choice
+index ``p * n + j``) and prefills a prompt once for its choices. Streams are opened incremental:
+each engine event carries the new text and logprob entries, sent as they are in OpenAI chunks,
+one final chunk per choice with ``finish_reason`` and SGLang's ``matched_stop``, then
+(``stream_options.include_usage``) a usage chunk with no choices, then ``data: [DONE]``.
 """
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from typing import Optional
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from .engine_client import GenItem, merge_streams
+from .engine_client import GenCall
 from .errors import ApiError, from_value_error
 from .openai_chat import add_chat_route
-from .openai_common import OpenAIContext, open_items, run_items
+from .openai_common import OpenAIContext, open_call, run_call
 from .openai_format import completion_logprobs, finish_info, new_id, now, num_logprob_tokens, usage_of
-from .openai_params import check_model, completion_prompts, fan_out, sampling_params
+from .openai_params import check_model, completion_prompts, make_call, sampling_params
 from .protocol import CompletionRequest
 from .sse import sse_event, sse_response
 
@@ -43,12 +43,11 @@ def _echo_texts(ctx: OpenAIContext, req: CompletionRequest, prompts: list[dict])
         if "prompt" in p:
             out.append(p["prompt"])
         else:
-            tok = getattr(ctx.client.engine, "tokenizer", None)
-            out.append(tok.decode(p["input_ids"]) if tok is not None else "")
+            out.append(ctx.client.engine.tokenizer.decode(p["input_ids"]))
     return out
 
 
-def _prepare(ctx: OpenAIContext, req: CompletionRequest) -> tuple[list[GenItem], list[str], int, dict]:
+def _prepare(ctx: OpenAIContext, req: CompletionRequest) -> tuple[GenCall, list[str], int, dict]:
     check_model(req.model, ctx.names)
     if req.suffix:
         raise ApiError("suffix: not supported", param="suffix")
@@ -71,39 +70,39 @@ def _prepare(ctx: OpenAIContext, req: CompletionRequest) -> tuple[list[GenItem],
     if longest is not None and ctx_len and longest >= ctx_len:
         raise ApiError(f"prompt: {longest} tokens exceed the context length ({ctx_len} tokens)", param="prompt")
     sp, rename = sampling_params(req, req.max_tokens, "max_tokens", ctx.client, prompt_tokens=longest)
-    items = fan_out(prompts, sp, req.n, req.rid or uuid.uuid4().hex, k)
-    return items, _echo_texts(ctx, req, prompts), k, rename
+    call = make_call(prompts, sp, req.n, req.rid or uuid.uuid4().hex, k)
+    return call, _echo_texts(ctx, req, prompts), k, rename
 
 
 def _completion_choice(i: int, out: dict, echo: str, k: int) -> dict:
-    meta = out.get("meta_info", {})
+    meta = out["meta_info"]
     fr, ms = finish_info(meta)
-    return {"index": i, "text": echo + out.get("text", ""),
+    return {"index": i, "text": echo + out["text"],
             "logprobs": completion_logprobs(meta, 0, None, len(echo)) if k >= 0 else None,
             "finish_reason": fr, "matched_stop": ms}
 
 
-async def _completion_events(ctx, req: CompletionRequest, streams, echoes: list[str], k: int):
+async def _completion_events(ctx, req: CompletionRequest, stream, echoes: list[str], k: int):
+    """OpenAI chunks from the incremental engine stream (no re-diffing of cumulative text)."""
     rid, created, n = new_id("cmpl"), now(), req.n
-    sent = [""] * len(streams)
-    lp_sent = [0] * len(streams)
-    last: list[Optional[dict]] = [None] * len(streams)
+    chars = [0] * stream.call.num_outputs  # characters of each choice sent so far (echo included)
+    started = [False] * len(chars)
+    last: list[Optional[dict]] = [None] * len(chars)
 
     def chunk(choices, **extra):
         return sse_event({"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
                           "choices": choices, **extra})
-    async for i, out in merge_streams(streams):
-        meta, text = out.get("meta_info", {}), out.get("text", "")
+    async for i, out in stream:
+        meta, delta = out["meta_info"], out["text"]
         fr, ms = finish_info(meta)
-        echo = echoes[i // n] if sent[i] == "" and last[i] is None else ""
-        delta = text[len(sent[i]):]
-        new_lp = k >= 0 and num_logprob_tokens(meta) > lp_sent[i]
+        echo = "" if started[i] else echoes[i // n]
+        new_lp = k >= 0 and num_logprob_tokens(meta) > 0
         last[i] = out
         if not (delta or echo or new_lp or fr):
             continue
-        lp = completion_logprobs(meta, lp_sent[i], None, len(echoes[i // n]) + len(sent[i])) if k >= 0 else None
-        lp_sent[i] = num_logprob_tokens(meta)
-        sent[i] = text
+        started[i] = True
+        lp = completion_logprobs(meta, 0, None, chars[i] + len(echo)) if k >= 0 else None
+        chars[i] += len(echo) + len(delta)
         yield chunk([{"index": i, "text": echo + delta, "logprobs": lp, "finish_reason": fr, "matched_stop": ms}])
     if req.stream_options is not None and req.stream_options.include_usage:
         yield chunk([], usage=usage_of([o for o in last if o is not None], n))
@@ -129,11 +128,11 @@ def build_openai_router(ctx: OpenAIContext) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        items, echoes, k, rename = _prepare(ctx, req)
+        call, echoes, k, rename = _prepare(ctx, req)
         if req.stream:
-            streams = await open_items(ctx, items, req.n, rename)
-            return sse_response(_completion_events(ctx, req, streams, echoes, k))
-        outs = await run_items(ctx, request, items, req.n, rename)
+            stream = await open_call(ctx, call, rename)
+            return sse_response(_completion_events(ctx, req, stream, echoes, k))
+        outs = await run_call(ctx, request, call, rename)
         choices = [_completion_choice(i, o, echoes[i // req.n], k) for i, o in enumerate(outs)]
         return JSONResponse({"id": new_id("cmpl"), "object": "text_completion", "created": now(),
                              "model": ctx.model_name, "choices": choices, "usage": usage_of(outs, req.n)})

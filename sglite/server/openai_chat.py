@@ -15,11 +15,10 @@ from typing import Optional
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from .engine_client import merge_streams
 from .errors import ApiError
-from .openai_common import open_items, run_items
+from .openai_common import open_call, run_call
 from .openai_format import chat_logprobs, finish_info, new_id, now, num_logprob_tokens, usage_of
-from .openai_params import chat_messages, check_model, fan_out, sampling_params
+from .openai_params import chat_messages, check_model, make_call, sampling_params
 from .protocol import ChatCompletionRequest
 from .sse import sse_event, sse_response
 from .tool_calls import ToolPlan, ToolStreamFilter, parse_tool_calls, plan_tools, render_prompt
@@ -72,14 +71,14 @@ def _prepare(ctx, req: ChatCompletionRequest):
     if plan.mode == "forced":
         sp["json_schema"] = json.dumps(plan.schema)
         rename["json_schema"] = rename["grammar"] = "tools"
-    items = fan_out([{"prompt": prompt}], sp, req.n, req.rid or uuid.uuid4().hex, k)
-    return items, plan, k, rename
+    call = make_call([{"prompt": prompt}], sp, req.n, req.rid or uuid.uuid4().hex, k)
+    return call, plan, k, rename
 
 
 def _chat_choice(i: int, out: dict, plan: ToolPlan, k: int) -> dict:
-    meta = out.get("meta_info", {})
+    meta = out["meta_info"]
     fr, ms = finish_info(meta)
-    content, calls = parse_tool_calls(out.get("text", ""), plan)
+    content, calls = parse_tool_calls(out["text"], plan)
     msg: dict = {"role": "assistant", "content": content}
     if calls:
         msg["tool_calls"] = calls
@@ -88,11 +87,13 @@ def _chat_choice(i: int, out: dict, plan: ToolPlan, k: int) -> dict:
             "finish_reason": fr, "matched_stop": ms}
 
 
-async def _chat_events(ctx, req: ChatCompletionRequest, streams, plan: ToolPlan, k: int):
+async def _chat_events(ctx, req: ChatCompletionRequest, stream, plan: ToolPlan, k: int):
+    """OpenAI chunks from the incremental engine stream; the tool filter sees each choice's text so far."""
     rid, created = new_id("chatcmpl"), now()
-    filters = [ToolStreamFilter(plan) for _ in streams]
-    lp_sent = [0] * len(streams)
-    last: list[Optional[dict]] = [None] * len(streams)
+    n_out = stream.call.num_outputs
+    filters = [ToolStreamFilter(plan) for _ in range(n_out)]
+    texts = [""] * n_out  # each choice's text so far, built from the deltas (the tool parser needs it)
+    last: list[Optional[dict]] = [None] * n_out
 
     def chunk(i, delta, fr=None, ms=None, lp=None):
         choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": fr}
@@ -100,21 +101,19 @@ async def _chat_events(ctx, req: ChatCompletionRequest, streams, plan: ToolPlan,
             choice["matched_stop"] = ms
         return sse_event({"id": rid, "object": "chat.completion.chunk", "created": created,
                           "model": ctx.model_name, "choices": [choice]})
-    async for i, out in merge_streams(streams):
-        meta, text = out.get("meta_info", {}), out.get("text", "")
+    async for i, out in stream:
+        meta = out["meta_info"]
         if last[i] is None:
             yield chunk(i, {"role": "assistant", "content": ""})
         last[i] = out
+        texts[i] += out["text"]
         fr, ms = finish_info(meta)
         calls: list = []
         if fr is None:
-            delta = filters[i].feed(text)
+            delta = filters[i].feed(texts[i])
         else:
-            delta, calls = filters[i].finish(text)
-        lp = None
-        if k >= 0 and num_logprob_tokens(meta) > lp_sent[i]:
-            lp = chat_logprobs(meta, lp_sent[i], None)
-            lp_sent[i] = num_logprob_tokens(meta)
+            delta, calls = filters[i].finish(texts[i])
+        lp = chat_logprobs(meta, 0, None) if k >= 0 and num_logprob_tokens(meta) else None
         if delta or lp:
             yield chunk(i, {"content": delta}, lp=lp)
         if calls:
@@ -132,11 +131,11 @@ def add_chat_route(router: APIRouter, ctx) -> None:
     """Register ``POST /v1/chat/completions`` on ``router``, bound to ``ctx`` (an OpenAIContext)."""
     @router.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        items, plan, k, rename = _prepare(ctx, req)
+        call, plan, k, rename = _prepare(ctx, req)
         if req.stream:
-            streams = await open_items(ctx, items, req.n, rename)
-            return sse_response(_chat_events(ctx, req, streams, plan, k))
-        outs = await run_items(ctx, request, items, req.n, rename)
+            stream = await open_call(ctx, call, rename)
+            return sse_response(_chat_events(ctx, req, stream, plan, k))
+        outs = await run_call(ctx, request, call, rename)
         choices = [_chat_choice(i, o, plan, k) for i, o in enumerate(outs)]
         return JSONResponse({"id": new_id("chatcmpl"), "object": "chat.completion", "created": now(),
                              "model": ctx.model_name, "choices": choices, "usage": usage_of(outs, req.n)})

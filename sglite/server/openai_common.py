@@ -1,46 +1,35 @@
-"""What the OpenAI routes share: their context and how they run engine requests."""
+"""What the OpenAI routes share: their context and how they run engine calls."""
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 
 from fastapi import Request
 
-from .engine_client import EngineClient, GenItem, until_disconnect
+from .engine_client import EngineClient, EngineStream, GenCall, until_disconnect
 from .errors import from_value_error
 
 
 @dataclass
 class OpenAIContext:
-    """What the OpenAI routes share: the engine client, the model id, server options."""
+    """What the OpenAI routes share: the engine client, the model id, the names it answers to."""
 
     client: EngineClient
     model_name: str
     names: set
-    warm_prefix_for_n: bool = True
 
 
-async def run_items(ctx: OpenAIContext, request: Request, items: list[GenItem], n: int,
-                    rename: dict) -> list[dict]:
-    """Warm the prefixes (``n > 1``), then run every item; cancelled if the client leaves."""
-    async def go():
-        await warm(ctx, items, n)
-        return await ctx.client.generate_many(items)
+async def run_call(ctx: OpenAIContext, request: Request, call: GenCall, rename: dict) -> list[dict]:
+    """Run the call (the engine prefills a prompt once for its ``n`` choices); cancelled if the
+    client leaves. Returns the choices' outputs in choice order."""
     try:
-        return await until_disconnect(request.receive, go())
+        return await until_disconnect(request.receive, ctx.client.run(call))
     except ValueError as e:
         raise from_value_error(e, rename) from e
 
 
-async def open_items(ctx: OpenAIContext, items: list[GenItem], n: int, rename: dict):
-    """Warm the prefixes (``n > 1``), then open a stream per item (400 on bad input)."""
+async def open_call(ctx: OpenAIContext, call: GenCall, rename: dict) -> EngineStream:
+    """Open the call as an incremental stream (each event: new text, ids, logprobs); 400 on bad input."""
     try:
-        await warm(ctx, items, n)
-        return await ctx.client.open_streams(items)
+        return await ctx.client.open(call, incremental=True)
     except ValueError as e:
         raise from_value_error(e, rename) from e
-
-
-async def warm(ctx: OpenAIContext, items: list[GenItem], n: int) -> None:
-    if n > 1 and ctx.warm_prefix_for_n:
-        await asyncio.gather(*(ctx.client.warm_prefix(items[p]) for p in range(0, len(items), n)))

@@ -25,20 +25,18 @@ def finish_info(meta: dict) -> tuple[Optional[str], Any]:
     ``stop`` -> ("stop", matched string or token id); ``length`` -> ("length", None);
     ``abort`` -> ("abort", None); unfinished -> (None, None).
     """
-    fr = meta.get("finish_reason")
-    if not fr:
+    fr = meta["finish_reason"]
+    if fr is None:
         return None, None
-    if isinstance(fr, str):
-        return fr, None
-    kind = fr.get("type")
-    if kind == "stop":
-        return "stop", fr.get("matched")
-    return kind, None
+    if fr["type"] == "stop":
+        return "stop", fr["matched"]
+    return fr["type"], None
 
 
 def _tok(entry) -> tuple[float, str]:
-    lp, _tid, text = (list(entry) + [None, None, None])[:3]
-    return (float(lp) if lp is not None else None), (text if text is not None else "")
+    """``(logprob, text)`` of a ``[logprob, token_id, text]`` entry."""
+    lp, _tid, text = entry
+    return (float(lp) if lp is not None else None), text
 
 
 def completion_logprobs(meta: dict, start: int, end: Optional[int], text_offset0: int) -> dict:
@@ -88,8 +86,8 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 def usage_of(outputs: list[dict], n: int) -> dict:
     """Usage of ``len(outputs)`` choices, ``n`` per prompt: each prompt is counted once."""
-    metas = [o.get("meta_info", {}) for o in outputs]
-    prompt = sum(int(m.get("prompt_tokens") or 0) for m in metas[::n])
-    cached = sum(int(m.get("cached_tokens") or 0) for m in metas[::n])
-    completion = sum(int(m.get("completion_tokens") or 0) for m in metas)
+    metas = [o["meta_info"] for o in outputs]
+    prompt = sum(m["prompt_tokens"] for m in metas[::n])
+    cached = sum(m["cached_tokens"] for m in metas[::n])
+    completion = sum(m["completion_tokens"] for m in metas)
     return usage(prompt, completion, cached)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from .engine_client import EngineClient, GenItem
+from ..runtime.logprob_options import NO_LOGPROBS, LogprobOptions
+from .engine_client import EngineClient, GenCall
 from .errors import ApiError, from_value_error
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
@@ -48,7 +49,7 @@ def _response_format_schema(req) -> Optional[str]:
 
 def sampling_params(req, max_tokens: Optional[int], max_field: str, client: EngineClient,
                     prompt_tokens: Optional[int] = None) -> tuple[dict, dict]:
-    """Engine sampling params of an OpenAI request (validated; ``n`` is left out), and the
+    """Engine sampling params of an OpenAI request (validated; ``n`` is added by :func:`make_call`), and the
     engine-field -> request-field renames for later errors (see :func:`renames`).
 
     Raises:
@@ -100,17 +101,19 @@ def sampling_params(req, max_tokens: Optional[int], max_field: str, client: Engi
     return sp, rename
 
 
-def fan_out(prompts: list[dict], sp: dict, n: int, base_rid: str, logprobs: int) -> list[GenItem]:
-    """``len(prompts) * n`` engine requests, choice index ``p * n + j``; seeds ``seed + j``."""
-    items = []
-    for p_idx, p in enumerate(prompts):
-        for j in range(n):
-            spj = dict(sp)
-            if n > 1 and spj.get("sampling_seed") is not None:
-                spj["sampling_seed"] = (spj["sampling_seed"] + j) % (2 ** 63)
-            items.append(GenItem(sampling_params=spj, rid=f"{base_rid}-{p_idx * n + j}",
-                                 return_logprob=logprobs >= 0, top_logprobs_num=max(logprobs, 0), **p))
-    return items
+def make_call(prompts: list[dict], sp: dict, n: int, rid: str, logprobs: int) -> GenCall:
+    """The engine call of an OpenAI request: ``len(prompts) * n`` choices, choice index
+    ``p * n + j`` (the engine's output order); the engine derives the samples' seeds and rids.
+
+    ``logprobs`` is the number of top logprobs per token, or -1 for no logprobs.
+    """
+    lp = LogprobOptions(return_logprob=True, top_logprobs_num=logprobs) if logprobs >= 0 else NO_LOGPROBS
+    sps = [dict(sp, n=n) if n > 1 else dict(sp) for _ in prompts]
+    batch = len(prompts) > 1
+    if "input_ids" in prompts[0]:
+        return GenCall(input_ids=[p["input_ids"] for p in prompts], sampling_params=sps, rid=rid, logprobs=lp,
+                       batch=batch)
+    return GenCall(prompts=[p["prompt"] for p in prompts], sampling_params=sps, rid=rid, logprobs=lp, batch=batch)
 
 
 def completion_prompts(req: CompletionRequest) -> list[dict]:

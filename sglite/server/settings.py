@@ -19,7 +19,6 @@ class ServerConfig:
         served_model_name: the model id of ``/v1/models``; None = the model path's base name.
         max_request_bytes: request bodies above this many bytes get 413.
         log_level: uvicorn/sglite log level.
-        warm_prefix_for_n: prefill a prompt once before fanning out ``n > 1`` samples.
     """
 
     host: str = "127.0.0.1"
@@ -28,7 +27,6 @@ class ServerConfig:
     served_model_name: Optional[str] = None
     max_request_bytes: int = 8 * 1024 * 1024
     log_level: str = "info"
-    warm_prefix_for_n: bool = True
 
     def __post_init__(self):
         if not (0 <= self.port <= 65535):

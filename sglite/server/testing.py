@@ -1,23 +1,31 @@
-"""FakeEngine: a tiny deterministic stand-in with the :mod:`sglite.runtime.engine` contract.
+"""FakeEngine: a tiny deterministic stand-in implementing
+:class:`~sglite.runtime.engine_protocol.EngineProtocol` (the same contract suite as the real engine).
 
 For fast tests of the HTTP layer (and of HTTP clients) without a model or torch. Tokens are
 bytes (id = byte value, EOS = 256). The "model" answers ``reply`` (rotated by the seed when
 sampling), a JSON instance of ``json_schema`` constraints, or ``regex_reply`` / ``ebnf_reply``;
-it honours max_new_tokens, stop strings (held back while they may still match, trimmed unless
-``no_stop_trim``), stop token ids, EOS / ignore_eos, logprobs, aborts and a radix-like count of
-cached prompt tokens. KV accounting: a running request holds prompt + output tokens, released
-when it ends, so ``available_tokens == max_total_tokens`` when idle.
+it honours batches, ``n`` (the engine's sample rids and seeds), max_new_tokens, stop strings
+(held back while they may still match, trimmed unless ``no_stop_trim``), stop token ids,
+EOS / ignore_eos, logprobs, cumulative and incremental streams, aborts (``rid`` and ``rid-...``),
+duplicate rids in flight, and a radix-like count of cached prompt tokens. KV accounting: a
+running request holds prompt + output tokens, released when it ends, so
+``available_tokens == max_total_tokens`` when idle.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import queue
 import random
+import threading
 import time
 import uuid
 from typing import Any, Optional
 
 from ..errors import CapacityError, GrammarError, InvalidRequestError
+from ..runtime.engine_protocol import item_rid, matches_rid, sample_rid, sample_seed
+from ..runtime.engine_stream import BatchView, OutputEvent
+from ..runtime.logprob_options import LogprobOptions
 from ..sampling_params import SamplingParams
 
 EOS = 256
@@ -32,7 +40,7 @@ class FakeTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], **_: Any) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", "replace")
 
 
@@ -80,10 +88,11 @@ class FakeEngine:
         self.tools_in_template, self.model_path = tools_in_template, model_path
         self.calls: list[dict] = []
         self.aborted: list[str] = []
-        self._held: dict[str, int] = {}
+        self._held: dict[str, int] = {}  # rid in flight -> KV tokens it holds
         self._abort_flags: set[str] = set()
         self._seen: list[list[int]] = []
         self._hits = self._prompt_total = 0
+        self._rng = random.Random(0)
 
     # ------------------------------------------------------------------ info
     def model_info(self) -> dict:
@@ -118,8 +127,7 @@ class FakeEngine:
     # ------------------------------------------------------------------ control
     def abort(self, rid: str) -> None:
         self.aborted.append(rid)
-        if rid in self._held:
-            self._abort_flags.add(rid)
+        self._abort_flags.update(r for r in self._held if matches_rid(r, rid))
 
     def flush_cache(self) -> bool:
         if self._held:
@@ -127,11 +135,18 @@ class FakeEngine:
         self._seen.clear()
         return True
 
+    def cache_prefix(self, prompt: Optional[str] = None, input_ids: Optional[list[int]] = None) -> dict:
+        all_ids, is_list = self._prompts(prompt, input_ids)
+        if is_list:
+            raise InvalidRequestError("cache_prefix: give one prefix (a string or one list of ids)", field="text")
+        ids = all_ids[0]
+        return {"prompt_tokens": len(ids), "cached_tokens": self._cached(ids, record=True)}
+
     def shutdown(self) -> None:
         pass
 
-    # ------------------------------------------------------------------ generation
-    def _target(self, sp: SamplingParams) -> str:
+    # ------------------------------------------------------------------ validation
+    def _target(self, sp: SamplingParams, seed: int) -> str:
         c = sp.constraint
         if c is not None:
             kind, spec = c
@@ -149,25 +164,68 @@ class FakeEngine:
                 return self.ebnf_reply
             return self.regex_reply
         if sp.temperature > 0:
-            k = random.Random(sp.sampling_seed).randrange(len(self.reply))
+            k = random.Random(seed).randrange(len(self.reply))
             return self.reply[k:] + " " + self.reply[:k]
         return self.reply
 
-    def _prepare(self, prompt, input_ids, sampling_params) -> tuple[list[int], SamplingParams, str]:
-        if isinstance(sampling_params, SamplingParams):
-            sp = sampling_params
+    def _prompts(self, prompt, input_ids) -> tuple[list[list[int]], bool]:
+        if (prompt is None) == (input_ids is None):
+            raise InvalidRequestError("exactly one of prompt (text) and input_ids must be given", field="text")
+        if prompt is not None:
+            items, is_list = (prompt, True) if isinstance(prompt, list) else ([prompt], False)
+            if not items or not all(isinstance(p, str) for p in items):
+                raise InvalidRequestError("text: must be a string or a non-empty list of strings", field="text")
+            all_ids = [self.tokenizer.encode(p) for p in items]
         else:
-            sp = SamplingParams.from_dict(sampling_params, vocab_size=self.tokenizer.vocab_size)
-        ids = list(input_ids) if input_ids is not None else self.tokenizer.encode(prompt or "")
-        if not ids:
-            raise InvalidRequestError("prompt: must not be empty", field="prompt")
-        if len(ids) + sp.max_new_tokens > self.context_length:
-            raise CapacityError(f"max_new_tokens: prompt ({len(ids)} tokens) + max_new_tokens "
-                                f"({sp.max_new_tokens}) exceeds the context length ({self.context_length})",
-                                field="max_new_tokens")
-        return ids, sp, self._target(sp)
+            is_list = bool(input_ids) and isinstance(input_ids[0], list)
+            all_ids = [list(x) for x in input_ids] if is_list else [list(input_ids)]
+            V = self.tokenizer.vocab_size
+            if not input_ids or any(not 0 <= t < V for ids in all_ids for t in ids):
+                raise InvalidRequestError(f"input_ids: entries must be token ids in [0, {V})", field="input_ids")
+        for ids in all_ids:
+            if not ids:
+                raise InvalidRequestError("text: the prompt is empty (0 tokens)", field="text")
+        return all_ids, is_list
 
-    def _cached(self, ids: list[int]) -> int:
+    def _plan(self, prompt, sampling_params, input_ids, rid, lp_kw) -> tuple[list[tuple], bool]:
+        """Validate a call; ``[(rid, ids, sp, target, logprob options)]`` per output, and whether
+        the answer is a list."""
+        all_ids, is_list = self._prompts(prompt, input_ids)
+        n_in = len(all_ids)
+        sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n_in
+        if len(sps) != n_in:
+            raise InvalidRequestError(f"sampling_params: {len(sps)} given for {n_in} prompts", field="sampling_params")
+        sps = [sp if isinstance(sp, SamplingParams) else SamplingParams.from_dict(sp, self.tokenizer.vocab_size)
+               for sp in sps]
+        if isinstance(rid, list):
+            if len(rid) != n_in or not all(r is None or isinstance(r, str) for r in rid):
+                raise InvalidRequestError(f"rid: {len(rid)} given for {n_in} prompts", field="rid")
+            rids = [r or uuid.uuid4().hex for r in rid]
+        else:
+            base = rid or uuid.uuid4().hex
+            rids = [item_rid(base, i) for i in range(n_in)] if is_list else [base]
+        lp = LogprobOptions.from_args(vocab_size=self.tokenizer.vocab_size, **lp_kw)
+        plan = []
+        for base, ids, sp in zip(rids, all_ids, sps):
+            if len(ids) >= self.context_length:
+                raise CapacityError(f"prompt: {len(ids)} tokens, the context length is {self.context_length}",
+                                    field="prompt")
+            if len(ids) + sp.max_new_tokens > self.context_length:
+                raise CapacityError(f"max_new_tokens: prompt ({len(ids)} tokens) + max_new_tokens "
+                                    f"({sp.max_new_tokens}) exceeds the context length ({self.context_length})",
+                                    field="max_new_tokens")
+            lp.check_prompt(len(ids))
+            seed = sp.sampling_seed if sp.sampling_seed is not None else self._rng.getrandbits(62)
+            for j in range(sp.n):
+                s = sample_seed(seed, j)
+                plan.append((base if sp.n == 1 else sample_rid(base, j), ids, sp, self._target(sp, s), lp))
+        rids_out = [p[0] for p in plan]
+        dup = sorted({r for r in rids_out if r in self._held or rids_out.count(r) > 1})
+        if dup:
+            raise InvalidRequestError(f"rid: request id(s) {dup[:3]} already in flight", field="rid")
+        return plan, is_list or any(sp.n > 1 for sp in sps)
+
+    def _cached(self, ids: list[int], record: bool = True) -> int:
         best = 0
         for prev in self._seen:
             n = 0
@@ -176,27 +234,51 @@ class FakeEngine:
                     break
                 n += 1
             best = max(best, n)
-        self._seen.append(ids)
-        best = min(best, len(ids) - 1)
-        self._hits += best
-        self._prompt_total += len(ids)
-        return best
+        if record:
+            self._seen.append(ids)
+        return min(best, len(ids) - 1)
 
-    async def _run(self, rid: str, ids: list[int], sp: SamplingParams, target: str, lp: dict):
-        """Async generator of cumulative outputs (the last one finished)."""
+    # ------------------------------------------------------------------ generation
+    async def _run(self, rid: str, ids: list[int], sp: SamplingParams, target: str, lp: LogprobOptions):
+        """Async generator of this request's OutputEvents (deltas; the last one finished)."""
         t0, ttft = time.perf_counter(), None
-        out_ids, out_lps, out_tops = [], [], []
+        out_ids: list[int] = []
         tokens = self.tokenizer.encode(target)
-        meta = {"id": rid, "prompt_tokens": len(ids), "cached_tokens": self._cached(ids)}
-        self._held[rid] = len(ids)
+        cached = self._cached(ids)
+        self._hits += cached
+        self._prompt_total += len(ids)
+        sent = {"ids": 0, "text": 0, "lps": 0, "input": False}
+        lps: list = []
+        tops: list = []
         finish = None
+
+        def event(text: str) -> OutputEvent:
+            meta = {"id": rid, "prompt_tokens": len(ids), "completion_tokens": len(out_ids), "cached_tokens": cached,
+                    "finish_reason": finish, "e2e_latency": time.perf_counter() - t0, "ttft": ttft}
+            if lp.return_logprob:
+                meta["output_token_logprobs"] = [list(x) for x in lps[sent["lps"]:]]
+                if lp.top_logprobs_num:
+                    meta["output_top_logprobs"] = list(tops[sent["lps"]:])
+                    meta["input_top_logprobs"] = []
+                meta["input_token_logprobs"] = []
+                if lp.wants_input and not sent["input"]:
+                    meta["input_token_logprobs"] = [[None if p == 0 else -1.0, t, self.tokenizer.decode([t])]
+                                                    for p, t in enumerate(ids) if p >= lp.logprob_start_len]
+                    if lp.top_logprobs_num:
+                        meta["input_top_logprobs"] = [None] * len(meta["input_token_logprobs"])
+                sent["input"] = True
+            ev = OutputEvent(text[sent["text"]:], out_ids[sent["ids"]:], meta)
+            sent.update(ids=len(out_ids), text=len(text), lps=len(lps))
+            return ev
+
+        self._held[rid] = len(ids)
         try:
             if sp.max_new_tokens == 0:
                 finish = {"type": "length", "length": 0}
             while finish is None:
                 await asyncio.sleep(self.step_delay)
                 if rid in self._abort_flags:
-                    finish = {"type": "abort", "message": "aborted by request"}
+                    finish = {"type": "abort", "message": "aborted by client"}
                     break
                 i = len(out_ids)
                 if i < len(tokens):
@@ -208,28 +290,26 @@ class FakeEngine:
                 ttft = ttft if ttft is not None else time.perf_counter() - t0
                 out_ids.append(tok)
                 self._held[rid] += 1
-                out_lps.append([-0.25 * (1 + i % 3), tok, self.tokenizer.decode([tok])])
-                out_tops.append([[-0.25 * (1 + i % 3) - 0.5 * r, (tok + r) % 256, self.tokenizer.decode([(tok + r) % 256])]
-                                 for r in range(lp["top_logprobs_num"])] or None)
-                text = self.tokenizer.decode(out_ids)
-                finish, text = self._check_stop(sp, tok, out_ids, text)
+                lps.append([-0.25 * (1 + i % 3), tok, self.tokenizer.decode([tok])])
+                tops.append([[-0.25 * (1 + i % 3) - 0.5 * r, (tok + r) % 256, self.tokenizer.decode([(tok + r) % 256])]
+                             for r in range(lp.top_logprobs_num)] or None)
+                finish = self._check_stop(sp, tok, out_ids, self.tokenizer.decode(out_ids))
                 if finish is None:
-                    yield self._out(out_ids, self._hold_back(text, sp), meta, None, lp, out_lps, out_tops, ttft, t0, ids)
-            yield self._out(out_ids, self._final_text(out_ids, sp, finish), meta, finish, lp, out_lps, out_tops,
-                            ttft, t0, ids)
+                    yield event(self._hold_back(self.tokenizer.decode(out_ids), sp))
+            yield event(self._final_text(out_ids, sp, finish))
         finally:
             self._held.pop(rid, None)
             self._abort_flags.discard(rid)
 
     def _check_stop(self, sp, tok, out_ids, text):
         if tok == EOS or tok in (sp.stop_token_ids or []):
-            return {"type": "stop", "matched": tok}, text
+            return {"type": "stop", "matched": tok}
         for s in sp.stop or []:
             if s in text:
-                return {"type": "stop", "matched": s}, text
+                return {"type": "stop", "matched": s}
         if len(out_ids) >= sp.max_new_tokens:
-            return {"type": "length", "length": sp.max_new_tokens}, text
-        return None, text
+            return {"type": "length", "length": sp.max_new_tokens}
+        return None
 
     def _final_text(self, out_ids, sp, finish) -> str:
         text = self.tokenizer.decode(out_ids)
@@ -249,38 +329,97 @@ class FakeEngine:
                     break
         return text[:keep]
 
-    def _out(self, out_ids, text, meta, finish, lp, out_lps, out_tops, ttft, t0, ids) -> dict:
-        m = dict(meta, completion_tokens=len(out_ids), finish_reason=finish,
-                 e2e_latency=time.perf_counter() - t0, ttft=ttft or 0.0)
-        if lp["return_logprob"]:
-            start = lp["logprob_start_len"]
-            m["output_token_logprobs"] = [list(x) for x in out_lps]
-            m["output_top_logprobs"] = list(out_tops)
-            if start >= 0:
-                m["input_token_logprobs"] = [[None if p == 0 else -1.0, t, self.tokenizer.decode([t])]
-                                             for p, t in enumerate(ids) if p >= start]
-        return {"text": text, "output_ids": list(out_ids), "meta_info": m}
+    async def _events(self, plan: list[tuple]):
+        """``(output index, OutputEvent)`` of every output of a call, in arrival order."""
+        q: asyncio.Queue = asyncio.Queue()
+        end = object()
 
-    async def async_generate(self, prompt: Optional[str] = None, sampling_params: Any = None,
-                             input_ids: Optional[list[int]] = None, stream: bool = False,
-                             rid: Optional[str] = None, return_logprob: bool = False,
-                             logprob_start_len: int = -1, top_logprobs_num: int = 0, **_: Any):
-        """Await it: a result dict, or (``stream=True``) an async iterator of cumulative dicts."""
-        rid = rid or uuid.uuid4().hex
+        async def pump(i: int, gen):
+            try:
+                async for ev in gen:
+                    await q.put((i, ev))
+            finally:
+                q.put_nowait((i, end))
+        gens = [self._run(*p) for p in plan]
+        for rid, ids, *_ in plan:  # held from submission on, like the real engine's queue
+            self._held.setdefault(rid, len(ids))
+        tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+        left = len(tasks)
+        try:
+            while left:
+                i, ev = await q.get()
+                if ev is end:
+                    left -= 1
+                else:
+                    yield i, ev
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for rid, *_ in plan:
+                self._held.pop(rid, None)
+
+    async def async_generate(self, prompt=None, sampling_params: Any = None, input_ids=None,
+                             return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
+                             token_ids_logprob=None, stream: bool = False, rid=None, incremental: bool = False):
+        """Await it: a result dict (a list for a batch or ``n > 1``), or (``stream=True``) an
+        async iterator of output dicts (cumulative unless ``incremental``; ``index`` when several)."""
         self.calls.append({"prompt": prompt, "input_ids": input_ids, "sampling_params": sampling_params,
                            "rid": rid, "stream": stream, "return_logprob": return_logprob,
                            "top_logprobs_num": top_logprobs_num})
-        ids, sp, target = self._prepare(prompt, input_ids, sampling_params)
-        lp = {"return_logprob": return_logprob, "logprob_start_len": logprob_start_len,
-              "top_logprobs_num": top_logprobs_num}
-        gen = self._run(rid, ids, sp, target, lp)
-        if stream:
-            return gen
-        last = None
-        async for last in gen:
-            pass
-        return last
+        lp_kw = dict(return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+                     top_logprobs_num=top_logprobs_num, token_ids_logprob=token_ids_logprob)
+        plan, is_list = self._plan(prompt, sampling_params, input_ids, rid, lp_kw)
+        view = BatchView(len(plan), incremental and stream)
+        events = self._events(plan)
 
-    def generate(self, prompt=None, sampling_params=None, **kw):
-        """Synchronous form (non-streaming only)."""
-        return asyncio.run(self.async_generate(prompt, sampling_params, **kw))
+        async def gen():
+            async for i, ev in events:
+                yield view.view(i, ev)
+        if stream:
+            return gen()
+        results = {}
+        async for out in gen():
+            if out["meta_info"]["finish_reason"] is not None:
+                results[out.pop("index", 0)] = out
+        outs = [results[i] for i in range(len(plan))]
+        return outs if is_list else outs[0]
+
+    def generate(self, prompt=None, sampling_params=None, stream: bool = False, **kw):
+        """Synchronous form; a stream runs on its own event loop in a helper thread (closing the
+        iterator early ends its requests). Bad input raises here, before anything runs."""
+        if not stream:
+            return asyncio.run(self.async_generate(prompt, sampling_params, **kw))
+        q: queue.Queue = queue.Queue()
+        closed = threading.Event()
+
+        async def main():
+            try:
+                it = await self.async_generate(prompt, sampling_params, stream=True, **kw)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                q.put(("err", e))
+                return
+            q.put(("ok", None))
+            try:
+                async for ev in it:
+                    q.put(("ev", ev))
+                    if closed.is_set():
+                        break
+            finally:
+                await it.aclose()
+                q.put(("end", None))
+        threading.Thread(target=asyncio.run, args=(main(),), name="fake-engine-stream", daemon=True).start()
+        kind, val = q.get()
+        if kind == "err":
+            raise val
+
+        def events():
+            try:
+                while True:
+                    kind, val = q.get()
+                    if kind == "end":
+                        return
+                    yield val
+            finally:
+                closed.set()
+        return events()

@@ -1,0 +1,144 @@
+"""EngineLoop: the scheduler's background thread and its inbox.
+
+Caller threads (sync, asyncio, HTTP) never touch the scheduler: they put messages
+(:mod:`sglite.runtime.engine_messages`) on a thread-safe queue; the loop drains the queue
+between steps, and results come back through each request's ``sink``. Request ids in flight are
+registered here, so a duplicate is refused before anything is queued.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+
+from ..errors import InvalidRequestError
+from .engine_messages import Abort, Call, Message, Stop, SubmitReqs
+from .req import FinishReason
+
+log = logging.getLogger("sglite.engine")
+
+
+class EngineLoop:
+    """Runs ``scheduler.step()`` in a daemon thread while there is work.
+
+    Args:
+        scheduler: the :class:`~sglite.runtime.scheduler.Scheduler` it owns from now on.
+        check_invariants: assert pool/tree invariants after every step (tests).
+    """
+
+    def __init__(self, scheduler, check_invariants: bool = False):
+        self.scheduler = scheduler
+        self.check_invariants = check_invariants
+        self._inbox: queue.Queue = queue.Queue()
+        self._active: set[str] = set()  # rids in flight (duplicates are refused)
+        self._active_lock = threading.Lock()
+        self.stopped = False
+        self._thread = threading.Thread(target=self._run, name="sglite-scheduler", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ caller side
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, reqs) -> None:
+        """Register the requests' rids and queue them.
+
+        Raises:
+            InvalidRequestError: a rid is already in flight or repeated (field ``rid``).
+            RuntimeError: the engine is shut down.
+        """
+        if self.stopped or not self.alive:
+            raise RuntimeError("engine is shut down")
+        rids = [r.rid for r in reqs]
+        with self._active_lock:
+            dup = sorted((set(rids) & self._active) | {x for x in rids if rids.count(x) > 1})
+            if dup:
+                raise InvalidRequestError(f"rid: request id(s) {dup[:3]} already in flight", field="rid")
+            self._active.update(rids)
+        for r in reqs:
+            r.sink = self._releasing(r.rid, r.sink)
+        self._inbox.put(SubmitReqs(tuple(reqs)))
+
+    def _releasing(self, rid: str, sink):
+        def wrapped(ev):
+            if ev.finished:
+                with self._active_lock:
+                    self._active.discard(rid)
+            sink(ev)
+        return wrapped
+
+    def abort(self, rid: str) -> None:
+        self._inbox.put(Abort(rid))
+
+    def abort_reqs(self, reqs) -> None:
+        """Abort these requests (a call whose consumer went away)."""
+        for r in reqs:
+            self._inbox.put(Abort(r.rid))
+
+    def call(self, fn):
+        """Run ``fn`` on the loop thread between steps and return its result (or raise its error)."""
+        if self.stopped:
+            raise RuntimeError("engine is shut down")
+        fut: Future = Future()
+        self._inbox.put(Call(fn, fut))
+        return fut.result()
+
+    def wait(self, event: threading.Event) -> None:
+        """Block until ``event`` is set. Raises RuntimeError if the loop died meanwhile."""
+        while not event.wait(0.5):
+            if not self.alive:
+                raise RuntimeError("engine loop has stopped")
+
+    def stop(self, timeout: float = 30) -> None:
+        """Abort unfinished requests and join the thread (idempotent)."""
+        if not self.stopped:
+            self.stopped = True
+            self._inbox.put(Stop())
+            self._thread.join(timeout=timeout)
+
+    # ------------------------------------------------------------------ loop thread
+    def _run(self) -> None:
+        sched = self.scheduler
+        while True:
+            try:
+                msg = self._inbox.get(timeout=0.1) if not sched.has_work() else self._inbox.get_nowait()
+            except queue.Empty:
+                msg = None
+            while msg is not None:
+                if isinstance(msg, Stop):
+                    for r in list(sched.waiting) + list(sched.running):
+                        sched.abort(r.rid)
+                    sched.close()
+                    return
+                self.handle(msg)
+                try:
+                    msg = self._inbox.get_nowait()
+                except queue.Empty:
+                    msg = None
+            try:
+                sched.step()
+                if self.check_invariants:
+                    sched.check_invariants()
+            except Exception as exc:  # keep serving: fail the running requests, free their KV
+                log.exception("scheduler step failed")
+                self._fail_running(exc)
+
+    def handle(self, msg: Message) -> None:
+        """Apply one inbox message (loop thread)."""
+        if isinstance(msg, SubmitReqs):
+            for r in msg.reqs:
+                self.scheduler.add_request(r)
+        elif isinstance(msg, Abort):
+            self.scheduler.abort(msg.rid)
+        elif isinstance(msg, Call):
+            try:
+                msg.future.set_result(msg.fn())
+            except Exception as exc:
+                msg.future.set_exception(exc)
+        else:
+            raise TypeError(f"unknown engine message {msg!r}")
+
+    def _fail_running(self, exc: Exception) -> None:
+        self.scheduler.abort_all(f"internal error: {exc!r}", running_only=True)

@@ -1,7 +1,7 @@
 """``sglite bench startup``: how long a fresh process takes to import sglite, build an Engine and generate.
 
-    sglite bench startup [--repeats 3] [--model-path P] [--max-total-tokens 16384] [--dtype bfloat16]
-                         [--engine-args "--disable-radix-cache"] [--new-tokens 8] [--output-json startup.json]
+    sglite bench startup [--repeats 3] [--warmup 0] [--model-path P] [--max-total-tokens 16384] [--dtype bfloat16]
+                         [--engine-args="--disable-radix-cache"] [--new-tokens 8] [--output-json startup.json]
 
 Each repeat is a new Python process (``python -c``, so nothing is imported before the clock
 starts) that times, in wall-clock seconds:
@@ -18,6 +18,8 @@ starts) that times, in wall-clock seconds:
 
 Before the repeats the parent resolves the checkpoint once (``load_checkpoint``), so no repeat
 pays the one-time GGUF conversion of the default model: the numbers are for the *cached* model.
+The C++ CPU kernels are built on first use into the same cache; a fresh cache makes the first
+process pay that build inside ``engine_init_s`` (``--warmup 1`` runs one untimed child first).
 Output: a table (mean / median / min / max over the repeats) and ``--output-json``.
 """
 from __future__ import annotations
@@ -132,12 +134,15 @@ def run(a: argparse.Namespace) -> dict:
 
     kw = engine_kwargs(a)
     load_checkpoint(kw.get("model_path"))   # convert a GGUF once, outside the timed children
+    for i in range(a.warmup):
+        print(f"[bench startup] warm-up {i + 1}/{a.warmup} (untimed)", file=sys.stderr, flush=True)
+        measure_once(kw, a.prompt, a.new_tokens, a.timeout_s)
     runs = []
     for i in range(a.repeats):
         print(f"[bench startup] repeat {i + 1}/{a.repeats}", file=sys.stderr, flush=True)
         runs.append(measure_once(kw, a.prompt, a.new_tokens, a.timeout_s))
     summary = summarize_runs(runs)
-    return {"repeats": a.repeats, "engine_kwargs": kw, "prompt": a.prompt, "new_tokens": a.new_tokens,
+    return {"repeats": a.repeats, "warmup": a.warmup, "engine_kwargs": kw, "prompt": a.prompt, "new_tokens": a.new_tokens,
             "python": sys.executable, **{f"median_{ph}": summary[ph]["median"] for ph in PHASES},
             "summary": summary, "runs": runs}
 
@@ -146,13 +151,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sglite bench startup", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
     p.add_argument("--repeats", type=int, default=3, help="fresh processes measured")
+    p.add_argument("--warmup", type=int, default=0,
+                   help="untimed fresh processes run first (e.g. to leave out a one-time kernel build)")
     p.add_argument("--model-path", default=None, help="HF folder or .gguf (default: the cached default model)")
     p.add_argument("--dtype", default=None, help="engine dtype (default: the engine's, auto)")
     p.add_argument("--max-total-tokens", type=int, default=None,
                    help="KV pool size in tokens (default: the engine's sizing)")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch CPU threads of the engine (default: the engine's, cores - 1)")
-    p.add_argument("--engine-args", default="", help='more engine flags of `sglite serve`, e.g. "--disable-radix-cache"')
+    p.add_argument("--engine-args", default="", help='more engine flags of `sglite serve`, e.g. --engine-args="--disable-radix-cache"')
     p.add_argument("--prompt", default="Hello", help="prompt of the first generate")
     p.add_argument("--new-tokens", type=int, default=8, help="tokens of the first generate")
     p.add_argument("--timeout-s", type=float, default=900.0, help="seconds one child may run")
@@ -161,9 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(a: argparse.Namespace) -> None:
-    """Raises ValueError naming the flag: ``--repeats`` < 1, ``--new-tokens`` < 1, ``--timeout-s`` <= 0."""
+    """Raises ValueError naming the flag: ``--repeats`` < 1, ``--warmup`` < 0, ``--new-tokens`` < 1,
+    ``--timeout-s`` <= 0."""
     if a.repeats < 1:
         raise ValueError(f"--repeats: must be >= 1, got {a.repeats}")
+    if a.warmup < 0:
+        raise ValueError(f"--warmup: must be >= 0, got {a.warmup}")
     if a.new_tokens < 1:
         raise ValueError(f"--new-tokens: must be >= 1, got {a.new_tokens}")
     if not a.timeout_s > 0:

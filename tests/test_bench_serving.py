@@ -78,7 +78,8 @@ def test_sharegpt_file_replayed_with_reply_lengths_and_titled_plot(server, tiny_
     path.write_text(json.dumps(convs))
     titles = []
     real_plot = plots.plot_serving
-    monkeypatch.setattr(plots, "plot_serving", lambda runs, p, title="": titles.append(title) or real_plot(runs, p, title))
+    monkeypatch.setattr(plots, "plot_serving",
+                        lambda runs, p, title="": titles.append(title) or real_plot(runs, p, title))
     out, png = tmp_path / "sg.json", tmp_path / "sg.png"
     rc = serving.main(["--base-url", server.url, "--dataset-name", "sharegpt", "--dataset-path", str(path),
                        "--num-prompts", "10", "--seed", "1", "--disable-tqdm", "--output-details",

@@ -142,7 +142,8 @@ def run(a: argparse.Namespace) -> dict:
         print(f"[bench startup] repeat {i + 1}/{a.repeats}", file=sys.stderr, flush=True)
         runs.append(measure_once(kw, a.prompt, a.new_tokens, a.timeout_s))
     summary = summarize_runs(runs)
-    return {"repeats": a.repeats, "warmup": a.warmup, "engine_kwargs": kw, "prompt": a.prompt, "new_tokens": a.new_tokens,
+    return {"repeats": a.repeats, "warmup": a.warmup, "engine_kwargs": kw, "prompt": a.prompt,
+            "new_tokens": a.new_tokens,
             "python": sys.executable, **{f"median_{ph}": summary[ph]["median"] for ph in PHASES},
             "summary": summary, "runs": runs}
 
@@ -159,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV pool size in tokens (default: the engine's sizing)")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch CPU threads of the engine (default: the engine's, cores - 1)")
-    p.add_argument("--engine-args", default="", help='more engine flags of `sglite serve`, e.g. --engine-args="--disable-radix-cache"')
+    p.add_argument("--engine-args", default="",
+                   help='more engine flags of `sglite serve`, e.g. --engine-args="--disable-radix-cache"')
     p.add_argument("--prompt", default="Hello", help="prompt of the first generate")
     p.add_argument("--new-tokens", type=int, default=8, help="tokens of the first generate")
     p.add_argument("--timeout-s", type=float, default=900.0, help="seconds one child may run")

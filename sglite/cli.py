@@ -52,6 +52,7 @@ BENCHES = {
     "serving": "sglite.bench.serving",
     "sweep": "sglite.bench.sweep",
     "grammar": "sglite.bench.grammar",
+    "startup": "sglite.bench.startup",
 }
 
 
@@ -74,7 +75,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="sglite", description="sglite: structured generation runtime")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("serve", help="start the HTTP server (see `sglite serve --help`)")
-    sub.add_parser("bench", help="benchmarks: offline | serving | sweep | grammar")
+    sub.add_parser("bench", help=f"benchmarks: {' | '.join(BENCHES)}")
     k = sub.add_parser("kv-estimate", help="KV-cache bytes per token and totals")
     k.add_argument("--model-path", help="HF folder or .gguf file (default: the default model)")
     k.add_argument("--config", help="a HF config.json instead of a model")

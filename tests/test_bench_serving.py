@@ -25,7 +25,7 @@ def server(tiny_model_dir):
         yield srv
 
 
-def test_serving_smoke_16_requests_every_metric_finite(server, tmp_path):
+def test_serving_smoke_16_requests_every_metric_finite(server, tmp_path, capsys):
     out, png = tmp_path / "res.json", tmp_path / "res.png"
     rc = serving.main(["--base-url", server.url, "--dataset", "random", "--num-prompts", "16", "--input-len", "24",
                        "--output-len", "8", "--range-ratio", "0.5", "--request-rate", "50", "--seed", "3",
@@ -48,6 +48,54 @@ def test_serving_smoke_16_requests_every_metric_finite(server, tmp_path):
     assert all(4 <= r["output_tokens"] <= 8 for r in data["requests"])   # ignore_eos: exact lengths
     assert m["ttft_ms"]["p50"] <= m["e2e_ms"]["p50"] and m["tpot_ms"]["p99"] >= m["tpot_ms"]["p50"]
     assert png.read_bytes()[:8] == PNG and png.stat().st_size > 10_000
+    # SGLang's flat keys at the top level, equal to the nested statistics
+    assert (data["completed"], data["total_output_tokens"]) == (16, m["total_output_tokens"])
+    assert data["duration"] == m["duration_s"] > 0 and data["request_throughput"] == m["request_throughput"]
+    for flat, (key, stat) in {"mean_ttft_ms": ("ttft_ms", "mean"), "median_ttft_ms": ("ttft_ms", "p50"),
+                              "p99_ttft_ms": ("ttft_ms", "p99"), "median_tpot_ms": ("tpot_ms", "p50"),
+                              "p99_itl_ms": ("itl_ms", "p99"), "mean_e2e_latency_ms": ("e2e_ms", "mean"),
+                              "median_e2e_latency_ms": ("e2e_ms", "p50")}.items():
+        assert data[flat] == m[key][stat], flat
+    assert data["backend"] == "sglite" and data["dataset_name"] == "random" and data["request_rate"] == 50.0
+    for k in ("input_throughput", "output_throughput", "total_input_tokens", "mean_tpot_ms", "p99_tpot_ms",
+              "mean_itl_ms", "median_itl_ms", "p99_e2e_latency_ms", "concurrency"):
+        assert isinstance(data[k], (int, float)) and math.isfinite(data[k]), k
+    table = capsys.readouterr().out
+    assert "============ Serving Benchmark Result ============" in table
+    assert f"{'Successful requests:':<40} 16" in table and f"{'Traffic request rate:':<40} 50.00" in table
+    assert "Median TTFT (ms):" in table and "P99 E2E Latency (ms):" in table
+
+
+def test_sharegpt_file_replayed_with_reply_lengths_and_titled_plot(server, tiny_model_dir, tmp_path, monkeypatch):
+    from sglite.bench import plots
+    from sglite.bench.workloads import load_sharegpt, sharegpt_workload
+
+    convs = [{"conversations": [{"from": "human", "value": f"Question {i}: what is the capital of country {i}?"},
+                                {"from": "gpt", "value": "The capital is a large city" + " indeed" * i}]}
+             for i in range(6)]
+    convs.append({"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "x"}]})  # too short
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(convs))
+    titles = []
+    real_plot = plots.plot_serving
+    monkeypatch.setattr(plots, "plot_serving",
+                        lambda runs, p, title="": titles.append(title) or real_plot(runs, p, title))
+    out, png = tmp_path / "sg.json", tmp_path / "sg.png"
+    rc = serving.main(["--base-url", server.url, "--dataset-name", "sharegpt", "--dataset-path", str(path),
+                       "--num-prompts", "10", "--seed", "1", "--disable-tqdm", "--output-details",
+                       "--output-json", str(out), "--plot", str(png)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    encode = serving.load_encoder(str(tiny_model_dir))
+    expected = sharegpt_workload(load_sharegpt(path), 10, encode, seed=1)
+    assert len(expected) == 6 and data["completed"] == 6 and data["failed"] == 0   # the 7th is too short
+    assert data["dataset_name"] == "sharegpt" and data["config"]["dataset_path"] == str(path)
+    # ignore_eos: each request generates exactly as many tokens as its gpt reply has
+    assert sorted(r["output_tokens"] for r in data["requests"]) == sorted(s.turns[0].output_len for s in expected)
+    assert data["total_output_tokens"] == sum(len(encode(c["conversations"][1]["value"])) for c in convs[:6])
+    assert data["total_input_tokens"] >= sum(len(encode(c["conversations"][0]["value"])) for c in convs[:6])
+    assert len(titles) == 1 and "sharegpt" in titles[0] and "request rate inf req/s" in titles[0]
+    assert tiny_model_dir.name in titles[0] and png.read_bytes()[:8] == PNG
 
 
 def test_agent_workload_runs_through_the_frontend(server):

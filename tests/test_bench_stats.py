@@ -7,8 +7,8 @@ import pytest
 
 from sglite.bench.report import format_serving, format_table, jsonable, write_json
 from sglite.bench.serving import arrival_times
-from sglite.bench.stats import (RequestOutcome, compute_metrics, max_rate_meeting_attainment, outcome_from_timeline,
-                                percentile, summarize)
+from sglite.bench.stats import (RequestOutcome, compute_metrics, flat_metrics, max_rate_meeting_attainment,
+                                outcome_from_timeline, percentile, summarize)
 
 
 def test_percentile_linear_interpolation_by_hand():
@@ -29,6 +29,8 @@ def test_summarize_scales_and_drops_nan():
     assert s["p50"] == pytest.approx(20.0) and s["p99"] == pytest.approx(29.8)
     assert (s["min"], s["max"]) == (pytest.approx(10.0), pytest.approx(30.0))
     assert math.isnan(summarize([])["p95"]) and summarize([])["count"] == 0
+    assert s["median"] == s["p50"] and s["std"] == pytest.approx(math.sqrt(200 / 3))   # population std
+    assert math.isnan(summarize([])["std"]) and summarize([5.0])["std"] == 0.0
 
 
 def test_timeline_gives_ttft_itl_tpot_e2e():
@@ -109,3 +111,48 @@ def test_report_json_is_strict_and_tables_render(tmp_path):
     assert "P99 TPOT (ms):" in text and "100.00" in text and "TTFT<=100ms" in text
     t = format_table([{"a": 1.234, "b": {"c": None}}], [("a", "A"), ("b.c", "C")])
     assert t.splitlines()[2] == "| 1.23 | - |"
+
+
+def test_flat_keys_are_sglangs_and_equal_the_nested_values():
+    outs = [_o(0.1, 1.1, 11), _o(0.3, 0.8, 6), _o(0.2, 2.2, 11)]
+    m = compute_metrics(outs, 2.0, slo_ttft_ms=250)
+    m["cache_hit_rate"], m["request_rate"] = 0.5, 4.0
+    f = flat_metrics(m)
+    assert (f["completed"], f["failed"], f["duration"]) == (3, 0, 2.0)
+    assert (f["total_input_tokens"], f["total_output_tokens"]) == (30, 28)
+    assert f["request_throughput"] == pytest.approx(1.5) and f["output_throughput"] == pytest.approx(14.0)
+    assert f["input_throughput"] == pytest.approx(15.0) and f["total_throughput"] == pytest.approx(29.0)
+    assert f["mean_ttft_ms"] == pytest.approx(200.0) and f["median_ttft_ms"] == pytest.approx(200.0)
+    assert f["p99_ttft_ms"] == pytest.approx(298.0)                        # 100, 200, 300: rank 1.98
+    assert f["median_tpot_ms"] == pytest.approx(100.0) and f["p99_tpot_ms"] == pytest.approx(198.0)
+    assert f["mean_e2e_latency_ms"] == pytest.approx(1366.6667) and f["median_e2e_latency_ms"] == pytest.approx(1100.0)
+    assert f["concurrency"] == pytest.approx((1.1 + 0.8 + 2.2) / 2.0)       # Σ E2E / duration
+    assert math.isnan(f["mean_itl_ms"])                                     # no streamed gaps here
+    for name in ("ttft", "tpot", "itl", "e2e_latency"):
+        for stat in ("mean", "median", "std", "p95", "p99"):
+            assert f"{stat}_{name}_ms" in f
+    assert f["cache_hit_rate"] == 0.5 and f["request_rate"] == 4.0 and f["goodput"] == pytest.approx(1.0)
+    assert not any(isinstance(v, dict) for v in f.values())
+
+
+def test_serving_table_has_sglangs_layout():
+    a = outcome_from_timeline(0.0, [0.1, 0.11, 0.13, 0.16], 10, 4)
+    b = outcome_from_timeline(0.0, [0.2, 0.24], 12, 2)
+    text = format_serving(compute_metrics([a, b], 2.0), extra={"Backend:": "sglite", "Traffic request rate:": math.inf})
+    lines = text.splitlines()
+    assert lines[0] == "============ Serving Benchmark Result ============" and lines[-1] == "=" * 50
+    rows = {line[:40].rstrip(): line[41:] for line in lines if line[40:41] == " " and ":" in line[:40]}
+    assert rows["Backend:"] == "sglite" and rows["Traffic request rate:"] == "inf"
+    assert rows["Successful requests:"] == "2" and rows["Benchmark duration (s):"] == "2.00"
+    assert rows["Total input tokens:"] == "22" and rows["Total generated tokens:"] == "6"
+    assert rows["Request throughput (req/s):"] == "1.00" and rows["Output token throughput (tok/s):"] == "3.00"
+    assert rows["Mean TTFT (ms):"] == "150.00" and rows["Median TTFT (ms):"] == "150.00"
+    assert rows["P99 TTFT (ms):"] == "199.00" and rows["Max ITL (ms):"] == "40.00"
+    assert rows["Median ITL (ms):"] == "25.00" and rows["Mean E2E Latency (ms):"] == "200.00"
+    for name in ("E2E Latency", "TTFT", "TPOT", "ITL"):
+        for stat in ("Mean", "Median", "P99"):
+            assert f"{stat} {name} (ms):" in rows, f"{stat} {name}"
+    sections = [line for line in lines if line.startswith("-")]
+    assert [s.strip("-") for s in sections] == ["End-to-End Latency", "Time to First Token",
+                                                "Time per Output Token (excl. 1st token)", "Inter-Token Latency"]
+    assert all(len(s) == 50 for s in sections)

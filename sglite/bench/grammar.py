@@ -280,15 +280,26 @@ def _sg_accepts(g, ids) -> bool:
     return all(m.accept_token(t) for t in ids)
 
 
-def main(argv=None) -> int:
-    """Entry point of ``sglite bench grammar``; prints one JSON line per (engine, target)."""
-    p = argparse.ArgumentParser(prog="sglite bench grammar", description=__doc__.splitlines()[0])
-    p.add_argument("--engines", default="sglite,xgrammar,llguidance")
-    p.add_argument("--targets", default=",".join(TARGETS))
-    p.add_argument("--passes", type=int, default=20)
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of ``sglite bench grammar``."""
+    from .report import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="sglite bench grammar", description=__doc__.splitlines()[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--engines", default="sglite,xgrammar,llguidance",
+                   help="comma-separated grammar engines (those not installed are skipped)")
+    p.add_argument("--targets", default=",".join(TARGETS), help="comma-separated targets")
+    p.add_argument("--passes", type=int, default=20, help="passes over each instance (the first is cold)")
     p.add_argument("--coverage", action="store_true", help="also run the maskbench-sample coverage")
     p.add_argument("--suite", action="store_true", help="also run the JSON-Schema-Test-Suite per-file table")
-    p.add_argument("--data", default=str(Path(__file__).resolve().parents[2].parent / "shared" / "data"))
+    p.add_argument("--data", default=str(Path(__file__).resolve().parents[2].parent / "shared" / "data"),
+                   help="folder of the evaluation data (--coverage, --suite)")
+    return p
+
+
+def main(argv=None) -> int:
+    """Entry point of ``sglite bench grammar``; prints one JSON line per (engine, target)."""
+    p = build_parser()
     args = p.parse_args(argv)
     tok = load_tokenizer()
     for engine in engines(tok, set(args.engines.split(","))):

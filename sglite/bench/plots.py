@@ -40,13 +40,17 @@ def _cdf(ax, values_ms: Sequence[float], label: str) -> None:
     ax.step(vals, ys, where="post", label=label)
 
 
-def plot_serving(runs: Sequence[tuple[str, Sequence[RequestOutcome], dict]], path) -> Path:
-    """Latency CDFs and throughput bars of serving runs; writes a PNG at ``path`` and returns it.
+def plot_serving(runs: Sequence[tuple[str, Sequence[RequestOutcome], dict]], path, title: str = "") -> Path:
+    """Latency CDFs (ms) and throughput bars (req/s, tok/s) of serving runs; writes a PNG at
+    ``path`` and returns it.
 
     Args:
         runs: ``(label, outcomes, metrics)`` per run (metrics from :func:`stats.compute_metrics`).
+        title: figure title (``sglite bench serving`` names model, dataset and request rate).
     """
     fig, axes = _figure(3, 2)
+    if title:
+        fig.suptitle(title)
     series = (("TTFT", lambda o: [o.ttft]), ("TPOT", lambda o: [o.tpot]),
               ("ITL", lambda o: list(o.itl)), ("E2E latency", lambda o: [o.e2e]))
     for ax, (name, get) in zip(axes.flat, series):

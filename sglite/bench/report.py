@@ -1,6 +1,7 @@
 """Text tables and JSON result files for the sglite benchmarks (serving, sweep, offline)."""
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import math
@@ -8,9 +9,6 @@ import os
 import platform
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
-
-LATENCY_KEYS = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E latency"))
-
 
 def jsonable(obj: Any) -> Any:
     """``obj`` with NaN/inf floats turned into None (strict JSON) and tuples/sets into lists."""
@@ -62,13 +60,26 @@ def fmt(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
+# (nested key of compute_metrics, section title, row name) in the order SGLang prints them
+LATENCY_SECTIONS = (("e2e_ms", "End-to-End Latency", "E2E Latency"), ("ttft_ms", "Time to First Token", "TTFT"),
+                    ("tpot_ms", "Time per Output Token (excl. 1st token)", "TPOT"),
+                    ("itl_ms", "Inter-Token Latency", "ITL"))
+SERVING_WIDTH = 50
+
+
 def format_serving(metrics: dict, title: str = "Serving Benchmark Result", extra: Optional[dict] = None) -> str:
-    """The result block printed by ``sglite bench serving`` (one ``label: value`` line each)."""
-    width = 62
-    lines = [f" {title} ".center(width, "=")]
+    """The result block printed by ``sglite bench serving``, laid out as SGLang's ``bench_serving``.
+
+    One ``label: value`` line each (label padded to 40 columns): ``extra`` rows first (e.g.
+    ``Backend:``, ``Traffic request rate:``), then counts, duration (s), throughputs (req/s,
+    tok/s), goodput and SLO attainment, then per latency (E2E, TTFT, TPOT, ITL) a ``----`` section
+    with Mean / Median / P95 / P99 rows in milliseconds (ITL adds Max). ``metrics`` is a
+    :func:`sglite.bench.stats.compute_metrics` dict; missing or NaN values print ``-``.
+    """
+    lines = [f" {title} ".center(SERVING_WIDTH, "=")]
 
     def row(label, value, digits=2):
-        lines.append(f"{label:<46}{fmt(value, digits):>16}")
+        lines.append(f"{label:<40} {fmt(value, digits)}")
 
     for k, v in (extra or {}).items():
         row(k, v)
@@ -76,25 +87,45 @@ def format_serving(metrics: dict, title: str = "Serving Benchmark Result", extra
     row("Failed requests:", metrics["failed"])
     row("Benchmark duration (s):", metrics["duration_s"])
     row("Total input tokens:", metrics["total_input_tokens"])
-    row("Total output tokens:", metrics["total_output_tokens"])
-    row("Request throughput (req/s):", metrics["request_throughput"], 3)
+    row("Total generated tokens:", metrics["total_output_tokens"])
+    row("Request throughput (req/s):", metrics["request_throughput"])
     row("Input token throughput (tok/s):", metrics["input_throughput"])
     row("Output token throughput (tok/s):", metrics["output_throughput"])
     row("Total token throughput (tok/s):", metrics["total_token_throughput"])
+    if "concurrency" in metrics:
+        row("Concurrency:", metrics["concurrency"])
     slo = [f"TTFT<={fmt(metrics.get('slo_ttft_ms'), 0)}ms" if metrics.get("slo_ttft_ms") is not None else "",
            f"TPOT<={fmt(metrics.get('slo_tpot_ms'), 0)}ms" if metrics.get("slo_tpot_ms") is not None else ""]
-    row(f"Goodput (req/s) [{' '.join(s for s in slo if s) or 'no SLO'}]:", metrics["goodput"], 3)
+    row("Goodput (req/s):", metrics["goodput"])
+    row("Goodput SLO:", " ".join(s for s in slo if s) or "none")
     row("SLO attainment:", metrics["slo_attainment"], 3)
     if "cache_hit_rate" in metrics:
         row("Cache hit rate (server):", metrics["cache_hit_rate"], 3)
-    for key, name in LATENCY_KEYS:
+    for key, section, name in LATENCY_SECTIONS:
         s = metrics.get(key) or {}
-        lines.append(f" {name} (ms) ".center(width, "-"))
+        lines.append(section.center(SERVING_WIDTH, "-"))
         row(f"Mean {name} (ms):", s.get("mean"))
-        for q in (50, 95, 99):
+        row(f"Median {name} (ms):", s.get("median", s.get("p50")))
+        for q in (95, 99):
             row(f"P{q} {name} (ms):", s.get(f"p{q}"))
-    lines.append("=" * width)
+        if key == "itl_ms":
+            row(f"Max {name} (ms):", s.get("max"))
+    lines.append("=" * SERVING_WIDTH)
     return "\n".join(lines)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` of the ``sglite bench`` sub-commands: descriptions kept as written, and every
+    option's help ends with ``(default: X)`` (``(default: none)`` for an empty string) unless its
+    default is None or it is an on/off flag (or the help already names the default)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default is None or isinstance(action.default, bool) or action.default is argparse.SUPPRESS:
+            return text
+        if action.default == "" and "%(default)" not in text:
+            return text + " (default: none)"
+        return super()._get_help_string(action)
 
 
 def format_table(rows: Sequence[dict], columns: Iterable[tuple[str, str]], digits: int = 2) -> str:

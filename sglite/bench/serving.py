@@ -11,6 +11,12 @@ response is streamed (:mod:`sglite.bench.client`) to time TTFT, each inter-token
 E2E. The server's prefix-cache hit rate is the change of its ``cached_tokens`` / ``prompt_tokens``
 counters (``/get_server_info``) over the run. The ``agent`` dataset runs a ReAct ``@function``
 through the frontend's ``run_batch`` against the server; its per-call TTFT/E2E are the server's.
+``--dataset sharegpt --dataset-path FILE`` (``--dataset-name`` is an alias of ``--dataset``)
+replays a ShareGPT-format JSON file as SGLang does (:func:`sglite.bench.workloads.sharegpt_workload`).
+
+The printed table and the ``--output-json`` keys follow SGLang's ``bench_serving``
+(``mean_ttft_ms``, ``median_e2e_latency_ms``, ``request_throughput`` …; times in ms, throughputs
+per second); the nested ``metrics`` dict is kept alongside.
 """
 from __future__ import annotations
 
@@ -28,9 +34,10 @@ import httpx
 
 from . import client as http_client
 from .launcher import MODES, LaunchedServer
-from .report import format_serving, write_json
-from .stats import NAN, RequestOutcome, compute_metrics
-from .workloads import DATASETS, Session, WorkloadOptions, agent_arguments, agent_program, build_workload
+from .report import HelpFormatter, format_serving, write_json
+from .stats import NAN, RequestOutcome, compute_metrics, flat_metrics
+from .workloads import (DATASETS, SHAREGPT_CONTEXT_LEN, SHAREGPT_MIN_LEN, Session, WorkloadOptions, agent_arguments,
+                        agent_program, build_workload, load_sharegpt, sharegpt_workload)
 
 
 @dataclass(frozen=True)
@@ -66,7 +73,13 @@ class ServingResult:
     config: dict = field(default_factory=dict)
 
     def to_json(self, details: bool = False) -> dict:
-        out = {"label": self.label, "config": self.config, "metrics": self.metrics,
+        """The ``--output-json`` payload: SGLang's flat keys (:func:`stats.flat_metrics`: ``completed``,
+        ``duration``, ``request_throughput``, ``mean_ttft_ms``, ``median_e2e_latency_ms`` …) plus
+        ``backend``, ``dataset_name``, ``max_concurrency``, then ``label``, ``config``, the nested
+        ``metrics`` and the server's scalar info; with ``details`` every request under ``requests``."""
+        out = {**flat_metrics(self.metrics), "backend": self.config.get("backend"),
+               "dataset_name": self.config.get("dataset"), "max_concurrency": self.config.get("max_concurrency"),
+               "label": self.label, "config": self.config, "metrics": self.metrics,
                "server_info": {k: v for k, v in self.server_info.items() if not isinstance(v, (dict, list))}}
         if details:
             out["requests"] = [asdict(o) | {"tpot": o.tpot} for o in self.outcomes]
@@ -163,7 +176,7 @@ def run_serving(cfg: http_client.ClientConfig, sessions: Sequence[Session], opts
     if errors:
         metrics["first_error"] = errors[0]
     return ServingResult(label, outcomes, metrics, after, {**asdict(opts), "base_url": cfg.base_url,
-                                                           "backend": cfg.backend})
+                                                           "backend": cfg.backend, "model": cfg.model})
 
 
 def run_agent(cfg: http_client.ClientConfig, num_programs: int, opts: RunOptions, steps: int = 2,
@@ -204,7 +217,7 @@ def run_agent(cfg: http_client.ClientConfig, num_programs: int, opts: RunOptions
                    cache_hit_rate=_cache_hit_rate(before, after, metrics["cache_hit_rate_client"]),
                    request_rate=opts.request_rate)
     return ServingResult(label, outcomes, metrics, after, {**asdict(opts), "base_url": cfg.base_url,
-                                                           "dataset": "agent"})
+                                                           "backend": cfg.backend, "dataset": "agent"})
 
 
 # ---------------------------------------------------------------------------------- CLI
@@ -215,30 +228,72 @@ def _rate(text: str) -> float:
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by ``serving`` and ``sweep``: workload, load shape, SLOs, launching."""
     d = WorkloadOptions()
-    p.add_argument("--dataset", default="random", choices=DATASETS)
+    p.add_argument("--dataset", "--dataset-name", dest="dataset", default=None, choices=DATASETS, metavar="NAME",
+                   help="workload: %(choices)s (default: random, or sharegpt when --dataset-path is given)")
+    p.add_argument("--dataset-path", default=None,
+                   help="ShareGPT-format JSON file (a list of {'conversations': [{'from': 'human', ...}, "
+                        "{'from': 'gpt', ...}]}) for --dataset sharegpt")
+    p.add_argument("--sharegpt-output-len", type=int, default=None,
+                   help="sharegpt: new tokens per request (default: the token length of the gpt reply)")
+    p.add_argument("--sharegpt-context-len", type=int, default=SHAREGPT_CONTEXT_LEN,
+                   help="sharegpt: skip pairs whose prompt + output tokens exceed this")
+    p.add_argument("--tokenizer", default=None,
+                   help="sharegpt: HF folder or .gguf whose tokenizer counts the lengths (default: --model-path, "
+                        "else the server's model when local, else the default model)")
     p.add_argument("--num-prompts", type=int, default=64, help="sessions (conversations for multi-turn)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--input-len", "--random-input-len", type=int, default=d.input_len)
-    p.add_argument("--output-len", "--random-output-len", type=int, default=d.output_len)
-    p.add_argument("--range-ratio", "--random-range-ratio", type=float, default=d.range_ratio)
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload and of the arrival process")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="most requests in flight at once (default: unbounded)")
+    p.add_argument("--input-len", "--random-input-len", type=int, default=d.input_len,
+                   help="random: prompt length (words, about tokens)")
+    p.add_argument("--output-len", "--random-output-len", type=int, default=d.output_len,
+                   help="new tokens per request (random, shared-prefix, multi-turn; the cap for json)")
+    p.add_argument("--range-ratio", "--random-range-ratio", type=float, default=d.range_ratio,
+                   help="random: lengths uniform in [len*ratio, len] (1 = fixed)")
     p.add_argument("--num-groups", type=int, default=d.num_groups, help="shared-prefix: system prompts")
     p.add_argument("--system-len", type=int, default=d.system_len, help="shared-prefix/agent: prefix words")
-    p.add_argument("--question-len", type=int, default=d.question_len)
-    p.add_argument("--num-turns", type=int, default=d.num_turns)
-    p.add_argument("--turn-len", type=int, default=d.turn_len)
-    p.add_argument("--agent-steps", type=int, default=2)
-    p.add_argument("--slo-ttft-ms", type=float, default=None)
-    p.add_argument("--slo-tpot-ms", type=float, default=None)
-    p.add_argument("--warmup-requests", type=int, default=1)
-    p.add_argument("--no-flush-cache", action="store_true", help="keep the server's prefix cache")
-    p.add_argument("--disable-tqdm", action="store_true")
-    p.add_argument("--backend", default="sglite", choices=http_client.BACKENDS)
+    p.add_argument("--question-len", type=int, default=d.question_len, help="shared-prefix: question words")
+    p.add_argument("--num-turns", type=int, default=d.num_turns, help="multi-turn: turns per conversation")
+    p.add_argument("--turn-len", type=int, default=d.turn_len, help="multi-turn: words per user message")
+    p.add_argument("--agent-steps", type=int, default=2, help="agent: thought/action/observation steps")
+    p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput SLO on TTFT, ms (default: none)")
+    p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput SLO on TPOT, ms (default: none)")
+    p.add_argument("--warmup-requests", type=int, default=1, help="untimed requests sent before the run")
+    p.add_argument("--no-flush-cache", action="store_true",
+                   help="keep the server's prefix cache (default: flushed before the run)")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar (default: shown)")
+    p.add_argument("--backend", default="sglite", choices=http_client.BACKENDS,
+                   help="sglite: native /generate; openai: /v1/completions")
     p.add_argument("--model", default=None, help="OpenAI model name (default: first of /v1/models)")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--launch-mode", default="subprocess", choices=MODES)
-    p.add_argument("--model-path", default=None, help="with --launch/sweep: the model to serve")
+    p.add_argument("--api-key", default=None, help="bearer token sent with every request (default: none)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--launch-mode", default="subprocess", choices=MODES,
+                   help="how --launch / sweep start the server")
+    p.add_argument("--model-path", default=None,
+                   help="with --launch/sweep: the model to serve (default: the default model)")
+
+
+def check_args(a: argparse.Namespace) -> None:
+    """Resolve ``a.dataset`` (None → ``sharegpt`` with ``--dataset-path``, else ``random``) and check
+    the ShareGPT flags.
+
+    Raises:
+        ValueError: naming the flag: ``--dataset sharegpt`` without ``--dataset-path``,
+            ``--dataset-path`` with another dataset, ``--sharegpt-output-len`` < 1,
+            ``--sharegpt-context-len`` < 4, ``--num-prompts`` < 1.
+    """
+    if a.dataset is None:
+        a.dataset = "sharegpt" if a.dataset_path else "random"
+    if a.dataset == "sharegpt" and not a.dataset_path:
+        raise ValueError("--dataset-path: required with --dataset sharegpt (a ShareGPT-format JSON file)")
+    if a.dataset_path and a.dataset != "sharegpt":
+        raise ValueError(f"--dataset-path: only read by --dataset sharegpt, got --dataset {a.dataset}")
+    if a.sharegpt_output_len is not None and a.sharegpt_output_len < 1:
+        raise ValueError(f"--sharegpt-output-len: must be >= 1, got {a.sharegpt_output_len}")
+    if a.sharegpt_context_len < 2 * SHAREGPT_MIN_LEN:
+        raise ValueError(f"--sharegpt-context-len: must be >= {2 * SHAREGPT_MIN_LEN}, got {a.sharegpt_context_len}")
+    if a.num_prompts < 1:
+        raise ValueError(f"--num-prompts: must be >= 1, got {a.num_prompts}")
 
 
 def workload_options(a: argparse.Namespace) -> WorkloadOptions:
@@ -253,15 +308,55 @@ def run_options(a: argparse.Namespace, rate: float) -> RunOptions:
                       flush_cache=not a.no_flush_cache, disable_tqdm=a.disable_tqdm)
 
 
-def run_dataset(a: argparse.Namespace, base_url: str, rate: float, label: str) -> ServingResult:
-    """One run of ``a.dataset`` at ``rate`` against ``base_url`` (agent or HTTP workloads)."""
+def tokenizer_source(a: argparse.Namespace, cfg: http_client.ClientConfig) -> Optional[str]:
+    """Which model's tokenizer counts ShareGPT lengths: ``--tokenizer``, ``--model-path``, the
+    server's ``/get_model_info`` ``tokenizer_path`` when it exists on this machine, else None
+    (the default model)."""
+    import os
+
+    if a.tokenizer or a.model_path:
+        return a.tokenizer or a.model_path
+    try:
+        path = httpx.get(cfg.base_url + "/get_model_info", headers=cfg.headers, timeout=30).json().get(
+            "tokenizer_path")
+    except (httpx.HTTPError, ValueError, AttributeError):
+        path = None
+    return path if path and os.path.exists(path) else None
+
+
+def load_encoder(source: Optional[str]):
+    """``text -> token ids`` of the tokenizer of ``source`` (HF folder, ``.gguf``, None = default model)."""
+    from sglite.runtime.model_loader import load_checkpoint
+    from sglite.runtime.tokenizer import Tokenizer
+
+    ck = load_checkpoint(source)
+    return Tokenizer.from_dir(ck.model_dir, ck.hf_config).encode
+
+
+def run_dataset(a: argparse.Namespace, base_url: str, rate: float, label: str,
+                pairs: Optional[list] = None) -> ServingResult:
+    """One run of ``a.dataset`` at ``rate`` against ``base_url`` (agent, sharegpt or generated workloads).
+
+    ``pairs``: ShareGPT ``(prompt, reply)`` pairs already read from ``--dataset-path`` (read here when None).
+    """
+    check_args(a)
     cfg = http_client.ClientConfig(base_url, a.backend, a.model, a.api_key, a.temperature)
     opts = run_options(a, rate)
     if a.dataset == "agent":
         return run_agent(cfg, a.num_prompts, opts, a.agent_steps, a.system_len, label)
-    sessions = build_workload(a.dataset, a.num_prompts, a.seed, workload_options(a))
+    if a.dataset == "sharegpt":
+        pairs = pairs if pairs is not None else load_sharegpt(a.dataset_path)
+        sessions = sharegpt_workload(pairs, a.num_prompts, load_encoder(tokenizer_source(a, cfg)), a.seed,
+                                     a.sharegpt_output_len, a.sharegpt_context_len)
+        if len(sessions) < a.num_prompts:
+            print(f"note: --dataset-path has {len(sessions)} usable conversations, fewer than --num-prompts "
+                  f"{a.num_prompts}", file=sys.stderr)
+    else:
+        sessions = build_workload(a.dataset, a.num_prompts, a.seed, workload_options(a))
     res = run_serving(cfg, sessions, opts, label)
     res.config["dataset"] = a.dataset
+    if a.dataset_path:
+        res.config["dataset_path"] = a.dataset_path
     return res
 
 
@@ -271,30 +366,49 @@ def server_argv(a: argparse.Namespace, extra: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sglite bench serving", description=__doc__.split("\n\n")[0])
-    p.add_argument("--base-url", default="http://127.0.0.1:30000")
-    p.add_argument("--launch", action="store_true", help="start a server (see --server-args) for this run")
+    p = argparse.ArgumentParser(prog="sglite bench serving", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:30000", help="root of a running server")
+    p.add_argument("--launch", action="store_true",
+                   help="start a server (see --server-args) for this run (default: use --base-url)")
     p.add_argument("--server-args", default="", help='flags of `sglite serve`, e.g. "--disable-radix-cache"')
     p.add_argument("--request-rate", type=_rate, default=math.inf, help="sessions per second, or inf")
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--output-json", default=None, help="write the result here (SGLang's flat keys + nested metrics)")
     p.add_argument("--output-details", action="store_true", help="include every request in the JSON")
-    p.add_argument("--plot", default=None, help="PNG with latency CDFs and throughput bars")
+    p.add_argument("--plot", default=None, help="PNG with latency CDFs and throughput bars (default: none)")
     add_workload_args(p)
     return p
 
 
+def model_name(res: ServingResult) -> str:
+    """The served model's name as the run saw it (``--model``, the server's name or path)."""
+    info = res.server_info
+    return str(res.config.get("model") or info.get("served_model_name") or info.get("model_path") or "unknown model")
+
+
+def plot_title(res: ServingResult, dataset: str, rate: float) -> str:
+    """``"<model> | <dataset> | request rate <rate> req/s"`` (the ``--plot`` title)."""
+    return f"{model_name(res)} | {dataset} | request rate {rate:g} req/s"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``sglite bench serving``; returns 0 when at least one request succeeded."""
-    a = build_parser().parse_args(argv)
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    try:
+        check_args(a)
+        pairs = load_sharegpt(a.dataset_path) if a.dataset == "sharegpt" else None
+    except ValueError as exc:
+        parser.error(str(exc))
     label = f"{a.dataset} @ {a.request_rate} req/s"
     if a.launch:
         with LaunchedServer(server_argv(a, a.server_args), a.launch_mode) as srv:
-            res = run_dataset(a, srv.url, a.request_rate, label)
+            res = run_dataset(a, srv.url, a.request_rate, label, pairs)
         res.config["server_args"] = server_argv(a, a.server_args)
     else:
-        res = run_dataset(a, a.base_url.rstrip("/"), a.request_rate, label)
-    extra = {"Dataset:": a.dataset, "Request rate (req/s):": a.request_rate,
-             "Max concurrency:": a.max_concurrency or "-"}
+        res = run_dataset(a, a.base_url.rstrip("/"), a.request_rate, label, pairs)
+    extra = {"Backend:": a.backend, "Dataset:": a.dataset, "Traffic request rate:": a.request_rate,
+             "Max request concurrency:": a.max_concurrency or "not set"}
     if "program_throughput" in res.metrics:
         extra["Programs/s:"] = res.metrics["program_throughput"]
     print(format_serving(res.metrics, extra=extra))
@@ -305,5 +419,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.plot:
         from .plots import plot_serving
 
-        plot_serving([(label, res.outcomes, res.metrics)], a.plot)
+        plot_serving([(label, res.outcomes, res.metrics)], a.plot, title=plot_title(res, a.dataset, a.request_rate))
     return 0 if res.metrics["completed"] else 1

@@ -50,12 +50,17 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def summarize(values: Iterable[float], scale: float = 1.0) -> dict:
-    """``{"mean", "p50", "p95", "p99", "min", "max", "count"}`` of ``values`` times ``scale``.
+    """``{"mean", "median", "std", "p50", "p95", "p99", "min", "max", "count"}`` of ``values`` times
+    ``scale`` (the unit of the result is the unit of ``values`` times ``scale``).
 
-    NaNs are dropped first; with nothing left every statistic is NaN and ``count`` is 0.
+    ``median`` equals ``p50``; ``std`` is the population standard deviation (numpy's default,
+    as SGLang's ``bench_serving`` reports it). NaNs are dropped first; with nothing left every
+    statistic is NaN and ``count`` is 0.
     """
     vals = [v * scale for v in values if not math.isnan(v)]
-    out = {"mean": sum(vals) / len(vals) if vals else NAN}
+    mean = sum(vals) / len(vals) if vals else NAN
+    out = {"mean": mean, "median": percentile(vals, 50),
+           "std": math.sqrt(sum((v - mean) ** 2 for v in vals) / len(vals)) if vals else NAN}
     for q in PERCENTILES:
         out[f"p{q}"] = percentile(vals, q)
     out["min"] = min(vals) if vals else NAN
@@ -135,7 +140,8 @@ def compute_metrics(outcomes: Sequence[RequestOutcome], duration_s: float, slo_t
     ``total_token_throughput`` (tokens of successful requests); ``goodput`` (good requests/s)
     and ``slo_attainment`` (good / all requests); ``ttft_ms``, ``tpot_ms``, ``itl_ms``, ``e2e_ms``
     as :func:`summarize` dicts in milliseconds; ``cache_hit_rate_client`` (Σ cached / Σ prompt
-    tokens as the responses reported them).
+    tokens as the responses reported them); ``concurrency`` (Σ E2E / ``duration_s``: the mean
+    number of requests in flight). :func:`flat_metrics` gives SGLang's flat keys.
 
     Raises:
         ValueError: ``duration_s`` not positive.
@@ -160,7 +166,39 @@ def compute_metrics(outcomes: Sequence[RequestOutcome], duration_s: float, slo_t
         "itl_ms": summarize((g for o in ok for g in o.itl), 1000.0),
         "e2e_ms": summarize((o.e2e for o in ok), 1000.0),
         "cache_hit_rate_client": sum(o.cached_tokens for o in ok) / n_in if n_in else NAN,
+        "concurrency": sum(o.e2e for o in ok if not math.isnan(o.e2e)) / duration_s,
     }
+
+
+# (nested key of compute_metrics, name in SGLang's flat keys)
+FLAT_LATENCIES = (("ttft_ms", "ttft"), ("tpot_ms", "tpot"), ("itl_ms", "itl"), ("e2e_ms", "e2e_latency"))
+FLAT_STATS = ("mean", "median", "std", "p95", "p99", "max")
+
+
+def flat_metrics(metrics: dict) -> dict:
+    """SGLang ``bench_serving``'s flat result keys from a :func:`compute_metrics` dict.
+
+    Returns ``completed``, ``failed``, ``duration`` (s), ``total_input_tokens``,
+    ``total_output_tokens``, ``request_throughput`` (req/s), ``input_throughput``,
+    ``output_throughput``, ``total_throughput`` (tok/s), ``concurrency`` (mean requests in
+    flight: Σ E2E / duration), ``goodput`` (req/s), ``slo_attainment``, and for each of
+    ``ttft``, ``tpot``, ``itl``, ``e2e_latency`` the keys ``{mean,median,std,p95,p99,max}_<name>_ms``
+    (milliseconds), e.g. ``median_ttft_ms``, ``p99_e2e_latency_ms``. Any other scalar entry of
+    ``metrics`` (e.g. ``cache_hit_rate``, ``request_rate``) is passed through unchanged.
+    """
+    out = {"completed": metrics["completed"], "failed": metrics["failed"], "duration": metrics["duration_s"],
+           "total_input_tokens": metrics["total_input_tokens"], "total_output_tokens": metrics["total_output_tokens"],
+           "request_throughput": metrics["request_throughput"], "input_throughput": metrics["input_throughput"],
+           "output_throughput": metrics["output_throughput"],
+           "total_throughput": metrics["total_token_throughput"]}
+    for key, name in FLAT_LATENCIES:
+        s = metrics.get(key) or {}
+        for stat in FLAT_STATS:
+            out[f"{stat}_{name}_ms"] = s.get(stat, NAN)
+    for k, v in metrics.items():
+        if k not in out and k != "duration_s" and k != "total_token_throughput" and not isinstance(v, (dict, list)):
+            out[k] = v
+    return out
 
 
 def max_rate_meeting_attainment(points: Iterable[tuple[float, float]], target: float = 0.9) -> Optional[float]:

@@ -18,9 +18,10 @@ import math
 from typing import Optional, Sequence
 
 from .launcher import LaunchedServer
-from .report import format_table, write_json
-from .serving import _rate, add_workload_args, run_dataset, server_argv
-from .stats import max_rate_meeting_attainment
+from .report import HelpFormatter, format_table, write_json
+from .serving import _rate, add_workload_args, check_args, run_dataset, server_argv
+from .stats import flat_metrics, max_rate_meeting_attainment
+from .workloads import load_sharegpt
 
 COLUMNS = (("config", "config"), ("request_rate", "rate (req/s)"), ("request_throughput", "req/s"),
            ("goodput", "goodput (req/s)"), ("slo_attainment", "SLO attainment"),
@@ -66,31 +67,40 @@ def distserve_goodput(series: dict[str, list[dict]], target: float) -> dict[str,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sglite bench sweep", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="sglite bench sweep", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--request-rates", default="1,2,4", help="comma-separated rates (req/s); 'inf' allowed")
     p.add_argument("--config", action="append", default=None, metavar="LABEL=FLAGS",
                    help="a server configuration (repeat; default: radix cache on vs off)")
     p.add_argument("--server-args", default="", help="flags of `sglite serve` common to every configuration")
-    p.add_argument("--attainment-target", type=float, default=0.9)
-    p.add_argument("--output-json", default=None)
-    p.add_argument("--plot", default=None, help="PNG: goodput, P95 TTFT, P95 TPOT vs rate")
+    p.add_argument("--attainment-target", type=float, default=0.9,
+                   help="DistServe goodput: highest rate whose SLO attainment (0-1) reaches this")
+    p.add_argument("--output-json", default=None,
+                   help="write every point here (SGLang's flat keys + nested metrics; default: none)")
+    p.add_argument("--plot", default=None, help="PNG: goodput, P95 TTFT, P95 TPOT vs rate (default: none)")
     add_workload_args(p)
     return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``sglite bench sweep``; returns 0 when every run completed some request."""
-    a = build_parser().parse_args(argv)
-    rates = parse_rates(a.request_rates)
-    configs = [parse_config(c) for c in (a.config or ["radix=", "no-radix=--disable-radix-cache"])]
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    try:
+        check_args(a)
+        pairs = load_sharegpt(a.dataset_path) if a.dataset == "sharegpt" else None
+        rates = parse_rates(a.request_rates)
+        configs = [parse_config(c) for c in (a.config or ["radix=", "no-radix=--disable-radix-cache"])]
+    except ValueError as exc:
+        parser.error(str(exc))
     series: dict[str, list[dict]] = {}
     for label, flags in configs:
         argv_server = server_argv(a, a.server_args) + server_argv(argparse.Namespace(model_path=None), flags)
         with LaunchedServer(argv_server, a.launch_mode) as srv:
             for rate in rates:
-                res = run_dataset(a, srv.url, rate, f"{label} @ {rate}")
-                series.setdefault(label, []).append({"request_rate": rate, "metrics": res.metrics,
-                                                     "server_args": argv_server})
+                res = run_dataset(a, srv.url, rate, f"{label} @ {rate}", pairs)
+                series.setdefault(label, []).append({**flat_metrics(res.metrics), "request_rate": rate,
+                                                     "metrics": res.metrics, "server_args": argv_server})
                 print(f"{label} @ {rate} req/s: goodput {res.metrics['goodput']:.3f} req/s, "
                       f"P95 TTFT {res.metrics['ttft_ms']['p95']:.1f} ms, "
                       f"P95 TPOT {res.metrics['tpot_ms']['p95']:.1f} ms", flush=True)

@@ -30,7 +30,7 @@ WORDS = (
     "name became due early based along around area best long small great water light music "
     "market report simple question answer model paper table field value result system order").split()
 
-DATASETS = ("random", "shared-prefix", "multi-turn", "json", "agent")
+DATASETS = ("random", "shared-prefix", "multi-turn", "json", "agent", "sharegpt")
 
 
 @dataclass(frozen=True)
@@ -153,11 +153,100 @@ def build_workload(name: str, num_prompts: int, seed: int = 0,
         ValueError: unknown ``name`` (lists the known ones; ``agent`` is built by
             :func:`agent_arguments`) or ``num_prompts`` < 1.
     """
+    if name == "sharegpt":
+        raise ValueError("dataset: sharegpt is read from a file (--dataset-path): use sharegpt_workload")
     if name not in _BUILDERS:
-        raise ValueError(f"dataset: unknown workload {name!r}; known: {sorted(_BUILDERS)} (and 'agent')")
+        raise ValueError(f"dataset: unknown workload {name!r}; known: {sorted(_BUILDERS)} (and 'agent', 'sharegpt')")
     if num_prompts < 1:
         raise ValueError(f"num_prompts: must be >= 1, got {num_prompts}")
     return _BUILDERS[name](num_prompts, random.Random(seed), options or WorkloadOptions())
+
+
+# ---------------------------------------------------------------------------------- ShareGPT
+SHAREGPT_CONTEXT_LEN = 2048   # prompt + output tokens above this are "too long" (vLLM's / SGLang's limit)
+SHAREGPT_MIN_LEN = 2          # prompts or outputs below this many tokens are "too short"
+
+
+def load_sharegpt(path) -> list[tuple[str, str]]:
+    """``(prompt, reply)`` text pairs of a ShareGPT-format JSON file.
+
+    The file is a JSON list of ``{"conversations": [{"from": "human", "value": ...},
+    {"from": "gpt", "value": ...}, ...]}``; per conversation the first ``human`` turn is the
+    prompt and the first ``gpt`` turn after it the reply. Conversations without such a pair
+    are skipped (as SGLang skips those with fewer than two turns).
+
+    Raises:
+        ValueError: naming ``--dataset-path`` when the file is missing or unreadable, is not
+            JSON, is not a list of objects with a ``conversations`` list, or holds no pair.
+    """
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--dataset-path: no such file: {str(p)!r}")
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--dataset-path: {str(p)!r} is not a readable JSON file: {exc}") from exc
+    if not isinstance(data, list):
+        raise ValueError(f"--dataset-path: {str(p)!r} must hold a JSON list of conversations, "
+                         f"got {type(data).__name__}")
+    pairs = []
+    for i, item in enumerate(data):
+        conv = item.get("conversations") if isinstance(item, dict) else None
+        if not isinstance(conv, list):
+            raise ValueError(f"--dataset-path: entry {i} of {str(p)!r} has no 'conversations' list")
+        turns = [(t.get("from"), t.get("value")) for t in conv if isinstance(t, dict)]
+        human = next((k for k, (who, v) in enumerate(turns) if who == "human" and isinstance(v, str)), None)
+        if human is None:
+            continue
+        reply = next((v for who, v in turns[human + 1:] if who == "gpt" and isinstance(v, str)), None)
+        if reply is not None:
+            pairs.append((turns[human][1], reply))
+    if not pairs:
+        raise ValueError(f"--dataset-path: {str(p)!r} has no conversation with a human turn followed by a gpt turn")
+    return pairs
+
+
+def sharegpt_workload(pairs: list[tuple[str, str]], num_prompts: int, encode, seed: int = 0,
+                      output_len: Optional[int] = None,
+                      context_len: int = SHAREGPT_CONTEXT_LEN) -> list[Session]:
+    """Up to ``num_prompts`` single-turn sessions sampled from ShareGPT ``pairs`` (see :func:`load_sharegpt`).
+
+    As SGLang's ``sample_sharegpt_requests``: the pairs are shuffled with ``seed``; each prompt is
+    sent as is and asks for as many new tokens as the reply has (``len(encode(reply))``, or
+    ``output_len`` when given); pairs whose prompt or output is under 2 tokens (too short) or
+    whose prompt + output exceed ``context_len`` tokens (too long) are skipped.
+
+    Args:
+        encode: text → token ids (the served model's tokenizer).
+    Returns:
+        The sessions; fewer than ``num_prompts`` when the file has too few usable pairs.
+    Raises:
+        ValueError: ``num_prompts`` < 1, ``output_len`` < 1 or ``context_len`` < 2, or no pair
+            passes the length filter (naming ``--dataset-path``).
+    """
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts: must be >= 1, got {num_prompts}")
+    if output_len is not None and output_len < 1:
+        raise ValueError(f"sharegpt_output_len: must be >= 1, got {output_len}")
+    if context_len < 2 * SHAREGPT_MIN_LEN:
+        raise ValueError(f"sharegpt_context_len: must be >= {2 * SHAREGPT_MIN_LEN}, got {context_len}")
+    order = list(pairs)
+    random.Random(seed).shuffle(order)
+    out = []
+    for prompt, reply in order:
+        if len(out) == num_prompts:
+            break
+        n_in = len(encode(prompt))
+        n_out = output_len if output_len is not None else len(encode(reply))
+        if n_in < SHAREGPT_MIN_LEN or n_out < SHAREGPT_MIN_LEN or n_in + n_out > context_len:
+            continue
+        out.append(Session((Turn(prompt, n_out),)))
+    if not out:
+        raise ValueError(f"--dataset-path: none of the {len(pairs)} conversations has a prompt and reply of "
+                         f">= {SHAREGPT_MIN_LEN} tokens with prompt + reply <= {context_len} tokens")
+    return out
 
 
 # ---------------------------------------------------------------------------------- agent

@@ -1,0 +1,53 @@
+"""Every flag of every `sglite bench *` sub-command has one line of help that names its default."""
+import argparse
+import importlib
+
+import pytest
+
+from sglite.cli import BENCHES, main as cli_main
+
+
+def _parsers():
+    for name, module in BENCHES.items():
+        yield name, importlib.import_module(module).build_parser()
+
+
+def _expanded_help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    """The help text exactly as ``--help`` prints it (defaults and %(...)s expanded)."""
+    return parser._get_formatter()._expand_help(action)
+
+
+@pytest.mark.parametrize("name", list(BENCHES))
+def test_every_flag_has_help_naming_its_default(name):
+    parser = dict(_parsers())[name]
+    flags = [a for a in parser._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
+    assert len(flags) >= 5, f"{name}: expected a real parser, got {len(flags)} flags"
+    for action in flags:
+        flag = action.option_strings[0]
+        text = _expanded_help(parser, action)
+        assert text.strip(), f"sglite bench {name} {flag}: no help"
+        assert "\n" not in text, f"sglite bench {name} {flag}: help is more than one line"
+        assert "(default: None)" not in text, f"sglite bench {name} {flag}: says default None"
+        default = action.default
+        if default is None or isinstance(default, bool):
+            continue   # an optional value or an on/off flag: no default to name
+        shown = "none" if default == "" else str(default)
+        assert f"default: {shown}" in text or "%(default)" in (action.help or ""), (
+            f"sglite bench {name} {flag}: help {text!r} does not name its default {default!r}")
+
+
+def test_startup_is_a_bench_subcommand_and_help_shows_defaults(capsys):
+    assert "startup" in BENCHES
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["bench", "startup", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "--repeats REPEATS" in out and "(default: 3)" in out and "--max-total-tokens" in out
+
+
+def test_dataset_name_is_an_alias_of_dataset():
+    from sglite.bench import serving
+
+    p = serving.build_parser()
+    assert p.parse_args(["--dataset-name", "json"]).dataset == "json"
+    assert p.parse_args(["--dataset", "multi-turn"]).dataset == "multi-turn"

@@ -95,8 +95,14 @@ class FakeScheduler:
         self.log.append(("abort", rid))
 
     def step(self):
+        if not self.waiting:
+            return False
         r = self.waiting.pop(0)
         r.sink(_ev("done", [1], [], {"type": "length", "length": 1}))
+        return True
+
+    def abort_all(self, message, running_only=False):
+        self.log.append(("abort_all", message))
 
     def check_invariants(self):
         pass

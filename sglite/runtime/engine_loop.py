@@ -14,7 +14,6 @@ from concurrent.futures import Future
 
 from ..errors import InvalidRequestError
 from .engine_messages import Abort, Call, Message, Stop, SubmitReqs
-from .req import FinishReason
 
 log = logging.getLogger("sglite.engine")
 
@@ -123,7 +122,10 @@ class EngineLoop:
                     sched.check_invariants()
             except Exception as exc:  # keep serving: fail the running requests, free their KV
                 log.exception("scheduler step failed")
-                self._fail_running(exc)
+                try:
+                    self._fail_running(exc)
+                except Exception:  # never let recovery kill the loop
+                    log.exception("could not fail the running requests cleanly")
 
     def handle(self, msg: Message) -> None:
         """Apply one inbox message (loop thread)."""

@@ -164,7 +164,8 @@ def test_chunked_prefill_sizes_and_decode_priority():
     while long.finished is None:
         plan = sched.schedule()
         kinds.append(sorted(e.n for e in plan.entries))
-        sched.process(plan, runner.forward(ForwardBatch.from_plan(plan, sched.kv.req_to_token)))
+        logits = runner.forward(ForwardBatch.from_plan(plan, sched.kv.req_to_token))
+        sched.process(plan, logits, sched.sample(plan, logits))
         sched.check_invariants()
     chunk_steps = [k for k in kinds if max(k) > 1]
     assert [max(k) for k in chunk_steps] == [16, 16, 16, 4]

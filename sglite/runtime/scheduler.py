@@ -26,7 +26,7 @@ from .grammar_masks import MaskOverlap
 from .kv_manager import KVManager
 from .output import OutputProcessor
 from .req import FinishReason, Req
-from .sampler import Sampler
+from .sampler import SampleOutput, Sampler
 from .schedule_policy import order_waiting
 from .step_log import StepLogger
 from .step_plan import SMALL_EXTEND, StepEntry, StepPlan
@@ -125,12 +125,13 @@ class Scheduler:
         if plan is None:
             return False
         batch = ForwardBatch.from_plan(plan, self.kv.req_to_token)
-        masks = self.masks.start([e.req for e in plan.sampling])
+        masks = self.masks.start(plan.sampling_reqs)  # on a second thread when a vocabulary walk is needed
         try:
             logits = self.runner.forward(batch)  # [M, V] float32
         finally:
             bitmask = masks()
-        self.process(plan, logits, bitmask)
+        sampled = self.sample(plan, logits, bitmask)
+        self.process(plan, logits, sampled)
         return True
 
     # ------------------------------------------------------------------ scheduling
@@ -242,22 +243,28 @@ class Scheduler:
             budget -= n
 
     # ------------------------------------------------------------------ results
-    def process(self, plan: StepPlan, logits: torch.Tensor, bitmask: Optional[torch.Tensor] = None) -> None:
+    def sample(self, plan: StepPlan, logits: torch.Tensor, bitmask: Optional[torch.Tensor] = None) -> Optional[SampleOutput]:
+        """Next tokens of the plan's sampling entries (``logits``: [M, V] float32, rows as laid out
+        by the plan; ``bitmask``: their grammar masks when computed already). None when no entry
+        samples (a step of non-final prefill chunks)."""
+        sampling = plan.sampling
+        if not sampling:
+            return None
+        rows = logits[torch.tensor([e.sample_row for e in sampling])]  # [B, V]
+        return self.sampler.sample(rows, plan.sampling_reqs, bitmask)
+
+    def process(self, plan: StepPlan, logits: torch.Tensor, sampled: Optional[SampleOutput]) -> None:
         """Advance the plan's requests past this step: commit their KV, record input logprobs,
-        sample and append the next tokens (``logits``: [M, V] float32, rows as laid out by the
-        plan; ``bitmask``: the sampling requests' grammar masks when computed already)."""
+        append the sampled tokens (grammar, detokenizer, stop checks, jump-forward), finish."""
         for e in plan.entries:
             r = e.req
             self.kv.commit(r, e.n)
             if e.input_rows or (r.wants_input_logprobs() and r.logprob_start_len == 0):
                 self.out.record_input_logprobs(r, logits, e.input_rows)
-        sampling = plan.sampling
-        if sampling:
-            reqs = [e.req for e in sampling]
-            res = self.sampler.sample(logits[torch.tensor([e.sample_row for e in sampling])], reqs, bitmask)
-            for i, (r, tok) in enumerate(zip(reqs, res.next_ids)):
+        if sampled is not None:
+            for i, (r, tok) in enumerate(zip(plan.sampling_reqs, sampled.next_ids)):
                 self.counters["generated_tokens"] += 1
-                lp = res.logprobs[i] if res.logprobs is not None and r.return_logprob else None
+                lp = sampled.logprobs[i] if sampled.logprobs is not None and r.return_logprob else None
                 reason = self.out.append_token(r, tok, lp)
                 if reason is not None:
                     self.running.remove(r)

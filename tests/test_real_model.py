@@ -12,6 +12,7 @@ def hf_model(real_checkpoint):
     return AutoModelForCausalLM.from_pretrained(str(real_checkpoint.model_dir), dtype=torch.float32)
 
 
+@pytest.mark.slow
 def test_greedy_parity_with_hf_on_four_prompts(real_engine, hf_model):
     tok = real_engine.tokenizer
     texts = ["Hello there, friend", "The history of the Roman empire " * 4,

@@ -160,3 +160,55 @@ def test_chunked_prefill_step_without_logits_rows(tiny_model_dir):
             e.shutdown()
     assert outs["cpp"]["meta_info"]["finish_reason"]["type"] == "length"
     assert outs["cpp"]["output_ids"] == outs["off"]["output_ids"]
+
+
+def test_every_matmul_goes_through_kernels_linear_and_impl_is_chosen_once(tiny_qwen_dir, monkeypatch):
+    """Each forward calls ``kernels.linear`` 4 x layers + 1 times (qkv, o, gate_up, down, LM head),
+    no ``F.linear`` / ``matmul`` runs outside it, and the implementation is chosen once, at load."""
+    from sglite import Engine
+    from sglite.runtime.models import llama
+
+    chosen, calls, outside = [], [], []
+    real_choose, real_linear = kernels.choose_impl, kernels.linear
+    inside = [False]
+
+    def choose(*a, **kw):
+        chosen.append(a[0])
+        return real_choose(*a, **kw)
+
+    def counted(x, w, bias=None):
+        calls.append(tuple(w.shape))
+        inside[0] = True
+        try:
+            return real_linear(x, w, bias)
+        finally:
+            inside[0] = False
+
+    def guard(name, fn):
+        def wrapped(*a, **kw):
+            if not inside[0]:
+                outside.append(name)
+            return fn(*a, **kw)
+        return wrapped
+
+    monkeypatch.setattr(kernels, "choose_impl", choose)
+    monkeypatch.setattr(kernels, "linear", counted)
+    e = Engine(model_path=str(tiny_qwen_dir), dtype="bfloat16", max_total_tokens=4096, cpu_decode_gemv="auto")
+    try:
+        m = e.runner.model
+        assert chosen == ["auto"] and m.linear_impl == e.runner.linear_impl
+        steps = []
+        real_forward = m.forward
+        monkeypatch.setattr(m, "forward", lambda *a: (steps.append(1), real_forward(*a))[1])
+        monkeypatch.setattr(llama.F, "linear", guard("F.linear", llama.F.linear), raising=False)
+        monkeypatch.setattr(torch, "matmul", guard("torch.matmul", torch.matmul))
+        e.generate(input_ids=[[5, 9, 17, 33], list(range(40, 60))],
+                   sampling_params={"max_new_tokens": 3, "temperature": 0, "ignore_eos": True})
+        per_step = 4 * m.arch.num_layers + 1
+        assert len(calls) == per_step * len(steps) and steps
+        assert calls[:per_step] == [tuple(m.layers[0][k].shape) for k in ("qkv", "o", "gate_up", "down")] * \
+            m.arch.num_layers + [tuple(m.lm_head.shape)]
+        assert not outside
+        assert chosen == ["auto"]  # never re-chosen while serving
+    finally:
+        e.shutdown()

@@ -8,9 +8,10 @@ Implementations (``LinearWeight.impl``):
                    the output rounded back to bf16; other row counts: ``torch``.
     ``cpp``        1 <= rows <= 8: the C++ AVX-512-BF16 GEMV (:mod:`.cpu_gemv`); others: ``torch``.
     ``invariant``  batch-invariant (deterministic inference): row i of the result depends only on
-                   ``x[i]`` and the weight, whatever the row count, through the C++ kernel
-                   :func:`.cpu_gemv.linear_invariant` (bf16 and fp32, any row count); without it,
-                   one ``F.linear`` per row.
+                   ``x[i]`` and the weight, whatever the row count: on CPU the C++ kernel
+                   :func:`.cpu_gemv.linear_invariant` (bf16 and fp32), on CUDA the Triton kernel
+                   :func:`.triton_matmul.linear_invariant` (fixed tiles, no split-K); without
+                   either, one ``F.linear`` per row.
 Quantized weights plug in as more implementations: a new entry of :data:`IMPLS` and whatever
 packed copies it needs on the weight.
 
@@ -111,7 +112,19 @@ def _cpp(x: torch.Tensor, lw: LinearWeight) -> torch.Tensor:
 
 
 def _invariant(x: torch.Tensor, lw: LinearWeight) -> torch.Tensor:
+    if x.is_cuda and _triton_ok():
+        from . import triton_matmul
+
+        return triton_matmul.linear_invariant(x, lw.weight, lw.bias)
     return cpu_gemv.linear_invariant(x, lw.weight, lw.bias)
+
+
+def _triton_ok() -> bool:
+    try:
+        import triton  # noqa: F401
+        return True
+    except Exception:
+        return False
 
 
 IMPLS: dict[str, Callable[[torch.Tensor, LinearWeight], torch.Tensor]] = {

@@ -108,3 +108,18 @@ def test_gemv_falls_back_without_kernel(monkeypatch):
     assert torch.equal(cpu_gemv.linear_invariant(xs, w), torch.cat([F.linear(xs[i:i + 1], w) for i in range(5)]))
     g, u = torch.randn(3, 37), torch.randn(3, 37)
     assert torch.equal(cpu_gemv.silu_mul(g, u), torch.stack([F.silu(g[i]) * u[i] for i in range(3)]))
+
+
+def test_cpp_sources_are_package_data_files():
+    """The C++ sources live in kernels/csrc/*.cpp (shipped as package data), not in Python strings."""
+    from pathlib import Path
+
+    names = sorted(p.name for p in cpu_build.CSRC.glob("*.cpp"))
+    assert names == ["cpu_attention.cpp", "cpu_gemv.cpp"]
+    assert all("#include" in cpu_build.read_source(n) for n in names)
+    kernels_dir = cpu_build.CSRC.parent
+    assert not [p.name for p in kernels_dir.glob("*.py") if "#include <" in p.read_text()]
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    assert '"sglite.kernels" = ["csrc/*.cpp"]' in pyproject.read_text()
+    with pytest.raises(FileNotFoundError):
+        cpu_build.read_source("missing.cpp")

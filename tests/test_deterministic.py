@@ -188,6 +188,24 @@ def test_engine_batch_equals_solo_bitwise(tiny_model_dir):
         assert not bad, f"{name}: {len(bad)} of {len(work)} requests differ from their solo run, e.g. #{bad[0]}"
 
 
+def test_engine_300_requests_under_retraction_equal_solo(tiny_model_dir):
+    """The stress shape (300 requests, a pool 1.3x the longest request, so prefixes are evicted and
+    running requests retracted and recomputed) in bf16: tokens and logprobs equal the solo runs."""
+    from sglite import Engine
+
+    work = _workload(300, seed=3)
+    longest = max(len(ids) + m for ids, m in work)
+    solo = _solo(tiny_model_dir, work)
+    with Engine(model_path=str(tiny_model_dir), dtype="bfloat16", max_total_tokens=int(1.3 * longest),
+                max_running_requests=64, chunked_prefill_size=16, enable_deterministic_inference=True) as e:
+        got = [_key(o) for o in e.generate(input_ids=[ids for ids, _ in work],
+                                           sampling_params=[_params(m) for _, m in work], return_logprob=True)]
+        info = e.get_server_info()
+    assert info["retractions"] > 0 and info["evicted_tokens"] > 0, info
+    bad = [i for i, (a, b) in enumerate(zip(got, solo)) if a != b]
+    assert not bad, f"{len(bad)} of 300 requests differ from their solo run"
+
+
 def test_engine_batch_equals_solo_qwen_fp32(tiny_qwen_dir):
     """float32 weights with q/k/v biases: the fp32 invariant matmul and the bias path."""
     work = _workload(16, seed=1)

@@ -38,7 +38,12 @@ twin (FMA chains over 16-wide slices). The M = 1 kernel of ``gemv_bf16`` uses th
 the few-row GEMV is batch-invariant for 1 <= M <= 8 too. Why a kernel of our own rather than
 oneDNN in fixed-size blocks: oneDNN picks its kernel and blocking by M (measured: 14 of 257 rows
 of a [M, 1536] x [96, 1536] bf16 product and every row of fp32 ones differ from the M = 1 result
-at some M in 1..257), and its choice is not ours to pin. Cost: see ``docs/benchmarks.md``.
+at some M in 1..257), and its choice is not ours to pin. Measured (one thread, best of 5, bf16,
+SmolLM2 shapes; invariant vs oneDNN): gate_up [3072, 576] M=1 0.06 vs 0.15 ms, M=64 2.1 vs 1.7,
+M=512 11.3 vs 10.2; down [576, 1536] M=64 0.68 vs 0.62, M=512 4.9 vs 4.3; LM head [49152, 576]
+M=1 4.6 vs 9.9, M=64 37 vs 27, M=512 222 vs 185 ms: within 1.1-1.35x of oneDNN at batch sizes,
+faster at one row. bf16 groups of 4 x rows meet 2 weight rows per pass (12 loads per 16
+VDPBF16PS instead of 18 with 8 x rows against 1). End to end: ``docs/benchmarks.md``.
 
 ``silu_mul(g, u)`` = ``silu(g) * u`` (bf16|fp32, any shape): every element runs the same AVX-512
 code (a degree-6 polynomial exp, the tail masked), because torch's ``F.silu`` computes the

@@ -111,13 +111,19 @@ def extend_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, pref
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, sm_scale)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, batch_invariant: bool = False) -> torch.Tensor:
     """RMSNorm over the last dim (Zhang & Sennrich 2019): ``x / sqrt(mean(x^2) + eps) * weight``.
 
-    x: [..., H]; weight: [H]; returns x's shape and dtype (``F.rms_norm``). Row-invariant as is:
-    torch reduces each row with the same code whatever the row count (checked in
-    tests/test_deterministic.py), so there is no separate batch-invariant variant.
+    x: [..., H]; weight: [H]; returns x's shape and dtype (``F.rms_norm``). On CPU that is
+    row-invariant as is (torch reduces each row with the same code whatever the row count; checked
+    in tests/test_deterministic.py). ``batch_invariant`` on CUDA runs
+    :func:`.triton_norm.rms_norm` (one program per row), since torch's CUDA reductions choose their
+    launch configuration from the number of rows too.
     """
+    if batch_invariant and x.is_cuda and _triton_available():
+        from . import triton_norm
+
+        return triton_norm.rms_norm(x, weight, eps)
     return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
 
 

@@ -219,13 +219,13 @@ class LlamaModel:
         cos = self.cos[fb.positions].to(self.dtype)  # [N, D/2]
         sin = self.sin[fb.positions].to(self.dtype)  # [N, D/2]
         for li, L in enumerate(self.layers):
-            h = kernels.rms_norm(x, L["in_norm"], a.rms_norm_eps)  # [N, H]
+            h = kernels.rms_norm(x, L["in_norm"], a.rms_norm_eps, batch_invariant=inv)  # [N, H]
             qkv = kernels.linear(h, L["qkv"])  # [N, (Hq+2Hkv)D]
             qk, v = qkv.split([(Hq + Hkv) * D, Hkv * D], dim=-1)
             qk, v = qk.view(-1, Hq + Hkv, D), v.view(-1, Hkv, D)  # [N, Hq+Hkv, D], [N, Hkv, D]
             if a.qk_norm:
-                q = kernels.rms_norm(qk[:, :Hq], L["q_norm"], a.rms_norm_eps)
-                k = kernels.rms_norm(qk[:, Hq:], L["k_norm"], a.rms_norm_eps)
+                q = kernels.rms_norm(qk[:, :Hq], L["q_norm"], a.rms_norm_eps, batch_invariant=inv)
+                k = kernels.rms_norm(qk[:, Hq:], L["k_norm"], a.rms_norm_eps, batch_invariant=inv)
                 qk = torch.cat((q, k), dim=1)
             qk = _apply_rope(qk, cos, sin)  # [N, Hq+Hkv, D] (q and k heads rotated together)
             q, k = qk[:, :Hq], qk[:, Hq:]  # [N, Hq, D], [N, Hkv, D]
@@ -241,9 +241,9 @@ class LlamaModel:
                     self.sm_scale, batch_invariant=inv))  # [Nd, Hq, D]
             o = parts[0] if len(parts) == 1 else torch.cat(parts)  # [N, Hq, D]
             x = x + kernels.linear(o.reshape(-1, Hq * D), L["o"])  # [N, H]
-            h = kernels.rms_norm(x, L["post_norm"], a.rms_norm_eps)  # [N, H]
+            h = kernels.rms_norm(x, L["post_norm"], a.rms_norm_eps, batch_invariant=inv)  # [N, H]
             g, u = kernels.linear(h, L["gate_up"]).chunk(2, dim=-1)  # [N, I] each
             x = x + kernels.linear(kernels.silu_mul(g, u, batch_invariant=inv), L["down"])  # [N, H]
         x = x[fb.logits_indices]  # [M, H]
-        x = kernels.rms_norm(x, self.norm, a.rms_norm_eps)  # [M, H]
+        x = kernels.rms_norm(x, self.norm, a.rms_norm_eps, batch_invariant=inv)  # [M, H]
         return kernels.linear(x, self.lm_head).float()  # [M, V]

@@ -17,10 +17,8 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from sglite import kernels
 from sglite.errors import InvalidRequestError

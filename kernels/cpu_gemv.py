@@ -23,16 +23,17 @@ split across threads with ``at::parallel_for`` (honours ``torch.set_num_threads`
 Zen 4 (one thread, the SmolLM2-135M matrices): a single in-order stream beats interleaving several
 rows per K slice (one stream per row: 12 vs 20 GB/s) and software prefetch (slower at every
 distance tried); what limits it then is the 4 KiB page walk, hence huge-page weights
-(:func:`sglite.kernels.host_memory.hugepage_copies`, 20 -> 23-32 GB/s). With M > 1 rows of x each weight slice is loaded once and folded into M
-pairs of accumulators, so the weights still stream once (measured, SmolLM2 matrices + LM head,
+(:func:`sglite.kernels.host_memory.hugepage_copies`, 20 -> 23-32 GB/s). With M > 1 rows of x
+each weight slice is loaded once and folded into M pairs of accumulators, so the weights still stream once (measured, SmolLM2 matrices + LM head,
 one thread, huge pages: M=1 9 ms, M=2 9-11, M=4 11, M=8 20; oneDNN bf16 33, 33, 37, 41 ms).
 Lane semantics per Intel's SDM entry for VDPBF16PS: bf16 denormal inputs
 count as zero, float32 rounding is round-to-nearest-even.
 
 Batch invariance (``linear_invariant(x, w, bias)``, x [M, K] bf16|fp32 for any M >= 0, w [N, K] of
-x's dtype): every output runs the per-row code of the M <= 8 kernel (``dot_row_multi<Mb>``: the
-same chains and the same final horizontal sum for every block size Mb), rows taken in blocks of 8
-against L2-sized blocks of weight rows (~256 KiB, split across threads), so a row's bits do not
+x's dtype): every output runs the per-row code of the M <= 8 kernel (``dot_row_multi<Mb>``, or
+``dot_rows2_multi<Mb>`` for two weight rows at once: the same two chains, the same tail and the same
+final horizontal sum for every block size Mb), bf16 rows in groups of 4 and fp32 rows in groups of
+8 against L2-sized blocks of weight rows (~256 KiB, split across threads), so a row's bits do not
 depend on M, on its position in the batch or on the thread split; fp32 weights use the float32
 twin (FMA chains over 16-wide slices). The M = 1 kernel of ``gemv_bf16`` uses the same order, so
 the few-row GEMV is batch-invariant for 1 <= M <= 8 too. Why a kernel of our own rather than

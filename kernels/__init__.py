@@ -1,4 +1,6 @@
-"""sglite.kernels: public ops (paged attention, KV store, token bitmask, sampling) behind one dispatcher."""
-from .dispatch import (apply_token_bitmask, decode_attention, extend_attention, resolve_impl,  # noqa: F401
-                       sample, store_kv)
+"""sglite.kernels: public ops (linear, paged attention, KV store, RMSNorm, SwiGLU activation, token
+bitmask, sampling) behind one dispatcher (:mod:`.dispatch`)."""
+from .dispatch import (apply_token_bitmask, decode_attention, extend_attention, linear, resolve_impl,  # noqa: F401
+                       rms_norm, sample, silu_mul, store_kv)
+from .matmul import LinearWeight, choose_impl  # noqa: F401
 from .reference import bitmask_to_bool  # noqa: F401

@@ -18,6 +18,11 @@ each V row once and accumulates the G outputs. All arithmetic is float32 (bf16 w
 dtype once). The reference instead rounds bf16 scores and weights to bf16 (HF eager), so the two
 agree to bf16 rounding, and this kernel is the closer one to a float64 computation.
 
+Batch invariance: a request's output depends only on its own query, KV rows and length: each
+(request, KV head) task runs alone on one thread, and the order of every sum (4-token score
+groups, 16-lane softmax chunks, the V accumulation) is fixed by that request's length, never by
+the batch size, the longest request or the thread split (checked in tests/test_deterministic.py).
+
 Build: compiled on first use by :func:`.cpu_build.load_cpp` (``-O3 -march=native``; AVX-512
 intrinsics when the compiler targets AVX-512F/BW/VL, register-tiled for padded D of 64 or 128 with
 G <= 8, portable scalar loops otherwise) into the sglite cache's ``torch_extensions/`` folder,
@@ -34,7 +39,7 @@ import logging
 import torch
 
 from . import reference
-from .cpu_build import load_cpp
+from .cpu_build import load_cpp, read_source
 
 log = logging.getLogger(__name__)
 
@@ -42,355 +47,14 @@ _LIB = "sglite_cpu_attention"  # torch.ops namespace the extension registers
 _DTYPES = (torch.float32, torch.bfloat16)
 MAX_HEAD_DIM = 256
 
-_SOURCE = r"""
-#include <ATen/core/Tensor.h>
-#include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
-#include <c10/util/BFloat16.h>
-#include <torch/library.h>
-#include <algorithm>
-#include <atomic>
-#include <utility>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <vector>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
-#define SGL_AVX512 1
-#endif
-
-namespace {
-
-constexpr int kMaxD = 256, kPrefetch = 16;
-
-inline float widen(float x) { return x; }
-inline float widen(uint16_t x) { uint32_t u = uint32_t(x) << 16; float f; std::memcpy(&f, &u, 4); return f; }
-
-// Everything one (request, KV head) task reads; strides in elements.
-template <typename T> struct Job {
-  const T *k, *v; int64_t ks0, ks1, vs0, vs1, S;
-  const void* q; bool q_bf16; int Hq; int64_t qs0, qs1;
-  void* out; bool out_bf16;
-  const int32_t* rt; int64_t rts0; const int64_t *rows, *lens;
-  int G, D, Dp; float scale;
-};
-
-template <typename T> inline void prefetch_row(const T* p, int D) {
-  for (int i = 0; i < D * (int)sizeof(T); i += 64) __builtin_prefetch((const char*)p + i);
-}
-
-#ifdef SGL_AVX512
-inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16(const uint16_t* p, __mmask16 m) {
-  __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-}
-// e^x for x <= 0: 2^n * p(r), n = round(x log2 e), r = x - n ln2, degree-6 Taylor p (|r| <= ln2/2).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  const float c[] = {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
-  for (float ci : c) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(ci));
-  return _mm512_scalef_ps(p, n);
-}
-
-template <int NC, typename T> inline void load_row(const T* p, int D, __m512* out) {
-  for (int c = 0; c < NC; ++c) {
-    const int rem = D - 16 * c;
-    out[c] = load16(p + 16 * c, rem >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << rem) - 1));
-  }
-}
-
-// The four horizontal sums of a..d, as one vector [sum a, sum b, sum c, sum d].
-inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-  __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
-  __m512 x = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
-                           _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));  // per 128-bit lane
-  x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
-  x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
-  return _mm512_castps512_ps128(x);
-}
-
-// Register-tiled variants for compile-time NC = Dp / 16 and G: q, score and output accumulators
-// stay in registers; scores of 4 tokens share one horizontal reduction.
-template <typename T, int NC, int G>
-void scores_tiled(const Job<T>& j, const int32_t* slots, int64_t L, int h, const float* qf, float* sc) {
-  __m512 qv[G][NC], kv[NC];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NC; ++c) qv[g][c] = _mm512_loadu_ps(qf + g * j.Dp + 16 * c);
-  const T* kh = j.k + h * j.ks1;
-  int64_t t = 0;
-  for (; t + 4 <= L; t += 4) {
-    __m512 acc[G][4];
-    for (int u = 0; u < 4; ++u) {
-      if (t + u + kPrefetch < L) prefetch_row(kh + slots[t + u + kPrefetch] * j.ks0, j.D);
-      load_row<NC>(kh + slots[t + u] * j.ks0, j.D, kv);
-      for (int g = 0; g < G; ++g) {
-        acc[g][u] = _mm512_mul_ps(qv[g][0], kv[0]);
-        for (int c = 1; c < NC; ++c) acc[g][u] = _mm512_fmadd_ps(qv[g][c], kv[c], acc[g][u]);
-      }
-    }
-    for (int g = 0; g < G; ++g) _mm_storeu_ps(sc + g * L + t, hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
-  }
-  for (; t < L; ++t) {
-    load_row<NC>(kh + slots[t] * j.ks0, j.D, kv);
-    for (int g = 0; g < G; ++g) {
-      __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
-      for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(qv[g][c], kv[c], a);
-      sc[g * L + t] = _mm512_reduce_add_ps(a);
-    }
-  }
-}
-
-template <typename T, int NC, int G>
-void values_tiled(const Job<T>& j, const int32_t* slots, int64_t L, int h, const float* p, float* out) {
-  __m512 acc[G][NC], vv[NC];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_setzero_ps();
-  const T* vh = j.v + h * j.vs1;
-  for (int64_t t = 0; t < L; ++t) {
-    if (t + kPrefetch < L) prefetch_row(vh + slots[t + kPrefetch] * j.vs0, j.D);
-    load_row<NC>(vh + slots[t] * j.vs0, j.D, vv);
-    for (int g = 0; g < G; ++g) {
-      const __m512 w = _mm512_set1_ps(p[g * L + t]);
-      for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_fmadd_ps(w, vv[c], acc[g][c]);
-    }
-  }
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + g * j.Dp + 16 * c, acc[g][c]);
-}
-
-template <typename T> struct Tiled {
-  void (*scores)(const Job<T>&, const int32_t*, int64_t, int, const float*, float*);
-  void (*values)(const Job<T>&, const int32_t*, int64_t, int, const float*, float*);
-};
-
-template <typename T, int NC, int... Gs> Tiled<T> pick_g(int G, std::integer_sequence<int, Gs...>) {
-  Tiled<T> r{nullptr, nullptr};
-  ((G == Gs + 1 ? (void)(r = Tiled<T>{&scores_tiled<T, NC, Gs + 1>, &values_tiled<T, NC, Gs + 1>}) : (void)0), ...);
-  return r;
-}
-
-// Tiled kernels for D in (48, 64] or (112, 128] and G <= 8; {nullptr, nullptr} otherwise.
-template <typename T> Tiled<T> pick_tiled(int Dp, int G) {
-  if (Dp == 64) return pick_g<T, 4>(G, std::make_integer_sequence<int, 8>{});
-  if (Dp == 128) return pick_g<T, 8>(G, std::make_integer_sequence<int, 8>{});
-  return Tiled<T>{nullptr, nullptr};
-}
-#else
-template <typename T> struct Tiled { void *scores, *values; };
-template <typename T> Tiled<T> pick_tiled(int, int) { return Tiled<T>{nullptr, nullptr}; }
-#endif
-
-// Scores of the G heads against K rows 0..L-1: sc[g * L + t] (q pre-scaled, qf padded to Dp).
-template <typename T>
-void scores(const Job<T>& j, const int32_t* slots, int64_t L, int h, const float* qf, float* sc) {
-  const int G = j.G, D = j.D;
-  for (int64_t t = 0; t < L; ++t) {
-    const int64_t s = slots[t];
-    if (t + kPrefetch < L) prefetch_row(j.k + slots[t + kPrefetch] * j.ks0 + h * j.ks1, D);
-    const T* kr = j.k + s * j.ks0 + h * j.ks1;
-#ifdef SGL_AVX512
-    const int NC = j.Dp / 16;
-    __m512 kv[kMaxD / 16];
-    for (int c = 0; c < NC; ++c) {
-      int rem = D - 16 * c;
-      kv[c] = load16(kr + 16 * c, rem >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << rem) - 1));
-    }
-    for (int g = 0; g < G; ++g) {
-      const float* qg = qf + g * j.Dp;
-      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
-      for (int c = 1; c < NC; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kv[c], acc);
-      sc[g * L + t] = _mm512_reduce_add_ps(acc);
-    }
-#else
-    float kf[kMaxD];
-    for (int d = 0; d < D; ++d) kf[d] = widen(kr[d]);
-    for (int g = 0; g < G; ++g) {
-      const float* qg = qf + g * j.Dp;
-      float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      int d = 0;
-      for (; d + 8 <= D; d += 8)
-        for (int i = 0; i < 8; ++i) part[i] += qg[d + i] * kf[d + i];
-      for (; d < D; ++d) part[0] += qg[d] * kf[d];
-      float s = 0;
-      for (float x : part) s += x;
-      sc[g * L + t] = s;
-    }
-#endif
-  }
-}
-
-// In place: row of L scores -> unnormalised weights exp(s - max); returns their sum.
-inline float softmax_row(float* x, int64_t L) {
-  float m = -INFINITY, sum = 0;
-  for (int64_t t = 0; t < L; ++t) m = std::max(m, x[t]);
-  int64_t t = 0;
-#ifdef SGL_AVX512
-  __m512 vm = _mm512_set1_ps(m), vs = _mm512_setzero_ps();
-  for (; t + 16 <= L; t += 16) {
-    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + t), vm));
-    _mm512_storeu_ps(x + t, e);
-    vs = _mm512_add_ps(vs, e);
-  }
-  sum = _mm512_reduce_add_ps(vs);
-#endif
-  for (; t < L; ++t) { x[t] = std::exp(x[t] - m); sum += x[t]; }
-  return sum;
-}
-
-// acc[g * Dp + d] = sum_t p[g * L + t] * V[t, d]
-template <typename T>
-void weighted_values(const Job<T>& j, const int32_t* slots, int64_t L, int h, const float* p, float* acc) {
-  const int G = j.G, D = j.D, Dp = j.Dp;
-  std::fill(acc, acc + G * Dp, 0.f);
-  for (int64_t t = 0; t < L; ++t) {
-    if (t + kPrefetch < L) prefetch_row(j.v + slots[t + kPrefetch] * j.vs0 + h * j.vs1, D);
-    const T* vr = j.v + (int64_t)slots[t] * j.vs0 + h * j.vs1;
-#ifdef SGL_AVX512
-    const int NC = Dp / 16;
-    __m512 vv[kMaxD / 16];
-    for (int c = 0; c < NC; ++c) {
-      int rem = D - 16 * c;
-      vv[c] = load16(vr + 16 * c, rem >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << rem) - 1));
-    }
-    for (int g = 0; g < G; ++g) {
-      __m512 w = _mm512_set1_ps(p[g * L + t]);
-      float* ag = acc + g * Dp;
-      for (int c = 0; c < NC; ++c)
-        _mm512_storeu_ps(ag + 16 * c, _mm512_fmadd_ps(w, vv[c], _mm512_loadu_ps(ag + 16 * c)));
-    }
-#else
-    float vf[kMaxD];
-    for (int d = 0; d < D; ++d) vf[d] = widen(vr[d]);
-    for (int g = 0; g < G; ++g) {
-      float w = p[g * L + t];
-      float* ag = acc + g * Dp;
-      for (int d = 0; d < D; ++d) ag[d] += w * vf[d];
-    }
-#endif
-  }
-}
-
-template <typename T>
-bool attend(const Job<T>& j, const Tiled<T>& tiled, int64_t b, int h, float* qf, float* sc, float* acc) {
-  const int G = j.G, D = j.D, Dp = j.Dp;
-  const int64_t L = j.lens[b];
-  const int32_t* slots = j.rt + j.rows[b] * j.rts0;
-  for (int g = 0; g < G; ++g) {
-    const int64_t off = b * j.qs0 + (int64_t)(h * G + g) * j.qs1;
-    for (int d = 0; d < Dp; ++d) {
-      float x = 0.f;
-      if (d < D) x = j.q_bf16 ? widen(((const uint16_t*)j.q)[off + d]) : ((const float*)j.q)[off + d];
-      qf[g * Dp + d] = x * j.scale;
-    }
-  }
-  for (int64_t t = 0; t < L; ++t)
-    if (slots[t] < 0 || slots[t] >= j.S) return false;
-#ifdef SGL_AVX512
-  if (tiled.scores) tiled.scores(j, slots, L, h, qf, sc); else
-#endif
-  scores(j, slots, L, h, qf, sc);
-  for (int g = 0; g < G; ++g) {
-    const float inv = 1.f / softmax_row(sc + g * L, L);
-    acc[G * Dp + g] = inv;  // per-head 1/sum kept after the accumulators
-  }
-#ifdef SGL_AVX512
-  if (tiled.values) tiled.values(j, slots, L, h, sc, acc); else
-#endif
-  weighted_values(j, slots, L, h, sc, acc);
-  for (int g = 0; g < G; ++g) {
-    const float inv = acc[G * Dp + g];
-    const int64_t off = (b * (int64_t)(j.Hq) + h * G + g) * D;
-    const float* ag = acc + g * Dp;
-    if (j.out_bf16) {
-      c10::BFloat16* o = (c10::BFloat16*)j.out + off;
-      for (int d = 0; d < D; ++d) o[d] = c10::BFloat16(ag[d] * inv);
-    } else {
-      float* o = (float*)j.out + off;
-      for (int d = 0; d < D; ++d) o[d] = ag[d] * inv;
-    }
-  }
-  return true;
-}
-
-template <typename T>
-void run(const Job<T>& j, int64_t B, int Hkv, int64_t max_len) {
-  std::atomic<bool> bad{false};
-  const Tiled<T> tiled = pick_tiled<T>(j.Dp, j.G);
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(j.G * j.Dp), sc(j.G * max_len), acc(j.G * j.Dp + j.G);
-    for (int64_t i = begin; i < end && !bad.load(std::memory_order_relaxed); ++i)
-      if (!attend(j, tiled, i / Hkv, (int)(i % Hkv), qf.data(), sc.data(), acc.data())) bad = true;
-  });
-  TORCH_CHECK_INDEX(!bad, "decode_attention: req_to_token holds a slot outside the pool [0, ", j.S, ")");
-}
-
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kb, const at::Tensor& vb,
-                            const at::Tensor& rt, const at::Tensor& rows, const at::Tensor& lens,
-                            double sm_scale) {
-  TORCH_CHECK_VALUE(q.dim() == 3 && kb.dim() == 3 && vb.dim() == 3, "decode_attention: q, k_buffer, v_buffer must be 3-D");
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = kb.size(1), S = kb.size(0);
-  TORCH_CHECK_VALUE(vb.sizes() == kb.sizes() && kb.size(2) == D, "decode_attention: k_buffer/v_buffer must be [S, Hkv, D] with q's D");
-  TORCH_CHECK_VALUE(Hkv > 0 && Hq % Hkv == 0, "decode_attention: Hq=", Hq, " is not a multiple of Hkv=", Hkv);
-  TORCH_CHECK_VALUE(D >= 1 && D <= kMaxD, "decode_attention: head dim D=", D, " outside [1, ", kMaxD, "]");
-  TORCH_CHECK_VALUE(kb.scalar_type() == vb.scalar_type(), "decode_attention: k_buffer and v_buffer dtypes differ");
-  TORCH_CHECK_VALUE(q.stride(2) == 1 && kb.stride(2) == 1 && vb.stride(2) == 1, "decode_attention: D must have unit stride");
-  TORCH_CHECK_VALUE(rt.dim() == 2 && rt.scalar_type() == at::kInt && rt.stride(1) == 1, "decode_attention: req_to_token must be int32 [R, Lmax] with unit stride");
-  TORCH_CHECK_VALUE(rows.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && rows.is_contiguous() && lens.is_contiguous()
-                    && rows.numel() == B && lens.numel() == B, "decode_attention: req_pool_indices and seq_lens must be contiguous int64 [B]");
-  const bool kv_bf16 = kb.scalar_type() == at::kBFloat16, q_bf16 = q.scalar_type() == at::kBFloat16;
-  TORCH_CHECK_VALUE(kv_bf16 || kb.scalar_type() == at::kFloat, "decode_attention: pool dtype must be float32 or bfloat16");
-  TORCH_CHECK_VALUE(q_bf16 || q.scalar_type() == at::kFloat, "decode_attention: q dtype must be float32 or bfloat16");
-  const int64_t* rp = rows.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  int64_t max_len = 1;
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK_VALUE(lp[b] >= 1 && lp[b] <= rt.size(1), "decode_attention: seq_lens[", b, "]=", lp[b], " outside [1, ", rt.size(1), "]");
-    TORCH_CHECK_INDEX(rp[b] >= 0 && rp[b] < rt.size(0), "decode_attention: req_pool_indices[", b, "]=", rp[b], " outside [0, ", rt.size(0), ")");
-    max_len = std::max(max_len, lp[b]);
-  }
-  at::Tensor out = at::empty({B, Hq, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
-  if (B == 0) return out;
-  const int G = (int)(Hq / Hkv), Dp = (int)((D + 15) / 16 * 16);
-  const int32_t* rtp = rt.data_ptr<int32_t>();
-  if (kv_bf16) {
-    Job<uint16_t> j{(const uint16_t*)kb.data_ptr(), (const uint16_t*)vb.data_ptr(), kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1), S,
-                    q.data_ptr(), q_bf16, (int)Hq, q.stride(0), q.stride(1), out.data_ptr(), q_bf16, rtp, rt.stride(0), rp, lp,
-                    G, (int)D, Dp, (float)sm_scale};
-    run(j, B, (int)Hkv, max_len);
-  } else {
-    Job<float> j{kb.data_ptr<float>(), vb.data_ptr<float>(), kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1), S,
-                 q.data_ptr(), q_bf16, (int)Hq, q.stride(0), q.stride(1), out.data_ptr(), q_bf16, rtp, rt.stride(0), rp, lp,
-                 G, (int)D, Dp, (float)sm_scale};
-    run(j, B, (int)Hkv, max_len);
-  }
-  return out;
-}
-
-}  // namespace
-
-TORCH_LIBRARY(sglite_cpu_attention, m) {
-  m.def("decode_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, "
-        "Tensor req_pool_indices, Tensor seq_lens, float sm_scale) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(sglite_cpu_attention, CPU, m) { m.impl("decode_attention", &decode_attention); }
-"""
 
 
 @functools.lru_cache(maxsize=None)
 def load():
     """The compiled ops namespace (built once per process, cached on disk by
     :func:`.cpu_build.load_cpp`), or None after one logged warning."""
-    return load_cpp("sglite_cpu_attention", _SOURCE, ("-O3", "-march=native"), ops_namespace=_LIB)
+    return load_cpp("sglite_cpu_attention", read_source("cpu_attention.cpp"), ("-O3", "-march=native"),
+                    ops_namespace=_LIB)
 
 
 def available() -> bool:
@@ -398,7 +62,8 @@ def available() -> bool:
     return load() is not None
 
 
-def _supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the kernel covers these inputs (CPU, float32/bfloat16, D <= 256, unit stride along D)."""
     return (q.device.type == "cpu" and k.device.type == "cpu" and v.device.type == "cpu"
             and q.dtype in _DTYPES and k.dtype in _DTYPES and v.dtype == k.dtype
             and q.dim() == 3 and k.dim() == 3 and q.shape[-1] <= MAX_HEAD_DIM
@@ -418,7 +83,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     Falls back to the reference when the extension is unavailable or the inputs are not covered.
     """
     ops = load()
-    if ops is None or not _supported(q, k_buffer, v_buffer):
+    if ops is None or not supported(q, k_buffer, v_buffer):
         return reference.decode_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices,
                                           seq_lens, sm_scale)
     if req_to_token.dtype != torch.int32 or req_to_token.stride(-1) != 1:

@@ -1,6 +1,7 @@
 """Compile small C++ CPU kernels on first use and reuse the build in later processes.
 
-:func:`load_cpp` wraps ``torch.utils.cpp_extension.load_inline``. The build directory is
+:func:`load_cpp` wraps ``torch.utils.cpp_extension.load_inline``; the sources live in
+``kernels/csrc/*.cpp`` (package data, read by :func:`read_source`). The build directory is
 ``<cache>/torch_extensions/<name>_<tag>`` where ``<cache>`` is ``$SGLITE_CACHE_DIR`` or
 ``~/.cache/sglite`` (the same root as ``sglite.runtime.model_loader.default_cache_dir``; kernels
 import nothing of the runtime, so the rule is repeated here) and ``<tag>`` hashes the source, the
@@ -23,6 +24,15 @@ from typing import Optional, Sequence
 import torch
 
 log = logging.getLogger(__name__)
+
+
+CSRC = Path(__file__).resolve().parent / "csrc"  # the C++ sources (package data ``csrc/*.cpp``)
+
+
+def read_source(filename: str) -> str:
+    """Text of ``csrc/<filename>`` (shipped as package data); the build tag hashes this text, so an
+    edited source rebuilds. Raises FileNotFoundError when the file is missing (a broken install)."""
+    return (CSRC / filename).read_text()
 
 
 def cache_root() -> Path:

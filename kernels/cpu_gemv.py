@@ -1,5 +1,6 @@
 """Few-row bf16 matmul (GEMV, 1 to 8 rows) on CPU with AVX-512-BF16, reading the weights near
-memory bandwidth.
+memory bandwidth; a batch-invariant matmul (bf16 and fp32, any row count) and SwiGLU activation for
+deterministic inference. Source: ``csrc/cpu_gemv.cpp``.
 
 ``gemv(x, w, bias=None)`` computes ``F.linear(x, w, bias)`` for a few rows:
     x     [M, K] bfloat16, 1 <= M <= :data:`MAX_ROWS` (any layout; made contiguous)
@@ -21,14 +22,37 @@ The K tail (K % 32, odd K included) uses zero-masked 16-bit loads, so padding la
 split across threads with ``at::parallel_for`` (honours ``torch.set_num_threads``). Measured on
 Zen 4 (one thread, the SmolLM2-135M matrices): a single in-order stream beats interleaving several
 rows per K slice (one stream per row: 12 vs 20 GB/s) and software prefetch (slower at every
-distance tried); what limits it then is the 4 KiB page walk, hence :func:`hugepage_copies`
-(20 -> 23-32 GB/s). With M > 1 rows of x each weight slice is loaded once and folded into M
-pairs of accumulators, so the weights still stream once (measured, SmolLM2 matrices + LM head,
+distance tried); what limits it then is the 4 KiB page walk, hence huge-page weights
+(:func:`sglite.kernels.host_memory.hugepage_copies`, 20 -> 23-32 GB/s). With M > 1 rows of x
+each weight slice is loaded once and folded into M pairs of accumulators, so the weights still stream once (measured, SmolLM2 matrices + LM head,
 one thread, huge pages: M=1 9 ms, M=2 9-11, M=4 11, M=8 20; oneDNN bf16 33, 33, 37, 41 ms).
 Lane semantics per Intel's SDM entry for VDPBF16PS: bf16 denormal inputs
 count as zero, float32 rounding is round-to-nearest-even.
 
-Build: :func:`.cpu_build.load_cpp` with ``-O3 -mavx512f -mavx512bw -mavx512vl -mavx512bf16``,
+Batch invariance (``linear_invariant(x, w, bias)``, x [M, K] bf16|fp32 for any M >= 0, w [N, K] of
+x's dtype): every output runs the per-row code of the M <= 8 kernel (``dot_row_multi<Mb>``, or
+``dot_rows2_multi<Mb>`` for two weight rows at once: the same two chains, the same tail and the same
+final horizontal sum for every block size Mb), bf16 rows in groups of 4 and fp32 rows in groups of
+8 against L2-sized blocks of weight rows (~256 KiB, split across threads), so a row's bits do not
+depend on M, on its position in the batch or on the thread split; fp32 weights use the float32
+twin (FMA chains over 16-wide slices). The M = 1 kernel of ``gemv_bf16`` uses the same order, so
+the few-row GEMV is batch-invariant for 1 <= M <= 8 too. Why a kernel of our own rather than
+oneDNN in fixed-size blocks: oneDNN picks its kernel and blocking by M (measured: 14 of 257 rows
+of a [M, 1536] x [96, 1536] bf16 product and every row of fp32 ones differ from the M = 1 result
+at some M in 1..257), and its choice is not ours to pin. Measured (one thread, best of 5, bf16,
+SmolLM2 shapes; invariant vs oneDNN): gate_up [3072, 576] M=1 0.06 vs 0.15 ms, M=64 2.1 vs 1.7,
+M=512 11.3 vs 10.2; down [576, 1536] M=64 0.68 vs 0.62, M=512 4.9 vs 4.3; LM head [49152, 576]
+M=1 4.6 vs 9.9, M=64 37 vs 27, M=512 222 vs 185 ms: within 1.1-1.35x of oneDNN at batch sizes,
+faster at one row. bf16 groups of 4 x rows meet 2 weight rows per pass (12 loads per 16
+VDPBF16PS instead of 18 with 8 x rows against 1). End to end: ``docs/benchmarks.md``.
+
+``silu_mul(g, u)`` = ``silu(g) * u`` (bf16|fp32, any shape): every element runs the same AVX-512
+code (a degree-6 polynomial exp, the tail masked), because torch's ``F.silu`` computes the
+vectorised body with Sleef's exp and the tail with ``std::exp``, so an element's bits depend on
+where the batch puts it (measured: 104 of 257 rows differ at row length 37, fp32).
+
+Build: :func:`.cpu_build.load_cpp` with ``-O3 -mavx512f -mavx512bw -mavx512vl -mavx512bf16
+-ffp-contract=off`` (no compiler-fused multiply-adds: the code computes what it says),
 only when ``/proc/cpuinfo`` lists ``avx512f``, ``avx512bw`` and ``avx512_bf16``; otherwise (or when
 the build fails) :func:`load` returns None and :func:`gemv` runs ``F.linear``.
 """
@@ -40,137 +64,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .cpu_build import cpu_flags, load_cpp
+from .cpu_build import cpu_flags, load_cpp, read_source
 
 MAX_ROWS = 8  # rows of x the kernel takes (register budget: two float32 accumulators per row)
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
-CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")
-
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <immintrin.h>
-#include <cstdint>
-#include <cstdlib>
-#include <sys/mman.h>
-
-namespace {
-
-inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
-
-// dot(x, w_row) over K bf16 values, float32 accumulation in two independent chains.
-inline float dot_row(const uint16_t* x, const uint16_t* w, int64_t K) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 64 <= K; k += 64) {
-    a0 = _mm512_dpbf16_ps(a0, as_bh(_mm512_loadu_si512(w + k)), as_bh(_mm512_loadu_si512(x + k)));
-    a1 = _mm512_dpbf16_ps(a1, as_bh(_mm512_loadu_si512(w + k + 32)), as_bh(_mm512_loadu_si512(x + k + 32)));
-  }
-  if (k + 32 <= K) {
-    a0 = _mm512_dpbf16_ps(a0, as_bh(_mm512_loadu_si512(w + k)), as_bh(_mm512_loadu_si512(x + k)));
-    k += 32;
-  }
-  if (k < K) {  // tail: zero-masked loads, padding lanes add 0
-    const __mmask32 m = (__mmask32)((1ull << (K - k)) - 1);
-    a1 = _mm512_dpbf16_ps(a1, as_bh(_mm512_maskz_loadu_epi16(m, w + k)), as_bh(_mm512_maskz_loadu_epi16(m, x + k)));
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-}
-
-// M rows of x (M <= 8) against one weight row: the row is loaded once per 32-wide slice and
-// folded into M accumulators (one chain per x row); out[m] = dot(x[m], w_row).
-template <int M>
-inline void dot_row_multi(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, float* out) {
-  __m512 a[M], b[M];  // two chains per x row (even / odd 32-wide slices) hide VDPBF16PS latency
-  for (int m = 0; m < M; ++m) a[m] = b[m] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 64 <= K; k += 64) {
-    const __m512bh w0 = as_bh(_mm512_loadu_si512(w + k)), w1 = as_bh(_mm512_loadu_si512(w + k + 32));
-    for (int m = 0; m < M; ++m) {
-      a[m] = _mm512_dpbf16_ps(a[m], w0, as_bh(_mm512_loadu_si512(x + m * ldx + k)));
-      b[m] = _mm512_dpbf16_ps(b[m], w1, as_bh(_mm512_loadu_si512(x + m * ldx + k + 32)));
-    }
-  }
-  for (; k < K; k += 32) {  // at most two slices left, the last one possibly partial (masked)
-    const __mmask32 msk = K - k >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1ull << (K - k)) - 1);
-    const __m512bh wv = as_bh(_mm512_maskz_loadu_epi16(msk, w + k));
-    for (int m = 0; m < M; ++m)
-      a[m] = _mm512_dpbf16_ps(a[m], wv, as_bh(_mm512_maskz_loadu_epi16(msk, x + m * ldx + k)));
-  }
-  for (int m = 0; m < M; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(a[m], b[m]));
-}
-
-template <int M>
-void rows_multi(const uint16_t* x, const uint16_t* w, const uint16_t* bp, uint16_t* y, int64_t N, int64_t K) {
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, K));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    float out[M];
-    for (int64_t n = n0; n < n1; ++n) {
-      dot_row_multi<M>(x, K, w + n * K, K, out);
-      const float b = bp ? static_cast<float>(c10::BFloat16(bp[n], c10::BFloat16::from_bits())) : 0.f;
-      for (int m = 0; m < M; ++m) y[m * N + n] = c10::BFloat16(out[m] + b).x;
-    }
-  });
-}
-
-}  // namespace
-
-torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "gemv: bf16 only");
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "gemv: w must be a contiguous [N, K] matrix");
-  const int64_t N = w.size(0), K = w.size(1);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.size(0) >= 1 && x.size(0) <= 8,
-              "gemv: x must be [M, K = ", K, "] with 1 <= M <= 8");
-  const int64_t M = x.size(0);
-  auto xc = x.contiguous();
-  auto y = at::empty({M, N}, x.options());
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  const uint16_t* bp = nullptr;
-  at::Tensor bc;
-  if (bias.has_value() && bias->defined()) {
-    bc = bias->contiguous();
-    TORCH_CHECK(bc.scalar_type() == at::kBFloat16 && bc.numel() == N, "gemv: bias must be [N] bf16");
-    bp = reinterpret_cast<const uint16_t*>(bc.data_ptr<at::BFloat16>());
-  }
-  switch (M) {
-    case 1: break;
-    case 2: rows_multi<2>(xp, wp, bp, yp, N, K); return y;
-    case 3: rows_multi<3>(xp, wp, bp, yp, N, K); return y;
-    case 4: rows_multi<4>(xp, wp, bp, yp, N, K); return y;
-    case 5: rows_multi<5>(xp, wp, bp, yp, N, K); return y;
-    case 6: rows_multi<6>(xp, wp, bp, yp, N, K); return y;
-    case 7: rows_multi<7>(xp, wp, bp, yp, N, K); return y;
-    default: rows_multi<8>(xp, wp, bp, yp, N, K); return y;
-  }
-  // rows walk memory in order (one stream per thread): measured faster here than interleaving
-  // several rows per K slice (which splits the access into one stream per row) or software prefetch
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, K));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      float v = dot_row(xp, wp + n * K, K);
-      if (bp) v += static_cast<float>(c10::BFloat16(bp[n], c10::BFloat16::from_bits()));
-      yp[n] = c10::BFloat16(v).x;  // round to nearest even, once
-    }
-  });
-  return y;
-}
-
-// An uninitialised uint8 buffer of nbytes, 2 MiB aligned and advised for transparent huge pages
-// (MADV_HUGEPAGE; best effort, the kernel may still back it with 4 KiB pages). Freed with the tensor.
-torch::Tensor hugepage_buffer(int64_t nbytes) {
-  TORCH_CHECK(nbytes > 0, "hugepage_buffer: nbytes must be > 0");
-  const size_t align = size_t(2) << 20;
-  const size_t size = (static_cast<size_t>(nbytes) + align - 1) / align * align;
-  void* p = nullptr;
-  TORCH_CHECK(posix_memalign(&p, align, size) == 0 && p, "hugepage_buffer: out of memory (", size, " bytes)");
-#ifdef MADV_HUGEPAGE
-  madvise(p, size, MADV_HUGEPAGE);
-#endif
-  return torch::from_blob(p, {nbytes}, [](void* q) { free(q); }, torch::dtype(torch::kUInt8));
-}
-"""
+CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-ffp-contract=off")
 
 
 @functools.lru_cache(maxsize=None)
@@ -179,7 +77,8 @@ def load():
     CPU lacks any of :data:`REQUIRED_FLAGS` or the build failed (one warning logged)."""
     if not all(f in cpu_flags() for f in REQUIRED_FLAGS):
         return None
-    return load_cpp("sglite_cpu_gemv", _SOURCE, CFLAGS, functions=["gemv_bf16", "hugepage_buffer"])
+    return load_cpp("sglite_cpu_gemv", read_source("cpu_gemv.cpp"), CFLAGS,
+                    functions=["gemv_bf16", "linear_invariant", "silu_mul"])
 
 
 def available() -> bool:
@@ -204,25 +103,35 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) 
     return F.linear(x, w, bias)
 
 
-def hugepage_copies(tensors: list[torch.Tensor]) -> Optional[list[torch.Tensor]]:
-    """Copies of ``tensors`` (CPU, contiguous) packed into one buffer advised for transparent huge
-    pages (2 MiB; best effort), each copy 64-byte aligned; None when the kernel is unavailable.
+def supports_invariant(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether :func:`linear_invariant` runs the kernel: CPU, x [M, K] and contiguous w [N, K] both
+    bf16 or both fp32, and the kernel loaded."""
+    return (x.device.type == "cpu" and w.device.type == "cpu" and x.dtype == w.dtype
+            and x.dtype in (torch.bfloat16, torch.float32) and x.dim() == 2 and w.dim() == 2
+            and w.is_contiguous() and x.shape[1] == w.shape[1] and available())
 
-    Why: the GEMV streams each weight once per step; with 4 KiB pages the hardware prefetcher stops
-    at every page boundary and the TLB misses every 4 KiB (measured: the SmolLM2 LM head read at
-    18 GB/s from 4 KiB pages, 32 GB/s from huge pages). The copies share one storage, so the buffer
-    lives while any of them does; release the originals to avoid holding both.
+
+def linear_invariant(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Batch-invariant ``F.linear(x, w, bias)``: x [M, K], w [N, K] (contiguous), bias [N] or None,
+    all bf16 or all fp32 -> [M, N]; row i's bits depend only on ``x[i]``, ``w`` and ``bias``.
+
+    Without the kernel (or for other inputs) each row runs ``F.linear`` on its own ([1, K]: one
+    kernel choice for every row; invariant, but the weights stream once per row).
     """
-    mod = load()
-    if mod is None:
-        return None
-    offs, total = [], 0
-    for t in tensors:
-        offs.append(total)
-        total += (t.numel() * t.element_size() + 63) // 64 * 64
-    buf = mod.hugepage_buffer(max(total, 1))  # [total] uint8
-    out = []
-    for t, o in zip(tensors, offs):
-        n = t.numel() * t.element_size()
-        out.append(buf[o:o + n].view(t.dtype).view(t.shape).copy_(t))
-    return out
+    if supports_invariant(x, w):
+        return load().linear_invariant(x, w, bias)
+    if x.shape[0] == 0:
+        return F.linear(x, w, bias)
+    return torch.cat([F.linear(x[i:i + 1], w, bias) for i in range(x.shape[0])])
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Position-invariant ``F.silu(g) * u`` (same shape and dtype, bf16 or fp32, CPU) through the
+    kernel; without it, one row (last dim) at a time through torch (rows of one length share
+    one vector/tail split)."""
+    if (available() and g.device.type == "cpu" and g.dtype in (torch.bfloat16, torch.float32)
+            and u.dtype == g.dtype and g.shape == u.shape):
+        return load().silu_mul(g, u)
+    if g.dim() < 2:
+        return F.silu(g) * u
+    return torch.stack([F.silu(g[i]) * u[i] for i in range(g.shape[0])]) if g.shape[0] else F.silu(g) * u

@@ -5,6 +5,14 @@
 choice. Unknown names raise ``ValueError`` listing the known ones. ``cpp`` serves only the ops its
 module defines (``CPP_OPS``); the others, and every op when the build failed, run the reference.
 Only ``triton_*.py`` modules import triton, lazily, so ``import sglite`` works where triton is absent.
+
+``linear`` dispatches on its weight instead (:class:`.matmul.LinearWeight` carries the
+implementation chosen once at load). ``batch_invariant=True`` (deterministic inference) asks
+``decode_attention`` and ``silu_mul`` for results whose row ``i`` depends only on row ``i``'s
+inputs, never on the other rows or the batch size: the C++ decode kernel is (one task per
+(request, KV head), its reduction order fixed by the request's own length; the torch reference is
+not: its batched path pads to the longest row), Triton runs a fixed number of KV splits, and
+``silu_mul`` runs the C++ elementwise kernel on CPU (see :func:`silu_mul`).
 """
 from __future__ import annotations
 
@@ -14,7 +22,8 @@ from typing import Optional
 
 import torch
 
-from . import reference
+from . import cpu_gemv, reference
+from .matmul import LinearWeight, linear  # noqa: F401  (re-exported: the op of every matmul)
 
 IMPLS = ("torch", "triton", "cpp")
 OPS = ("store_kv", "decode_attention", "extend_attention", "apply_token_bitmask", "sample")
@@ -74,10 +83,25 @@ def store_kv(k_buffer, v_buffer, out_cache_loc, k, v, *, impl: Optional[str] = N
 
 
 def decode_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale,
-                     *, impl: Optional[str] = None):
-    """See :func:`sglite.kernels.reference.decode_attention`."""
-    return _op("decode_attention", resolve_impl(impl, q, "decode_attention"))(
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale)
+                     *, impl: Optional[str] = None, batch_invariant: bool = False):
+    """See :func:`sglite.kernels.reference.decode_attention`.
+
+    ``batch_invariant``: row i's output depends only on row i (its query, its KV, its length):
+    ``cpp`` is so by construction; ``torch`` then runs :func:`.reference.decode_attention_rowwise`;
+    ``triton`` a fixed number of KV splits (:data:`.triton_attention.INVARIANT_SPLITS`).
+    """
+    name = resolve_impl(impl, q, "decode_attention")
+    args = (q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale)
+    if not batch_invariant:
+        return _op("decode_attention", name)(*args)
+    if name == "triton":
+        return _op("decode_attention", name)(*args, batch_invariant=True)
+    if name == "cpp" and _cpp_available():
+        from . import cpu_attention
+
+        if cpu_attention.supported(q, k_buffer, v_buffer):
+            return cpu_attention.decode_attention(*args)
+    return reference.decode_attention_rowwise(*args)
 
 
 def extend_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens,
@@ -85,6 +109,34 @@ def extend_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, pref
     """See :func:`sglite.kernels.reference.extend_attention`."""
     return _op("extend_attention", resolve_impl(impl, q))(
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, sm_scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, batch_invariant: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dim (Zhang & Sennrich 2019): ``x / sqrt(mean(x^2) + eps) * weight``.
+
+    x: [..., H]; weight: [H]; returns x's shape and dtype (``F.rms_norm``). On CPU that is
+    row-invariant as is (torch reduces each row with the same code whatever the row count; checked
+    in tests/test_deterministic.py). ``batch_invariant`` on CUDA runs
+    :func:`.triton_norm.rms_norm` (one program per row), since torch's CUDA reductions choose their
+    launch configuration from the number of rows too.
+    """
+    if batch_invariant and x.is_cuda and _triton_available():
+        from . import triton_norm
+
+        return triton_norm.rms_norm(x, weight, eps)
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor, *, batch_invariant: bool = False) -> torch.Tensor:
+    """SwiGLU's activation ``silu(g) * u`` (Shazeer 2020), g and u of one shape and dtype.
+
+    ``batch_invariant`` on CPU: :func:`.cpu_gemv.silu_mul` (torch's ``F.silu`` rounds an element
+    differently in the vectorised body and the scalar tail, so its bits depend on where the batch
+    puts it); elsewhere ``F.silu(g) * u`` (CUDA's elementwise kernels apply one formula per element).
+    """
+    if batch_invariant and g.device.type == "cpu":
+        return cpu_gemv.silu_mul(g, u)
+    return torch.nn.functional.silu(g) * u
 
 
 def apply_token_bitmask(logits, bitmask, indices=None, *, impl: Optional[str] = None):

@@ -96,6 +96,19 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     return torch.stack(outs, dim=1).reshape(B, Hq, D).to(q.dtype)  # [B, Hq, D]
 
 
+def decode_attention_rowwise(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                             req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                             seq_lens: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """:func:`decode_attention` one row at a time (its batch-1 path), so row i's result depends only
+    on row i: the batched path pads every row to the longest one, and the padded softmax and bmm
+    shapes change the summation order. Same arguments and result; B x slower in Python overhead.
+    """
+    if q.shape[0] <= 1:
+        return decode_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale)
+    return torch.cat([decode_attention(q[i:i + 1], k_buffer, v_buffer, req_to_token, req_pool_indices[i:i + 1],
+                                       seq_lens[i:i + 1], sm_scale) for i in range(q.shape[0])])
+
+
 def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      prefix_lens: torch.Tensor, extend_lens: torch.Tensor, sm_scale: float,

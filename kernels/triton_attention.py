@@ -178,6 +178,9 @@ def _decode_reduce_kernel(MidO, MidLse, Out, stride_mob, stride_moh, stride_mos,
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=dmask)
 
 
+INVARIANT_SPLITS = 8  # KV chunks per request in batch-invariant mode (independent of the batch)
+
+
 def _default_num_splits(batch: int, kv_heads: int, device: torch.device) -> int:
     if device.type != "cuda":
         return 4
@@ -190,8 +193,14 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      seq_lens: torch.Tensor, sm_scale: float, *, out: Optional[torch.Tensor] = None,
                      num_splits: Optional[int] = None, block_n: Optional[int] = None,
-                     workspace: Optional[tuple] = None) -> torch.Tensor:
+                     workspace: Optional[tuple] = None, batch_invariant: bool = False) -> torch.Tensor:
     """Flash-decoding attention of one new token per request over its paged KV (GQA).
+
+    Batch invariance: a row's chunks are ``cdiv(cdiv(seq_len, num_splits), block_n) * block_n``
+    positions long, a function of its own length and of ``num_splits``; by default ``num_splits``
+    grows as the batch shrinks (to fill the GPU), which changes how a row's softmax is split and
+    merged. ``batch_invariant=True`` fixes it at :data:`INVARIANT_SPLITS` (and ``block_n`` at its
+    default), so each row's result depends only on that row.
 
     Args:
         q: [B, Hq, D]; k_buffer, v_buffer: [S, Hkv, D]; req_to_token: [R, Lmax] int32;
@@ -200,6 +209,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         num_splits: KV chunks per request (default: enough programs to fill the GPU; 4 on CPU).
         block_n: KV positions per inner step (default 64 on GPU, 32 under the interpreter).
         workspace: optional ``(mid_o [B, Hq, num_splits, D] f32, mid_lse [B, Hq, num_splits] f32)``.
+        batch_invariant: use :data:`INVARIANT_SPLITS` KV chunks whatever the batch (see above).
     Returns:
         [B, Hq, D] in q's dtype.
     Raises:
@@ -221,6 +231,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         raise ValueError("decode_attention: q, pools and req_to_token must be contiguous in the last dim")
     interp = is_interpreted(q)
     group = Hq // Hkv
+    if batch_invariant:
+        num_splits = num_splits or INVARIANT_SPLITS
     splits = int(num_splits or _default_num_splits(B, Hkv, q.device))
     bn = int(block_n or (32 if interp else 64))
     bg = max(16, next_pow2(group))

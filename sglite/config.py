@@ -47,7 +47,7 @@ class EngineConfig:
             bf16 decode step at batch 1 took 39 ms once and 4.3 s another time (threads waiting
             for a core), against a steady 54 ms with one thread.
         cpu_decode_gemv: ``auto`` | ``cpp`` | ``fp16`` | ``off``: the path of one-row matmuls
-            (batch-1 decode) of a bf16 model on CPU (see :mod:`sglite.runtime.models.cpu_gemv`):
+            (batch-1 decode) of a bf16 model on CPU (see :mod:`sglite.kernels.matmul`):
             ``cpp`` a C++ AVX-512-BF16 GEMV (compiled on first use; no weight copies; measured 3.6x
             oneDNN's bf16 on Zen 4), ``fp16`` float16 weight copies through oneDNN (2x; a second
             copy of the weights), ``off`` oneDNN bf16. ``auto`` times them at load on the model's

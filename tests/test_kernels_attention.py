@@ -200,3 +200,22 @@ def test_dispatcher_routes_to_triton_kernels():
     a = kernels.decode_attention(q, kb, vb, r2t, rows, lens, 0.125, impl="triton")
     b = kernels.decode_attention(q, kb, vb, r2t, rows, lens, 0.125, impl="torch")
     assert rel_err(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_batch_invariant_rows(dtype):
+    """batch_invariant=True: a row's output is bitwise the same alone and inside batches of other
+    lengths and sizes (a fixed number of KV splits, never derived from the batch)."""
+    gen = torch.Generator().manual_seed(11)
+    lens = [1, 40, 7, 300, 65, 2]
+    kb, vb, r2t, rows = make_pool(lens, 2, 64, dtype, gen)
+    q = torch.randn(len(lens), 6, 64, generator=gen).to(dtype).to(kb.device)
+    sl = torch.tensor(lens, device=kb.device)
+    run = lambda idx: T.decode_attention(q[idx], kb, vb, r2t, rows[idx], sl[idx], 0.125, batch_invariant=True)
+    alone = [run(torch.tensor([i], device=kb.device)) for i in range(len(lens))]
+    for idx in ([0, 1, 2, 3, 4, 5], [3, 1], [5, 3, 0], [2, 4, 1, 0]):
+        out = run(torch.tensor(idx, device=kb.device))
+        for j, i in enumerate(idx):
+            assert torch.equal(out[j], alone[i][0]), (idx, i)
+    ref = R.decode_attention(q, kb, vb, r2t, rows, sl, 0.125)
+    assert rel_err(run(torch.arange(len(lens), device=kb.device)), ref) < TOL[dtype]

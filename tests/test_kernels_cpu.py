@@ -150,7 +150,7 @@ def test_dispatcher_defaults_to_cpp_on_cpu_and_env_overrides(ops, monkeypatch):
 def test_build_failure_warns_once_and_falls_back(monkeypatch, caplog, tmp_path):
     monkeypatch.delenv("SGLITE_KERNEL", raising=False)
     monkeypatch.setenv("SGLITE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_attention, "_SOURCE", "#error c++: command not found\n")  # the build fails
+    monkeypatch.setattr(cpu_attention, "read_source", lambda name: "#error c++: command not found\n")  # the build fails
     cpu_attention.load.cache_clear()
     try:
         case = make_case([5, 2], 4, 2, 16, torch.float32, False, seed=1)

@@ -1,12 +1,13 @@
 """C++ few-row bf16 GEMV (sglite.kernels.cpu_gemv) against an fp32 reference of the same bf16
-inputs, the huge-page packing, and the build helper's fallback (sglite.kernels.cpu_build)."""
+inputs, the huge-page packing (sglite.kernels.host_memory), and the build helper's fallback
+(sglite.kernels.cpu_build)."""
 import logging
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from sglite.kernels import cpu_build, cpu_gemv
+from sglite.kernels import cpu_build, cpu_gemv, host_memory
 
 
 def _kernel():
@@ -73,14 +74,19 @@ def test_gemv_bias_threads_and_layouts():
     _check(mod.gemv_bf16(x4, w, b), x4, w, b)
 
 
-def test_hugepage_copies_are_equal_aligned_and_shared():
-    _kernel()
+@pytest.mark.parametrize("big", [False, True])
+def test_hugepage_copies_are_equal_aligned_and_shared(big):
     ts = [torch.randn(5, 7).bfloat16(), torch.randn(3).bfloat16(), torch.randn(64, 64).bfloat16()]
-    cp = cpu_gemv.hugepage_copies(ts)
+    if big:  # past MIN_BYTES: the huge-page path (2 MiB aligned)
+        ts.append(torch.randn(1100, 1000).float())
+    cp = host_memory.hugepage_copies(ts)
     assert all(torch.equal(a, b) and a.shape == b.shape and a.dtype == b.dtype for a, b in zip(ts, cp))
-    assert all(c.data_ptr() % 64 == 0 for c in cp)
+    assert all(c.data_ptr() % 64 == 0 and c.is_contiguous() for c in cp)
     assert cp[0].untyped_storage().data_ptr() == cp[2].untyped_storage().data_ptr()
-    assert cp[0].untyped_storage().data_ptr() % (2 << 20) == 0
+    if big:
+        assert cp[0].data_ptr() % host_memory.HUGE_PAGE == 0
+    with pytest.raises(ValueError, match="nbytes"):
+        host_memory.empty_hugepage(-1)
 
 
 def test_failed_build_returns_none_and_warns(tmp_path, monkeypatch, caplog):
@@ -98,4 +104,22 @@ def test_gemv_falls_back_without_kernel(monkeypatch):
     x, w = torch.randn(1, 33).bfloat16(), torch.randn(9, 33).bfloat16()
     assert not cpu_gemv.available()
     assert torch.equal(cpu_gemv.gemv(x, w), F.linear(x, w))
-    assert cpu_gemv.hugepage_copies([w]) is None
+    xs = torch.randn(5, 33).bfloat16()  # the invariant fallback: one F.linear per row
+    assert torch.equal(cpu_gemv.linear_invariant(xs, w), torch.cat([F.linear(xs[i:i + 1], w) for i in range(5)]))
+    g, u = torch.randn(3, 37), torch.randn(3, 37)
+    assert torch.equal(cpu_gemv.silu_mul(g, u), torch.stack([F.silu(g[i]) * u[i] for i in range(3)]))
+
+
+def test_cpp_sources_are_package_data_files():
+    """The C++ sources live in kernels/csrc/*.cpp (shipped as package data), not in Python strings."""
+    from pathlib import Path
+
+    names = sorted(p.name for p in cpu_build.CSRC.glob("*.cpp"))
+    assert names == ["cpu_attention.cpp", "cpu_gemv.cpp"]
+    assert all("#include" in cpu_build.read_source(n) for n in names)
+    kernels_dir = cpu_build.CSRC.parent
+    assert not [p.name for p in kernels_dir.glob("*.py") if "#include <" in p.read_text()]
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    assert '"sglite.kernels" = ["csrc/*.cpp"]' in pyproject.read_text()
+    with pytest.raises(FileNotFoundError):
+        cpu_build.read_source("missing.cpp")

@@ -12,7 +12,6 @@ from ..config import EngineConfig
 from ..errors import InvalidRequestError
 from .forward_batch import ForwardBatch
 from .kv_pool import ReqToTokenPool, TokenToKVPool
-from .models.cpu_gemv import choose_gemv
 from .models.llama import LlamaArch, LlamaModel
 
 log = logging.getLogger("sglite.model_runner")
@@ -74,18 +73,9 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.arch = LlamaArch.from_hf_config(hf_config)
-        self.model = LlamaModel(self.arch, state_dict, self.dtype, self.device)
-        if self.device == "cpu" and self.dtype == torch.bfloat16 and config.cpu_decode_gemv in ("auto", "cpp"):
-            self.model.pack_hugepages()  # what the C++ GEMV reads fastest: probe and run on it
-        probe = [L[k] for L in self.model.layers for k in ("qkv", "o", "gate_up", "down")]
-        gemv = choose_gemv(config.cpu_decode_gemv, self.dtype, self.device, probe)
-        if gemv == "fp16":
-            self.model.enable_fp16_gemv()
-        elif gemv == "cpp":
-            gemv = "cpp" if self.model.enable_cpp_gemv() else "off"
-        if gemv != "off":
-            log.info("batch-1 decode matmuls through %s (cpu_decode_gemv=%s)",
-                     {"fp16": "float16 weight copies", "cpp": "the C++ bf16 GEMV"}[gemv], config.cpu_decode_gemv)
+        deterministic = bool(config.enable_deterministic_inference)
+        self.model = LlamaModel(self.arch, state_dict, self.dtype, self.device, batch_invariant=deterministic)
+        self.linear_impl = self._choose_linear_impl(config)
         self.vocab_size = self.arch.vocab_size
         self.context_length = config.context_length or self.arch.max_position_embeddings
         if self.context_length > self.arch.max_position_embeddings:
@@ -108,6 +98,23 @@ class ModelRunner:
         log.info("KV pool: %d tokens, %d bytes per token (%.1f MiB), dtype %s, device %s",
                  self.max_total_tokens, self.bytes_per_token,
                  self.max_total_tokens * self.bytes_per_token / 2**20, self.dtype, self.device)
+
+    def _choose_linear_impl(self, config: EngineConfig) -> str:
+        """Pick every matmul's implementation once (:func:`sglite.kernels.choose_impl`: the
+        ``cpu_decode_gemv`` probe, or ``invariant`` in deterministic mode) and prepare the weights."""
+        cpu_bf16 = self.device == "cpu" and self.dtype == torch.bfloat16
+        deterministic = bool(config.enable_deterministic_inference)
+        if (cpu_bf16 and config.cpu_decode_gemv in ("auto", "cpp")) or (deterministic and self.device == "cpu"):
+            self.model.pack_hugepages()  # what the C++ kernels read fastest: probe and run on it
+        probe = [lw.weight for lw in self.model.linear_weights()[:-1]]
+        impl = kernels.choose_impl(config.cpu_decode_gemv, self.dtype, self.device, probe, deterministic)
+        self.model.use_linear_impl(impl)
+        if impl == "invariant":
+            log.info("deterministic inference: batch-invariant matmuls, attention and activations")
+        elif impl != "torch":
+            log.info("batch-1 decode matmuls through %s (cpu_decode_gemv=%s)",
+                     {"fp16": "float16 weight copies", "cpp": "the C++ bf16 GEMV"}[impl], config.cpu_decode_gemv)
+        return impl
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Run one step. Returns [M, V] float32 logits (on CPU) for ``fb.logits_indices``."""

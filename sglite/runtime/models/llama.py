@@ -2,27 +2,32 @@
 
 RMSNorm, rotary position embedding (RoPE, Su et al. 2021), grouped-query attention (GQA,
 Ainslie et al. 2023), SwiGLU MLP (Shazeer 2020), optional tied embeddings. Q/K/V and gate/up
-projections are fused into one matmul each. Attention and KV writes go through
-``sglite.kernels`` only, over the token-level paged pool.
+projections are fused into one matmul each. Every compute op (matmuls, norms, the SwiGLU
+activation, attention, KV writes) goes through ``sglite.kernels``, over the token-level paged
+pool; each matmul weight is a :class:`sglite.kernels.LinearWeight` whose implementation is chosen
+once at load (:meth:`LlamaModel.use_linear_impl`).
+
+Deterministic inference (``batch_invariant=True``): matmuls use the ``invariant`` implementation,
+attention and the SwiGLU activation their batch-invariant variants, and extend (prefill) tokens
+attend as decode rows of their own causal length, so a token's result does not depend on what
+else is in the step, on the chunk size or on which prefix came from the radix cache.
 """
 from __future__ import annotations
 
 import logging
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from sglite import kernels
 from sglite.errors import InvalidRequestError
 
 from ..forward_batch import ForwardBatch
-from .cpu_gemv import cpp_gemv_fn, linear
 
 log = logging.getLogger("sglite.models.llama")
 
+LINEAR_KEYS = ("qkv", "o", "gate_up", "down")  # matmul weights of a layer (LinearWeight)
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
@@ -90,8 +95,10 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 class LlamaModel:
     """Weights and forward of a Llama-family causal LM (no nn.Module: plain tensors, inference only)."""
 
-    def __init__(self, arch: LlamaArch, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device="cpu"):
+    def __init__(self, arch: LlamaArch, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device="cpu",
+                 batch_invariant: bool = False):
         self.arch, self.dtype, self.device = arch, dtype, device
+        self.batch_invariant = batch_invariant
         sd = state_dict
 
         def w(name):
@@ -100,59 +107,63 @@ class LlamaModel:
             return sd[name].to(device=device, dtype=dtype).contiguous()
 
         self.embed = w("model.embed_tokens.weight")  # [V, H]
-        self.lm_head = self.embed if (arch.tie_word_embeddings or "lm_head.weight" not in sd) else w("lm_head.weight")
+        head = self.embed if (arch.tie_word_embeddings or "lm_head.weight" not in sd) else w("lm_head.weight")
+        self.lm_head = kernels.LinearWeight(head)  # [V, H]
         self.norm = w("model.norm.weight")  # [H]
         self.layers = []
         for i in range(arch.num_layers):
             p = f"model.layers.{i}."
+            qkv_bias = torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if arch.qkv_bias else None
             layer = {
                 "in_norm": w(p + "input_layernorm.weight"),  # [H]
                 "post_norm": w(p + "post_attention_layernorm.weight"),  # [H]
-                "qkv": torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous(),  # [(Hq+2Hkv)D, H]
-                "o": w(p + "self_attn.o_proj.weight"),  # [H, Hq*D]
-                "gate_up": torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous(),  # [2I, H]
-                "down": w(p + "mlp.down_proj.weight"),  # [H, I]
+                "qkv": kernels.LinearWeight(torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous(),
+                                            qkv_bias),  # [(Hq+2Hkv)D, H], bias [(Hq+2Hkv)D] (Qwen2)
+                "o": kernels.LinearWeight(w(p + "self_attn.o_proj.weight")),  # [H, Hq*D]
+                "gate_up": kernels.LinearWeight(torch.cat([w(p + "mlp.gate_proj.weight"),
+                                                           w(p + "mlp.up_proj.weight")]).contiguous()),  # [2I, H]
+                "down": kernels.LinearWeight(w(p + "mlp.down_proj.weight")),  # [H, I]
             }
-            if arch.qkv_bias:
-                layer["qkv_bias"] = torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])  # [(Hq+2Hkv)D]
             if arch.qk_norm:
                 layer["q_norm"] = w(p + "self_attn.q_norm.weight")  # [D]
                 layer["k_norm"] = w(p + "self_attn.k_norm.weight")  # [D]
             self.layers.append(layer)
-        self.gemv16: Optional[list] = None  # per layer float16 weights for one-row matmuls (CPU bf16)
-        self.lm_head16: Optional[torch.Tensor] = None
-        self.gemv_cpp = None  # C++ one-row bf16 matmul (CPU), see .cpu_gemv
         self.cos, self.sin = _rope_cache(arch, arch.max_position_embeddings, device)
         self.sm_scale = 1.0 / math.sqrt(arch.head_dim)
 
-    def enable_fp16_gemv(self) -> None:
-        """Keep float16 copies of the matmul weights for one-row products (see :mod:`.cpu_gemv`)."""
-        half = lambda t: t.to(torch.float16)  # noqa: E731
-        self.gemv16 = [{k: half(L[k]) for k in ("qkv", "o", "gate_up", "down")} for L in self.layers]
-        self.lm_head16 = half(self.lm_head)
+    def linear_weights(self) -> list[kernels.LinearWeight]:
+        """Every matmul weight, layer by layer (qkv, o, gate_up, down), then the LM head."""
+        return [L[k] for L in self.layers for k in LINEAR_KEYS] + [self.lm_head]
+
+    @property
+    def linear_impl(self) -> str:
+        """The implementation every matmul uses (see :data:`sglite.kernels.matmul.IMPLS`)."""
+        return self.lm_head.impl
+
+    def use_linear_impl(self, impl: str) -> None:
+        """Route every matmul through ``impl`` (``torch``, ``fp16``, ``cpp``, ``invariant``); called
+        once at load (:class:`~sglite.runtime.model_runner.ModelRunner`), and by the fp16 overflow
+        fallback. Raises ValueError for an unknown name."""
+        for lw in self.linear_weights():
+            lw.use(impl)
 
     def pack_hugepages(self) -> bool:
         """Move the matmul weights and the LM head (with the embedding when tied) into one buffer
-        advised for huge pages, which the C++ GEMV streams faster (see :mod:`.cpu_gemv`); same bytes,
-        the old tensors are released. Returns False (nothing moved) when the kernel is unavailable."""
-        from sglite.kernels.cpu_gemv import hugepage_copies
-
-        keys, tied = ("qkv", "o", "gate_up", "down"), self.lm_head is self.embed
-        packed = hugepage_copies([L[k] for L in self.layers for k in keys] + [self.lm_head])
-        if packed is None:
+        advised for huge pages (:func:`sglite.kernels.host_memory.hugepage_copies`), which the C++
+        kernels stream faster; same bytes, the old tensors are released. CPU only: returns False
+        (nothing moved) on other devices."""
+        if self.device != "cpu":
             return False
-        *mats, self.lm_head = packed
-        for i, L in enumerate(self.layers):
-            L.update(zip(keys, mats[4 * i:4 * i + 4]))
-        if tied:
-            self.embed = self.lm_head
-        return True
+        from sglite.kernels.host_memory import hugepage_copies
 
-    def enable_cpp_gemv(self) -> bool:
-        """Route one-row products through the C++ bf16 GEMV (see :mod:`.cpu_gemv`). Returns False
-        when the kernel is unavailable."""
-        self.gemv_cpp = cpp_gemv_fn()
-        return self.gemv_cpp is not None
+        lws, tied = self.linear_weights(), self.lm_head.weight is self.embed
+        for lw, t in zip(lws, hugepage_copies([lw.weight for lw in lws])):
+            lw.weight = t
+            if lw.impl == "fp16":
+                lw.use("fp16")
+        if tied:
+            self.embed = self.lm_head.weight
+        return True
 
     def weight_bytes(self) -> int:
         """Bytes of weights read per decode step (embedding lookup excluded unless tied to the head)."""
@@ -171,33 +182,48 @@ class LlamaModel:
         Returns:
             [M, V] float32 logits for the rows ``fb.logits_indices``.
         """
-        fp16 = self.gemv16 is not None
-        logits = self._forward(fb, k_buffers, v_buffers, fp16)
-        if fp16 and (fb.input_ids.shape[0] == 1 or logits.shape[0] == 1) and not bool(logits.isfinite().all()):
+        logits = self._forward(fb, k_buffers, v_buffers)
+        if (self.linear_impl == "fp16" and (fb.input_ids.shape[0] == 1 or logits.shape[0] == 1)
+                and not bool(logits.isfinite().all())):
             # an activation left fp16's range: redo the step on the bf16 path (it rewrites the
             # same KV slots) and stop using fp16 for this model
             log.warning("fp16 GEMV overflowed; falling back to %s matmuls", self.dtype)
-            self.gemv16 = self.lm_head16 = None
-            logits = self._forward(fb, k_buffers, v_buffers, False)
+            self.use_linear_impl("torch")
+            logits = self._forward(fb, k_buffers, v_buffers)
         return logits
 
-    def _forward(self, fb: ForwardBatch, k_buffers, v_buffers, fp16: bool) -> torch.Tensor:
+    def _attention_rows(self, fb: ForwardBatch) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """(tokens through extend attention, decode rows' pool indices [Nd], their lengths [Nd]).
+
+        Batch-invariant mode turns every extend token into a decode row of its own causal length
+        (token i of a request with prefix p attends to p + i + 1 tokens), so it meets the same
+        kernel, with the same length, however the scheduler cut or batched its prompt."""
+        ne = fb.num_extend_tokens
+        if not (self.batch_invariant and ne):
+            return ne, fb.dec_req_pool_indices, fb.dec_seq_lens
+        lens = fb.ext_extend_lens
+        rows = torch.repeat_interleave(fb.ext_req_pool_indices, lens)  # [Ne]
+        starts = torch.cumsum(lens, 0) - lens  # [Be] first token of each request
+        within = torch.arange(ne, device=lens.device) - torch.repeat_interleave(starts, lens)  # [Ne]
+        seq = torch.repeat_interleave(fb.ext_prefix_lens, lens) + within + 1  # [Ne]
+        return 0, torch.cat((rows, fb.dec_req_pool_indices)), torch.cat((seq, fb.dec_seq_lens))
+
+    def _forward(self, fb: ForwardBatch, k_buffers, v_buffers) -> torch.Tensor:
         a = self.arch
         Hq, Hkv, D = a.num_heads, a.num_kv_heads, a.head_dim
-        ne = fb.num_extend_tokens
+        inv = self.batch_invariant
+        ne, dec_rows, dec_lens = self._attention_rows(fb)
         x = self.embed[fb.input_ids]  # [N, H]
         cos = self.cos[fb.positions].to(self.dtype)  # [N, D/2]
         sin = self.sin[fb.positions].to(self.dtype)  # [N, D/2]
-        cpp = self.gemv_cpp
         for li, L in enumerate(self.layers):
-            W16 = self.gemv16[li] if fp16 else {}
-            h = F.rms_norm(x, (a.hidden_size,), L["in_norm"], a.rms_norm_eps)  # [N, H]
-            qkv = linear(h, L["qkv"], L.get("qkv_bias"), W16.get("qkv"), cpp)  # [N, (Hq+2Hkv)D]
+            h = kernels.rms_norm(x, L["in_norm"], a.rms_norm_eps, batch_invariant=inv)  # [N, H]
+            qkv = kernels.linear(h, L["qkv"])  # [N, (Hq+2Hkv)D]
             qk, v = qkv.split([(Hq + Hkv) * D, Hkv * D], dim=-1)
             qk, v = qk.view(-1, Hq + Hkv, D), v.view(-1, Hkv, D)  # [N, Hq+Hkv, D], [N, Hkv, D]
             if a.qk_norm:
-                q = F.rms_norm(qk[:, :Hq], (D,), L["q_norm"], a.rms_norm_eps)
-                k = F.rms_norm(qk[:, Hq:], (D,), L["k_norm"], a.rms_norm_eps)
+                q = kernels.rms_norm(qk[:, :Hq], L["q_norm"], a.rms_norm_eps, batch_invariant=inv)
+                k = kernels.rms_norm(qk[:, Hq:], L["k_norm"], a.rms_norm_eps, batch_invariant=inv)
                 qk = torch.cat((q, k), dim=1)
             qk = _apply_rope(qk, cos, sin)  # [N, Hq+Hkv, D] (q and k heads rotated together)
             q, k = qk[:, :Hq], qk[:, Hq:]  # [N, Hq, D], [N, Hkv, D]
@@ -209,14 +235,13 @@ class LlamaModel:
                     fb.ext_prefix_lens, fb.ext_extend_lens, self.sm_scale))  # [Ne, Hq, D]
             if q.shape[0] > ne:
                 parts.append(kernels.decode_attention(
-                    q[ne:], k_buffers[li], v_buffers[li], fb.req_to_token, fb.dec_req_pool_indices,
-                    fb.dec_seq_lens, self.sm_scale))  # [Nd, Hq, D]
+                    q[ne:], k_buffers[li], v_buffers[li], fb.req_to_token, dec_rows, dec_lens,
+                    self.sm_scale, batch_invariant=inv))  # [Nd, Hq, D]
             o = parts[0] if len(parts) == 1 else torch.cat(parts)  # [N, Hq, D]
-            x = x + linear(o.reshape(-1, Hq * D), L["o"], None, W16.get("o"), cpp)  # [N, H]
-            h = F.rms_norm(x, (a.hidden_size,), L["post_norm"], a.rms_norm_eps)  # [N, H]
-            gu = linear(h, L["gate_up"], None, W16.get("gate_up"), cpp)  # [N, 2I]
-            g, u = gu.chunk(2, dim=-1)
-            x = x + linear(F.silu(g) * u, L["down"], None, W16.get("down"), cpp)  # [N, H]
+            x = x + kernels.linear(o.reshape(-1, Hq * D), L["o"])  # [N, H]
+            h = kernels.rms_norm(x, L["post_norm"], a.rms_norm_eps, batch_invariant=inv)  # [N, H]
+            g, u = kernels.linear(h, L["gate_up"]).chunk(2, dim=-1)  # [N, I] each
+            x = x + kernels.linear(kernels.silu_mul(g, u, batch_invariant=inv), L["down"])  # [N, H]
         x = x[fb.logits_indices]  # [M, H]
-        x = F.rms_norm(x, (a.hidden_size,), self.norm, a.rms_norm_eps)  # [M, H]
-        return linear(x, self.lm_head, None, self.lm_head16 if fp16 else None, cpp).float()  # [M, V]
+        x = kernels.rms_norm(x, self.norm, a.rms_norm_eps, batch_invariant=inv)  # [M, H]
+        return kernels.linear(x, self.lm_head).float()  # [M, V]

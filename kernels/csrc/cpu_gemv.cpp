@@ -1,0 +1,319 @@
+// Few-row bf16 GEMV, batch-invariant bf16 / fp32 matmul and SwiGLU activation on CPU (AVX-512).
+// Contracts, measurements and reasons: sglite/kernels/cpu_gemv.py. Built with -ffp-contract=off:
+// every float operation below is the one written, in every lane and every tail.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
+
+// dot(x, w_row) over K bf16 values, float32 accumulation in two independent chains: 32-wide
+// slice pairs alternate between a0 (even) and a1 (odd); the rest (< 64 values: at most one full
+// slice, then a zero-masked partial one) all go into a0; then one horizontal sum of a0 + a1.
+// dot_row_multi<M> below does exactly this per x row, so a row's result never depends on M.
+inline float dot_row(const uint16_t* x, const uint16_t* w, int64_t K) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    a0 = _mm512_dpbf16_ps(a0, as_bh(_mm512_loadu_si512(w + k)), as_bh(_mm512_loadu_si512(x + k)));
+    a1 = _mm512_dpbf16_ps(a1, as_bh(_mm512_loadu_si512(w + k + 32)), as_bh(_mm512_loadu_si512(x + k + 32)));
+  }
+  if (k + 32 <= K) {
+    a0 = _mm512_dpbf16_ps(a0, as_bh(_mm512_loadu_si512(w + k)), as_bh(_mm512_loadu_si512(x + k)));
+    k += 32;
+  }
+  if (k < K) {  // tail: zero-masked loads, padding lanes add 0
+    const __mmask32 m = (__mmask32)((1ull << (K - k)) - 1);
+    a0 = _mm512_dpbf16_ps(a0, as_bh(_mm512_maskz_loadu_epi16(m, w + k)), as_bh(_mm512_maskz_loadu_epi16(m, x + k)));
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+}
+
+// M rows of x (M <= 8) against one weight row: the row is loaded once per 32-wide slice and
+// folded into M accumulators (one chain per x row); out[m] = dot(x[m], w_row), same order as dot_row.
+template <int M>
+inline void dot_row_multi(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, float* out) {
+  __m512 a[M], b[M];  // two chains per x row (even / odd 32-wide slices) hide VDPBF16PS latency
+  for (int m = 0; m < M; ++m) a[m] = b[m] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    const __m512bh w0 = as_bh(_mm512_loadu_si512(w + k)), w1 = as_bh(_mm512_loadu_si512(w + k + 32));
+    for (int m = 0; m < M; ++m) {
+      a[m] = _mm512_dpbf16_ps(a[m], w0, as_bh(_mm512_loadu_si512(x + m * ldx + k)));
+      b[m] = _mm512_dpbf16_ps(b[m], w1, as_bh(_mm512_loadu_si512(x + m * ldx + k + 32)));
+    }
+  }
+  for (; k < K; k += 32) {  // at most two slices left, the last one possibly partial (masked)
+    const __mmask32 msk = K - k >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1ull << (K - k)) - 1);
+    const __m512bh wv = as_bh(_mm512_maskz_loadu_epi16(msk, w + k));
+    for (int m = 0; m < M; ++m)
+      a[m] = _mm512_dpbf16_ps(a[m], wv, as_bh(_mm512_maskz_loadu_epi16(msk, x + m * ldx + k)));
+  }
+  for (int m = 0; m < M; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(a[m], b[m]));
+}
+
+// Two weight rows at once against M <= 4 rows of x (each x slice loaded once for both rows, each
+// weight slice once for all M): per output exactly dot_row_multi's chains and final sum.
+template <int M>
+inline void dot_rows2_multi(const uint16_t* x, int64_t ldx, const uint16_t* w0, const uint16_t* w1, int64_t K,
+                            float* out0, float* out1) {
+  __m512 a0[M], b0[M], a1[M], b1[M];
+  for (int m = 0; m < M; ++m) a0[m] = b0[m] = a1[m] = b1[m] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    const __m512bh p0 = as_bh(_mm512_loadu_si512(w0 + k)), p1 = as_bh(_mm512_loadu_si512(w0 + k + 32));
+    const __m512bh q0 = as_bh(_mm512_loadu_si512(w1 + k)), q1 = as_bh(_mm512_loadu_si512(w1 + k + 32));
+    for (int m = 0; m < M; ++m) {
+      const __m512bh x0 = as_bh(_mm512_loadu_si512(x + m * ldx + k)), x1 = as_bh(_mm512_loadu_si512(x + m * ldx + k + 32));
+      a0[m] = _mm512_dpbf16_ps(a0[m], p0, x0);
+      b0[m] = _mm512_dpbf16_ps(b0[m], p1, x1);
+      a1[m] = _mm512_dpbf16_ps(a1[m], q0, x0);
+      b1[m] = _mm512_dpbf16_ps(b1[m], q1, x1);
+    }
+  }
+  for (; k < K; k += 32) {
+    const __mmask32 msk = K - k >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1ull << (K - k)) - 1);
+    const __m512bh p = as_bh(_mm512_maskz_loadu_epi16(msk, w0 + k)), q = as_bh(_mm512_maskz_loadu_epi16(msk, w1 + k));
+    for (int m = 0; m < M; ++m) {
+      const __m512bh xv = as_bh(_mm512_maskz_loadu_epi16(msk, x + m * ldx + k));
+      a0[m] = _mm512_dpbf16_ps(a0[m], p, xv);
+      a1[m] = _mm512_dpbf16_ps(a1[m], q, xv);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    out0[m] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], b0[m]));
+    out1[m] = _mm512_reduce_add_ps(_mm512_add_ps(a1[m], b1[m]));
+  }
+}
+
+// float32 twin of dot_row_multi: 16-wide slice pairs alternate between a (even) and b (odd), the
+// rest (< 32 values: one full slice, then a zero-masked partial one) into a, then sum(a + b).
+template <int M>
+inline void dot_row_multi_f32(const float* x, int64_t ldx, const float* w, int64_t K, float* out) {
+  __m512 a[M], b[M];
+  for (int m = 0; m < M; ++m) a[m] = b[m] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    const __m512 w0 = _mm512_loadu_ps(w + k), w1 = _mm512_loadu_ps(w + k + 16);
+    for (int m = 0; m < M; ++m) {
+      a[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + m * ldx + k), a[m]);
+      b[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + m * ldx + k + 16), b[m]);
+    }
+  }
+  for (; k < K; k += 16) {
+    const __mmask16 msk = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+    const __m512 wv = _mm512_maskz_loadu_ps(msk, w + k);
+    for (int m = 0; m < M; ++m)
+      a[m] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(msk, x + m * ldx + k), a[m]);
+  }
+  for (int m = 0; m < M; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(a[m], b[m]));
+}
+
+inline float bf16_to_float(uint16_t v) { return static_cast<float>(c10::BFloat16(v, c10::BFloat16::from_bits())); }
+
+// y[m0 + i, n] for i < M, n in [n0, n1): x rows m0.. against weight rows n0..n1-1.
+template <int M>
+void tile_bf16(const uint16_t* x, int64_t m0, const uint16_t* w, const uint16_t* bp, uint16_t* y,
+               int64_t n0, int64_t n1, int64_t N, int64_t K) {
+  float out[M];
+  for (int64_t n = n0; n < n1; ++n) {
+    dot_row_multi<M>(x + m0 * K, K, w + n * K, K, out);
+    const float b = bp ? bf16_to_float(bp[n]) : 0.f;
+    for (int m = 0; m < M; ++m) y[(m0 + m) * N + n] = c10::BFloat16(out[m] + b).x;  // one rounding
+  }
+}
+
+// As tile_bf16 for M <= 4 x rows, two weight rows per pass (dot_rows2_multi), the last odd one alone.
+template <int M>
+void tile2_bf16(const uint16_t* x, int64_t m0, const uint16_t* w, const uint16_t* bp, uint16_t* y,
+                int64_t n0, int64_t n1, int64_t N, int64_t K) {
+  float o0[M], o1[M];
+  int64_t n = n0;
+  for (; n + 2 <= n1; n += 2) {
+    dot_rows2_multi<M>(x + m0 * K, K, w + n * K, w + (n + 1) * K, K, o0, o1);
+    const float b0 = bp ? bf16_to_float(bp[n]) : 0.f, b1 = bp ? bf16_to_float(bp[n + 1]) : 0.f;
+    for (int m = 0; m < M; ++m) {
+      y[(m0 + m) * N + n] = c10::BFloat16(o0[m] + b0).x;
+      y[(m0 + m) * N + n + 1] = c10::BFloat16(o1[m] + b1).x;
+    }
+  }
+  if (n < n1) tile_bf16<M>(x, m0, w, bp, y, n, n1, N, K);
+}
+
+template <int M>
+void tile_f32(const float* x, int64_t m0, const float* w, const float* bp, float* y,
+              int64_t n0, int64_t n1, int64_t N, int64_t K) {
+  float out[M];
+  for (int64_t n = n0; n < n1; ++n) {
+    dot_row_multi_f32<M>(x + m0 * K, K, w + n * K, K, out);
+    const float b = bp ? bp[n] : 0.f;
+    for (int m = 0; m < M; ++m) y[(m0 + m) * N + n] = out[m] + b;
+  }
+}
+
+template <typename T, typename Tile>
+void dispatch_rows(int64_t rows, Tile&& tile) {
+  switch (rows) {
+    case 1: tile(std::integral_constant<int, 1>{}); break;
+    case 2: tile(std::integral_constant<int, 2>{}); break;
+    case 3: tile(std::integral_constant<int, 3>{}); break;
+    case 4: tile(std::integral_constant<int, 4>{}); break;
+    case 5: tile(std::integral_constant<int, 5>{}); break;
+    case 6: tile(std::integral_constant<int, 6>{}); break;
+    case 7: tile(std::integral_constant<int, 7>{}); break;
+    default: tile(std::integral_constant<int, 8>{}); break;
+  }
+}
+
+const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+at::Tensor checked_bias(const c10::optional<torch::Tensor>& bias, int64_t N, at::ScalarType dt, const char* who) {
+  if (!bias.has_value() || !bias->defined()) return at::Tensor();
+  auto bc = bias->contiguous();
+  TORCH_CHECK(bc.scalar_type() == dt && bc.numel() == N, who, ": bias must be [N = ", N, "] of the weight's dtype");
+  return bc;
+}
+
+}  // namespace
+
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "gemv: bf16 only");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "gemv: w must be a contiguous [N, K] matrix");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.size(0) >= 1 && x.size(0) <= 8,
+              "gemv: x must be [M, K = ", K, "] with 1 <= M <= 8");
+  const int64_t M = x.size(0);
+  auto xc = x.contiguous();
+  auto y = at::empty({M, N}, x.options());
+  const uint16_t* xp = bits(xc);
+  const uint16_t* wp = bits(w);
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  at::Tensor bc = checked_bias(bias, N, at::kBFloat16, "gemv");
+  const uint16_t* bp = bc.defined() ? bits(bc) : nullptr;
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, K));
+  if (M == 1) {
+    // rows walk memory in order (one stream per thread): measured faster here than interleaving
+    // several rows per K slice (which splits the access into one stream per row) or software prefetch
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        float v = dot_row(xp, wp + n * K, K);
+        if (bp) v += bf16_to_float(bp[n]);
+        yp[n] = c10::BFloat16(v).x;  // round to nearest even, once
+      }
+    });
+    return y;
+  }
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    dispatch_rows<uint16_t>(M, [&](auto c) { tile_bf16<decltype(c)::value>(xp, 0, wp, bp, yp, n0, n1, N, K); });
+  });
+  return y;
+}
+
+// Batch-invariant y = x w^T (+ bias) for any M: each output is computed by dot_row_multi (bf16) or
+// dot_row_multi_f32 (fp32) in the same order whatever M, the row's position or the thread split.
+// Weight rows split into blocks of ~256 KiB (L2-resident) across threads; each block meets all
+// x rows in groups (bf16: 4 rows against 2 weight rows per pass, fewer loads per VDPBF16PS; fp32:
+// 8 rows against 1), so the weights stream from memory once per call.
+torch::Tensor linear_invariant(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  const auto dt = w.scalar_type();
+  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat, "linear_invariant: bf16 or fp32 weights only");
+  TORCH_CHECK(x.scalar_type() == dt, "linear_invariant: x and w dtypes differ");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "linear_invariant: w must be a contiguous [N, K] matrix");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "linear_invariant: x must be [M, K = ", K, "]");
+  const int64_t M = x.size(0);
+  auto xc = x.contiguous();
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  at::Tensor bc = checked_bias(bias, N, dt, "linear_invariant");
+  const int64_t esz = dt == at::kBFloat16 ? 2 : 4;
+  const int64_t nb = std::max<int64_t>(1, (int64_t(256) << 10) / std::max<int64_t>(1, K * esz));
+  const int64_t blocks = (N + nb - 1) / nb;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t n0 = blk * nb, n1 = std::min(N, n0 + nb);
+      for (int64_t m0 = 0; m0 < M; m0 += (dt == at::kBFloat16 ? 4 : 8)) {
+        if (dt == at::kBFloat16) {
+          const uint16_t* bb = bc.defined() ? bits(bc) : nullptr;
+          uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+          switch (std::min<int64_t>(4, M - m0)) {
+            case 1: tile_bf16<1>(bits(xc), m0, bits(w), bb, yp, n0, n1, N, K); break;  // one stream (decode)
+            case 2: tile2_bf16<2>(bits(xc), m0, bits(w), bb, yp, n0, n1, N, K); break;
+            case 3: tile2_bf16<3>(bits(xc), m0, bits(w), bb, yp, n0, n1, N, K); break;
+            default: tile2_bf16<4>(bits(xc), m0, bits(w), bb, yp, n0, n1, N, K); break;
+          }
+        } else {
+          dispatch_rows<float>(M - m0, [&](auto c) {
+            tile_f32<decltype(c)::value>(xc.data_ptr<float>(), m0, w.data_ptr<float>(),
+                                         bc.defined() ? bc.data_ptr<float>() : nullptr, y.data_ptr<float>(), n0, n1, N, K);
+          });
+        }
+      }
+    }
+  });
+  return y;
+}
+
+namespace {
+// e^x for x <= 0 (x >= -87 after the clamp): 2^n * p(r), n = round(x log2 e), r = x - n ln2 in
+// two steps (Cody-Waite), p the degree-6 Taylor polynomial (|r| <= ln2/2; rel. error ~2e-7).
+inline __m512 exp_nonpos(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  const float c[] = {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+  for (float ci : c) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(ci));
+  return _mm512_scalef_ps(p, n);
+}
+
+// silu(g) in float32 without overflow: e = e^-|g|; sigmoid = 1/(1+e) for g >= 0, e/(1+e) otherwise.
+inline __m512 silu16(__m512 g) {
+  const __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), e);
+  const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+  const __m512 sig = _mm512_mask_blend_ps(neg, _mm512_div_ps(_mm512_set1_ps(1.f), d), _mm512_div_ps(e, d));
+  return _mm512_mul_ps(g, sig);
+}
+
+inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+inline __m256i round_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }  // round to nearest even
+}  // namespace
+
+// out = silu(g) * u elementwise (SwiGLU's activation), g/u [..] contiguous, same shape and dtype
+// (bf16 or fp32). silu is rounded to the dtype before the product, as F.silu(g) * u rounds. Every
+// element runs the same vector code (the tail masked), so a value never depends on its position.
+torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u) {
+  TORCH_CHECK(g.sizes() == u.sizes() && g.scalar_type() == u.scalar_type(), "silu_mul: g and u must match");
+  const auto dt = g.scalar_type();
+  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat, "silu_mul: bf16 or fp32 only");
+  auto gc = g.contiguous(), uc = u.contiguous();
+  auto out = at::empty_like(gc);
+  const int64_t n = gc.numel();
+  at::parallel_for(0, (n + 15) / 16, 2048, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t i = c * 16;
+      const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+      if (dt == at::kFloat) {
+        const __m512 s = silu16(_mm512_maskz_loadu_ps(m, gc.data_ptr<float>() + i));
+        _mm512_mask_storeu_ps(out.data_ptr<float>() + i, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, uc.data_ptr<float>() + i)));
+      } else {
+        const uint16_t* gp = bits(gc) + i;
+        const uint16_t* up = bits(uc) + i;
+        uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + i;
+        const __m256i s = round_bf16(silu16(load_bf16(gp, m)));  // silu rounded to bf16
+        const __m512 sf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(s), 16));
+        _mm256_mask_storeu_epi16(op, m, round_bf16(_mm512_mul_ps(sf, load_bf16(up, m))));
+      }
+    }
+  });
+  return out;
+}

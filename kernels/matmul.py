@@ -1,0 +1,227 @@
+"""The ``linear`` op (:func:`linear`, re-exported as ``sglite.kernels.linear``): every matmul of the
+model, through one op whose implementation is chosen once at load and carried by the weight
+(:class:`LinearWeight`).
+
+Implementations (``LinearWeight.impl``):
+    ``torch``      ``F.linear`` on the weight as loaded (oneDNN / cuBLAS).
+    ``fp16``       rows == 1: ``F.linear`` on a float16 copy of a bf16 weight (oneDNN's fp16 GEMV),
+                   the output rounded back to bf16; other row counts: ``torch``.
+    ``cpp``        1 <= rows <= 8: the C++ AVX-512-BF16 GEMV (:mod:`.cpu_gemv`); others: ``torch``.
+    ``invariant``  batch-invariant (deterministic inference): row i of the result depends only on
+                   ``x[i]`` and the weight, whatever the row count: on CPU the C++ kernel
+                   :func:`.cpu_gemv.linear_invariant` (bf16 and fp32), on CUDA the Triton kernel
+                   :func:`.triton_matmul.linear_invariant` (fixed tiles, no split-K); without
+                   either, one ``F.linear`` per row.
+Quantized weights plug in as more implementations: a new entry of :data:`IMPLS` and whatever
+packed copies it needs on the weight.
+
+Why the choice exists (CPU bf16 models, one-row products of batch-1 decoding): on AVX-512-BF16 CPUs
+without AVX-512-FP16 (e.g. AMD Zen 4), oneDNN's one-row bf16 GEMV reads weights at about a quarter
+of one core's bandwidth. Measured here (one thread, the 120 SmolLM2-135M layer matrices + the LM
+head, 269 MB): oneDNN bf16 33 ms (8 GB/s), oneDNN fp16 on float16 copies 16 ms (17 GB/s), the C++
+kernel 13 ms on the weights as loaded (20 GB/s) and 9 ms once they sit in huge pages (30 GB/s).
+fp16 copies serve rows ``M == 1`` only (they lose at two rows and more: 23 vs 26 ms at M=2, 178 vs
+40 ms at M=16); the kernel serves up to 8 rows (batch <= 8 decode), still streaming the weights
+once (M=2 9-11 ms, M=4 11, M=8 20 vs oneDNN bf16 33-41 ms); larger steps use ``F.linear``.
+
+Choice (:func:`choose_impl`, ``EngineConfig.cpu_decode_gemv``): ``cpp`` (the kernel; no weight
+copies, the matrices move into one huge-page buffer), ``fp16`` (float16 copies: twice the weight
+memory), ``off`` (``torch``), and ``auto``, which times the candidates over the model's own
+matrices (:func:`probe_times`: they stream from memory as in decoding; one matrix repeated would
+stay in cache) and keeps the fastest, fp16 only when at least :data:`MIN_SPEEDUP` faster than
+``off``. ``EngineConfig.enable_deterministic_inference`` overrides all of it with ``invariant``.
+
+Numerics: ``cpp`` sums exact bf16 products in float32 and rounds once to bf16, as oneDNN does (only
+the summation order differs). ``fp16``: a bf16 value converts to fp16 exactly when
+``6.1e-5 <= |w| <= 65504`` (smaller weights become fp16 subnormals, absolute error <= 3e-8); the
+output is rounded to fp16 then bf16 (differs from one rounding only at exact bf16 midpoints). An
+activation or output past fp16's range becomes inf: the model checks the step's logits and redoes
+the step on ``torch`` (:meth:`LlamaModel.forward`).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from . import cpu_gemv
+
+log = logging.getLogger("sglite.kernels.matmul")
+
+MODES = ("auto", "cpp", "fp16", "off")  # EngineConfig.cpu_decode_gemv
+MIN_SPEEDUP = 1.3  # adopt the fp16 copies only when the load-time probe finds them this much faster
+CPP_MAX_ROWS = cpu_gemv.MAX_ROWS
+
+
+@dataclass(eq=False)
+class LinearWeight:
+    """A matmul weight prepared once at load: the tensor as loaded plus what its implementation needs.
+
+    Attributes:
+        weight: [N, K] (out x in features), the model's dtype, contiguous.
+        bias: [N] or None.
+        impl: a name of :data:`IMPLS`; set through :meth:`use`.
+        w16: [N, K] float16 copy (``fp16`` only), else None.
+    """
+
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor] = None
+    impl: str = "torch"
+    w16: Optional[torch.Tensor] = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def use(self, impl: str) -> "LinearWeight":
+        """Switch to implementation ``impl`` (building or dropping its copies); returns self.
+
+        Raises:
+            ValueError: an unknown implementation name (lists the known ones).
+        """
+        if impl not in IMPLS:
+            raise ValueError(f"linear: unknown implementation {impl!r}; known: {list(IMPLS)}")
+        self.impl = impl
+        self.w16 = self.weight.to(torch.float16) if impl == "fp16" else None
+        return self
+
+    def numel(self) -> int:
+        """Elements read per product (weight + bias; copies excluded)."""
+        return self.weight.numel() + (0 if self.bias is None else self.bias.numel())
+
+
+def _torch(x: torch.Tensor, lw: LinearWeight) -> torch.Tensor:
+    return F.linear(x, lw.weight, lw.bias)
+
+
+def _fp16(x: torch.Tensor, lw: LinearWeight) -> torch.Tensor:
+    if x.shape[0] != 1 or lw.w16 is None:
+        return _torch(x, lw)
+    y = F.linear(x.to(torch.float16), lw.w16).to(x.dtype)
+    return y if lw.bias is None else y + lw.bias
+
+
+def _cpp(x: torch.Tensor, lw: LinearWeight) -> torch.Tensor:
+    if 1 <= x.shape[0] <= CPP_MAX_ROWS:  # zero rows (a step with nothing to sample): F.linear
+        return cpu_gemv.gemv(x, lw.weight, lw.bias)
+    return _torch(x, lw)
+
+
+def _invariant(x: torch.Tensor, lw: LinearWeight) -> torch.Tensor:
+    if x.is_cuda and _triton_ok():
+        from . import triton_matmul
+
+        return triton_matmul.linear_invariant(x, lw.weight, lw.bias)
+    return cpu_gemv.linear_invariant(x, lw.weight, lw.bias)
+
+
+def _triton_ok() -> bool:
+    try:
+        import triton  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
+IMPLS: dict[str, Callable[[torch.Tensor, LinearWeight], torch.Tensor]] = {
+    "torch": _torch, "fp16": _fp16, "cpp": _cpp, "invariant": _invariant}
+
+
+def linear(x: torch.Tensor, weight: Union[LinearWeight, torch.Tensor],
+           bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` through the weight's implementation.
+
+    Args:
+        x: [M, K] activations (M >= 0), the weight's dtype.
+        weight: a :class:`LinearWeight` (its ``bias`` and ``impl`` apply) or a plain [N, K] tensor
+            (``F.linear`` with ``bias``).
+        bias: [N] or None; only with a plain tensor (a LinearWeight carries its own).
+    Returns:
+        [M, N] in x's dtype.
+    Raises:
+        ValueError: ``bias`` given together with a LinearWeight.
+    """
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight, bias)
+    if bias is not None:
+        raise ValueError("linear: a LinearWeight carries its own bias; pass bias=None")
+    return IMPLS[weight.impl](x, weight)
+
+
+def probe_times(weights: list[torch.Tensor], candidates: tuple[str, ...] = ("off", "fp16", "cpp"),
+                reps: int = 3) -> dict[str, float]:
+    """Seconds for one-row products against every matrix of ``weights`` ([N, K] bf16, CPU), best
+    pass of ``reps``, per candidate path (``off``: ``F.linear`` in bf16; ``fp16``: float16 copies,
+    made here and dropped; ``cpp``: the C++ kernel, skipped when unavailable). Pass the model's own
+    matrices so they stream from memory as in decoding."""
+    xs = {w.shape[1]: torch.randn(1, w.shape[1]).to(w.dtype) for w in weights}
+    mod = cpu_gemv.load()
+
+    def best(ws, x, f) -> float:
+        t = float("inf")
+        for _ in range(reps):
+            s = time.perf_counter()
+            for w in ws:
+                f(x[w.shape[1]], w)
+            t = min(t, time.perf_counter() - s)
+        return t
+
+    out = {}
+    for c in candidates:
+        if c == "off":
+            out[c] = best(weights, xs, F.linear)
+        elif c == "fp16":
+            out[c] = best([w.to(torch.float16) for w in weights],
+                          {k: v.to(torch.float16) for k, v in xs.items()}, F.linear)
+        elif c == "cpp" and mod is not None:
+            out[c] = best(weights, xs, lambda x, w: mod.gemv_bf16(x, w, None))
+    return out
+
+
+def choose_gemv(mode: str, dtype: torch.dtype, device: str, probe_weights: list[torch.Tensor]) -> str:
+    """The one-row matmul path of ``EngineConfig.cpu_decode_gemv``: ``"cpp"``, ``"fp16"`` or ``"off"``.
+
+    ``mode``: ``off``; ``fp16`` / ``cpp`` force that path on CPU bf16 models (``cpp`` degrades to
+    ``off`` when the kernel is unavailable); ``auto`` on CPU bf16 models picks the fastest of
+    :func:`probe_times` over ``probe_weights`` (the model's [N, K] matrices), counting fp16 only
+    when >= :data:`MIN_SPEEDUP` x faster than ``off``. Other devices or dtypes: ``off``.
+    Raises ValueError for an unknown mode.
+    """
+    if mode not in MODES:
+        raise ValueError(f"cpu_decode_gemv: must be {'|'.join(MODES)}, got {mode!r}")
+    if mode == "off" or device != "cpu" or dtype != torch.bfloat16:
+        return "off"
+    if mode == "fp16":
+        return "fp16"
+    if mode == "cpp":
+        if not cpu_gemv.available():
+            log.warning("cpu_decode_gemv=cpp: the C++ GEMV is unavailable here (needs AVX-512-BF16 and a "
+                        "compiler); using oneDNN bf16")
+            return "off"
+        return "cpp"
+    t = probe_times(probe_weights)
+    log.info("one-row matmul probe over %d matrices: %s", len(probe_weights),
+             ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.items()))
+    if t["fp16"] * MIN_SPEEDUP > t["off"]:
+        del t["fp16"]
+    return min(t, key=t.get)
+
+
+def choose_impl(mode: str, dtype: torch.dtype, device: str, probe_weights: list[torch.Tensor],
+                deterministic: bool = False) -> str:
+    """The :data:`IMPLS` name every matmul of a model uses, decided once at load.
+
+    ``deterministic`` (``EngineConfig.enable_deterministic_inference``) gives ``invariant`` (the
+    mode is still validated); otherwise :func:`choose_gemv`'s answer, ``off`` mapped to ``torch``.
+    Raises ValueError for an unknown mode.
+    """
+    if deterministic:
+        if mode not in MODES:
+            raise ValueError(f"cpu_decode_gemv: must be {'|'.join(MODES)}, got {mode!r}")
+        return "invariant"
+    g = choose_gemv(mode, dtype, device, probe_weights)
+    return "torch" if g == "off" else g

@@ -5,8 +5,8 @@ whatever else is in the batch, whatever the chunk size, with or without radix-ca
 Kernel level: row i of every batch-sensitive op (linear, SwiGLU activation, decode attention,
 RMSNorm, log-softmax) computed alone equals, bit for bit, row i computed inside batches of other
 sizes. Engine level: a tiny random bf16 Llama (no real model), then a ``slow`` stress on the default
-model. The extend rows run as decode rows inside the model in this mode (LlamaModel._attention_rows),
-so these tests need no scheduler hook.
+model. In this mode the scheduler lays every prompt token out as a decode row of its own causal
+length (``StepPlan.layout(None)``); the engine-level tests go through it.
 """
 import random
 

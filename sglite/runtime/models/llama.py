@@ -8,8 +8,8 @@ pool; each matmul weight is a :class:`sglite.kernels.LinearWeight` whose impleme
 once at load (:meth:`LlamaModel.use_linear_impl`).
 
 Deterministic inference (``batch_invariant=True``): matmuls use the ``invariant`` implementation,
-attention and the SwiGLU activation their batch-invariant variants, and extend (prefill) tokens
-attend as decode rows of their own causal length, so a token's result does not depend on what
+attention and the SwiGLU activation their batch-invariant variants, and the scheduler lays extend
+(prefill) tokens out as decode rows of their own causal length (``StepPlan.layout``), so a token's result does not depend on what
 else is in the step, on the chunk size or on which prefix came from the radix cache.
 """
 from __future__ import annotations
@@ -192,27 +192,14 @@ class LlamaModel:
             logits = self._forward(fb, k_buffers, v_buffers)
         return logits
 
-    def _attention_rows(self, fb: ForwardBatch) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """(tokens through extend attention, decode rows' pool indices [Nd], their lengths [Nd]).
-
-        Batch-invariant mode turns every extend token into a decode row of its own causal length
-        (token i of a request with prefix p attends to p + i + 1 tokens), so it meets the same
-        kernel, with the same length, however the scheduler cut or batched its prompt."""
-        ne = fb.num_extend_tokens
-        if not (self.batch_invariant and ne):
-            return ne, fb.dec_req_pool_indices, fb.dec_seq_lens
-        lens = fb.ext_extend_lens
-        rows = torch.repeat_interleave(fb.ext_req_pool_indices, lens)  # [Ne]
-        starts = torch.cumsum(lens, 0) - lens  # [Be] first token of each request
-        within = torch.arange(ne, device=lens.device) - torch.repeat_interleave(starts, lens)  # [Ne]
-        seq = torch.repeat_interleave(fb.ext_prefix_lens, lens) + within + 1  # [Ne]
-        return 0, torch.cat((rows, fb.dec_req_pool_indices)), torch.cat((seq, fb.dec_seq_lens))
-
     def _forward(self, fb: ForwardBatch, k_buffers, v_buffers) -> torch.Tensor:
         a = self.arch
         Hq, Hkv, D = a.num_heads, a.num_kv_heads, a.head_dim
         inv = self.batch_invariant
-        ne, dec_rows, dec_lens = self._attention_rows(fb)
+        ne, dec_rows, dec_lens = fb.num_extend_tokens, fb.dec_req_pool_indices, fb.dec_seq_lens
+        # deterministic mode: the scheduler lays every token out as a decode row of its own causal
+        # length (StepPlan.layout(None)), so a token meets one kernel however its prompt was cut
+        assert not (inv and ne), "batch-invariant forward given extend rows (see StepPlan.layout)"
         x = self.embed[fb.input_ids]  # [N, H]
         cos = self.cos[fb.positions].to(self.dtype)  # [N, D/2]
         sin = self.sin[fb.positions].to(self.dtype)  # [N, D/2]

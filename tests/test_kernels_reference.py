@@ -1,4 +1,6 @@
 """Torch reference kernels against naive per-request attention (the oracle the Triton kernels inherit)."""
+import sys
+
 import pytest
 import torch
 
@@ -73,7 +75,7 @@ def test_extend_attention_matches_naive(head_major):
 
 
 def test_zeros_hugepage_is_aligned_zeroed_and_usable():
-    from sglite.runtime.host_memory import HUGE_PAGE, zeros_hugepage
+    from sglite.kernels.host_memory import HUGE_PAGE, zeros_hugepage
 
     t = zeros_hugepage((3, 50000, 64), torch.bfloat16)  # 19 MB: the huge-page path
     assert t.shape == (3, 50000, 64) and t.dtype == torch.bfloat16 and t.is_contiguous()
@@ -82,3 +84,23 @@ def test_zeros_hugepage_is_aligned_zeroed_and_usable():
     assert int(t.sum()) == 64
     small = zeros_hugepage((4, 4), torch.float32)  # below the threshold: plain zeros
     assert small.shape == (4, 4) and not small.any()
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_zeros_hugepage_touches_no_page_before_use():
+    """A 1 GiB zeroed buffer (a KV pool) is not resident until written: start-up does not pay for
+    zeroing the pool."""
+    from sglite.kernels.host_memory import zeros_hugepage
+
+    before = _resident_bytes()
+    t = zeros_hugepage((1 << 29,), torch.bfloat16)  # 1 GiB
+    grown = _resident_bytes() - before
+    assert grown < 64 << 20, f"{grown / 2**20:.0f} MiB resident right after allocation"
+    t[: 1 << 20] = 1.0  # 2 MiB written: those pages become resident, the rest stays zero
+    assert float(t[(1 << 20) - 1]) == 1.0 and float(t[1 << 20]) == 0.0 and float(t[-1]) == 0.0
+    del t

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from .host_memory import zeros_hugepage
+from sglite.kernels.host_memory import zeros_hugepage
 
 
 class ReqToTokenPool:

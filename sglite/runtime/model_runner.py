@@ -61,6 +61,19 @@ def available_memory_bytes(device: str) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def pool_tokens(config: EngineConfig, context_length: int, bytes_per_token: int, available_bytes: int) -> int:
+    """KV pool size (tokens) when ``max_total_tokens`` is not given: what the configuration can use
+    (``max_running_requests`` requests of a full context, plus a few pages of headroom), capped by
+    the memory budget (``mem_fraction_static`` of ``available_bytes``) and :data:`MAX_POOL_TOKENS`,
+    but never below one full-context request. E.g. SmolLM2-135M in bf16 (23 KiB per token, 8k
+    context): 64 requests -> the 20 % budget of the host; ``max_running_requests=1`` -> 8.2k tokens
+    (180 MiB)."""
+    usable = config.max_running_requests * context_length + 16 * config.page_size
+    budget = int(config.mem_fraction_static * available_bytes) // bytes_per_token
+    floor = context_length + 16 * config.page_size
+    return int(max(floor, min(MAX_POOL_TOKENS, usable, max(budget, 4 * context_length))))
+
+
 class ModelRunner:
     """Model + KV pools of one engine.
 
@@ -87,8 +100,8 @@ class ModelRunner:
         if config.max_total_tokens:
             tokens = config.max_total_tokens
         else:
-            budget = config.mem_fraction_static * available_memory_bytes(self.device)
-            tokens = int(min(MAX_POOL_TOKENS, max(budget // self.bytes_per_token, 4 * self.context_length)))
+            tokens = pool_tokens(config, self.context_length, self.bytes_per_token,
+                                 available_memory_bytes(self.device))
         self.token_to_kv_pool = TokenToKVPool(tokens, config.page_size, a.num_layers, a.num_kv_heads,
                                               a.head_dim, self.dtype, self.device)
         if self.device == "cpu":  # build (or load) the C++ decode-attention kernel now, not in the first step

@@ -92,11 +92,16 @@ class EngineLoop:
                 raise RuntimeError("engine loop has stopped")
 
     def stop(self, timeout: float = 30) -> None:
-        """Abort unfinished requests and join the thread (idempotent)."""
+        """Abort unfinished requests, close the scheduler (its grammar-mask thread) and join the
+        loop thread (idempotent). Called from the loop thread itself (an engine collected there)
+        it only asks the loop to stop."""
         if not self.stopped:
             self.stopped = True
             self._inbox.put(Stop())
+        if threading.current_thread() is not self._thread:
             self._thread.join(timeout=timeout)
+            if self._thread.is_alive():
+                log.warning("engine loop did not stop within %.0f s", timeout)
 
     # ------------------------------------------------------------------ loop thread
     def _run(self) -> None:

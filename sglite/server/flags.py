@@ -234,12 +234,13 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def flag_for_field(parser: argparse.ArgumentParser, field: Optional[str]) -> Optional[str]:
-    """The flag of ``parser`` that sets ``field`` (its first spelling), or None."""
+    """The flag of ``parser`` that sets ``field`` (every spelling: ``--context-length/--max-model-len``),
+    or None."""
     if not field:
         return None
     for a in parser._actions:
         if a.dest == field and a.option_strings:
-            return a.option_strings[0]
+            return "/".join(a.option_strings)
     return None
 
 

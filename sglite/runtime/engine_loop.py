@@ -122,13 +122,18 @@ class EngineLoop:
                     msg = self._inbox.get_nowait()
                 except queue.Empty:
                     msg = None
+            if not sched.has_work():
+                continue
             try:
                 sched.step()
                 if self.check_invariants:
                     sched.check_invariants()
             except Exception as exc:  # keep serving: fail the running requests, free their KV
                 log.exception("scheduler step failed")
-                self._fail_running(exc)
+                try:
+                    self._fail_running(exc)
+                except Exception:  # the loop thread must survive, or every caller hangs
+                    log.exception("failing the running requests failed")
 
     def handle(self, msg: Message) -> None:
         """Apply one inbox message (loop thread)."""

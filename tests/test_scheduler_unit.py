@@ -16,6 +16,7 @@ from sglite.runtime.detokenizer import IncrementalDetokenizer
 from sglite.runtime.forward_batch import ForwardBatch
 from sglite.runtime.kv_manager import KVManager, KVState
 from sglite.runtime.kv_pool import ReqToTokenPool, TokenToKVPool
+from sglite.runtime.logprob_options import LogprobOptions
 from sglite.runtime.req import Req
 from sglite.runtime.scheduler import Scheduler
 from sglite.runtime.step_plan import StepEntry, StepPlan
@@ -129,7 +130,7 @@ def test_outputs_equal_oracle_under_chunking_sharing_and_pressure(page_size, chu
     run(sched, reqs)
     for r, (ids, m) in zip(reqs, work):
         assert r.output_ids == oracle(ids, m), r.rid
-        assert r.events[-1]["meta_info"]["finish_reason"]["type"] == "length"
+        assert r.events[-1].meta_info["finish_reason"]["type"] == "length"
         assert r.kv == KVState()
     assert sched.kv.available_tokens() == sched.kv.kv_pool.capacity
     if radix:
@@ -228,7 +229,7 @@ def test_jump_forward_tokens_run_as_decode_rows_of_one_step():
     x, y, z = FakeTokenizer().encode("xyz")
     first = predict([5, 6, 7])
     assert r.output_ids[:4] == [first, x, y, z]
-    assert len(r.output_ids) == 6 and r.events[-1]["meta_info"]["finish_reason"]["type"] == "stop"
+    assert len(r.output_ids) == 6 and r.events[-1].meta_info["finish_reason"]["type"] == "stop"
     assert r.output_ids[4] == predict([5, 6, 7, first, x, y, z])
     jump_step = runner.batches[1]  # the step after the prefill computes 4 pending tokens at once
     assert jump_step.input_ids.tolist() == [first, x, y, z]
@@ -253,7 +254,7 @@ def test_deterministic_mode_runs_every_token_as_a_decode_row():
 def test_input_logprob_rows_follow_the_plan_layout():
     sched, runner = make(chunked_prefill_size=4)
     r = req("lp", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 1)
-    r.return_logprob, r.logprob_start_len = True, 0
+    r.logprobs = LogprobOptions(return_logprob=True, logprob_start_len=0)
     run(sched, [r])
     # one entry per prompt token (the first has no logprob) + none for the output
     assert len(r.input_token_logprobs) == 10 and r.input_token_logprobs[0][0] is None

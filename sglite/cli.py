@@ -6,6 +6,9 @@ import json
 import runpy
 import sys
 
+from . import __version__
+from .server.flags import FlagParser, add_engine_args
+
 
 def _cmd_kv_estimate(args) -> int:
     from .kv_estimate import estimate, format_estimate, load_config
@@ -15,17 +18,54 @@ def _cmd_kv_estimate(args) -> int:
     return 0
 
 
-def _cmd_generate(args) -> int:
+def _generate_params(args) -> dict:
+    """The sampling params of ``sglite generate``, validated (nothing is loaded).
+
+    Raises:
+        InvalidRequestError: naming the field (``max_new_tokens``, ``regex``, ``json_schema`` ...).
+    """
+    from .errors import GrammarError, InvalidRequestError
+    from .sampling_params import SamplingParams
+
+    params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
+    if args.regex:
+        from .constrained.regex_parse import parse_regex
+        try:
+            parse_regex(args.regex)
+        except GrammarError as exc:
+            raise InvalidRequestError(f"regex: invalid regex: {exc}", field="regex") from exc
+        params["regex"] = args.regex
+    if args.json_schema:
+        try:
+            schema = json.loads(args.json_schema)
+        except ValueError as exc:
+            raise InvalidRequestError(f"json_schema: not JSON text: {exc}", field="json_schema") from exc
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidRequestError("json_schema: must be a JSON object", field="json_schema")
+        params["json_schema"] = args.json_schema
+    SamplingParams.from_dict(dict(params))
+    return params
+
+
+def _cmd_generate(args, parser) -> int:
+    from .config import EngineConfig
+    from .server.flags import engine_kwargs, fail
+
+    kwargs = engine_kwargs(args)
+    try:  # every flag and the request are checked before the model is loaded
+        EngineConfig.from_kwargs(**kwargs)
+        params = _generate_params(args)
+    except ValueError as exc:
+        fail(parser, exc)
     from .logging_setup import configure
     from .runtime.engine import Engine
 
-    configure(args.log_level)
-    params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
-    if args.regex:
-        params["regex"] = args.regex
-    if args.json_schema:
-        params["json_schema"] = args.json_schema
-    with Engine(model_path=args.model_path, dtype=args.dtype, log_level=args.log_level) as e:
+    configure(kwargs.get("log_level", "info"))
+    try:
+        e = Engine(**kwargs)
+    except ValueError as exc:
+        fail(parser, exc)
+    with e:
         prompt = args.prompt
         if args.chat:
             prompt = e.apply_chat_template([{"role": "user", "content": prompt}])
@@ -66,39 +106,52 @@ def _cmd_bench(argv) -> int:
     return mod.main(argv[1:]) or 0
 
 
+def build_parser() -> tuple[FlagParser, FlagParser]:
+    """The ``sglite`` parser and its ``generate`` sub-parser (``serve`` and ``bench`` parse their
+    own flags: :func:`sglite.server.launch.build_parser`, the bench modules)."""
+    p = FlagParser(prog="sglite", description="sglite: structured generation runtime",
+                   usage="%(prog)s {serve,generate,run,bench,kv-estimate} ...  (see --help)")
+    p.add_argument("--version", action="version", version=f"sglite {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=FlagParser, prog="sglite")
+    sub.add_parser("serve", help="start the HTTP server (see `sglite serve --help`)")
+    sub.add_parser("bench", help=f"benchmarks: {' | '.join(BENCHES)}")
+    k = sub.add_parser("kv-estimate", help="KV-cache bytes per token and totals")
+    k.add_argument("--model-path", help="HF folder or .gguf file (default: the default model)")
+    k.add_argument("--config", help="a HF config.json instead of a model (default: None)")
+    k.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default: 4096)")
+    k.add_argument("--batch", type=int, default=16, help="sequences (default: 16)")
+    k.add_argument("--dtype", default="float16", help="KV dtype: float32|float16|bfloat16|fp8 (default: float16)")
+    g = sub.add_parser("generate", help="one generation on a model", usage="%(prog)s PROMPT [options]  (all flags: --help)",
+                       description="One generation on a model; "
+                       "every flag is checked before the model is loaded.")
+    g.add_argument("prompt", help="raw prompt text (completion mode unless --chat)")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
+    g.add_argument("--regex", default=None, help="constrain the output to this regex (default: None)")
+    g.add_argument("--json-schema", default=None,
+                   help="constrain the output to this JSON Schema, JSON text (default: None)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template (default: off)")
+    g.add_argument("--json", action="store_true", help="print the whole output dict (default: off)")
+    add_engine_args(g)
+    r = sub.add_parser("run", help="run a Python program (e.g. an @function script)",
+                       usage="%(prog)s SCRIPT [args ...]")
+    r.add_argument("script", help="path of the Python file")
+    r.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    return p, g
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "serve":
         return _cmd_serve(argv[1:])
     if argv and argv[0] == "bench":
         return _cmd_bench(argv[1:])
-    p = argparse.ArgumentParser(prog="sglite", description="sglite: structured generation runtime")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("serve", help="start the HTTP server (see `sglite serve --help`)")
-    sub.add_parser("bench", help=f"benchmarks: {' | '.join(BENCHES)}")
-    k = sub.add_parser("kv-estimate", help="KV-cache bytes per token and totals")
-    k.add_argument("--model-path", help="HF folder or .gguf file (default: the default model)")
-    k.add_argument("--config", help="a HF config.json instead of a model")
-    k.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
-    k.add_argument("--batch", type=int, default=16, help="sequences (default 16)")
-    k.add_argument("--dtype", default="float16", help="KV dtype: float32|float16|bfloat16|fp8 (default float16)")
-    g = sub.add_parser("generate", help="one generation on a model")
-    g.add_argument("prompt", help="raw prompt text (completion mode unless --chat)")
-    g.add_argument("--model-path", help="HF folder or .gguf file (default: the default model)")
-    g.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16 (default auto)")
-    g.add_argument("--max-new-tokens", type=int, default=64, help="default 64")
-    g.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
-    g.add_argument("--regex", help="constrain the output to this regex")
-    g.add_argument("--json-schema", help="constrain the output to this JSON Schema (JSON text)")
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    g.add_argument("--json", action="store_true", help="print the whole output dict")
-    g.add_argument("--log-level", default="info", help="debug|info|warning|error|critical (default info)")
-    r = sub.add_parser("run", help="run a Python program (e.g. an @function script)")
-    r.add_argument("script")
-    r.add_argument("script_args", nargs=argparse.REMAINDER)
+    p, g = build_parser()
     args = p.parse_args(argv)
+    if args.cmd == "generate":
+        return _cmd_generate(args, g)
     try:
-        return {"kv-estimate": _cmd_kv_estimate, "generate": _cmd_generate, "run": _cmd_run}[args.cmd](args)
+        return {"kv-estimate": _cmd_kv_estimate, "run": _cmd_run}[args.cmd](args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

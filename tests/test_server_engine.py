@@ -8,6 +8,7 @@ import openai
 import pytest
 
 from sglite.server.runner import ServerThread
+from sglite.server.settings import ServerConfig
 
 MSG = [{"role": "user", "content": "Tell me about the sea."}]
 BOUNDED = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}},
@@ -19,7 +20,7 @@ def server(tiny_model_dir):
     from sglite import Engine
 
     eng = Engine(model_path=str(tiny_model_dir), dtype="float32", max_total_tokens=4096)
-    with ServerThread(eng) as srv:
+    with ServerThread(eng, ServerConfig(port=0, enable_metrics=True)) as srv:
         yield srv
     eng.shutdown()
 

@@ -1,5 +1,6 @@
 """``sglite serve`` flags and ``python -m sglite.launch_server`` end to end (tiny model)."""
 import os
+import re
 import subprocess
 import sys
 import time
@@ -32,7 +33,9 @@ def test_launch_server_module_serves(tiny_model_dir, tmp_path):
     log = tmp_path / "server.log"
     with open(log, "w") as fh:
         proc = subprocess.Popen([sys.executable, "-m", "sglite.launch_server", "--model-path", str(tiny_model_dir),
-                                 "--port", str(port), "--max-total-tokens", "2048", "--dtype", "float32"],
+                                 "--port", str(port), "--max-total-tokens", "2048", "--dtype", "float32",
+                                 "--log-requests", "--enable-metrics", "--decode-log-interval", "2",
+                                 "--num-threads", "1"],
                                 stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         deadline = time.monotonic() + 120
@@ -45,12 +48,36 @@ def test_launch_server_module_serves(tiny_model_dir, tmp_path):
                 pass
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.25)
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+        url = f"http://127.0.0.1:{port}"
+        r = httpx.post(url + "/v1/completions", timeout=60,
                        json={"prompt": "Hi", "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-        assert httpx.get(f"http://127.0.0.1:{port}/get_server_info").json()["max_total_tokens"] == 2048
+        assert httpx.get(url + "/get_server_info").json()["max_total_tokens"] == 2048
+        # a small workload: a batch of 3 decoding together, then a bad request (400)
+        r = httpx.post(url + "/generate", timeout=60, json={
+            "text": ["One two", "Three four five", "Six"], "rid": "batch-a",
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}})
+        assert r.status_code == 200 and [o["meta_info"]["completion_tokens"] for o in r.json()] == [6, 6, 6]
+        bad = httpx.post(url + "/generate", timeout=60, json={"text": "x", "sampling_params": {"top_p": 2}})
+        assert bad.status_code == 400
+        assert httpx.get(url + "/metrics").status_code == 200
     finally:
         proc.terminate()
         proc.wait(timeout=30)
     text = log.read_text()
     assert "KV cache of 2048 tokens" in text and "bytes per token" in text
+    for phase in ("checkpoint load", "tokenizer", "weights", "KV pool"):  # start-up phases, timed
+        assert re.search(rf"Start-up: [^\n]*{phase}[^\n]* took \d+\.\d\d s", text), phase
+    assert re.search(r"Start-up: server ready in \d+\.\d\d s", text)
+    # SGLang's batch lines from the scheduler
+    assert re.search(r"Prefill batch\. #new-seq: 3, #new-token: \d+, #cached-token: \d+, token usage: [\d.]+, "
+                     r"#running-req: \d+, #queue-req: 0", text), text[-3000:]
+    assert re.search(r"Decode batch\. #running-req: 3, #token: \d+, token usage: [\d.]+, "
+                     r"gen throughput \(token/s\): [\d.]+", text), text[-3000:]
+    # --log-requests: one Receive for the batch call, one Finish per output
+    assert re.search(r"Receive: rid=batch-a, prompts=3, prompt='One two'", text)
+    for i in range(3):
+        assert re.search(rf"Finish: rid=batch-a-{i}, prompt_tokens=\d+, cached_tokens=\d+, completion_tokens=6, "
+                         r"finish_reason=length, e2e_latency=[\d.]+ s, text='", text), i
+    # the 4xx reason, one line
+    assert re.search(r"HTTP 400 POST /generate param=sampling_params\.top_p: ", text)

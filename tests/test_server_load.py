@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from sglite.server.runner import ServerThread
+from sglite.server.settings import ServerConfig
 
 CLIENTS, MAX_TOKENS = 64, 8
 
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server(real_engine):
-    with ServerThread(real_engine) as srv:
+    with ServerThread(real_engine, ServerConfig(port=0, enable_metrics=True)) as srv:
         yield srv
 
 

@@ -7,6 +7,7 @@ import httpx
 import pytest
 
 from sglite.server.runner import ServerThread
+from sglite.server.settings import ServerConfig
 from sglite.server.testing import FakeEngine
 
 REPLY = "Hello world! The quick brown fox jumps over the lazy dog."
@@ -15,7 +16,7 @@ GREEDY = {"max_new_tokens": 6, "temperature": 0}
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerThread(FakeEngine(reply=REPLY, step_delay=0.001)) as srv:
+    with ServerThread(FakeEngine(reply=REPLY, step_delay=0.001), ServerConfig(port=0, enable_metrics=True)) as srv:
         yield srv
 
 

@@ -181,7 +181,7 @@ def test_engine_crash_is_500_and_connection_survives():
     async def boom(*a, **k):
         raise RuntimeError("kaput")
     eng.async_generate = boom
-    with ServerThread(eng) as srv, httpx.Client(base_url=srv.url) as c:
+    with ServerThread(eng, ServerConfig(port=0, enable_metrics=True)) as srv, httpx.Client(base_url=srv.url) as c:
         r = c.post(GEN, json={"text": "x"})
         assert r.status_code == 500 and "RuntimeError" in r.json()["error"]["message"]
         assert c.get("/health").status_code == 200  # same keep-alive connection

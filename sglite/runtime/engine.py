@@ -38,16 +38,18 @@ Errors: InvalidRequestError (ValueError) naming the field, raised before anythin
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import queue
 import random
 import threading
+import weakref
 from typing import Optional, Union
 
 import torch
 
 from ..config import EngineConfig
-from ..logging_setup import configure_if_unset
+from ..logging_setup import PhaseTimer, configure_if_unset
 from .engine_loop import EngineLoop
 from .engine_requests import RequestBuilder
 from .engine_stream import BatchView, OutputAccumulator
@@ -56,6 +58,8 @@ from .model_loader import load_checkpoint, load_state_dict
 from .model_runner import ModelRunner, resolve_device, resolve_dtype
 from .scheduler import Scheduler
 from .tokenizer import Tokenizer
+
+log = logging.getLogger("sglite.engine")
 
 
 class Engine:
@@ -73,18 +77,35 @@ class Engine:
     def __init__(self, model_path: Optional[str] = None, **kwargs):
         self.config = EngineConfig.from_kwargs(model_path=model_path, **kwargs)
         configure_if_unset(self.config.log_level)
-        ckpt = load_checkpoint(model_path)
+        timer = PhaseTimer(log)
+        cfg = self.config
+        with timer.phase("checkpoint load"):
+            ckpt = load_checkpoint(model_path)
         self.checkpoint = ckpt
-        self.tokenizer = Tokenizer.from_dir(ckpt.model_dir, ckpt.hf_config)
-        device = resolve_device(self.config.device)
+        with timer.phase("tokenizer"):
+            self.tokenizer = Tokenizer.from_dir(ckpt.model_dir, ckpt.hf_config, tokenizer_path=cfg.tokenizer_path,
+                                                chat_template=cfg.chat_template)
+        device = resolve_device(cfg.device)
         if device == "cpu":
-            torch.set_num_threads(self.config.num_threads or max(1, (os.cpu_count() or 2) - 1))
-        sd = load_state_dict(ckpt, resolve_dtype(self.config.dtype, device), device)
-        self.runner = ModelRunner(self.config, ckpt.hf_config, sd)
+            torch.set_num_threads(cfg.num_threads or max(1, (os.cpu_count() or 2) - 1))
+        with timer.phase("weights"):
+            sd = load_state_dict(ckpt, resolve_dtype(cfg.dtype, device), device)
+        # ModelRunner builds the model, probes the decode GEMV path, allocates the KV pool and
+        # builds (or loads) the C++ attention kernel; it logs the KV pool size itself.
+        with timer.phase("model, kernel build/probe, KV pool"):
+            self.runner = ModelRunner(cfg, ckpt.hf_config, sd)
         del sd
-        self.scheduler = Scheduler(self.config, self.runner, self.tokenizer)
-        self.requests = RequestBuilder(self.config, self.tokenizer, self.runner, random.Random(self.config.random_seed))
-        self._loop = EngineLoop(self.scheduler, self.config.check_invariants)
+        with timer.phase("scheduler"):
+            self.scheduler = Scheduler(cfg, self.runner, self.tokenizer)
+            self.requests = RequestBuilder(cfg, self.tokenizer, self.runner, random.Random(cfg.random_seed))
+            self._loop = EngineLoop(self.scheduler, cfg.check_invariants)
+        # Stops the loop thread when the engine is collected or at interpreter exit (atexit runs
+        # before daemon threads are frozen and torch's thread pools torn down), so a script that
+        # never calls shutdown() exits cleanly. Holds the loop, not the engine.
+        self._finalizer = weakref.finalize(self, EngineLoop.stop, self._loop)
+        self.startup_phases: dict = dict(timer.phases)
+        """Seconds of each start-up phase, in order (``checkpoint load``, ``tokenizer``, ...)."""
+        log.info("Engine ready in %.2f s (%s)", timer.elapsed, timer.summary())
 
     # ------------------------------------------------------------------ plumbing
     def _run_to_completion(self, build):
@@ -278,19 +299,18 @@ class Engine:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
 
     def shutdown(self) -> None:
-        """Stop the loop thread; unfinished requests end with reason abort."""
-        loop = getattr(self, "_loop", None)  # absent when __init__ failed
-        if loop is not None:
-            loop.stop()
+        """Stop the loop thread (idempotent); unfinished requests end with reason abort.
+
+        Called by ``with Engine() as e:``, when the engine is garbage-collected, and at interpreter
+        exit for engines still alive then."""
+        fin = getattr(self, "_finalizer", None)  # absent when __init__ failed
+        if fin is not None:
+            fin()
+        elif getattr(self, "_loop", None) is not None:
+            self._loop.stop()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.shutdown()
-
-    def __del__(self):
-        try:
-            self.shutdown()
-        except Exception:
-            pass

@@ -14,6 +14,7 @@ from concurrent.futures import Future
 
 from ..errors import InvalidRequestError
 from .engine_messages import Abort, Call, Message, Stop, SubmitReqs
+from .req import FinishReason
 
 log = logging.getLogger("sglite.engine")
 
@@ -91,11 +92,16 @@ class EngineLoop:
                 raise RuntimeError("engine loop has stopped")
 
     def stop(self, timeout: float = 30) -> None:
-        """Abort unfinished requests and join the thread (idempotent)."""
+        """Abort unfinished requests, close the scheduler (its grammar-mask thread) and join the
+        loop thread (idempotent). Called from the loop thread itself (an engine collected there)
+        it only asks the loop to stop."""
         if not self.stopped:
             self.stopped = True
             self._inbox.put(Stop())
+        if threading.current_thread() is not self._thread:
             self._thread.join(timeout=timeout)
+            if self._thread.is_alive():
+                log.warning("engine loop did not stop within %.0f s", timeout)
 
     # ------------------------------------------------------------------ loop thread
     def _run(self) -> None:
@@ -116,6 +122,8 @@ class EngineLoop:
                     msg = self._inbox.get_nowait()
                 except queue.Empty:
                     msg = None
+            if not sched.has_work():
+                continue
             try:
                 sched.step()
                 if self.check_invariants:
@@ -124,8 +132,8 @@ class EngineLoop:
                 log.exception("scheduler step failed")
                 try:
                     self._fail_running(exc)
-                except Exception:  # never let recovery kill the loop
-                    log.exception("could not fail the running requests cleanly")
+                except Exception:  # the loop thread must survive, or every caller hangs
+                    log.exception("failing the running requests failed")
 
     def handle(self, msg: Message) -> None:
         """Apply one inbox message (loop thread)."""

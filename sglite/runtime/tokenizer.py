@@ -13,6 +13,33 @@ from ..errors import InvalidRequestError
 _SENTINELS = {"system": "SGLITESENTINELSYS", "user": "SGLITESENTINELUSR", "assistant": "SGLITESENTINELAST"}
 
 
+def resolve_chat_template(value: str, own: Any = None) -> str:
+    """The Jinja text ``value`` stands for (``--chat-template``, as SGLang and vLLM take it).
+
+    Tried in order: an existing file (its text); a name of one of the tokenizer's own templates
+    (``own``: transformers keeps named templates as a dict, e.g. ``{"default": ..., "tool_use":
+    ...}``; ``"default"`` also names a single unnamed template); inline Jinja text (contains
+    ``{{`` or ``{%``).
+
+    Raises:
+        InvalidRequestError: none of these (field ``chat_template``, listing the known names).
+    """
+    path = Path(value)
+    if path.is_file():
+        text = path.read_text(encoding="utf-8")
+        if not text.strip():
+            raise InvalidRequestError(f"chat_template: file {value!r} is empty", field="chat_template")
+        return text
+    named = dict(own) if isinstance(own, dict) else ({"default": own} if own else {})
+    if value in named:
+        return named[value]
+    if "{{" in value or "{%" in value:
+        return value
+    raise InvalidRequestError(
+        f"chat_template: {value!r} is not a file, a template name of this tokenizer "
+        f"(names: {sorted(named) or 'none'}) or Jinja text", field="chat_template")
+
+
 def _as_id_set(value: Any) -> set[int]:
     if value is None:
         return set()
@@ -51,21 +78,32 @@ class Tokenizer:
         self.eos_token_ids = frozenset(eos)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, hf_config=None) -> "Tokenizer":
+    def from_dir(cls, model_dir: str | Path, hf_config=None, tokenizer_path: str | Path | None = None,
+                 chat_template: str | None = None) -> "Tokenizer":
         """Load the tokenizer of an HF folder (see :func:`sglite.runtime.model_loader.load_checkpoint`).
 
+        Args:
+            model_dir: the model's folder (its ``generation_config.json`` adds EOS ids).
+            hf_config: the model's HF config (vocabulary width, EOS ids), or None.
+            tokenizer_path: load the tokenizer from this folder instead of ``model_dir``.
+            chat_template: replaces the tokenizer's template (see :func:`resolve_chat_template`).
+
         Raises:
-            InvalidRequestError: the folder has no loadable tokenizer.
+            InvalidRequestError: the folder has no loadable tokenizer (field ``model_path`` or
+                ``tokenizer_path``), or ``chat_template`` names nothing usable.
         """
         from transformers import AutoTokenizer
 
         model_dir = Path(model_dir)
+        field, tok_dir = ("tokenizer_path", Path(tokenizer_path)) if tokenizer_path else ("model_path", model_dir)
         try:
-            hf = AutoTokenizer.from_pretrained(str(model_dir))
+            hf = AutoTokenizer.from_pretrained(str(tok_dir))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise InvalidRequestError(
-                f"model_path: no loadable tokenizer in {str(model_dir)!r}: {exc}", field="model_path"
+                f"{field}: no loadable tokenizer in {str(tok_dir)!r}: {exc}", field=field
             ) from exc
+        if chat_template is not None:
+            hf.chat_template = resolve_chat_template(chat_template, getattr(hf, "chat_template", None))
         gen_eos: set[int] = set()
         gen_file = model_dir / "generation_config.json"
         if gen_file.is_file():

@@ -13,10 +13,12 @@ from .. import __version__
 from .engine_client import EngineClient
 from .errors import install_error_handlers
 from .metrics import ServerMetrics
-from .middleware import ApiKeyMiddleware, BodyLimitMiddleware, HttpMetricsMiddleware, InternalErrorMiddleware
+from .middleware import (ApiKeyMiddleware, BodyLimitMiddleware, ClientErrorLogMiddleware, HttpMetricsMiddleware,
+                         InternalErrorMiddleware)
 from .native_api import build_native_router, public_server_info
 from .openai_api import build_openai_router
 from .openai_common import OpenAIContext
+from .request_log import RequestLog
 from .settings import ServerConfig
 
 
@@ -32,12 +34,15 @@ def served_model_name(model_info: dict, config: ServerConfig) -> str:
 def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     """Build the HTTP app for ``engine`` (an object with the ``sglite.Engine`` contract).
 
-    Middleware, outermost first: 500 on unexpected errors, HTTP metrics, API key (when
-    ``config.api_key``), body cap.
+    Middleware, outermost first: 500 on unexpected errors, HTTP metrics, the 4xx log (one info
+    line per client error: method, path, status, field, message), API key (when
+    ``config.api_key``), body cap. ``/metrics`` only with ``config.enable_metrics``; request
+    summaries logged with ``config.log_requests``.
     """
     config = config or ServerConfig()
     metrics = ServerMetrics(engine.get_server_info)
-    client = EngineClient(engine, metrics)
+    request_log = RequestLog(config.log_requests_max_chars) if config.log_requests else None
+    client = EngineClient(engine, metrics, request_log=request_log)
     name = served_model_name(client.model_info, config)
     path = str(client.model_info.get("model_path") or name)
     names = {name, path, os.path.basename(path.rstrip("/")), "default"}  # "default": SGLang clients' habit
@@ -46,11 +51,13 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     app.state.client, app.state.metrics, app.state.config = client, metrics, config
     install_error_handlers(app)
     app.include_router(build_native_router(client, metrics, {**public_server_info(config),
-                                                             "served_model_name": name}))
+                                                             "served_model_name": name},
+                                           enable_metrics=config.enable_metrics))
     app.include_router(build_openai_router(OpenAIContext(client, name, names)))
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(ClientErrorLogMiddleware)
     app.add_middleware(HttpMetricsMiddleware, metrics=metrics)
     app.add_middleware(InternalErrorMiddleware)
     return app

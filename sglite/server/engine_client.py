@@ -67,8 +67,9 @@ class EngineStream:
     The dicts are cumulative or, when opened with ``incremental=True``, deltas.
     """
 
-    def __init__(self, client: "EngineClient", call: GenCall, it, first: dict):
+    def __init__(self, client: "EngineClient", call: GenCall, it, first: dict, incremental: bool = False):
         self._client, self.call, self._it, self._first = client, call, it, first
+        self._incremental = incremental
         self._left = call.num_outputs
         self.finished = False
 
@@ -81,7 +82,7 @@ class EngineStream:
 
     def _take(self, chunk: dict) -> tuple[int, dict]:
         self._left -= is_finished(chunk)
-        self._client.observe(chunk)
+        self._client.observe(chunk, text_complete=not self._incremental)
         return chunk.pop("index", 0), chunk
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, dict]]:
@@ -101,11 +102,13 @@ class EngineClient:
     Args:
         engine: an :class:`~sglite.runtime.engine_protocol.EngineProtocol` implementation.
         metrics: a :class:`sglite.server.metrics.ServerMetrics` or None.
+        request_log: a :class:`sglite.server.request_log.RequestLog` (``--log-requests``) or None.
     """
 
-    def __init__(self, engine: EngineProtocol, metrics=None):
+    def __init__(self, engine: EngineProtocol, metrics=None, request_log=None):
         self.engine = engine
         self.metrics = metrics
+        self.request_log = request_log
         self.active: set[str] = set()  # rids of the calls in flight
         self.model_info = dict(engine.model_info())
         self.context_length = int(self.model_info["context_length"])
@@ -167,9 +170,14 @@ class EngineClient:
             self.abort(rid)
         return len(rids)
 
-    def observe(self, chunk: dict) -> None:
-        if self.metrics is not None and is_finished(chunk):
+    def observe(self, chunk: dict, text_complete: bool = True) -> None:
+        """Account a finished output (metrics, request log); other chunks are ignored."""
+        if not is_finished(chunk):
+            return
+        if self.metrics is not None:
             self.metrics.observe_finished(chunk["meta_info"])
+        if self.request_log is not None:
+            self.request_log.finished(chunk, text_complete)
 
     # ---------------------------------------------------------------- generation
     async def run(self, call: GenCall) -> list[dict]:
@@ -180,6 +188,8 @@ class EngineClient:
         """
         fresh = call.rid not in self.active
         self.active.add(call.rid)
+        if self.request_log is not None:
+            self.request_log.received(call)
         try:
             out = await self.engine.async_generate(**call.kwargs(stream=False))
         except ValueError:
@@ -199,6 +209,8 @@ class EngineClient:
         """Start a streamed call and pull its first event (errors raise here, before any output)."""
         fresh = call.rid not in self.active
         self.active.add(call.rid)
+        if self.request_log is not None:
+            self.request_log.received(call)
         try:
             it = (await self.engine.async_generate(**call.kwargs(stream=True, incremental=incremental))).__aiter__()
             first = await it.__anext__()
@@ -209,7 +221,7 @@ class EngineClient:
         except BaseException:
             self.abort(call.rid)
             raise
-        return EngineStream(self, call, it, first)
+        return EngineStream(self, call, it, first, incremental)
 
 
 class ClientDisconnected(Exception):

@@ -1,92 +1,106 @@
 """``sglite serve`` / ``python -m sglite.launch_server``: parse flags, build the engine, run uvicorn.
 
-Engine flags are generated from :class:`sglite.config.EngineConfig` fields with SGLang's
-spelling (``max_running_requests`` -> ``--max-running-requests``); only flags given on the
-command line override the config defaults. Server flags: ``--host``, ``--port``, ``--api-key``,
-``--served-model-name``, ``--max-request-bytes``, ``--log-level``.
+Flags are generated (:mod:`sglite.server.flags`) from the fields of
+:class:`sglite.config.EngineConfig` and :class:`sglite.server.settings.ServerConfig`, with
+SGLang's spelling and their docstrings as help; only engine flags given on the command line
+override the config defaults. Every flag is validated before the model is loaded: a bad value
+exits with status 2 and a message naming the flag. Start-up phases are logged at info with their
+times (the engine's, then "server ready").
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
+import threading
+import time
 from typing import Sequence, Union
 
-from ..config import DTYPES, SCHEDULE_POLICIES, EngineConfig
+from .. import __version__
+from ..config import EngineConfig
 from ..logging_setup import configure as configure_logging
+from .flags import FlagParser, add_config_args, add_engine_args, engine_kwargs, fail
 from .settings import ServerConfig
 
+__all__ = ["add_server_args", "build_parser", "engine_kwargs", "server_config", "main"]
+
 logger = logging.getLogger("sglite.server")
-_CHOICES = {"dtype": DTYPES, "schedule_policy": SCHEDULE_POLICIES}
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _type_of(annotation: str):
-    a = str(annotation)
-    return int if "int" in a else float if "float" in a else bool if "bool" in a else str
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add every server and engine flag to ``parser`` (engine flags default to None = config default)."""
-    s = parser.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 for all)")
-    s.add_argument("--port", type=int, default=30000)
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>'")
-    s.add_argument("--served-model-name", default=None, help="model id of /v1/models (default: path base name)")
-    s.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes)
-    e = parser.add_argument_group("engine (sglite.EngineConfig)")
-    for f in dataclasses.fields(EngineConfig):
-        typ = _type_of(f.type)
-        if typ is bool:
-            e.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, default=None,
-                           help=f"default {f.default}")
-        else:
-            e.add_argument(_flag(f.name), type=typ, default=None, choices=_CHOICES.get(f.name),
-                           help=f"default {f.default}")
+    """Add every server flag (ServerConfig, defaults shown) and engine flag (EngineConfig,
+    default None = config default) to ``parser``; plus ``--version``."""
+    parser.add_argument("--version", action="version", version=f"sglite {__version__}")
+    add_config_args(parser, ServerConfig, skip=("log_level",), title="server (sglite.server.ServerConfig)",
+                    defaults_none=False)
+    add_engine_args(parser)
     return parser
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    """The EngineConfig keyword arguments given on the command line."""
-    names = {f.name for f in dataclasses.fields(EngineConfig)}
-    return {k: v for k, v in vars(args).items() if k in names and v is not None}
-
-
 def server_config(args: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
-                        served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
-                        log_level=args.log_level or "info")
+    """The ServerConfig of parsed flags (``--log-level`` is shared with the engine).
+
+    Raises:
+        InvalidRequestError: a bad value, naming the field.
+    """
+    import dataclasses
+
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)
+          if f.name != "log_level" and hasattr(args, f.name)}
+    return ServerConfig(**kw, log_level=getattr(args, "log_level", None) or "info")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    return add_server_args(argparse.ArgumentParser(prog="sglite serve",
-                                                   description="Serve a model over HTTP (native + OpenAI API)."))
+def build_parser() -> FlagParser:
+    return add_server_args(FlagParser(prog="sglite serve",
+                                      description="Serve a model over HTTP (native + OpenAI API)."))
+
+
+def _log_when_ready(server, cfg: ServerConfig, t0: float, engine_s: float) -> None:
+    while not server.started and not server.should_exit:
+        time.sleep(0.01)
+    if server.started:
+        logger.info("Start-up: server ready in %.2f s (engine %.2f s): http://%s:%d",
+                    time.perf_counter() - t0, engine_s, cfg.host, cfg.port)
 
 
 def main(args_or_argv: Union[argparse.Namespace, Sequence[str], None] = None, engine=None) -> None:
-    """Start the server and block until it stops (Ctrl-C). ``engine`` overrides building one."""
+    """Start the server and block until it stops (Ctrl-C). ``engine`` overrides building one.
+
+    Every flag is checked (EngineConfig and ServerConfig) before the model is loaded; a bad one
+    exits with status 2 naming the flag.
+    """
+    t0 = time.perf_counter()
+    parser = build_parser()
+    args = args_or_argv if isinstance(args_or_argv, argparse.Namespace) else parser.parse_args(args_or_argv)
+    try:
+        cfg = server_config(args)
+        kwargs = engine_kwargs(args)
+        EngineConfig.from_kwargs(**kwargs)  # validation only: fails before anything is loaded
+    except ValueError as exc:
+        fail(parser, exc)
+    configure_logging(cfg.log_level)
+
     import uvicorn
 
     from .app import create_app
 
-    args = args_or_argv if isinstance(args_or_argv, argparse.Namespace) else build_parser().parse_args(args_or_argv)
-    cfg = server_config(args)
-    configure_logging(cfg.log_level)
     own = engine is None
     if own:
         from ..runtime.engine import Engine
-        engine = Engine(**engine_kwargs(args))
+        try:
+            engine = Engine(**kwargs)
+        except ValueError as exc:  # e.g. an unusable model path: named, no traceback
+            fail(parser, exc)
+    engine_s = time.perf_counter() - t0
     try:
         info = engine.get_server_info()
         logger.warning("sglite: KV cache of %s tokens, %s bytes per token; serving %s on http://%s:%d",
                        info.get("max_total_tokens"), info.get("bytes_per_token"),
                        engine.model_info().get("model_path"), cfg.host, cfg.port)
-        uvicorn.run(create_app(engine, cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level.lower(),
-                    timeout_graceful_shutdown=5)
+        server = uvicorn.Server(uvicorn.Config(create_app(engine, cfg), host=cfg.host, port=cfg.port,
+                                               log_level=cfg.log_level.lower(), timeout_graceful_shutdown=5))
+        threading.Thread(target=_log_when_ready, args=(server, cfg, t0, engine_s), name="sglite-ready",
+                         daemon=True).start()
+        server.run()
     finally:
         if own:
             engine.shutdown()
-

@@ -131,3 +131,50 @@ class InternalErrorMiddleware:
             logger.exception("internal error on %s: %s", scope.get("path"), exc)
             if not started:
                 await _send_error(send, 500, f"internal server error: {type(exc).__name__}: {exc}")
+
+
+class ClientErrorLogMiddleware:
+    """Log the reason of every 4xx answer at info, one line:
+    ``HTTP 400 POST /generate param=sampling_params.temperature: <message>``.
+
+    The status comes from ``http.response.start``; field and message from the JSON error body
+    (:func:`sglite.server.errors.error_body`; the first 64 KiB are read, error bodies are small).
+    Streaming 2xx responses pass through untouched.
+    """
+
+    MAX_BODY = 64 * 1024
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        state = {"status": 0, "body": b"", "logged": False}
+
+        async def send_wrapper(msg):
+            if msg["type"] == "http.response.start":
+                state["status"] = msg["status"]
+            elif msg["type"] == "http.response.body" and 400 <= state["status"] < 500 and not state["logged"]:
+                if len(state["body"]) < self.MAX_BODY:
+                    state["body"] += msg.get("body", b"")[: self.MAX_BODY]
+                if not msg.get("more_body", False):
+                    state["logged"] = True
+                    self._log(scope, state["status"], state["body"])
+            await send(msg)
+
+        await self.app(scope, receive, send_wrapper)
+
+    @staticmethod
+    def _log(scope, status: int, body: bytes) -> None:
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        param, message = None, body.decode("utf-8", "replace")[:500]
+        try:
+            data = json.loads(body)
+            err = data.get("error", data) if isinstance(data, dict) else {}
+            param, message = err.get("param"), str(err.get("message", message))
+        except (ValueError, AttributeError):
+            pass
+        logger.info("HTTP %d %s %s param=%s: %s", status, scope.get("method"), scope.get("path"), param,
+                    message[:500])

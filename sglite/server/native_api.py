@@ -1,5 +1,5 @@
 """SGLang's native routes: ``/generate``, ``/health``, ``/get_model_info``, ``/get_server_info``,
-``/flush_cache``, ``/abort_request``, ``/metrics``.
+``/flush_cache``, ``/abort_request``, ``/metrics`` (with ``enable_metrics``).
 
 Shapes follow SGLang's ``http_server.py`` and ``io_struct.GenerateReqInput`` (see
 docs/reference/sglang_compat.md §c.1-c.3): a single request answers ``{"text", "output_ids",
@@ -93,8 +93,9 @@ def _grammar_rename(call: GenCall) -> dict:
     return {}
 
 
-def build_native_router(client: EngineClient, metrics, server_info: dict) -> APIRouter:
-    """Routes bound to ``client`` (no module-level state)."""
+def build_native_router(client: EngineClient, metrics, server_info: dict, enable_metrics: bool = False) -> APIRouter:
+    """Routes bound to ``client`` (no module-level state); ``/metrics`` only with ``enable_metrics``
+    (SGLang's ``--enable-metrics``; without it the route is absent: 404)."""
     router = APIRouter()
 
     @router.post("/generate")
@@ -164,9 +165,10 @@ def build_native_router(client: EngineClient, metrics, server_info: dict) -> API
             raise ApiError("give rid or abort_all", param="rid")
         return {"success": True, "aborted": client.abort_matching(req.rid)}
 
-    @router.get("/metrics")
-    async def metrics_route():
-        return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE)
+    if enable_metrics:
+        @router.get("/metrics")
+        async def metrics_route():
+            return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE)
 
     return router
 

@@ -14,11 +14,16 @@ class ServerConfig:
     Attributes:
         host: interface to bind (``127.0.0.1`` by default; ``0.0.0.0`` for all).
         port: TCP port.
-        api_key: when set, every route but ``/health`` and ``/metrics`` needs
-            ``Authorization: Bearer <api_key>``.
+        api_key: require ``Authorization: Bearer <api_key>`` on every route but ``/health`` and
+            ``/metrics``; None = no key.
         served_model_name: the model id of ``/v1/models``; None = the model path's base name.
         max_request_bytes: request bodies above this many bytes get 413.
         log_level: uvicorn/sglite log level.
+        enable_metrics: serve Prometheus metrics on ``/metrics`` (off: 404, as SGLang's
+            ``--enable-metrics``).
+        log_requests: log a summary of every request and its response at info (rid, prompt
+            tokens, sampling params, finish reason, completion tokens, latency, truncated texts).
+        log_requests_max_chars: texts in the request log are cut to this many characters.
     """
 
     host: str = "127.0.0.1"
@@ -27,6 +32,9 @@ class ServerConfig:
     served_model_name: Optional[str] = None
     max_request_bytes: int = 8 * 1024 * 1024
     log_level: str = "info"
+    enable_metrics: bool = False
+    log_requests: bool = False
+    log_requests_max_chars: int = 200
 
     def __post_init__(self):
         if not (0 <= self.port <= 65535):
@@ -34,3 +42,6 @@ class ServerConfig:
         if self.max_request_bytes < 1024:
             raise InvalidRequestError(f"max_request_bytes: must be >= 1024, got {self.max_request_bytes}",
                                       field="max_request_bytes")
+        if self.log_requests_max_chars < 0:
+            raise InvalidRequestError(f"log_requests_max_chars: must be >= 0, got {self.log_requests_max_chars}",
+                                      field="log_requests_max_chars")

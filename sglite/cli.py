@@ -52,6 +52,8 @@ def _cmd_generate(args, parser) -> int:
     from .server.flags import engine_kwargs, fail
 
     kwargs = engine_kwargs(args)
+    # one request: a pool for one full context, not the server's 64 (unless the flags say otherwise)
+    kwargs.setdefault("max_running_requests", 1)
     try:  # every flag and the request are checked before the model is loaded
         EngineConfig.from_kwargs(**kwargs)
         params = _generate_params(args)

@@ -3,7 +3,7 @@ JSON Schema outputs parse and validate, regex outputs fullmatch, EBNF outputs ar
 and everything finishes with ``stop`` before ``max_new_tokens``, also when a logit bias pushes the
 model towards whitespace. Jump-forward on vs off is compared on a pair of tiny-model engines.
 
-The schemas come from the JSON-Schema-Bench sample in ``../shared/data`` (skipped when absent),
+The schemas come from the JSON-Schema-Bench sample in ``tests/data`` (skipped when absent),
 narrowed so that their language is finite (strings at most 10 characters, at most 2 array items,
 bounded integers instead of free numbers, no additional properties): the small model may legally
 write a string forever, and a finite language lets the test compute, per schema, an upper bound on
@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-SAMPLE = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "jsonschemabench" / "maskbench_sample.jsonl"
+# evaluation data (see SOURCE.txt there: schemas under their projects' terms; tests only, never packaged)
+SAMPLE = Path(__file__).resolve().parent / "data" / "jsonschemabench" / "maskbench_sample.jsonl"
 WS_BIAS = {216: 5.0, 198: 5.0, 197: 5.0}  # " ", "\n", "\t" in the SmolLM2 vocabulary
 N_SCHEMAS = 20
 MAX_BOUND = 320  # longest allowed output (bytes) of a selected schema

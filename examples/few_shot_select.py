@@ -1,30 +1,33 @@
-"""Few-shot QA with ``select``: a shared few-shot prefix, then the answer is chosen by scoring
-each candidate's token logprobs (not sampled). Run: python examples/few_shot_select.py"""
+"""Few-shot classification with ``select``: a shared few-shot prefix, then the answer is chosen
+by scoring each candidate's token logprobs (not sampled), so it is always one of the classes.
+Run: python examples/few_shot_select.py"""
 import sglite
 
-SHOTS = [("Is the sun a star?", "yes"), ("Is a whale a fish?", "no"), ("Can penguins fly?", "no"),
-         ("Is water wet?", "yes")]
-QUESTIONS = ["Is the moon made of cheese?", "Is Paris in France?", "Do cats bark?", "Is ice cold?"]
+CLASSES = ["mammal", "bird", "fish"]
+SHOTS = [("dog", "mammal"), ("eagle", "bird"), ("salmon", "fish"), ("cow", "mammal"), ("parrot", "bird"),
+         ("shark", "fish")]
+QUESTIONS = ["cat", "sparrow", "tuna", "whale", "penguin", "trout"]  # whale and penguin are the tricky ones
 
 
 @sglite.function
-def yes_no(s, question):
-    for q, a in SHOTS:
-        s += "Question: " + q + "\nAnswer: " + a + "\n\n"
-    s += "Question: " + question + "\nAnswer: " + sglite.select("answer", choices=["yes", "no"])
+def classify(s, animal):
+    for a, c in SHOTS:
+        s += "Animal: " + a + "\nClass: " + c + "\n\n"
+    s += "Animal: " + animal + "\nClass: " + sglite.select("answer", choices=CLASSES)
 
 
 def main(engine=None):
-    """Answer QUESTIONS with 4-shot select; returns {question: answer}."""
+    """Classify QUESTIONS with 6-shot select (one batch; the shots are prefilled once); returns {animal: class}."""
     own = engine is None
     engine = engine or sglite.Engine()
     try:
-        states = yes_no.run_batch([{"question": q} for q in QUESTIONS], backend=engine)
+        states = classify.run_batch([{"animal": q} for q in QUESTIONS], backend=engine)
         out = {}
         for q, st in zip(QUESTIONS, states):
             scores = st.get_meta_info("answer")["normalized_prompt_logprobs"]
             out[q] = st["answer"]
-            print(f"{q:32s} -> {st['answer']:3s}  (mean logprob yes={scores[0]:.2f}, no={scores[1]:.2f})")
+            detail = ", ".join(f"{c}={lp:.2f}" for c, lp in zip(CLASSES, scores))
+            print(f"{q:8s} -> {st['answer']:6s}  (mean token logprob: {detail})")
         return out
     finally:
         if own:

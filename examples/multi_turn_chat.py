@@ -1,7 +1,11 @@
-"""A multi-turn chat: each turn's answer stays in the context of the next, and the whole
+"""A multi-turn chat, streamed: each turn's answer stays in the context of the next, each
+answer is printed as it is generated (``text_iter(var)`` on a ``stream=True`` run), and the whole
 conversation (with the template's default system prompt) is in ``state.messages()``.
 Run: python examples/multi_turn_chat.py"""
 import sglite
+
+TURNS = ["Suggest a name for a black cat. Answer in one sentence.", "Why is that a good name?",
+         "Now suggest a name for a white cat, in one sentence."]
 
 
 @sglite.function
@@ -16,14 +20,15 @@ def main(engine=None, max_tokens=48):
     own = engine is None
     engine = engine or sglite.Engine()
     try:
-        turns = ["Hi! What is a good name for a cat?", "Why that name?", "Give one more name."]
-        st = chat.run(turns=turns, backend=engine, temperature=0, max_tokens=max_tokens, stream=True)
-        for chunk in st.text_iter():
-            print(chunk, end="", flush=True)
-        print()
-        for m in st.messages():
-            print(f"[{m['role']}] {m['content'][:80]}")
-        return st.messages()
+        st = chat.run(turns=TURNS, backend=engine, temperature=0, max_tokens=max_tokens, stream=True)
+        for i, q in enumerate(TURNS):
+            print(f"[user] {q}\n[assistant] ", end="", flush=True)
+            for chunk in st.text_iter(f"answer{i}"):
+                print(chunk, end="", flush=True)
+            print()
+        msgs = st.messages()
+        print(f"({len(msgs)} messages; the first is the template's system prompt: {msgs[0]['content']!r})")
+        return msgs
     finally:
         if own:
             engine.shutdown()

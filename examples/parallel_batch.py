@@ -1,5 +1,5 @@
 """Parallel programs with ``run_batch``: each review is classified with ``select`` and
-summarised with ``gen``; programs run concurrently and the engine batches their requests.
+summarised with a regex-constrained ``gen`` (a few words); programs run concurrently and the engine batches their requests.
 The instruction prefix every program shares is prefilled once before the batch fans out.
 Run: python examples/parallel_batch.py"""
 import time
@@ -10,6 +10,7 @@ REVIEWS = ["The battery lasts all day and the screen is gorgeous.", "Broke after
            "It works, nothing special.", "Absolutely love it, best purchase this year!",
            "The delivery was late and the box was damaged.", "Decent value for the price.",
            "Terrible customer service, never again.", "Sleek design and very fast."]
+SUMMARY = r"[A-Z][a-z]+( [a-z']+){1,8}\."  # a few words, one sentence
 
 
 @sglite.function
@@ -19,7 +20,7 @@ def review(s, text, max_tokens=16):
     s += sglite.user("Review: " + text)
     with s.assistant():
         s += "Sentiment: " + sglite.select("sentiment", choices=["positive", "negative", "neutral"]) + "\n"
-        s += "Summary: " + sglite.gen("summary", max_tokens=max_tokens, stop="\n")
+        s += "Summary: " + sglite.gen("summary", max_tokens=max_tokens, regex=SUMMARY)
 
 
 def main(engine=None, max_tokens=16):

@@ -1,7 +1,7 @@
 """Quickstart: a two-turn agent program on the default model (SmolLM2-135M-Instruct), run by sglite's own engine.
 
-Turn 1 routes the user's request with `select`, then extracts a flight code with a
-regex-constrained `gen`. Turn 2 answers. Prints every variable, decode tokens/s and the
+Turn 1 extracts the flight code with a regex-constrained `gen`, then routes the request with
+`select`. Turn 2 answers. Prints every variable, decode tokens/s and the
 number of prompt tokens served from the radix cache.
 
     python examples/quickstart.py          (or: make demo)
@@ -16,9 +16,8 @@ from sglite import assistant, function, gen, select, system, user
 def travel_agent(s, request):
     s += system("You are a concise airline assistant.")
     s += user(request)
-    s += assistant("This request is about: " + select("topic", choices=["flight status", "baggage", "refund"]))
-    s += user("Extract the flight code mentioned in my message.")
-    s += assistant("Flight code: " + gen("flight", regex=r"[A-Z]{2}[0-9]{3,4}", max_tokens=10))
+    s += assistant("Flight code: " + gen("flight", regex=r"[A-Z]{2}[0-9]{3,4}", max_tokens=10)
+                   + ". This request is about: " + select("topic", choices=["flight status", "lost baggage", "refund"]))
     s += user("Now answer my request in one short sentence.")
     s += assistant(gen("answer", max_tokens=48, stop=["\n"]))
 
@@ -32,7 +31,7 @@ def main():
     requests = [
         "Is flight BA2490 to Lisbon on time today?",
         "My bag did not arrive on flight LH1234, what should I do?",
-        "I want my money back for flight AF345, it was cancelled.",
+        "I want my money back for flight KL1045, it was cancelled.",
     ]
     t1 = time.perf_counter()
     states = travel_agent.run_batch([{"request": r} for r in requests], temperature=0)

@@ -2,6 +2,7 @@
 (prefilled-once) prefix, then the parent picks the best with ``select``.
 Run: python examples/tree_of_thought.py"""
 import sglite
+IDEA = r"[A-Z][a-z]+( [a-z]+){2,12}\."  # one sentence of words
 
 
 @sglite.function
@@ -9,7 +10,7 @@ def tree_of_thought(s, problem, width=3, max_tokens=32):
     s += sglite.user("Problem: " + problem + "\nPropose one short approach.")
     with s.assistant():
         forks = s.fork(width)
-        forks += lambda i: f"Approach {i + 1}: " + sglite.gen("approach", max_tokens=max_tokens, stop="\n",
+        forks += lambda i: f"Approach {i + 1}: " + sglite.gen("approach", max_tokens=max_tokens, regex=IDEA,
                                                               temperature=0.8, top_p=0.95)
         forks.join()
     approaches = s["approach"]

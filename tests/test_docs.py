@@ -70,10 +70,11 @@ def tiny_engine_class(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def tiny_server(tiny_engine_class):
+    from sglite.server import ServerConfig
     from sglite.server.runner import ServerThread
 
     engine = tiny_engine_class()
-    with ServerThread(engine) as srv:
+    with ServerThread(engine, ServerConfig(port=0, enable_metrics=True)) as srv:  # as `--enable-metrics`
         yield srv
     engine.shutdown()
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -29,10 +30,24 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"  # the C++ sources (package data ``csrc/*.cpp``)
 
 
+_LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)"[ \t]*$', re.MULTILINE)
+
+
 def read_source(filename: str) -> str:
-    """Text of ``csrc/<filename>`` (shipped as package data); the build tag hashes this text, so an
-    edited source rebuilds. Raises FileNotFoundError when the file is missing (a broken install)."""
-    return (CSRC / filename).read_text()
+    """Text of ``csrc/<filename>`` (shipped as package data) with each ``#include "x.h"`` of a
+    ``csrc`` header replaced by the header's text (once per source), so the build tag hashes every
+    line compiled and an edited header rebuilds too. Raises FileNotFoundError when a file is missing
+    (a broken install)."""
+    seen: set[str] = set()
+
+    def splice(m: "re.Match") -> str:
+        name = m.group(1)
+        if name in seen:
+            return ""
+        seen.add(name)
+        return _LOCAL_INCLUDE.sub(splice, (CSRC / name).read_text())
+
+    return _LOCAL_INCLUDE.sub(splice, (CSRC / filename).read_text())
 
 
 def cache_root() -> Path:

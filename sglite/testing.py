@@ -101,3 +101,17 @@ def _fill_weights(model, config, seed: int) -> None:
             else:  # projections: std 1/sqrt(fan_in) keeps activations O(1)
                 value = torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[1])
             param.copy_(value)
+
+
+def rerun_in_triton_interpreter(test_file: str, timeout: float = 600.0):
+    """Run one pytest file in a fresh interpreter with ``TRITON_INTERPRET=1`` set before triton is
+    imported (``SGLITE_TEST_DEVICE=cpu``): for Triton test files collected after another module
+    imported triton. Returns the ``subprocess.CompletedProcess`` (text stdout/stderr); raises
+    ``subprocess.TimeoutExpired`` past ``timeout`` seconds."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1", SGLITE_TEST_DEVICE="cpu")
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test_file],
+                          env=env, capture_output=True, text=True, timeout=timeout)

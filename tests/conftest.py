@@ -46,3 +46,13 @@ def real_engine(real_checkpoint):
     e = Engine(dtype="float32", max_total_tokens=65536)
     yield e
     e.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _triton_interpreter_gate(request):
+    """Triton test files set ``IN_PROCESS = False`` when triton was imported before they could set
+    ``TRITON_INTERPRET=1``: their tests skip here and run instead in a fresh interpreter through
+    the file's ``test_file_in_fresh_interpreter`` (:func:`sglite.testing.rerun_in_triton_interpreter`)."""
+    if getattr(request.module, "IN_PROCESS", True) is False and request.node.name != "test_file_in_fresh_interpreter":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set; "
+                    "this file's checks ran in a subprocess (test_file_in_fresh_interpreter)")

@@ -4,8 +4,6 @@
 pytest process, the file re-runs itself in a fresh subprocess (see test_kernels_attention.py).
 """
 import os
-import subprocess
-import sys
 
 DEVICE = os.environ.get("SGLITE_TEST_DEVICE", "cpu")
 if DEVICE == "cpu":
@@ -19,23 +17,16 @@ pytest.importorskip("triton", reason="triton is not installed on this platform")
 from sglite.kernels import reference as R  # noqa: E402
 from sglite.kernels import triton_ops as T  # noqa: E402
 
+from sglite.testing import rerun_in_triton_interpreter  # noqa: E402
+
 pytestmark = pytest.mark.triton
 IN_PROCESS = DEVICE != "cpu" or T.INTERPRETED
 IMPLS = {"torch": R, "triton": T}
 
 
-@pytest.fixture(autouse=True)
-def _needs_interpreter(request):
-    if not IN_PROCESS and request.node.name != "test_file_in_fresh_interpreter":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set; "
-                    "this file's checks ran in a subprocess (test_file_in_fresh_interpreter)")
-
-
-if not IN_PROCESS:
+if not IN_PROCESS:  # the other tests of this file skip (tests/conftest.py) and run in a subprocess
     def test_file_in_fresh_interpreter():
-        env = dict(os.environ, TRITON_INTERPRET="1", SGLITE_TEST_DEVICE="cpu")
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                            __file__], env=env, capture_output=True, text=True, timeout=600)
+        r = rerun_in_triton_interpreter(__file__)
         assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-3000:]
 
 

@@ -13,6 +13,7 @@
 #include <vector>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
+#include "avx512_math.h"
 #define SGL_AVX512 1
 #endif
 
@@ -42,18 +43,7 @@ inline __m512 load16(const uint16_t* p, __mmask16 m) {
   __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
-// e^x for x <= 0: 2^n * p(r), n = round(x log2 e), r = x - n ln2, degree-6 Taylor p (|r| <= ln2/2).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  const float c[] = {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
-  for (float ci : c) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(ci));
-  return _mm512_scalef_ps(p, n);
-}
+using sglite_simd::exp_nonpos;
 
 template <int NC, typename T> inline void load_row(const T* p, int D, __m512* out) {
   for (int c = 0; c < NC; ++c) {
@@ -192,7 +182,7 @@ inline float softmax_row(float* x, int64_t L) {
 #ifdef SGL_AVX512
   __m512 vm = _mm512_set1_ps(m), vs = _mm512_setzero_ps();
   for (; t + 16 <= L; t += 16) {
-    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + t), vm));
+    __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_loadu_ps(x + t), vm));
     _mm512_storeu_ps(x + t, e);
     vs = _mm512_add_ps(vs, e);
   }

@@ -16,6 +16,7 @@ not: its batched path pads to the longest row), Triton runs a fixed number of KV
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from typing import Optional
@@ -30,7 +31,9 @@ OPS = ("store_kv", "decode_attention", "extend_attention", "apply_token_bitmask"
 CPP_OPS = ("decode_attention",)  # ops with a C++ CPU kernel (kernels/cpu_attention.py)
 
 
+@functools.lru_cache(maxsize=1)
 def _triton_available() -> bool:
+    """Whether triton imports here (asked once per process: ops consult it on every CUDA call)."""
     try:
         importlib.import_module("triton")
         return True

@@ -112,19 +112,14 @@ def _cpp(x: torch.Tensor, lw: LinearWeight) -> torch.Tensor:
 
 
 def _invariant(x: torch.Tensor, lw: LinearWeight) -> torch.Tensor:
-    if x.is_cuda and _triton_ok():
-        from . import triton_matmul
+    if x.is_cuda:
+        from .dispatch import _triton_available  # the dispatcher's (cached) answer; no import cycle
 
-        return triton_matmul.linear_invariant(x, lw.weight, lw.bias)
+        if _triton_available():
+            from . import triton_matmul
+
+            return triton_matmul.linear_invariant(x, lw.weight, lw.bias)
     return cpu_gemv.linear_invariant(x, lw.weight, lw.bias)
-
-
-def _triton_ok() -> bool:
-    try:
-        import triton  # noqa: F401
-        return True
-    except Exception:
-        return False
 
 
 IMPLS: dict[str, Callable[[torch.Tensor, LinearWeight], torch.Tensor]] = {
@@ -182,6 +177,11 @@ def probe_times(weights: list[torch.Tensor], candidates: tuple[str, ...] = ("off
     return out
 
 
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"cpu_decode_gemv: must be {'|'.join(MODES)}, got {mode!r}")
+
+
 def choose_gemv(mode: str, dtype: torch.dtype, device: str, probe_weights: list[torch.Tensor]) -> str:
     """The one-row matmul path of ``EngineConfig.cpu_decode_gemv``: ``"cpp"``, ``"fp16"`` or ``"off"``.
 
@@ -191,8 +191,7 @@ def choose_gemv(mode: str, dtype: torch.dtype, device: str, probe_weights: list[
     when >= :data:`MIN_SPEEDUP` x faster than ``off``. Other devices or dtypes: ``off``.
     Raises ValueError for an unknown mode.
     """
-    if mode not in MODES:
-        raise ValueError(f"cpu_decode_gemv: must be {'|'.join(MODES)}, got {mode!r}")
+    _check_mode(mode)
     if mode == "off" or device != "cpu" or dtype != torch.bfloat16:
         return "off"
     if mode == "fp16":
@@ -220,8 +219,7 @@ def choose_impl(mode: str, dtype: torch.dtype, device: str, probe_weights: list[
     Raises ValueError for an unknown mode.
     """
     if deterministic:
-        if mode not in MODES:
-            raise ValueError(f"cpu_decode_gemv: must be {'|'.join(MODES)}, got {mode!r}")
+        _check_mode(mode)
         return "invariant"
     g = choose_gemv(mode, dtype, device, probe_weights)
     return "torch" if g == "off" else g

@@ -18,25 +18,14 @@ import torch
 from sglite.constrained import (CompiledGrammarProtocol, GrammarBackend, GrammarBackendProtocol,
                                 GrammarMatcherProtocol, TokenizerInfo)
 from sglite.constrained.protocols import protocol_members
+from sglite.constrained.tokenizer_info import bytes_to_unicode
 from sglite.errors import GrammarError
 
 EOS = 0
 MERGED = ["ab", "bc", "abc", "ca", "at", "cat", "do", "dog", "og", "12", '{"', '":', '"}', " a", " d", " c"]
 
 
-def _bytes_to_unicode() -> dict:
-    """GPT-2's byte → printable character table (Radford et al. 2019, byte-level BPE)."""
-    bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    cs, n = list(bs), 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
-
-
-B2U = _bytes_to_unicode()
+B2U = bytes_to_unicode()  # GPT-2 byte table
 
 
 def tiny_hf_tokenizer():

@@ -10,8 +10,9 @@ import numpy as np
 from sglite.errors import GrammarError
 
 
-def _byte_decoder() -> dict[str, int]:
-    """Inverse of GPT-2's ``bytes_to_unicode`` table (byte-level BPE, Radford et al. 2019)."""
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table of byte-level BPE vocabularies (Radford et al.
+    2019): printable Latin-1 bytes map to themselves, the other 68 to U+0100 onwards."""
     bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
     cs, n = list(bs), 0
     for b in range(256):
@@ -19,7 +20,12 @@ def _byte_decoder() -> dict[str, int]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of :func:`bytes_to_unicode`."""
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 _HEX_BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")

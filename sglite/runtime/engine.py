@@ -273,7 +273,7 @@ class Engine:
         """Config, KV capacity and usage, queue lengths and counters (a snapshot)."""
         def snap():
             s = self.scheduler
-            free, ev = s.kv_pool.free_tokens(), s.cache.evictable_size
+            free, ev = s.kv.free_tokens(), s.kv.cache.evictable_size
             st = dict(s.stats)
             hit = st["cached_tokens"] / st["prompt_tokens"] if st["prompt_tokens"] else 0.0
             return {**{k: v for k, v in self.config.__dict__.items()},

@@ -113,8 +113,7 @@ class EngineLoop:
                 msg = None
             while msg is not None:
                 if isinstance(msg, Stop):
-                    for r in list(sched.waiting) + list(sched.running):
-                        sched.abort(r.rid)
+                    sched.abort_all("aborted by client")
                     sched.close()
                     return
                 self.handle(msg)

@@ -67,14 +67,6 @@ class Scheduler:
         """Counters since start (tokens, steps, requests, retractions, evicted tokens)."""
         return {**self.counters, "evicted_tokens": self.kv.evicted_tokens}
 
-    @property
-    def cache(self):
-        return self.kv.cache
-
-    @property
-    def kv_pool(self):
-        return self.kv.kv_pool
-
     # ------------------------------------------------------------------ queue API
     def add_request(self, req: Req) -> None:
         self.waiting.append(req)
@@ -105,10 +97,6 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
-
-    def available_tokens(self) -> int:
-        """Free plus evictable KV tokens."""
-        return self.kv.available_tokens()
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finished = reason

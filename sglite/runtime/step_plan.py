@@ -49,16 +49,10 @@ class StepPlan:
 
     entries: list[StepEntry]
     decode_only: bool = False
-
-    @property
-    def sampling(self) -> list[StepEntry]:
-        """Entries that sample a token, in plan (= logits-row) order."""
-        return [e for e in self.entries if e.sample_row is not None]
-
-    @property
-    def sampling_reqs(self) -> list[Req]:
-        """The requests of :attr:`sampling`, in the same order (the sampler's and the masks' rows)."""
-        return [e.req for e in self.entries if e.sample_row is not None]
+    #: entries that sample a token, in logits-row order, and their requests (the sampler's and the
+    #: masks' rows); set by :meth:`layout`
+    sampling: list[StepEntry] = field(default_factory=list)
+    sampling_reqs: list[Req] = field(default_factory=list)
 
     @property
     def has_chunk(self) -> bool:
@@ -69,7 +63,8 @@ class StepPlan:
         return any(not e.req.prefilling for e in self.entries)
 
     def layout(self, small_extend: Optional[int] = SMALL_EXTEND) -> "StepPlan":
-        """Order the entries (extend entries first, stable) and number their logits rows.
+        """Order the entries (extend entries first, stable), number their logits rows and fill
+        :attr:`sampling` / :attr:`sampling_reqs`.
 
         ``small_extend``: entries of at most this many tokens run as decode rows; None runs every
         token as a decode row (deterministic inference: one attention kernel for every token, so a
@@ -91,6 +86,8 @@ class StepPlan:
             if e.ends_sequence and r.params.max_new_tokens > 0 and r.finished is None:
                 e.sample_row = row
                 row += 1
+        self.sampling = [e for e in self.entries if e.sample_row is not None]
+        self.sampling_reqs = [e.req for e in self.sampling]
         return self
 
     def logits_offsets(self) -> list[int]:

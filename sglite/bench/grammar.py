@@ -292,9 +292,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--passes", type=int, default=20, help="passes over each instance (the first is cold)")
     p.add_argument("--coverage", action="store_true", help="also run the maskbench-sample coverage")
     p.add_argument("--suite", action="store_true", help="also run the JSON-Schema-Test-Suite per-file table")
-    p.add_argument("--data", default=str(Path(__file__).resolve().parents[2].parent / "shared" / "data"),
-                   help="folder of the evaluation data (--coverage, --suite)")
+    p.add_argument("--data", default=None,
+                   help="folder of the evaluation data (--coverage, --suite; default: ../shared/data beside the clone)")
     return p
+
+
+def _data_dir(args) -> Path:
+    """``--data``, or ``../shared/data`` beside the clone (resolved at run time, so help and the
+    generated flag reference never carry a machine's path)."""
+    if args.data:
+        return Path(args.data)
+    return Path(__file__).resolve().parents[2].parent / "shared" / "data"
 
 
 def main(argv=None) -> int:
@@ -310,7 +318,7 @@ def main(argv=None) -> int:
             if row is not None:
                 print(json.dumps(row), flush=True)
     if args.suite:
-        folder = Path(args.data) / "json-schema-test-suite" / "draft2020-12"
+        folder = _data_dir(args) / "json-schema-test-suite" / "draft2020-12"
         if folder.is_dir():
             table = suite_coverage(tok, folder)
             for name, row in table.items():
@@ -320,7 +328,7 @@ def main(argv=None) -> int:
         else:
             print(json.dumps({"suite": f"{folder} not found"}), flush=True)
     if args.coverage:
-        sample = Path(args.data) / "jsonschemabench" / "maskbench_sample.jsonl"
+        sample = _data_dir(args) / "jsonschemabench" / "maskbench_sample.jsonl"
         if sample.is_file():
             print(json.dumps({"coverage": coverage(tok, sample)}), flush=True)
         else:

@@ -50,9 +50,10 @@ import torch
 
 from ..config import EngineConfig
 from ..logging_setup import PhaseTimer, configure_if_unset
+from .engine_info import model_info, server_info
 from .engine_loop import EngineLoop
 from .engine_requests import RequestBuilder
-from .engine_stream import BatchView, OutputAccumulator
+from .engine_stream import BatchView, OutputAccumulator, sync_stream
 from .logprob_options import LogprobOptions
 from .model_loader import load_checkpoint, load_state_dict
 from .model_runner import ModelRunner, resolve_device, resolve_dtype
@@ -160,25 +161,9 @@ class Engine:
             q: queue.Queue = queue.Queue()
             batch = build(lambda i: (lambda ev: q.put((i, ev))))
             self._loop.submit(batch.all_reqs)
-            return self._stream_sync(q, batch, BatchView(batch.num_outputs, incremental))
+            return sync_stream(q, batch, BatchView(batch.num_outputs, incremental), self._loop)
         batch, outs = self._run_to_completion(build)
         return outs if batch.is_list else outs[0]
-
-    def _stream_sync(self, q, batch, view: BatchView):
-        finished = 0
-        try:
-            while finished < batch.num_outputs:
-                try:
-                    i, ev = q.get(timeout=0.5)
-                except queue.Empty:
-                    if not self._loop.alive:
-                        raise RuntimeError("engine loop has stopped") from None
-                    continue
-                finished += ev.finished
-                yield view.view(i, ev)
-        finally:
-            if finished < batch.num_outputs:  # the consumer stopped early: free the KV
-                self._loop.abort_reqs(batch.all_reqs)
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              logprob_start_len=-1, top_logprobs_num=0, token_ids_logprob=None,
@@ -270,29 +255,13 @@ class Engine:
         self._loop.call(self.scheduler.check_invariants)
 
     def get_server_info(self) -> dict:
-        """Config, KV capacity and usage, queue lengths and counters (a snapshot)."""
-        def snap():
-            s = self.scheduler
-            free, ev = s.kv.free_tokens(), s.kv.cache.evictable_size
-            st = dict(s.stats)
-            hit = st["cached_tokens"] / st["prompt_tokens"] if st["prompt_tokens"] else 0.0
-            return {**{k: v for k, v in self.config.__dict__.items()},
-                    "max_total_tokens": self.runner.max_total_tokens, "free_tokens": free,
-                    "evictable_tokens": ev, "available_tokens": free + ev,
-                    "running_requests": len(s.running), "waiting_requests": len(s.waiting),
-                    "cache_hit_rate": hit, "bytes_per_token": self.runner.bytes_per_token,
-                    "dtype": str(self.runner.dtype).replace("torch.", ""), "device": self.runner.device,
-                    "context_length": self.runner.context_length, **st}
-        return self._loop.call(snap)
+        """Config, KV capacity and usage, queue lengths and counters (a snapshot, taken on the loop
+        thread; see :func:`~sglite.runtime.engine_info.server_info`)."""
+        return self._loop.call(lambda: server_info(self.config, self.runner, self.scheduler))
 
     def model_info(self) -> dict:
         """Model facts clients need (path, context length, vocab, chat template markers)."""
-        tk = self.tokenizer
-        return {"model_path": self.checkpoint.source, "context_length": self.runner.context_length,
-                "vocab_size": self.runner.vocab_size, "eos_token_ids": sorted(tk.eos_token_ids),
-                "role_markers": {k: list(v) for k, v in tk.role_markers().items()},
-                "end_of_turn": tk.end_of_turn, "default_system_prompt": tk.default_system_prompt,
-                "dtype": str(self.runner.dtype).replace("torch.", ""), "device": self.runner.device}
+        return model_info(self.checkpoint, self.runner, self.tokenizer)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools=None) -> str:
         """Render ``messages`` with the model's chat template."""

@@ -84,7 +84,8 @@ class RequestBuilder:
                 from ..constrained import GrammarBackend, TokenizerInfo
                 info = TokenizerInfo.from_hf(self.tokenizer.hf, self.runner.vocab_size, eos)
                 self._grammar = GrammarBackend(
-                    info, whitespace_pattern=self.config.constrained_json_whitespace_pattern)
+                    info, whitespace_pattern=self.config.constrained_json_whitespace_pattern,
+                    json_schema_strict=self.config.json_schema_strict)
             else:
                 from ..constrained.external import make_backend
                 self._grammar = make_backend(name, self.tokenizer.hf, self.runner.vocab_size, eos)

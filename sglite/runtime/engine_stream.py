@@ -78,3 +78,28 @@ class BatchView:
         if self.num_outputs > 1:
             out["index"] = i
         return out
+
+
+def sync_stream(q, batch, view: BatchView, loop):
+    """Yield ``view.view(i, event)`` for each ``(i, event)`` put on ``q`` (a ``queue.Queue``) by the
+    batch's sinks until every output of ``batch`` has finished.
+
+    ``loop``: the engine's :class:`~sglite.runtime.engine_loop.EngineLoop`; when the consumer stops
+    early (closes the generator) the batch's unfinished requests are aborted so their KV is freed.
+    Raises RuntimeError when the loop thread has stopped with outputs still pending."""
+    import queue as _queue
+
+    finished = 0
+    try:
+        while finished < batch.num_outputs:
+            try:
+                i, ev = q.get(timeout=0.5)
+            except _queue.Empty:
+                if not loop.alive:
+                    raise RuntimeError("engine loop has stopped") from None
+                continue
+            finished += ev.finished
+            yield view.view(i, ev)
+    finally:
+        if finished < batch.num_outputs:  # the consumer stopped early: free the KV
+            loop.abort_reqs(batch.all_reqs)

@@ -223,3 +223,17 @@ def test_runtime_serves_programs_from_a_child_process(tiny_model_dir):
         rt.shutdown()
     assert not rt.alive
     rt.shutdown()  # idempotent
+
+
+@pytest.mark.slow
+def test_generation_before_any_text_on_the_default_model(real_engine):
+    assert real_engine.model_info()["bos_token_id"] == 1  # <|im_start|> of SmolLM2
+
+    @sglite.function
+    def fork_first(s):
+        forks = s.fork(2)
+        forks += sglite.gen("x", max_tokens=4, temperature=0)
+        forks.join()
+
+    st = fork_first.run(backend=real_engine)
+    assert st.error() is None and st["x"][0] == st["x"][1] and st["x"][0]

@@ -39,13 +39,16 @@ def server_argv(model_path: Optional[str], server_args: dict) -> list:
 
     parser = build_parser()
     by_dest = {a.dest: a for a in parser._actions if a.option_strings}
+    by_flag = {o: a for a in parser._actions for o in a.option_strings}
     argv = [] if model_path is None else ["--model-path", str(model_path)]
     for name, value in server_args.items():
-        action = by_dest.get(name)
+        # a config field's dest, or a flag's spelling (``tp_size`` → ``--tp-size``: known, refused
+        # unless its no-op value)
+        action = by_dest.get(name) or by_flag.get("--" + name.replace("_", "-"))
         if action is None or name in ("host", "port", "help", "version"):
             raise InvalidRequestError(f"Runtime: unknown server argument {name!r} (the flags of `sglite serve`, "
                                       f"with underscores)", field=name)
-        flag = action.option_strings[0]
+        flag = action.option_strings[0] if action.dest == name else "--" + name.replace("_", "-")
         if isinstance(action, argparse._StoreTrueAction):
             argv += [flag] if value else []
         elif isinstance(action, argparse._StoreConstAction) and action.const is False:  # --disable-x

@@ -201,6 +201,9 @@ def test_runtime_checks_server_args_before_starting():
         sglite.Runtime(model_path="m", no_such_flag=1)
     with pytest.raises(InvalidRequestError, match="dtype"):
         sglite.Runtime(model_path="m", dtype="float7")
+    assert server_argv(None, {"tp_size": 1}) == ["--tp-size", "1"]  # SGLang's flag, its no-op value
+    with pytest.raises(InvalidRequestError, match="tensor parallelism"):
+        sglite.Runtime(model_path="m", tp_size=2)
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from .engine_client import GenCall
 from .errors import ApiError, from_value_error
 from .openai_chat import add_chat_route
-from .openai_common import OpenAIContext, open_call, run_call
+from .openai_common import OpenAIContext, check_fields, open_call, run_call
 from .openai_format import completion_logprobs, finish_info, new_id, now, num_logprob_tokens, usage_of
 from ..errors import context_length_message
 from .openai_params import check_model, completion_prompts, make_call, sampling_params
@@ -51,6 +51,7 @@ def _echo_texts(ctx: OpenAIContext, req: CompletionRequest, prompts: list[dict])
 
 def _prepare(ctx: OpenAIContext, req: CompletionRequest) -> tuple[GenCall, list[Optional[str]], int, dict]:
     check_model(req.model, ctx.names, [ctx.model_name])
+    check_fields(req, "/v1/completions")
     if req.suffix:
         raise ApiError("suffix: not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 
 from ..errors import context_length_message
 from .errors import ApiError
-from .openai_common import open_call, run_call
+from .openai_common import check_fields, open_call, run_call
 from .openai_format import chat_logprobs, finish_info, new_id, now, num_logprob_tokens, usage_of
 from .openai_params import chat_messages, check_model, make_call, sampling_params
 from .protocol import ChatCompletionRequest
@@ -52,6 +52,7 @@ def _prompt(ctx, req: ChatCompletionRequest, plan: ToolPlan) -> str:
 
 def _prepare(ctx, req: ChatCompletionRequest):
     check_model(req.model, ctx.names, [ctx.model_name])
+    check_fields(req, "/v1/chat/completions")
     k = _logprobs_k(req)
     plan = plan_tools(req.tools, req.tool_choice)
     has_format = req.response_format is not None and req.response_format.type != "text"

@@ -322,6 +322,8 @@ class FakeEngine:
 
     @staticmethod
     def _hold_back(text: str, sp: SamplingParams) -> str:
+        while text.endswith("\ufffd"):  # an incomplete UTF-8 character waits for its other bytes
+            text = text[:-1]
         keep = len(text)
         for s in sp.stop or []:
             for k in range(min(len(s) - 1, len(text)), 0, -1):

@@ -198,3 +198,20 @@ def test_vllm_style_sends_guided_fields():
     assert st.error() is None and st["v"] == "no"
     assert sent[0]["guided_choice"] == ["yes", "no"]
     assert sent[1]["guided_regex"] == r"\d+" and sent[1]["top_k"] == 5 and "regex" not in sent[1]
+
+
+@pytest.mark.slow
+def test_select_scores_match_the_engine_on_the_default_model(real_engine):
+    """Echo-logprob scores through /v1/completions equal the engine's own select scores."""
+    @sglite.function
+    def capital(s):
+        s += "Q: What is the capital of France?\nA: The capital of France is" + sglite.select(
+            "city", [" Paris", " London", " Berlin"])
+
+    local = capital.run(backend=real_engine)
+    with runner.ServerThread(real_engine) as srv:
+        model = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
+        remote = capital.run(backend=sglite.OpenAI(model, base_url=srv.url + "/v1"))
+    assert remote.error() is None and remote["city"] == local["city"] == " Paris"
+    assert remote.get_meta_info("city")["normalized_prompt_logprobs"] == pytest.approx(
+        local.get_meta_info("city")["normalized_prompt_logprobs"], abs=1e-3)

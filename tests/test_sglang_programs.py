@@ -296,3 +296,16 @@ def test_programs_on_the_default_model(real_engine, real_tokenizer):
     assert st["bool_res"] in ("True", "False")
     ans = long_answer.run(temperature=0.7)["answer"]
     assert len(real_tokenizer.encode(ans)) >= 15  # min_tokens=16 (the detokenized text may merge one)
+
+
+def test_run_a_script_with_the_alias(tmp_path):
+    import subprocess
+    import sys
+    script = tmp_path / "prog.py"
+    script.write_text("import sys\nimport sglang as sgl\nfrom sglang.lang.ir import REGEX_BOOL\n"
+                      "from sglite.frontend.testing import FakeBackend\n"
+                      "@sgl.function\ndef f(s):\n    s += 'Sky blue? ' + sgl.gen('v', regex=REGEX_BOOL)\n"
+                      "print(f.run(backend=FakeBackend())['v'], sys.argv[1:], 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-m", "sglite.frontend.sglang_alias", str(script), "a1"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout.split()
+    assert out[0] in ("True", "False") and out[1:] == ["['a1']", "False"]

@@ -54,6 +54,11 @@ class EngineConfig:
             around ``,`` ``:`` and brackets (sglite backend). None = compact JSON (no whitespace):
             every separator is then forced, which jump-forward skips; ``"[ ]?"`` is outlines'
             default, ``r"[ ]?|\n[ \t]{0,16}"`` allows one-line indentation.
+        json_schema_strict: compile JSON Schemas strictly (XGrammar's default): an object that
+            names its properties but does not say ``additionalProperties`` admits no other key, an
+            array with ``prefixItems`` but no ``items`` no further item (sglite backend, every
+            schema source: ``json_schema``, ``response_format``, tools, ``gen(json_schema=...)``).
+            ``--disable-json-schema-strict`` restores the specification's open reading.
         random_seed: seed of the engine's default generator (requests without ``sampling_seed``).
         context_length: override of the model's maximum context (tokens); None = the model's
             ``max_position_embeddings``.
@@ -98,6 +103,7 @@ class EngineConfig:
     enable_jump_forward: bool = True
     grammar_backend: str = "sglite"
     constrained_json_whitespace_pattern: Optional[str] = None
+    json_schema_strict: bool = True
     random_seed: int = 0
     context_length: Optional[int] = None
     log_level: str = "info"

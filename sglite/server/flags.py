@@ -31,7 +31,8 @@ CHOICES = {"dtype": DTYPES, "schedule_policy": SCHEDULE_POLICIES, "grammar_backe
 # Extra spellings people type (SGLang's or vLLM's names of the same option).
 ALIASES = {"context_length": ("--max-model-len",)}
 # Default-True booleans: the flags that switch them off (SGLang's names where it has one).
-DISABLE_FLAGS = {"enable_jump_forward": ("--disable-jump-forward", "--disable-regex-jump-forward")}
+DISABLE_FLAGS = {"enable_jump_forward": ("--disable-jump-forward", "--disable-regex-jump-forward"),
+                 "json_schema_strict": ("--disable-json-schema-strict",)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -109,8 +109,11 @@ class SpecDecoder:
         elif r.spec.index is None:
             r.spec.index = NgramIndex()
         r.spec.index.sync(r.seq_len, r.tokens)
-        found = r.spec.index.propose(k)
-        return found[0] if found else []
+        found = r.spec.index.propose_with_match(min(k, r.spec.cap))
+        if not found:
+            return []
+        cont, n = found[0]
+        return cont[:2 * n]  # a short match predicts little: at most twice its length
 
     def _walk_grammar(self, r, draft: list[int]) -> list[int]:
         """The longest prefix of ``draft`` the grammar allows; ``r.spec.masks`` gets the bitmask
@@ -152,7 +155,7 @@ class SpecDecoder:
             appended += done
             self.kv.commit(r, pending + min(a, done), share=False)
             self.kv.trim(r)
-            r.spec.record(k, a)
+            r.spec.record(k, a, self.k_max)
             self.counters["spec_verify_steps"] += 1
             self.counters["spec_draft_tokens"] += k
             self.counters["spec_accepted_tokens"] += a

@@ -58,6 +58,11 @@ class NgramIndex:
         """Up to ``candidates`` distinct draft continuations of at most ``k`` tokens each, longest
         matching n-gram first, most recent occurrence first within one n. Empty when nothing
         matches (or ``k`` < 1)."""
+        return [c for c, _ in self.propose_with_match(k, candidates)]
+
+    def propose_with_match(self, k: int, candidates: int = 1) -> list[tuple[list[int], int]]:
+        """Like :meth:`propose`, each continuation with the length ``n`` of the n-gram it matched
+        (a longer match is a better predictor)."""
         seq, out = self.seq, []
         L = len(seq)
         if k < 1 or L < MIN_N + 1:
@@ -74,7 +79,7 @@ class NgramIndex:
                 if not cont or cont[0] in seen:
                     continue
                 seen.add(cont[0])
-                out.append(cont)
+                out.append((cont, n))
                 if len(out) >= candidates:
                     return out
         return out

@@ -9,6 +9,7 @@ from .ngram import NgramIndex
 EMA = 0.3  # weight of the newest step in the acceptance-rate average
 LOW_ACCEPTANCE = 0.15  # below this average acceptance rate, drafting pauses ...
 COOLDOWN_STEPS = 16  # ... for this many steps (then it is tried again)
+START_LEN = 4  # first draft length cap; doubled after a fully accepted draft, cut after a rejection
 
 
 @dataclass
@@ -22,6 +23,9 @@ class SpecState:
         drafted: draft tokens proposed in all.
         histogram: ``histogram[a]`` = verify steps that accepted ``a`` draft tokens.
         rate: moving average of the accepted fraction of each draft.
+        cap: the next draft's length cap: doubled (up to the configured most) when a draft was
+            kept whole, else one more than the tokens kept (drafts that fail early stay short,
+            so a verify step costs little more than a decode step).
         cooldown: steps left without drafting (acceptance fell low).
         masks: the grammar bitmask rows of the draft being verified ([k+1, W] int32) or None.
         draft_kv: the draft model's KV state of this request (``STANDALONE``).
@@ -34,11 +38,13 @@ class SpecState:
     histogram: list = field(default_factory=list)
     rate: float = 1.0
     cooldown: int = 0
+    cap: int = START_LEN
     masks: Any = None
     draft_kv: Any = None
 
-    def record(self, k: int, a: int) -> None:
-        """A verify step of ``k`` draft tokens kept ``a`` of them."""
+    def record(self, k: int, a: int, k_max: int = 64) -> None:
+        """A verify step of ``k`` draft tokens kept ``a`` of them (``k_max``: the configured most)."""
+        self.cap = min(k_max, 2 * self.cap) if a == k else max(1, a + 1)
         self.verify_ct += 1
         self.accepted += a
         self.drafted += k

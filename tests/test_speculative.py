@@ -339,3 +339,63 @@ def test_grammar_forbidden_draft_token_ends_the_draft():
     assert dec._walk_grammar(r, [2, 3, 7, 1]) == [2, 3]  # 7 is forbidden: the draft ends before it
     assert r.grammar.accepted == []  # rolled back
     assert r.spec.masks.shape == (3, 2) and int(r.spec.masks[0, 0]) == 0b1110
+
+
+def homogeneity_p(a: dict, b: dict) -> float:
+    """P-value of the chi-square homogeneity test of two samples' category counts (dicts); rare
+    categories (pooled expected count < 10) are merged into one."""
+    na, nb = sum(a.values()), sum(b.values())
+    cats, rare = [], [0, 0]
+    for c in set(a) | set(b):
+        x, y = a.get(c, 0), b.get(c, 0)
+        if x + y < 10:
+            rare[0] += x
+            rare[1] += y
+        else:
+            cats.append((x, y))
+    if sum(rare):
+        cats.append(tuple(rare))
+    stat = 0.0
+    for x, y in cats:
+        tot = x + y
+        ea, eb = tot * na / (na + nb), tot * nb / (na + nb)
+        stat += (x - ea) ** 2 / ea + (y - eb) ** 2 / eb
+    df = len(cats) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64),
+                                         torch.tensor(stat / 2.0, dtype=torch.float64))) if df > 0 else 1.0
+
+
+@pytest.mark.slow
+def test_engine_sampling_distribution_unchanged_by_speculation(tiny_model_dir):
+    """End to end on a tiny model: the tokens at output positions 1-3 (drafted and verified with
+    speculation) are distributed as without it (homogeneity chi-square over many seeded draws).
+    The prompt repeats the model's own greedy continuation, so n-gram drafts are proposed every
+    step and sometimes kept."""
+    import collections
+
+    kw = dict(dtype="float32", device="cpu", max_total_tokens=8192)
+    base = Engine(str(tiny_model_dir), **kw)
+    spec = Engine(str(tiny_model_dir), speculative_algorithm="NGRAM", speculative_disable_by_batch_size=64, **kw)
+    try:
+        head = base.tokenizer.encode("alpha beta gamma delta")
+        cont = base.generate(input_ids=head, sampling_params={"max_new_tokens": 6, "temperature": 0})["output_ids"]
+        ids = head + cont + head
+        n = 400
+        sps = [{"max_new_tokens": 4, "temperature": 1.0, "top_k": 8, "sampling_seed": 77 + i} for i in range(n)]
+        got = {name: [o["output_ids"] for o in e.generate(input_ids=[ids] * n, sampling_params=sps)]
+               for name, e in (("base", base), ("spec", spec))}
+        info = spec.get_server_info()
+        assert info["spec_accepted_tokens"] > 0 and info["spec_draft_tokens"] > info["spec_accepted_tokens"]
+        for pos in (1, 2, 3):
+            a = collections.Counter(o[pos] for o in got["base"] if len(o) > pos)
+            b = collections.Counter(o[pos] for o in got["spec"] if len(o) > pos)
+            assert homogeneity_p(a, b) > 1e-3, (pos, a.most_common(8), b.most_common(8))
+    finally:
+        base.shutdown()
+        spec.shutdown()
+
+
+def test_homogeneity_test_detects_different_samples():
+    a = {0: 300, 1: 200, 2: 100}
+    assert homogeneity_p(a, {0: 310, 1: 190, 2: 100}) > 0.1
+    assert homogeneity_p(a, {0: 200, 1: 200, 2: 200}) < 1e-3

@@ -399,3 +399,31 @@ def test_homogeneity_test_detects_different_samples():
     a = {0: 300, 1: 200, 2: 100}
     assert homogeneity_p(a, {0: 310, 1: 190, 2: 100}) > 0.1
     assert homogeneity_p(a, {0: 200, 1: 200, 2: 200}) < 1e-3
+
+
+# ---------------------------------------------------------------------- STANDALONE draft model
+def test_standalone_draft_model_greedy_identical(tiny_model_dir, tmp_path):
+    from sglite.testing import make_tiny_llama
+
+    other = make_tiny_llama(tmp_path / "draft", seed=3, num_hidden_layers=1, vocab_from=tiny_model_dir)
+    kw = dict(dtype="float32", device="cpu", max_total_tokens=2048, check_invariants=True)
+    sp = {"max_new_tokens": 24, "temperature": 0}
+    prompts = COPY_PROMPTS[:3]
+    base = Engine(str(tiny_model_dir), **kw)
+    want = _ids(base.generate(prompts, sp))
+    base.shutdown()
+    for draft, min_len in ((tiny_model_dir, 3.0), (other, 1.0)):  # self-speculation, an unrelated draft
+        e = Engine(str(tiny_model_dir), speculative_algorithm="STANDALONE", speculative_draft_model_path=str(draft),
+                   speculative_num_steps=4, **kw)
+        try:
+            got = e.generate(prompts, sp)
+            assert _ids(got) == want
+            assert all(g["meta_info"]["spec_verify_ct"] > 0 for g in got)
+            assert min(g["meta_info"]["spec_accept_length"] for g in got) >= min_len
+            # retire requests: the draft's KV is freed lazily at the next draft, so run one more
+            e.generate(prompts[0], {"max_new_tokens": 3, "temperature": 0})
+            d = e.scheduler.spec.draft_model
+            held = sum(len(st.slots) for _, st in d.states.values())
+            assert d.runner.token_to_kv_pool.free_tokens() + held == d.runner.token_to_kv_pool.capacity
+        finally:
+            e.shutdown()

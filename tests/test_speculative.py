@@ -427,3 +427,28 @@ def test_standalone_draft_model_greedy_identical(tiny_model_dir, tmp_path):
             assert d.runner.token_to_kv_pool.free_tokens() + held == d.runner.token_to_kv_pool.capacity
         finally:
             e.shutdown()
+
+
+# ---------------------------------------------------------------------- server: meta_info and /metrics
+def test_meta_info_and_metrics_report_acceptance(tiny_model_dir):
+    import httpx
+
+    from sglite.server.runner import ServerThread
+    from sglite.server.settings import ServerConfig
+
+    eng = Engine(str(tiny_model_dir), dtype="float32", device="cpu", max_total_tokens=2048,
+                 speculative_algorithm="NGRAM")
+    try:
+        with ServerThread(eng, ServerConfig(port=0, enable_metrics=True)) as srv:
+            out = httpx.post(srv.url + "/generate", timeout=60, json={
+                "text": COPY_PROMPTS[0], "sampling_params": {"max_new_tokens": 32, "temperature": 0}}).json()
+            meta = out["meta_info"]
+            assert meta["spec_verify_ct"] > 0 and meta["spec_accept_length"] > 1.0
+            text = httpx.get(srv.url + "/metrics").text
+        counts = {ln.split()[0]: float(ln.split()[-1]) for ln in text.splitlines()
+                  if ln.startswith("sglite_spec_accept_length")}
+        assert counts["sglite_spec_accept_length_count"] == meta["spec_verify_ct"]
+        assert counts["sglite_spec_accept_length_sum"] == meta["spec_verify_ct"] + meta["spec_accepted_tokens"]
+        assert counts['sglite_spec_accept_length_bucket{le="1.0"}'] == meta["spec_accept_histogram"][0]
+    finally:
+        eng.shutdown()

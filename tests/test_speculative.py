@@ -452,3 +452,34 @@ def test_meta_info_and_metrics_report_acceptance(tiny_model_dir):
         assert counts['sglite_spec_accept_length_bucket{le="1.0"}'] == meta["spec_accept_histogram"][0]
     finally:
         eng.shutdown()
+
+
+# ---------------------------------------------------------------------- the real model (fp32)
+@pytest.mark.slow
+def test_real_model_greedy_identical(real_engine):
+    """SmolLM2-135M in float32: copy-heavy, regex and JSON-schema requests, batched, give the
+    same tokens with NGRAM speculation as without; drafts are really kept."""
+    from sglite.bench.spec import PARAGRAPH, PERSON_SCHEMA
+
+    spec = Engine(dtype="float32", max_total_tokens=16384, speculative_algorithm="NGRAM", check_invariants=True)
+    try:
+        chat = lambda m: spec.apply_chat_template([{"role": "user", "content": m}])  # noqa: E731
+        prompts = [chat("Rewrite this paragraph exactly, changing 'Tuesday' to 'Friday'.\n\n" + PARAGRAPH),
+                   chat("Tom Becker lives in Hamburg and works as a bus driver. Reach him at t.becker@example.org. "
+                        "Extract his name, email, city and job as JSON."),
+                   chat("Give the date of the meeting in the form YYYY-MM-DD: the meeting is on 2024-03-15."),
+                   chat("Why is the sky blue?")]
+        sps = [{"max_new_tokens": 64, "temperature": 0},
+               {"max_new_tokens": 64, "temperature": 0, "json_schema": json.dumps(PERSON_SCHEMA)},
+               {"max_new_tokens": 16, "temperature": 0, "regex": r"\d{4}-\d{2}-\d{2}"},
+               {"max_new_tokens": 48, "temperature": 0}]
+        want = real_engine.generate(prompts, sps)
+        got = spec.generate(prompts, sps)
+        assert _ids(got) == _ids(want)
+        assert got[0]["meta_info"]["spec_accept_length"] > 2.0  # copying is drafted well
+        assert got[1]["meta_info"]["spec_accepted_tokens"] > 0  # grammar-walked drafts kept
+        json.loads(got[1]["text"])
+        one = [spec.generate(p, s) for p, s in zip(prompts[:2], sps[:2])]  # batch 1 too
+        assert _ids(one) == _ids(want[:2])
+    finally:
+        spec.shutdown()

@@ -96,6 +96,7 @@ BENCHES = {
     "grammar": "sglite.bench.grammar",
     "startup": "sglite.bench.startup",
     "spec": "sglite.bench.spec",
+    "quant": "sglite.bench.quant",
 }
 
 

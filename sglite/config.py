@@ -12,6 +12,9 @@ SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 GRAMMAR_BACKENDS = ("sglite", "xgrammar", "llguidance")
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
+# EngineConfig.quantization values besides "auto" and None ("none" on the command line); the
+# loaders are registered in sglite.runtime.quant_loader.LOADERS
+QUANTIZATIONS = ("gguf",)
 
 
 def looks_like_path(value: str) -> bool:
@@ -98,6 +101,12 @@ class EngineConfig:
             step computes this many tokens plus one per request).
         speculative_disable_by_batch_size: no drafts in steps with more than this many decoding
             requests (a large batch is compute bound: extra rows cost their full price).
+        quantization: weight quantization (SGLang's option): ``auto`` | ``none`` (None) | ``gguf``.
+            ``gguf`` keeps a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks quantized in memory and runs the
+            matmuls on them (:mod:`sglite.kernels.quant_linear`; other GGUF tensor types are
+            dequantized); ``none`` dequantizes every weight at load (the ``dtype`` copies);
+            ``auto`` is ``gguf`` for a ``.gguf`` model (the default model too) and ``none``
+            otherwise. ``dtype`` still sets the activation dtype.
     """
 
     model_path: Optional[str] = None
@@ -131,6 +140,7 @@ class EngineConfig:
     speculative_num_steps: int = 4
     speculative_num_draft_tokens: int = 8
     speculative_disable_by_batch_size: int = 8
+    quantization: Optional[str] = "auto"
 
     def __post_init__(self):
         def bad(name, msg):
@@ -163,6 +173,10 @@ class EngineConfig:
                 parse_regex(self.constrained_json_whitespace_pattern)
             except GrammarError as e:
                 bad("constrained_json_whitespace_pattern", f"invalid regex: {e}")
+        if isinstance(self.quantization, str) and self.quantization.lower() == "none":
+            object.__setattr__(self, "quantization", None)
+        if self.quantization is not None and self.quantization not in ("auto",) + QUANTIZATIONS:
+            bad("quantization", f"must be auto, none or one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.cpu_decode_gemv not in ("auto", "cpp", "fp16", "off"):
             bad("cpu_decode_gemv", f"must be auto|cpp|fp16|off, got {self.cpu_decode_gemv!r}")
         if self.num_threads is not None and self.num_threads < 1:

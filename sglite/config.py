@@ -11,6 +11,9 @@ from .errors import InvalidRequestError
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 GRAMMAR_BACKENDS = ("sglite", "xgrammar", "llguidance")
+# EngineConfig.quantization values besides "auto" and None ("none" on the command line); the
+# loaders are registered in sglite.runtime.quant_loader.LOADERS
+QUANTIZATIONS = ("gguf",)
 
 
 def looks_like_path(value: str) -> bool:
@@ -79,6 +82,12 @@ class EngineConfig:
             throughput) every this many decode steps; a "Prefill batch" line is logged for every
             step with prompt tokens (SGLang's wording and flag).
         check_invariants: run ``Scheduler.check_invariants`` after every step (slow; for tests).
+        quantization: weight quantization (SGLang's option): ``auto`` | ``none`` (None) | ``gguf``.
+            ``gguf`` keeps a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks quantized in memory and runs the
+            matmuls on them (:mod:`sglite.kernels.quant_linear`; other GGUF tensor types are
+            dequantized); ``none`` dequantizes every weight at load (the ``dtype`` copies);
+            ``auto`` is ``gguf`` for a ``.gguf`` model (the default model too) and ``none``
+            otherwise. ``dtype`` still sets the activation dtype.
     """
 
     model_path: Optional[str] = None
@@ -106,6 +115,7 @@ class EngineConfig:
     enable_deterministic_inference: bool = False
     decode_log_interval: int = 40
     check_invariants: bool = False  # assert pool/tree invariants after every step (tests)
+    quantization: Optional[str] = "auto"
 
     def __post_init__(self):
         def bad(name, msg):
@@ -138,6 +148,10 @@ class EngineConfig:
                 parse_regex(self.constrained_json_whitespace_pattern)
             except GrammarError as e:
                 bad("constrained_json_whitespace_pattern", f"invalid regex: {e}")
+        if isinstance(self.quantization, str) and self.quantization.lower() == "none":
+            object.__setattr__(self, "quantization", None)
+        if self.quantization is not None and self.quantization not in ("auto",) + QUANTIZATIONS:
+            bad("quantization", f"must be auto, none or one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.cpu_decode_gemv not in ("auto", "cpp", "fp16", "off"):
             bad("cpu_decode_gemv", f"must be auto|cpp|fp16|off, got {self.cpu_decode_gemv!r}")
         if self.num_threads is not None and self.num_threads < 1:

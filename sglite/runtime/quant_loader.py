@@ -1,0 +1,39 @@
+"""Which weights to load for ``EngineConfig.quantization``: the quantized loaders by scheme
+(:data:`LOADERS`) and the plain float path (:func:`sglite.runtime.model_loader.load_state_dict`).
+
+A loader takes ``(checkpoint, dtype, device)`` and returns HF-named weights whose matmul entries may
+be :class:`sglite.kernels.QuantLinearWeight` (``LlamaModel`` fuses and runs either kind).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from ..errors import InvalidRequestError
+from . import gguf_native
+from .model_loader import Checkpoint, load_state_dict
+
+LOADERS: dict[str, Callable] = {"gguf": gguf_native.load_state_dict}
+
+
+def resolve_quantization(quantization: Optional[str], checkpoint: Checkpoint) -> Optional[str]:
+    """The scheme actually used: ``auto`` -> ``gguf`` for a ``.gguf`` model, else None; an explicit
+    scheme is checked against the checkpoint.
+
+    Raises:
+        InvalidRequestError: ``gguf`` for a model that is not a ``.gguf`` file (field ``quantization``)."""
+    is_gguf = checkpoint.source.lower().endswith(".gguf")
+    if quantization == "auto":
+        return "gguf" if is_gguf else None
+    if quantization == "gguf" and not is_gguf:
+        raise InvalidRequestError(f"quantization: gguf needs a .gguf model_path, got {checkpoint.source!r}",
+                                  field="quantization")
+    return quantization
+
+
+def load_weights(checkpoint: Checkpoint, quantization: Optional[str], dtype, device: str = "cpu") -> dict:
+    """HF-named weights for the model: float tensors in ``dtype`` (``quantization`` None / resolved
+    to None) or a quantized loader's output (see :data:`LOADERS`)."""
+    q = resolve_quantization(quantization, checkpoint)
+    if q is None:
+        return load_state_dict(checkpoint, dtype, device)
+    return LOADERS[q](checkpoint, dtype, device)

@@ -3,9 +3,9 @@ more implementations of :data:`sglite.kernels.matmul.IMPLS`:
 
 :class:`Fp8LinearWeight` (``--quantization fp8``): weight-only FP8 E4M3 (``torch.float8_e4m3fn``,
     max 448), ``W[n, k] = scale[n] * w8[n, k]``, ``scale[n] = max_k |W[n, k]| / 448``.
-    ``fp8``: ``F.linear(x, w8.to(x.dtype)) * scale`` -- the per-output-channel scale commutes with
-    the sum, and E4M3 values (3 mantissa bits) convert exactly to bf16 / fp16 / fp32, so the only
-    rounding besides oneDNN's is the final multiply. ``fp8_ref``: dequantize to float32, F.linear.
+    ``fp8``: ``F.linear(x, w8.to(x.dtype))`` times the scale in float32 -- the per-output-channel
+    scale commutes with the sum, and E4M3 values (3 mantissa bits) convert exactly to bf16 / fp16 /
+    fp32, so the only rounding besides oneDNN's is the final multiply. ``fp8_ref``: dequantize to float32, F.linear.
 :class:`Int8LinearWeight` (``--quantization w8a8_int8``): W8A8 as in SmoothQuant (Xiao et al.
     2023; the smoothing itself is done offline by ``sglite quantize --method smoothquant``):
     weights symmetric per-channel int8 (``W = w_scale[n] * q[n, k]``), activations quantized per
@@ -150,9 +150,9 @@ def _finish(y: torch.Tensor, x: torch.Tensor, bias) -> torch.Tensor:
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8LinearWeight) -> torch.Tensor:
-    """x [M, K] -> [M, N]: ``F.linear(x, w8.to(x.dtype)) * scale`` (+ bias)."""
-    y = F.linear(x, w.weight.to(x.dtype)) * w.scale.to(x.dtype)
-    return y if w.bias is None else y + w.bias.to(x.dtype)
+    """x [M, K] -> [M, N]: ``F.linear(x, w8.to(x.dtype))`` times the float32 scale, then x's dtype
+    (+ bias)."""
+    return _finish(F.linear(x, w.weight.to(x.dtype)).float() * w.scale, x, w.bias)
 
 
 def fp8_invariant(x: torch.Tensor, w: Fp8LinearWeight) -> torch.Tensor:
@@ -160,8 +160,7 @@ def fp8_invariant(x: torch.Tensor, w: Fp8LinearWeight) -> torch.Tensor:
     converted weight, then the per-channel scale (row-local)."""
     from .matmul import IMPLS as FLOAT_IMPLS, LinearWeight
 
-    y = FLOAT_IMPLS["invariant"](x, LinearWeight(w.weight.to(x.dtype))) * w.scale.to(x.dtype)
-    return y if w.bias is None else y + w.bias.to(x.dtype)
+    return _finish(FLOAT_IMPLS["invariant"](x, LinearWeight(w.weight.to(x.dtype))).float() * w.scale, x, w.bias)
 
 
 def fp8_reference(x: torch.Tensor, w: Fp8LinearWeight) -> torch.Tensor:

@@ -184,8 +184,12 @@ def main(argv=None) -> int:
     with Engine(**kwargs) as e:
         ids = text_token_ids(e.tokenizer, args.max_tokens)
         res = perplexity(e, ids, args.window_length, args.stride)
+        model = e.runner.model
+        weight_bytes = model.resident_weight_bytes() if hasattr(model, "resident_weight_bytes") else None
     if args.json:
-        print(json.dumps(res.to_dict(), indent=2))
+        print(json.dumps({**res.to_dict(), "resident_weight_bytes": weight_bytes,
+                          "model_path": kwargs.get("model_path"), "quantization": kwargs.get("quantization")},
+                         indent=2))
     else:
         print(f"perplexity {res.perplexity:.4f} (nll {res.nll:.5f} nats/token over {res.n_scored} tokens, "
               f"{res.n_windows} windows of {res.context_length} stride {res.stride}, Python {res.python_version})")

@@ -161,7 +161,8 @@ def quantize_model(model, ids: torch.Tensor, opts: QuantOptions, batch: int = 8)
         raise ValueError(f"method: must be one of {METHODS}, got {opts.method!r}")
     cfg = model.config
     same_heads = cfg.num_attention_heads == getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
-    hs, kw = _layer_inputs(model, ids, batch)
+    data_free = opts.method == "rtn"  # RTN looks at the weights only: no forward passes
+    hs, kw = ([], {}) if data_free else _layer_inputs(model, ids, batch)
     out: dict = {}
     for li, layer in enumerate(model.model.layers):
         t0 = time.perf_counter()
@@ -181,7 +182,7 @@ def quantize_model(model, ids: torch.Tensor, opts: QuantOptions, batch: int = 8)
                     m = x.abs().amax(0)
                     st.absmax = m if st.absmax is None else torch.maximum(st.absmax, m)
             handles.append(_get(layer, names[0]).register_forward_pre_hook(hook))
-        if opts.method != "rtn":
+        if not data_free:
             _run_layer(layer, hs, kw)
         for h in handles:
             h.remove()
@@ -206,7 +207,8 @@ def quantize_model(model, ids: torch.Tensor, opts: QuantOptions, batch: int = 8)
                     q = rtn(w, opts.bits, opts.group_size, opts.sym, min_zero=opts.min_zero)
                 out[prefix + name] = q
                 mod.weight.copy_(q.dequantize().to(mod.weight.dtype))
-        hs = _run_layer(layer, hs, kw)
+        if not data_free:
+            hs = _run_layer(layer, hs, kw)
         log.info("layer %d/%d quantized (%s) in %.1f s", li + 1, len(model.model.layers), opts.method,
                  time.perf_counter() - t0)
     return out

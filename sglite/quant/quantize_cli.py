@@ -130,7 +130,10 @@ def quantize(model_path, out_dir, opts: QuantOptions, n_samples: int = 32, seq_l
 def build_parser():
     from ..server.flags import FlagParser
 
-    p = FlagParser(prog="sglite quantize", description=__doc__.split("\n\n")[0])
+    p = FlagParser(prog="sglite quantize",
+                   description="Write an HF-format quantized checkpoint (GPTQ / AWQ / RTN in AutoGPTQ / "
+                   "AutoAWQ layouts, SmoothQuant W8A8) from a float model and a calibration text; every "
+                   "flag is checked before the model loads.")
     p.add_argument("--model-path", default=None, help="float HF folder or .gguf file (default: the default model)")
     p.add_argument("--output", required=True, help="folder to write the checkpoint into")
     p.add_argument("--method", default="gptq", help=f"{'|'.join(METHODS)} (default: gptq)")

@@ -62,7 +62,7 @@ import torch.nn.functional as F
 
 BLOCK = 32  # channels per packing block (GGUF's QK4_0/QK4_1/QK8_0); group_size is a multiple
 BITS = (4, 8)
-QUANT_IMPLS = ("quant_ref",)
+QUANT_IMPLS = ("quant_ref", "quant_cpp", "quant_invariant")
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -277,9 +277,30 @@ def gather_input(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
 
 
 def best_impl(w: QuantLinearWeight) -> str:
-    """The fastest available implementation for ``w``'s device (``quant_ref`` until a faster one
-    is registered for it)."""
+    """The fastest available implementation for ``w``'s device: ``quant_cpp`` on CPU when the C++
+    kernel loads (:mod:`.quant_cpu`), else ``quant_ref``."""
+    if w.device.type == "cpu":
+        from . import quant_cpu
+
+        if quant_cpu.available():
+            return "quant_cpp"
     return "quant_ref"
 
 
-IMPLS = {"quant_ref": reference_linear}
+def _cpp(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
+    from . import quant_cpu
+
+    return quant_cpu.linear(x, w) if quant_cpu.available() else reference_linear(x, w)
+
+
+def _invariant(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
+    from . import quant_cpu
+
+    if quant_cpu.available() and x.device.type == "cpu":
+        return quant_cpu.linear(x, w, invariant=True)
+    if x.shape[0] == 0:
+        return reference_linear(x, w)
+    return torch.cat([reference_linear(x[i:i + 1], w) for i in range(x.shape[0])])  # one row at a time
+
+
+IMPLS = {"quant_ref": reference_linear, "quant_cpp": _cpp, "quant_invariant": _invariant}

@@ -122,3 +122,18 @@ def test_engine_config_quantization_values():
     assert EngineConfig(quantization=None).quantization is None
     with pytest.raises(InvalidRequestError, match="quantization"):
         EngineConfig(quantization="int3")
+
+
+def test_bench_quant_agreement_and_args():
+    import argparse
+
+    from sglite.bench import quant as bq
+
+    ag = bq.agreement([[1, 2, 3], [4, 5]], [[1, 9, 3], [4, 5]])
+    assert ag == {"positions_equal": 4 / 5, "prompts_equal": 0.5, "positions": 5}
+    assert len(set(bq.agreement_prompts(64))) == 64
+    a = bq.build_parser().parse_args(["--decode-tokens", "0"])
+    with pytest.raises(ValueError, match="--decode-tokens"):
+        bq.check_args(a)
+    with pytest.raises(ValueError, match="--parts"):
+        bq.check_args(argparse.Namespace(**{**vars(bq.build_parser().parse_args([])), "parts": "speed,x"}))

@@ -50,7 +50,7 @@ from typing import Callable, Optional, Union
 import torch
 import torch.nn.functional as F
 
-from . import cpu_gemv, quant_linear
+from . import cpu_gemv, quant_linear, w8_linear
 from .quant_linear import QuantLinearWeight
 
 log = logging.getLogger("sglite.kernels.matmul")
@@ -130,7 +130,8 @@ def _invariant(x: torch.Tensor, lw: LinearWeight) -> torch.Tensor:
 
 
 IMPLS: dict[str, Callable[[torch.Tensor, LinearWeight], torch.Tensor]] = {
-    "torch": _torch, "fp16": _fp16, "cpp": _cpp, "invariant": _invariant, **quant_linear.IMPLS}
+    "torch": _torch, "fp16": _fp16, "cpp": _cpp, "invariant": _invariant, **quant_linear.IMPLS,
+    **w8_linear.IMPLS}
 
 AnyLinearWeight = Union[LinearWeight, QuantLinearWeight]
 
@@ -149,6 +150,10 @@ def make_linear(parts: list, bias: Optional[torch.Tensor], dtype: torch.dtype, d
         dequantized to ``dtype`` (formats that cannot be fused still run, unquantized).
     """
     bias = None if bias is None else bias.to(device=device, dtype=dtype)
+    if len({type(p) for p in parts}) == 1 and hasattr(type(parts[0]), "concat"):  # 8-bit (w8_linear)
+        q = (parts[0] if len(parts) == 1 else type(parts[0]).concat(parts)).to(device)
+        q.bias = bias
+        return q
     if all(isinstance(p, QuantLinearWeight) for p in parts):
         try:
             q = parts[0] if len(parts) == 1 else quant_linear.cat_rows(parts)
@@ -158,7 +163,7 @@ def make_linear(parts: list, bias: Optional[torch.Tensor], dtype: torch.dtype, d
             q = q.to(device)
             q.bias = bias
             return q
-    ts = [p.dequantize(dtype) if isinstance(p, QuantLinearWeight) else p for p in parts]
+    ts = [p if isinstance(p, torch.Tensor) else p.dequantize(dtype) for p in parts]
     w = ts[0] if len(ts) == 1 else torch.cat([t.to(dtype) for t in ts])
     return LinearWeight(w.to(device=device, dtype=dtype).contiguous(), bias)
 

@@ -9,10 +9,14 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from ..errors import InvalidRequestError
+from ..quant import hf_loader
 from . import gguf_native
 from .model_loader import Checkpoint, load_state_dict
 
-LOADERS: dict[str, Callable] = {"gguf": gguf_native.load_state_dict}
+LOADERS: dict[str, Callable] = {"gguf": gguf_native.load_state_dict,
+                                "gptq": hf_loader.load_gptq_awq, "awq": hf_loader.load_gptq_awq,
+                                "fp8": hf_loader.load_fp8, "w8a8_int8": hf_loader.load_w8a8}
+CHECKPOINT_METHODS = ("gptq", "awq", "w8a8_int8")  # quant_method values of quantized HF checkpoints
 
 
 def resolve_quantization(quantization: Optional[str], checkpoint: Checkpoint) -> Optional[str]:
@@ -22,8 +26,21 @@ def resolve_quantization(quantization: Optional[str], checkpoint: Checkpoint) ->
     Raises:
         InvalidRequestError: ``gguf`` for a model that is not a ``.gguf`` file (field ``quantization``)."""
     is_gguf = checkpoint.source.lower().endswith(".gguf")
+    method = hf_loader.checkpoint_method(checkpoint.hf_config)  # quantized HF checkpoint (GPTQ/AWQ/W8A8)
+    if method is not None and method not in CHECKPOINT_METHODS:
+        raise InvalidRequestError(f"quantization: {checkpoint.source!r} is {method}-quantized "
+                                  f"(quantization_config.quant_method); supported: {CHECKPOINT_METHODS}",
+                                  field="quantization")
+    if method is not None and quantization not in ("auto", method):
+        raise InvalidRequestError(f"quantization: {checkpoint.source!r} is a {method} checkpoint "
+                                  f"(quantization_config.quant_method); use quantization auto or {method}, "
+                                  f"got {quantization!r}", field="quantization")
+    if quantization in ("gptq", "awq") and method is None:
+        raise InvalidRequestError(f"quantization: {quantization} needs a {quantization} checkpoint "
+                                  "(config.json quantization_config); write one with `sglite quantize`",
+                                  field="quantization")
     if quantization == "auto":
-        return "gguf" if is_gguf else None
+        return method or ("gguf" if is_gguf else None)
     if quantization == "gguf" and not is_gguf:
         raise InvalidRequestError(f"quantization: gguf needs a .gguf model_path, got {checkpoint.source!r}",
                                   field="quantization")

@@ -124,6 +124,7 @@ def test_cpp_sources_are_package_data_files():
     # csrc headers are spliced in, once, so the build tag covers every compiled line
     for n in names:
         src = cpu_build.read_source(n)
-        assert '#include "' not in src and src.count("inline __m512 exp_nonpos(") == 1
+        assert '#include "' not in src
+        assert src.count("inline __m512 exp_nonpos(") == (1 if n in ("cpu_attention.cpp", "cpu_gemv.cpp") else 0), n
     with pytest.raises(FileNotFoundError):
         cpu_build.read_source("missing.cpp")

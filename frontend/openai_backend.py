@@ -332,6 +332,11 @@ class OpenAI(Backend):
         c = out["choices"][0]
         return {"text": ((c.get("message") or {}).get("content") if chat_api else c.get("text")) or ""}
 
+    def cache_prefix(self, prefix: str) -> dict:
+        """Not part of the OpenAI API (no prefill-only request): a no-op, as in SGLang's backend;
+        the server's own prefix cache still sees the shared prefix on the first request."""
+        return {}
+
     def flush_cache(self) -> bool:
         """Not part of the OpenAI API: a no-op that returns False."""
         return False

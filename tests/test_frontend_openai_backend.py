@@ -121,6 +121,24 @@ def test_select_constrained_in_chat_and_scored_or_constrained_in_completions(ser
         eng.regex_reply = "42"
 
 
+def test_fork_and_run_batch_through_the_openai_api(server):
+    srv, eng = server
+    prefix = "A long shared context sentence for every branch and item. " * 3
+
+    @sglite.function
+    def ideas(s, topic):
+        s += prefix + topic
+        forks = s.fork(2)
+        forks += lambda i: f" Idea {i}:" + sglite.gen("idea", max_tokens=4, temperature=0)
+        forks.join()
+
+    n0 = len(eng.calls)
+    states = ideas.run_batch([{"topic": "cats"}, {"topic": "dogs"}], backend=_backend(srv), num_threads=2)
+    assert all(st.error() is None and st["idea"] == ["Hell", "Hell"] for st in states)
+    # one completion per branch, nothing else (no prefill-only request: the API has none)
+    assert len(eng.calls) - n0 == 4 and all(c["sampling_params"]["max_new_tokens"] == 4 for c in eng.calls[n0:])
+
+
 def test_stream_joins_to_the_text(server):
     srv, _ = server
     st = chat_prog.run(q="Stream", backend=_backend(srv), stream=True)

@@ -95,6 +95,7 @@ BENCHES = {
     "sweep": "sglite.bench.sweep",
     "grammar": "sglite.bench.grammar",
     "startup": "sglite.bench.startup",
+    "spec": "sglite.bench.spec",
 }
 
 

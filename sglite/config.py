@@ -11,6 +11,7 @@ from .errors import InvalidRequestError
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 GRAMMAR_BACKENDS = ("sglite", "xgrammar", "llguidance")
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
 
 
 def looks_like_path(value: str) -> bool:
@@ -84,6 +85,19 @@ class EngineConfig:
             throughput) every this many decode steps; a "Prefill batch" line is logged for every
             step with prompt tokens (SGLang's wording and flag).
         check_invariants: run ``Scheduler.check_invariants`` after every step (slow; for tests).
+        speculative_algorithm: speculative decoding: ``NGRAM`` (drafts continue the request's own
+            prompt and output where its last tokens occurred before: prompt lookup, no model) or
+            ``STANDALONE`` (a small draft model, ``speculative_draft_model_path``); None = off.
+            Output is distributed exactly as without it (greedy: identical tokens); see
+            ``sglite/runtime/speculative``.
+        speculative_draft_model_path: the draft model of ``STANDALONE`` (HF folder or ``.gguf``
+            file; same tokenizer as the target, smaller); it gets its own small KV pool.
+        speculative_num_steps: greedy steps the ``STANDALONE`` draft model runs per verify step
+            (draft tokens proposed, at most ``speculative_num_draft_tokens``).
+        speculative_num_draft_tokens: most draft tokens verified per request and step (the verify
+            step computes this many tokens plus one per request).
+        speculative_disable_by_batch_size: no drafts in steps with more than this many decoding
+            requests (a large batch is compute bound: extra rows cost their full price).
     """
 
     model_path: Optional[str] = None
@@ -112,6 +126,11 @@ class EngineConfig:
     enable_deterministic_inference: bool = False
     decode_log_interval: int = 40
     check_invariants: bool = False  # assert pool/tree invariants after every step (tests)
+    speculative_algorithm: Optional[str] = None
+    speculative_draft_model_path: Optional[str] = None
+    speculative_num_steps: int = 4
+    speculative_num_draft_tokens: int = 8
+    speculative_disable_by_batch_size: int = 8
 
     def __post_init__(self):
         def bad(name, msg):
@@ -158,10 +177,29 @@ class EngineConfig:
             bad("context_length", f"must be >= 16, got {self.context_length}")
         if self.tokenizer_path is not None and not os.path.isdir(self.tokenizer_path):
             bad("tokenizer_path", f"no such folder {self.tokenizer_path!r}")
+        self._check_speculative(bad)
         if self.chat_template is not None and looks_like_path(self.chat_template) \
                 and not os.path.isfile(self.chat_template):
             bad("chat_template", f"no such file {self.chat_template!r} (give a Jinja file, a template name "
                                  "of the tokenizer, or Jinja text)")
+
+    def _check_speculative(self, bad) -> None:
+        alg = self.speculative_algorithm
+        if alg is not None and alg not in SPECULATIVE_ALGORITHMS:
+            bad("speculative_algorithm", f"must be one of {SPECULATIVE_ALGORITHMS} (or None), got {alg!r}")
+        if alg == "STANDALONE":
+            path = self.speculative_draft_model_path
+            if not path:
+                bad("speculative_draft_model_path", "STANDALONE needs a draft model path")
+            if not os.path.exists(path):
+                bad("speculative_draft_model_path", f"no such file or folder {path!r}")
+        if not 1 <= self.speculative_num_draft_tokens <= 64:
+            bad("speculative_num_draft_tokens", f"must be in [1, 64], got {self.speculative_num_draft_tokens}")
+        if not 1 <= self.speculative_num_steps <= 64:
+            bad("speculative_num_steps", f"must be in [1, 64], got {self.speculative_num_steps}")
+        if self.speculative_disable_by_batch_size < 1:
+            bad("speculative_disable_by_batch_size",
+                f"must be >= 1, got {self.speculative_disable_by_batch_size}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

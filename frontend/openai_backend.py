@@ -90,6 +90,8 @@ class OpenAI(Backend):
     """
 
     wants_messages = True
+    #: ``@function(num_api_spec_tokens=N)`` applies (each request costs; see :mod:`.executor`)
+    supports_api_speculation = True
 
     def __init__(self, model_name: str, base_url: Optional[str] = None, api_key: Optional[str] = None,
                  is_chat_model: Optional[bool] = None, chat_template: Optional[ChatTemplate] = None,

@@ -12,6 +12,9 @@ SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 GRAMMAR_BACKENDS = ("sglite", "xgrammar", "llguidance")
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
+# EngineConfig.quantization values besides "auto" and None ("none" on the command line); the
+# loaders are registered in sglite.runtime.quant_loader.LOADERS
+QUANTIZATIONS = ("gguf", "gptq", "awq", "fp8", "w8a8_int8")
 
 
 def looks_like_path(value: str) -> bool:
@@ -98,6 +101,19 @@ class EngineConfig:
             step computes this many tokens plus one per request).
         speculative_disable_by_batch_size: no drafts in steps with more than this many decoding
             requests (a large batch is compute bound: extra rows cost their full price).
+        quantization: weight quantization (SGLang's option): ``auto`` | ``none`` (None) | ``gguf`` |
+            ``gptq`` | ``awq`` | ``fp8`` | ``w8a8_int8``.
+            ``gguf`` keeps a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks quantized in memory and runs the
+            matmuls on them (:mod:`sglite.kernels.quant_linear`; other GGUF tensor types are
+            dequantized); ``none`` dequantizes every weight at load (the ``dtype`` copies);
+            ``auto`` is ``gguf`` for a ``.gguf`` model (the default model too), the checkpoint's
+            ``quantization_config.quant_method`` for a quantized HF folder, and ``none`` otherwise.
+            ``gptq`` / ``awq``: AutoGPTQ / AutoAWQ checkpoints (4/8-bit, 4-bit for AWQ; group
+            sizes 32/64/128, act-order), kept quantized (:mod:`sglite.quant.hf_loader`).
+            ``fp8``: matmul weights quantized at load to FP8 E4M3 with per-output-channel scales
+            (weight-only). ``w8a8_int8``: int8 weights (per channel) and int8 activations (per
+            token, at run time), int32 accumulation; a ``sglite quantize --method smoothquant``
+            checkpoint, or a float one quantized at load. ``dtype`` still sets the activation dtype.
     """
 
     model_path: Optional[str] = None
@@ -131,6 +147,7 @@ class EngineConfig:
     speculative_num_steps: int = 4
     speculative_num_draft_tokens: int = 8
     speculative_disable_by_batch_size: int = 8
+    quantization: Optional[str] = "auto"
 
     def __post_init__(self):
         def bad(name, msg):
@@ -163,6 +180,10 @@ class EngineConfig:
                 parse_regex(self.constrained_json_whitespace_pattern)
             except GrammarError as e:
                 bad("constrained_json_whitespace_pattern", f"invalid regex: {e}")
+        if isinstance(self.quantization, str) and self.quantization.lower() == "none":
+            object.__setattr__(self, "quantization", None)
+        if self.quantization is not None and self.quantization not in ("auto",) + QUANTIZATIONS:
+            bad("quantization", f"must be auto, none or one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.cpu_decode_gemv not in ("auto", "cpp", "fp16", "off"):
             bad("cpu_decode_gemv", f"must be auto|cpp|fp16|off, got {self.cpu_decode_gemv!r}")
         if self.num_threads is not None and self.num_threads < 1:

@@ -105,7 +105,6 @@ def _exit(parser, argv, capsys):
 @pytest.mark.parametrize("argv, words", [
     (["--tp-size", "2"], ["--tp-size", "tensor parallelism is not supported yet"]),
     (["--dp-size", "4"], ["--dp-size", "data parallelism is not supported yet"]),
-    (["--quantization", "fp8"], ["--quantization", "quantization is not supported yet"]),
     (["--kv-cache-dtype", "fp8_e5m2"], ["--kv-cache-dtype", "not supported yet"]),
     (["--speculative-algorithm", "EAGLE"], ["--speculative-algorithm", "invalid choice", "NGRAM"]),
     (["--speculative-eagle-topk", "4"], ["--speculative-eagle-topk", "EAGLE speculative decoding", "not supported yet"]),

@@ -10,7 +10,7 @@ defaults to True is switched off by its ``--disable-…`` form (``enable_jump_fo
 ``--no-…`` forms.
 
 Flags of features that arrive with later issues (``--tp-size``, ``--dp-size``,
-``--quantization``, ``--kv-cache-dtype``, ``--speculative-eagle-topk``) are known, so that using them
+``--kv-cache-dtype``, ``--speculative-eagle-topk``) are known, so that using them
 fails with "… is not supported yet" instead of being silently accepted; their default values
 (``--tp-size 1``, ``--kv-cache-dtype auto``) are accepted as no-ops.
 """
@@ -49,7 +49,6 @@ class Unsupported:
 UNSUPPORTED = (
     Unsupported("--tp-size", "tensor parallelism", (1,), int),
     Unsupported("--dp-size", "data parallelism", (1,), int),
-    Unsupported("--quantization", "quantization"),
     Unsupported("--kv-cache-dtype", "a KV cache dtype other than the model's", ("auto",)),
     Unsupported("--speculative-eagle-topk", "EAGLE speculative decoding (NGRAM and STANDALONE are supported)"),
 )

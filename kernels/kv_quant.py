@@ -25,7 +25,9 @@ complete (quantized) groups; the residual of a request is its own.
 Per step (``QuantStep``, filled once by the pool before the forward): ``tok_rows`` / ``positions``
 ([N] int64) of the step's new tokens in ``input_ids`` order and ``row_len`` ([R] int64: tokens each
 request row holds after this step's store). A row's tokens at positions ``< row_len // group *
-group`` are read from the quantized pool, the rest from its residual window.
+group`` are read from the quantized pool, the rest from its residual window. The store also keeps
+the step's sealed groups in full precision (``stash``, dropped at the next store of the layer) so
+that extend attention is decode-equivalent (see :func:`extend_attention`).
 
 Shapes: S slots, Hkv KV heads, D head dim (even for int4), R request rows, G = ``group``.
 """
@@ -48,6 +50,7 @@ class QuantStep:
     tok_rows: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))  # [N]
     positions: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))  # [N]
     row_len: Optional[torch.Tensor] = None  # [R] int64
+    stash: dict = field(default_factory=dict)  # id(layer) -> (groups, K, V) the store sealed this step
 
 
 @dataclass
@@ -201,12 +204,20 @@ def store_kv(layer: QuantKVLayer, out_cache_loc: torch.Tensor, k: torch.Tensor, 
     rows, pos = st.tok_rows, st.positions  # [N]
     done = pos < st.row_len.index_select(0, rows) // G * G  # [N] token's group complete after the step
     rest = (~done).nonzero().squeeze(1)
-    if rest.numel():
+    idx = done.nonzero().squeeze(1)
+    st.stash.pop(id(layer), None)
+    if idx.numel():
+        _seal_groups(layer, out_cache_loc, k, v, idx)
+    if rest.numel():  # after sealing: the groups read their earlier tokens from the residual
         layer.res_k[rows[rest], pos[rest] % G] = k[rest].to(layer.res_k.dtype)
         layer.res_v[rows[rest], pos[rest] % G] = v[rest].to(layer.res_v.dtype)
-    idx = done.nonzero().squeeze(1)
-    if not idx.numel():
-        return
+
+
+def _seal_groups(layer: QuantKVLayer, out_cache_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 idx: torch.Tensor) -> None:
+    """Quantize the groups that tokens ``idx`` of the step complete into the pool."""
+    st, G = layer.step, layer.group
+    rows, pos = st.tok_rows, st.positions
     gid = out_cache_loc[idx] // G  # [n] pool group of each token
     groups, inv = torch.unique(gid, return_inverse=True)  # [NB], [n]
     first = torch.full_like(groups, idx.numel()).scatter_reduce_(0, inv, torch.arange(idx.numel()), "amin")
@@ -219,6 +230,7 @@ def store_kv(layer: QuantKVLayer, out_cache_loc: torch.Tensor, k: torch.Tensor, 
     # the fp32 reference keeps the model dtype's rounding of the residual path
     bk = bk.to(layer.res_k.dtype)
     bv = bv.to(layer.res_v.dtype)
+    st.stash[id(layer)] = (groups, bk, bv)  # full precision of the sealed groups, for extend attention
     kq, ks = quantize_keys(bk, layer.bits)  # [NB, G, Hkv, Dq], [NB, Hkv, 2, D]
     vq, vs = quantize_values(bv, layer.bits)  # [NB, G, Hkv, Dq], [NB, G, Hkv, 2]
     slots = (groups[:, None] * G + torch.arange(G, device=groups.device)).reshape(-1)  # [NB*G]
@@ -228,44 +240,101 @@ def store_kv(layer: QuantKVLayer, out_cache_loc: torch.Tensor, k: torch.Tensor, 
     layer.k_scale[groups] = ks
 
 
+def needs_stash(layer: QuantKVLayer, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """[B] bool: decode rows whose own key group this step sealed although the row's query is not
+    the group's last token (a multi-token short extend crossing a group boundary); they read that
+    group's earlier tokens in full precision from the step's stash."""
+    if layer.res_k is None:
+        return torch.zeros_like(seq_lens, dtype=torch.bool)
+    G = layer.group
+    return seq_lens // G * G < torch.minimum(layer.sealed_lens(req_pool_indices), seq_lens)
+
+
 def decode_attention(q: torch.Tensor, layer: QuantKVLayer, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float) -> torch.Tensor:
     """Decode attention over a quantized pool, as :func:`sglite.kernels.reference.decode_attention`
     (q [B, Hq, D] → [B, Hq, D] in q's dtype) with K/V from :func:`gather_kv`; float32 math, one
-    request at a time (so row i depends only on row i: batch-invariant)."""
+    request at a time (so row i depends only on row i: batch-invariant). A row of length ``L``
+    sees keys below ``L // G * G`` quantized and the rest of its group in full precision (the
+    residual, or the stash for :func:`needs_stash` rows), as in token-by-token decoding."""
     B, Hq, D = q.shape
     out = torch.empty_like(q)
     sealed = layer.sealed_lens(req_pool_indices)
+    stash = needs_stash(layer, req_pool_indices, seq_lens).tolist()
     for i in range(B):
         L, row = int(seq_lens[i]), req_pool_indices[i]
         pos = torch.arange(L, device=q.device)
         slots = req_to_token[row, :L].long()
         k, v = gather_kv(layer, slots, row, pos, sealed[i])  # [L, Hkv, D]
+        if stash[i]:
+            b = L // layer.group * layer.group
+            k[b:], v[b:] = _own_group_kv(layer, slots[b:], row, pos[b:], sealed[i])
         o = F.scaled_dot_product_attention(q[i].float()[:, None], k.transpose(0, 1), v.transpose(0, 1),
                                            scale=sm_scale, enable_gqa=Hq != k.shape[1])  # [Hq, 1, D]
         out[i] = o[:, 0].to(q.dtype)
     return out
 
 
+def _own_group_kv(layer: QuantKVLayer, slots: torch.Tensor, row: int, pos: torch.Tensor,
+                  sealed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full-precision K/V (float32 [T, Hkv, D]) of positions ``pos`` of one row that this step
+    touched: groups the step sealed come from the step's stash, the rest from the residual."""
+    rk = layer.res_k[row, pos % layer.group].float()
+    rv = layer.res_v[row, pos % layer.group].float()
+    groups, bk, bv = layer.step.stash.get(id(layer), (None, None, None))
+    if groups is None or not groups.numel():
+        return rk, rv
+    gid = slots // layer.group
+    i = torch.searchsorted(groups, gid).clamp_(max=groups.numel() - 1)
+    hit = (groups[i] == gid) & (pos < sealed)
+    fk = bk[i, pos % layer.group].float()
+    fv = bv[i, pos % layer.group].float()
+    return torch.where(hit[:, None, None], fk, rk), torch.where(hit[:, None, None], fv, rv)
+
+
 def extend_attention(q: torch.Tensor, layer: QuantKVLayer, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
                      sm_scale: float) -> torch.Tensor:
     """Extend (prefill) attention over a quantized pool, as
-    :func:`sglite.kernels.reference.extend_attention` (q [N, Hq, D] → [N, Hq, D] in q's dtype),
-    K/V from :func:`gather_kv` (the step's new tokens already stored), float32 SDPA."""
+    :func:`sglite.kernels.reference.extend_attention` (q [N, Hq, D] → [N, Hq, D] in q's dtype), the
+    step's new tokens already stored. Float32 math.
+
+    Decode-equivalent: the query at position ``p`` sees keys below ``(p + 1) // G * G`` as stored
+    in the pool (quantized) and the rest of its own group in full precision (from the residual, or
+    from the step's stash when the step sealed that group), exactly what it would see were it
+    decoded token by token; so prompt logprobs, chunking and cached prefixes do not change what a
+    token attends to. fp8: every key as stored.
+    """
     N, Hq, D = q.shape
     out = torch.empty_like(q)
     sealed = layer.sealed_lens(req_pool_indices)
+    G = layer.group
     start = 0
     for i, (row, p, e) in enumerate(zip(req_pool_indices.tolist(), prefix_lens.tolist(), extend_lens.tolist())):
         T = p + e
         pos = torch.arange(T, device=q.device)
         slots = req_to_token[row, :T].long()
-        k, v = gather_kv(layer, slots, torch.tensor(row), pos, sealed[i])  # [T, Hkv, D]
-        mask = pos[None, :] <= (torch.arange(e, device=q.device)[:, None] + p)  # [e, T]
-        o = F.scaled_dot_product_attention(q[start:start + e].float().transpose(0, 1), k.transpose(0, 1),
-                                           v.transpose(0, 1), attn_mask=mask, scale=sm_scale,
-                                           enable_gqa=Hq != k.shape[1])  # [Hq, e, D]
+        k, v = gather_kv(layer, slots, torch.tensor(row), pos, sealed[i])  # [T, Hkv, D] as stored
+        qpos = torch.arange(e, device=q.device)[:, None] + p  # [e, 1]
+        causal = pos[None, :] <= qpos  # [e, T]
+        qi = q[start:start + e].float().transpose(0, 1)  # [Hq, e, D]
+        Hkv = k.shape[1]
+        kk, vv = k.transpose(0, 1).repeat_interleave(Hq // Hkv, 0), v.transpose(0, 1).repeat_interleave(Hq // Hkv, 0)
+        scores = torch.matmul(qi, kk.transpose(1, 2)) * sm_scale  # [Hq, e, T]
+        if layer.res_k is not None:
+            g0 = p // G * G  # first position of the groups this step touched
+            own = (pos[None, :] >= (qpos + 1) // G * G) & causal  # [e, T] keys seen in full precision
+            fk, fv = _own_group_kv(layer, slots[g0:], row, pos[g0:], sealed[i])  # [T - g0, Hkv, D]
+            fk = fk.transpose(0, 1).repeat_interleave(Hq // Hkv, 0)
+            fv = fv.transpose(0, 1).repeat_interleave(Hq // Hkv, 0)
+            sf = torch.matmul(qi, fk.transpose(1, 2)) * sm_scale  # [Hq, e, T - g0]
+            scores[:, :, g0:] = torch.where(own[:, g0:], sf, scores[:, :, g0:])
+            probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+            o = torch.matmul(probs.masked_fill(own, 0.0), vv)
+            o += torch.matmul(probs[:, :, g0:].masked_fill(~own[:, g0:], 0.0), fv)
+        else:
+            probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+            o = torch.matmul(probs, vv)  # [Hq, e, D]
         out[start:start + e] = o.transpose(0, 1).to(q.dtype)
         start += e
     return out

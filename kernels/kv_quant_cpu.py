@@ -13,7 +13,9 @@ sealed group (G contiguous slots sharing per-channel scale ``s`` and minimum ``z
 ``(q*s) . codes + q . z``: the scaled query and the constant are formed once per group, so a key
 row costs one widen + FMA per channel, as a bf16 row does. Values (per-token scale ``sv``, minimum
 ``zv``) accumulate ``(p*sv) * codes`` and ``sum p*zv`` is added once at the end. Positions from the
-row's quantized boundary (``row_len // G * G``) on come from its residual window. Float32
+row's quantized boundary (``row_len // G * G``) on come from its residual window; the rare rows of a
+short extend whose own group the step sealed (:func:`.kv_quant.needs_stash`) are redone by the
+reference, which reads the step's stash. Float32
 arithmetic, two-pass softmax as :mod:`.cpu_attention`; a request's result depends only on its own
 inputs (batch-invariant). AVX-512 when the compiler targets it (D a multiple of 16, int4 of 32),
 portable loops otherwise. Build and fallback as :mod:`.cpu_attention`: the torch reference runs
@@ -67,6 +69,11 @@ def decode_attention(q: torch.Tensor, layer: kv_quant.QuantKVLayer, req_to_token
     if req_to_token.dtype != torch.int32 or req_to_token.stride(-1) != 1:
         req_to_token = req_to_token.to(torch.int32).contiguous()
     rows = req_pool_indices.to(torch.int64).contiguous()
-    return ops.decode_attention(q, layer.k_data, layer.v_data, layer.k_scale, layer.v_scale, layer.res_k,
+    stash = kv_quant.needs_stash(layer, rows, seq_lens)
+    out = ops.decode_attention(q, layer.k_data, layer.v_data, layer.k_scale, layer.v_scale, layer.res_k,
                                 layer.res_v, req_to_token, rows, seq_lens.to(torch.int64).contiguous(),
                                 layer.sealed_lens(rows).contiguous(), float(sm_scale), layer.bits, layer.group)
+    if bool(stash.any()):  # rows of a short extend whose group the step sealed: the reference
+        i = stash.nonzero().squeeze(1)
+        out[i] = kv_quant.decode_attention(q[i], layer, req_to_token, rows[i], seq_lens[i], sm_scale)
+    return out

@@ -41,6 +41,7 @@ from sglite.kernels.kv_quant import QuantKVLayer, QuantStep
 
 from ..config import KV_CACHE_DTYPES  # noqa: F401  (re-exported)
 from ..errors import InvalidRequestError
+from ..kv_estimate import kv_bytes_per_token  # noqa: F401  (re-exported: the pool's bytes per token)
 from .kv_pool import TokenToKVPool
 
 log = logging.getLogger("sglite.kv_quant")
@@ -67,29 +68,12 @@ def effective_page_size(kv_cache_dtype: str, page_size: int, group: int) -> int:
     return page_size
 
 
-def kv_bytes_per_token(kv_cache_dtype: str, num_layers: int, num_kv_heads: int, head_dim: int,
-                       model_dtype_bytes: int = 2, group: int = 128) -> int:
-    """Pool bytes per token of every layer, K and V, scales included (rounded down).
-
-    ``auto`` = the model dtype (``model_dtype_bytes``); ``bfloat16`` 2 bytes; ``fp8_e4m3`` 1 byte
-    (per-head scales are per layer, not per token); ``int8`` / ``int4``: codes (D or D/2 bytes per
-    head), 4 bytes of value scale + min per head, and the key group's ``2 x 2 x D`` bytes shared by
-    ``group`` tokens.
-    """
-    hd = num_layers * num_kv_heads
-    if kv_cache_dtype == "auto":
-        return 2 * hd * head_dim * model_dtype_bytes
-    if kv_cache_dtype == "bfloat16":
-        return 2 * hd * head_dim * 2
-    if kv_cache_dtype == "fp8_e4m3":
-        return 2 * hd * head_dim
-    codes = head_dim if kv_cache_dtype == "int8" else head_dim // 2
-    return (hd * (2 * codes + 4) * group + hd * 4 * head_dim) // group
-
-
-def check_kv_cache_dtype(kv_cache_dtype: str, head_dim: int, device: str) -> None:
-    """Whether the model and device can use this KV dtype; raises InvalidRequestError naming
-    ``kv_cache_dtype`` otherwise (int4 needs an even head dim; fp8 a torch with float8 on the device)."""
+def check_kv_cache_dtype(kv_cache_dtype: str, hf_config, device: str) -> None:
+    """Whether the model (a transformers config) and device can use this KV dtype, checked before
+    the weights load; raises InvalidRequestError naming ``kv_cache_dtype`` otherwise (int4 needs an
+    even head dim; fp8 a torch with float8 on the device)."""
+    heads = getattr(hf_config, "num_attention_heads", 1) or 1
+    head_dim = getattr(hf_config, "head_dim", None) or getattr(hf_config, "hidden_size", 0) // heads
     if kv_cache_dtype == "int4" and head_dim % 2:
         raise InvalidRequestError(f"kv_cache_dtype: int4 packs two channels per byte and needs an even head "
                                   f"dim; this model's head dim is {head_dim}", field="kv_cache_dtype")

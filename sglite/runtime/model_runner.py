@@ -87,7 +87,6 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.arch = LlamaArch.from_hf_config(hf_config)
-        kv_quant.check_kv_cache_dtype(config.kv_cache_dtype, self.arch.head_dim, self.device)
         deterministic = bool(config.enable_deterministic_inference)
         self.model = LlamaModel(self.arch, state_dict, self.dtype, self.device, batch_invariant=deterministic)
         self.linear_impl = self._choose_linear_impl(config)

@@ -3,7 +3,8 @@
 Same contract as :func:`.kv_quant.decode_attention` (the torch reference):
     q            [B, Hq, D] float32 | bfloat16 (unit stride along D)
     layer        :class:`.kv_quant.QuantKVLayer` of kind int8 / int4 on CPU: codes [S, Hkv, Dq]
-                 uint8, key scales [S/G, Hkv, 2, D] float16, value scales [S, Hkv, 2] float16,
+                 uint8 and value scales [S, Hkv, 2] float16 (any strides with a unit last stride:
+                 the pool's head-major storage), key scales [S/G, Hkv, 2, D] float16 contiguous,
                  residual windows [R, G, Hkv, D] float32 | bfloat16
     req_to_token [R, Lmax] int32; req_pool_indices / seq_lens [B] int64
     returns      [B, Hq, D] in q's dtype; Hq % Hkv == 0, D <= 256 (int4: D even).
@@ -51,8 +52,8 @@ def supported(q: torch.Tensor, layer: kv_quant.QuantKVLayer) -> bool:
     return (layer.kind in ("int8", "int4") and q.device.type == "cpu" and layer.k_data.device.type == "cpu"
             and q.dtype in (torch.float32, torch.bfloat16) and q.dim() == 3 and q.stride(-1) == 1
             and layer.res_k.dtype in (torch.float32, torch.bfloat16) and layer.head_dim <= MAX_HEAD_DIM
-            and layer.k_data.is_contiguous() and layer.v_data.is_contiguous() and layer.res_k.is_contiguous()
-            and layer.res_v.is_contiguous())
+            and layer.k_data.stride(-1) == 1 and layer.v_data.stride(-1) == 1 and layer.k_scale.is_contiguous()
+            and layer.v_scale.stride(-1) == 1 and layer.res_k.is_contiguous() and layer.res_v.is_contiguous())
 
 
 def decode_attention(q: torch.Tensor, layer: kv_quant.QuantKVLayer, req_to_token: torch.Tensor,

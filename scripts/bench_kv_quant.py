@@ -12,9 +12,13 @@
   perplexity (exp mean NLL over every position but each window's first) and its delta to the
   bfloat16-KV run; greedy agreement: the share of positions whose top-1 next token equals the
   bfloat16-KV run's (teacher forced: both runs see the same text).
-* speed: a decode step of ``--batch`` requests with ``--context`` tokens each (pool filled with
-  random codes; attention cost does not depend on the values), median of ``--reps`` timed
-  ``ModelRunner.forward`` calls, model dtype ``--dtype``.
+* speed: a decode step of ``--batch`` requests with ``--context`` - i tokens (row i; staggered, so
+  about one row in a group seals its key group per step, as in steady decoding; pools filled with
+  random codes; attention cost does not depend on the values): one engine of model dtype
+  ``--dtype``, one pool per KV dtype swapped into its runner, timed in turn for ``--reps`` rounds;
+  median ``ModelRunner.forward`` wall time and process CPU time (with one torch thread, the CPU
+  time is the step's cost without the waits of a shared machine) per dtype, and their ratios to the
+  bfloat16 pool.
 """
 from __future__ import annotations
 
@@ -89,56 +93,72 @@ def accuracy(args) -> dict:
     return {"python": sys.version.split()[0], "tokens": args.tokens, "window": args.window, "rows": rows}
 
 
+def fill_pool(pool, table, B: int, L: int, g: torch.Generator) -> None:
+    """Rows 0..B-1 of ``table`` hold L tokens on consecutive pages; the pool random (attention
+    cost does not depend on the values)."""
+    ps = pool.page_size
+    pages_per = -(-L // ps)
+    for b in range(B):
+        first = 1 + b * pages_per
+        table[b, :L] = torch.arange(first * ps, first * ps + L, dtype=torch.int32)
+    for layer in pool.k_buffers + (pool.v_buffers if isinstance(pool.v_buffers[0], torch.Tensor) else []):
+        if isinstance(layer, torch.Tensor):
+            layer.copy_(torch.randn(layer.shape, generator=g).to(layer.dtype) * 0.5)
+        elif layer.kind == "fp8_e4m3":
+            layer.k_data.copy_(torch.randn(layer.k_data.shape, generator=g).to(layer.k_data.dtype))
+            layer.v_data.copy_(torch.randn(layer.v_data.shape, generator=g).to(layer.v_data.dtype))
+        else:
+            for t in (layer.k_data, layer.v_data):
+                t.copy_(torch.randint(0, 255, t.shape, generator=g, dtype=torch.uint8))
+            for t in (layer.k_scale, layer.v_scale):
+                t.copy_(torch.rand(t.shape, generator=g).half() * 0.01)
+            for t in (layer.res_k, layer.res_v):
+                t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+
+
 def speed(args) -> dict:
+    """One engine (model dtype ``--dtype``); one pool per KV dtype, swapped into its runner; the
+    dtypes are timed in turn, ``--reps`` rounds, so machine drift hits them alike."""
     from sglite import Engine
     from sglite.runtime.forward_batch import ForwardBatch
+    from sglite.runtime.kv_quant import make_pool
 
     B, L = args.batch, args.context
-    out = []
-    for kvd in ("auto",) + DTYPES:
-        e = Engine(dtype=args.dtype, kv_cache_dtype=kvd, max_total_tokens=B * (L + 256) + 1024,
-                   max_running_requests=B, log_level="warning")
-        r = e.runner
-        pool = r.token_to_kv_pool
-        ps = pool.page_size
-        pages_per = -(-L // ps)
-        table = r.req_to_token_pool.req_to_token
-        g = torch.Generator().manual_seed(0)
-        for b in range(B):
-            slots = torch.cat([torch.arange(p * ps, p * ps + ps) for p in range(1 + b * pages_per, 1 + (b + 1) * pages_per)])
-            table[b, :L] = slots[:L].int()
-        for layer in pool.k_buffers + pool.v_buffers:
-            if isinstance(layer, torch.Tensor):
-                layer.copy_(torch.randn(layer.shape, generator=g).to(layer.dtype) * 0.5)
-            elif layer.kind == "fp8_e4m3":
-                layer.k_data.copy_(torch.randn(layer.k_data.shape, generator=g).to(layer.k_data.dtype))
-                layer.v_data.copy_(torch.randn(layer.v_data.shape, generator=g).to(layer.v_data.dtype))
-            else:
-                layer.k_data.copy_(torch.randint(0, 255, layer.k_data.shape, generator=g, dtype=torch.uint8))
-                layer.v_data.copy_(torch.randint(0, 255, layer.v_data.shape, generator=g, dtype=torch.uint8))
-                layer.k_scale.copy_(torch.rand(layer.k_scale.shape, generator=g).half() * 0.01)
-                layer.v_scale.copy_(torch.rand(layer.v_scale.shape, generator=g).half() * 0.01)
-                layer.res_k.copy_(torch.randn(layer.res_k.shape, generator=g).to(layer.res_k.dtype))
-                layer.res_v.copy_(torch.randn(layer.res_v.shape, generator=g).to(layer.res_v.dtype))
-        rows = torch.arange(B)
-        fb = ForwardBatch(input_ids=torch.randint(0, 1000, (B,), generator=g), positions=torch.full((B,), L - 1),
-                          out_cache_loc=table[rows, L - 1].long(), req_to_token=table,
-                          ext_req_pool_indices=torch.empty(0, dtype=torch.int64), ext_prefix_lens=torch.empty(0, dtype=torch.int64),
-                          ext_extend_lens=torch.empty(0, dtype=torch.int64), dec_req_pool_indices=rows,
-                          dec_seq_lens=torch.full((B,), L), logits_indices=rows)
-        times = []
-        for i in range(args.reps + 2):
-            t = time.perf_counter()
+    e = Engine(dtype=args.dtype, max_total_tokens=1024, max_running_requests=B, log_level="warning")
+    r = e.runner
+    a = r.arch
+    g = torch.Generator().manual_seed(0)
+    table = r.req_to_token_pool.req_to_token
+    pools = {}
+    for kvd in DTYPES:
+        pool = make_pool(kvd, B * (L + 256) + 1024, 128, a.num_layers,  # one slot table for all: pages of 128
+                         a.num_kv_heads, a.head_dim, r.dtype, r.device, 128, table.shape[0])
+        fill_pool(pool, table, B, L, g)
+        pools[kvd] = pool
+    rows = torch.arange(B)
+    lens = L - rows  # staggered lengths: ~one row in G completes a key group per step, as in steady decoding
+    fb = ForwardBatch(input_ids=torch.randint(0, 1000, (B,), generator=g), positions=lens - 1,
+                      out_cache_loc=table[rows, lens - 1].long(), req_to_token=table,
+                      ext_req_pool_indices=torch.empty(0, dtype=torch.int64),
+                      ext_prefix_lens=torch.empty(0, dtype=torch.int64),
+                      ext_extend_lens=torch.empty(0, dtype=torch.int64), dec_req_pool_indices=rows,
+                      dec_seq_lens=lens, logits_indices=rows)
+    times = {k: [] for k in pools}
+    cpu = {k: [] for k in pools}
+    for i in range(args.reps + 1):
+        for kvd, pool in pools.items():
+            r.token_to_kv_pool = pool
+            t, c = time.perf_counter(), time.process_time()
             r.forward(fb)
-            if i >= 2:
-                times.append(time.perf_counter() - t)
-        out.append({"kv_cache_dtype": kvd, "step_ms": 1000 * statistics.median(times),
-                    "bytes_per_token": pool.bytes_per_token})
-        print(kvd, f"{out[-1]['step_ms']:.1f} ms", file=sys.stderr)
-        e.shutdown()
-    base = next(x["step_ms"] for x in out if x["kv_cache_dtype"] == "bfloat16")
-    for x in out:
-        x["vs_bf16_pool"] = x["step_ms"] / base
+            if i:  # round 0 warms up
+                times[kvd].append(time.perf_counter() - t)
+                cpu[kvd].append(time.process_time() - c)
+    e.shutdown()
+    base = statistics.median(times["bfloat16"])
+    base_cpu = statistics.median(cpu["bfloat16"])
+    out = [{"kv_cache_dtype": k, "step_ms": 1000 * statistics.median(v), "vs_bf16_pool": statistics.median(v) / base,
+            "cpu_ms": 1000 * statistics.median(cpu[k]), "cpu_vs_bf16_pool": statistics.median(cpu[k]) / base_cpu,
+            "bytes_per_token": pools[k].bytes_per_token} for k, v in times.items()]
     return {"batch": B, "context": L, "dtype": args.dtype, "threads": torch.get_num_threads(), "rows": out}
 
 

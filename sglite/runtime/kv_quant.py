@@ -112,11 +112,13 @@ class QuantTokenToKVPool(TokenToKVPool):
                 layers.append(QuantKVLayer(kind, 1, z(), z(), one(), one(), None, None, self.step, D))
                 continue
             dq = D if kind == "int8" else D // 2
-            codes = lambda: torch.zeros(S, H, dq, dtype=torch.uint8, device=device)  # noqa: E731
+            # head-major storage seen as [S, Hkv, .]: one head's rows are one contiguous stream
+            # (the C++ kernel's task reads one head), as in TokenToKVPool
+            codes = lambda: torch.zeros(H, S, dq, dtype=torch.uint8, device=device).transpose(0, 1)  # noqa: E731
             res = lambda: torch.zeros(max_reqs, G, H, D, dtype=dtype, device=device)  # noqa: E731
             layers.append(QuantKVLayer(kind, G, codes(), codes(),
                                        torch.zeros(S // G, H, 2, D, dtype=torch.float16, device=device),
-                                       torch.zeros(S, H, 2, dtype=torch.float16, device=device),
+                                       torch.zeros(H, S, 2, dtype=torch.float16, device=device).transpose(0, 1),
                                        res(), res(), self.step, D))
         self.k_buffers = layers
         self.v_buffers = layers

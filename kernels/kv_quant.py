@@ -254,10 +254,13 @@ def decode_attention(q: torch.Tensor, layer: QuantKVLayer, req_to_token: torch.T
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float) -> torch.Tensor:
     """Decode attention over a quantized pool, as :func:`sglite.kernels.reference.decode_attention`
     (q [B, Hq, D] → [B, Hq, D] in q's dtype) with K/V from :func:`gather_kv`; float32 math, one
-    request at a time (so row i depends only on row i: batch-invariant). A row of length ``L``
+    request at a time (so row i depends only on row i: batch-invariant), except fp8 batches, which
+    run padded in one batch (:func:`_decode_fp8_batched`). A row of length ``L``
     sees keys below ``L // G * G`` quantized and the rest of its group in full precision (the
     residual, or the stash for :func:`needs_stash` rows), as in token-by-token decoding."""
     B, Hq, D = q.shape
+    if layer.kind == "fp8_e4m3" and B > 1:
+        return _decode_fp8_batched(q, layer, req_to_token, req_pool_indices, seq_lens, sm_scale)
     out = torch.empty_like(q)
     sealed = layer.sealed_lens(req_pool_indices)
     stash = needs_stash(layer, req_pool_indices, seq_lens).tolist()
@@ -273,6 +276,29 @@ def decode_attention(q: torch.Tensor, layer: QuantKVLayer, req_to_token: torch.T
                                            scale=sm_scale, enable_gqa=Hq != k.shape[1])  # [Hq, 1, D]
         out[i] = o[:, 0].to(q.dtype)
     return out
+
+
+def _decode_fp8_batched(q: torch.Tensor, layer: QuantKVLayer, req_to_token: torch.Tensor,
+                        req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """fp8 decode, all rows at once padded to the longest (one gather per KV head; the per-head
+    scale folded into q and the output). Row results depend on the padding (not batch-invariant
+    bitwise, as the bf16 reference's batched path)."""
+    B, Hq, D = q.shape
+    Hkv = layer.k_data.shape[1]
+    G = Hq // Hkv
+    L = int(seq_lens.max())
+    rows = req_to_token[req_pool_indices, :L].long()  # [B, L]
+    valid = torch.arange(L, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
+    flat = torch.where(valid, rows, torch.zeros_like(rows)).reshape(-1)
+    qd = q.float().view(B, Hkv, G, D)
+    outs = []
+    for h in range(Hkv):
+        kh = layer.k_data[:, h].index_select(0, flat).view(B, L, D).float()  # [B, L, D]
+        vh = layer.v_data[:, h].index_select(0, flat).view(B, L, D).float()
+        s = torch.bmm(qd[:, h], kh.transpose(1, 2)) * (sm_scale * float(layer.k_scale[h]))  # [B, G, L]
+        s.masked_fill_(~valid[:, None, :], float("-inf"))
+        outs.append(torch.bmm(torch.softmax(s, dim=-1), vh) * float(layer.v_scale[h]))  # [B, G, D]
+    return torch.stack(outs, dim=1).reshape(B, Hq, D).to(q.dtype)
 
 
 def _own_group_kv(layer: QuantKVLayer, slots: torch.Tensor, row: int, pos: torch.Tensor,

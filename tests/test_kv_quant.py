@@ -129,6 +129,14 @@ def test_fp8_store_and_attention():
     q = torch.randn(1, 4, 16)
     out = kq.decode_attention(q, layer, table, torch.tensor([0]), torch.tensor([20]), 0.25)
     assert torch.allclose(out[0].double(), dense_attention(q[0], kf, vf, 0.25), atol=1e-5)
+    layer.v_scale.fill_(2.0)
+    kq.store_kv(layer, slots, k, v)
+    vf = (v / 2).to(torch.float8_e4m3fn).float() * 2
+    table[1, :7] = slots[:7].int()  # a second, shorter row: the batched path pads and masks
+    q2 = torch.randn(2, 4, 16)
+    out = kq.decode_attention(q2, layer, table, torch.tensor([0, 1]), torch.tensor([20, 7]), 0.25)
+    assert torch.allclose(out[0].double(), dense_attention(q2[0], kf, vf, 0.25), atol=1e-5)
+    assert torch.allclose(out[1].double(), dense_attention(q2[1], kf[:7], vf[:7], 0.25), atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])

@@ -262,3 +262,31 @@ def test_engine_quantized_pool_stays_close_to_float_pool(tiny_model_dir):
     err = {k: (lps[k] - lps["auto"]).abs().mean().item() for k in ("int8", "int4", "fp8_e4m3")}
     assert 0 < err["int8"] < 0.01, err
     assert err["int8"] < err["int4"] < 0.3, err
+
+
+@pytest.mark.slow
+def test_default_model_accuracy_against_bf16_pool(real_checkpoint):
+    """Default model, float32 activations, one 1,024-token window of CPython's pydoc topics text:
+    teacher-forced top-1 agreement with the bfloat16-KV run and the perplexity change (the issue's
+    targets: int8 >= 95 % and <= 0.5 %, int4 >= 85 % and <= 3 %)."""
+    import math
+
+    from sglite import Engine
+    from pydoc_data.topics import topics
+
+    text = "".join(topics[k] for k in sorted(topics))
+    res = {}
+    for kind in ("bfloat16", "int8", "int4"):
+        with Engine(dtype="float32", kv_cache_dtype=kind, max_total_tokens=4096, log_level="warning") as e:
+            ids = e.tokenizer.encode(text[:12000], add_special_tokens=False)[:1024]
+            o = e.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0},
+                           return_logprob=True, logprob_start_len=0, top_logprobs_num=1)
+            m = o["meta_info"]
+            nll = -sum(x[0] for x in m["input_token_logprobs"][1:]) / (len(ids) - 1)
+            top = [x[0][1] for x in m["input_top_logprobs"][1:]]
+            res[kind] = (nll, top)
+    for kind, agree_min, ppl_max in (("int8", 0.95, 0.005), ("int4", 0.85, 0.03)):
+        nll, top = res[kind]
+        agree = sum(a == b for a, b in zip(top, res["bfloat16"][1])) / len(top)
+        assert agree >= agree_min, (kind, agree)
+        assert math.exp(nll - res["bfloat16"][0]) - 1 <= ppl_max, (kind, nll, res["bfloat16"][0])

@@ -8,7 +8,8 @@ Only ``triton_*.py`` modules import triton, lazily, so ``import sglite`` works w
 
 Quantized KV pools (:class:`.kv_quant.QuantKVLayer`, passed as ``k_buffer`` and ``v_buffer``)
 route ``store_kv``, ``decode_attention`` and ``extend_attention`` to :mod:`.kv_quant` (the torch
-reference) or, for ``decode_attention`` on CPU, to the fused C++ kernel of :mod:`.kv_quant_cpu`.
+reference) or, for ``decode_attention``, to the fused C++ kernel of :mod:`.kv_quant_cpu` (CPU) or
+the Triton kernel of :mod:`.kv_quant_triton` (CUDA).
 
 ``linear`` dispatches on its weight instead (:class:`.matmul.LinearWeight` carries the
 implementation chosen once at load). ``batch_invariant=True`` (deterministic inference) asks
@@ -94,6 +95,8 @@ def _quant_decode(name: str):
         from . import kv_quant_cpu
 
         return kv_quant_cpu.decode_attention
+    if name == "triton":
+        return importlib.import_module(".kv_quant_triton", __package__).decode_attention
     return kv_quant.decode_attention
 
 

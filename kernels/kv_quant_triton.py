@@ -1,5 +1,5 @@
 """Triton decode attention over an int8 / int4 KIVI-quantized KV pool (CUDA; tested under
-``TRITON_INTERPRET=1``).
+``TRITON_INTERPRET=1``, and compiled for sm_90 by :mod:`.triton_compile_check`).
 
 Same contract as :func:`.kv_quant.decode_attention` (the torch reference): q [B, Hq, D] float32 /
 bfloat16 / float16, a :class:`.kv_quant.QuantKVLayer` of kind int8 / int4 (codes [S, Hkv, Dq]

@@ -8,7 +8,8 @@ import torch
 from sglite.errors import InvalidRequestError
 from sglite.kernels import kv_quant as kq
 from sglite.kernels import kv_quant_cpu
-from sglite.runtime.kv_quant import QuantTokenToKVPool, effective_page_size, kv_bytes_per_token
+from sglite.config import EngineConfig
+from sglite.runtime.kv_quant import QuantTokenToKVPool, kv_bytes_per_token
 
 
 def oracle_fake_quant(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -177,11 +178,11 @@ def test_cpp_decode_matches_reference(kind, D, Hq, Hkv, dtype):
 
 
 def test_pool_sizes_and_page_rules():
-    assert effective_page_size("int8", 1, 64) == 64
-    assert effective_page_size("auto", 1, 64) == 1
-    assert effective_page_size("int4", 128, 64) == 128
+    assert EngineConfig(kv_cache_dtype="int8", kv_cache_quant_group_size=64).page_size == 64
+    assert EngineConfig(kv_cache_dtype="auto", kv_cache_quant_group_size=64).page_size == 1
+    assert EngineConfig(kv_cache_dtype="int4", kv_cache_quant_group_size=64, page_size=128).page_size == 128
     with pytest.raises(InvalidRequestError, match="page_size"):
-        effective_page_size("int4", 48, 32)
+        EngineConfig(kv_cache_dtype="int4", kv_cache_quant_group_size=32, page_size=48)
     for kind in ("int8", "int4", "fp8_e4m3"):
         pool = QuantTokenToKVPool(1024, 128, 3, 2, 32, torch.float32, kind=kind, group=128, max_reqs=4)
         nbytes = sum(t.untyped_storage().nbytes() for L in pool.k_buffers

@@ -5,7 +5,8 @@ residual of the newest tokens):
 
 * **Key groups are page-aligned runs of a request's positions.** Keys are quantized per channel
   over ``kv_cache_quant_group_size`` (G) consecutive positions ``[j*G, (j+1)*G)``; the pool's page
-  size is a multiple of G (``page_size 1`` is raised to G, see :func:`effective_page_size`), and a
+  size is a multiple of G (``page_size 1`` is raised to G by ``EngineConfig``, which refuses
+  other non-multiples), and a
   request's position ``p`` sits at offset ``p % page_size`` of its pages, so a group's G slots are
   contiguous and ``slot // G`` indexes its scales (``[S/G, Hkv, 2, D]`` float16 scale and min
   per channel). Values are quantized per token (one float16 scale and min per token and head).
@@ -19,16 +20,21 @@ residual of the newest tokens):
   own residual at a page boundary; a retracted or finished request's incomplete page is freed with
   its residual, and a re-admitted request recomputes it. Chunked prefill just stores more tokens.
   The cost: prefix reuse is rounded down to whole pages of at least G tokens.
-* Within one prefill step, tokens of groups the step completes attend to the quantized keys of
-  their own group (decode-time tokens see their group in full precision): prompt-logprob
-  perplexity measures the quantized cache conservatively.
+* **Decode-equivalent prefill**: a token at position p attends to keys below ``(p + 1) // G * G``
+  as stored (quantized) and to the rest of its group in full precision, whether it runs in a
+  prefill chunk (the store keeps the groups it sealed in a per-step stash for extend attention)
+  or is decoded; so chunk sizes and cache hits do not change what a token sees, and prompt
+  logprobs (perplexity) measure what generation sees.
+* Refused combinations (``EngineConfig``): ``enable_deterministic_inference`` (a group's scales
+  come from whichever step sealed it, not bitwise batch-invariant) and ``speculative_algorithm``
+  (a verify step could seal rejected draft tokens into a group).
 * **FP8 E4M3**: every token stored at once as ``float8_e4m3fn`` with a static per-(layer, head)
   scale (1.0: no calibration data in GGUF checkpoints), no residual and no page constraint.
 
 Bytes per token (scales included): see :func:`kv_bytes_per_token`; e.g. the default model
 (30 layers, 3 KV heads, D = 64) with the default G = 128 (KIVI's residual length): bfloat16
-23,040, int8 12,060 (1.91x), int4 6,300 (3.66x), fp8 11,520 (2.0x). The residual windows (``rows x G`` tokens in the model dtype) are a
-fixed cost reported beside the pool.
+23,040, int8 12,060 (1.91x), int4 6,300 (3.66x), fp8 11,520 (2.0x). The residual windows
+(``rows x G`` tokens in the model dtype) are a fixed cost reported beside the pool.
 """
 from __future__ import annotations
 
@@ -47,25 +53,6 @@ from .kv_pool import TokenToKVPool
 log = logging.getLogger("sglite.kv_quant")
 
 INT_KINDS = ("int8", "int4")
-
-
-def effective_page_size(kv_cache_dtype: str, page_size: int, group: int) -> int:
-    """Page size the pool uses: int8 / int4 pools hold whole key groups per page, so
-    ``page_size`` 1 becomes ``group``; any other page size must be a multiple of ``group``.
-
-    Raises:
-        InvalidRequestError: ``page_size`` > 1 and not a multiple of the group (names both options).
-    """
-    if kv_cache_dtype not in INT_KINDS:
-        return page_size
-    if page_size == 1:
-        return group
-    if page_size % group:
-        raise InvalidRequestError(
-            f"page_size: must be 1 or a multiple of kv_cache_quant_group_size={group} with "
-            f"kv_cache_dtype={kv_cache_dtype} (keys are quantized per page-aligned group), got {page_size}",
-            field="page_size")
-    return page_size
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str, hf_config, device: str) -> None:

@@ -14,7 +14,8 @@ def _cmd_kv_estimate(args) -> int:
     from .kv_estimate import estimate, format_estimate, load_config
 
     cfg = load_config(args.model_path, args.config)
-    print(format_estimate(estimate(cfg, args.seq_len, args.batch, args.dtype)))
+    print(format_estimate(estimate(cfg, args.seq_len, args.batch, args.dtype, args.kv_cache_dtype,
+                                   args.kv_cache_quant_group_size)))
     return 0
 
 
@@ -138,7 +139,11 @@ def build_parser() -> tuple[FlagParser, FlagParser]:
     k.add_argument("--config", help="a HF config.json instead of a model (default: None)")
     k.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default: 4096)")
     k.add_argument("--batch", type=int, default=16, help="sequences (default: 16)")
-    k.add_argument("--dtype", default="float16", help="KV dtype: float32|float16|bfloat16|fp8 (default: float16)")
+    k.add_argument("--dtype", default="float16", help="model dtype: float32|float16|bfloat16|fp8 (default: float16)")
+    k.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "fp8_e4m3", "int8", "int4"),
+                   help="KV pool storage; auto = --dtype (default: auto)")
+    k.add_argument("--kv-cache-quant-group-size", type=int, default=128,
+                   help="tokens per int8/int4 key group (default: 128)")
     g = sub.add_parser("generate", help="one generation on a model", usage="%(prog)s PROMPT [options]  (all flags: --help)",
                        description="One generation on a model; "
                        "every flag is checked before the model is loaded.")

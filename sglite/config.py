@@ -10,6 +10,7 @@ from .errors import InvalidRequestError
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3", "int8", "int4")
 GRAMMAR_BACKENDS = ("sglite", "xgrammar", "llguidance")
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
 # EngineConfig.quantization values besides "auto" and None ("none" on the command line); the
@@ -50,6 +51,18 @@ class EngineConfig:
             beside decoding requests (decode priority; 0 = every step mixes a chunk in). Trades a
             longer TTFT for long prompts against shorter stalls for requests already decoding.
         page_size: KV slots allocated and prefix-matched in whole pages of this many tokens.
+            With ``kv_cache_dtype`` int8 / int4 a page holds whole key groups: 1 becomes
+            ``kv_cache_quant_group_size``, other values must be multiples of it.
+        kv_cache_dtype: ``auto`` | ``bfloat16`` | ``fp8_e4m3`` | ``int8`` | ``int4``: storage of the KV
+            pool (SGLang's option). ``auto`` = the model dtype; ``int8`` / ``int4`` follow KIVI (Liu
+            et al. 2024): keys quantized per channel over page-aligned groups of
+            ``kv_cache_quant_group_size`` tokens, values per token, float16 scales and minima beside
+            the pages, each request's newest tokens (its incomplete group) kept in a full-precision
+            residual window; ``fp8_e4m3`` stores float8 with per-head scales. See
+            ``sglite/runtime/kv_quant.py``; bytes per token with ``sglite kv-estimate --kv-cache-dtype``.
+        kv_cache_quant_group_size: tokens per key-quantization group of an int8 / int4 KV pool,
+            which is also the length of each request's full-precision residual window (KIVI's
+            residual, 128 there); a power of two in [16, 1024].
         disable_radix_cache: never reuse a prefix across requests.
         schedule_policy: ``fcfs`` | ``lpm`` | ``dfs-weight``.
         enable_jump_forward: append grammar-forced strings in one extend step.
@@ -130,6 +143,8 @@ class EngineConfig:
     chunked_prefill_size: Optional[int] = 512
     decode_steps_per_chunk: int = 2
     page_size: int = 1
+    kv_cache_dtype: str = "auto"
+    kv_cache_quant_group_size: int = 128
     disable_radix_cache: bool = False
     schedule_policy: str = "fcfs"
     enable_jump_forward: bool = True
@@ -194,6 +209,25 @@ class EngineConfig:
             bad("decode_steps_per_chunk", f"must be >= 0, got {self.decode_steps_per_chunk}")
         if self.page_size < 1:
             bad("page_size", f"must be >= 1, got {self.page_size}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            bad("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        g = self.kv_cache_quant_group_size
+        if not (16 <= g <= 1024 and g & (g - 1) == 0):
+            bad("kv_cache_quant_group_size", f"must be a power of two in [16, 1024], got {g}")
+        if self.kv_cache_dtype in ("int8", "int4"):
+            if self.page_size != 1 and self.page_size % g:
+                bad("page_size", f"must be 1 or a multiple of kv_cache_quant_group_size={g} with "
+                                 f"kv_cache_dtype={self.kv_cache_dtype}, got {self.page_size}")
+            if self.enable_deterministic_inference:
+                bad("kv_cache_dtype", f"{self.kv_cache_dtype} is not batch-invariant (a token reads its key "
+                                      "group quantized or in full precision depending on the chunking); "
+                                      "use auto or bfloat16 with enable_deterministic_inference")
+            if self.speculative_algorithm is not None:
+                bad("kv_cache_dtype", f"{self.kv_cache_dtype} cannot be combined with speculative_algorithm "
+                                      "(a verify step could seal rejected draft tokens into a key group); use "
+                                      "auto, bfloat16 or fp8_e4m3")
+            if self.page_size == 1:  # pages hold whole key groups (see sglite/runtime/kv_quant.py)
+                object.__setattr__(self, "page_size", g)
         if self.decode_log_interval < 1:
             bad("decode_log_interval", f"must be >= 1, got {self.decode_log_interval}")
         if self.context_length is not None and self.context_length < 16:

@@ -106,7 +106,7 @@ def _exit(parser, argv, capsys):
 @pytest.mark.parametrize("argv, words", [
     (["--tp-size", "2"], ["--tp-size", "tensor parallelism is not supported yet"]),
     (["--dp-size", "4"], ["--dp-size", "data parallelism is not supported yet"]),
-    (["--kv-cache-dtype", "fp8_e5m2"], ["--kv-cache-dtype", "not supported yet"]),
+    (["--kv-cache-dtype", "fp8_e5m2"], ["--kv-cache-dtype", "invalid choice", "int8"]),
     (["--speculative-algorithm", "EAGLE"], ["--speculative-algorithm", "invalid choice", "NGRAM"]),
     (["--speculative-eagle-topk", "4"], ["--speculative-eagle-topk", "EAGLE speculative decoding", "not supported yet"]),
     (["--speculative-foo", "3"], ["unrecognized flag --speculative-foo"]),
@@ -123,8 +123,16 @@ def test_unsupported_and_unknown_flags_fail_clearly(argv, words, capsys):
 
 
 def test_noop_values_of_unsupported_flags_are_accepted():
-    args = build_parser().parse_args(["--tp-size", "1", "--dp-size", "1", "--kv-cache-dtype", "auto"])
+    args = build_parser().parse_args(["--tp-size", "1", "--dp-size", "1"])
     assert engine_kwargs(args) == {}
+
+
+def test_kv_cache_dtype_flag_reaches_the_engine_config():
+    args = build_parser().parse_args(["--kv-cache-dtype", "int4", "--kv-cache-quant-group-size", "64"])
+    kw = engine_kwargs(args)
+    assert kw == {"kv_cache_dtype": "int4", "kv_cache_quant_group_size": 64}
+    cfg = EngineConfig(**kw)
+    assert cfg.page_size == 64  # pages hold whole key groups
 
 
 def test_version(capsys):

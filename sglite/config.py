@@ -79,6 +79,14 @@ class EngineConfig:
             throughput) every this many decode steps; a "Prefill batch" line is logged for every
             step with prompt tokens (SGLang's wording and flag).
         check_invariants: run ``Scheduler.check_invariants`` after every step (slow; for tests).
+        tp_size: tensor-parallel degree: the engine's scheduler drives this many model worker
+            processes, each holding 1/tp_size of the attention heads, MLP width, vocabulary and
+            KV cache (torch.distributed: gloo on CPU, NCCL on CUDA; see ``docs/scaling.md``).
+        nnodes: machines the ``tp_size`` workers are spread over (``tp_size`` divisible by it).
+        node_rank: this machine's index among ``nnodes``; node 0 runs the scheduler (and the
+            server), the others only their workers.
+        dist_init_addr: ``host:port`` of node 0's torch.distributed rendezvous (TCPStore); None =
+            a free port on 127.0.0.1 (single machine only).
     """
 
     model_path: Optional[str] = None
@@ -106,6 +114,10 @@ class EngineConfig:
     enable_deterministic_inference: bool = False
     decode_log_interval: int = 40
     check_invariants: bool = False  # assert pool/tree invariants after every step (tests)
+    tp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: Optional[str] = None
 
     def __post_init__(self):
         def bad(name, msg):
@@ -150,6 +162,18 @@ class EngineConfig:
             bad("decode_log_interval", f"must be >= 1, got {self.decode_log_interval}")
         if self.context_length is not None and self.context_length < 16:
             bad("context_length", f"must be >= 16, got {self.context_length}")
+        if self.tp_size < 1:
+            bad("tp_size", f"must be >= 1, got {self.tp_size}")
+        if self.nnodes < 1 or self.tp_size % self.nnodes:
+            bad("nnodes", f"must be >= 1 and divide tp_size={self.tp_size}, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            bad("node_rank", f"must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            bad("dist_init_addr", "is required (host:port of node 0) when nnodes > 1")
+        if self.dist_init_addr is not None:
+            host, _, port = str(self.dist_init_addr).rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                bad("dist_init_addr", f"must be host:port, got {self.dist_init_addr!r}")
         if self.tokenizer_path is not None and not os.path.isdir(self.tokenizer_path):
             bad("tokenizer_path", f"no such folder {self.tokenizer_path!r}")
         if self.chat_template is not None and looks_like_path(self.chat_template) \

@@ -103,7 +103,6 @@ def _exit(parser, argv, capsys):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--tp-size", "2"], ["--tp-size", "tensor parallelism is not supported yet"]),
     (["--dp-size", "4"], ["--dp-size", "data parallelism is not supported yet"]),
     (["--quantization", "fp8"], ["--quantization", "quantization is not supported yet"]),
     (["--kv-cache-dtype", "fp8_e5m2"], ["--kv-cache-dtype", "not supported yet"]),
@@ -122,8 +121,21 @@ def test_unsupported_and_unknown_flags_fail_clearly(argv, words, capsys):
 
 
 def test_noop_values_of_unsupported_flags_are_accepted():
-    args = build_parser().parse_args(["--tp-size", "1", "--dp-size", "1", "--kv-cache-dtype", "auto"])
+    args = build_parser().parse_args(["--dp-size", "1", "--kv-cache-dtype", "auto"])
     assert engine_kwargs(args) == {}
+
+
+def test_tensor_parallel_flags():
+    p = build_parser()
+    argv = ["--tp-size", "4", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:5000"]
+    kw = engine_kwargs(p.parse_args(argv))
+    assert kw == {"tp_size": 4, "nnodes": 2, "node_rank": 1, "dist_init_addr": "10.0.0.1:5000"}
+    EngineConfig.from_kwargs(**kw)
+    for bad, field in ((dict(tp_size=0), "tp_size"), (dict(tp_size=3, nnodes=2, dist_init_addr="h:1"), "nnodes"),
+                       (dict(nnodes=2, tp_size=2), "dist_init_addr"), (dict(node_rank=1), "node_rank"),
+                       (dict(dist_init_addr="nohost"), "dist_init_addr")):
+        with pytest.raises(ValueError, match=field):
+            EngineConfig.from_kwargs(**bad)
 
 
 def test_version(capsys):

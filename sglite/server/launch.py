@@ -78,6 +78,9 @@ def main(args_or_argv: Union[argparse.Namespace, Sequence[str], None] = None, en
     except ValueError as exc:
         fail(parser, exc)
     configure_logging(cfg.log_level)
+    if kwargs.get("node_rank"):  # node k > 0 of a multi-node tensor-parallel engine: workers only
+        from ..distributed.tp_client import run_node_workers
+        raise SystemExit(run_node_workers(EngineConfig.from_kwargs(**kwargs)))
 
     import uvicorn
 

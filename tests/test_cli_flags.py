@@ -46,7 +46,7 @@ def test_listed_flags_exist():
     generate = set(_parsers()["generate"]._option_string_actions)
     for flag in LISTED:
         assert flag in serve, flag
-        if flag not in ("--enable-metrics", "--log-requests", "--version"):
+        if flag not in ("--enable-metrics", "--log-requests", "--version", "--dp-size"):
             assert flag in generate, flag
 
 
@@ -103,7 +103,6 @@ def _exit(parser, argv, capsys):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--dp-size", "4"], ["--dp-size", "data parallelism is not supported yet"]),
     (["--quantization", "fp8"], ["--quantization", "quantization is not supported yet"]),
     (["--kv-cache-dtype", "fp8_e5m2"], ["--kv-cache-dtype", "not supported yet"]),
     (["--speculative-algorithm", "EAGLE"], ["--speculative-algorithm", "speculative decoding is not supported yet"]),

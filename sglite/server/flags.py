@@ -45,7 +45,6 @@ class Unsupported:
 
 
 UNSUPPORTED = (
-    Unsupported("--dp-size", "data parallelism", (1,), int),
     Unsupported("--quantization", "quantization"),
     Unsupported("--kv-cache-dtype", "a KV cache dtype other than the model's", ("auto",)),
     Unsupported("--speculative-algorithm", "speculative decoding"),

@@ -95,6 +95,7 @@ BENCHES = {
     "sweep": "sglite.bench.sweep",
     "grammar": "sglite.bench.grammar",
     "startup": "sglite.bench.startup",
+    "router": "sglite.distributed.bench_router",
 }
 
 

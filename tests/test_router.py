@@ -147,3 +147,63 @@ def test_router_retries_on_a_dead_worker_and_health_checks_bring_it_back(two_fak
         import time
         time.sleep(0.6)
         assert httpx.get(r.url + "/health").status_code == 503
+
+
+@pytest.mark.slow
+def test_cache_aware_hit_rate_on_two_tiny_workers_is_near_a_single_workers(tiny_model_dir):
+    """Shared-prefix and multi-turn workloads: cache-aware routing keeps >= 90 % of one worker's
+    prefix-cache hit rate; round robin (reported) loses more on multi-turn."""
+    from sglite import Engine
+    from sglite.distributed.bench_router import run_workload
+    from sglite.server.runner import ServerThread
+
+    engines = [Engine(str(tiny_model_dir), dtype="float32", max_total_tokens=16384, log_level="warning")
+               for _ in range(3)]
+    servers = [ServerThread(e).start() for e in engines]
+    try:
+        conf = RouterConfig(worker_urls=(servers[1].url, servers[2].url), port=0)
+        for wl in ("shared-prefix", "multi-turn"):
+            single = run_workload(servers[0].url, wl, 16, 0, 4, 2)
+            with RouterThread(conf) as r:
+                routed = run_workload(r.url, wl, 16, 0, 4, 2)
+                assert min(r.router.routed) > 0  # both workers served
+            assert single["hit_rate"] > 0.3
+            assert routed["hit_rate"] >= 0.9 * single["hit_rate"], (wl, routed, single)
+    finally:
+        for s in servers:
+            s.stop()
+        for e in engines:
+            e.shutdown()
+
+
+@pytest.mark.slow
+def test_serve_dp_size_starts_workers_behind_the_router(tiny_model_dir, tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from sglite.server.runner import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "sglite.launch_server", "--model-path", str(tiny_model_dir),
+                             "--dp-size", "2", "--port", str(port), "--dtype", "float32",
+                             "--max-total-tokens", "2048", "--log-level", "warning"])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, "sglite serve --dp-size exited"
+            try:
+                if httpx.get(url + "/get_server_info", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(1)
+        info = httpx.get(url + "/get_server_info").json()
+        assert len(info["workers"]) == 2 and all(w["healthy"] for w in info["workers"])
+        out = gen(url, "The capital of France is")
+        assert out.status_code == 200 and out.json()["meta_info"]["completion_tokens"] == 8
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

@@ -110,6 +110,11 @@ def serve_data_parallel(argv: Sequence[str], dp_size: int, host: str, port: int,
     from ..server.runner import free_port
     from .router import create_router_app
 
+    import signal
+
+    # uvicorn re-raises SIGTERM after its graceful shutdown; exit through ``finally`` (stopping
+    # the workers) instead of dying on the default handler
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     base = strip_flags(argv, {"--dp-size": True, "--port": True, "--host": True})
     ports = [free_port("127.0.0.1") for _ in range(dp_size)]
     procs = [subprocess.Popen([sys.executable, "-m", "sglite.launch_server", *base, "--host", "127.0.0.1",

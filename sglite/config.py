@@ -87,6 +87,11 @@ class EngineConfig:
             server), the others only their workers.
         dist_init_addr: ``host:port`` of node 0's torch.distributed rendezvous (TCPStore); None =
             a free port on 127.0.0.1 (single machine only).
+        disaggregation_mode: ``null`` (prefill and decode here) | ``prefill`` | ``decode``: this
+            server's half of prefill/decode disaggregation (behind ``sglite router
+            --pd-disaggregation``; KV moves by torch.distributed send/recv, see ``docs/scaling.md``).
+        disaggregation_bootstrap_port: port of a prefill server's bootstrap store (TCPStore), where
+            decode servers meet it to receive KV.
     """
 
     model_path: Optional[str] = None
@@ -118,6 +123,8 @@ class EngineConfig:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: Optional[str] = None
+    disaggregation_mode: str = "null"
+    disaggregation_bootstrap_port: int = 8998
 
     def __post_init__(self):
         def bad(name, msg):
@@ -174,6 +181,12 @@ class EngineConfig:
             host, _, port = str(self.dist_init_addr).rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 bad("dist_init_addr", f"must be host:port, got {self.dist_init_addr!r}")
+        if self.disaggregation_mode not in ("null", "prefill", "decode"):
+            bad("disaggregation_mode", f"must be null, prefill or decode, got {self.disaggregation_mode!r}")
+        if self.disaggregation_mode != "null" and self.tp_size > 1:
+            bad("disaggregation_mode", "prefill/decode servers run with tp_size=1")
+        if not 0 < self.disaggregation_bootstrap_port < 65536:
+            bad("disaggregation_bootstrap_port", f"must be in [1, 65535], got {self.disaggregation_bootstrap_port}")
         if self.tokenizer_path is not None and not os.path.isdir(self.tokenizer_path):
             bad("tokenizer_path", f"no such folder {self.tokenizer_path!r}")
         if self.chat_template is not None and looks_like_path(self.chat_template) \

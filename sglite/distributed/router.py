@@ -96,7 +96,9 @@ class Router:
             self.healthy[i] = ok
         await asyncio.gather(*(probe(i) for i in range(len(self.urls))))
 
-    async def proxy(self, path: str, body: dict, headers: dict) -> Response:
+    async def proxy(self, path: str, body: dict, headers: dict, before=None) -> Response:
+        """Send the request to a worker the policy picks; ``before(i, text)`` (a coroutine), when
+        given, runs first for the chosen worker ``i`` (the prefill/decode KV transfer)."""
         text, stream = request_text(path, body), bool(body.get("stream"))
         tried: set = set()
         last = "no healthy worker"
@@ -108,6 +110,8 @@ class Router:
             self.loads[i] += 1
             released = False
             try:
+                if before is not None:
+                    await before(i, text)
                 req = self.client.build_request("POST", self.urls[i] + path, json=body, headers=headers)
                 resp = await self.client.send(req, stream=True)
                 if resp.status_code in RETRY_STATUS:
@@ -151,12 +155,23 @@ class Router:
 
 
 def create_router_app(config: RouterConfig) -> FastAPI:
-    """The router's FastAPI app (``app.state.router`` is its :class:`Router`)."""
-    router = Router(config)
+    """The router's FastAPI app (``app.state.router`` is its :class:`Router`; over the decode
+    servers with ``pd_disaggregation``, see :mod:`~sglite.distributed.pd_router`)."""
+    before = pairing = None
+    if config.pd_disaggregation:
+        from .pd_router import PrefillPairing
+
+        pairing = PrefillPairing(config)
+        router = Router(replace(config, worker_urls=config.decode_urls))
+        before = pairing.transfer
+    else:
+        router = Router(config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         router.client = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout_secs, connect=5.0))
+        if before is not None:
+            pairing.client = router.client
 
         async def health_loop():
             while True:
@@ -171,7 +186,7 @@ def create_router_app(config: RouterConfig) -> FastAPI:
             await router.client.aclose()
 
     app = FastAPI(title="sglite router", lifespan=lifespan)
-    app.state.router = router
+    app.state.router, app.state.pairing = router, pairing
 
     def fwd(request: Request) -> dict:
         return {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
@@ -184,7 +199,8 @@ def create_router_app(config: RouterConfig) -> FastAPI:
                 return JSONResponse({"error": {"message": "request body is not valid JSON", "code": 400}}, 400)
             if not isinstance(body, dict):
                 return JSONResponse({"error": {"message": "request body must be a JSON object", "code": 400}}, 400)
-            return await router.proxy(path, body, fwd(request))
+            return await router.proxy(path, body, fwd(request), before=before and (
+                lambda i, text: before(router.urls[i], body, text, path)))
         return generate
 
     for path in GENERATE_ROUTES:
@@ -213,7 +229,11 @@ def create_router_app(config: RouterConfig) -> FastAPI:
             workers.append({"url": u, "healthy": router.healthy[i], "load": router.loads[i],
                             "routed_requests": router.routed[i], "tree_chars": router.policy.trees[i].size,
                             "server_info": info})
-        return {"policy": config.policy, "workers": workers}
+        out = {"policy": config.policy, "workers": workers}
+        if pairing is not None:
+            out["pd"] = {"prefill_urls": [u for u, _ in pairing.prefill], "transfers": pairing.transfers,
+                         "transferred_tokens": pairing.transferred_tokens, "failures": pairing.failures}
+        return out
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache(request: Request):

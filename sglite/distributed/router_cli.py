@@ -28,10 +28,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     docs = field_docs(RouterConfig)
     p = FlagParser(prog="sglite router", description="Route requests over data-parallel sglite workers.")
-    p.add_argument("--worker-urls", nargs="+", required=True, help=docs["worker_urls"])
+    p.add_argument("--worker-urls", nargs="+", default=[], help=docs["worker_urls"] + " (default: none)")
+    p.add_argument("--pd-disaggregation", action="store_true", help=docs["pd_disaggregation"] + " (default: off)")
+    p.add_argument("--prefill", nargs="+", action="append", default=[], metavar="URL [BOOTSTRAP_PORT]",
+                   help="a prefill server and its bootstrap port (default port: 8998); repeat per server")
+    p.add_argument("--decode", action="append", default=[], metavar="URL",
+                   help="a decode server; repeat per server (default: none)")
     d = RouterConfig()
     for f in dataclasses.fields(RouterConfig):
-        if f.name == "worker_urls":
+        if f.name in ("worker_urls", "pd_disaggregation", "prefill_urls", "decode_urls"):
             continue
         kw = {"choices": POLICIES} if f.name == "policy" else {}
         p.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(d, f.name)), default=getattr(d, f.name),
@@ -41,8 +46,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
-    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(RouterConfig)}
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(RouterConfig)
+          if f.name not in ("prefill_urls", "decode_urls")}
     kw["worker_urls"] = tuple(args.worker_urls)
+    prefill = []
+    for item in args.prefill:
+        if len(item) > 2 or (len(item) == 2 and not item[1].isdigit()):
+            raise InvalidRequestError(f"prefill_urls: --prefill takes URL [BOOTSTRAP_PORT], got {item}",
+                                      field="prefill_urls")
+        prefill.append((item[0], int(item[1]) if len(item) == 2 else 8998))
+    kw["prefill_urls"], kw["decode_urls"] = tuple(prefill), tuple(args.decode)
+    if not args.pd_disaggregation and not args.worker_urls:
+        raise InvalidRequestError("worker_urls: --worker-urls is required (or --pd-disaggregation with "
+                                  "--prefill and --decode)", field="worker_urls")
     return RouterConfig(**kw)
 
 

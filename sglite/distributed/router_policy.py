@@ -42,6 +42,9 @@ class RouterConfig:
         max_retries: other workers tried when a worker cannot be reached (connection errors and
             5xx before any byte was streamed).
         request_timeout_secs: seconds a proxied request may take.
+        pd_disaggregation: route over prefill/decode server pairs instead of ``worker_urls``.
+        prefill_urls: prefill servers as ``(url, bootstrap_port)`` pairs (pd_disaggregation).
+        decode_urls: decode servers (pd_disaggregation).
     """
 
     worker_urls: tuple = ()
@@ -55,6 +58,9 @@ class RouterConfig:
     health_check_interval_secs: float = 10.0
     max_retries: int = 2
     request_timeout_secs: float = 600.0
+    pd_disaggregation: bool = False
+    prefill_urls: tuple = ()
+    decode_urls: tuple = ()
 
     def __post_init__(self):
         def bad(name, msg):
@@ -74,7 +80,9 @@ class RouterConfig:
             bad("health_check_interval_secs", f"must be > 0, got {self.health_check_interval_secs}")
         if self.max_retries < 0:
             bad("max_retries", f"must be >= 0, got {self.max_retries}")
-        for u in self.worker_urls:
+        if self.pd_disaggregation and not (self.prefill_urls and self.decode_urls):
+            bad("prefill_urls", "pd_disaggregation needs at least one --prefill and one --decode server")
+        for u in (*self.worker_urls, *(p[0] for p in self.prefill_urls), *self.decode_urls):
             if not str(u).startswith(("http://", "https://")):
                 bad("worker_urls", f"must be http(s)://host:port URLs, got {u!r}")
 

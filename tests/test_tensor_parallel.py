@@ -171,3 +171,32 @@ def test_tp_engine_reports_a_dead_worker(tiny_model_dir):
         out = e.generate("Hello", GREEDY)
         assert out["meta_info"]["finish_reason"]["type"] == "abort"
         assert "worker rank 1 exited" in out["meta_info"]["finish_reason"]["message"]
+
+
+@pytest.mark.slow
+def test_two_nodes_on_one_machine(tiny_model_dir):
+    """--nnodes 2: node 0 (this engine) runs rank 0 and the scheduler, ``sglite serve --node-rank 1``
+    (another process, same --dist-init-addr) runs rank 1; output equals tp_size=1."""
+    import subprocess
+    import sys
+
+    from sglite import Engine
+    from sglite.server.runner import free_port
+
+    addr = f"127.0.0.1:{free_port()}"
+    kw = dict(dtype="float32", max_total_tokens=1024, log_level="warning")
+    node1 = subprocess.Popen([sys.executable, "-m", "sglite.launch_server", "--model-path", str(tiny_model_dir),
+                              "--tp-size", "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr,
+                              "--dtype", "float32", "--max-total-tokens", "1024", "--log-level", "warning"])
+    try:
+        with Engine(str(tiny_model_dir), **kw) as e1:
+            ref = e1.generate(PROMPTS, GREEDY)
+        with Engine(str(tiny_model_dir), tp_size=2, nnodes=2, dist_init_addr=addr, **kw) as e2:
+            got = e2.generate(PROMPTS, GREEDY)
+        assert [r["output_ids"] for r in got] == [r["output_ids"] for r in ref]
+        assert node1.wait(timeout=120) == 0  # its worker stopped with the engine
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+    with pytest.raises(InvalidRequestError, match="node_rank"):
+        Engine(str(tiny_model_dir), tp_size=2, nnodes=2, node_rank=1, dist_init_addr=addr, **kw)

@@ -88,6 +88,10 @@ class TPRunnerClient:
     """
 
     def __init__(self, config: EngineConfig, checkpoint):
+        if config.node_rank != 0:
+            raise InvalidRequestError(f"node_rank={config.node_rank}: the engine (scheduler) runs on node 0; "
+                                      "start the other nodes' workers with `sglite serve --node-rank k`",
+                                      field="node_rank")
         hf = checkpoint.hf_config
         self.arch = arch = LlamaArch.from_hf_config(hf)
         self.tp_size = tp = config.tp_size

@@ -32,7 +32,8 @@ import torch
 log = logging.getLogger("sglite.disaggregation")
 
 MODES = ("null", "prefill", "decode")
-TRANSFER_TIMEOUT = timedelta(seconds=120)
+TRANSFER_TIMEOUT = timedelta(seconds=600)  # a decode server may wait for a whole queued prefill
+TRANSFER_THREADS = 64  # transfers in flight per server (each blocks a thread until its peer comes)
 
 
 def _room_group(store, room: int, rank: int):
@@ -141,8 +142,16 @@ def disaggregation_routes(engine, mode: str, bootstrap_port: int):
     from fastapi import APIRouter
     from fastapi.responses import JSONResponse
 
+    from concurrent.futures import ThreadPoolExecutor
+
     router = APIRouter()
     boot = Bootstrap(bootstrap_port if mode == "prefill" else None)
+    # own threads, not asyncio's small default pool: a receive blocks until its prefill is done,
+    # and prefill sends block until their receivers come; sharing a few threads could deadlock
+    pool_ = ThreadPoolExecutor(TRANSFER_THREADS, thread_name_prefix=f"sglite-pd-{mode}")
+
+    async def in_thread(fn):
+        return await asyncio.get_running_loop().run_in_executor(pool_, fn)
 
     def bad(msg):
         return JSONResponse({"error": {"message": msg, "code": 400, "type": "BadRequestError"}}, status_code=400)
@@ -167,7 +176,7 @@ def disaggregation_routes(engine, mode: str, bootstrap_port: int):
                 got, k, v = export_prefix(engine, ids)
                 send_kv(boot.server, room, got, k, v)
                 return {"prompt_tokens": info["prompt_tokens"], "transferred_tokens": len(got)}
-            return await asyncio.to_thread(work)
+            return await in_thread(work)
     else:
         @router.post("/disagg/receive")
         async def receive(body: dict):
@@ -184,7 +193,7 @@ def disaggregation_routes(engine, mode: str, bootstrap_port: int):
                 return {"cached_tokens": import_prefix(engine, ids, k, v) if ids else 0,
                         "received_tokens": len(ids)}
             try:
-                return await asyncio.to_thread(work)
+                return await in_thread(work)
             except ValueError as exc:
                 return bad(str(exc))
     return router

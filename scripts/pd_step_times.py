@@ -1,5 +1,4 @@
 """Prefill / decode step times of the default model for docs/scaling.md: python scripts/pd_step_times.py"""
-"""Prefill / decode step times of the default model (bf16, 1 torch thread) for docs/scaling.md."""
 import json, statistics, time
 from sglite import Engine
 from sglite.bench.workloads import random_words

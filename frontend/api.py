@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import warnings
 from typing import Optional
 
@@ -18,6 +17,7 @@ from sglite.sampling_params import SamplingParams
 
 from .backend import Backend, as_backend
 from .choices import resolve_choices_method
+from .global_config import global_config
 from .ir import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR, ExprList, Gen, RoleBegin, RoleEnd, Select
 
 _DTYPES = {int: (REGEX_INT, [" ", "\n"]), "int": (REGEX_INT, [" ", "\n"]),
@@ -105,7 +105,7 @@ def gen(name: Optional[str] = None, max_tokens: Optional[int] = None, min_tokens
     except InvalidRequestError as e:
         raise InvalidRequestError(f"gen: {e}", field=e.field) from e
     logprob = {"return_logprob": return_logprob, "logprob_start_len": logprob_start_len,
-               "top_logprobs_num": top_logprobs_num}
+               "top_logprobs_num": top_logprobs_num, "return_text_in_logprobs": return_text_in_logprobs}
     return Gen(name, params, {k: v for k, v in logprob.items() if v is not None}, dtype)
 
 
@@ -191,31 +191,10 @@ def assistant_end():
     return RoleEnd("assistant")
 
 
-class _DefaultBackend:
-    """Holder of the process-wide default backend (SGLang's ``global_config.default_backend``).
-
-    The one piece of process-wide state the DSL keeps, because SGLang's API has it.
-    """
-
-    def __init__(self):
-        self._backend: Optional[Backend] = None
-        self._lock = threading.Lock()
-
-    def set(self, backend) -> None:
-        with self._lock:
-            self._backend = None if backend is None else as_backend(backend)
-
-    def get(self) -> Optional[Backend]:
-        with self._lock:
-            return self._backend
-
-
-DEFAULT_BACKEND = _DefaultBackend()
-
-
 def set_default_backend(backend) -> None:
-    """Use ``backend`` (a Backend, an ``sglite.Engine`` or a server URL) when ``run`` gets none."""
-    DEFAULT_BACKEND.set(backend)
+    """Use ``backend`` (a Backend, an ``sglite.Engine``, a ``Runtime`` or a server URL) when ``run``
+    gets none; the same as ``global_config.default_backend = backend``."""
+    global_config.default_backend = backend
 
 
 def resolve_backend(backend=None) -> Backend:
@@ -226,7 +205,7 @@ def resolve_backend(backend=None) -> Backend:
     """
     if backend is not None:
         return as_backend(backend)
-    b = DEFAULT_BACKEND.get()
+    b = global_config.default_backend
     if b is None:
         raise InvalidRequestError("no backend: pass backend= or call set_default_backend(...) first",
                                   field="backend")

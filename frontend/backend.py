@@ -18,15 +18,45 @@ from .chat_template import ChatTemplate
 from .choices import ChoicesDecision, ChoicesMethod, mean_logprob
 
 
-def logprob_kwargs(return_logprob=None, logprob_start_len=None, top_logprobs_num=None) -> dict:
-    """The logprob request fields that are set (None ones dropped)."""
+def logprob_kwargs(return_logprob=None, logprob_start_len=None, top_logprobs_num=None,
+                   return_text_in_logprobs=None, with_text_flag: bool = False) -> dict:
+    """The logprob request fields that are set (None ones dropped).
+
+    ``return_text_in_logprobs`` is kept only ``with_text_flag`` (the HTTP API takes it; the
+    in-process engine always puts each token's text in its logprob entries).
+    """
     out = {"return_logprob": return_logprob, "logprob_start_len": logprob_start_len,
            "top_logprobs_num": top_logprobs_num}
+    if with_text_flag:
+        out["return_text_in_logprobs"] = return_text_in_logprobs
     return {k: v for k, v in out.items() if v is not None}
 
 
+def start_token_id(model_info: dict) -> int:
+    """The token an empty prompt starts from: the model's BOS (``bos_token_id``), else its
+    smallest EOS id (GPT-2-style models use the end-of-text token as BOS).
+
+    Raises:
+        InvalidRequestError: the model info names neither.
+    """
+    bos = model_info.get("bos_token_id")
+    if bos is None:
+        eos = model_info.get("eos_token_ids") or []
+        if not eos:
+            from sglite.errors import InvalidRequestError
+            raise InvalidRequestError("text: the prompt is empty and the model has no BOS or EOS token to "
+                                      "start from", field="text")
+        bos = min(eos)
+    return int(bos)
+
+
 class Backend:
-    """What the interpreter needs from a model server. Methods must be thread-safe."""
+    """What the interpreter needs from a model server. Methods must be thread-safe.
+
+    ``generate("")`` (a program that generates before any text, e.g. right after a fork at the
+    start) starts from the model's BOS token (see :func:`start_token_id`), as SGLang's
+    tokenizer-added BOS does.
+    """
 
     def get_chat_template(self) -> ChatTemplate:
         """The model's role markers (see :class:`ChatTemplate`)."""
@@ -96,11 +126,17 @@ class EngineBackend(Backend):
                 self._template = ChatTemplate.from_model_info(self.engine.model_info())
             return self._template
 
+    def _input(self, prompt: str) -> dict:
+        if prompt == "":
+            return {"input_ids": [start_token_id(self.engine.model_info())]}
+        return {"prompt": prompt}
+
     def generate(self, prompt, sampling_params, **logprob):
-        return self.engine.generate(prompt=prompt, sampling_params=dict(sampling_params), **logprob_kwargs(**logprob))
+        return self.engine.generate(**self._input(prompt), sampling_params=dict(sampling_params),
+                                    **logprob_kwargs(**logprob))
 
     def generate_stream(self, prompt, sampling_params, **logprob):
-        return self.engine.generate(prompt=prompt, sampling_params=dict(sampling_params), stream=True,
+        return self.engine.generate(**self._input(prompt), sampling_params=dict(sampling_params), stream=True,
                                     **logprob_kwargs(**logprob))
 
     def score(self, prompt, continuations, unconditional=False):
@@ -120,13 +156,16 @@ class EngineBackend(Backend):
 
 
 def as_backend(obj) -> Backend:
-    """A Backend from a Backend, an Engine-like object, or an ``http(s)://`` URL.
+    """A Backend from a Backend, a ``Runtime`` (its endpoint), an Engine-like object, or an
+    ``http(s)://`` URL.
 
     Raises:
         TypeError: for anything else.
     """
     if isinstance(obj, Backend):
         return obj
+    if isinstance(getattr(obj, "endpoint", None), Backend):  # sglite.Runtime (a server in a child process)
+        return obj.endpoint
     if isinstance(obj, str) and obj.startswith(("http://", "https://")):
         from .runtime_endpoint import RuntimeEndpoint
         return RuntimeEndpoint(obj)

@@ -41,6 +41,17 @@ def role_transition(open_role: Optional[str], role: str, begin: bool) -> Optiona
 
 
 @dataclass(frozen=True)
+class ChatContext:
+    """What a message-based backend (an OpenAI-compatible chat API) needs at a gen or select:
+    the finished ``messages`` (``{"role", "content"}``), the open ``role`` (None outside one) and
+    the ``partial`` content already written in it."""
+
+    messages: list
+    role: Optional[str]
+    partial: str
+
+
+@dataclass(frozen=True)
 class ChatTemplate:
     """Role markers of a model's chat format.
 
@@ -96,6 +107,13 @@ class TextAssembler:
             self.text += delta
             if self._on_append is not None:
                 self._on_append(delta)
+
+    def open_turn(self) -> tuple:
+        """``(role, content so far)`` of the open turn (left-stripped, as it would be recorded),
+        or ``(None, "")`` outside a role."""
+        if self.cur_role is None:
+            return None, ""
+        return self.cur_role, self.text[self._role_start:].lstrip()
 
     def role_begin(self, role: str) -> None:
         """Open ``role``.

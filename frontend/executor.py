@@ -20,7 +20,7 @@ from typing import Optional
 
 from sglite.errors import InvalidRequestError
 
-from .chat_template import TextAssembler, role_transition
+from .chat_template import ChatContext, TextAssembler, role_transition
 from .ir import (LOGPROB_KEYS, SAMPLING_KEYS, Argument, Gen, RoleBegin, RoleEnd, Select, Text,
                  VarRef, VarScopeBegin, VarScopeEnd, flatten)
 
@@ -62,6 +62,7 @@ class StreamExecutor:
         self._error: Optional[BaseException] = None
         self._lock = threading.Lock()
         self._queue: Optional[queue.Queue] = None
+        self._closed_queue: Optional[queue.Queue] = None  # the queue a close() stopped, still draining
         self._deferred: Optional[list] = [] if defer else None
         self._deferred_role = self.asm.cur_role  # the role open after the deferred ops
         #: set once held ops may reach the backend (the first ``sync``); ``sent`` tells the same
@@ -109,11 +110,12 @@ class StreamExecutor:
         self.released.set()
 
     def sync(self) -> None:
-        """Release held ops, then block until every queued op has run."""
+        """Release held ops, then block until every queued op has run (including ops queued
+        before a ``close()``: a closed stream's worker finishes them before it stops)."""
         self.release()
         with self._lock:
-            q = self._queue
-        if q is not None:
+            queues = [q for q in (self._closed_queue, self._queue) if q is not None]
+        for q in queues:
             q.join()
 
     def close(self) -> None:
@@ -125,7 +127,7 @@ class StreamExecutor:
             self._deferred = None
             if self._queue is not None:
                 self._queue.put(_STOP)
-                self._queue = None
+                self._closed_queue, self._queue = self._queue, None
         for c in self.children:
             c.close()
 
@@ -189,7 +191,7 @@ class StreamExecutor:
         elif isinstance(op, Gen):
             self._gen(op)
         elif isinstance(op, Select):
-            decision = self.backend.select(self.asm.text, list(op.choices), op.choices_method)
+            decision = self.backend.select(self.asm.text, list(op.choices), op.choices_method, **self._chat())
             self.asm.append(decision.decision)
             if op.name:
                 self.set_var(op.name, decision.decision, decision.meta_info)
@@ -223,8 +225,16 @@ class StreamExecutor:
         lp.update(op.logprob)
         return sp, {k: v for k, v in lp.items() if v is not None}
 
+    def _chat(self) -> dict:
+        """``{"chat": ChatContext}`` for backends that talk in messages (``wants_messages``), else {}."""
+        if not getattr(self.backend, "wants_messages", False):
+            return {}
+        role, partial = self.asm.open_turn()
+        return {"chat": ChatContext([dict(m) for m in self.asm.messages], role, partial)}
+
     def _gen(self, op: Gen) -> None:
         sp, lp = self.sampling_params(op)
+        lp.update(self._chat())
         prompt = self.asm.text
         if self.stream and sp.get("n", 1) == 1:
             emitted, meta = "", {}

@@ -21,6 +21,7 @@ from sglite.errors import InvalidRequestError, SgliteError
 from sglite.sampling_params import SamplingParams
 
 from .api import resolve_backend
+from .global_config import global_config
 from .compiler import check_roles, constant_prefix, hoist_prefix
 from .interpreter import run_program
 from .ir import Argument
@@ -29,10 +30,10 @@ from .tracer import trace_program
 logger = logging.getLogger(__name__)
 
 #: run-level defaults (SGLang's ``SglFunction.run``); a gen's unset arguments take these
-RUN_DEFAULTS = {"max_new_tokens": 128, "stop": None, "stop_token_ids": None, "temperature": 1.0, "top_p": 1.0,
-                "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-                "ignore_eos": False, "return_logprob": None, "logprob_start_len": None,
-                "top_logprobs_num": None}
+RUN_DEFAULTS = {"max_new_tokens": 128, "n": None, "stop": None, "stop_token_ids": None, "stop_regex": None,
+                "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0,
+                "presence_penalty": 0.0, "ignore_eos": False, "return_logprob": None, "logprob_start_len": None,
+                "top_logprobs_num": None, "return_text_in_logprobs": None}
 
 
 def _run_defaults(options: dict) -> dict:
@@ -157,20 +158,28 @@ class Function:
         defaults = _run_defaults(options)
         arguments = self.bind_arguments(args, kwargs)
         backend = resolve_backend(backend)
-        return run_program(self.func, arguments, backend, defaults, stream)
+        state = run_program(self.func, arguments, backend, defaults, stream)
+        if global_config.verbosity >= 2 and not stream:
+            print(state.text())
+        return state
 
     __call__ = run
 
     def run_batch(self, batch_kwargs, *, backend=None, num_threads="auto", progress_bar: bool = False,
-                  **options) -> list:
+                  generator_style: bool = False, **options):
         """Run once per item (dicts or positional tuples); states in input order.
 
         Every item's arguments are checked and every program prefix-traced before any request;
-        the prefix the batch shares is prefilled once; programs run on ``num_threads`` threads
-        ("auto": max(96, 16 × CPUs), at most the batch size).
+        the prefix the batch shares is prefilled once (unless
+        ``global_config.enable_precache_with_tracing`` is off); programs run on ``num_threads``
+        threads ("auto": max(96, 16 × CPUs), at most the batch size). ``progress_bar`` shows a
+        tqdm bar. ``generator_style=True`` returns a generator instead of a list: it yields the
+        states in input order, each as soon as it (and every earlier one) has finished, while
+        the later ones keep running (SGLang's ``generator_style``).
 
         Raises:
-            InvalidRequestError: arity errors, bad options, nested roles (nothing is sent then).
+            InvalidRequestError: arity errors, bad options, nested roles (nothing is sent then;
+                with ``generator_style`` these are raised by this call, not by the generator).
         """
         defaults = _run_defaults(options)
         items = [self._bind_item(x) for x in batch_kwargs]
@@ -183,19 +192,30 @@ class Function:
                                       f"{num_threads!r}", field="num_threads")
         backend = resolve_backend(backend)
         graphs = [self.prefix_trace(a) for a in items]
-        template = backend.get_chat_template()
-        hoist_prefix(backend, [constant_prefix(g, template) for g in graphs if g is not None])
+        if global_config.enable_precache_with_tracing:
+            template = backend.get_chat_template()
+            hoist_prefix(backend, [constant_prefix(g, template) for g in graphs if g is not None])
+        runs = self._run_items(items, backend, defaults, num_threads, progress_bar)
+        return runs if generator_style else list(runs)
+
+    def _run_items(self, items, backend, defaults, num_threads, progress_bar):
+        """Generator of the items' states in input order (each yielded once finished)."""
         bar = None
         if progress_bar:
             from tqdm import tqdm
             bar = tqdm(total=len(items), desc=self.__name__)
-        with cf.ThreadPoolExecutor(min(num_threads, len(items))) as pool:
+        pool = cf.ThreadPoolExecutor(min(num_threads, len(items)))
+        try:
             futures = [pool.submit(run_program, self.func, a, backend, defaults, False) for a in items]
             if bar is not None:
-                for _ in cf.as_completed(futures):
-                    bar.update(1)
+                for f in futures:
+                    f.add_done_callback(lambda _: bar.update(1))
+            for f in futures:
+                yield f.result()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+            if bar is not None:
                 bar.close()
-            return [f.result() for f in futures]
 
     def trace(self, *, backend=None, **kwargs) -> nx.DiGraph:
         """The program's request graph (see :mod:`.tracer`); missing arguments become placeholders.

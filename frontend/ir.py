@@ -29,7 +29,7 @@ SAMPLING_KEYS = (
     "json_schema",
 )
 #: request-level (not sampling) keys a ``gen`` may override
-LOGPROB_KEYS = ("return_logprob", "logprob_start_len", "top_logprobs_num")
+LOGPROB_KEYS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
 
 
 class Expr:

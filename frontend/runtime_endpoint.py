@@ -20,7 +20,7 @@ import httpx
 
 from sglite.errors import InvalidRequestError, SgliteError
 
-from .backend import Backend, logprob_kwargs
+from .backend import Backend, logprob_kwargs, start_token_id
 from .chat_template import ChatTemplate
 
 
@@ -77,13 +77,18 @@ class RuntimeEndpoint(Backend):
     def get_chat_template(self) -> ChatTemplate:
         return ChatTemplate.from_model_info(self.get_model_info())
 
+    def _input(self, prompt: str) -> dict:
+        if prompt == "":  # nothing to tokenize: start from the model's BOS (see Backend)
+            return {"input_ids": [start_token_id(self.get_model_info())]}
+        return {"text": prompt}
+
     def generate(self, prompt, sampling_params, **logprob):
-        return self._post("/generate", {"text": prompt, "sampling_params": dict(sampling_params),
-                                        **logprob_kwargs(**logprob)})
+        return self._post("/generate", {**self._input(prompt), "sampling_params": dict(sampling_params),
+                                        **logprob_kwargs(**logprob, with_text_flag=True)})
 
     def generate_stream(self, prompt, sampling_params, **logprob):
-        payload = {"text": prompt, "sampling_params": dict(sampling_params), "stream": True,
-                   **logprob_kwargs(**logprob)}
+        payload = {**self._input(prompt), "sampling_params": dict(sampling_params), "stream": True,
+                   **logprob_kwargs(**logprob, with_text_flag=True)}
         with self._client.stream("POST", "/generate", json=payload) as res:
             if res.status_code != 200:
                 res.read()

@@ -12,8 +12,10 @@ Implementations (``LinearWeight.impl``):
                    :func:`.cpu_gemv.linear_invariant` (bf16 and fp32), on CUDA the Triton kernel
                    :func:`.triton_matmul.linear_invariant` (fixed tiles, no split-K); without
                    either, one ``F.linear`` per row.
-Quantized weights plug in as more implementations: a new entry of :data:`IMPLS` and whatever
-packed copies it needs on the weight.
+Quantized weights plug in as more implementations: a :class:`.quant_linear.QuantLinearWeight`
+(group-quantized integer codes: GGUF Q4_0/Q4_1/Q8_0, GPTQ, AWQ) carries one of the ``quant_*``
+names of :data:`IMPLS` (see :mod:`.quant_linear`); :func:`make_linear` builds either kind from a
+model's (possibly fused) parts.
 
 Why the choice exists (CPU bf16 models, one-row products of batch-1 decoding): on AVX-512-BF16 CPUs
 without AVX-512-FP16 (e.g. AMD Zen 4), oneDNN's one-row bf16 GEMV reads weights at about a quarter
@@ -48,7 +50,8 @@ from typing import Callable, Optional, Union
 import torch
 import torch.nn.functional as F
 
-from . import cpu_gemv
+from . import cpu_gemv, quant_linear, w8_linear
+from .quant_linear import QuantLinearWeight
 
 log = logging.getLogger("sglite.kernels.matmul")
 
@@ -93,6 +96,10 @@ class LinearWeight:
         """Elements read per product (weight + bias; copies excluded)."""
         return self.weight.numel() + (0 if self.bias is None else self.bias.numel())
 
+    def nbytes(self) -> int:
+        """Resident bytes of the weight and bias (copies excluded)."""
+        return self.numel() * self.weight.element_size()
+
 
 def _torch(x: torch.Tensor, lw: LinearWeight) -> torch.Tensor:
     return F.linear(x, lw.weight, lw.bias)
@@ -123,17 +130,52 @@ def _invariant(x: torch.Tensor, lw: LinearWeight) -> torch.Tensor:
 
 
 IMPLS: dict[str, Callable[[torch.Tensor, LinearWeight], torch.Tensor]] = {
-    "torch": _torch, "fp16": _fp16, "cpp": _cpp, "invariant": _invariant}
+    "torch": _torch, "fp16": _fp16, "cpp": _cpp, "invariant": _invariant, **quant_linear.IMPLS,
+    **w8_linear.IMPLS}
+
+AnyLinearWeight = Union[LinearWeight, QuantLinearWeight]
 
 
-def linear(x: torch.Tensor, weight: Union[LinearWeight, torch.Tensor],
+def make_linear(parts: list, bias: Optional[torch.Tensor], dtype: torch.dtype, device) -> AnyLinearWeight:
+    """One matmul weight from ``parts`` stacked along N (e.g. q, k, v projections -> fused QKV).
+
+    Args:
+        parts: [N_i, K] float tensors and/or :class:`QuantLinearWeight`.
+        bias: [sum N_i] or None (cast to ``dtype``).
+        dtype: the activation dtype (float parts are cast to it).
+        device: where the weight lives.
+    Returns:
+        A :class:`QuantLinearWeight` when every part is one and they share a layout
+        (:func:`.quant_linear.cat_rows`); otherwise a :class:`LinearWeight`, quantized parts
+        dequantized to ``dtype`` (formats that cannot be fused still run, unquantized).
+    """
+    bias = None if bias is None else bias.to(device=device, dtype=dtype)
+    if len({type(p) for p in parts}) == 1 and hasattr(type(parts[0]), "concat"):  # 8-bit (w8_linear)
+        q = (parts[0] if len(parts) == 1 else type(parts[0]).concat(parts)).to(device)
+        q.bias = bias
+        return q
+    if all(isinstance(p, QuantLinearWeight) for p in parts):
+        try:
+            q = parts[0] if len(parts) == 1 else quant_linear.cat_rows(parts)
+        except ValueError as e:
+            log.warning("quantized parts cannot be fused (%s); dequantizing them", e)
+        else:
+            q = q.to(device)
+            q.bias = bias
+            return q
+    ts = [p if isinstance(p, torch.Tensor) else p.dequantize(dtype) for p in parts]
+    w = ts[0] if len(ts) == 1 else torch.cat([t.to(dtype) for t in ts])
+    return LinearWeight(w.to(device=device, dtype=dtype).contiguous(), bias)
+
+
+def linear(x: torch.Tensor, weight: Union[LinearWeight, QuantLinearWeight, torch.Tensor],
            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` through the weight's implementation.
 
     Args:
         x: [M, K] activations (M >= 0), the weight's dtype.
-        weight: a :class:`LinearWeight` (its ``bias`` and ``impl`` apply) or a plain [N, K] tensor
-            (``F.linear`` with ``bias``).
+        weight: a :class:`LinearWeight` or :class:`QuantLinearWeight` (its ``bias`` and ``impl``
+            apply) or a plain [N, K] tensor (``F.linear`` with ``bias``).
         bias: [N] or None; only with a plain tensor (a LinearWeight carries its own).
     Returns:
         [M, N] in x's dtype.

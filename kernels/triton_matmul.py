@@ -42,9 +42,10 @@ def _linear_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                     mask=mm[:, None] & km[None, :], other=0.0)  # [BM, BK]
         w = tl.load(W + offs_n[None, :].to(tl.int64) * stride_wn + (k0 + offs_k)[:, None],
                     mask=nm[None, :] & km[:, None], other=0.0)  # [BK, BN]
-        if UPCAST:
-            x, w = x.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(x, w, acc)
+        if UPCAST:  # the interpreter: an explicit k-ordered reduction (see linear_invariant)
+            acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+        else:
+            acc = tl.dot(x, w, acc)
     if HAS_BIAS:
         acc += tl.load(Bias + offs_n, mask=nm, other=0.0).to(tl.float32)[None, :]
     y = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
@@ -62,6 +63,11 @@ def linear_invariant(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tens
         [M, N] in x's dtype; each output a float32 sum over K in BLOCK_K steps, rounded once.
     Raises:
         ValueError: mismatched shapes or dtypes.
+
+    Under ``TRITON_INTERPRET=1`` the tile product is an explicit broadcast-multiply and sum over
+    ``BLOCK_K`` instead of ``tl.dot``: the interpreter runs ``tl.dot`` as a numpy/BLAS matmul whose
+    per-row summation order depends on the row's position in the tile (OpenBLAS micro-kernel edges),
+    which would make the interpreted kernel row-variant for reasons that do not exist on a GPU.
     """
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"linear_invariant: x {tuple(x.shape)} and w {tuple(w.shape)} must be [M, K] and [N, K]")

@@ -1,4 +1,4 @@
-"""`sglite` command line: serve | generate | run | bench | kv-estimate."""
+"""`sglite` command line: serve | generate | run | bench | eval | quantize | kv-estimate."""
 from __future__ import annotations
 
 import argparse
@@ -96,7 +96,21 @@ BENCHES = {
     "grammar": "sglite.bench.grammar",
     "startup": "sglite.bench.startup",
     "router": "sglite.distributed.bench_router",
+    "spec": "sglite.bench.spec",
+    "quant": "sglite.bench.quant",
 }
+
+
+EVALS = {"perplexity": "sglite.eval.perplexity"}
+
+
+def _cmd_eval(argv) -> int:
+    import importlib
+
+    if not argv or argv[0] not in EVALS:
+        print(f"usage: sglite eval {{{'|'.join(EVALS)}}} [options]", file=sys.stderr)
+        return 2
+    return importlib.import_module(EVALS[argv[0]]).main(argv[1:]) or 0
 
 
 def _cmd_bench(argv) -> int:
@@ -113,12 +127,14 @@ def build_parser() -> tuple[FlagParser, FlagParser]:
     """The ``sglite`` parser and its ``generate`` sub-parser (``serve`` and ``bench`` parse their
     own flags: :func:`sglite.server.launch.build_parser`, the bench modules)."""
     p = FlagParser(prog="sglite", description="sglite: structured generation runtime",
-                   usage="%(prog)s {serve,router,generate,run,bench,kv-estimate} ...  (see --help)")
+                   usage="%(prog)s {serve,router,generate,run,bench,eval,quantize,kv-estimate} ...  (see --help)")
     p.add_argument("--version", action="version", version=f"sglite {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=FlagParser, prog="sglite")
     sub.add_parser("serve", help="start the HTTP server (see `sglite serve --help`)")
     sub.add_parser("bench", help=f"benchmarks: {' | '.join(BENCHES)}")
     sub.add_parser("router", help="data-parallel router over sglite servers (see `sglite router --help`)")
+    sub.add_parser("quantize", help="write a GPTQ / AWQ / RTN / W8A8 checkpoint (see `sglite quantize --help`)")
+    sub.add_parser("eval", help=f"model evaluation: {' | '.join(EVALS)} (see `sglite eval perplexity --help`)")
     k = sub.add_parser("kv-estimate", help="KV-cache bytes per token and totals")
     k.add_argument("--model-path", help="HF folder or .gguf file (default: the default model)")
     k.add_argument("--config", help="a HF config.json instead of a model (default: None)")
@@ -153,6 +169,12 @@ def main(argv=None) -> int:
     if argv and argv[0] == "router":
         from .distributed.router_cli import main as router_main
         return router_main(argv[1:])
+    if argv and argv[0] == "eval":
+        return _cmd_eval(argv[1:])
+    if argv and argv[0] == "quantize":
+        from .quant.quantize_cli import main as quantize_main
+
+        return quantize_main(argv[1:]) or 0
     p, g = build_parser()
     args = p.parse_args(argv)
     if args.cmd == "generate":

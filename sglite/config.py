@@ -11,6 +11,10 @@ from .errors import InvalidRequestError
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 GRAMMAR_BACKENDS = ("sglite", "xgrammar", "llguidance")
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
+# EngineConfig.quantization values besides "auto" and None ("none" on the command line); the
+# loaders are registered in sglite.runtime.quant_loader.LOADERS
+QUANTIZATIONS = ("gguf", "gptq", "awq", "fp8", "w8a8_int8")
 
 
 def looks_like_path(value: str) -> bool:
@@ -54,6 +58,11 @@ class EngineConfig:
             around ``,`` ``:`` and brackets (sglite backend). None = compact JSON (no whitespace):
             every separator is then forced, which jump-forward skips; ``"[ ]?"`` is outlines'
             default, ``r"[ ]?|\n[ \t]{0,16}"`` allows one-line indentation.
+        json_schema_strict: compile JSON Schemas strictly (XGrammar's default): an object that
+            names its properties but does not say ``additionalProperties`` admits no other key, an
+            array with ``prefixItems`` but no ``items`` no further item (sglite backend, every
+            schema source: ``json_schema``, ``response_format``, tools, ``gen(json_schema=...)``).
+            ``--disable-json-schema-strict`` restores the specification's open reading.
         random_seed: seed of the engine's default generator (requests without ``sampling_seed``).
         context_length: override of the model's maximum context (tokens); None = the model's
             ``max_position_embeddings``.
@@ -79,6 +88,32 @@ class EngineConfig:
             throughput) every this many decode steps; a "Prefill batch" line is logged for every
             step with prompt tokens (SGLang's wording and flag).
         check_invariants: run ``Scheduler.check_invariants`` after every step (slow; for tests).
+        speculative_algorithm: speculative decoding: ``NGRAM`` (drafts continue the request's own
+            prompt and output where its last tokens occurred before: prompt lookup, no model) or
+            ``STANDALONE`` (a small draft model, ``speculative_draft_model_path``); None = off.
+            Output is distributed exactly as without it (greedy: identical tokens); see
+            ``sglite/runtime/speculative``.
+        speculative_draft_model_path: the draft model of ``STANDALONE`` (HF folder or ``.gguf``
+            file; same tokenizer as the target, smaller); it gets its own small KV pool.
+        speculative_num_steps: greedy steps the ``STANDALONE`` draft model runs per verify step
+            (draft tokens proposed, at most ``speculative_num_draft_tokens``).
+        speculative_num_draft_tokens: most draft tokens verified per request and step (the verify
+            step computes this many tokens plus one per request).
+        speculative_disable_by_batch_size: no drafts in steps with more than this many decoding
+            requests (a large batch is compute bound: extra rows cost their full price).
+        quantization: weight quantization (SGLang's option): ``auto`` | ``none`` (None) | ``gguf`` |
+            ``gptq`` | ``awq`` | ``fp8`` | ``w8a8_int8``.
+            ``gguf`` keeps a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks quantized in memory and runs the
+            matmuls on them (:mod:`sglite.kernels.quant_linear`; other GGUF tensor types are
+            dequantized); ``none`` dequantizes every weight at load (the ``dtype`` copies);
+            ``auto`` is ``gguf`` for a ``.gguf`` model (the default model too), the checkpoint's
+            ``quantization_config.quant_method`` for a quantized HF folder, and ``none`` otherwise.
+            ``gptq`` / ``awq``: AutoGPTQ / AutoAWQ checkpoints (4/8-bit, 4-bit for AWQ; group
+            sizes 32/64/128, act-order), kept quantized (:mod:`sglite.quant.hf_loader`).
+            ``fp8``: matmul weights quantized at load to FP8 E4M3 with per-output-channel scales
+            (weight-only). ``w8a8_int8``: int8 weights (per channel) and int8 activations (per
+            token, at run time), int32 accumulation; a ``sglite quantize --method smoothquant``
+            checkpoint, or a float one quantized at load. ``dtype`` still sets the activation dtype.
         tp_size: tensor-parallel degree: the engine's scheduler drives this many model worker
             processes, each holding 1/tp_size of the attention heads, MLP width, vocabulary and
             KV cache (torch.distributed: gloo on CPU, NCCL on CUDA; see ``docs/scaling.md``).
@@ -111,6 +146,7 @@ class EngineConfig:
     enable_jump_forward: bool = True
     grammar_backend: str = "sglite"
     constrained_json_whitespace_pattern: Optional[str] = None
+    json_schema_strict: bool = True
     random_seed: int = 0
     context_length: Optional[int] = None
     log_level: str = "info"
@@ -119,6 +155,12 @@ class EngineConfig:
     enable_deterministic_inference: bool = False
     decode_log_interval: int = 40
     check_invariants: bool = False  # assert pool/tree invariants after every step (tests)
+    speculative_algorithm: Optional[str] = None
+    speculative_draft_model_path: Optional[str] = None
+    speculative_num_steps: int = 4
+    speculative_num_draft_tokens: int = 8
+    speculative_disable_by_batch_size: int = 8
+    quantization: Optional[str] = "auto"
     tp_size: int = 1
     nnodes: int = 1
     node_rank: int = 0
@@ -157,6 +199,10 @@ class EngineConfig:
                 parse_regex(self.constrained_json_whitespace_pattern)
             except GrammarError as e:
                 bad("constrained_json_whitespace_pattern", f"invalid regex: {e}")
+        if isinstance(self.quantization, str) and self.quantization.lower() == "none":
+            object.__setattr__(self, "quantization", None)
+        if self.quantization is not None and self.quantization not in ("auto",) + QUANTIZATIONS:
+            bad("quantization", f"must be auto, none or one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.cpu_decode_gemv not in ("auto", "cpp", "fp16", "off"):
             bad("cpu_decode_gemv", f"must be auto|cpp|fp16|off, got {self.cpu_decode_gemv!r}")
         if self.num_threads is not None and self.num_threads < 1:
@@ -189,10 +235,29 @@ class EngineConfig:
             bad("disaggregation_bootstrap_port", f"must be in [1, 65535], got {self.disaggregation_bootstrap_port}")
         if self.tokenizer_path is not None and not os.path.isdir(self.tokenizer_path):
             bad("tokenizer_path", f"no such folder {self.tokenizer_path!r}")
+        self._check_speculative(bad)
         if self.chat_template is not None and looks_like_path(self.chat_template) \
                 and not os.path.isfile(self.chat_template):
             bad("chat_template", f"no such file {self.chat_template!r} (give a Jinja file, a template name "
                                  "of the tokenizer, or Jinja text)")
+
+    def _check_speculative(self, bad) -> None:
+        alg = self.speculative_algorithm
+        if alg is not None and alg not in SPECULATIVE_ALGORITHMS:
+            bad("speculative_algorithm", f"must be one of {SPECULATIVE_ALGORITHMS} (or None), got {alg!r}")
+        if alg == "STANDALONE":
+            path = self.speculative_draft_model_path
+            if not path:
+                bad("speculative_draft_model_path", "STANDALONE needs a draft model path")
+            if not os.path.exists(path):
+                bad("speculative_draft_model_path", f"no such file or folder {path!r}")
+        if not 1 <= self.speculative_num_draft_tokens <= 64:
+            bad("speculative_num_draft_tokens", f"must be in [1, 64], got {self.speculative_num_draft_tokens}")
+        if not 1 <= self.speculative_num_steps <= 64:
+            bad("speculative_num_steps", f"must be in [1, 64], got {self.speculative_num_steps}")
+        if self.speculative_disable_by_batch_size < 1:
+            bad("speculative_disable_by_batch_size",
+                f"must be >= 1, got {self.speculative_disable_by_batch_size}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

@@ -28,3 +28,17 @@ class GrammarError(SgliteError, ValueError):
 
 class CapacityError(InvalidRequestError):
     """A request can never fit: prompt + max_new_tokens exceed the context or the KV pool."""
+
+
+CONTEXT_LENGTH_PREFIX = "this model's maximum context length is"
+
+
+def context_length_message(prompt_tokens: int, context_length: int, max_new_tokens: int | None = None,
+                           field: str = "max_new_tokens", prompt_field: str = "prompt") -> str:
+    """The one wording of the context-length error, on every route and in the engine (close to
+    OpenAI's ``context_length_exceeded`` text, which clients match on), led by the field at fault:
+    ``prompt_field`` when the prompt alone does not fit, else ``field`` (the output budget)."""
+    head = f"{CONTEXT_LENGTH_PREFIX} {context_length} tokens; the prompt has {prompt_tokens} tokens"
+    if max_new_tokens is None:
+        return f"{prompt_field}: {head}"
+    return f"{field}: {head} and {field} asks for {max_new_tokens} more"

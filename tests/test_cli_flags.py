@@ -103,10 +103,10 @@ def _exit(parser, argv, capsys):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--quantization", "fp8"], ["--quantization", "quantization is not supported yet"]),
     (["--kv-cache-dtype", "fp8_e5m2"], ["--kv-cache-dtype", "not supported yet"]),
-    (["--speculative-algorithm", "EAGLE"], ["--speculative-algorithm", "speculative decoding is not supported yet"]),
-    (["--speculative-foo", "3"], ["--speculative-foo", "speculative decoding is not supported yet"]),
+    (["--speculative-algorithm", "EAGLE"], ["--speculative-algorithm", "invalid choice", "NGRAM"]),
+    (["--speculative-eagle-topk", "4"], ["--speculative-eagle-topk", "EAGLE speculative decoding", "not supported yet"]),
+    (["--speculative-foo", "3"], ["unrecognized flag --speculative-foo"]),
     (["--max-running-request", "3"], ["unrecognized flag --max-running-request", "--max-running-requests"]),
     (["--no-disable-radix-cache"], ["unrecognized flag --no-disable-radix-cache", "--disable-radix-cache"]),
     (["--no-enable-jump-forward"], ["unrecognized flag --no-enable-jump-forward"]),

@@ -249,3 +249,55 @@ def test_grammar_cache_is_lru_and_keeps_property_order():
     for name in ("r1", "r2", "r1", "r3", "r1", "r2"):  # r2 is the least recently used when r3 arrives
         assert cache.get_or_compile("regex", name, lambda n=name: compile_(n)) == name
     assert calls == ["r1", "r2", "r3", "r2"] and len(cache) == 2
+
+
+# -- strict reading (XGrammar's default; the engine's default, json_schema_strict) ---------------
+@pytest.fixture(scope="module")
+def strict():
+    return byte_backend(json_schema_strict=True)
+
+
+def test_strict_is_the_backend_default():
+    from sglite.constrained import GrammarBackend
+
+    assert GrammarBackend(byte_backend().info).json_schema_strict is True
+
+
+@pytest.mark.parametrize("schema,text,strict_ok,spec_ok", [
+    # objects naming properties are closed unless they say additionalProperties
+    ({"type": "object", "properties": {"a": {"type": "integer"}}}, '{"a":1}', True, True),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}}, '{"a":1,"unit_type":"x"}', False, True),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}}, '{"unit_title":2}', False, True),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True},
+     '{"a":1,"b":[2]}', True, True),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "string"}},
+     '{"a":1,"b":"x"}', True, True),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "string"}},
+     '{"a":1,"b":2}', False, False),
+    # a required key the properties do not declare is still allowed (the schema names it)
+    ({"type": "object", "required": ["k"]}, '{"k":[1,{"z":null}]}', True, True),
+    ({"type": "object", "required": ["k"]}, '{"k":1,"j":2}', False, True),
+    # nested objects close too
+    ({"type": "object", "properties": {"o": {"type": "object", "properties": {"x": {"type": "boolean"}}}}},
+     '{"o":{"x":true,"y":1}}', False, True),
+    # patternProperties: matching keys allowed, the others closed
+    ({"type": "object", "patternProperties": {"^n_": {"type": "integer"}}}, '{"n_a":1}', True, True),
+    ({"type": "object", "patternProperties": {"^n_": {"type": "integer"}}}, '{"m":1}', False, True),
+    # a bare object / array is any object / array (XGrammar's basic_object)
+    ({"type": "object"}, '{"anything":{"goes":[1]}}', True, True),
+    ({"type": "array"}, '[1,"a",{"b":2}]', True, True),
+    # arrays: no items past prefixItems when items is absent
+    ({"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}]}, '[1,"a"]', True, True),
+    ({"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}]}, '[1,"a",3]', False, True),
+    ({"type": "array", "prefixItems": [{"type": "integer"}], "items": True}, '[1,"a",3]', True, True),
+    ({"type": "array", "prefixItems": [{"type": "integer"}], "items": {"type": "integer"}}, '[1,3]', True, True),
+    ({"type": "array", "items": [{"type": "integer"}]}, '[1,2]', False, True),  # draft-4 tuple form
+    # $ref targets and allOf merges follow the same reading
+    ({"$defs": {"P": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+      "type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}}, '{"p":{"x":1,"q":2}}', False, True),
+    ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                {"properties": {"b": {"type": "integer"}}}]}, '{"a":1,"b":2}', True, True),
+])
+def test_strict_and_spec_readings(backend, strict, schema, text, strict_ok, spec_ok):
+    assert ok(strict, schema, text) == strict_ok
+    assert ok(backend, schema, text) == spec_ok

@@ -188,6 +188,7 @@ def test_engine_batch_equals_solo_bitwise(tiny_model_dir):
         assert not bad, f"{name}: {len(bad)} of {len(work)} requests differ from their solo run, e.g. #{bad[0]}"
 
 
+@pytest.mark.slow
 def test_engine_300_requests_under_retraction_equal_solo(tiny_model_dir):
     """The stress shape (300 requests, a pool 1.3x the longest request, so prefixes are evicted and
     running requests retracted and recomputed) in bf16: tokens and logprobs equal the solo runs."""

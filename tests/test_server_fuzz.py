@@ -3,6 +3,7 @@
 Bounded: a few hundred generated requests (valid and invalid by the schema) over every route,
 against the FakeEngine with a short context so each case stays cheap.
 """
+import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -24,14 +25,27 @@ def test_schema_covers_the_api():
         assert p in paths
 
 
-@settings(max_examples=300, deadline=None, database=None, derandomize=True,
-          suppress_health_check=list(HealthCheck))
-@given(case=CASES)
-def test_fuzz_no_server_errors(case):
+def _no_server_error(case):
     response = case.call()
     assert response.status_code < 500, (case.method, case.path, case.body, response.text[:500])
     if response.status_code >= 400:
         assert "error" in response.json()
+
+
+@settings(max_examples=60, deadline=None, database=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(case=CASES)
+def test_fuzz_no_server_errors(case):
+    """Fast tier: 60 derandomized cases over every route (positive and negative)."""
+    _no_server_error(case)
+
+
+@pytest.mark.slow
+@settings(max_examples=300, deadline=None, database=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(case=CASES)
+def test_fuzz_no_server_errors_300(case):
+    _no_server_error(case)
 
 
 def test_idle_after_fuzzing():

@@ -14,7 +14,6 @@ MSG = [{"role": "user", "content": "hi"}]
 CHAT, COMP, GEN = "/v1/chat/completions", "/v1/completions", "/generate"
 
 BAD = [  # (route, body, field that must be named)
-    (CHAT, {"model": "gpt-9", "messages": MSG}, "model"),
     (CHAT, {"messages": []}, "messages"),
     (CHAT, {}, "messages"),
     (CHAT, {"messages": MSG, "max_tokens": 0}, "max_tokens"),
@@ -67,6 +66,14 @@ BAD = [  # (route, body, field that must be named)
 def server():
     with ServerThread(FakeEngine(context_length=512, step_delay=0.002)) as srv:
         yield srv
+
+
+def test_unknown_model_is_404_model_not_found(server):  # OpenAI's status and code (issue 13)
+    r = httpx.post(server.url + CHAT, json={"model": "gpt-9", "messages": MSG}, timeout=10)
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert err["code"] == "model_not_found" and err["param"] == "model" and "gpt-9" in err["message"]
+    assert "fake-model" in err["message"] and "/models" not in err["message"]  # served names, no path
 
 
 @pytest.mark.parametrize("route,body,field", BAD, ids=[f"{r}:{f}" for r, _, f in BAD])

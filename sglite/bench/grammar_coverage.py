@@ -16,11 +16,12 @@ from sglite.errors import GrammarError
 BYTE_VOCAB = [bytes([b]) for b in range(256)] + [None]  # id 256 = EOS
 
 
-def byte_backend():
-    """A GrammarBackend over a 256-token byte vocabulary (EOS = 256)."""
+def byte_backend(json_schema_strict: bool = False):
+    """A GrammarBackend over a 256-token byte vocabulary (EOS = 256). JSON Schemas read as the
+    specification does by default (what conformance suites measure), strictly with ``True``."""
     from sglite.constrained import GrammarBackend, TokenizerInfo
 
-    return GrammarBackend(TokenizerInfo(list(BYTE_VOCAB), {256}))
+    return GrammarBackend(TokenizerInfo(list(BYTE_VOCAB), {256}), json_schema_strict=json_schema_strict)
 
 
 def canonical_instance(schema, inst, root=None, depth=0):

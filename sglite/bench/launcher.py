@@ -31,17 +31,19 @@ class LaunchedServer:
         server_args: flags of ``sglite serve`` (no ``--host``/``--port``).
         mode: ``subprocess`` or ``thread``.
         startup_timeout: seconds to wait for ``GET /health`` to answer 200.
+        port: the subprocess's port (default: a free one).
     Raises:
         ValueError: unknown ``mode``.
         RuntimeError: the server exited or did not become healthy in time (the subprocess log
             tail is in the message).
     """
 
-    def __init__(self, server_args: Sequence[str] = (), mode: str = "subprocess", startup_timeout: float = 900.0):
+    def __init__(self, server_args: Sequence[str] = (), mode: str = "subprocess", startup_timeout: float = 900.0,
+                 port: Optional[int] = None):
         if mode not in MODES:
             raise ValueError(f"launch_mode: must be one of {MODES}, got {mode!r}")
         self.server_args, self.mode, self.startup_timeout = list(server_args), mode, startup_timeout
-        self.url = ""
+        self.url, self.port = "", port
         self._proc: Optional[subprocess.Popen] = None
         self._log = None
         self._thread = None
@@ -73,7 +75,7 @@ class LaunchedServer:
     def _start_subprocess(self) -> None:
         from sglite.server.runner import free_port
 
-        port = free_port()
+        port = self.port or free_port()
         self.url = f"http://127.0.0.1:{port}"
         self._log = tempfile.NamedTemporaryFile("w+b", prefix="sglite-bench-server-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "sglite.launch_server", *self.server_args, "--host", "127.0.0.1",

@@ -24,7 +24,7 @@ def _choices_rules(spec) -> dict:
     return {"root": A.alt(*[A.lit(c) for c in spec])}
 
 
-def build_rules(kind: str, spec, whitespace_pattern: str | None) -> tuple[dict, str]:
+def build_rules(kind: str, spec, whitespace_pattern: str | None, json_schema_strict: bool = True) -> tuple[dict, str]:
     """Front ends: spec → (rules, root). Raises GrammarError for unknown kinds or bad specs."""
     if kind == "regex":
         return {"root": parse_regex(spec)}, "root"
@@ -33,7 +33,7 @@ def build_rules(kind: str, spec, whitespace_pattern: str | None) -> tuple[dict, 
     if kind in ("json_schema", "json_object"):
         mod = importlib.import_module(".json_schema", __package__)
         schema = {"type": "object"} if kind == "json_object" else spec
-        return mod.schema_to_rules(schema, whitespace_pattern=whitespace_pattern), "root"
+        return mod.schema_to_rules(schema, whitespace_pattern=whitespace_pattern, strict=json_schema_strict), "root"
     if kind == "ebnf":
         return importlib.import_module(".ebnf", __package__).ebnf_to_rules(spec)
     if kind == "lark":
@@ -48,14 +48,18 @@ class GrammarBackend(GrammarBackendProtocol):
         tokenizer_info: the model's vocabulary (:class:`TokenizerInfo`).
         whitespace_pattern: regex for the whitespace JSON Schema grammars allow between tokens
             (default None: compact JSON, no whitespace; see :mod:`.json_schema`).
+        json_schema_strict: JSON Schema objects / tuple arrays that do not say
+            ``additionalProperties`` / ``items`` are closed (default True, XGrammar's default; see
+            :func:`~sglite.constrained.json_schema.schema_to_rules`); False: the spec's open reading.
         max_cache: compiled grammars kept (LRU).
         max_workers: threads of the compile pool.
     """
 
     def __init__(self, tokenizer_info: TokenizerInfo, *, whitespace_pattern: str | None = None,
-                 max_cache: int = 256, max_workers: int = 2):
+                 json_schema_strict: bool = True, max_cache: int = 256, max_workers: int = 2):
         self.info = tokenizer_info
         self.whitespace_pattern = whitespace_pattern
+        self.json_schema_strict = json_schema_strict
         self._cache = GrammarCache(max_cache)
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="sglite-grammar")
 
@@ -69,7 +73,7 @@ class GrammarBackend(GrammarBackendProtocol):
                 spec = json.loads(spec)
             except json.JSONDecodeError as e:
                 raise GrammarError(f"json_schema is not valid JSON: {e}") from None
-        rules, root = build_rules(kind, spec, self.whitespace_pattern)
+        rules, root = build_rules(kind, spec, self.whitespace_pattern, self.json_schema_strict)
         return CompiledGrammar(Automaton(rules, root), self.info, kind, spec)
 
     def compile_async(self, kind: str, spec) -> Future:

@@ -27,7 +27,8 @@ DEAD = 0
 class LazyDFA:
     """Deterministic view of ``nfa`` from ``start`` with accepting NFA state ``final``.
 
-    Attributes (numpy, grown on demand): ``trans`` int32 [cap, 256]; ``expanded``/``acc``/``has_call``
+    Attributes (numpy, grown on demand): ``trans`` int32 [rows, 256] (rows cover every expanded state;
+    read a state's row only after :meth:`expand`); ``expanded``/``acc``/``has_call``
     bool [cap]; ``has_edges`` bool [cap]. Not thread-safe: expand from one thread at a time (the matcher's thread).
     """
 
@@ -54,6 +55,12 @@ class LazyDFA:
         self.has_call = np.zeros(cap, dtype=bool)
         self.has_edges = np.zeros(cap, dtype=bool)
         self._calls: dict[int, list] = {}
+        self._edge_states = frozenset(i for i, es in enumerate(nfa.edges) if es)
+        self._call_states = frozenset(i for i, cs in enumerate(nfa.calls) if cs)
+        self._fresh = False  # set when a step enters a counted region (a count starts at 0)
+        self._partial: dict[tuple, int] = {}  # (state, byte class) -> state, rows not yet expanded
+        self._shapes: dict[int, object] = {}  # state -> (relative members, base) or None
+        self._shape_steps: dict[tuple, tuple] = {}  # (relative members, class) -> (relative result,) / ()
         self._state(frozenset())
         self.expanded[DEAD] = True
         seed = (start, (0,)) if start in nfa.entries else start
@@ -82,6 +89,7 @@ class LazyDFA:
                 e = entries.get(t)
                 if e is not None and not counters[e].start <= s < counters[e].stop:
                     base = base + (0,)  # entering an inner (or next) region
+                    self._fresh = True
                 out.append((t, base) if base else t)
             else:
                 out.append(None)
@@ -104,6 +112,7 @@ class LazyDFA:
                     if t not in seen:
                         seen.add(t)  # an entry state never occurs as a plain configuration
                         if t in entries:
+                            self._fresh = True
                             t = (t, (0,))
                             if t not in seen:
                                 seen.add(t)
@@ -172,29 +181,23 @@ class LazyDFA:
         self.sets.append(members)
         self.index[members] = sid
         self.acc[sid] = self.final in members
-        bases = (m if type(m) is int else m[0] for m in members) if self.counted else members
-        self.has_edges[sid] = any(self.nfa.edges[s] for s in bases)
+        bases = {m if type(m) is int else m[0] for m in members} if self.counted else members
+        self.has_edges[sid] = not self._edge_states.isdisjoint(bases)
         if self.any_call:
-            bases = (m if type(m) is int else m[0] for m in members) if self.counted else members
-            self.has_call[sid] = any(self.nfa.calls[s] for s in bases)
+            self.has_call[sid] = not self._call_states.isdisjoint(bases)
         return sid
 
     def _grow(self):
         cap = len(self.expanded) * 2
-        trans = np.zeros((cap, 256), dtype=np.int32)
-        trans[: len(self.trans)] = self.trans
-        self.trans = trans
         for name in ("expanded", "acc", "has_call", "has_edges"):
             old = getattr(self, name)
             new = np.zeros(cap, dtype=bool)
             new[: len(old)] = old
             setattr(self, name, new)
 
-    def expand(self, sid: int) -> None:
-        """Fill row ``sid`` of ``trans`` (may create and append new states)."""
-        if self.expanded[sid]:
-            return
-        targets: list[list[int]] = [[] for _ in range(self.n_classes)]
+    def _targets(self, sid: int) -> list:
+        """Per byte class, the NFA configurations reached from state ``sid``."""
+        targets: list[list] = [[] for _ in range(self.n_classes)]
         cls = self.byte_class
         if self.counted:
             entries = self.nfa.entries
@@ -216,19 +219,138 @@ class LazyDFA:
                 for lo, hi, t in self.nfa.edges[s]:
                     for c in range(cls[lo], cls[hi] + 1):
                         targets[c].append(t)
+        return targets
+
+    def _byte_targets(self, sid: int, byte: int) -> list:
+        """The NFA configurations reached from state ``sid`` by ``byte`` (one class of ``_targets``)."""
+        out: list = []
+        nfa = self.nfa
+        if self.counted:
+            entries = nfa.entries
+            for cfg in self.sets[sid]:
+                if type(cfg) is int:
+                    for lo, hi, t in nfa.edges[cfg]:
+                        if lo <= byte <= hi:
+                            if t in entries:
+                                self._fresh = True
+                            out.append((t, (0,)) if t in entries else t)
+                    continue
+                s, ks = cfg
+                ts = [t for lo, hi, t in nfa.edges[s] if lo <= byte <= hi]
+                if ts:
+                    out.extend(n for n in self._moves(s, ks, ts) if n is not None)
+        else:
+            for s in self.sets[sid]:
+                for lo, hi, t in nfa.edges[s]:
+                    if lo <= byte <= hi:
+                        out.append(t)
+        return out
+
+    def expand(self, sid: int) -> None:
+        """Fill row ``sid`` of ``trans`` (may create and append new states)."""
+        if self.expanded[sid]:
+            return
         row = np.zeros(self.n_classes, dtype=np.int32)
-        for c, ts in enumerate(targets):
+        for c, ts in enumerate(self._targets(sid)):
             if ts:
-                row[c] = self._state(self.closure(ts))
-        self.trans[sid] = row[cls]
+                hit = self._partial.get((sid, c))
+                row[c] = hit if hit is not None else self._state(self.closure(ts))
+        if sid >= len(self.trans):  # rows exist up to the largest expanded state only: states a
+            trans = np.zeros((max(2 * len(self.trans), sid + 1), 256), dtype=np.int32)  # text walk
+            trans[: len(self.trans)] = self.trans  # passes through cost no row
+            self.trans = trans
+        self.trans[sid] = row[self.byte_class]
         self.expanded[sid] = True
 
     # -- queries --------------------------------------------------------------------------------
     def step(self, sid: int, byte: int) -> int:
         """Next state after ``byte`` (DEAD if none)."""
-        if not self.expanded[sid]:
-            self.expand(sid)
-        return int(self.trans[sid, byte])
+        if self.expanded[sid]:
+            return int(self.trans[sid, byte])
+        # one class only: walking text through fresh states (e.g. a long counted string) must not
+        # pay for every byte class of every state it passes
+        c = int(self.byte_class[byte])
+        key = (sid, c)
+        t = self._partial.get(key)
+        if t is None:
+            shape = self._shape(sid) if self.counted else None
+            if shape is not None:
+                t = self._shifted_step(shape, c, byte)
+            else:
+                ts = self._byte_targets(sid, byte)
+                t = self._state(self.closure(ts)) if ts else DEAD
+            self._partial[key] = t
+        return t
+
+    def _shape(self, sid: int):
+        """``(members with counts relative to their minimum, minimum)`` when state ``sid``'s step
+        is translation-invariant in its counts, else None.
+
+        That holds when every counted configuration sits in one region (no nesting) whose counter
+        has no ``viable`` test, has reached ``lo`` and is at least 2 below ``hi``, and the step
+        enters no region afresh (checked when the step is first built): then counts only meet
+        ``+1`` and comparisons with each other, so states differing only by a common shift of
+        their counts step to states differing by the same shift (one subset construction per
+        shape, not one per count of a long bounded string).
+        """
+        hit = self._shapes.get(sid, False)
+        if hit is False:
+            hit = self._shapes[sid] = self._make_shape(self.sets[sid])
+        return hit
+
+    def _make_shape(self, members):
+        nfa, base = self.nfa, None
+        for cfg in members:
+            if type(cfg) is int:
+                continue
+            s, ks = cfg
+            c = nfa.counters[nfa.owner[s]]
+            k = ks[0]
+            if len(ks) != 1 or c.viable is not None or c.hi < 0 or k < c.lo or k < 2 or k + 2 > c.hi:
+                return None
+            base = k if base is None or k < base else base
+        if base is None:
+            return None
+        return frozenset(m if type(m) is int else (m[0], (m[1][0] - base,)) for m in members), base
+
+    def _shifted_step(self, shape, c: int, byte: int) -> int:
+        rel, base = shape
+        key = (rel, c)
+        hit = self._shape_steps.get(key)
+        if hit is None:  # first state of this shape: the real construction, kept relative if it can be
+            self._fresh = False
+            ts = self._byte_targets(self.index_of(rel, base), byte)
+            members = self.closure(ts) if ts else None
+            if members is None:
+                hit = ()
+            elif self._fresh:  # a count started at 0 does not shift with the others
+                return self._state(members)
+            else:
+                nxt = self._make_shape(members)
+                hit = ((frozenset(m if type(m) is int else (m[0], (m[1][0] - base,)) for m in members),)
+                       + ((nxt[0], nxt[1] - base) if nxt is not None else (None, 0)))
+            self._shape_steps[key] = hit
+        if not hit:
+            return DEAD
+        t = self.index_of(hit[0], base)
+        if hit[1] is not None and t not in self._shapes:  # the next step's shape, known already
+            b = base + hit[2]
+            self._shapes[t] = self._valid_shift(hit[1], b)
+        return t
+
+    def _valid_shift(self, rel: frozenset, base: int):
+        """``(rel, base)`` if shifting ``rel`` by ``base`` keeps every count in the invariant range."""
+        nfa = self.nfa
+        for m in rel:
+            if type(m) is not int:
+                c, k = nfa.counters[nfa.owner[m[0]]], m[1][0] + base
+                if k < c.lo or k < 2 or k + 2 > c.hi:
+                    return None
+        return rel, base
+
+    def index_of(self, rel: frozenset, base: int) -> int:
+        """State id of relative members ``rel`` shifted by ``base`` (created if new)."""
+        return self._state(frozenset(m if type(m) is int else (m[0], (m[1][0] + base,)) for m in rel))
 
     def calls(self, sid: int) -> list:
         """``[(rule_name, resume_state)]`` call edges leaving state ``sid``."""

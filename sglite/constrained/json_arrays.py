@@ -13,9 +13,10 @@ def array_node(conv, s: dict, path: str):
     """AST for an array schema ``s`` (``conv`` is the json_schema converter)."""
     if s.get("uniqueItems") is True:
         raise GrammarError(f"{path}/uniqueItems: keyword 'uniqueItems' is not supported")
-    prefix, items = s.get("prefixItems"), s.get("items", True)
+    prefix = s.get("prefixItems")
+    items = s.get("items", not (conv.strict and prefix is not None))  # strict: no items past prefixItems
     if isinstance(items, list):  # draft 4-2019 tuple form
-        prefix, items = items, s.get("additionalItems", True)
+        prefix, items = items, s.get("additionalItems", not conv.strict)
     prefix = list(prefix or [])
     lo, hi = J.count_keyword(s, "minItems", path) or 0, J.count_keyword(s, "maxItems", path)
     hi = -1 if hi is None else hi

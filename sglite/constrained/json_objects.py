@@ -69,8 +69,18 @@ def _pattern_members(conv, dfas: list, addl, names: list, path: str):
     return A.alt(*out) if out else None
 
 
+def additional(conv, s: dict):
+    """The schema of keys ``s`` does not name: ``additionalProperties``, else closed (False) when
+    the converter is strict and ``s`` names properties, else True (the specification's default)."""
+    if "additionalProperties" in s:
+        return s["additionalProperties"]
+    if conv.strict and any(k in s for k in ("properties", "patternProperties", "required")):
+        return False
+    return True
+
+
 def _extra(conv, s: dict, names: list, path: str):
-    addl = s.get("additionalProperties", True)
+    addl = additional(conv, s)
     pats = s.get("patternProperties") or {}
     every = _match_all(s)
     if every:  # additionalProperties never applies; every value satisfies all the pattern schemas
@@ -95,7 +105,7 @@ def object_node(conv, s: dict, path: str):
     min_props = s.get("minProperties", 0)
     if min_props > max(len(set(required)), 1):
         raise GrammarError(f"{path}/minProperties: keyword 'minProperties' beyond the required count is not supported")
-    addl = s.get("additionalProperties", True)
+    addl = additional(conv, s)
     every = _match_all(s)
     dfas = pattern_dfas(s, path) if s.get("patternProperties") and not every else []
 
@@ -112,8 +122,8 @@ def object_node(conv, s: dict, path: str):
             m = matched(name)
             if m:
                 value = conv.node({"allOf": m} if len(m) > 1 else m[0], f"{path}/patternProperties")
-            else:
-                value = conv.node(addl, f"{path}/additionalProperties")
+            else:  # the schema names this key, so strictness does not close it
+                value = conv.node(s.get("additionalProperties", True), f"{path}/additionalProperties")
             decl.append((name, value, True))
     for name, value, req in decl:
         if req and value == A.NOTHING:

@@ -46,17 +46,25 @@ def _type_ok(value, types) -> bool:
     return kind in types
 
 
-def schema_to_rules(schema, *, whitespace_pattern: str | None = None) -> dict:
-    """Rules for ``schema`` with start rule ``"root"``. Raises GrammarError (message has the JSON path)."""
+def schema_to_rules(schema, *, whitespace_pattern: str | None = None, strict: bool = True) -> dict:
+    """Rules for ``schema`` with start rule ``"root"``. Raises GrammarError (message has the JSON path).
+
+    ``strict`` (XGrammar's default ``strict_mode``, llguidance's strict reading): an object schema
+    that names properties (``properties``, ``patternProperties`` or ``required``) but does not say
+    ``additionalProperties`` admits no other key, and an array with ``prefixItems`` (or draft-4
+    tuple ``items``) but no ``items`` / ``additionalItems`` admits no further item. A bare
+    ``{"type": "object"}`` / ``{"type": "array"}`` stays any object / array, as in XGrammar.
+    ``strict=False`` is the specification's reading (unnamed members allowed).
+    """
     ws = parse_regex(DEFAULT_WS if whitespace_pattern is None else whitespace_pattern)
-    return _Converter(schema, ws).run()
+    return _Converter(schema, ws, strict).run()
 
 
 class _Converter:
-    def __init__(self, root, ws):
+    def __init__(self, root, ws, strict: bool = True):
         if not isinstance(root, (dict, bool)):
             raise GrammarError(f"json_schema must be an object or a boolean, got {type(root).__name__}")
-        self.root, self.ws = root, ws
+        self.root, self.ws, self.strict = root, ws, strict
         self.rules: dict = {}
         self.sep = A.seq(ws, A.lit(","), ws)
         self.colon = A.seq(ws, A.lit(":"), ws)
@@ -175,7 +183,7 @@ class _Converter:
         from .grammar import Automaton
         from .tokenizer_info import TokenizerInfo
 
-        conv = _Converter(self.root, A.EMPTY)
+        conv = _Converter(self.root, A.EMPTY, self.strict)
         conv.rules["root"] = conv.node(rest, path)
         conv._any_rules()
         g = CompiledGrammar(Automaton(conv.rules, "root"), TokenizerInfo([b"x"], set()))

@@ -23,6 +23,7 @@ from ..config import EngineConfig
 from ..errors import InvalidRequestError
 from ..runtime.kv_pool import ReqToTokenPool, TokenToKVPool
 from ..runtime.models.llama import LlamaArch
+from ..runtime.quant_loader import resolve_quantization as _resolve_q
 from .parallel_state import TPLayout
 from .tp_worker import BIG, compact_batch, worker_main
 
@@ -92,6 +93,10 @@ class TPRunnerClient:
             raise InvalidRequestError(f"node_rank={config.node_rank}: the engine (scheduler) runs on node 0; "
                                       "start the other nodes' workers with `sglite serve --node-rank k`",
                                       field="node_rank")
+        q = config.quantization
+        if q not in (None, "none", "auto") or (q == "auto" and _resolve_q(q, checkpoint) not in (None, "gguf")):
+            raise InvalidRequestError(f"quantization={q!r}: tensor parallelism runs dense weights (use "
+                                      "quantization=none; a .gguf model is dequantized)", field="quantization")
         hf = checkpoint.hf_config
         self.arch = arch = LlamaArch.from_hf_config(hf)
         self.tp_size = tp = config.tp_size

@@ -83,7 +83,7 @@ def worker_main(config_dict: dict, tp_rank: int, addr: str, log_level: str = "in
     if status == 0:
         try:
             local_cfg = dataclasses.replace(cfg, max_total_tokens=tokens, device=device, tp_size=1, nnodes=1,
-                                            node_rank=0, dist_init_addr=None)
+                                            node_rank=0, dist_init_addr=None, quantization="none")
             runner = ModelRunner(local_cfg, hf_local, sd)
             runner.model.tp = TPComm(layout, group)
             del sd

@@ -55,8 +55,9 @@ from .engine_loop import EngineLoop
 from .engine_requests import RequestBuilder
 from .engine_stream import BatchView, OutputAccumulator, sync_stream
 from .logprob_options import LogprobOptions
-from .model_loader import load_checkpoint, load_state_dict
+from .model_loader import load_checkpoint
 from .model_runner import ModelRunner, resolve_device, resolve_dtype
+from .quant_loader import load_weights
 from .scheduler import Scheduler
 from .tokenizer import Tokenizer
 
@@ -95,7 +96,7 @@ class Engine:
                 self.runner = TPRunnerClient(cfg, ckpt)
         else:
             with timer.phase("weights"):
-                sd = load_state_dict(ckpt, resolve_dtype(cfg.dtype, device), device)
+                sd = load_weights(ckpt, cfg.quantization, resolve_dtype(cfg.dtype, device), device)
             # ModelRunner builds the model, probes the decode GEMV path, allocates the KV pool and
             # builds (or loads) the C++ attention kernel; it logs the KV pool size itself.
             with timer.phase("model, kernel build/probe, KV pool"):

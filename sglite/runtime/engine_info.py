@@ -25,11 +25,12 @@ def server_info(config, runner, scheduler) -> dict:
 
 def model_info(checkpoint, runner, tokenizer) -> dict:
     """Model facts clients need: ``model_path`` (as given), ``context_length`` (tokens),
-    ``vocab_size``, ``eos_token_ids``, ``role_markers``, ``end_of_turn``, ``default_system_prompt``,
-    ``dtype``, ``device``."""
+    ``vocab_size``, ``eos_token_ids``, ``bos_token_id`` (None when the tokenizer has none),
+    ``role_markers``, ``end_of_turn``, ``default_system_prompt``, ``dtype``, ``device``."""
     tk = tokenizer
     return {"model_path": checkpoint.source, "context_length": runner.context_length,
             "vocab_size": runner.vocab_size, "eos_token_ids": sorted(tk.eos_token_ids),
+            "bos_token_id": getattr(tk.hf, "bos_token_id", None),
             "role_markers": {k: list(v) for k, v in tk.role_markers().items()},
             "end_of_turn": tk.end_of_turn, "default_system_prompt": tk.default_system_prompt,
             "dtype": str(runner.dtype).replace("torch.", ""), "device": runner.device}

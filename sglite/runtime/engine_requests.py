@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from ..config import EngineConfig
-from ..errors import CapacityError, InvalidRequestError
+from ..errors import CapacityError, InvalidRequestError, context_length_message
 from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
 from .engine_protocol import item_rid, sample_rid, sample_seed
@@ -84,7 +84,8 @@ class RequestBuilder:
                 from ..constrained import GrammarBackend, TokenizerInfo
                 info = TokenizerInfo.from_hf(self.tokenizer.hf, self.runner.vocab_size, eos)
                 self._grammar = GrammarBackend(
-                    info, whitespace_pattern=self.config.constrained_json_whitespace_pattern)
+                    info, whitespace_pattern=self.config.constrained_json_whitespace_pattern,
+                    json_schema_strict=self.config.json_schema_strict)
             else:
                 from ..constrained.external import make_backend
                 self._grammar = make_backend(name, self.tokenizer.hf, self.runner.vocab_size, eos)
@@ -131,10 +132,9 @@ class RequestBuilder:
         if not ids:
             raise InvalidRequestError("text: the prompt is empty (0 tokens)", field="text")
         if len(ids) >= ctx:
-            raise CapacityError(f"prompt: {len(ids)} tokens, the context length is {ctx}", field="prompt")
+            raise CapacityError(context_length_message(len(ids), ctx), field="prompt")
         if len(ids) + sp.max_new_tokens > ctx:
-            raise CapacityError(f"max_new_tokens: prompt ({len(ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) "
-                                f"exceeds the context length {ctx}", field="max_new_tokens")
+            raise CapacityError(context_length_message(len(ids), ctx, sp.max_new_tokens), field="max_new_tokens")
         if len(ids) + sp.max_new_tokens > cap - 2 * self.config.page_size:
             raise CapacityError(f"max_new_tokens: prompt + max_new_tokens ({len(ids) + sp.max_new_tokens}) exceeds "
                                 f"the KV pool ({cap} tokens)", field="max_new_tokens")

@@ -53,7 +53,8 @@ class ForwardBatch:
         ext_rows, ext_pre, ext_len, dec_rows, dec_lens = [], [], [], [], []
         for e in plan.entries:
             r, start, n = e.req, e.start, e.n
-            ids.extend(r.tokens(start, start + n))
+            ids.extend(r.tokens(start, start + n - len(e.draft)))
+            ids.extend(e.draft)  # speculative draft tokens (not in the sequence yet)
             pos.extend(range(start, start + n))
             locs.append(req_to_token[r.kv.row, start:start + n])
             if e.decode_rows:  # one decode-attention row per token, each seeing the tokens up to itself

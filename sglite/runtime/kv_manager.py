@@ -9,6 +9,8 @@ are reserved (``alloc_len - kv_len`` of them for the step being run). Only this 
     admit(req, n)          waiting -> running: take a row, reuse the cached prefix, reserve n slots
     extend(req, n)         reserve n more slots for the next step (evicting cached KV if needed)
     commit(req, n)         after the forward: n reserved slots now hold K/V (cache_unfinished if n > 1)
+    reserve_more(req, n)   reserve n more slots past alloc_len (speculative drafts), free pages only
+    trim(req)              free the reserved slots past kv_len (rejected drafts)
     release(req)           finished / aborted / retracted: KV to the tree (whole pages) or freed,
                            row returned, state reset in one assignment
     cache_unfinished(req)  insert a running request's computed prefix into the tree and lock it
@@ -116,14 +118,44 @@ class KVManager:
         kv.alloc_len = kv.kv_len + n
         return True
 
-    def commit(self, req, n: int) -> None:
+    def commit(self, req, n: int, share: bool = True) -> None:
         """The step computed K/V of ``n`` reserved tokens; a multi-token extend (prefill chunk) is
-        then shared through the tree at once (:meth:`cache_unfinished`)."""
+        then shared through the tree at once (:meth:`cache_unfinished`) unless ``share`` is False
+        (speculative verify steps: accepted tokens enter the tree when the request ends)."""
         kv = req.kv
         assert kv.kv_len + n <= kv.alloc_len, f"request {req.rid}: commit past its reserved slots"
         kv.kv_len += n
-        if n > 1:
+        if n > 1 and share:
             self.cache_unfinished(req)
+
+    def reserve_more(self, req, n: int) -> bool:
+        """Reserve ``n`` slots past ``req.kv.alloc_len`` (speculative draft tokens) from free pages
+        only (nothing cached is evicted for a guess). Returns False with nothing reserved when the
+        pool is short."""
+        kv = req.kv
+        if n <= 0:
+            return n == 0
+        if kv.alloc_len + n > self.req_pool.max_context:
+            return False
+        if self.kv_pool.free_tokens() < self.kv_pool.tokens_needed(kv.alloc_len, n):
+            return False
+        last = int(self.req_pool.req_to_token[kv.row, kv.alloc_len - 1]) if kv.alloc_len else None
+        slots = self.kv_pool.alloc_extend(last, kv.alloc_len, n)
+        if slots is None:
+            return False
+        self.req_pool.req_to_token[kv.row, kv.alloc_len:kv.alloc_len + n] = slots.to(torch.int32)
+        kv.alloc_len += n
+        return True
+
+    def trim(self, req) -> None:
+        """Give back the slots reserved past ``req.kv.kv_len`` (rejected draft tokens) at once:
+        whole pages to the pool (a partly used last page stays with the request and is refilled by
+        the next :meth:`extend`). The tree never sees them."""
+        kv = req.kv
+        keep = -(-kv.kv_len // self.page_size) * self.page_size
+        if kv.alloc_len > keep:
+            self.kv_pool.free(self.req_pool.req_to_token[kv.row, keep:kv.alloc_len].long())
+        kv.alloc_len = kv.kv_len
 
     def release(self, req) -> None:
         """Give a request's computed whole pages to the radix tree (or free them), free the rest

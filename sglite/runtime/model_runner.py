@@ -119,7 +119,7 @@ class ModelRunner:
         deterministic = bool(config.enable_deterministic_inference)
         if (cpu_bf16 and config.cpu_decode_gemv in ("auto", "cpp")) or (deterministic and self.device == "cpu"):
             self.model.pack_hugepages()  # what the C++ kernels read fastest: probe and run on it
-        probe = [lw.weight for lw in self.model.linear_weights()[:-1]]
+        probe = [lw.weight for lw in self.model.linear_weights()[:-1] if isinstance(lw, kernels.LinearWeight)]
         impl = kernels.choose_impl(config.cpu_decode_gemv, self.dtype, self.device, probe, deterministic)
         self.model.use_linear_impl(impl)
         if impl == "invariant":

@@ -80,8 +80,10 @@ class OutputProcessor:
             return FinishReason("length", length=p.max_new_tokens)
         return None
 
-    def append_token(self, r: Req, tok: int, logprobs: Optional[torch.Tensor]) -> Optional[FinishReason]:
-        """Process a sampled token (and any jump-forward that follows). Returns the finish reason."""
+    def append_token(self, r: Req, tok: int, logprobs: Optional[torch.Tensor],
+                     jump: bool = True) -> Optional[FinishReason]:
+        """Process a sampled token (and any jump-forward that follows, unless ``jump`` is False:
+        more accepted speculative tokens follow it). Returns the finish reason."""
         if logprobs is not None:
             r.output_token_logprobs.append(self._entry(float(logprobs[tok]), tok))
             if r.top_logprobs_num:
@@ -89,7 +91,7 @@ class OutputProcessor:
             if r.token_ids_logprob:
                 r.output_token_ids_logprobs.append([self._entry(float(logprobs[t]), t) for t in r.token_ids_logprob])
         reason = self._check(r, tok)
-        if reason is None and r.grammar is not None and self.enable_jump_forward and not r.return_logprob:
+        if reason is None and r.grammar is not None and self.enable_jump_forward and not r.return_logprob and jump:
             reason = self._jump_forward(r)
         if reason is None and r.stream:
             r.sink(self.event(r))
@@ -142,6 +144,8 @@ class OutputProcessor:
             "e2e_latency": now - r.arrival,
             "ttft": (r.first_token_time - r.arrival) if r.first_token_time else None,
         }
+        if r.spec is not None:  # speculative decoding: verify steps and accept lengths
+            meta.update(r.spec.meta())
         if r.return_logprob:
             names = ["input_token_logprobs", "output_token_logprobs"]
             if r.top_logprobs_num:

@@ -67,6 +67,7 @@ class Req:
     output_token_ids_logprobs: list = field(default_factory=list)
     input_token_ids_logprobs: list = field(default_factory=list)
     emitted: dict = field(default_factory=dict)  # output list name -> entries already sent in events
+    spec: Any = None  # speculative decoding state (sglite.runtime.speculative.SpecState) or None
 
     # the logprob options, as the scheduler and sampler read them
     @property

@@ -28,6 +28,7 @@ from .output import OutputProcessor
 from .req import FinishReason, Req
 from .sampler import SampleOutput, Sampler
 from .schedule_policy import order_waiting
+from .speculative.decoder import make_spec_decoder
 from .step_log import StepLogger
 from .step_plan import SMALL_EXTEND, StepEntry, StepPlan
 
@@ -54,6 +55,7 @@ class Scheduler:
         self.sampler = Sampler(runner.vocab_size, tokenizer.eos_token_ids, runner.device)
         self.out = OutputProcessor(tokenizer, config.enable_jump_forward)
         self.masks = MaskOverlap(self.sampler)
+        self.spec = make_spec_decoder(config, runner, self.kv, self.sampler, self.out)  # None: off
         self.small_extend = None if config.enable_deterministic_inference else SMALL_EXTEND
         self.step_log = StepLogger(config.decode_log_interval)
         self._decode_only_left = 0
@@ -65,7 +67,7 @@ class Scheduler:
     @property
     def stats(self) -> dict:
         """Counters since start (tokens, steps, requests, retractions, evicted tokens)."""
-        return {**self.counters, "evicted_tokens": self.kv.evicted_tokens}
+        return {**self.counters, "evicted_tokens": self.kv.evicted_tokens, **(self.spec.stats if self.spec else {})}
 
     # ------------------------------------------------------------------ queue API
     def add_request(self, req: Req) -> None:
@@ -97,6 +99,10 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def _end(self, req: Req, reason: FinishReason) -> None:
+        self.running.remove(req)
+        self._finish(req, reason)
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finished = reason
@@ -139,6 +145,8 @@ class Scheduler:
         else:
             self._decode_only_left = 0
             self._admit(entries)
+        if self.spec is not None:
+            self.spec.attach_drafts(entries)  # speculative drafts of decoding requests (KV reserved)
         if not entries:
             return None
         plan = StepPlan(entries, decode_only).layout(self.small_extend)
@@ -246,7 +254,8 @@ class Scheduler:
         append the sampled tokens (grammar, detokenizer, stop checks, jump-forward), finish."""
         for e in plan.entries:
             r = e.req
-            self.kv.commit(r, e.n)
+            if not e.draft:  # verify steps commit what was accepted (speculative.process)
+                self.kv.commit(r, e.n)
             if e.input_rows or (r.wants_input_logprobs() and r.logprob_start_len == 0):
                 self.out.record_input_logprobs(r, logits, e.input_rows)
         if sampled is not None:
@@ -255,13 +264,13 @@ class Scheduler:
                 lp = sampled.logprobs[i] if sampled.logprobs is not None and r.return_logprob else None
                 reason = self.out.append_token(r, tok, lp)
                 if reason is not None:
-                    self.running.remove(r)
-                    self._finish(r, reason)
+                    self._end(r, reason)
+        if plan.verifying:
+            self.counters["generated_tokens"] += self.spec.process(plan, logits, self._end)
         for e in plan.entries:  # prefill-only requests (max_new_tokens == 0)
             r = e.req
             if r.finished is None and r.params.max_new_tokens == 0 and not r.prefilling:
-                self.running.remove(r)
-                self._finish(r, FinishReason("length", length=0))
+                self._end(r, FinishReason("length", length=0))
 
     # ------------------------------------------------------------------ maintenance
     def flush_cache(self) -> bool:

@@ -29,6 +29,9 @@ class StepEntry:
         decode_rows: the n tokens run as decode-attention rows (each with its own causal length).
         sample_row: logits row sampled for the next token, or None (a non-final prefill chunk).
         input_rows: [(prompt position, logits row)] whose logprobs the request asked for.
+        draft: speculative draft tokens appended after the request's pending tokens (the last
+            ``len(draft)`` of the ``n``); the entry then has ``len(draft) + 1`` logits rows from
+            ``sample_row`` on, one per position from its last pending token (a verify step).
     """
 
     req: Req
@@ -37,10 +40,11 @@ class StepEntry:
     decode_rows: bool = False
     sample_row: Optional[int] = None
     input_rows: list[tuple[int, int]] = field(default_factory=list)
+    draft: tuple = ()
 
     @property
     def ends_sequence(self) -> bool:
-        return self.start + self.n == self.req.seq_len
+        return self.start + self.n - len(self.draft) == self.req.seq_len
 
 
 @dataclass
@@ -53,6 +57,8 @@ class StepPlan:
     #: masks' rows); set by :meth:`layout`
     sampling: list[StepEntry] = field(default_factory=list)
     sampling_reqs: list[Req] = field(default_factory=list)
+    #: entries with speculative drafts (verified by ``sglite.runtime.speculative``, not sampled)
+    verifying: list[StepEntry] = field(default_factory=list)
 
     @property
     def has_chunk(self) -> bool:
@@ -85,8 +91,9 @@ class StepPlan:
             e.sample_row = None
             if e.ends_sequence and r.params.max_new_tokens > 0 and r.finished is None:
                 e.sample_row = row
-                row += 1
-        self.sampling = [e for e in self.entries if e.sample_row is not None]
+                row += 1 + len(e.draft)
+        self.sampling = [e for e in self.entries if e.sample_row is not None and not e.draft]
+        self.verifying = [e for e in self.entries if e.sample_row is not None and e.draft]
         self.sampling_reqs = [e.req for e in self.sampling]
         return self
 
@@ -96,6 +103,6 @@ class StepPlan:
         for e in self.entries:
             out.extend(offset + p - 1 - e.start for p, _ in e.input_rows)
             if e.sample_row is not None:
-                out.append(offset + e.n - 1)
+                out.extend(range(offset + e.n - 1 - len(e.draft), offset + e.n))
             offset += e.n
         return out

@@ -131,6 +131,31 @@ class Tokenizer:
         """Raw vocabulary strings (e.g. ``'Ġthe'`` for byte-level BPE)."""
         return list(self.hf.convert_ids_to_tokens(list(ids)))
 
+    @cached_property
+    def _piece_reading(self) -> tuple[dict, bool]:
+        """(byte-level BPE decoder table, whether the vocabulary is byte-level), read once."""
+        from ..constrained.tokenizer_info import _byte_decoder
+
+        pieces = self.hf.convert_ids_to_tokens(list(range(len(self.hf))))
+        byte_level = sum(1 for p in pieces if p and "\u0120" in p) > 0.01 * max(len(pieces), 1)
+        return _byte_decoder(), byte_level
+
+    def id_to_bytes(self, token_id: int) -> bytes:
+        """Raw bytes of one token (OpenAI's logprob ``bytes``): a byte-level BPE piece's bytes, a
+        byte-fallback ``<0xNN>`` piece's byte, part of a UTF-8 character included; a special
+        token's text as UTF-8; ``b""`` for ids past the tokenizer."""
+        from ..constrained.tokenizer_info import _piece_bytes
+
+        if not 0 <= int(token_id) < len(self.hf):
+            return b""
+        piece = self.hf.convert_ids_to_tokens([int(token_id)])[0]
+        if piece is None:
+            return b""
+        if int(token_id) in self.special_token_ids:
+            return piece.encode("utf-8")
+        dec, byte_level = self._piece_reading
+        return _piece_bytes(piece, dec, byte_level) or b""
+
     def id_to_text(self, token_id: int) -> str:
         """Readable text of one token for logprob entries (special tokens kept; a partial UTF-8
         character shows as U+FFFD)."""

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..sampling_params import SamplingParams
-from ..errors import GrammarError, SgliteError
+from ..errors import CONTEXT_LENGTH_PREFIX, GrammarError, SgliteError
 
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -85,7 +85,8 @@ def from_value_error(exc: ValueError, rename: Optional[dict] = None, prefix: str
             field = rename[field]
         if field not in msg:
             msg = f"{field}: {msg}"
-    return ApiError(msg, 400, param=field)
+    code = "context_length_exceeded" if CONTEXT_LENGTH_PREFIX in msg else None
+    return ApiError(msg, 400, param=field, code=code)
 
 
 def _loc_to_param(loc: tuple) -> Optional[str]:
@@ -123,7 +124,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(SgliteError)
     async def _sglite(_: Request, exc: SgliteError) -> JSONResponse:
         e = from_value_error(exc) if isinstance(exc, ValueError) else ApiError(str(exc), 400)
-        return error_response(e.message, e.status, e.param)
+        return error_response(e.message, e.status, e.param, e.code)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -10,7 +10,7 @@ defaults to True is switched off by its ``--disable-…`` form (``enable_jump_fo
 ``--no-…`` forms.
 
 Flags of features that arrive with later issues (``--tp-size``, ``--dp-size``,
-``--quantization``, ``--kv-cache-dtype``, ``--speculative-*``) are known, so that using them
+``--kv-cache-dtype``, ``--speculative-eagle-topk``) are known, so that using them
 fails with "… is not supported yet" instead of being silently accepted; their default values
 (``--tp-size 1``, ``--kv-cache-dtype auto``) are accepted as no-ops.
 """
@@ -23,15 +23,17 @@ import re
 import sys
 from typing import Any, Iterable, Optional, Sequence
 
-from ..config import DTYPES, GRAMMAR_BACKENDS, SCHEDULE_POLICIES, EngineConfig
+from ..config import DTYPES, GRAMMAR_BACKENDS, SCHEDULE_POLICIES, SPECULATIVE_ALGORITHMS, EngineConfig
 
 CHOICES = {"dtype": DTYPES, "schedule_policy": SCHEDULE_POLICIES, "grammar_backend": GRAMMAR_BACKENDS,
            "cpu_decode_gemv": ("auto", "cpp", "fp16", "off"), "device": None,
-           "log_level": ("debug", "info", "warning", "error", "critical")}
+           "log_level": ("debug", "info", "warning", "error", "critical"),
+           "speculative_algorithm": SPECULATIVE_ALGORITHMS}
 # Extra spellings people type (SGLang's or vLLM's names of the same option).
 ALIASES = {"context_length": ("--max-model-len",)}
 # Default-True booleans: the flags that switch them off (SGLang's names where it has one).
-DISABLE_FLAGS = {"enable_jump_forward": ("--disable-jump-forward", "--disable-regex-jump-forward")}
+DISABLE_FLAGS = {"enable_jump_forward": ("--disable-jump-forward", "--disable-regex-jump-forward"),
+                 "json_schema_strict": ("--disable-json-schema-strict",)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,15 +47,10 @@ class Unsupported:
 
 
 UNSUPPORTED = (
-    Unsupported("--quantization", "quantization"),
     Unsupported("--kv-cache-dtype", "a KV cache dtype other than the model's", ("auto",)),
-    Unsupported("--speculative-algorithm", "speculative decoding"),
-    Unsupported("--speculative-draft-model-path", "speculative decoding"),
-    Unsupported("--speculative-num-steps", "speculative decoding"),
-    Unsupported("--speculative-eagle-topk", "speculative decoding"),
-    Unsupported("--speculative-num-draft-tokens", "speculative decoding"),
+    Unsupported("--speculative-eagle-topk", "EAGLE speculative decoding (NGRAM and STANDALONE are supported)"),
 )
-UNSUPPORTED_PREFIXES = {"--speculative-": "speculative decoding"}
+UNSUPPORTED_PREFIXES: dict = {}
 
 
 def flag_name(field: str) -> str:

@@ -3,7 +3,7 @@
 Gauges are read from ``engine.get_server_info()`` at scrape time (running and queued requests,
 KV usage, cache hit rate); histograms and counters are fed by the server as requests finish
 (TTFT, TPOT and end-to-end latency in seconds, prompt / generated / cached tokens, requests by
-finish reason). Names follow SGLang's ``sglang:*`` metrics with an ``sglite_`` prefix.
+finish reason, the speculative accept length per verify step). Names follow SGLang's ``sglang:*`` metrics with an ``sglite_`` prefix.
 """
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from prometheus_client.core import GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+_ACCEPT_BUCKETS = tuple(float(i) for i in range(1, 18))  # accept lengths 1..17 (16 drafts + bonus)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -74,6 +76,8 @@ class ServerMetrics:
                                 ["finish_reason"], registry=r)
         self.aborted = Counter("sglite_aborted_requests", "Engine requests aborted by the server "
                                "(client gone, abort_request)", registry=r)
+        self.spec_accept = Histogram("sglite_spec_accept_length", "Tokens produced per speculative verify "
+                                     "step (accepted draft tokens + 1)", buckets=_ACCEPT_BUCKETS, registry=r)
         self.http_requests = Counter("sglite_http_requests", "HTTP requests by route and status",
                                      ["route", "status"], registry=r)
         r.register(_EngineGauges(engine_info))
@@ -92,6 +96,9 @@ class ServerMetrics:
         self.e2e.observe(e2e)
         if ttft is not None and completion > 1 and e2e >= ttft:
             self.tpot.observe((e2e - ttft) / (completion - 1))
+        for accepted, steps in enumerate(meta.get("spec_accept_histogram") or ()):  # speculative decoding
+            for _ in range(steps):
+                self.spec_accept.observe(accepted + 1)
 
     def observe_http(self, route: str, status: int) -> None:
         self.http_requests.labels(route=route, status=str(status)).inc()

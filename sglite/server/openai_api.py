@@ -18,8 +18,9 @@ from fastapi.responses import JSONResponse
 from .engine_client import GenCall
 from .errors import ApiError, from_value_error
 from .openai_chat import add_chat_route
-from .openai_common import OpenAIContext, open_call, run_call
+from .openai_common import OpenAIContext, check_fields, open_call, run_call
 from .openai_format import completion_logprobs, finish_info, new_id, now, num_logprob_tokens, usage_of
+from ..errors import context_length_message
 from .openai_params import check_model, completion_prompts, make_call, sampling_params
 from .protocol import CompletionRequest
 from .sse import sse_event, sse_response
@@ -35,9 +36,10 @@ def _logprobs_k(req: CompletionRequest) -> int:
     return req.logprobs
 
 
-def _echo_texts(ctx: OpenAIContext, req: CompletionRequest, prompts: list[dict]) -> list[str]:
+def _echo_texts(ctx: OpenAIContext, req: CompletionRequest, prompts: list[dict]) -> list[Optional[str]]:
+    """Each prompt's text to echo, or None per prompt without ``echo``."""
     if not req.echo:
-        return ["" for _ in prompts]
+        return [None for _ in prompts]
     out = []
     for p in prompts:
         if "prompt" in p:
@@ -47,8 +49,9 @@ def _echo_texts(ctx: OpenAIContext, req: CompletionRequest, prompts: list[dict])
     return out
 
 
-def _prepare(ctx: OpenAIContext, req: CompletionRequest) -> tuple[GenCall, list[str], int, dict]:
-    check_model(req.model, ctx.names)
+def _prepare(ctx: OpenAIContext, req: CompletionRequest) -> tuple[GenCall, list[Optional[str]], int, dict]:
+    check_model(req.model, ctx.names, [ctx.model_name])
+    check_fields(req, "/v1/completions")
     if req.suffix:
         raise ApiError("suffix: not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -68,21 +71,23 @@ def _prepare(ctx: OpenAIContext, req: CompletionRequest) -> tuple[GenCall, list[
     longest = max((c for c in counts if c is not None), default=None)
     ctx_len = ctx.client.context_length
     if longest is not None and ctx_len and longest >= ctx_len:
-        raise ApiError(f"prompt: {longest} tokens exceed the context length ({ctx_len} tokens)", param="prompt")
-    sp, rename = sampling_params(req, req.max_tokens, "max_tokens", ctx.client, prompt_tokens=longest)
-    call = make_call(prompts, sp, req.n, req.rid or uuid.uuid4().hex, k)
+        raise ApiError(context_length_message(longest, ctx_len), param="prompt", code="context_length_exceeded")
+    sp, rename = sampling_params(req, req.max_tokens, "max_tokens", ctx.client, prompt_tokens=longest,
+                                 allow_zero=req.echo)
+    # echo + logprobs: the prompt tokens' logprobs too (how evaluation harnesses score text)
+    call = make_call(prompts, sp, req.n, req.rid or uuid.uuid4().hex, k, prompt_logprobs=req.echo)
     return call, _echo_texts(ctx, req, prompts), k, rename
 
 
-def _completion_choice(i: int, out: dict, echo: str, k: int) -> dict:
+def _completion_choice(i: int, out: dict, echo: Optional[str], k: int) -> dict:
     meta = out["meta_info"]
     fr, ms = finish_info(meta)
-    return {"index": i, "text": echo + out["text"],
-            "logprobs": completion_logprobs(meta, 0, None, len(echo)) if k >= 0 else None,
+    return {"index": i, "text": (echo or "") + out["text"],
+            "logprobs": completion_logprobs(meta, 0, None, 0, prompt=echo is not None) if k >= 0 else None,
             "finish_reason": fr, "matched_stop": ms}
 
 
-async def _completion_events(ctx, req: CompletionRequest, stream, echoes: list[str], k: int):
+async def _completion_events(ctx, req: CompletionRequest, stream, echoes: list[Optional[str]], k: int):
     """OpenAI chunks from the incremental engine stream (no re-diffing of cumulative text)."""
     rid, created, n = new_id("cmpl"), now(), req.n
     chars = [0] * stream.call.num_outputs  # characters of each choice sent so far (echo included)
@@ -95,13 +100,16 @@ async def _completion_events(ctx, req: CompletionRequest, stream, echoes: list[s
     async for i, out in stream:
         meta, delta = out["meta_info"], out["text"]
         fr, ms = finish_info(meta)
-        echo = "" if started[i] else echoes[i // n]
-        new_lp = k >= 0 and num_logprob_tokens(meta) > 0
+        first = not started[i]
+        echo = (echoes[i // n] or "") if first else ""
+        with_prompt = first and echoes[i // n] is not None
+        new_lp = k >= 0 and (num_logprob_tokens(meta, drop_stop_token=False) > 0
+                             or (with_prompt and bool(meta.get("input_token_logprobs"))))
         last[i] = out
         if not (delta or echo or new_lp or fr):
             continue
         started[i] = True
-        lp = completion_logprobs(meta, 0, None, chars[i] + len(echo)) if k >= 0 else None
+        lp = completion_logprobs(meta, 0, None, chars[i], prompt=with_prompt) if k >= 0 else None
         chars[i] += len(echo) + len(delta)
         yield chunk([{"index": i, "text": echo + delta, "logprobs": lp, "finish_reason": fr, "matched_stop": ms}])
     if req.stream_options is not None and req.stream_options.include_usage:

@@ -15,8 +15,9 @@ from typing import Optional
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from ..errors import context_length_message
 from .errors import ApiError
-from .openai_common import open_call, run_call
+from .openai_common import check_fields, open_call, run_call
 from .openai_format import chat_logprobs, finish_info, new_id, now, num_logprob_tokens, usage_of
 from .openai_params import chat_messages, check_model, make_call, sampling_params
 from .protocol import ChatCompletionRequest
@@ -50,7 +51,8 @@ def _prompt(ctx, req: ChatCompletionRequest, plan: ToolPlan) -> str:
 
 
 def _prepare(ctx, req: ChatCompletionRequest):
-    check_model(req.model, ctx.names)
+    check_model(req.model, ctx.names, [ctx.model_name])
+    check_fields(req, "/v1/chat/completions")
     k = _logprobs_k(req)
     plan = plan_tools(req.tools, req.tool_choice)
     has_format = req.response_format is not None and req.response_format.type != "text"
@@ -61,8 +63,7 @@ def _prepare(ctx, req: ChatCompletionRequest):
     ptoks = ctx.client.count_tokens(prompt)
     ctx_len = ctx.client.context_length
     if ptoks is not None and ctx_len and ptoks >= ctx_len:
-        raise ApiError(f"messages: the prompt has {ptoks} tokens, more than the context length ({ctx_len})",
-                       param="messages")
+        raise ApiError(context_length_message(ptoks, ctx_len, prompt_field="messages"), param="messages", code="context_length_exceeded")
     if req.max_completion_tokens is not None:
         max_tokens, field = req.max_completion_tokens, "max_completion_tokens"
     else:
@@ -75,7 +76,12 @@ def _prepare(ctx, req: ChatCompletionRequest):
     return call, plan, k, rename
 
 
-def _chat_choice(i: int, out: dict, plan: ToolPlan, k: int) -> dict:
+def _token_bytes(ctx):
+    """``token_id -> raw bytes`` of the engine's tokenizer, or None when it has no such method."""
+    return getattr(getattr(ctx.client.engine, "tokenizer", None), "id_to_bytes", None)
+
+
+def _chat_choice(i: int, out: dict, plan: ToolPlan, k: int, tb=None) -> dict:
     meta = out["meta_info"]
     fr, ms = finish_info(meta)
     content, calls = parse_tool_calls(out["text"], plan)
@@ -83,7 +89,7 @@ def _chat_choice(i: int, out: dict, plan: ToolPlan, k: int) -> dict:
     if calls:
         msg["tool_calls"] = calls
         fr = "tool_calls"
-    return {"index": i, "message": msg, "logprobs": chat_logprobs(meta, 0, None) if k >= 0 else None,
+    return {"index": i, "message": msg, "logprobs": chat_logprobs(meta, 0, None, tb) if k >= 0 else None,
             "finish_reason": fr, "matched_stop": ms}
 
 
@@ -113,7 +119,7 @@ async def _chat_events(ctx, req: ChatCompletionRequest, stream, plan: ToolPlan, 
             delta = filters[i].feed(texts[i])
         else:
             delta, calls = filters[i].finish(texts[i])
-        lp = chat_logprobs(meta, 0, None) if k >= 0 and num_logprob_tokens(meta) else None
+        lp = chat_logprobs(meta, 0, None, _token_bytes(ctx)) if k >= 0 and num_logprob_tokens(meta) else None
         if delta or lp:
             yield chunk(i, {"content": delta}, lp=lp)
         if calls:
@@ -136,6 +142,6 @@ def add_chat_route(router: APIRouter, ctx) -> None:
             stream = await open_call(ctx, call, rename)
             return sse_response(_chat_events(ctx, req, stream, plan, k))
         outs = await run_call(ctx, request, call, rename)
-        choices = [_chat_choice(i, o, plan, k) for i, o in enumerate(outs)]
+        choices = [_chat_choice(i, o, plan, k, _token_bytes(ctx)) for i, o in enumerate(outs)]
         return JSONResponse({"id": new_id("chatcmpl"), "object": "chat.completion", "created": now(),
                              "model": ctx.model_name, "choices": choices, "usage": usage_of(outs, req.n)})

@@ -1,12 +1,40 @@
 """What the OpenAI routes share: their context and how they run engine calls."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from fastapi import Request
 
 from .engine_client import EngineClient, EngineStream, GenCall, until_disconnect
-from .errors import from_value_error
+from .errors import ApiError, from_value_error
+
+logger = logging.getLogger("sglite.server")
+
+# Fields of OpenAI's API this server knows but cannot honour: a 400 naming them beats a silent
+# accept (a client relying on them would get something else than it asked for).
+UNHONOURED = {
+    "functions": "the legacy functions API is not supported; send tools",
+    "function_call": "the legacy functions API is not supported; send tool_choice",
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+}
+
+
+def check_fields(req, route: str) -> None:
+    """400 for a field this server knows but cannot honour (:data:`UNHONOURED`, ``modalities``
+    other than text); request fields it does not know are accepted, ignored and named in one
+    warning log line (vLLM's behaviour)."""
+    extra = dict(req.model_extra or {})
+    for name, why in UNHONOURED.items():
+        if extra.get(name) is not None:
+            raise ApiError(f"{name}: {why}", param=name)
+    mods = extra.pop("modalities", None)
+    if mods is not None and list(mods) != ["text"]:
+        raise ApiError(f"modalities: only [\"text\"] is supported, got {mods!r}", param="modalities")
+    if extra:
+        logger.warning("%s: ignoring request fields this server does not know: %s", route, ", ".join(sorted(extra)))
 
 
 @dataclass

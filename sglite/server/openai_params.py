@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
+from ..errors import context_length_message
 from ..runtime.logprob_options import NO_LOGPROBS, LogprobOptions
 from .engine_client import EngineClient, GenCall
 from .errors import ApiError, from_value_error
@@ -25,11 +26,15 @@ _PASS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presenc
          "repetition_penalty", "stop_token_ids", "logit_bias", "regex", "ebnf")
 
 
-def check_model(model: Optional[str], names: set[str]) -> None:
-    """400 ``model_not_found`` unless ``model`` is None or one of the served names."""
+def check_model(model: Optional[str], names: set[str], served: Optional[list[str]] = None) -> None:
+    """404 ``model_not_found`` (OpenAI's status and code) unless ``model`` is None or one of
+    ``names``; the message lists ``served`` (the public model ids, never a filesystem path)."""
     if model is not None and model not in names:
-        raise ApiError(f"model: {model!r} is not served here; available: {sorted(names)}",
-                       param="model", code="model_not_found")
+        shown = served if served is not None else sorted(n for n in names if "/" not in n)
+        raise ApiError(f"model: the model {model!r} does not exist; served: {shown}",
+                       status=404, param="model", code="model_not_found")
+
+
 
 
 def _response_format_schema(req) -> Optional[str]:
@@ -48,22 +53,22 @@ def _response_format_schema(req) -> Optional[str]:
 
 
 def sampling_params(req, max_tokens: Optional[int], max_field: str, client: EngineClient,
-                    prompt_tokens: Optional[int] = None) -> tuple[dict, dict]:
+                    prompt_tokens: Optional[int] = None, allow_zero: bool = False) -> tuple[dict, dict]:
     """Engine sampling params of an OpenAI request (validated; ``n`` is added by :func:`make_call`), and the
-    engine-field -> request-field renames for later errors (see :func:`renames`).
+    engine-field -> request-field renames for later errors (see :func:`renames`). ``allow_zero``:
+    ``max_tokens: 0`` is allowed (completions with ``echo``: the prompt's logprobs only).
 
     Raises:
         ApiError: 400 naming the OpenAI field.
     """
     ctx = client.context_length
     if max_tokens is not None:
-        if max_tokens <= 0:
-            raise ApiError(f"{max_field}: must be > 0, got {max_tokens}", param=max_field)
-        if ctx and max_tokens > ctx:
-            raise ApiError(f"{max_field}: {max_tokens} exceeds the context length ({ctx} tokens)", param=max_field)
-        if ctx and prompt_tokens is not None and prompt_tokens + max_tokens > ctx:
-            raise ApiError(f"{max_field}: prompt ({prompt_tokens} tokens) + {max_field} ({max_tokens}) exceeds "
-                           f"the context length ({ctx} tokens)", param=max_field)
+        if max_tokens < 0 or (max_tokens == 0 and not allow_zero):
+            only = " (0 only with echo)" if max_field == "max_tokens" and hasattr(req, "echo") else ""
+            raise ApiError(f"{max_field}: must be > 0{only}, got {max_tokens}", param=max_field)
+        if ctx and (max_tokens > ctx or (prompt_tokens is not None and prompt_tokens + max_tokens > ctx)):
+            raise ApiError(context_length_message(prompt_tokens or 0, ctx, max_tokens, max_field),
+                           param=max_field, code="context_length_exceeded")
     elif ctx and prompt_tokens is not None:
         max_tokens = max(ctx - prompt_tokens, 1)
     sp = {k: getattr(req, k) for k in _PASS if getattr(req, k, None) is not None}
@@ -101,13 +106,16 @@ def sampling_params(req, max_tokens: Optional[int], max_field: str, client: Engi
     return sp, rename
 
 
-def make_call(prompts: list[dict], sp: dict, n: int, rid: str, logprobs: int) -> GenCall:
+def make_call(prompts: list[dict], sp: dict, n: int, rid: str, logprobs: int,
+              prompt_logprobs: bool = False) -> GenCall:
     """The engine call of an OpenAI request: ``len(prompts) * n`` choices, choice index
     ``p * n + j`` (the engine's output order); the engine derives the samples' seeds and rids.
 
-    ``logprobs`` is the number of top logprobs per token, or -1 for no logprobs.
+    ``logprobs`` is the number of top logprobs per token, or -1 for no logprobs;
+    ``prompt_logprobs`` adds the prompt tokens' (``logprob_start_len=0``) when logprobs are on.
     """
-    lp = LogprobOptions(return_logprob=True, top_logprobs_num=logprobs) if logprobs >= 0 else NO_LOGPROBS
+    lp = LogprobOptions(return_logprob=True, top_logprobs_num=logprobs,
+                        logprob_start_len=0 if prompt_logprobs else -1) if logprobs >= 0 else NO_LOGPROBS
     sps = [dict(sp, n=n) if n > 1 else dict(sp) for _ in prompts]
     batch = len(prompts) > 1
     if "input_ids" in prompts[0]:

@@ -4,7 +4,8 @@
 Only the *types* are checked here (they also make the OpenAPI schema). Value ranges of sampling
 fields are checked once, by :meth:`sglite.sampling_params.SamplingParams.from_dict`, and
 OpenAI-only rules (``max_tokens > 0``, non-empty ``messages``, known ``model``) in
-:mod:`sglite.server.openai_params`. Unknown fields are ignored, as OpenAI and SGLang do.
+:mod:`sglite.server.openai_params`. Unknown fields are ignored; on the OpenAI routes they are kept
+(``model_extra``) so that the server names them in one warning line, as vLLM does.
 Sources: openai-openapi spec; SGLang ``srt/entrypoints/openai/protocol.py`` and
 ``srt/managers/io_struct.py`` (field names and defaults).
 """
@@ -108,7 +109,10 @@ class ChatMessage(_Base):
 
 
 class _SamplingFields(_Base):
-    """Fields shared by completions and chat (OpenAI's plus SGLang's extras)."""
+    """Fields shared by completions and chat (OpenAI's plus SGLang's extras). Unknown fields are
+    kept in ``model_extra`` (logged and ignored by the routes)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True, allow_inf_nan=False)
 
     model: Optional[str] = None
     n: int = 1

@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import Any, Optional
 
-from ..errors import CapacityError, GrammarError, InvalidRequestError
+from ..errors import CapacityError, GrammarError, InvalidRequestError, context_length_message
 from ..runtime.engine_protocol import item_rid, matches_rid, sample_rid, sample_seed
 from ..runtime.engine_stream import BatchView, OutputEvent
 from ..runtime.logprob_options import LogprobOptions
@@ -42,6 +42,9 @@ class FakeTokenizer:
 
     def decode(self, ids: list[int], **_: Any) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", "replace")
+
+    def id_to_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id]) if 0 <= token_id < 256 else b""
 
 
 def example_instance(schema: Any) -> Any:
@@ -208,11 +211,9 @@ class FakeEngine:
         plan = []
         for base, ids, sp in zip(rids, all_ids, sps):
             if len(ids) >= self.context_length:
-                raise CapacityError(f"prompt: {len(ids)} tokens, the context length is {self.context_length}",
-                                    field="prompt")
+                raise CapacityError(context_length_message(len(ids), self.context_length), field="prompt")
             if len(ids) + sp.max_new_tokens > self.context_length:
-                raise CapacityError(f"max_new_tokens: prompt ({len(ids)} tokens) + max_new_tokens "
-                                    f"({sp.max_new_tokens}) exceeds the context length ({self.context_length})",
+                raise CapacityError(context_length_message(len(ids), self.context_length, sp.max_new_tokens),
                                     field="max_new_tokens")
             lp.check_prompt(len(ids))
             seed = sp.sampling_seed if sp.sampling_seed is not None else self._rng.getrandbits(62)
@@ -321,6 +322,8 @@ class FakeEngine:
 
     @staticmethod
     def _hold_back(text: str, sp: SamplingParams) -> str:
+        while text.endswith("\ufffd"):  # an incomplete UTF-8 character waits for its other bytes
+            text = text[:-1]
         keep = len(text)
         for s in sp.stop or []:
             for k in range(min(len(s) - 1, len(text)), 0, -1):

@@ -38,12 +38,55 @@ class ToolPlan:
         return [t["function"]["name"] for t in self.tools]
 
 
-def call_schema(fn: dict) -> dict:
-    """JSON schema of one call of ``fn``: ``{"name": fn.name, "arguments": fn.parameters}``."""
+_DATA_KEYWORDS = ("enum", "const", "default", "examples")  # values, not schemas: never rewritten
+
+
+def _rebase_refs(node, prefix: str):
+    """``node`` with every local ``$ref`` (``#...``) moved under the JSON pointer ``prefix``."""
+    if isinstance(node, dict):
+        out = {}
+        for k, v in node.items():
+            if k == "$ref" and isinstance(v, str) and v.startswith("#"):
+                out[k] = prefix + v[1:]
+            else:
+                out[k] = v if k in _DATA_KEYWORDS else _rebase_refs(v, prefix)
+        return out
+    if isinstance(node, list):
+        return [_rebase_refs(x, prefix) for x in node]
+    return node
+
+
+def _has_ref(node) -> bool:
+    if isinstance(node, dict):
+        return any((k == "$ref" and isinstance(v, str)) or (k not in _DATA_KEYWORDS and _has_ref(v))
+                   for k, v in node.items())
+    return isinstance(node, list) and any(_has_ref(x) for x in node)
+
+
+def call_schema(fn: dict, defs: Optional[dict] = None, key: str = "tool0") -> dict:
+    """JSON schema of one call of ``fn``: ``{"name": fn.name, "arguments": fn.parameters}``.
+
+    Parameters with local references (pydantic's ``$defs`` / ``definitions`` + ``$ref`` for
+    nested models) must resolve against the parameters' own root, not the call schema's: such
+    parameters go to ``defs[key]`` (the caller puts ``defs`` at the root as ``$defs``) with every
+    ``#...`` reference rebased to ``#/$defs/<key>...``, and ``arguments`` refers to them.
+    """
     params = fn.get("parameters") or {"type": "object", "properties": {}}
+    if _has_ref(params):
+        defs = {} if defs is None else defs
+        defs[key] = _rebase_refs(params, f"#/$defs/{key}")
+        params = {"$ref": f"#/$defs/{key}"}
     return {"type": "object",
             "properties": {"name": {"type": "string", "enum": [fn["name"]]}, "arguments": params},
             "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def calls_schema(fns: list[dict]) -> dict:
+    """JSON schema of one call of any of ``fns`` (``anyOf`` when several), shared ``$defs`` at the root."""
+    defs: dict = {}
+    schemas = [call_schema(fn, defs, f"tool{i}") for i, fn in enumerate(fns)]
+    out = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    return {**out, "$defs": defs} if defs else out
 
 
 def plan_tools(tools: Optional[list], tool_choice) -> ToolPlan:
@@ -65,14 +108,13 @@ def plan_tools(tools: Optional[list], tool_choice) -> ToolPlan:
     if choice == "auto":
         return ToolPlan("auto", tool_dicts)
     if choice == "required":
-        schemas = [call_schema(t["function"]) for t in tool_dicts]
-        return ToolPlan("forced", tool_dicts, schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
+        return ToolPlan("forced", tool_dicts, calls_schema([t["function"] for t in tool_dicts]))
     name = choice.function.name
     if name not in names:
         raise ApiError(f"tool_choice.function.name: {name!r} is not one of the tools {names}",
                        param="tool_choice.function.name")
     tool = tool_dicts[names.index(name)]
-    return ToolPlan("forced", [tool], call_schema(tool["function"]))
+    return ToolPlan("forced", [tool], calls_schema([tool["function"]]))
 
 
 def tools_system_prompt(tools: list[dict]) -> str:

@@ -101,14 +101,24 @@ class LlamaModel:
         self.batch_invariant = batch_invariant
         sd = state_dict
 
-        def w(name):
+        def raw(name):
             if name not in sd:
                 raise InvalidRequestError(f"checkpoint is missing weight {name!r}", field="model_path")
-            return sd[name].to(device=device, dtype=dtype).contiguous()
+            return sd[name]
 
-        self.embed = w("model.embed_tokens.weight")  # [V, H]
-        head = self.embed if (arch.tie_word_embeddings or "lm_head.weight" not in sd) else w("lm_head.weight")
-        self.lm_head = kernels.LinearWeight(head)  # [V, H]
+        def w(name):
+            return raw(name).to(device=device, dtype=dtype).contiguous()
+
+        def lin(names, bias=None):  # one (fused) matmul weight; parts may be quantized (QuantLinearWeight)
+            return kernels.make_linear([raw(n) for n in names], bias, dtype, device)
+
+        emb = raw("model.embed_tokens.weight")  # [V, H]; a QuantLinearWeight when kept quantized
+        self.embed = emb.to(device) if isinstance(emb, kernels.QuantLinearWeight) else w("model.embed_tokens.weight")
+        tied = arch.tie_word_embeddings or "lm_head.weight" not in sd
+        if tied and isinstance(self.embed, kernels.QuantLinearWeight):
+            self.lm_head = self.embed  # [V, H]: one quantized table serves the lookup and the head
+        else:
+            self.lm_head = kernels.LinearWeight(self.embed) if tied else lin(["lm_head.weight"])  # [V, H]
         self.norm = w("model.norm.weight")  # [H]
         self.layers = []
         for i in range(arch.num_layers):
@@ -117,12 +127,11 @@ class LlamaModel:
             layer = {
                 "in_norm": w(p + "input_layernorm.weight"),  # [H]
                 "post_norm": w(p + "post_attention_layernorm.weight"),  # [H]
-                "qkv": kernels.LinearWeight(torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous(),
-                                            qkv_bias),  # [(Hq+2Hkv)D, H], bias [(Hq+2Hkv)D] (Qwen2)
-                "o": kernels.LinearWeight(w(p + "self_attn.o_proj.weight")),  # [H, Hq*D]
-                "gate_up": kernels.LinearWeight(torch.cat([w(p + "mlp.gate_proj.weight"),
-                                                           w(p + "mlp.up_proj.weight")]).contiguous()),  # [2I, H]
-                "down": kernels.LinearWeight(w(p + "mlp.down_proj.weight")),  # [H, I]
+                "qkv": lin([p + f"self_attn.{n}_proj.weight" for n in "qkv"], qkv_bias),
+                # [(Hq+2Hkv)D, H], bias [(Hq+2Hkv)D] (Qwen2)
+                "o": lin([p + "self_attn.o_proj.weight"]),  # [H, Hq*D]
+                "gate_up": lin([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),  # [2I, H]
+                "down": lin([p + "mlp.down_proj.weight"]),  # [H, I]
             }
             if arch.qk_norm:
                 layer["q_norm"] = w(p + "self_attn.q_norm.weight")  # [D]
@@ -134,8 +143,10 @@ class LlamaModel:
         # TPComm) does the vocab-parallel embedding, the all-reduces and the logits all-gather
         self.tp = None
 
-    def linear_weights(self) -> list[kernels.LinearWeight]:
-        """Every matmul weight, layer by layer (qkv, o, gate_up, down), then the LM head."""
+    def linear_weights(self) -> list:
+        """Every matmul weight (:class:`~sglite.kernels.LinearWeight` or
+        :class:`~sglite.kernels.QuantLinearWeight`), layer by layer (qkv, o, gate_up, down), then
+        the LM head."""
         return [L[k] for L in self.layers for k in LINEAR_KEYS] + [self.lm_head]
 
     @property
@@ -159,7 +170,8 @@ class LlamaModel:
             return False
         from sglite.kernels.host_memory import hugepage_copies
 
-        lws, tied = self.linear_weights(), self.lm_head.weight is self.embed
+        lws = [lw for lw in self.linear_weights() if isinstance(lw, kernels.LinearWeight)]  # float ones
+        tied = bool(lws) and lws[-1] is self.lm_head and self.lm_head.weight is self.embed
         for lw, t in zip(lws, hugepage_copies([lw.weight for lw in lws])):
             lw.weight = t
             if lw.impl == "fp16":
@@ -169,11 +181,19 @@ class LlamaModel:
         return True
 
     def weight_bytes(self) -> int:
-        """Bytes of weights read per decode step (embedding lookup excluded unless tied to the head)."""
-        n = self.lm_head.numel() + self.norm.numel()
+        """Bytes of weights read per decode step (embedding lookup excluded unless tied to the head):
+        matmul weights as resident (quantized ones packed), norms in the model's dtype."""
+        n = self.lm_head.nbytes() + self.norm.numel() * self.norm.element_size()
         for layer in self.layers:
-            n += sum(t.numel() for t in layer.values())
-        return n * self.embed.element_size()
+            n += sum(t.nbytes if isinstance(t, torch.Tensor) else t.nbytes() for t in layer.values())
+        return n
+
+    def resident_weight_bytes(self) -> int:
+        """Bytes of every weight held (the embedding counted once when tied to the head)."""
+        emb = self.embed
+        n = 0 if emb is self.lm_head or getattr(self.lm_head, "weight", None) is emb else (
+            emb.nbytes if isinstance(emb, torch.Tensor) else emb.nbytes())
+        return n + self.weight_bytes()
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor]) -> torch.Tensor:
@@ -203,7 +223,11 @@ class LlamaModel:
         # deterministic mode: the scheduler lays every token out as a decode row of its own causal
         # length (StepPlan.layout(None)), so a token meets one kernel however its prompt was cut
         assert not (inv and ne), "batch-invariant forward given extend rows (see StepPlan.layout)"
-        x = self.embed[fb.input_ids] if self.tp is None else self.tp.embed(self.embed, fb.input_ids)  # [N, H]
+        if self.tp is not None:  # vocab-parallel lookup (tensor parallelism)
+            x = self.tp.embed(self.embed, fb.input_ids)  # [N, H]
+        else:
+            x = (self.embed[fb.input_ids] if isinstance(self.embed, torch.Tensor)
+                 else self.embed.rows(fb.input_ids, self.dtype))  # [N, H]
         cos = self.cos[fb.positions].to(self.dtype)  # [N, D/2]
         sin = self.sin[fb.positions].to(self.dtype)  # [N, D/2]
         for li, L in enumerate(self.layers):

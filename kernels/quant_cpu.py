@@ -1,0 +1,108 @@
+"""C++ CPU kernels for :class:`.quant_linear.QuantLinearWeight` (source ``csrc/quant_gemv.cpp``):
+a few-row GEMV straight on the packed codes and a dequantizer for the GEMM path.
+
+``gemv(x, w)``: x [M, K] bf16 | float32 (1 <= M <= 8; float16 runs as float32) -> [M, N] in x's
+dtype, ``= x @ W.T + bias``. Per weight row and group ``g`` the kernel computes
+``s[n, g] * sum_k x[m, k] q[n, k]`` and adds ``sum_g mins[n, g] * sum_{k in g} x[m, k]``: the codes
+are read once per call whatever M (each 32-code block is unpacked once and folded into all M rows).
+    AVX-512-BF16 build: a 4-bit block (16 bytes) becomes 32 bf16 integers through one
+    ``VPERMW`` table lookup (an 8-bit block through float32 conversion; integers <= 255 are exact
+    in bf16), and ``VDPBF16PS`` multiplies them by x in bf16: exact products, float32 sums. A
+    float32 x is split into three bf16 planes (hi + mid + lo, exact up to 2^-24 relative), so
+    float32 activations keep float32 accuracy (three VDPBF16PS per block instead of one).
+    Portable build (no AVX-512-BF16): the same formula in plain float loops.
+Results equal :func:`.quant_linear.reference_linear` up to float32 summation order (the tests
+check it, with tolerances scaled to K).
+
+``dequantize(w, dtype)``: ``W_stored`` [N, K] (stored channel order) as ``s * q + m`` in float32,
+rounded once to bf16 when ``dtype`` is bf16 (what the GEMM path feeds ``F.linear``).
+
+``linear(x, w, invariant=False)``: the ``quant_cpp`` / ``quant_invariant`` implementations: x's
+columns gathered into stored order, 1..8 rows -> :func:`gemv`, up to :data:`GEMV_MAX_ROWS` rows ->
+:func:`gemv` per block of 8 rows (the codes stream once per block), more rows -> ``F.linear`` on
+:func:`dequantize` (oneDNN's GEMM on the weight dequantized once per call; at prefill sizes the
+dequantization is a small part of the product). Measured (one thread, bf16, 16 SmolLM2-shaped
+Q4 matrices): M=16 GEMV blocks 17 ms vs dequantize+GEMM 22 ms, M=32 26 vs 32, M=64 59 vs 46,
+M=128 140 vs 81. ``invariant=True`` runs every row through the GEMV
+in blocks of 8 rows (a row's arithmetic does not depend on M: batch-invariant).
+
+Build: :func:`.cpu_build.load_cpp`, with ``-mavx512f -mavx512bw -mavx512vl -mavx512bf16`` when
+``/proc/cpuinfo`` lists those features, else ``-O3`` alone (the portable build). Without a compiler
+:func:`available` is False and ``QuantLinearWeight`` runs ``quant_ref``.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from .cpu_build import cpu_flags, load_cpp, read_source
+from .quant_linear import QuantLinearWeight, gather_input
+
+MAX_ROWS = 8  # rows of x per kernel call (register budget)
+GEMV_MAX_ROWS = 32  # up to this many rows: GEMV calls in blocks of 8; more: dequantize + GEMM
+AVX_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+CFLAGS_AVX = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-ffp-contract=off")
+CFLAGS_PORTABLE = ("-O3", "-ffp-contract=off")
+
+
+@functools.lru_cache(maxsize=None)
+def load(portable: bool = False):
+    """The compiled module (AVX-512-BF16 build when the CPU has :data:`AVX_FLAGS` and ``portable``
+    is False, else the portable build), or None when the build failed (one warning logged)."""
+    simd = not portable and all(f in cpu_flags() for f in AVX_FLAGS)
+    return load_cpp("sglite_quant_gemv" + ("" if simd else "_portable"), read_source("quant_gemv.cpp"),
+                    CFLAGS_AVX if simd else CFLAGS_PORTABLE, functions=["quant_gemv", "quant_dequant", "quant_simd"])
+
+
+def available() -> bool:
+    """True when a build of the kernel loaded on this CPU."""
+    return load() is not None
+
+
+def _mod(portable: bool):
+    m = load(portable)
+    if m is None:
+        raise RuntimeError("quant_cpu: the C++ kernel is unavailable (see the logged build warning)")
+    return m
+
+
+_NATIVE = (torch.bfloat16, torch.float32)
+_NO_MINS = torch.empty(0)
+
+
+def _mins(w: QuantLinearWeight) -> torch.Tensor:
+    return _NO_MINS if w.mins is None else w.mins  # the kernel reads an empty tensor as "no offsets"
+  # activation dtypes the kernel takes as they are
+
+
+def gemv(x: torch.Tensor, w: QuantLinearWeight, portable: bool = False) -> torch.Tensor:
+    """x [M, K] (stored channel order, 1 <= M <= 8) @ W_stored.T (+ bias) -> [M, N], x's dtype
+    (float32 sums rounded once)."""
+    xin = x if x.dtype in _NATIVE else x.float()
+    y = _mod(portable).quant_gemv(xin, w.qweight, w.scales, _mins(w), w.bits, w.group_size)
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
+    return y if w.bias is None else y + w.bias.to(x.dtype)
+
+
+def dequantize(w: QuantLinearWeight, dtype: torch.dtype = torch.float32, portable: bool = False) -> torch.Tensor:
+    """``W_stored`` [N, K] in ``dtype`` (float32 math; bf16 rounded once from it)."""
+    out = _mod(portable).quant_dequant(w.qweight, w.scales, _mins(w), w.bits, w.group_size, dtype == torch.bfloat16)
+    return out if out.dtype == dtype else out.to(dtype)
+
+
+def linear(x: torch.Tensor, w: QuantLinearWeight, invariant: bool = False, portable: bool = False) -> torch.Tensor:
+    """``x @ W.T + bias`` for x [M, K] (any M >= 0) on CPU; see the module docstring."""
+    m = x.shape[0]
+    if 1 <= m <= MAX_ROWS and w.perm is None and w.bias is None and x.dtype in _NATIVE and not portable:
+        return _mod(False).quant_gemv(x, w.qweight, w.scales, _mins(w), w.bits, w.group_size)  # decode fast path
+    xs = gather_input(x, w)
+    if m == 0:
+        return x.new_zeros((0, w.shape[0]))
+    if m <= MAX_ROWS:
+        return gemv(xs, w, portable)
+    if invariant or m <= GEMV_MAX_ROWS:
+        return torch.cat([gemv(xs[i:i + MAX_ROWS], w, portable) for i in range(0, m, MAX_ROWS)])
+    return F.linear(xs, dequantize(w, x.dtype, portable), None if w.bias is None else w.bias.to(x.dtype))

@@ -1,0 +1,318 @@
+"""Group-quantized integer weights (:class:`QuantLinearWeight`): one in-memory representation for
+GGUF ``Q4_0`` / ``Q4_1`` / ``Q8_0`` blocks and GPTQ / AWQ checkpoints, served by ``kernels.linear``
+as more implementations of :data:`sglite.kernels.matmul.IMPLS` (``quant_ref``, ``quant_cpp``,
+``quant_invariant``, ``quant_triton``).
+
+The representation (every format maps onto it at load; nothing format-specific survives)
+-----------------------------------------------------------------------------------------
+A weight ``W`` [N, K] (out x in features) is stored as unsigned integer codes ``q`` in
+``[0, 2**bits)`` with, per row ``n`` and per group ``g`` of ``group_size`` consecutive (stored)
+input channels, a float32 scale ``s[n, g]`` and an optional float32 additive offset ``m[n, g]``::
+
+    W_stored[n, k] = s[n, k // group_size] * q[n, k] + m[n, k // group_size]      (m = 0 if None)
+
+computed in float32 (the product first, rounded, then the sum: :meth:`QuantLinearWeight.dequantize`
+is the spec). With an input permutation ``perm`` (act-order), stored column ``j`` holds logical
+input channel ``perm[j]``: ``W[:, perm] = W_stored``, so ``y = x @ W.T = x[:, perm] @ W_stored.T``
+(the kernels gather x's columns; the weight is permuted once, at load).
+
+Fields:
+    qweight: uint8, CPU or CUDA, contiguous.
+        ``bits == 8``: [N, K], one code per byte.
+        ``bits == 4``: [N, K // 2]. Codes are packed per block of 32 stored channels, GGUF's Q4
+        order: byte ``j`` (0..15) of block ``b`` holds channel ``32 b + j`` in its low nibble and
+        channel ``32 b + j + 16`` in its high nibble (a Q4_0/Q4_1 block's ``qs`` bytes verbatim).
+    scales: float32 [N, K // group_size].
+    mins: float32 [N, K // group_size] or None (symmetric formats may still use it, see below).
+    bits: 4 or 8.  group_size: a multiple of 32 dividing K (so K % 32 == 0).
+    perm: int64 [K] (a permutation of range(K)) or None.   bias: [N] (activation dtype) or None.
+
+How the formats map (all exact in float32, because a float16 scale times an integer of <= 8 bits
+has <= 19 significant bits):
+    GGUF Q4_0 (32-blocks ``{half d; u8 qs[16]}``, w = d * (q - 8)):   bits 4, gs 32, s = d, m = -8 d.
+    GGUF Q4_1 (``{half d, m; u8 qs[16]}``, w = d * q + m):             bits 4, gs 32, s = d, m = m.
+    GGUF Q8_0 (``{half d; i8 qs[32]}``, w = d * q, q signed):          bits 8, gs 32, codes q + 128,
+                                                                        s = d, m = -128 d.
+    GPTQ / AWQ (w = s * (q - z) per group of 32/64/128, 4 or 8 bits; z the unpacked zero point, +1
+    for GPTQ's stored zeros as its kernels do): s = scales, m = -(s * z) (float32), codes as they are;
+    act-order ``g_idx``: ``perm = argsort(g_idx, stable)`` so each group's channels are contiguous,
+    codes and columns taken in ``perm`` order. (AWQ's interleaved nibble order is undone at load.)
+
+Build one with :meth:`QuantLinearWeight.from_codes` (unpacked codes [N, K] uint8 in stored order),
+concatenate along N with :func:`cat_rows` (fused QKV / gate-up), reorder rows with
+:meth:`QuantLinearWeight.permute_rows`.
+
+Implementations (``QuantLinearWeight.impl``; :meth:`QuantLinearWeight.use` maps the float names the
+model runner picks -- ``torch`` / ``fp16`` / ``cpp`` -> the best available quantized path,
+``invariant`` -> ``quant_invariant``):
+    ``quant_ref``        :func:`reference_linear`: dequantize to float32, ``F.linear`` in float32,
+                         round to x's dtype (the spec; also the fallback everywhere).
+    ``quant_cpp``        CPU: 1..8 rows through the C++ GEMV on the codes
+                         (:mod:`.quant_cpu`), more rows dequantize (C++) then ``F.linear``.
+    ``quant_invariant``  CPU: the GEMV's per-row arithmetic for every row count (batch-invariant).
+    ``quant_triton``     CUDA: the Triton kernel (:mod:`.triton_quant`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+BLOCK = 32  # channels per packing block (GGUF's QK4_0/QK4_1/QK8_0); group_size is a multiple
+BITS = (4, 8)
+QUANT_IMPLS = ("quant_ref", "quant_cpp", "quant_invariant", "quant_triton")
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack unpacked codes [N, K] uint8 (values < 2**bits, K % 32 == 0) into the stored layout
+    (see the module docstring): bits 8 -> the same [N, K]; bits 4 -> [N, K // 2].
+
+    Raises:
+        ValueError: bits not 4/8, K not a multiple of 32, or a code out of range."""
+    _check_bits(bits)
+    if codes.dim() != 2 or codes.shape[1] % BLOCK:
+        raise ValueError(f"quantized weight: codes must be [N, K] with K % {BLOCK} == 0, got {tuple(codes.shape)}")
+    codes = codes.to(torch.uint8)
+    if bits == 8:
+        return codes.contiguous()
+    if codes.numel() and int(codes.max()) >= 16:
+        raise ValueError(f"quantized weight: a 4-bit code is {int(codes.max())} (must be < 16)")
+    n, k = codes.shape
+    b = codes.view(n, k // BLOCK, 2, BLOCK // 2)  # [N, blocks, lo/hi half, 16]
+    return (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_codes(qweight: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: [N, K] uint8 codes in stored channel order."""
+    _check_bits(bits)
+    if bits == 8:
+        return qweight
+    n, kb = qweight.shape
+    b = qweight.view(n, kb // (BLOCK // 2), BLOCK // 2)
+    return torch.stack((b & 0xF, b >> 4), dim=2).reshape(n, kb * 2)
+
+
+def _check_bits(bits: int) -> None:
+    if bits not in BITS:
+        raise ValueError(f"quantized weight: bits must be one of {BITS}, got {bits}")
+
+
+@dataclass(eq=False)
+class QuantLinearWeight:
+    """A group-quantized matmul weight (the representation is in the module docstring).
+
+    Attributes:
+        qweight: uint8 [N, K * bits // 8] packed codes.
+        scales: float32 [N, K // group_size].
+        mins: float32 [N, K // group_size] or None.
+        bits: 4 or 8.
+        group_size: channels per scale (multiple of 32, divides K).
+        in_features: K.
+        perm: int64 [K] input permutation (stored column j = logical channel perm[j]) or None.
+        bias: [N] or None (added in the activation dtype, as ``F.linear``).
+        impl: a name of :data:`QUANT_IMPLS`; set through :meth:`use`.
+        fmt: where it came from (``"gguf:Q4_1"``, ``"gptq"``, ...); reporting only.
+    """
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    mins: Optional[torch.Tensor]
+    bits: int
+    group_size: int
+    in_features: int
+    perm: Optional[torch.Tensor] = None
+    bias: Optional[torch.Tensor] = None
+    impl: str = "quant_ref"
+    fmt: str = ""
+
+    def __post_init__(self):
+        self.validate()
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor], bits: int,
+                   group_size: int, perm: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+                   fmt: str = "") -> "QuantLinearWeight":
+        """Build from unpacked codes [N, K] (uint8-valued, stored channel order), scales and mins
+        [N, K // group_size] (cast to float32). Raises ValueError naming the bad field."""
+        k = codes.shape[1] if codes.dim() == 2 else -1
+        return cls(pack_codes(codes, bits), scales.to(torch.float32).contiguous(),
+                   None if mins is None else mins.to(torch.float32).contiguous(), bits, group_size, k,
+                   None if perm is None else perm.to(torch.int64).contiguous(), bias, fmt=fmt)
+
+    def validate(self) -> None:
+        """Check shapes and dtypes against each other. Raises ValueError naming the field."""
+        _check_bits(self.bits)
+        k, gs = self.in_features, self.group_size
+        if gs <= 0 or gs % BLOCK or k % gs:
+            raise ValueError(f"quantized weight: group_size must be a multiple of {BLOCK} dividing "
+                             f"in_features={k}, got {gs}")
+        if self.qweight.dtype != torch.uint8 or self.qweight.dim() != 2 or self.qweight.shape[1] * 8 != k * self.bits:
+            raise ValueError(f"quantized weight: qweight must be uint8 [N, {k * self.bits // 8}], got "
+                             f"{self.qweight.dtype} {tuple(self.qweight.shape)}")
+        n = self.qweight.shape[0]
+        for name in ("scales", "mins"):
+            t = getattr(self, name)
+            if t is None and name == "mins":
+                continue
+            if t.dtype != torch.float32 or tuple(t.shape) != (n, k // gs):
+                raise ValueError(f"quantized weight: {name} must be float32 [{n}, {k // gs}], got "
+                                 f"{t.dtype} {tuple(t.shape)}")
+        if self.perm is not None and (self.perm.dtype != torch.int64 or tuple(self.perm.shape) != (k,)):
+            raise ValueError(f"quantized weight: perm must be int64 [{k}], got {self.perm.dtype} {tuple(self.perm.shape)}")
+        if self.bias is not None and tuple(self.bias.shape) != (n,):
+            raise ValueError(f"quantized weight: bias must be [{n}], got {tuple(self.bias.shape)}")
+
+    # -- the LinearWeight interface ---------------------------------------------------------------
+    @property
+    def shape(self) -> torch.Size:
+        """[N, K] of the logical weight."""
+        return torch.Size((self.qweight.shape[0], self.in_features))
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    def use(self, impl: str) -> "QuantLinearWeight":
+        """Switch implementation; returns self. Float names map: ``invariant`` -> ``quant_invariant``;
+        ``torch`` / ``fp16`` / ``cpp`` (or ``auto``) -> :func:`best_impl` for this weight.
+
+        Raises:
+            ValueError: an unknown name (lists the known ones)."""
+        if impl == "invariant":
+            impl = "quant_invariant"
+        elif impl in ("torch", "fp16", "cpp", "auto"):
+            impl = best_impl(self)
+        if impl not in QUANT_IMPLS:
+            raise ValueError(f"linear: unknown quantized implementation {impl!r}; known: {list(QUANT_IMPLS)}")
+        self.impl = impl
+        return self
+
+    def numel(self) -> int:
+        """Logical elements (N * K, + bias)."""
+        return self.shape.numel() + (0 if self.bias is None else self.bias.numel())
+
+    def nbytes(self) -> int:
+        """Resident bytes: codes, scales, mins, perm and bias."""
+        ts = (self.qweight, self.scales, self.mins, self.perm, self.bias)
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    def to(self, device) -> "QuantLinearWeight":
+        """A copy on ``device`` (same impl)."""
+        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return replace(self, qweight=mv(self.qweight), scales=mv(self.scales), mins=mv(self.mins),
+                       perm=mv(self.perm), bias=mv(self.bias))
+
+    # -- reference ----------------------------------------------------------------------------------
+    def codes(self) -> torch.Tensor:
+        """Unpacked codes [N, K] uint8, stored channel order."""
+        return unpack_codes(self.qweight, self.bits)
+
+    def dequantize_stored(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``W_stored`` [N, K] (stored channel order): ``s * q + m`` in float32, then cast to dtype."""
+        n, k, gs = self.shape[0], self.in_features, self.group_size
+        q = self.codes().to(torch.float32).view(n, k // gs, gs)
+        w = q * self.scales[:, :, None]
+        if self.mins is not None:
+            w = w + self.mins[:, :, None]
+        return w.view(n, k).to(dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The logical weight ``W`` [N, K] (input permutation undone) in ``dtype``."""
+        w = self.dequantize_stored(torch.float32)
+        if self.perm is not None:
+            out = torch.empty_like(w)
+            out[:, self.perm] = w
+            w = out
+        return w.to(dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` of ``W`` dequantized, [len(ids), K] in ``dtype`` (an embedding lookup of a
+        tied embedding / LM head)."""
+        sub = replace(self, qweight=self.qweight[ids], scales=self.scales[ids],
+                      mins=None if self.mins is None else self.mins[ids], bias=None)
+        return sub.dequantize(dtype)
+
+    def permute_rows(self, idx: torch.Tensor) -> "QuantLinearWeight":
+        """A weight whose row ``i`` is this weight's row ``idx[i]`` (exact: rows are independent)."""
+        return replace(self, qweight=self.qweight[idx].contiguous(), scales=self.scales[idx].contiguous(),
+                       mins=None if self.mins is None else self.mins[idx].contiguous(),
+                       bias=None if self.bias is None else self.bias[idx].contiguous())
+
+
+def cat_rows(ws: Sequence[QuantLinearWeight], bias: Optional[torch.Tensor] = None) -> QuantLinearWeight:
+    """Concatenate weights along N (fused QKV / gate-up): same bits, group_size, K and perm; mins
+    present in all or none (a None mins becomes zeros when others have them).
+
+    Raises:
+        ValueError: the weights disagree (names the field)."""
+    a = ws[0]
+    for w in ws[1:]:
+        for f in ("bits", "group_size", "in_features"):
+            if getattr(w, f) != getattr(a, f):
+                raise ValueError(f"cat_rows: {f} differs ({getattr(a, f)} vs {getattr(w, f)})")
+        if (w.perm is None) != (a.perm is None) or (w.perm is not None and not torch.equal(w.perm, a.perm)):
+            raise ValueError("cat_rows: perm differs")
+    mins = None
+    if any(w.mins is not None for w in ws):
+        mins = torch.cat([w.mins if w.mins is not None else torch.zeros_like(w.scales) for w in ws])
+    fmts = sorted({w.fmt for w in ws})
+    return QuantLinearWeight(torch.cat([w.qweight for w in ws]), torch.cat([w.scales for w in ws]), mins,
+                             a.bits, a.group_size, a.in_features, a.perm, bias, impl=a.impl, fmt="+".join(fmts))
+
+
+def reference_linear(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
+    """The spec of every quantized linear: ``F.linear(x, w.dequantize(), bias)`` in float32, then
+    x's dtype. x [M, K] -> [M, N]."""
+    y = F.linear(x.to(torch.float32), w.dequantize(torch.float32))
+    y = y.to(x.dtype)
+    return y if w.bias is None else y + w.bias.to(x.dtype)
+
+
+def gather_input(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
+    """x [M, K] with its columns in the weight's stored order (``x[:, perm]``), contiguous."""
+    return (x if w.perm is None else x[:, w.perm]).contiguous()
+
+
+def best_impl(w: QuantLinearWeight) -> str:
+    """The fastest available implementation for ``w``'s device: ``quant_cpp`` on CPU when the C++
+    kernel loads (:mod:`.quant_cpu`), ``quant_triton`` on CUDA when triton imports
+    (:mod:`.triton_quant`), else ``quant_ref``."""
+    if w.device.type == "cpu":
+        from . import quant_cpu
+
+        if quant_cpu.available():
+            return "quant_cpp"
+    elif w.device.type == "cuda":
+        from .dispatch import _triton_available  # the dispatcher's cached answer
+
+        if _triton_available():
+            return "quant_triton"
+    return "quant_ref"
+
+
+def _cpp(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
+    from . import quant_cpu  # only chosen (best_impl) where the kernel loaded
+
+    return quant_cpu.linear(x, w)
+
+
+def _invariant(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
+    from . import quant_cpu
+
+    if quant_cpu.available() and x.device.type == "cpu":
+        return quant_cpu.linear(x, w, invariant=True)
+    if x.shape[0] == 0:
+        return reference_linear(x, w)
+    return torch.cat([reference_linear(x[i:i + 1], w) for i in range(x.shape[0])])  # one row at a time
+
+
+def _triton(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
+    from . import triton_quant  # imports triton: only on the CUDA path
+
+    return triton_quant.linear(x, w)
+
+
+IMPLS = {"quant_ref": reference_linear, "quant_cpp": _cpp, "quant_invariant": _invariant, "quant_triton": _triton}

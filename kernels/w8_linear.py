@@ -1,0 +1,190 @@
+"""8-bit matmul weights with one float32 scale per output channel, served by ``kernels.linear`` as
+more implementations of :data:`sglite.kernels.matmul.IMPLS`:
+
+:class:`Fp8LinearWeight` (``--quantization fp8``): weight-only FP8 E4M3 (``torch.float8_e4m3fn``,
+    max 448), ``W[n, k] = scale[n] * w8[n, k]``, ``scale[n] = max_k |W[n, k]| / 448``.
+    ``fp8``: ``F.linear(x, w8.to(x.dtype))`` times the scale in float32 -- the per-output-channel
+    scale commutes with the sum, and E4M3 values (3 mantissa bits) convert exactly to bf16 / fp16 /
+    fp32, so the only rounding besides oneDNN's is the final multiply. ``fp8_ref``: dequantize to float32, F.linear.
+:class:`Int8LinearWeight` (``--quantization w8a8_int8``): W8A8 as in SmoothQuant (Xiao et al.
+    2023; the smoothing itself is done offline by ``sglite quantize --method smoothquant``):
+    weights symmetric per-channel int8 (``W = w_scale[n] * q[n, k]``), activations quantized per
+    token at run time (``a_scale[m] = max_k |x[m, k]| / 127``, ``xq = round(x / a_scale)``),
+    ``y = (xq @ q.T) * a_scale[m] * w_scale[n]`` with the product accumulated exactly in int32.
+    ``w8a8``: ``torch._int_mm`` (int8 x int8 -> int32; oneDNN on CPU, VNNI where the CPU has it;
+    cuBLASLt on CUDA) -- falls back to ``w8a8_ref`` where ``_int_mm`` refuses the shape;
+    ``w8a8_ref``: the same integer products summed in float64 (exact: |sum| < 2**53).
+
+Both carry the ``LinearWeight`` interface the model uses: ``shape``, ``bias``, ``use(impl)``,
+``numel()``, ``nbytes()``, ``dequantize(dtype)``, ``to(device)`` and :meth:`concat` (fused QKV /
+gate-up).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+INT8_MAX = 127
+
+
+@dataclass(eq=False)
+class Fp8LinearWeight:
+    """FP8 E4M3 weight [N, K] + float32 per-output-channel scale [N] (module docstring)."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    bias: Optional[torch.Tensor] = None
+    impl: str = "fp8"
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> "Fp8LinearWeight":
+        """From a float weight [N, K]: ``scale = max|w_n| / 448`` (a zero row gets scale 1)."""
+        wf = w.float()
+        amax = wf.abs().amax(1)
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        w8 = (wf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return cls(w8.contiguous(), scale.contiguous(), bias)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def use(self, impl: str) -> "Fp8LinearWeight":
+        """``invariant`` -> ``fp8_invariant`` (the float batch-invariant matmul on the E4M3 values
+        converted to x's dtype, then the scale); other float names -> ``fp8``; ``fp8_ref`` kept."""
+        self.impl = {"invariant": "fp8_invariant"}.get(impl, impl if impl in ("fp8", "fp8_ref") else "fp8")
+        return self
+
+    def numel(self) -> int:
+        return self.weight.numel() + (0 if self.bias is None else self.bias.numel())
+
+    def nbytes(self) -> int:
+        ts = (self.weight, self.scale, self.bias)
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.weight.float() * self.scale[:, None]).to(dtype)
+
+    def to(self, device) -> "Fp8LinearWeight":
+        return replace(self, weight=self.weight.to(device), scale=self.scale.to(device),
+                       bias=None if self.bias is None else self.bias.to(device))
+
+    @staticmethod
+    def concat(ws: Sequence["Fp8LinearWeight"]) -> "Fp8LinearWeight":
+        """Rows of every weight stacked (N concatenated); biases are set by the caller."""
+        return Fp8LinearWeight(torch.cat([w.weight for w in ws]), torch.cat([w.scale for w in ws]))
+
+
+@dataclass(eq=False)
+class Int8LinearWeight:
+    """int8 weight [N, K] + float32 per-output-channel scale [N] (W8A8; module docstring).
+    ``weight_t`` is the [K, N] contiguous copy ``torch._int_mm`` reads (made at construction)."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    bias: Optional[torch.Tensor] = None
+    impl: str = "w8a8"
+    weight_t: Optional[torch.Tensor] = None
+
+    def __post_init__(self):
+        if self.weight.dtype != torch.int8 or self.weight.dim() != 2:
+            raise ValueError(f"w8a8: weight must be int8 [N, K], got {self.weight.dtype} {tuple(self.weight.shape)}")
+        if tuple(self.scale.shape) != (self.weight.shape[0],):
+            raise ValueError(f"w8a8: weight_scale must have {self.weight.shape[0]} entries, got {tuple(self.scale.shape)}")
+        self.scale = self.scale.float().contiguous()
+        if self.weight_t is None:
+            self.weight_t = self.weight.t().contiguous()
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> "Int8LinearWeight":
+        """From a float weight [N, K]: symmetric per-channel, ``scale = max|w_n| / 127``."""
+        wf = w.float()
+        s = (wf.abs().amax(1) / INT8_MAX).clamp(min=1e-10)
+        q = torch.clamp(torch.round(wf / s[:, None]), -INT8_MAX, INT8_MAX).to(torch.int8)
+        return cls(q, s, bias)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def use(self, impl: str) -> "Int8LinearWeight":
+        """Float impl names map to ``w8a8`` (``invariant`` too: integer sums are exact and every
+        other step is per row, so a row's result never depends on the batch); ``w8a8_ref`` kept."""
+        self.impl = impl if impl in ("w8a8", "w8a8_ref") else "w8a8"
+        return self
+
+    def numel(self) -> int:
+        return self.weight.numel() + (0 if self.bias is None else self.bias.numel())
+
+    def nbytes(self) -> int:
+        """Resident bytes (the [K, N] copy for ``_int_mm`` included)."""
+        ts = (self.weight, self.weight_t, self.scale, self.bias)
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.weight.float() * self.scale[:, None]).to(dtype)
+
+    def to(self, device) -> "Int8LinearWeight":
+        return Int8LinearWeight(self.weight.to(device), self.scale.to(device),
+                                None if self.bias is None else self.bias.to(device), self.impl)
+
+    @staticmethod
+    def concat(ws: Sequence["Int8LinearWeight"]) -> "Int8LinearWeight":
+        return Int8LinearWeight(torch.cat([w.weight for w in ws]), torch.cat([w.scale for w in ws]))
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token int8: ``(xq int8 [M, K], a_scale float32 [M])``, ``x ~= xq * a_scale``."""
+    xf = x.float()
+    s = (xf.abs().amax(1) / INT8_MAX).clamp(min=1e-10)
+    return torch.clamp(torch.round(xf / s[:, None]), -INT8_MAX, INT8_MAX).to(torch.int8), s
+
+
+def _finish(y: torch.Tensor, x: torch.Tensor, bias) -> torch.Tensor:
+    y = y.to(x.dtype)
+    return y if bias is None else y + bias.to(x.dtype)
+
+
+def fp8_linear(x: torch.Tensor, w: Fp8LinearWeight) -> torch.Tensor:
+    """x [M, K] -> [M, N]: ``F.linear(x, w8.to(x.dtype))`` times the float32 scale, then x's dtype
+    (+ bias)."""
+    return _finish(F.linear(x, w.weight.to(x.dtype)).float() * w.scale, x, w.bias)
+
+
+def fp8_invariant(x: torch.Tensor, w: Fp8LinearWeight) -> torch.Tensor:
+    """Batch-invariant ``fp8``: :func:`sglite.kernels.matmul`'s ``invariant`` product on the
+    converted weight, then the per-channel scale (row-local)."""
+    from .matmul import IMPLS as FLOAT_IMPLS, LinearWeight
+
+    return _finish(FLOAT_IMPLS["invariant"](x, LinearWeight(w.weight.to(x.dtype))).float() * w.scale, x, w.bias)
+
+
+def fp8_reference(x: torch.Tensor, w: Fp8LinearWeight) -> torch.Tensor:
+    """The spec: float32 ``F.linear(x, dequantize())``, rounded to x's dtype, + bias."""
+    return _finish(F.linear(x.float(), w.dequantize(torch.float32)), x, w.bias)
+
+
+def w8a8_reference(x: torch.Tensor, w: Int8LinearWeight) -> torch.Tensor:
+    """The spec of W8A8: per-token int8 x, exact integer dot products (float64), both scales."""
+    xq, s = quantize_per_token(x)
+    acc = xq.double() @ w.weight.double().T
+    return _finish((acc * s.double()[:, None] * w.scale.double()[None, :]).float(), x, w.bias)
+
+
+def w8a8_linear(x: torch.Tensor, w: Int8LinearWeight) -> torch.Tensor:
+    """W8A8 through ``torch._int_mm`` (int32 accumulation); ``w8a8_reference`` when it refuses."""
+    if x.shape[0] == 0:
+        return w8a8_reference(x, w)
+    xq, s = quantize_per_token(x)
+    try:
+        acc = torch._int_mm(xq, w.weight_t)  # [M, N] int32
+    except RuntimeError:  # e.g. CUDA's M > 16 / multiple-of-8 shape rules
+        return w8a8_reference(x, w)
+    return _finish(acc.float() * s[:, None] * w.scale[None, :], x, w.bias)
+
+
+IMPLS = {"fp8": fp8_linear, "fp8_ref": fp8_reference, "fp8_invariant": fp8_invariant, "w8a8": w8a8_linear, "w8a8_ref": w8a8_reference}

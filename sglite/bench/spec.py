@@ -1,0 +1,136 @@
+"""``sglite bench spec``: decode speed with and without speculative decoding, side by side.
+
+Two engines on the same model in one process (one with ``speculative_algorithm``, one without);
+every request runs on both, alternating, so machine drift hits both alike. Workloads:
+
+* ``copy_edit`` — rewrite a given paragraph with one change (copy-heavy: long spans repeat the
+  prompt), batch 1;
+* ``extract_json`` — extract fields of a given text into JSON under a JSON Schema (copy-heavy and
+  grammar-constrained), batch 1;
+* ``chat`` — open questions (little to copy), batch 1;
+* ``chat_batch16`` — 16 open questions in one batch.
+
+Reports tokens/s of each engine, the ratio, the mean accept length (tokens per verify step, bonus
+included) and how many outputs are token-identical (greedy; exact in fp32, bf16 rows may round
+differently when computed in a verify step).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Optional, Sequence
+
+PARAGRAPH = ("The city council met on Tuesday evening to discuss the new library budget. After two hours of "
+             "debate, the members agreed to extend the opening hours on weekends, to hire three additional "
+             "librarians, and to replace the heating system before the winter. The mayor thanked the residents "
+             "who had written letters in support of the library and promised a public report in March.")
+PEOPLE = [("Maria Gonzalez", "maria.gonzalez@example.com", "Seville", "veterinarian"),
+          ("Tom Becker", "t.becker@example.org", "Hamburg", "bus driver"),
+          ("Aiko Tanaka", "aiko.tanaka@example.net", "Osaka", "architect"),
+          ("Samuel Okoro", "sam.okoro@example.com", "Lagos", "accountant")]
+PERSON_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "email", "city", "job"],
+                 "properties": {k: {"type": "string", "maxLength": 60} for k in ("name", "email", "city", "job")}}
+CHAT = ["What are three good habits for staying healthy?", "Tell me a short story about a dragon.",
+        "Why is the sky blue?", "Give me some tips for learning to cook.", "What is a black hole?",
+        "How do plants make food?", "Suggest a name for a coffee shop and explain it.",
+        "What should I pack for a beach holiday?"]
+
+
+def workloads(n: int) -> dict:
+    """name -> (list of (chat messages, extra sampling params), batch size)."""
+    edits = [("Rewrite the following paragraph exactly as it is, but change 'Tuesday' to '%s'.\n\n%s"
+              % (day, PARAGRAPH)) for day in ("Monday", "Friday", "Sunday", "Wednesday")]
+    people = [f"{nm} lives in {city} and works as a {job}. You can reach {nm.split()[0]} at {mail}. "
+              f"Extract the name, email, city and job of this person as JSON." for nm, mail, city, job in PEOPLE]
+    schema = json.dumps(PERSON_SCHEMA)
+    return {
+        "copy_edit": ([(e, {}) for e in edits][:n], 1),
+        "extract_json": ([(p, {"json_schema": schema}) for p in people][:n], 1),
+        "chat": ([(c, {}) for c in CHAT][:n], 1),
+        "chat_batch16": ([(CHAT[i % len(CHAT)], {}) for i in range(16)], 16),
+    }
+
+
+def _run(engine, prompts, sps, batch):
+    t0 = time.perf_counter()
+    outs = []
+    for i in range(0, len(prompts), batch):
+        o = engine.generate(prompts[i:i + batch], sps[i:i + batch])
+        outs.extend(o)
+    return outs, time.perf_counter() - t0
+
+
+def run(a: argparse.Namespace) -> dict:
+    from sglite import Engine
+
+    kw = {k: v for k, v in dict(model_path=a.model_path, dtype=a.dtype, max_total_tokens=a.max_total_tokens,
+                                max_running_requests=16).items() if v is not None}
+    base = Engine(**kw)
+    spec = Engine(**kw, speculative_algorithm=a.speculative_algorithm,
+                  speculative_num_draft_tokens=a.speculative_num_draft_tokens,
+                  **({"speculative_draft_model_path": a.speculative_draft_model_path}
+                     if a.speculative_draft_model_path else {}))
+    results = {}
+    try:
+        for name, (items, batch) in workloads(a.num_prompts).items():
+            if a.workloads and name not in a.workloads:
+                continue
+            prompts = [base.apply_chat_template([{"role": "user", "content": m}]) for m, _ in items]
+            sps = [{"max_new_tokens": a.max_new_tokens, "temperature": 0, **x} for _, x in items]
+            _run(base, prompts[:1], sps[:1], 1)  # warm both (kernels, grammar caches)
+            _run(spec, prompts[:1], sps[:1], 1)
+            tb = ts = 0.0
+            nb = ns = 0
+            same, steps, verified = 0, 0, 0
+            for i in range(0, len(prompts), batch):  # alternate engines per batch
+                ob, t_b = _run(base, prompts[i:i + batch], sps[i:i + batch], batch)
+                os_, t_s = _run(spec, prompts[i:i + batch], sps[i:i + batch], batch)
+                tb, ts = tb + t_b, ts + t_s
+                nb += sum(len(o["output_ids"]) for o in ob)
+                ns += sum(len(o["output_ids"]) for o in os_)
+                same += sum(x["output_ids"] == y["output_ids"] for x, y in zip(ob, os_))
+                for o in os_:
+                    m = o["meta_info"]
+                    steps += m.get("spec_verify_ct", 0)
+                    verified += m.get("spec_accepted_tokens", 0) + m.get("spec_verify_ct", 0)
+            r = {"batch": batch, "requests": len(prompts), "base_tok_s": nb / tb, "spec_tok_s": ns / ts,
+                 "speedup": (ns / ts) / (nb / tb), "accept_length": verified / steps if steps else 0.0,
+                 "identical": f"{same}/{len(prompts)}", "tokens": [nb, ns]}
+            results[name] = r
+            print(f"{name:14s} batch {batch:2d}: base {r['base_tok_s']:7.1f} tok/s  spec {r['spec_tok_s']:7.1f} "
+                  f"tok/s  x{r['speedup']:.2f}  accept length {r['accept_length']:.2f}  identical {r['identical']}",
+                  flush=True)
+    finally:
+        base.shutdown()
+        spec.shutdown()
+    return results
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sglite bench spec", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-path", default=None, help="HF folder or .gguf (default: the default model)")
+    p.add_argument("--dtype", default=None, help="engine dtype (default: auto)")
+    p.add_argument("--max-total-tokens", type=int, default=16384, help="KV pool of each engine (tokens)")
+    p.add_argument("--speculative-algorithm", default="NGRAM", choices=("NGRAM", "STANDALONE"))
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=8, help="most draft tokens per step")
+    p.add_argument("--speculative-draft-model-path", default=None, help="draft model (STANDALONE)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request")
+    p.add_argument("--num-prompts", type=int, default=4, help="requests per batch-1 workload")
+    p.add_argument("--workloads", nargs="*", default=None,
+                   help="subset of copy_edit extract_json chat chat_batch16 (default: all)")
+    p.add_argument("--output-json", default=None, help="write the results here")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    a = build_parser().parse_args(argv)
+    res = run(a)
+    if a.output_json:
+        with open(a.output_json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

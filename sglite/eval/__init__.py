@@ -1,0 +1,1 @@
+"""Model evaluation: perplexity over a fixed local text (``sglite eval perplexity``)."""

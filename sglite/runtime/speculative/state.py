@@ -1,0 +1,73 @@
+"""Per-request speculation state: the n-gram index, the adaptive draft length, acceptance counts."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .ngram import NgramIndex
+
+EMA = 0.3  # weight of the newest step in the acceptance-rate average
+LOW_ACCEPTANCE = 0.15  # below this average acceptance rate, drafting pauses ...
+COOLDOWN_STEPS = 16  # ... for this many steps (then it is tried again)
+START_LEN = 4  # first draft length cap; doubled after a fully accepted draft, cut after a rejection
+
+
+@dataclass
+class SpecState:
+    """One request's speculation bookkeeping (``req.spec``; created on its first draft).
+
+    Attributes:
+        index: n-gram index of the request's sequence (``NGRAM``), or None.
+        verify_ct: verify steps run (SGLang's ``spec_verify_ct``).
+        accepted: draft tokens accepted in all.
+        drafted: draft tokens proposed in all.
+        histogram: ``histogram[a]`` = verify steps that accepted ``a`` draft tokens.
+        rate: moving average of the accepted fraction of each draft.
+        cap: the next draft's length cap: doubled (up to the configured most) when a draft was
+            kept whole, else one more than the tokens kept (drafts that fail early stay short,
+            so a verify step costs little more than a decode step).
+        cooldown: steps left without drafting (acceptance fell low).
+        masks: the grammar bitmask rows of the draft being verified ([k+1, W] int32) or None.
+        draft_kv: the draft model's KV state of this request (``STANDALONE``).
+    """
+
+    index: Optional[NgramIndex] = None
+    verify_ct: int = 0
+    accepted: int = 0
+    drafted: int = 0
+    histogram: list = field(default_factory=list)
+    rate: float = 1.0
+    cooldown: int = 0
+    cap: int = START_LEN
+    masks: Any = None
+    draft_kv: Any = None
+
+    def record(self, k: int, a: int, k_max: int = 64) -> None:
+        """A verify step of ``k`` draft tokens kept ``a`` of them (``k_max``: the configured most)."""
+        self.cap = min(k_max, 2 * self.cap) if a == k else max(1, a + 1)
+        self.verify_ct += 1
+        self.accepted += a
+        self.drafted += k
+        if len(self.histogram) <= a:
+            self.histogram.extend([0] * (a + 1 - len(self.histogram)))
+        self.histogram[a] += 1
+        self.rate = (1 - EMA) * self.rate + EMA * (a / k if k else 0.0)
+        if self.rate < LOW_ACCEPTANCE:
+            self.cooldown, self.rate = COOLDOWN_STEPS, 0.5
+
+    def may_draft(self) -> bool:
+        """False while cooling down after low acceptance (counts the step down)."""
+        if self.cooldown > 0:
+            self.cooldown -= 1
+            return False
+        return True
+
+    def meta(self) -> dict:
+        """``meta_info`` fields: ``spec_verify_ct`` (verify steps), ``spec_accept_length`` (mean
+        tokens produced per verify step, bonus token included: SGLang's accept length),
+        ``spec_accept_histogram`` (``[a]`` = steps that accepted ``a`` draft tokens),
+        ``spec_draft_tokens`` and ``spec_accepted_tokens``."""
+        ct = self.verify_ct
+        return {"spec_verify_ct": ct, "spec_accept_length": (self.accepted + ct) / ct if ct else 0.0,
+                "spec_accept_histogram": list(self.histogram), "spec_draft_tokens": self.drafted,
+                "spec_accepted_tokens": self.accepted}

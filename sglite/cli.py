@@ -96,6 +96,7 @@ BENCHES = {
     "sweep": "sglite.bench.sweep",
     "grammar": "sglite.bench.grammar",
     "startup": "sglite.bench.startup",
+    "router": "sglite.distributed.bench_router",
     "spec": "sglite.bench.spec",
     "quant": "sglite.bench.quant",
 }
@@ -127,11 +128,12 @@ def build_parser() -> tuple[FlagParser, FlagParser]:
     """The ``sglite`` parser and its ``generate`` sub-parser (``serve`` and ``bench`` parse their
     own flags: :func:`sglite.server.launch.build_parser`, the bench modules)."""
     p = FlagParser(prog="sglite", description="sglite: structured generation runtime",
-                   usage="%(prog)s {serve,generate,run,bench,eval,quantize,kv-estimate} ...  (see --help)")
+                   usage="%(prog)s {serve,router,generate,run,bench,eval,quantize,kv-estimate} ...  (see --help)")
     p.add_argument("--version", action="version", version=f"sglite {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=FlagParser, prog="sglite")
     sub.add_parser("serve", help="start the HTTP server (see `sglite serve --help`)")
     sub.add_parser("bench", help=f"benchmarks: {' | '.join(BENCHES)}")
+    sub.add_parser("router", help="data-parallel router over sglite servers (see `sglite router --help`)")
     sub.add_parser("quantize", help="write a GPTQ / AWQ / RTN / W8A8 checkpoint (see `sglite quantize --help`)")
     sub.add_parser("eval", help=f"model evaluation: {' | '.join(EVALS)} (see `sglite eval perplexity --help`)")
     k = sub.add_parser("kv-estimate", help="KV-cache bytes per token and totals")
@@ -169,6 +171,9 @@ def main(argv=None) -> int:
         return _cmd_serve(argv[1:])
     if argv and argv[0] == "bench":
         return _cmd_bench(argv[1:])
+    if argv and argv[0] == "router":
+        from .distributed.router_cli import main as router_main
+        return router_main(argv[1:])
     if argv and argv[0] == "eval":
         return _cmd_eval(argv[1:])
     if argv and argv[0] == "quantize":

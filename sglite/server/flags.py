@@ -48,8 +48,6 @@ class Unsupported:
 
 
 UNSUPPORTED = (
-    Unsupported("--tp-size", "tensor parallelism", (1,), int),
-    Unsupported("--dp-size", "data parallelism", (1,), int),
     Unsupported("--speculative-eagle-topk", "EAGLE speculative decoding (NGRAM and STANDALONE are supported)"),
 )
 UNSUPPORTED_PREFIXES: dict = {}

@@ -197,8 +197,8 @@ def store_kv(layer: QuantKVLayer, out_cache_loc: torch.Tensor, k: torch.Tensor, 
     the order of ``layer.step``): into the residual window, and every key group the step completes
     quantized into the pool (codes and scales). fp8: every token quantized at once."""
     if layer.kind == "fp8_e4m3":
-        layer.k_data[out_cache_loc] = (k.float() / layer.k_scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(layer.k_data.dtype)
-        layer.v_data[out_cache_loc] = (v.float() / layer.v_scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(layer.v_data.dtype)
+        for data, x, scale in ((layer.k_data, k, layer.k_scale), (layer.v_data, v, layer.v_scale)):
+            data[out_cache_loc] = (x.float() / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(data.dtype)
         return
     st, G = layer.step, layer.group
     rows, pos = st.tok_rows, st.positions  # [N]

@@ -76,7 +76,8 @@ def accuracy(args) -> dict:
             top += [x[0][1] for x in tops[1:]] + [m["output_token_logprobs"][0][1]]
         pool = e.runner.token_to_kv_pool
         res[kvd] = {"nll": -math.fsum(lps) / len(lps), "top1": top, "seconds": time.time() - t,
-                    "bytes_per_token": pool.bytes_per_token, "pool_bytes_per_token": pool_bytes(pool) / (pool.capacity + pool.page_size)}
+                    "bytes_per_token": pool.bytes_per_token,
+                    "pool_bytes_per_token": pool_bytes(pool) / (pool.capacity + pool.page_size)}
         e.shutdown()
         print(kvd, f"nll {res[kvd]['nll']:.5f}", f"{res[kvd]['seconds']:.1f} s", file=sys.stderr)
     base = res["bfloat16"]

@@ -68,23 +68,37 @@ def _mod(portable: bool):
     return m
 
 
+_NATIVE = (torch.bfloat16, torch.float32)
+_NO_MINS = torch.empty(0)
+
+
+def _mins(w: QuantLinearWeight) -> torch.Tensor:
+    return _NO_MINS if w.mins is None else w.mins  # the kernel reads an empty tensor as "no offsets"
+  # activation dtypes the kernel takes as they are
+
+
 def gemv(x: torch.Tensor, w: QuantLinearWeight, portable: bool = False) -> torch.Tensor:
-    """x [M, K] (stored channel order, 1 <= M <= 8) @ W_stored.T (+ bias) -> [M, N], x's dtype."""
-    xin = x if x.dtype in (torch.bfloat16, torch.float32) else x.float()
-    y = _mod(portable).quant_gemv(xin, w.qweight, w.scales, w.mins, w.bits, w.group_size).to(x.dtype)
+    """x [M, K] (stored channel order, 1 <= M <= 8) @ W_stored.T (+ bias) -> [M, N], x's dtype
+    (float32 sums rounded once)."""
+    xin = x if x.dtype in _NATIVE else x.float()
+    y = _mod(portable).quant_gemv(xin, w.qweight, w.scales, _mins(w), w.bits, w.group_size)
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
     return y if w.bias is None else y + w.bias.to(x.dtype)
 
 
 def dequantize(w: QuantLinearWeight, dtype: torch.dtype = torch.float32, portable: bool = False) -> torch.Tensor:
     """``W_stored`` [N, K] in ``dtype`` (float32 math; bf16 rounded once from it)."""
-    out = _mod(portable).quant_dequant(w.qweight, w.scales, w.mins, w.bits, w.group_size, dtype == torch.bfloat16)
+    out = _mod(portable).quant_dequant(w.qweight, w.scales, _mins(w), w.bits, w.group_size, dtype == torch.bfloat16)
     return out if out.dtype == dtype else out.to(dtype)
 
 
 def linear(x: torch.Tensor, w: QuantLinearWeight, invariant: bool = False, portable: bool = False) -> torch.Tensor:
     """``x @ W.T + bias`` for x [M, K] (any M >= 0) on CPU; see the module docstring."""
+    m = x.shape[0]
+    if 1 <= m <= MAX_ROWS and w.perm is None and w.bias is None and x.dtype in _NATIVE and not portable:
+        return _mod(False).quant_gemv(x, w.qweight, w.scales, _mins(w), w.bits, w.group_size)  # decode fast path
     xs = gather_input(x, w)
-    m = xs.shape[0]
     if m == 0:
         return x.new_zeros((0, w.shape[0]))
     if m <= MAX_ROWS:

@@ -62,7 +62,7 @@ import torch.nn.functional as F
 
 BLOCK = 32  # channels per packing block (GGUF's QK4_0/QK4_1/QK8_0); group_size is a multiple
 BITS = (4, 8)
-QUANT_IMPLS = ("quant_ref", "quant_cpp", "quant_invariant")
+QUANT_IMPLS = ("quant_ref", "quant_cpp", "quant_invariant", "quant_triton")
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -278,19 +278,25 @@ def gather_input(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
 
 def best_impl(w: QuantLinearWeight) -> str:
     """The fastest available implementation for ``w``'s device: ``quant_cpp`` on CPU when the C++
-    kernel loads (:mod:`.quant_cpu`), else ``quant_ref``."""
+    kernel loads (:mod:`.quant_cpu`), ``quant_triton`` on CUDA when triton imports
+    (:mod:`.triton_quant`), else ``quant_ref``."""
     if w.device.type == "cpu":
         from . import quant_cpu
 
         if quant_cpu.available():
             return "quant_cpp"
+    elif w.device.type == "cuda":
+        from .dispatch import _triton_available  # the dispatcher's cached answer
+
+        if _triton_available():
+            return "quant_triton"
     return "quant_ref"
 
 
 def _cpp(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
-    from . import quant_cpu
+    from . import quant_cpu  # only chosen (best_impl) where the kernel loaded
 
-    return quant_cpu.linear(x, w) if quant_cpu.available() else reference_linear(x, w)
+    return quant_cpu.linear(x, w)
 
 
 def _invariant(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
@@ -303,4 +309,10 @@ def _invariant(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
     return torch.cat([reference_linear(x[i:i + 1], w) for i in range(x.shape[0])])  # one row at a time
 
 
-IMPLS = {"quant_ref": reference_linear, "quant_cpp": _cpp, "quant_invariant": _invariant}
+def _triton(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
+    from . import triton_quant  # imports triton: only on the CUDA path
+
+    return triton_quant.linear(x, w)
+
+
+IMPLS = {"quant_ref": reference_linear, "quant_cpp": _cpp, "quant_invariant": _invariant, "quant_triton": _triton}

@@ -22,6 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from . import triton_attention as A
+from . import triton_quant as Q
 from . import triton_sampling as S
 
 # (label, kernel, pointer/scalar types by argument name, constexprs, num_warps)
@@ -59,6 +60,12 @@ def kernel_specs() -> List[Spec]:
                            MinP="*fp32", Seed="*i64", Pos="*i64", Out="*i64"),
                       dict(HAS_MASK=has_mask, ROWS=1, BLOCK_V=2048, BLOCK_S=512, RADIX=16,
                            N_PASSES=8), 8))
+    for dt in ("bf16", "fp32"):
+        for bits in (4, 8):
+            specs.append((f"quant linear {dt} {bits}-bit", Q._quant_kernel,
+                          dict(X="*" + dt, Q="*u8", S="*fp32", Mn="*fp32", Bias="*" + dt, Y="*" + dt),
+                          dict(BITS=bits, HAS_MINS=True, HAS_BIAS=False, UPCAST=False, IEEE=dt == "fp32",
+                               BLOCK_M=Q.BM, BLOCK_N=Q.BN), 4))
     return specs
 
 

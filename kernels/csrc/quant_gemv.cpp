@@ -147,7 +147,7 @@ void rows_avx_m(int64_t M, const uint16_t* xp, int64_t K, const uint8_t* q, cons
 }
 #endif
 
-void check_weight(const at::Tensor& q, const at::Tensor& s, const c10::optional<at::Tensor>& mn, int64_t bits,
+void check_weight(const at::Tensor& q, const at::Tensor& s, const at::Tensor& mn, int64_t bits,
                   int64_t gs, int64_t K) {
   TORCH_CHECK(bits == 4 || bits == 8, "quant: bits must be 4 or 8");
   TORCH_CHECK(gs > 0 && gs % BLK == 0 && K % gs == 0, "quant: group_size must be a multiple of 32 dividing K");
@@ -155,39 +155,45 @@ void check_weight(const at::Tensor& q, const at::Tensor& s, const c10::optional<
               "quant: qweight must be contiguous uint8 [N, K * bits / 8]");
   const int64_t N = q.size(0), G = K / gs;
   TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.numel() == N * G, "quant: scales must be float32 [N, K / group_size]");
-  if (mn.has_value())
-    TORCH_CHECK(mn->scalar_type() == at::kFloat && mn->is_contiguous() && mn->numel() == N * G,
+  if (mn.numel() > 0)  // an empty tensor stands for "no offsets" (cheaper to pass than None)
+    TORCH_CHECK(mn.scalar_type() == at::kFloat && mn.is_contiguous() && mn.numel() == N * G,
                 "quant: mins must be float32 [N, K / group_size]");
 }
 
 }  // namespace
 
-// y [M, N] float32 = x [M, K] (bf16 or float32, 1 <= M <= 8, stored channel order) @ W_stored.T
-at::Tensor quant_gemv(at::Tensor x, at::Tensor q, at::Tensor s, c10::optional<at::Tensor> mn, int64_t bits,
+// y [M, N] (x's dtype) = x [M, K] (bf16 or float32, 1 <= M <= 8, stored channel order) @ W_stored.T,
+// accumulated in float32 and rounded once (bf16: round to nearest even)
+at::Tensor quant_gemv(at::Tensor x, at::Tensor q, at::Tensor s, at::Tensor mn, int64_t bits,
                       int64_t gs) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 8, "quant_gemv: x must be [M <= 8, K]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "quant_gemv: x bf16 or float32");
+  const bool xbf = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(xbf || x.scalar_type() == at::kFloat, "quant_gemv: x bf16 or float32");
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = K / gs;
   check_weight(q, s, mn, bits, gs, K);
   x = x.contiguous();
-  at::Tensor xf = x.to(at::kFloat).contiguous();
+  // x as float32 (a view of x when it is float32), then the group sums
+  std::vector<float> xbuf(xbf ? M * K : 0);
+  const float* xf = xbf ? xbuf.data() : x.data_ptr<float>();
+  if (xbf) {
+    const at::BFloat16* b = x.data_ptr<at::BFloat16>();
+    for (int64_t i = 0; i < M * K; ++i) xbuf[i] = (float)b[i];
+  }
   std::vector<float> xs(M * G);
-  group_sums(xf.data_ptr<float>(), M, K, gs, xs.data());
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  group_sums(xf, M, K, gs, xs.data());
+  at::Tensor y = at::empty({M, N}, x.options());
+  std::vector<float> ybuf(xbf ? M * N : 0);
+  float* yp = xbf ? ybuf.data() : y.data_ptr<float>();
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* sp = s.data_ptr<float>();
-  const float* mp = mn.has_value() ? mn->data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
+  const float* mp = mn.numel() > 0 ? mn.data_ptr<float>() : nullptr;
   const int64_t grain = std::max<int64_t>(16, (int64_t)(1 << 16) / std::max<int64_t>(K, 1));
 #ifdef SGQ_AVX512
-  const int P = x.scalar_type() == at::kBFloat16 ? 1 : 3;
-  std::vector<uint16_t> planes(P * M * K);
-  if (P == 1) {
-    std::memcpy(planes.data(), x.data_ptr<at::BFloat16>(), M * K * 2);
-  } else {  // float32 x = hi + mid + lo, each bf16 (round to nearest even), exact but for <= 2^-24 |x|
-    const float* f = xf.data_ptr<float>();
+  const int P = xbf ? 1 : 3;
+  std::vector<uint16_t> planes(xbf ? 0 : P * M * K);
+  if (!xbf) {  // float32 x = hi + mid + lo, each bf16 (round to nearest even), exact but for <= 2^-24 |x|
     for (int64_t i = 0; i < M * K; ++i) {
-      float r = f[i];
+      float r = xf[i];
       for (int p = 0; p < 3; ++p) {
         const c10::BFloat16 b(r);
         planes[(p * M) * K + i] = b.x;
@@ -195,7 +201,7 @@ at::Tensor quant_gemv(at::Tensor x, at::Tensor q, at::Tensor s, c10::optional<at
       }
     }
   }
-  const uint16_t* xp = planes.data();
+  const uint16_t* xp = xbf ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : planes.data();
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     if (bits == 4) {
       if (P == 1) rows_avx_m<1, 4>(M, xp, K, qp, sp, mp, xs.data(), gs, n0, n1, N, yp);
@@ -206,23 +212,26 @@ at::Tensor quant_gemv(at::Tensor x, at::Tensor q, at::Tensor s, c10::optional<at
     }
   });
 #else
-  const float* xfp = xf.data_ptr<float>();
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    rows_portable(xfp, M, K, qp, (int)bits, sp, mp, xs.data(), gs, n0, n1, N, yp);
+    rows_portable(xf, M, K, qp, (int)bits, sp, mp, xs.data(), gs, n0, n1, N, yp);
   });
 #endif
+  if (xbf) {
+    at::BFloat16* o = y.data_ptr<at::BFloat16>();
+    for (int64_t i = 0; i < M * N; ++i) o[i] = at::BFloat16(ybuf[i]);
+  }
   return y;
 }
 
 // W_stored [N, K] = s * q + m (float32, then bf16 round-to-nearest-even when out_bf16)
-at::Tensor quant_dequant(at::Tensor q, at::Tensor s, c10::optional<at::Tensor> mn, int64_t bits, int64_t gs,
+at::Tensor quant_dequant(at::Tensor q, at::Tensor s, at::Tensor mn, int64_t bits, int64_t gs,
                          bool out_bf16) {
   const int64_t N = q.size(0), K = q.size(1) * 8 / bits, G = K / gs;
   check_weight(q, s, mn, bits, gs, K);
   at::Tensor out = at::empty({N, K}, q.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* sp = s.data_ptr<float>();
-  const float* mp = mn.has_value() ? mn->data_ptr<float>() : nullptr;
+  const float* mp = mn.numel() > 0 ? mn.data_ptr<float>() : nullptr;
   const int64_t rowb = K * bits / 8;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     float buf[BLK];

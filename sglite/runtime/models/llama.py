@@ -159,9 +159,10 @@ class LlamaModel:
             lw.use(impl)
 
     def pack_hugepages(self) -> bool:
-        """Move the matmul weights and the LM head (with the embedding when tied) into one buffer
-        advised for huge pages (:func:`sglite.kernels.host_memory.hugepage_copies`), which the C++
-        kernels stream faster; same bytes, the old tensors are released. CPU only: returns False
+        """Move the float matmul weights and the LM head (with the embedding when tied) into one
+        buffer advised for huge pages (:func:`sglite.kernels.host_memory.hugepage_copies`), and the
+        quantized weights' codes, scales and offsets into a second one: the C++ kernels stream
+        them faster; same bytes, the old tensors are released. CPU only: returns False
         (nothing moved) on other devices."""
         if self.device != "cpu":
             return False
@@ -175,6 +176,10 @@ class LlamaModel:
                 lw.use("fp16")
         if tied:
             self.embed = self.lm_head.weight
+        qws = list({id(q): q for q in self.linear_weights() if isinstance(q, kernels.QuantLinearWeight)}.values())
+        parts = [(q, f) for q in qws for f in ("qweight", "scales", "mins") if getattr(q, f) is not None]
+        for (q, f), t in zip(parts, hugepage_copies([getattr(q, f) for q, f in parts]) if parts else []):
+            setattr(q, f, t)  # quantized codes, scales and offsets too (the embedding with them when tied)
         return True
 
     def weight_bytes(self) -> int:

@@ -82,7 +82,8 @@ class Fp8LinearWeight:
 @dataclass(eq=False)
 class Int8LinearWeight:
     """int8 weight [N, K] + float32 per-output-channel scale [N] (W8A8; module docstring).
-    ``weight_t`` is the [K, N] contiguous copy ``torch._int_mm`` reads (made at construction)."""
+    ``weight_t`` is the [K, N] contiguous int8 tensor ``torch._int_mm`` reads (made at
+    construction); ``weight`` becomes its transposed view, so one copy is resident."""
 
     weight: torch.Tensor
     scale: torch.Tensor
@@ -98,6 +99,7 @@ class Int8LinearWeight:
         self.scale = self.scale.float().contiguous()
         if self.weight_t is None:
             self.weight_t = self.weight.t().contiguous()
+        self.weight = self.weight_t.t()  # a view: one int8 copy resident
 
     @classmethod
     def quantize(cls, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> "Int8LinearWeight":
@@ -121,8 +123,8 @@ class Int8LinearWeight:
         return self.weight.numel() + (0 if self.bias is None else self.bias.numel())
 
     def nbytes(self) -> int:
-        """Resident bytes (the [K, N] copy for ``_int_mm`` included)."""
-        ts = (self.weight, self.weight_t, self.scale, self.bias)
+        """Resident bytes (``weight`` is a view of ``weight_t``: counted once)."""
+        ts = (self.weight_t, self.scale, self.bias)
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -134,7 +136,8 @@ class Int8LinearWeight:
 
     @staticmethod
     def concat(ws: Sequence["Int8LinearWeight"]) -> "Int8LinearWeight":
-        return Int8LinearWeight(torch.cat([w.weight for w in ws]), torch.cat([w.scale for w in ws]))
+        return Int8LinearWeight(torch.cat([w.weight for w in ws]), torch.cat([w.scale for w in ws]),
+                                weight_t=torch.cat([w.weight_t for w in ws], dim=1).contiguous())
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -532,3 +532,21 @@ def test_tree_sampling_matches_the_target_distribution(temp, top_k, top_p, min_p
     assert chi_square_p(first, p[0].tolist(), n) > 1e-3
     assert chi_square_p(after1, p[1].tolist(), sum(after1)) > 1e-3
     assert chi_square_p(after0, p[3].tolist(), sum(after0)) > 1e-3
+
+
+@pytest.mark.slow
+def test_greedy_identical_bf16_deterministic(tiny_model_dir):
+    """With ``enable_deterministic_inference`` a verify row is computed exactly as a decode row
+    (batch-invariant kernels), so greedy output is identical in bf16 too."""
+    kw = dict(dtype="bfloat16", device="cpu", max_total_tokens=2048, enable_deterministic_inference=True)
+    sp = {"max_new_tokens": 40, "temperature": 0}
+    base = Engine(str(tiny_model_dir), **kw)
+    want = _ids(base.generate(COPY_PROMPTS, sp))
+    base.shutdown()
+    spec = Engine(str(tiny_model_dir), speculative_algorithm="NGRAM", **kw)
+    try:
+        got = spec.generate(COPY_PROMPTS, sp)
+        assert _ids(got) == want
+        assert spec.get_server_info()["spec_accepted_tokens"] > 0
+    finally:
+        spec.shutdown()

@@ -118,13 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sglite bench spec", description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", default=None, help="HF folder or .gguf (default: the default model)")
     p.add_argument("--dtype", default=None, help="engine dtype (default: auto)")
-    p.add_argument("--max-total-tokens", type=int, default=16384, help="KV pool of each engine (tokens)")
-    p.add_argument("--speculative-algorithm", default="NGRAM", choices=("NGRAM", "STANDALONE"))
-    p.add_argument("--speculative-num-draft-tokens", type=int, default=8, help="most draft tokens per step")
+    p.add_argument("--max-total-tokens", type=int, default=16384, help="KV pool of each engine (tokens; default: %(default)s)")
+    p.add_argument("--speculative-algorithm", default="NGRAM", choices=("NGRAM", "STANDALONE"),
+                   help="the spec engine's algorithm (default: %(default)s)")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=8, help="most draft tokens per step (default: %(default)s)")
     p.add_argument("--speculative-draft-model-path", default=None, help="draft model (STANDALONE)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request")
-    p.add_argument("--num-prompts", type=int, default=4, help="requests per batch-1 workload")
-    p.add_argument("--rounds", type=int, default=2, help="passes over each workload (engine order alternates)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request (default: %(default)s)")
+    p.add_argument("--num-prompts", type=int, default=4, help="requests per batch-1 workload (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=2, help="passes over each workload, engine order alternating (default: %(default)s)")
     p.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
                    help="the spec engine's batch limit for drafting (default: the engine's)")
     p.add_argument("--workloads", nargs="*", default=None,

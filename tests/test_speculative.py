@@ -194,6 +194,7 @@ def test_greedy_identical_batched_plain(tiny_pair):
         assert m["spec_accepted_tokens"] == sum(a * c for a, c in enumerate(m["spec_accept_histogram"]))
     info = spec.get_server_info()
     assert info["spec_accepted_tokens"] > 10 and info["spec_draft_tokens"] >= info["spec_accepted_tokens"]
+    assert info["spec_tree_steps"] > 0  # several n-gram candidates were verified as token trees
     # rejected slots went back: nothing but the tree holds KV now (check_invariants ran every step)
     assert info["available_tokens"] == info["max_total_tokens"]
 
@@ -330,15 +331,17 @@ def test_grammar_forbidden_draft_token_ends_the_draft():
 
     class Cfg:
         speculative_algorithm, speculative_num_draft_tokens, speculative_disable_by_batch_size = "NGRAM", 4, 8
+        page_size = 1
 
     class Req:
         grammar, spec = _Matcher({1, 2, 3}), SpecState()
 
     dec = SpecDecoder(Cfg, None, Sampler(40, frozenset()), None)
     r = Req()
-    assert dec._walk_grammar(r, [2, 3, 7, 1]) == [2, 3]  # 7 is forbidden: the draft ends before it
+    chains, masks = dec._walk_grammar(r, [[2, 3, 7, 1], [1, 1], [9]])
+    assert chains == [[2, 3], [1, 1], []]  # 7 and 9 are forbidden: each chain ends before them
     assert r.grammar.accepted == []  # rolled back
-    assert r.spec.masks.shape == (3, 2) and int(r.spec.masks[0, 0]) == 0b1110
+    assert [m.shape[0] for m in masks] == [1, 2, 2, 0] and int(masks[0][0, 0]) == 0b1110
 
 
 def homogeneity_p(a: dict, b: dict) -> float:
@@ -481,5 +484,69 @@ def test_real_model_greedy_identical(real_engine):
         json.loads(got[1]["text"])
         one = [spec.generate(p, s) for p, s in zip(prompts[:2], sps[:2])]  # batch 1 too
         assert _ids(one) == _ids(want[:2])
+    finally:
+        spec.shutdown()
+
+
+# ---------------------------------------------------------------------- token trees
+def _tree_rows():
+    # root, chain 0 (tokens 1, 3), chain 1 (tokens 0, 2): one logits row per node
+    return torch.stack([LOGITS[0], LOGITS[1], LOGITS[2], LOGITS[2].flip(0), LOGITS[1].flip(0)])
+
+
+def test_tree_greedy_follows_the_argmax_branch():
+    from sglite.runtime.speculative.tree import TreeDraft, verify_tree
+
+    x = torch.full((5, 10), -5.0)
+    for row, tok in enumerate([0, 4, 9, 2, 6]):
+        x[row, tok] = 5.0
+    tree = TreeDraft([[1, 3], [0, 2]])
+    assert verify_tree(x, tree, _params(temperature=0)) == ([0, 2, 6], 2, 1)  # chain 1 kept whole + bonus
+    x[3] = -5.0
+    x[3, 5] = 5.0
+    assert verify_tree(x, tree, _params(temperature=0)) == ([0, 5], 1, 1)
+    assert tree.accepted_order(1, 1) == [2, 0, 1, 3]  # chain 1's first node moves right after the root
+
+
+@pytest.mark.parametrize("temp,top_k,top_p,min_p", [(1.0, 0, 1.0, 0.0), (0.7, 5, 0.9, 0.0)])
+def test_tree_sampling_matches_the_target_distribution(temp, top_k, top_p, min_p):
+    """Sequential rejection among sibling drafts keeps the output distributed as p at every node."""
+    from sglite.runtime.speculative.tree import TreeDraft, verify_tree
+
+    params = _params(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p)
+    x = _tree_rows()
+    p = target_probs(x, params)
+    tree = TreeDraft([[1, 3], [0, 2]])
+    gen = torch.Generator().manual_seed(2)
+    n, V = 6000, x.shape[1]
+    first, after1, after0 = [0] * V, [0] * V, [0] * V
+    for _ in range(n):
+        toks, a, chain = verify_tree(x, tree, params, gen)
+        assert len(toks) == a + 1 and toks[:a] == tree.chains[chain][:a]
+        first[toks[0]] += 1
+        if toks[0] == 1:
+            after1[toks[1]] += 1
+        elif toks[0] == 0:
+            after0[toks[1]] += 1
+    assert min(first[0], first[1]) > 0 and sum(first) - first[0] - first[1] > 0  # every branch taken
+    assert chi_square_p(first, p[0].tolist(), n) > 1e-3
+    assert chi_square_p(after1, p[1].tolist(), sum(after1)) > 1e-3
+    assert chi_square_p(after0, p[3].tolist(), sum(after0)) > 1e-3
+
+
+@pytest.mark.slow
+def test_greedy_identical_bf16_deterministic(tiny_model_dir):
+    """With ``enable_deterministic_inference`` a verify row is computed exactly as a decode row
+    (batch-invariant kernels), so greedy output is identical in bf16 too."""
+    kw = dict(dtype="bfloat16", device="cpu", max_total_tokens=2048, enable_deterministic_inference=True)
+    sp = {"max_new_tokens": 40, "temperature": 0}
+    base = Engine(str(tiny_model_dir), **kw)
+    want = _ids(base.generate(COPY_PROMPTS, sp))
+    base.shutdown()
+    spec = Engine(str(tiny_model_dir), speculative_algorithm="NGRAM", **kw)
+    try:
+        got = spec.generate(COPY_PROMPTS, sp)
+        assert _ids(got) == want
+        assert spec.get_server_info()["spec_accepted_tokens"] > 0
     finally:
         spec.shutdown()

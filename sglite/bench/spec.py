@@ -67,7 +67,11 @@ def run(a: argparse.Namespace) -> dict:
     kw = {k: v for k, v in dict(model_path=a.model_path, dtype=a.dtype, max_total_tokens=a.max_total_tokens,
                                 max_running_requests=16).items() if v is not None}
     base = Engine(**kw)
-    spec = Engine(**kw, speculative_algorithm=a.speculative_algorithm,
+    if a.speculative_disable_by_batch_size:
+        kw_spec = {"speculative_disable_by_batch_size": a.speculative_disable_by_batch_size}
+    else:
+        kw_spec = {}
+    spec = Engine(**kw, **kw_spec, speculative_algorithm=a.speculative_algorithm,
                   speculative_num_draft_tokens=a.speculative_num_draft_tokens,
                   **({"speculative_draft_model_path": a.speculative_draft_model_path}
                      if a.speculative_draft_model_path else {}))
@@ -83,9 +87,12 @@ def run(a: argparse.Namespace) -> dict:
             tb = ts = 0.0
             nb = ns = 0
             same, steps, verified = 0, 0, 0
-            for i in range(0, len(prompts), batch):  # alternate engines per batch
-                ob, t_b = _run(base, prompts[i:i + batch], sps[i:i + batch], batch)
-                os_, t_s = _run(spec, prompts[i:i + batch], sps[i:i + batch], batch)
+            for j, i in enumerate(list(range(0, len(prompts), batch)) * a.rounds):
+                # alternate engines per batch in ABBA order, so linear drift of the machine cancels
+                first, second = (base, spec) if j % 2 == 0 else (spec, base)
+                o1, t1 = _run(first, prompts[i:i + batch], sps[i:i + batch], batch)
+                o2, t2 = _run(second, prompts[i:i + batch], sps[i:i + batch], batch)
+                (ob, t_b), (os_, t_s) = ((o1, t1), (o2, t2)) if first is base else ((o2, t2), (o1, t1))
                 tb, ts = tb + t_b, ts + t_s
                 nb += sum(len(o["output_ids"]) for o in ob)
                 ns += sum(len(o["output_ids"]) for o in os_)
@@ -94,9 +101,9 @@ def run(a: argparse.Namespace) -> dict:
                     m = o["meta_info"]
                     steps += m.get("spec_verify_ct", 0)
                     verified += m.get("spec_accepted_tokens", 0) + m.get("spec_verify_ct", 0)
-            r = {"batch": batch, "requests": len(prompts), "base_tok_s": nb / tb, "spec_tok_s": ns / ts,
+            r = {"batch": batch, "requests": len(prompts) * a.rounds, "base_tok_s": nb / tb, "spec_tok_s": ns / ts,
                  "speedup": (ns / ts) / (nb / tb), "accept_length": verified / steps if steps else 0.0,
-                 "identical": f"{same}/{len(prompts)}", "tokens": [nb, ns]}
+                 "identical": f"{same}/{len(prompts) * a.rounds}", "tokens": [nb, ns]}
             results[name] = r
             print(f"{name:14s} batch {batch:2d}: base {r['base_tok_s']:7.1f} tok/s  spec {r['spec_tok_s']:7.1f} "
                   f"tok/s  x{r['speedup']:.2f}  accept length {r['accept_length']:.2f}  identical {r['identical']}",
@@ -111,12 +118,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sglite bench spec", description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", default=None, help="HF folder or .gguf (default: the default model)")
     p.add_argument("--dtype", default=None, help="engine dtype (default: auto)")
-    p.add_argument("--max-total-tokens", type=int, default=16384, help="KV pool of each engine (tokens)")
-    p.add_argument("--speculative-algorithm", default="NGRAM", choices=("NGRAM", "STANDALONE"))
-    p.add_argument("--speculative-num-draft-tokens", type=int, default=8, help="most draft tokens per step")
+    p.add_argument("--max-total-tokens", type=int, default=16384, help="KV pool of each engine (tokens; default: %(default)s)")
+    p.add_argument("--speculative-algorithm", default="NGRAM", choices=("NGRAM", "STANDALONE"),
+                   help="the spec engine's algorithm (default: %(default)s)")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=8, help="most draft tokens per step (default: %(default)s)")
     p.add_argument("--speculative-draft-model-path", default=None, help="draft model (STANDALONE)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request")
-    p.add_argument("--num-prompts", type=int, default=4, help="requests per batch-1 workload")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request (default: %(default)s)")
+    p.add_argument("--num-prompts", type=int, default=4, help="requests per batch-1 workload (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=2, help="passes over each workload, engine order alternating (default: %(default)s)")
+    p.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
+                   help="the spec engine's batch limit for drafting (default: the engine's)")
     p.add_argument("--workloads", nargs="*", default=None,
                    help="subset of copy_edit extract_json chat chat_batch16 (default: all)")
     p.add_argument("--output-json", default=None, help="write the results here")

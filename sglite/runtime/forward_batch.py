@@ -55,8 +55,12 @@ class ForwardBatch:
             r, start, n = e.req, e.start, e.n
             ids.extend(r.tokens(start, start + n - len(e.draft)))
             ids.extend(e.draft)  # speculative draft tokens (not in the sequence yet)
-            pos.extend(range(start, start + n))
             locs.append(req_to_token[r.kv.row, start:start + n])
+            if e.tree is not None:  # a speculative token tree: per-node positions and slot rows
+                p, rows, lens = e.tree.layout(r.kv.row, start, n)
+                pos.extend(p); dec_rows.extend(rows); dec_lens.extend(lens)  # noqa: E702
+                continue
+            pos.extend(range(start, start + n))
             if e.decode_rows:  # one decode-attention row per token, each seeing the tokens up to itself
                 dec_rows.extend([r.kv.row] * n)
                 dec_lens.extend(range(start + 1, start + n + 1))

@@ -32,6 +32,8 @@ class StepEntry:
         draft: speculative draft tokens appended after the request's pending tokens (the last
             ``len(draft)`` of the ``n``); the entry then has ``len(draft) + 1`` logits rows from
             ``sample_row`` on, one per position from its last pending token (a verify step).
+        tree: a ``speculative.tree.TreeDraft`` when the draft tokens form a token tree (their
+            positions and attention rows then come from it; always decode rows), else None.
     """
 
     req: Req
@@ -41,6 +43,7 @@ class StepEntry:
     sample_row: Optional[int] = None
     input_rows: list[tuple[int, int]] = field(default_factory=list)
     draft: tuple = ()
+    tree: Optional[object] = None
 
     @property
     def ends_sequence(self) -> bool:
@@ -77,7 +80,7 @@ class StepPlan:
         token's result does not depend on chunking or on the batch). Returns self.
         """
         for e in self.entries:
-            e.decode_rows = small_extend is None or e.n <= small_extend
+            e.decode_rows = small_extend is None or e.n <= small_extend or e.tree is not None
         self.entries.sort(key=lambda e: e.decode_rows)
         row = 0
         for e in self.entries:

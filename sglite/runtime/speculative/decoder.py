@@ -11,6 +11,8 @@ Per step (``Scheduler.schedule`` → :meth:`SpecDecoder.attach_drafts`, ``Schedu
    reservation grows by ``k`` slots (free pages only); its entry becomes an extend of
    ``pending + k`` tokens with a logits row at each of the last ``k + 1`` positions. Pending
    jump-forward tokens go first: forced strings ride along as free, always-accepted drafts.
+   With several n-gram candidates (distinct next tokens) the draft is a token tree (:mod:`.tree`):
+   each candidate a chain under the pending token, verified together with a tree attention mask.
 2. **verify** — the one forward of the step computes all rows; :mod:`.verify` keeps a prefix of
    each draft by exact speculative sampling (greedy: prefix matching) and adds one target token.
 3. **commit** — accepted tokens are appended one by one through the output processor (grammar,
@@ -33,9 +35,12 @@ import torch
 from ..step_plan import SMALL_EXTEND, StepEntry, StepPlan
 from .ngram import NgramIndex
 from .state import SpecState
+from .tree import TreeDraft, tree_contexts, verify_tree
 from .verify import row_logits, verify_chain
 
 log = logging.getLogger("sglite.speculative")
+
+TREE_BRANCHES = 3  # most n-gram candidates (token-tree chains) verified per request and step
 
 
 class SpecDecoder:
@@ -55,7 +60,11 @@ class SpecDecoder:
         self.max_batch = config.speculative_disable_by_batch_size
         self.kv, self.sampler, self.out = kv, sampler, out
         self.draft_model = draft_model
-        self.counters = {"spec_verify_steps": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
+        self.counters = {"spec_verify_steps": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
+                         "spec_tree_steps": 0}
+        # token trees (several n-gram candidates per step) need a slot per position: page size 1
+        self.tree_ok = self.draft_model is None and config.page_size == 1
+        self.tree_branches = TREE_BRANCHES
 
     @property
     def stats(self) -> dict:
@@ -85,22 +94,48 @@ class SpecDecoder:
         if not cands:
             return
         if self.draft_model is not None:
-            drafts = self.draft_model.propose([e.req for e in cands], [self._room(e) for e in cands])
+            found = self.draft_model.propose([e.req for e in cands], [self._room(e) for e in cands])
+            drafts = [[d] if d else [] for d in found]
         else:
             drafts = [self._ngram(e) for e in cands]
-        for e, draft in zip(cands, drafts):
+        for e, chains in zip(cands, drafts):
             r = e.req
             if r.spec is None:
                 r.spec = SpecState()
-            if draft and r.grammar is not None:
-                draft = self._walk_grammar(r, draft)
-            if not draft or not self.kv.reserve_more(r, len(draft)):
-                r.spec.masks = None
+            r.spec.masks = None
+            chain_masks = None
+            if chains and r.grammar is not None:
+                chains, chain_masks = self._walk_grammar(r, chains)
+            keep = [i for i, c in enumerate(chains) if c]
+            rows = self._scratch_rows(len(keep) - 1) if len(keep) > 1 else []
+            keep = keep[:1 + len(rows)]
+            chains = [chains[i] for i in keep]
+            n_nodes = sum(len(c) for c in chains)
+            if not chains or not self.kv.reserve_more(r, n_nodes):
+                for row in rows:
+                    self.kv.req_pool.free(row)
                 continue
-            e.draft = tuple(draft)
-            e.n += len(draft)
+            if chain_masks is not None:
+                r.spec.masks = torch.cat([chain_masks[0]] + [chain_masks[1 + i] for i in keep])
+            root_pos = e.start + e.n - 1
+            if len(chains) > 1:
+                e.tree = TreeDraft(chains, [r.kv.row] + rows, rows)
+                e.tree.fill_rows(self.kv.req_to_token, r.kv.row, root_pos)
+            e.draft = tuple(t for c in chains for t in c)
+            e.n += n_nodes
 
-    def _ngram(self, e: StepEntry) -> list[int]:
+    def _scratch_rows(self, n: int) -> list[int]:
+        """Up to ``n`` free slot-table rows for the extra chains of a token tree (fewer when
+        the table is short: the tree then keeps fewer chains)."""
+        out = []
+        while len(out) < n:
+            row = self.kv.req_pool.alloc()
+            if row is None:
+                break
+            out.append(row)
+        return out
+
+    def _ngram(self, e: StepEntry) -> list[list[int]]:
         r, k = e.req, self._room(e)
         if k < 1:
             return []
@@ -109,27 +144,37 @@ class SpecDecoder:
         elif r.spec.index is None:
             r.spec.index = NgramIndex()
         r.spec.index.sync(r.seq_len, r.tokens)
-        found = r.spec.index.propose_with_match(min(k, r.spec.cap))
-        if not found:
-            return []
-        cont, n = found[0]
-        return cont[:2 * n]  # a short match predicts little: at most twice its length
-
-    def _walk_grammar(self, r, draft: list[int]) -> list[int]:
-        """The longest prefix of ``draft`` the grammar allows; ``r.spec.masks`` gets the bitmask
-        of every verify row ([len + 1, W] int32). The matcher is left where it was."""
-        g = r.grammar
-        masks = torch.full((len(draft) + 1, self.sampler.words), -1, dtype=torch.int32)
-        g.fill_next_token_bitmask(masks, 0)
-        kept = 0
-        for i, t in enumerate(draft):
-            if g.is_terminated() or not g.accept_token(t):
+        k = min(k, r.spec.cap)
+        found = r.spec.index.propose_with_match(k, candidates=self.tree_branches if self.tree_ok else 1)
+        chains, budget = [], k
+        for cont, n in found:  # a short match predicts little: at most twice its length
+            c = cont[:min(2 * n, budget if not chains else max(1, budget // 2))]
+            if not c:
                 break
-            kept += 1
-            g.fill_next_token_bitmask(masks, i + 1)
-        g.rollback(kept)
-        r.spec.masks = masks[:kept + 1]
-        return draft[:kept]
+            chains.append(c)
+            budget -= len(c)
+        return chains
+
+    def _walk_grammar(self, r, chains: list[list[int]]) -> tuple[list[list[int]], list[torch.Tensor]]:
+        """The longest prefix of each chain the grammar allows, and the bitmask rows of the verify
+        step: ``[root mask [1, W]] + [one [len, W] per chain]`` (the mask after each node). The
+        matcher is left where it was."""
+        g, W = r.grammar, self.sampler.words
+        root = torch.full((1, W), -1, dtype=torch.int32)
+        g.fill_next_token_bitmask(root, 0)
+        kept_chains, masks = [], [root]
+        for c in chains:
+            m = torch.full((len(c), W), -1, dtype=torch.int32)
+            kept = 0
+            for t in c:
+                if g.is_terminated() or not g.accept_token(t):
+                    break
+                g.fill_next_token_bitmask(m, kept)
+                kept += 1
+            g.rollback(kept)
+            kept_chains.append(c[:kept])
+            masks.append(m[:kept])
+        return kept_chains, masks
 
     # ------------------------------------------------------------------ verify + commit
     def process(self, plan: StepPlan, logits: torch.Tensor, finish: Callable) -> int:
@@ -137,14 +182,22 @@ class SpecDecoder:
         step's rows); ``finish(req, reason)`` ends a request. Returns the tokens appended."""
         appended = 0
         for e in plan.verifying:
-            r, k = e.req, len(e.draft)
-            pending = e.n - k
-            x = row_logits(self.sampler, logits[e.sample_row:e.sample_row + k + 1], r, e.draft, r.spec.masks)
+            r, nodes, tree = e.req, len(e.draft), e.tree
+            pending = e.n - nodes
+            contexts = tree_contexts(tree) if tree is not None else [e.draft[:i] for i in range(nodes + 1)]
+            x = row_logits(self.sampler, logits[e.sample_row:e.sample_row + nodes + 1], r, contexts, r.spec.masks)
             r.spec.masks = None
             gen = None
             if r.params.temperature > 1e-6:
                 gen = torch.Generator().manual_seed((r.seed * 1_000_003 + len(r.output_ids)) % (1 << 62))
-            tokens, a = verify_chain(x, e.draft, r.params, gen)
+            if tree is not None:
+                tokens, a, chain = verify_tree(x, tree, r.params, gen)
+                self._settle_tree(r, e.start + pending - 1, tree, chain, a)
+                k = len(tree.chains[chain])
+                self.counters["spec_tree_steps"] += 1
+            else:
+                tokens, a = verify_chain(x, e.draft, r.params, gen)
+                k = nodes
             reason: Optional[object] = None
             done = 0
             for i, tok in enumerate(tokens):
@@ -157,11 +210,22 @@ class SpecDecoder:
             self.kv.trim(r)
             r.spec.record(k, a, self.k_max)
             self.counters["spec_verify_steps"] += 1
-            self.counters["spec_draft_tokens"] += k
+            self.counters["spec_draft_tokens"] += nodes
             self.counters["spec_accepted_tokens"] += a
             if reason is not None:
                 finish(r, reason)
         return appended
+
+    def _settle_tree(self, r, root_pos: int, tree: TreeDraft, chain: int, a: int) -> None:
+        """Move the accepted chain's slots to the positions right after the root (the rest after
+        them, to be trimmed) and give back the scratch rows."""
+        table = self.kv.req_to_token
+        n = len(tree.tokens)
+        seg = table[r.kv.row, root_pos + 1:root_pos + 1 + n].clone()
+        table[r.kv.row, root_pos + 1:root_pos + 1 + n] = seg[torch.tensor(tree.accepted_order(chain, a))]
+        for row in tree.scratch:
+            self.kv.req_pool.free(row)
+        tree.scratch = []
 
 
 def make_spec_decoder(config, runner, kv, sampler, out) -> Optional[SpecDecoder]:

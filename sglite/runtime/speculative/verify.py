@@ -56,14 +56,15 @@ def target_probs(x: torch.Tensor, params) -> torch.Tensor:
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
-def row_logits(sampler, logits: torch.Tensor, req, draft: Sequence[int],
+def row_logits(sampler, logits: torch.Tensor, req, contexts: Sequence[Sequence[int]],
                bitmask: Optional[torch.Tensor]) -> torch.Tensor:
     """The verify rows of one request with the sampler's logit transforms applied: penalties,
     ``logit_bias`` and the min-new-tokens block per row (row ``i`` sees the output plus
-    ``d_1 .. d_i``), then the grammar rows of ``bitmask`` ([k+1, W] int32 or None).
-    ``logits``: [k+1, V] float32 (not mutated). Returns [k+1, V] float32."""
+    ``contexts[i]``, the draft tokens before it: ``d_1 .. d_i`` for a chain), then the grammar
+    rows of ``bitmask`` ([rows, W] int32 or None). ``logits``: [rows, V] float32 (not mutated).
+    Returns [rows, V] float32."""
     x = logits.clone()
-    views = [RowView(req.params, req.output_ids + list(draft[:i])) for i in range(x.shape[0])]
+    views = [RowView(req.params, req.output_ids + list(c)) for c in contexts]
     sampler._penalize(x, views)
     if bitmask is not None:
         x = x + bitmask_to_additive(bitmask, x.shape[1])

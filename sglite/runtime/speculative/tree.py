@@ -1,0 +1,139 @@
+"""Token-tree drafts: several candidate continuations verified in one forward.
+
+The tree is the request's last pending token (the root) with ``m`` chains hanging off it (n-gram
+candidates with distinct first tokens; Medusa, Cai et al. 2024 §2.1.2 "tree attention";
+SpecInfer, Miao et al. 2024). Node ``i`` at depth ``d`` must attend to the request's prefix, the
+root and its own ancestors only. With the paged slot table that is a *decode row* of length
+``root_pos + d + 1`` over a row of the table holding the prefix and then the node's chain: chain 0
+uses the request's own row (its nodes take the positions after the root), every other chain a
+scratch row (the prefix slots copied, then its chain's slots). So the tree mask needs no new
+kernel: each node reads exactly its ancestors through its row.
+
+Acceptance walks down from the root: at a node the target token is drawn against the children
+(deterministic drafts) by sequential rejection — child ``c`` is kept with probability ``p(c)``,
+else ``p`` loses ``c`` and is renormalized for the next child; when no child is kept the token
+is drawn from what is left. That is a draw from ``p`` itself, so the output stays exactly
+distributed (greedy: the child equal to the argmax, if any).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from .verify import target_probs
+
+
+@dataclass
+class TreeDraft:
+    """Chains of draft tokens under one root.
+
+    Attributes:
+        chains: the candidate continuations (distinct first tokens), chain 0 first.
+        rows: the slot-table row of each chain (chain 0: the request's row), set by the decoder.
+        scratch: rows borrowed for this step (freed after it).
+    """
+
+    chains: list[list[int]]
+    rows: list[int] = field(default_factory=list)
+    scratch: list[int] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[int]:
+        """Node tokens in layout order (chain after chain)."""
+        return [t for c in self.chains for t in c]
+
+    def paths(self) -> list[list[int]]:
+        """Per node (layout order), the node tokens from the root's child down to it."""
+        out = []
+        for c in self.chains:
+            out.extend(c[:j + 1] for j in range(len(c)))
+        return out
+
+    def fill_rows(self, table: torch.Tensor, row: int, root_pos: int) -> None:
+        """Write each scratch chain row: the request's slots up to the root, then its chain's
+        slots (which the request's row holds at the positions after the root, in layout order)."""
+        off = root_pos + 1 + len(self.chains[0])
+        for b in range(1, len(self.chains)):
+            rb, n = self.rows[b], len(self.chains[b])
+            table[rb, :root_pos + 1] = table[row, :root_pos + 1]
+            table[rb, root_pos + 1:root_pos + 1 + n] = table[row, off:off + n]
+            off += n
+
+    def layout(self, row: int, start: int, n: int) -> tuple[list[int], list[int], list[int]]:
+        """Positions, decode rows and attention lengths of an entry's ``n`` tokens (pending tokens,
+        then the nodes)."""
+        n_nodes = sum(len(c) for c in self.chains)
+        pending = n - n_nodes
+        root = start + pending - 1
+        pos = list(range(start, start + pending))
+        rows = [row] * pending
+        lens = list(range(start + 1, start + pending + 1))
+        for b, c in enumerate(self.chains):
+            for d in range(1, len(c) + 1):
+                pos.append(root + d)
+                rows.append(self.rows[b])
+                lens.append(root + d + 1)
+        return pos, rows, lens
+
+    def accepted_order(self, chain: int, a: int) -> list[int]:
+        """Layout indices of all nodes with the ``a`` accepted nodes of ``chain`` first (the new
+        order of the reserved slots after the root)."""
+        first = sum(len(c) for c in self.chains[:chain])
+        kept = list(range(first, first + a))
+        return kept + [i for i in range(len(self.tokens)) if i not in set(kept)]
+
+
+def verify_tree(x: torch.Tensor, tree: TreeDraft, params,
+                generator: Optional[torch.Generator] = None) -> tuple[list[int], int, int]:
+    """Walk ``tree`` against the transformed rows ``x`` ([1 + nodes, V] float32: the root's row,
+    then one per node in layout order).
+
+    Returns:
+        (tokens, accepted, chain): the accepted draft tokens plus one target token, how many were
+        accepted, and the chain they came from.
+    """
+    greedy = params.temperature <= 1e-6
+    starts, off = [], 1
+    for c in tree.chains:
+        starts.append(off)
+        off += len(c)
+    # at the root: one child per chain
+    row, chain, depth = 0, -1, 0
+    out: list[int] = []
+    while True:
+        if chain < 0:
+            kids = [(b, c[0]) for b, c in enumerate(tree.chains) if c]
+        else:
+            c = tree.chains[chain]
+            kids = [(chain, c[depth])] if depth < len(c) else []
+        if greedy:
+            t = int(x[row].argmax())
+            hit = next((b for b, tok in kids if tok == t), None)
+        else:
+            p = target_probs(x[row:row + 1], params)[0]
+            hit, t = None, None
+            for b, tok in kids:
+                if float(torch.rand(1, generator=generator)) < float(p[tok]):
+                    hit, t = b, tok
+                    break
+                p = p.clone()
+                p[tok] = 0.0
+                s = float(p.sum())
+                if s <= 0.0:
+                    break
+                p = p / s
+            if hit is None:
+                t = int(torch.multinomial(p, 1, generator=generator)) if float(p.sum()) > 0 else kids[-1][1]
+        out.append(t)
+        if hit is None:
+            return out, len(out) - 1, max(chain, 0)
+        chain = hit
+        depth += 1
+        row = starts[chain] + depth - 1
+
+
+def tree_contexts(tree: TreeDraft) -> list[Sequence[int]]:
+    """Per verify row (root, then nodes), the draft tokens that precede its prediction."""
+    return [[]] + tree.paths()

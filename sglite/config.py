@@ -60,9 +60,11 @@ class EngineConfig:
             default, ``r"[ ]?|\n[ \t]{0,16}"`` allows one-line indentation.
         json_schema_strict: compile JSON Schemas strictly (XGrammar's default): an object that
             names its properties but does not say ``additionalProperties`` admits no other key, an
-            array with ``prefixItems`` but no ``items`` no further item (sglite backend, every
-            schema source: ``json_schema``, ``response_format``, tools, ``gen(json_schema=...)``).
-            ``--disable-json-schema-strict`` restores the specification's open reading.
+            array with ``prefixItems`` but no ``items`` no further item (every schema source:
+            ``json_schema``, ``response_format``, tools, ``gen(json_schema=...)``).
+            ``--disable-json-schema-strict`` restores the specification's open reading. Applies to
+            the ``sglite`` grammar backend (``xgrammar`` is strict by its own default,
+            ``llguidance`` reads schemas as the specification does).
         random_seed: seed of the engine's default generator (requests without ``sampling_seed``).
         context_length: override of the model's maximum context (tokens); None = the model's
             ``max_position_embeddings``.

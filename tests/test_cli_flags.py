@@ -84,6 +84,7 @@ def test_booleans_read_as_sglang():
                                      "--enable-deterministic-inference"]))
     assert kw == {"disable_radix_cache": True, "enable_jump_forward": False, "enable_deterministic_inference": True}
     assert engine_kwargs(p.parse_args(["--disable-regex-jump-forward"])) == {"enable_jump_forward": False}
+    assert engine_kwargs(p.parse_args(["--disable-json-schema-strict"])) == {"json_schema_strict": False}
     cfg = server_config(p.parse_args(["--enable-metrics", "--log-requests"]))
     assert cfg.enable_metrics and cfg.log_requests
     assert not server_config(p.parse_args([])).enable_metrics

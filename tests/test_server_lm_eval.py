@@ -5,6 +5,7 @@ log-likelihoods: the exact request body it sends (``lm_eval/models/openai_comple
 check against ``top_logprobs``), against ``Engine.score`` on the same engine (tiny model, CPU)."""
 from __future__ import annotations
 
+import json
 import math
 
 import httpx
@@ -94,3 +95,20 @@ def test_max_tokens_zero_without_echo_is_400(served):
     r = httpx.post(srv.url + "/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 0}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     assert "echo" in r.json()["error"]["message"]
+
+
+def test_streamed_echo_logprobs_equal_the_full_response(served):
+    eng, srv, model = served
+    c, x = _encode_pair(eng.tokenizer, *PAIRS[1])
+    body = {"model": model, "prompt": c + x, "max_tokens": 3, "echo": True, "logprobs": 1, "temperature": 0}
+    full = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    lps, text = [], ""
+    with httpx.stream("POST", srv.url + "/v1/completions", json=dict(body, stream=True), timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                ch = json.loads(line[6:])["choices"][0]
+                text += ch["text"]
+                lps += (ch["logprobs"] or {}).get("token_logprobs") or []
+    assert text == full["text"]
+    assert len(lps) == len(full["logprobs"]["token_logprobs"]) == len(c) + len(x) + 3
+    assert lps[0] is None and all(math.isclose(a, b, abs_tol=1e-5) for a, b in zip(lps[1:], full["logprobs"]["token_logprobs"][1:]))

@@ -66,10 +66,20 @@ def test_response_format_objects_are_closed(client, model):
 
 
 def test_native_json_schema_and_frontend_path_are_closed(engine):
+    import sglite
+
     for seed in range(4):
         out = engine.generate("Unit:", {"max_new_tokens": 60, "temperature": 1.0, "sampling_seed": seed,
                                         "json_schema": json.dumps(OPEN_LOOKING)})
         assert set(json.loads(out["text"])) <= {"ok", "n"}, out["text"]
+
+    @sglite.function
+    def unit(s):
+        s += sglite.user("Describe a unit as JSON.")
+        s += sglite.assistant(sglite.gen("u", max_tokens=60, json_schema=OPEN_LOOKING))
+
+    for state in unit.run_batch([{}] * 3, backend=engine, temperature=1.0):
+        assert set(json.loads(state["u"])) <= {"ok", "n"}, state["u"]
 
 
 @pytest.mark.parametrize("tool_choice", ["named", "required", "auto"])
@@ -119,3 +129,18 @@ def test_tokenizer_id_to_bytes_keeps_partial_characters(engine):
     assert tok.id_to_text(partial).endswith("\ufffd")  # the text shows a replacement character...
     assert raw != tok.id_to_text(partial).encode()  # ...the bytes are the token's own
     assert tok.id_to_bytes(tok.encode("hello")[0]) == tok.decode(tok.encode("hello")[:1]).encode()
+
+
+def test_open_reading_when_strict_is_off(engine):
+    from sglite.config import EngineConfig
+    from sglite.runtime.engine_requests import RequestBuilder
+
+    class _Runner:
+        vocab_size = engine.runner.vocab_size
+
+    rb = RequestBuilder(EngineConfig(model_path="x", json_schema_strict=False), engine.tokenizer, _Runner(), None)
+    g = rb.grammar_backend.compile("json_schema", json.dumps(OPEN_LOOKING))
+    m = g.matcher()
+    assert m.accept_string('{"ok":true,"extra":[1]}') and m.is_accepting()
+    assert not engine.requests.grammar_backend.compile("json_schema", json.dumps(OPEN_LOOKING)).matcher().accept_string(
+        '{"ok":true,"extra":[1]}')

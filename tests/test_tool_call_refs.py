@@ -114,3 +114,15 @@ def test_refs_inside_data_keywords_are_not_rewritten():
     args = plan.schema["$defs"]["tool0"]
     assert args["properties"]["a"] == {"$ref": "#/$defs/tool0/$defs/A"}
     assert args["properties"]["b"] == {"const": {"$ref": "#/$defs/A"}}
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    from sglite.server.tool_calls import parse_tool_calls
+
+    text = ('<tool_call>{"name": "User", "arguments": {"name": "a"}}</tool_call>'
+            '<tool_call>{"name": "Node", "arguments": {"value": 1}}</tool_call>')
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=TOOLS, parallel_tool_calls=False)
+    one = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    assert [c["function"]["name"] for c in parse_tool_calls(text, one)[1]] == ["User"]
+    both = plan_tools(req.tools, req.tool_choice)
+    assert [c["function"]["name"] for c in parse_tool_calls(text, both)[1]] == ["User", "Node"]

@@ -130,8 +130,7 @@ def build_openai_router(ctx: OpenAIContext) -> APIRouter:
 
     @router.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
-        if model_id not in ctx.names:
-            raise ApiError(f"model: {model_id!r} not found", status=404, param="model", code="model_not_found")
+        check_model(model_id, ctx.names, [ctx.model_name])
         return card()
 
     @router.post("/v1/completions")

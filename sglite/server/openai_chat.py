@@ -54,7 +54,7 @@ def _prepare(ctx, req: ChatCompletionRequest):
     check_model(req.model, ctx.names, [ctx.model_name])
     check_fields(req, "/v1/chat/completions")
     k = _logprobs_k(req)
-    plan = plan_tools(req.tools, req.tool_choice)
+    plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
     has_format = req.response_format is not None and req.response_format.type != "text"
     if plan.mode == "forced" and (req.regex is not None or req.ebnf is not None or has_format):
         raise ApiError("tool_choice: a forced tool call cannot be combined with regex, ebnf or response_format "

@@ -32,6 +32,7 @@ class ToolPlan:
     mode: str = "none"
     tools: list[dict] = field(default_factory=list)  # OpenAI tool dicts ({"type", "function"})
     schema: Optional[dict] = None                    # forced mode: the JSON schema of the call
+    parallel: bool = True                            # parallel_tool_calls: False keeps the first call only
 
     @property
     def names(self) -> list[str]:
@@ -89,8 +90,9 @@ def calls_schema(fns: list[dict]) -> dict:
     return {**out, "$defs": defs} if defs else out
 
 
-def plan_tools(tools: Optional[list], tool_choice) -> ToolPlan:
-    """Decide the tool mode of a chat request (pydantic ``Tool`` / ``NamedToolChoice`` objects).
+def plan_tools(tools: Optional[list], tool_choice, parallel: bool = True) -> ToolPlan:
+    """Decide the tool mode of a chat request (pydantic ``Tool`` / ``NamedToolChoice`` objects);
+    ``parallel`` is ``parallel_tool_calls`` (False: at most one call is returned).
 
     Raises:
         ApiError: 400 when ``tool_choice`` needs tools that are not there.
@@ -106,7 +108,7 @@ def plan_tools(tools: Optional[list], tool_choice) -> ToolPlan:
         raise ApiError(f"tool_choice: {choice if isinstance(choice, str) else 'a named function'} "
                        "requires a non-empty tools list", param="tool_choice")
     if choice == "auto":
-        return ToolPlan("auto", tool_dicts)
+        return ToolPlan("auto", tool_dicts, parallel=parallel)
     if choice == "required":
         return ToolPlan("forced", tool_dicts, calls_schema([t["function"] for t in tool_dicts]))
     name = choice.function.name
@@ -180,7 +182,7 @@ def parse_tool_calls(text: str, plan: ToolPlan) -> tuple[Optional[str], list[dic
     if plan.mode == "forced" or stripped.startswith(("{", "[")):
         calls = _calls_from_json(stripped, plan.names)
         if calls:
-            return None, calls
+            return None, calls if plan.parallel else calls[:1]
         if plan.mode == "forced":
             return text, []
     blocks = list(_BLOCK.finditer(text))
@@ -188,7 +190,7 @@ def parse_tool_calls(text: str, plan: ToolPlan) -> tuple[Optional[str], list[dic
     if not calls:
         return text, []
     content = text[:blocks[0].start()].strip()
-    return content or None, calls
+    return content or None, calls if plan.parallel else calls[:1]
 
 
 class ToolStreamFilter:

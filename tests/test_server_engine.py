@@ -141,6 +141,7 @@ def _stream_call(client, model, max_tokens, choice):
     kw = dict(model=model, messages=MSG, tools=[tool], max_tokens=max_tokens, temperature=0, tool_choice=choice)
     chunks = list(client.chat.completions.create(stream=True, **kw))
     tcs = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert all(len(c.choices[0].delta.tool_calls or []) <= 1 for c in chunks if c.choices)  # one entry a chunk
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     fr = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     full = client.chat.completions.create(**kw).choices[0]

@@ -12,7 +12,7 @@ import pytest
 from sglite.server.runner import ServerThread
 from sglite.server.testing import FakeEngine
 from sglite.server.tool_calls import ToolPlan, parse_tool_calls
-from sglite.server.tool_stream import ToolCallStreamer, merge_tool_call_deltas, truncated_tool_calls
+from sglite.server.tool_stream import ToolCallStreamer, chunk_entries, merge_tool_call_deltas, truncated_tool_calls
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"},
@@ -145,6 +145,7 @@ def test_streamed_forced_call_with_openai_client(client, choice):
     chunks, arg_deltas, c = _streamed(client, choice, 200)
     assert len(arg_deltas) > 5  # the arguments arrive as they are generated, not in one piece
     tcs = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert all(len(ch.choices[0].delta.tool_calls or []) <= 1 for ch in chunks if ch.choices)  # one entry a chunk
     assert tcs[0].id and tcs[0].type == "function" and tcs[0].function.name == "get_weather"
     assert tcs[0].function.arguments == "" and all(t.id is None and t.function.name is None for t in tcs[1:])
     assert c.finish_reason == "tool_calls" and not c.message.content
@@ -194,3 +195,13 @@ def test_n_choices_each_stream_their_call(client):
                 assert tc.index == 0
                 args[c.index] += tc.function.arguments or ""
     assert all(json.loads(a)["city"] for a in args.values())
+
+
+def test_chunk_entries_one_per_chunk_header_alone():
+    head = {"index": 0, "id": "call_x", "type": "function", "function": {"name": "f", "arguments": ""}}
+    piece = lambda i, t: {"index": i, "function": {"arguments": t}}  # noqa: E731
+    head1 = dict(head, index=1, id="call_y")
+    out = chunk_entries([head, piece(0, '{"a'), piece(0, '": 1}'), head1, piece(1, "{}")])
+    assert out == [head, piece(0, '{"a": 1}'), head1, piece(1, "{}")]
+    assert merge_tool_call_deltas(out) == merge_tool_call_deltas([head, piece(0, '{"a'), piece(0, '": 1}'), head1,
+                                                                  piece(1, "{}")])

@@ -26,7 +26,7 @@ from .openai_params import chat_messages, check_model, make_call, sampling_param
 from .protocol import ChatCompletionRequest
 from .sse import sse_event, sse_response
 from .tool_calls import ToolPlan, parse_tool_calls, plan_tools, render_prompt
-from .tool_stream import ToolCallStreamer, truncated_tool_calls
+from .tool_stream import ToolCallStreamer, chunk_entries, truncated_tool_calls
 
 MAX_TOP_LOGPROBS = 20
 
@@ -128,8 +128,8 @@ async def _chat_events(ctx, req: ChatCompletionRequest, stream, plan: ToolPlan, 
         lp = chat_logprobs(meta, 0, None, _token_bytes(ctx)) if k >= 0 and num_logprob_tokens(meta) else None
         if delta or lp:
             yield chunk(i, {"content": delta}, lp=lp)
-        if calls:
-            yield chunk(i, {"tool_calls": calls})
+        for entry in chunk_entries(calls):
+            yield chunk(i, {"tool_calls": [entry]})
         if fr is not None:
             if tools[i].called and fr in ("stop", "length"):
                 fr = "length" if fr == "length" and tools[i].incomplete else "tool_calls"

@@ -214,6 +214,21 @@ class ToolCallStreamer:
         return hits[0] if len(hits) == 1 else None
 
 
+def chunk_entries(deltas: list[dict]) -> list[dict]:
+    """The entries to send, one per chunk: each call's first entry (id, name, ``arguments: ""``)
+    alone, then its arguments pieces joined. Clients read only ``delta.tool_calls[0]`` of a chunk
+    (instructor's TOOLS streaming does), as OpenAI sends one entry per chunk."""
+    out: list[dict] = []
+    for d in deltas:
+        prev = out[-1] if out else None
+        if ("id" not in d and prev is not None and "id" not in prev and prev["index"] == d["index"]):
+            out[-1] = {"index": d["index"],
+                       "function": {"arguments": prev["function"]["arguments"] + d["function"]["arguments"]}}
+        else:
+            out.append(d)
+    return out
+
+
 def merge_tool_call_deltas(deltas: list[dict]) -> list[dict]:
     """Accumulate ``delta.tool_calls`` entries into whole calls (as OpenAI clients do)."""
     calls: dict[int, dict] = {}

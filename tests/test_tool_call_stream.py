@@ -205,3 +205,24 @@ def test_chunk_entries_one_per_chunk_header_alone():
     assert out == [head, piece(0, '{"a": 1}'), head1, piece(1, "{}")]
     assert merge_tool_call_deltas(out) == merge_tool_call_deltas([head, piece(0, '{"a'), piece(0, '": 1}'), head1,
                                                                   piece(1, "{}")])
+
+
+def test_instructor_tools_mode_streaming_gets_objects(client):
+    """instructor (TOOLS, streamed) reads ``delta.tool_calls[0].function.arguments`` of each chunk."""
+    instructor = pytest.importorskip("instructor")
+    import pydantic
+
+    class Address(pydantic.BaseModel):
+        city: str
+
+    class User(pydantic.BaseModel):
+        name: str
+        age: int
+        address: Address
+
+    cl = instructor.from_openai(client, mode=instructor.Mode.TOOLS)
+    kw = dict(model="fake-model", messages=USER, max_retries=0)
+    users = list(cl.chat.completions.create_iterable(response_model=User, max_tokens=300, **kw))
+    assert users and all(u.name and u.address.city for u in users)
+    partials = list(cl.chat.completions.create_partial(response_model=User, max_tokens=300, **kw))
+    assert len(partials) > 3 and partials[-1] == users[0]

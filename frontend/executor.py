@@ -65,6 +65,7 @@ class StreamExecutor:
         self._closed_queue: Optional[queue.Queue] = None  # the queue a close() stopped, still draining
         self._deferred: Optional[list] = [] if defer else None
         self._deferred_role = self.asm.cur_role  # the role open after the deferred ops
+        self._spec = ""  # API speculative execution: generated text not yet used (see _spec_gen)
         #: set once held ops may reach the backend (the first ``sync``); ``sent`` tells the same
         self.released = threading.Event()
         self.sent = not defer
@@ -183,8 +184,13 @@ class StreamExecutor:
     # ------------------------------------------------------------------ ops
     def _execute(self, op) -> None:
         if isinstance(op, Text):
+            # speculated text stays usable while the program writes exactly what was speculated
+            self._spec = self._spec[len(op.value):] if self._spec.startswith(op.value) else ""
             self.asm.append(op.value)
-        elif isinstance(op, RoleBegin):
+            return
+        if not isinstance(op, Gen):
+            self._spec = ""
+        if isinstance(op, RoleBegin):
             self.asm.role_begin(op.role)
         elif isinstance(op, RoleEnd):
             self.asm.role_end(op.role)
@@ -232,10 +238,43 @@ class StreamExecutor:
         role, partial = self.asm.open_turn()
         return {"chat": ChatContext([dict(m) for m in self.asm.messages], role, partial)}
 
+    def _speculates(self, sp: dict) -> bool:
+        return bool(self.defaults.get("num_api_spec_tokens") and getattr(self.backend, "supports_api_speculation", False)
+                    and not self.stream and self.asm.cur_role is None and sp.get("n", 1) == 1
+                    and not any(sp.get(k) for k in ("regex", "json_schema", "ebnf", "stop_regex")))
+
+    def _spec_gen(self, prompt: str, sp: dict, lp: dict) -> tuple:
+        """SGLang's API speculative execution (interpreter ``_spec_gen``): ``(value, meta)`` of a
+        plain gen, cut from text generated ahead. Lengths of speculated text are counted in
+        characters against ``max_new_tokens``, as SGLang does."""
+        max_new = sp.get("max_new_tokens", 128)
+        stop = sp.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        meta: dict = {}
+        if (not stop and len(self._spec) < max_new) or (stop and not self._spec):
+            ahead = {k: v for k, v in sp.items() if k != "stop"}
+            ahead["max_new_tokens"] = max(max_new, self.defaults["num_api_spec_tokens"])
+            out = self.backend.generate(prompt, ahead, **lp)
+            self._spec, meta = out["text"], out["meta_info"]
+        if stop:
+            hits = [i for i in (self._spec.find(s) for s in stop if s) if i >= 0]
+            cut = min(hits) if hits else min(max_new, len(self._spec))
+        else:
+            cut = max_new
+        value, self._spec = self._spec[:cut], self._spec[cut:]
+        return value, meta
+
     def _gen(self, op: Gen) -> None:
         sp, lp = self.sampling_params(op)
         lp.update(self._chat())
         prompt = self.asm.text
+        if self._speculates(sp):
+            value, meta = self._spec_gen(prompt, sp, lp)
+            self.asm.append(value)
+            if op.name:
+                self.set_var(op.name, value, meta)
+            return
+        self._spec = ""
         if self.stream and sp.get("n", 1) == 1:
             emitted, meta = "", {}
             for out in self.backend.generate_stream(prompt, sp, **lp):
@@ -268,7 +307,8 @@ class StreamExecutor:
 
         The caller must have synced this executor first.
         """
-        child = StreamExecutor(self.backend, self.defaults, False, self.asm, self.variables, self.meta_info)
+        child = StreamExecutor(self.backend, dict(self.defaults, num_api_spec_tokens=None), False, self.asm,
+                               self.variables, self.meta_info)
         child._error = self._error
         self.children.append(child)
         return child

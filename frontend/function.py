@@ -61,7 +61,7 @@ class Function:
         InvalidRequestError: the function's first parameter is not ``s``.
     """
 
-    def __init__(self, func, bound: Optional[dict] = None):
+    def __init__(self, func, bound: Optional[dict] = None, num_api_spec_tokens: Optional[int] = None):
         params = list(inspect.signature(func).parameters.values())
         if not params or params[0].name != "s":
             raise InvalidRequestError(f"@function {getattr(func, '__name__', func)!r}: the first parameter "
@@ -70,6 +70,11 @@ class Function:
         self._params = [p for p in params[1:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         self._names = [p.name for p in self._params]
         self.bound = dict(bound or {})
+        if num_api_spec_tokens is not None and (isinstance(num_api_spec_tokens, bool)
+                                                or not isinstance(num_api_spec_tokens, int) or num_api_spec_tokens < 1):
+            raise InvalidRequestError(f"@function: num_api_spec_tokens must be an integer >= 1, got "
+                                      f"{num_api_spec_tokens!r}", field="num_api_spec_tokens")
+        self.num_api_spec_tokens = num_api_spec_tokens
         self.__name__ = getattr(func, "__name__", "program")
         self.__doc__ = getattr(func, "__doc__", None)
 
@@ -84,7 +89,7 @@ class Function:
             if k not in self._names:
                 raise InvalidRequestError(f"{self.__name__}.bind: unknown argument {k!r}; arguments: {self._names}",
                                           field=k)
-        return Function(self.func, {**self.bound, **kwargs})
+        return Function(self.func, {**self.bound, **kwargs}, self.num_api_spec_tokens)
 
     def bind_arguments(self, args: tuple = (), kwargs: Optional[dict] = None) -> dict:
         """Map positional and keyword arguments onto the program's parameters (defaults filled).
@@ -155,7 +160,7 @@ class Function:
             appended before the body's first value read — before any request is sent.
         """
         options = {k: kwargs.pop(k) for k in list(kwargs) if k in RUN_DEFAULTS}
-        defaults = _run_defaults(options)
+        defaults = dict(_run_defaults(options), num_api_spec_tokens=self.num_api_spec_tokens)
         arguments = self.bind_arguments(args, kwargs)
         backend = resolve_backend(backend)
         state = run_program(self.func, arguments, backend, defaults, stream)
@@ -181,7 +186,7 @@ class Function:
             InvalidRequestError: arity errors, bad options, nested roles (nothing is sent then;
                 with ``generator_style`` these are raised by this call, not by the generator).
         """
-        defaults = _run_defaults(options)
+        defaults = dict(_run_defaults(options), num_api_spec_tokens=self.num_api_spec_tokens)
         items = [self._bind_item(x) for x in batch_kwargs]
         if not items:
             return []
@@ -241,8 +246,15 @@ class Function:
 def function(func=None, *, num_api_spec_tokens: Optional[int] = None):
     """Decorator making ``func(s, ...)`` a :class:`Function` (``@function`` or ``@function()``).
 
-    ``num_api_spec_tokens`` is accepted for SGLang compatibility and ignored.
+    ``num_api_spec_tokens=N`` turns on SGLang's API speculative execution for backends that bill
+    per request (``sglite.OpenAI`` on ``/completions``): a plain ``gen`` outside a chat turn asks
+    for ``max(max_tokens, N)`` tokens with no stop, takes its value up to its own stop, and keeps
+    the rest; later constant text that matches the kept text, and later plain gens, are served
+    from it without a request (see :mod:`.executor`). Other backends ignore it.
+
+    Raises:
+        InvalidRequestError: ``num_api_spec_tokens`` is not an integer >= 1.
     """
     if func is None:
-        return lambda f: Function(f)
-    return Function(func)
+        return lambda f: Function(f, num_api_spec_tokens=num_api_spec_tokens)
+    return Function(func, num_api_spec_tokens=num_api_spec_tokens)

@@ -90,6 +90,8 @@ class OpenAI(Backend):
     """
 
     wants_messages = True
+    #: ``@function(num_api_spec_tokens=N)`` applies (each request costs; see :mod:`.executor`)
+    supports_api_speculation = True
 
     def __init__(self, model_name: str, base_url: Optional[str] = None, api_key: Optional[str] = None,
                  is_chat_model: Optional[bool] = None, chat_template: Optional[ChatTemplate] = None,
@@ -331,6 +333,11 @@ class OpenAI(Backend):
         out = self._post(route, {**payload, **extra})
         c = out["choices"][0]
         return {"text": ((c.get("message") or {}).get("content") if chat_api else c.get("text")) or ""}
+
+    def cache_prefix(self, prefix: str) -> dict:
+        """Not part of the OpenAI API (no prefill-only request): a no-op, as in SGLang's backend;
+        the server's own prefix cache still sees the shared prefix on the first request."""
+        return {}
 
     def flush_cache(self) -> bool:
         """Not part of the OpenAI API: a no-op that returns False."""

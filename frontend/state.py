@@ -191,6 +191,35 @@ class ProgramState(RoleMixin):
             if last:
                 return
 
+    async def text_async_iter(self, var_name: Optional[str] = None, return_meta_data: bool = False):
+        """:meth:`text_iter` as an async iterator (SGLang's ``text_async_iter``): the blocking
+        waits run in the event loop's default executor, so other tasks keep running.
+
+        With ``return_meta_data`` each item is ``(chunk, meta)``: the last one carries the
+        variable's final meta_info (the backend's), earlier ones ``{}`` (one chunk is held back
+        to know which is last); ``{}`` throughout for the whole text (``var_name=None``).
+        """
+        import asyncio
+
+        it = self.text_iter(var_name)
+        loop = asyncio.get_running_loop()
+        end = object()
+        held = end
+        while True:
+            chunk = await loop.run_in_executor(None, next, it, end)
+            if not return_meta_data:
+                if chunk is end:
+                    return
+                yield chunk
+                continue
+            if chunk is end:
+                if held is not end:
+                    yield held, (self._ex.meta_info.get(var_name) or {}) if var_name is not None else {}
+                return
+            if held is not end:
+                yield held, {}
+            held = chunk
+
     def __repr__(self):
         return f"ProgramState(text={self._ex.asm.text[-80:]!r}, vars={sorted(self._ex.variables)})"
 

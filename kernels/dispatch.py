@@ -6,6 +6,11 @@ choice. Unknown names raise ``ValueError`` listing the known ones. ``cpp`` serve
 module defines (``CPP_OPS``); the others, and every op when the build failed, run the reference.
 Only ``triton_*.py`` modules import triton, lazily, so ``import sglite`` works where triton is absent.
 
+Quantized KV pools (:class:`.kv_quant.QuantKVLayer`, passed as ``k_buffer`` and ``v_buffer``)
+route ``store_kv``, ``decode_attention`` and ``extend_attention`` to :mod:`.kv_quant` (the torch
+reference) or, for ``decode_attention``, to the fused C++ kernel of :mod:`.kv_quant_cpu` (CPU) or
+the Triton kernel of :mod:`.kv_quant_triton` (CUDA).
+
 ``linear`` dispatches on its weight instead (:class:`.matmul.LinearWeight` carries the
 implementation chosen once at load). ``batch_invariant=True`` (deterministic inference) asks
 ``decode_attention`` and ``silu_mul`` for results whose row ``i`` depends only on row ``i``'s
@@ -23,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from . import cpu_gemv, reference
+from . import cpu_gemv, kv_quant, reference
 from .matmul import LinearWeight, linear  # noqa: F401  (re-exported: the op of every matmul)
 
 IMPLS = ("torch", "triton", "cpp")
@@ -65,6 +70,10 @@ def resolve_impl(impl: Optional[str], example: Optional[torch.Tensor], op: Optio
         return "triton"
     if (op in CPP_OPS and example is not None and example.device.type == "cpu"
             and _cpp_available()):
+        if isinstance(example, kv_quant.QuantKVLayer):  # build the quantized-pool kernel too
+            from . import kv_quant_cpu
+
+            kv_quant_cpu.available()
         return "cpp"
     return "torch"
 
@@ -80,8 +89,22 @@ def _op(name: str, impl: str):
     return getattr(mod, name)
 
 
+def _quant_decode(name: str):
+    """The quantized-pool decode attention of implementation ``name`` (C++ on CPU when it builds)."""
+    if name == "cpp":
+        from . import kv_quant_cpu
+
+        return kv_quant_cpu.decode_attention
+    if name == "triton":
+        return importlib.import_module(".kv_quant_triton", __package__).decode_attention
+    return kv_quant.decode_attention
+
+
 def store_kv(k_buffer, v_buffer, out_cache_loc, k, v, *, impl: Optional[str] = None):
-    """See :func:`sglite.kernels.reference.store_kv`."""
+    """See :func:`sglite.kernels.reference.store_kv` (:func:`.kv_quant.store_kv` for a quantized
+    pool layer)."""
+    if isinstance(k_buffer, kv_quant.QuantKVLayer):
+        return kv_quant.store_kv(k_buffer, out_cache_loc, k, v)
     return _op("store_kv", resolve_impl(impl, k))(k_buffer, v_buffer, out_cache_loc, k, v)
 
 
@@ -94,6 +117,8 @@ def decode_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_
     ``triton`` a fixed number of KV splits (:data:`.triton_attention.INVARIANT_SPLITS`).
     """
     name = resolve_impl(impl, q, "decode_attention")
+    if isinstance(k_buffer, kv_quant.QuantKVLayer):  # row-independent in every implementation
+        return _quant_decode(name)(q, k_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale)
     args = (q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale)
     if not batch_invariant:
         return _op("decode_attention", name)(*args)
@@ -109,7 +134,11 @@ def decode_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_
 
 def extend_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens,
                      extend_lens, sm_scale, *, impl: Optional[str] = None):
-    """See :func:`sglite.kernels.reference.extend_attention`."""
+    """See :func:`sglite.kernels.reference.extend_attention` (:func:`.kv_quant.extend_attention`
+    for a quantized pool layer)."""
+    if isinstance(k_buffer, kv_quant.QuantKVLayer):
+        return kv_quant.extend_attention(q, k_buffer, req_to_token, req_pool_indices, prefix_lens,
+                                         extend_lens, sm_scale)
     return _op("extend_attention", resolve_impl(impl, q))(
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, sm_scale)
 

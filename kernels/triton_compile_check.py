@@ -21,6 +21,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from . import kv_quant_triton as KQ
 from . import triton_attention as A
 from . import triton_quant as Q
 from . import triton_sampling as S
@@ -66,6 +67,11 @@ def kernel_specs() -> List[Spec]:
                           dict(X="*" + dt, Q="*u8", S="*fp32", Mn="*fp32", Bias="*" + dt, Y="*" + dt),
                           dict(BITS=bits, HAS_MINS=True, HAS_BIAS=False, UPCAST=False, IEEE=dt == "fp32",
                                BLOCK_M=Q.BM, BLOCK_N=Q.BN), 4))
+    for bits in (8, 4):
+        specs.append((f"kv quant decode bf16 {bits}-bit", KQ._qdecode_kernel,
+                      dict(Q="*bf16", KD="*u8", VD="*u8", KS="*fp16", VS="*fp16", RK="*bf16", RV="*bf16",
+                           RT="*i32", Rows="*i64", Lens="*i64", Sealed="*i64", Out="*bf16", sm_scale="fp32"),
+                      dict(QG=3, BLOCK_QG=4, D=64, GROUP=128, BITS=bits, BLOCK_N=32), 4))
     return specs
 
 

@@ -14,7 +14,8 @@ def _cmd_kv_estimate(args) -> int:
     from .kv_estimate import estimate, format_estimate, load_config
 
     cfg = load_config(args.model_path, args.config)
-    print(format_estimate(estimate(cfg, args.seq_len, args.batch, args.dtype)))
+    print(format_estimate(estimate(cfg, args.seq_len, args.batch, args.dtype, args.kv_cache_dtype,
+                                   args.kv_cache_quant_group_size)))
     return 0
 
 
@@ -95,6 +96,7 @@ BENCHES = {
     "sweep": "sglite.bench.sweep",
     "grammar": "sglite.bench.grammar",
     "startup": "sglite.bench.startup",
+    "router": "sglite.distributed.bench_router",
     "spec": "sglite.bench.spec",
     "quant": "sglite.bench.quant",
 }
@@ -126,11 +128,12 @@ def build_parser() -> tuple[FlagParser, FlagParser]:
     """The ``sglite`` parser and its ``generate`` sub-parser (``serve`` and ``bench`` parse their
     own flags: :func:`sglite.server.launch.build_parser`, the bench modules)."""
     p = FlagParser(prog="sglite", description="sglite: structured generation runtime",
-                   usage="%(prog)s {serve,generate,run,bench,eval,quantize,kv-estimate} ...  (see --help)")
+                   usage="%(prog)s {serve,router,generate,run,bench,eval,quantize,kv-estimate} ...  (see --help)")
     p.add_argument("--version", action="version", version=f"sglite {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=FlagParser, prog="sglite")
     sub.add_parser("serve", help="start the HTTP server (see `sglite serve --help`)")
     sub.add_parser("bench", help=f"benchmarks: {' | '.join(BENCHES)}")
+    sub.add_parser("router", help="data-parallel router over sglite servers (see `sglite router --help`)")
     sub.add_parser("quantize", help="write a GPTQ / AWQ / RTN / W8A8 checkpoint (see `sglite quantize --help`)")
     sub.add_parser("eval", help=f"model evaluation: {' | '.join(EVALS)} (see `sglite eval perplexity --help`)")
     k = sub.add_parser("kv-estimate", help="KV-cache bytes per token and totals")
@@ -138,7 +141,11 @@ def build_parser() -> tuple[FlagParser, FlagParser]:
     k.add_argument("--config", help="a HF config.json instead of a model (default: None)")
     k.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default: 4096)")
     k.add_argument("--batch", type=int, default=16, help="sequences (default: 16)")
-    k.add_argument("--dtype", default="float16", help="KV dtype: float32|float16|bfloat16|fp8 (default: float16)")
+    k.add_argument("--dtype", default="float16", help="model dtype: float32|float16|bfloat16|fp8 (default: float16)")
+    k.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "fp8_e4m3", "int8", "int4"),
+                   help="KV pool storage; auto = --dtype (default: auto)")
+    k.add_argument("--kv-cache-quant-group-size", type=int, default=128,
+                   help="tokens per int8/int4 key group (default: 128)")
     g = sub.add_parser("generate", help="one generation on a model", usage="%(prog)s PROMPT [options]  (all flags: --help)",
                        description="One generation on a model; "
                        "every flag is checked before the model is loaded.")
@@ -164,6 +171,9 @@ def main(argv=None) -> int:
         return _cmd_serve(argv[1:])
     if argv and argv[0] == "bench":
         return _cmd_bench(argv[1:])
+    if argv and argv[0] == "router":
+        from .distributed.router_cli import main as router_main
+        return router_main(argv[1:])
     if argv and argv[0] == "eval":
         return _cmd_eval(argv[1:])
     if argv and argv[0] == "quantize":

@@ -10,6 +10,7 @@ from .errors import InvalidRequestError
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3", "int8", "int4")
 GRAMMAR_BACKENDS = ("sglite", "xgrammar", "llguidance")
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
 # EngineConfig.quantization values besides "auto" and None ("none" on the command line); the
@@ -50,6 +51,18 @@ class EngineConfig:
             beside decoding requests (decode priority; 0 = every step mixes a chunk in). Trades a
             longer TTFT for long prompts against shorter stalls for requests already decoding.
         page_size: KV slots allocated and prefix-matched in whole pages of this many tokens.
+            With ``kv_cache_dtype`` int8 / int4 a page holds whole key groups: 1 becomes
+            ``kv_cache_quant_group_size``, other values must be multiples of it.
+        kv_cache_dtype: ``auto`` | ``bfloat16`` | ``fp8_e4m3`` | ``int8`` | ``int4``: storage of the KV
+            pool (SGLang's option). ``auto`` = the model dtype; ``int8`` / ``int4`` follow KIVI (Liu
+            et al. 2024): keys quantized per channel over page-aligned groups of
+            ``kv_cache_quant_group_size`` tokens, values per token, float16 scales and minima beside
+            the pages, each request's newest tokens (its incomplete group) kept in a full-precision
+            residual window; ``fp8_e4m3`` stores float8 with per-head scales. See
+            ``sglite/runtime/kv_quant.py``; bytes per token with ``sglite kv-estimate --kv-cache-dtype``.
+        kv_cache_quant_group_size: tokens per key-quantization group of an int8 / int4 KV pool,
+            which is also the length of each request's full-precision residual window (KIVI's
+            residual, 128 there); a power of two in [16, 1024].
         disable_radix_cache: never reuse a prefix across requests.
         schedule_policy: ``fcfs`` | ``lpm`` | ``dfs-weight``.
         enable_jump_forward: append grammar-forced strings in one extend step.
@@ -116,6 +129,19 @@ class EngineConfig:
             (weight-only). ``w8a8_int8``: int8 weights (per channel) and int8 activations (per
             token, at run time), int32 accumulation; a ``sglite quantize --method smoothquant``
             checkpoint, or a float one quantized at load. ``dtype`` still sets the activation dtype.
+        tp_size: tensor-parallel degree: the engine's scheduler drives this many model worker
+            processes, each holding 1/tp_size of the attention heads, MLP width, vocabulary and
+            KV cache (torch.distributed: gloo on CPU, NCCL on CUDA; see ``docs/scaling.md``).
+        nnodes: machines the ``tp_size`` workers are spread over (``tp_size`` divisible by it).
+        node_rank: this machine's index among ``nnodes``; node 0 runs the scheduler (and the
+            server), the others only their workers.
+        dist_init_addr: ``host:port`` of node 0's torch.distributed rendezvous (TCPStore); None =
+            a free port on 127.0.0.1 (single machine only).
+        disaggregation_mode: ``null`` (prefill and decode here) | ``prefill`` | ``decode``: this
+            server's half of prefill/decode disaggregation (behind ``sglite router
+            --pd-disaggregation``; KV moves by torch.distributed send/recv, see ``docs/scaling.md``).
+        disaggregation_bootstrap_port: port of a prefill server's bootstrap store (TCPStore), where
+            decode servers meet it to receive KV.
     """
 
     model_path: Optional[str] = None
@@ -130,6 +156,8 @@ class EngineConfig:
     chunked_prefill_size: Optional[int] = 512
     decode_steps_per_chunk: int = 2
     page_size: int = 1
+    kv_cache_dtype: str = "auto"
+    kv_cache_quant_group_size: int = 128
     disable_radix_cache: bool = False
     schedule_policy: str = "fcfs"
     enable_jump_forward: bool = True
@@ -150,6 +178,12 @@ class EngineConfig:
     speculative_num_draft_tokens: int = 8
     speculative_disable_by_batch_size: int = 8
     quantization: Optional[str] = "auto"
+    tp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: Optional[str] = None
+    disaggregation_mode: str = "null"
+    disaggregation_bootstrap_port: int = 8998
 
     def __post_init__(self):
         def bad(name, msg):
@@ -194,10 +228,53 @@ class EngineConfig:
             bad("decode_steps_per_chunk", f"must be >= 0, got {self.decode_steps_per_chunk}")
         if self.page_size < 1:
             bad("page_size", f"must be >= 1, got {self.page_size}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            bad("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        g = self.kv_cache_quant_group_size
+        if not (16 <= g <= 1024 and g & (g - 1) == 0):
+            bad("kv_cache_quant_group_size", f"must be a power of two in [16, 1024], got {g}")
+        if self.kv_cache_dtype in ("int8", "int4"):
+            if self.page_size != 1 and self.page_size % g:
+                bad("page_size", f"must be 1 or a multiple of kv_cache_quant_group_size={g} with "
+                                 f"kv_cache_dtype={self.kv_cache_dtype}, got {self.page_size}")
+            if self.enable_deterministic_inference:
+                bad("kv_cache_dtype", f"{self.kv_cache_dtype} is not batch-invariant (a token reads its key "
+                                      "group quantized or in full precision depending on the chunking); "
+                                      "use auto or bfloat16 with enable_deterministic_inference")
+            if self.speculative_algorithm is not None:
+                bad("kv_cache_dtype", f"{self.kv_cache_dtype} cannot be combined with speculative_algorithm "
+                                      "(a verify step could seal rejected draft tokens into a key group); use "
+                                      "auto, bfloat16 or fp8_e4m3")
+            if self.page_size == 1:  # pages hold whole key groups (see sglite/runtime/kv_quant.py)
+                object.__setattr__(self, "page_size", g)
         if self.decode_log_interval < 1:
             bad("decode_log_interval", f"must be >= 1, got {self.decode_log_interval}")
         if self.context_length is not None and self.context_length < 16:
             bad("context_length", f"must be >= 16, got {self.context_length}")
+        if self.tp_size < 1:
+            bad("tp_size", f"must be >= 1, got {self.tp_size}")
+        if self.nnodes < 1 or self.tp_size % self.nnodes:
+            bad("nnodes", f"must be >= 1 and divide tp_size={self.tp_size}, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            bad("node_rank", f"must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            bad("dist_init_addr", "is required (host:port of node 0) when nnodes > 1")
+        if self.dist_init_addr is not None:
+            host, _, port = str(self.dist_init_addr).rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                bad("dist_init_addr", f"must be host:port, got {self.dist_init_addr!r}")
+        if self.disaggregation_mode not in ("null", "prefill", "decode"):
+            bad("disaggregation_mode", f"must be null, prefill or decode, got {self.disaggregation_mode!r}")
+        if self.disaggregation_mode != "null" and self.tp_size > 1:
+            bad("disaggregation_mode", "prefill/decode servers run with tp_size=1")
+        multi = "tp_size > 1" if self.tp_size > 1 else (
+            f"disaggregation_mode={self.disaggregation_mode}" if self.disaggregation_mode != "null" else None)
+        if multi and self.kv_cache_dtype != "auto":  # the sharded / transferred KV is the model dtype's
+            bad("kv_cache_dtype", f"a quantized KV cache is not supported with {multi} yet; use auto")
+        if multi and self.speculative_algorithm is not None:
+            bad("speculative_algorithm", f"speculative decoding is not supported with {multi} yet")
+        if not 0 < self.disaggregation_bootstrap_port < 65536:
+            bad("disaggregation_bootstrap_port", f"must be in [1, 65535], got {self.disaggregation_bootstrap_port}")
         if self.tokenizer_path is not None and not os.path.isdir(self.tokenizer_path):
             bad("tokenizer_path", f"no such folder {self.tokenizer_path!r}")
         self._check_speculative(bad)

@@ -3,6 +3,11 @@
 bytes/token = 2 (K and V) × layers × KV heads × head dim × bytes per element. For LLaMA-7B
 (32 layers, 32 KV heads, head dim 128, fp16) that is 512 KiB; LLaMA-2-70B (80 layers, 8 KV heads)
 320 KiB; Mistral-7B (32 layers, 8 KV heads) 128 KiB.
+
+Quantized pools (``--kv-cache-dtype``, :func:`kv_bytes_per_token`) count their scales: int8 / int4
+(KIVI layout, ``sglite/runtime/kv_quant.py``) store codes plus a float16 scale and minimum per
+token and head (values) and per channel, head and group of G tokens (keys); fp8_e4m3 one byte per
+element (its per-head scales are per layer, not per token).
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from pathlib import Path
 
 from .errors import InvalidRequestError
 
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3", "int8", "int4")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "float8": 1}
 
 
@@ -26,6 +32,12 @@ class KVEstimate:
     bytes_per_token: int
     seq_len: int
     batch: int
+    kv_cache_dtype: str = "auto"
+
+    @property
+    def tokens_per_gib(self) -> int:
+        """Tokens one GiB of pool holds."""
+        return (1 << 30) // self.bytes_per_token
 
     @property
     def bytes_per_sequence(self) -> int:
@@ -36,14 +48,44 @@ class KVEstimate:
         return self.bytes_per_sequence * self.batch
 
 
-def estimate(config: dict, seq_len: int = 4096, batch: int = 16, dtype: str = "float16") -> KVEstimate:
-    """Estimate from a HF ``config.json`` dict.
+def kv_bytes_per_token(kv_cache_dtype: str, num_layers: int, num_kv_heads: int, head_dim: int,
+                       model_dtype_bytes: int = 2, group: int = 128) -> int:
+    """Pool bytes per token over every layer, K and V, scales included (rounded down).
+
+    ``auto`` = the model dtype (``model_dtype_bytes`` per element); ``bfloat16`` 2; ``fp8_e4m3`` 1;
+    ``int8`` / ``int4``: codes (D or D/2 bytes per head), 4 bytes of value scale + min per head, and
+    each key group's ``2 x 2 x D`` bytes per head shared by its ``group`` tokens.
 
     Raises:
-        InvalidRequestError: a missing config field or an unknown dtype.
+        InvalidRequestError: an unknown ``kv_cache_dtype``.
+    """
+    hd = num_layers * num_kv_heads
+    if kv_cache_dtype == "auto":
+        return 2 * hd * head_dim * model_dtype_bytes
+    if kv_cache_dtype == "bfloat16":
+        return 2 * hd * head_dim * 2
+    if kv_cache_dtype == "fp8_e4m3":
+        return 2 * hd * head_dim
+    if kv_cache_dtype not in ("int8", "int4"):
+        raise InvalidRequestError(f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}",
+                                  field="kv_cache_dtype")
+    codes = head_dim if kv_cache_dtype == "int8" else head_dim // 2
+    return (hd * (2 * codes + 4) * group + hd * 4 * head_dim) // group
+
+
+def estimate(config: dict, seq_len: int = 4096, batch: int = 16, dtype: str = "float16",
+             kv_cache_dtype: str = "auto", group: int = 128) -> KVEstimate:
+    """Estimate from a HF ``config.json`` dict; ``dtype`` is the model's (the ``auto`` KV dtype),
+    ``kv_cache_dtype`` / ``group`` as ``EngineConfig.kv_cache_dtype`` / ``kv_cache_quant_group_size``.
+
+    Raises:
+        InvalidRequestError: a missing config field, an unknown dtype or KV cache dtype.
     """
     if dtype not in DTYPE_BYTES:
         raise InvalidRequestError(f"dtype: must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}", field="dtype")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise InvalidRequestError(f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}",
+                                  field="kv_cache_dtype")
     for name in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
         if name not in config:
             raise InvalidRequestError(f"config: missing field {name!r}", field=name)
@@ -54,7 +96,8 @@ def estimate(config: dict, seq_len: int = 4096, batch: int = 16, dtype: str = "f
     hd = config.get("head_dim") or config["hidden_size"] // heads
     layers = config["num_hidden_layers"]
     b = DTYPE_BYTES[dtype]
-    return KVEstimate(layers, kv, hd, b, 2 * layers * kv * hd * b, seq_len, batch)
+    return KVEstimate(layers, kv, hd, b, kv_bytes_per_token(kv_cache_dtype, layers, kv, hd, b, group),
+                      seq_len, batch, kv_cache_dtype)
 
 
 def load_config(model_path: str | None = None, config_path: str | None = None) -> dict:
@@ -77,7 +120,8 @@ def _fmt(n: int) -> str:
 
 
 def format_estimate(e: KVEstimate) -> str:
-    return (f"layers={e.num_layers} kv_heads={e.num_kv_heads} head_dim={e.head_dim} dtype_bytes={e.dtype_bytes}\n"
-            f"bytes per token: {e.bytes_per_token} ({_fmt(e.bytes_per_token)})\n"
+    return (f"layers={e.num_layers} kv_heads={e.num_kv_heads} head_dim={e.head_dim} dtype_bytes={e.dtype_bytes} "
+            f"kv_cache_dtype={e.kv_cache_dtype}\n"
+            f"bytes per token: {e.bytes_per_token} ({_fmt(e.bytes_per_token)}), {e.tokens_per_gib} tokens per GiB\n"
             f"per sequence ({e.seq_len} tokens): {_fmt(e.bytes_per_sequence)}\n"
             f"total (batch {e.batch}): {_fmt(e.total_bytes)}")

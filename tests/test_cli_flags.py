@@ -46,7 +46,7 @@ def test_listed_flags_exist():
     generate = set(_parsers()["generate"]._option_string_actions)
     for flag in LISTED:
         assert flag in serve, flag
-        if flag not in ("--enable-metrics", "--log-requests", "--version"):
+        if flag not in ("--enable-metrics", "--log-requests", "--version", "--dp-size"):
             assert flag in generate, flag
 
 
@@ -104,9 +104,7 @@ def _exit(parser, argv, capsys):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--tp-size", "2"], ["--tp-size", "tensor parallelism is not supported yet"]),
-    (["--dp-size", "4"], ["--dp-size", "data parallelism is not supported yet"]),
-    (["--kv-cache-dtype", "fp8_e5m2"], ["--kv-cache-dtype", "not supported yet"]),
+    (["--kv-cache-dtype", "fp8_e5m2"], ["--kv-cache-dtype", "invalid choice", "int8"]),
     (["--speculative-algorithm", "EAGLE"], ["--speculative-algorithm", "invalid choice", "NGRAM"]),
     (["--speculative-eagle-topk", "4"], ["--speculative-eagle-topk", "EAGLE speculative decoding", "not supported yet"]),
     (["--speculative-foo", "3"], ["unrecognized flag --speculative-foo"]),
@@ -123,8 +121,29 @@ def test_unsupported_and_unknown_flags_fail_clearly(argv, words, capsys):
 
 
 def test_noop_values_of_unsupported_flags_are_accepted():
-    args = build_parser().parse_args(["--tp-size", "1", "--dp-size", "1", "--kv-cache-dtype", "auto"])
+    args = build_parser().parse_args(["--dp-size", "1", "--kv-cache-dtype", "auto"])
     assert engine_kwargs(args) == {}
+
+
+def test_tensor_parallel_flags():
+    p = build_parser()
+    argv = ["--tp-size", "4", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:5000"]
+    kw = engine_kwargs(p.parse_args(argv))
+    assert kw == {"tp_size": 4, "nnodes": 2, "node_rank": 1, "dist_init_addr": "10.0.0.1:5000"}
+    EngineConfig.from_kwargs(**kw)
+    for bad, field in ((dict(tp_size=0), "tp_size"), (dict(tp_size=3, nnodes=2, dist_init_addr="h:1"), "nnodes"),
+                       (dict(nnodes=2, tp_size=2), "dist_init_addr"), (dict(node_rank=1), "node_rank"),
+                       (dict(dist_init_addr="nohost"), "dist_init_addr")):
+        with pytest.raises(ValueError, match=field):
+            EngineConfig.from_kwargs(**bad)
+
+
+def test_kv_cache_dtype_flag_reaches_the_engine_config():
+    args = build_parser().parse_args(["--kv-cache-dtype", "int4", "--kv-cache-quant-group-size", "64"])
+    kw = engine_kwargs(args)
+    assert kw == {"kv_cache_dtype": "int4", "kv_cache_quant_group_size": 64}
+    cfg = EngineConfig(**kw)
+    assert cfg.page_size == 64  # pages hold whole key groups
 
 
 def test_version(capsys):
@@ -168,3 +187,14 @@ def test_bad_values_fail_before_loading_naming_the_flag(argv, flag):
     if flag != "--regex":  # checking a regex imports the grammar code (torch), never the model
         assert not res["torch"], (res, p.stderr)
     assert flag in p.stderr.splitlines()[-1], p.stderr
+
+
+def test_unsupported_combinations_fail_naming_the_option():
+    """Quantized KV and speculative decoding are single-process features for now: with tensor
+    parallelism or disaggregation they are refused before anything loads, naming the option."""
+    for kw, field in ((dict(tp_size=2, kv_cache_dtype="int8"), "kv_cache_dtype"),
+                      (dict(disaggregation_mode="decode", kv_cache_dtype="fp8_e4m3"), "kv_cache_dtype"),
+                      (dict(tp_size=3, speculative_algorithm="NGRAM"), "speculative_algorithm"),
+                      (dict(disaggregation_mode="prefill", speculative_algorithm="NGRAM"), "speculative_algorithm")):
+        with pytest.raises(ValueError, match=field):
+            EngineConfig.from_kwargs(**kw)

@@ -121,6 +121,52 @@ def test_select_constrained_in_chat_and_scored_or_constrained_in_completions(ser
         eng.regex_reply = "42"
 
 
+def test_fork_and_run_batch_through_the_openai_api(server):
+    srv, eng = server
+    prefix = "A long shared context sentence for every branch and item. " * 3
+
+    @sglite.function
+    def ideas(s, topic):
+        s += prefix + topic
+        forks = s.fork(2)
+        forks += lambda i: f" Idea {i}:" + sglite.gen("idea", max_tokens=4, temperature=0)
+        forks.join()
+
+    n0 = len(eng.calls)
+    states = ideas.run_batch([{"topic": "cats"}, {"topic": "dogs"}], backend=_backend(srv), num_threads=2)
+    assert all(st.error() is None and st["idea"] == ["Hell", "Hell"] for st in states)
+    # one completion per branch, nothing else (no prefill-only request: the API has none)
+    assert len(eng.calls) - n0 == 4 and all(c["sampling_params"]["max_new_tokens"] == 4 for c in eng.calls[n0:])
+
+
+def test_api_speculative_execution_serves_later_gens_from_one_request(server):
+    srv, eng = server
+
+    def character(s):
+        s += "Say:" + sglite.gen("a", stop="!") + "! The" + sglite.gen("b", stop=" fox") + " fox"
+        s += sglite.gen("c", stop=".", max_tokens=40)
+
+    spec, plain = sglite.function(num_api_spec_tokens=64)(character), sglite.function(character)
+    be = _backend(srv)
+    n0 = len(eng.calls)
+    st = spec.run(backend=be, temperature=0)
+    assert st.error() is None and len(eng.calls) - n0 == 1          # one request for three gens
+    assert (st["a"], st["b"], st["c"]) == ("Hello world", " quick brown", " jumps over the lazy dog")
+    assert eng.calls[-1]["sampling_params"]["max_new_tokens"] == 128 and not eng.calls[-1]["sampling_params"].get("stop")
+    spec_prompt = be.token_usage.prompt_tokens
+    be.token_usage.reset()
+    st = plain.run(backend=be, temperature=0)
+    assert st.error() is None and len(eng.calls) - n0 == 4 and be.token_usage.prompt_tokens > spec_prompt
+    # a program that writes something else drops the speculated text and asks again
+    other = sglite.function(num_api_spec_tokens=64)(
+        lambda s: s.__iadd__("Say:" + sglite.gen("a", stop="!") + "? No." + sglite.gen("b", stop="!")))
+    n1 = len(eng.calls)
+    st = other.run(backend=be, temperature=0)
+    assert st.error() is None and len(eng.calls) - n1 == 2 and st["b"] == "Hello world"
+    with pytest.raises(InvalidRequestError, match="num_api_spec_tokens"):
+        sglite.function(num_api_spec_tokens=0)(character)
+
+
 def test_stream_joins_to_the_text(server):
     srv, _ = server
     st = chat_prog.run(q="Stream", backend=_backend(srv), stream=True)

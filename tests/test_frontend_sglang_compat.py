@@ -138,6 +138,35 @@ def test_verbosity_2_prints_the_text(capsys):
     assert st.text() in capsys.readouterr().out
 
 
+def test_text_async_iter_streams_without_blocking_the_loop():
+    import asyncio
+
+    @sglite.function
+    def story(s):
+        s += sglite.user("Tell a story.")
+        s += sglite.assistant(sglite.gen("story", max_tokens=40))
+
+    async def main():
+        st = story.run(backend=FakeBackend(respond=lambda p, sp: "once upon a time there was a fox"),
+                       stream=True)
+        ticks = []
+
+        async def ticker():
+            for _ in range(3):
+                ticks.append(1)
+                await asyncio.sleep(0)
+        t = asyncio.ensure_future(ticker())
+        pieces = [c async for c in st.text_async_iter("story")]
+        metas = [m async for _, m in story.run(backend=FakeBackend(), stream=True).text_async_iter(
+            "story", return_meta_data=True)]
+        await t
+        return st, pieces, metas, ticks
+
+    st, pieces, metas, ticks = asyncio.run(main())
+    assert len(pieces) > 3 and "".join(pieces) == st["story"] == "once upon a time there was a fox"
+    assert metas[-1]["completion_tokens"] > 0 and all(m == {} for m in metas[:-1]) and ticks == [1, 1, 1]
+
+
 # ------------------------------------------------------------------ 5. forks
 def test_reading_a_fork_variable_without_join_waits_for_the_branch():
     def respond(prompt, sp):

@@ -55,6 +55,7 @@ from .engine_loop import EngineLoop
 from .engine_requests import RequestBuilder
 from .engine_stream import BatchView, OutputAccumulator, sync_stream
 from .logprob_options import LogprobOptions
+from .kv_quant import check_kv_cache_dtype
 from .model_loader import load_checkpoint
 from .model_runner import ModelRunner, resolve_device, resolve_dtype
 from .quant_loader import load_weights
@@ -90,13 +91,19 @@ class Engine:
         device = resolve_device(cfg.device)
         if device == "cpu":
             torch.set_num_threads(cfg.num_threads or max(1, (os.cpu_count() or 2) - 1))
-        with timer.phase("weights"):
-            sd = load_weights(ckpt, cfg.quantization, resolve_dtype(cfg.dtype, device), device)
-        # ModelRunner builds the model, probes the decode GEMV path, allocates the KV pool and
-        # builds (or loads) the C++ attention kernel; it logs the KV pool size itself.
-        with timer.phase("model, kernel build/probe, KV pool"):
-            self.runner = ModelRunner(cfg, ckpt.hf_config, sd)
-        del sd
+        check_kv_cache_dtype(cfg.kv_cache_dtype, ckpt.hf_config, device)  # before the weights load
+        if cfg.tp_size > 1:  # the model lives in tp_size worker processes (sglite.distributed)
+            from ..distributed.tp_client import TPRunnerClient
+            with timer.phase("tensor-parallel workers"):
+                self.runner = TPRunnerClient(cfg, ckpt)
+        else:
+            with timer.phase("weights"):
+                sd = load_weights(ckpt, cfg.quantization, resolve_dtype(cfg.dtype, device), device)
+            # ModelRunner builds the model, probes the decode GEMV path, allocates the KV pool and
+            # builds (or loads) the C++ attention kernel; it logs the KV pool size itself.
+            with timer.phase("model, kernel build/probe, KV pool"):
+                self.runner = ModelRunner(cfg, ckpt.hf_config, sd)
+            del sd
         with timer.phase("scheduler"):
             self.scheduler = Scheduler(cfg, self.runner, self.tokenizer)
             self.requests = RequestBuilder(cfg, self.tokenizer, self.runner, random.Random(cfg.random_seed))

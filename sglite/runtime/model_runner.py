@@ -11,7 +11,8 @@ from sglite import kernels
 from ..config import EngineConfig
 from ..errors import InvalidRequestError
 from .forward_batch import ForwardBatch
-from .kv_pool import ReqToTokenPool, TokenToKVPool
+from . import kv_quant
+from .kv_pool import ReqToTokenPool
 from .models.llama import LlamaArch, LlamaModel
 
 log = logging.getLogger("sglite.model_runner")
@@ -96,21 +97,26 @@ class ModelRunner:
                 f"context_length={self.context_length} exceeds the model's max_position_embeddings "
                 f"({self.arch.max_position_embeddings})", field="context_length")
         a = self.arch
-        self.bytes_per_token = 2 * a.num_layers * a.num_kv_heads * a.head_dim * torch.finfo(self.dtype).bits // 8
+        kvd, group, rows = config.kv_cache_dtype, config.kv_cache_quant_group_size, config.max_running_requests + 8
+        self.bytes_per_token = kv_quant.kv_bytes_per_token(kvd, a.num_layers, a.num_kv_heads, a.head_dim,
+                                                           torch.finfo(self.dtype).bits // 8, group)
         if config.max_total_tokens:
             tokens = config.max_total_tokens
         else:
+            extra = kv_quant.residual_bytes(kvd, a.num_layers, a.num_kv_heads, a.head_dim, self.dtype, group, rows)
             tokens = pool_tokens(config, self.context_length, self.bytes_per_token,
-                                 available_memory_bytes(self.device))
-        self.token_to_kv_pool = TokenToKVPool(tokens, config.page_size, a.num_layers, a.num_kv_heads,
-                                              a.head_dim, self.dtype, self.device)
+                                 available_memory_bytes(self.device) - int(extra / config.mem_fraction_static))
+        self.token_to_kv_pool = kv_quant.make_pool(kvd, tokens, config.page_size, a.num_layers, a.num_kv_heads,
+                                                   a.head_dim, self.dtype, self.device, group, rows)
         if self.device == "cpu":  # build (or load) the C++ decode-attention kernel now, not in the first step
             kernels.resolve_impl(None, self.token_to_kv_pool.k_buffers[0], "decode_attention")
-        self.req_to_token_pool = ReqToTokenPool(config.max_running_requests + 8, self.context_length + 8, self.device)
+        self.req_to_token_pool = ReqToTokenPool(rows, self.context_length + 8, self.device)
         self.max_total_tokens = self.token_to_kv_pool.capacity
         log.info("KV pool: %d tokens, %d bytes per token (%.1f MiB), dtype %s, device %s",
                  self.max_total_tokens, self.bytes_per_token,
                  self.max_total_tokens * self.bytes_per_token / 2**20, self.dtype, self.device)
+        log.info("KV cache dtype %s", kv_quant.describe(kvd, self.bytes_per_token,
+                                                         getattr(self.token_to_kv_pool, "residual_bytes", 0)))
 
     def _choose_linear_impl(self, config: EngineConfig) -> str:
         """Pick every matmul's implementation once (:func:`sglite.kernels.choose_impl`: the
@@ -134,5 +140,7 @@ class ModelRunner:
         if self.device != "cpu":
             fb = fb.to(self.device)
         pool = self.token_to_kv_pool
+        if hasattr(pool, "begin_step"):  # quantized pool: token rows / positions of this step
+            pool.begin_step(fb)
         logits = self.model.forward(fb, pool.k_buffers, pool.v_buffers)
         return logits.cpu() if self.device != "cpu" else logits

@@ -285,6 +285,8 @@ class Scheduler:
         self.kv.check_invariants(self.running)
 
     def close(self) -> None:
-        """Stop the grammar-mask thread (the engine calls this when its loop ends)."""
+        """Stop the grammar-mask thread and the runner's worker processes, if it has any (the
+        engine calls this when its loop ends)."""
         self.masks.close()
+        getattr(self.runner, "close", lambda: None)()
 

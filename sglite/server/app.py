@@ -54,6 +54,10 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
                                                              "served_model_name": name},
                                            enable_metrics=config.enable_metrics))
     app.include_router(build_openai_router(OpenAIContext(client, name, names)))
+    ecfg = getattr(engine, "config", None)
+    if getattr(ecfg, "disaggregation_mode", "null") != "null":  # prefill/decode half (sglite.distributed)
+        from ..distributed.disaggregation import disaggregation_routes
+        app.include_router(disaggregation_routes(engine, ecfg.disaggregation_mode, ecfg.disaggregation_bootstrap_port))
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)

@@ -10,9 +10,9 @@ defaults to True is switched off by its ``--disable-…`` form (``enable_jump_fo
 ``--no-…`` forms.
 
 Flags of features that arrive with later issues (``--tp-size``, ``--dp-size``,
-``--kv-cache-dtype``, ``--speculative-eagle-topk``) are known, so that using them
+``--speculative-eagle-topk``) are known, so that using them
 fails with "… is not supported yet" instead of being silently accepted; their default values
-(``--tp-size 1``, ``--kv-cache-dtype auto``) are accepted as no-ops.
+(``--tp-size 1``) are accepted as no-ops.
 """
 from __future__ import annotations
 
@@ -23,9 +23,10 @@ import re
 import sys
 from typing import Any, Iterable, Optional, Sequence
 
-from ..config import DTYPES, GRAMMAR_BACKENDS, SCHEDULE_POLICIES, SPECULATIVE_ALGORITHMS, EngineConfig
+from ..config import DTYPES, GRAMMAR_BACKENDS, KV_CACHE_DTYPES, SCHEDULE_POLICIES, SPECULATIVE_ALGORITHMS, EngineConfig
 
 CHOICES = {"dtype": DTYPES, "schedule_policy": SCHEDULE_POLICIES, "grammar_backend": GRAMMAR_BACKENDS,
+           "kv_cache_dtype": KV_CACHE_DTYPES,
            "cpu_decode_gemv": ("auto", "cpp", "fp16", "off"), "device": None,
            "log_level": ("debug", "info", "warning", "error", "critical"),
            "speculative_algorithm": SPECULATIVE_ALGORITHMS}
@@ -47,9 +48,6 @@ class Unsupported:
 
 
 UNSUPPORTED = (
-    Unsupported("--tp-size", "tensor parallelism", (1,), int),
-    Unsupported("--dp-size", "data parallelism", (1,), int),
-    Unsupported("--kv-cache-dtype", "a KV cache dtype other than the model's", ("auto",)),
     Unsupported("--speculative-eagle-topk", "EAGLE speculative decoding (NGRAM and STANDALONE are supported)"),
 )
 UNSUPPORTED_PREFIXES: dict = {}

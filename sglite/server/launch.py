@@ -78,6 +78,16 @@ def main(args_or_argv: Union[argparse.Namespace, Sequence[str], None] = None, en
     except ValueError as exc:
         fail(parser, exc)
     configure_logging(cfg.log_level)
+    if cfg.dp_size > 1:  # N worker servers behind the cache-aware router (sglite.distributed)
+        if isinstance(args_or_argv, argparse.Namespace):
+            fail(parser, ValueError("dp_size: --dp-size > 1 needs the command line, not parsed arguments"))
+        from ..distributed.router_cli import serve_data_parallel
+        import sys
+        raise SystemExit(serve_data_parallel(list(sys.argv[1:] if args_or_argv is None else args_or_argv),
+                                             cfg.dp_size, cfg.host, cfg.port, cfg.log_level))
+    if kwargs.get("node_rank"):  # node k > 0 of a multi-node tensor-parallel engine: workers only
+        from ..distributed.tp_client import run_node_workers
+        raise SystemExit(run_node_workers(EngineConfig.from_kwargs(**kwargs)))
 
     import uvicorn
 

@@ -24,6 +24,8 @@ class ServerConfig:
         log_requests: log a summary of every request and its response at info (rid, prompt
             tokens, sampling params, finish reason, completion tokens, latency, truncated texts).
         log_requests_max_chars: texts in the request log are cut to this many characters.
+        dp_size: data-parallel workers: more than 1 starts this many servers (same engine flags,
+            free ports on 127.0.0.1) behind the cache-aware router (``sglite router``) on host:port.
     """
 
     host: str = "127.0.0.1"
@@ -35,6 +37,7 @@ class ServerConfig:
     enable_metrics: bool = False
     log_requests: bool = False
     log_requests_max_chars: int = 200
+    dp_size: int = 1
 
     def __post_init__(self):
         if not (0 <= self.port <= 65535):
@@ -42,6 +45,8 @@ class ServerConfig:
         if self.max_request_bytes < 1024:
             raise InvalidRequestError(f"max_request_bytes: must be >= 1024, got {self.max_request_bytes}",
                                       field="max_request_bytes")
+        if self.dp_size < 1:
+            raise InvalidRequestError(f"dp_size: must be >= 1, got {self.dp_size}", field="dp_size")
         if self.log_requests_max_chars < 0:
             raise InvalidRequestError(f"log_requests_max_chars: must be >= 0, got {self.log_requests_max_chars}",
                                       field="log_requests_max_chars")

@@ -139,6 +139,9 @@ class LlamaModel:
             self.layers.append(layer)
         self.cos, self.sin = _rope_cache(arch, arch.max_position_embeddings, device)
         self.sm_scale = 1.0 / math.sqrt(arch.head_dim)
+        # tensor parallelism (sglite.distributed): this model is one rank's shard and ``tp`` (a
+        # TPComm) does the vocab-parallel embedding, the all-reduces and the logits all-gather
+        self.tp = None
 
     def linear_weights(self) -> list:
         """Every matmul weight (:class:`~sglite.kernels.LinearWeight` or
@@ -220,8 +223,11 @@ class LlamaModel:
         # deterministic mode: the scheduler lays every token out as a decode row of its own causal
         # length (StepPlan.layout(None)), so a token meets one kernel however its prompt was cut
         assert not (inv and ne), "batch-invariant forward given extend rows (see StepPlan.layout)"
-        x = (self.embed[fb.input_ids] if isinstance(self.embed, torch.Tensor)
-             else self.embed.rows(fb.input_ids, self.dtype))  # [N, H]
+        if self.tp is not None:  # vocab-parallel lookup (tensor parallelism)
+            x = self.tp.embed(self.embed, fb.input_ids)  # [N, H]
+        else:
+            x = (self.embed[fb.input_ids] if isinstance(self.embed, torch.Tensor)
+                 else self.embed.rows(fb.input_ids, self.dtype))  # [N, H]
         cos = self.cos[fb.positions].to(self.dtype)  # [N, D/2]
         sin = self.sin[fb.positions].to(self.dtype)  # [N, D/2]
         for li, L in enumerate(self.layers):
@@ -246,10 +252,15 @@ class LlamaModel:
                     q[ne:], k_buffers[li], v_buffers[li], fb.req_to_token, dec_rows, dec_lens,
                     self.sm_scale, batch_invariant=inv))  # [Nd, Hq, D]
             o = parts[0] if len(parts) == 1 else torch.cat(parts)  # [N, Hq, D]
-            x = x + kernels.linear(o.reshape(-1, Hq * D), L["o"])  # [N, H]
+            x = x + self._reduce(kernels.linear(o.reshape(-1, Hq * D), L["o"]))  # [N, H]
             h = kernels.rms_norm(x, L["post_norm"], a.rms_norm_eps, batch_invariant=inv)  # [N, H]
             g, u = kernels.linear(h, L["gate_up"]).chunk(2, dim=-1)  # [N, I] each
-            x = x + kernels.linear(kernels.silu_mul(g, u, batch_invariant=inv), L["down"])  # [N, H]
+            x = x + self._reduce(kernels.linear(kernels.silu_mul(g, u, batch_invariant=inv), L["down"]))  # [N, H]
         x = x[fb.logits_indices]  # [M, H]
         x = kernels.rms_norm(x, self.norm, a.rms_norm_eps, batch_invariant=inv)  # [M, H]
-        return kernels.linear(x, self.lm_head).float()  # [M, V]
+        logits = kernels.linear(x, self.lm_head).float()  # [M, V] ([M, V/tp] on a tensor-parallel rank)
+        return logits if self.tp is None else self.tp.gather_logits(logits)
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel matmul's output: summed over tensor-parallel ranks, else as is."""
+        return x if self.tp is None else self.tp.all_reduce(x)

@@ -1,0 +1,80 @@
+"""Fused C++ CPU decode attention over a quantized KV pool (int8 / int4, KIVI layout).
+
+Same contract as :func:`.kv_quant.decode_attention` (the torch reference):
+    q            [B, Hq, D] float32 | bfloat16 (unit stride along D)
+    layer        :class:`.kv_quant.QuantKVLayer` of kind int8 / int4 on CPU: codes [S, Hkv, Dq]
+                 uint8 and value scales [S, Hkv, 2] float16 (any strides with a unit last stride:
+                 the pool's head-major storage), key scales [S/G, Hkv, 2, D] float16 contiguous,
+                 residual windows [R, G, Hkv, D] float32 | bfloat16
+    req_to_token [R, Lmax] int32; req_pool_indices / seq_lens [B] int64
+    returns      [B, Hq, D] in q's dtype; Hq % Hkv == 0, D <= 256 (int4: D even).
+
+One task per (request, KV head) (``at::parallel_for``), reading the pool in place. Keys of a
+sealed group (G contiguous slots sharing per-channel scale ``s`` and minimum ``z``) are scored as
+``(q*s) . codes + q . z``: the scaled query and the constant are formed once per group, so a key
+row costs one widen + FMA per channel, as a bf16 row does. Values (per-token scale ``sv``, minimum
+``zv``) accumulate ``(p*sv) * codes`` and ``sum p*zv`` is added once at the end. Positions from the
+row's quantized boundary (``row_len // G * G``) on come from its residual window; the rare rows of a
+short extend whose own group the step sealed (:func:`.kv_quant.needs_stash`) are redone by the
+reference, which reads the step's stash. Float32
+arithmetic, two-pass softmax as :mod:`.cpu_attention`; a request's result depends only on its own
+inputs (batch-invariant). AVX-512 when the compiler targets it (D a multiple of 16, int4 of 32),
+portable loops otherwise. Build and fallback as :mod:`.cpu_attention`: the torch reference runs
+when the extension is unavailable or the inputs are not covered (fp8 pools, other devices).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import kv_quant
+from .cpu_build import load_cpp, read_source
+
+_LIB = "sglite_kv_quant"
+MAX_HEAD_DIM = 256
+
+
+@functools.lru_cache(maxsize=None)
+def load():
+    """The compiled ops namespace, or None after one logged warning (see :func:`.cpu_build.load_cpp`)."""
+    return load_cpp("sglite_kv_quant", read_source("kv_quant_attention.cpp"), ("-O3", "-march=native"),
+                    ops_namespace=_LIB)
+
+
+def available() -> bool:
+    """True when the extension compiled (or was already built) and loaded."""
+    return load() is not None
+
+
+def supported(q: torch.Tensor, layer: kv_quant.QuantKVLayer) -> bool:
+    """Whether the kernel covers these inputs (CPU int8/int4 layer, float32/bfloat16 q and residual)."""
+    return (layer.kind in ("int8", "int4") and q.device.type == "cpu" and layer.k_data.device.type == "cpu"
+            and q.dtype in (torch.float32, torch.bfloat16) and q.dim() == 3 and q.stride(-1) == 1
+            and layer.res_k.dtype in (torch.float32, torch.bfloat16) and layer.head_dim <= MAX_HEAD_DIM
+            and layer.k_data.stride(-1) == 1 and layer.v_data.stride(-1) == 1 and layer.k_scale.is_contiguous()
+            and layer.v_scale.stride(-1) == 1 and layer.res_k.is_contiguous() and layer.res_v.is_contiguous())
+
+
+def decode_attention(q: torch.Tensor, layer: kv_quant.QuantKVLayer, req_to_token: torch.Tensor,
+                     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """Fused decode attention over a quantized pool; see the module docstring.
+
+    Raises:
+        ValueError: mismatched shapes, a seq_len outside [1, Lmax].
+        IndexError: a request row or a slot outside the table / pool.
+    """
+    ops = load()
+    if ops is None or not supported(q, layer):
+        return kv_quant.decode_attention(q, layer, req_to_token, req_pool_indices, seq_lens, sm_scale)
+    if req_to_token.dtype != torch.int32 or req_to_token.stride(-1) != 1:
+        req_to_token = req_to_token.to(torch.int32).contiguous()
+    rows = req_pool_indices.to(torch.int64).contiguous()
+    stash = kv_quant.needs_stash(layer, rows, seq_lens)
+    out = ops.decode_attention(q, layer.k_data, layer.v_data, layer.k_scale, layer.v_scale, layer.res_k,
+                                layer.res_v, req_to_token, rows, seq_lens.to(torch.int64).contiguous(),
+                                layer.sealed_lens(rows).contiguous(), float(sm_scale), layer.bits, layer.group)
+    if bool(stash.any()):  # rows of a short extend whose group the step sealed: the reference
+        i = stash.nonzero().squeeze(1)
+        out[i] = kv_quant.decode_attention(q[i], layer, req_to_token, rows[i], seq_lens[i], sm_scale)
+    return out

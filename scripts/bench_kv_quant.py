@@ -1,0 +1,183 @@
+"""KV-cache quantization benchmark (issue 16): pool density, accuracy and decode step time per
+``kv_cache_dtype``, side by side in one run.
+
+    .venv/bin/python scripts/bench_kv_quant.py accuracy --tokens 4096 --window 1024
+    .venv/bin/python scripts/bench_kv_quant.py speed --batch 64 --context 1024
+
+* density: pool bytes per token (scales included) of the allocated tensors, tokens per GiB, ratio
+  to the bfloat16 pool.
+* accuracy (default model, float32 activations): the first ``--tokens`` tokens of CPython's
+  ``pydoc_data.topics`` text (values joined in sorted-key order, as ``sglite eval perplexity``),
+  disjoint windows of ``--window`` tokens, scored through prompt logprobs. Reported per dtype:
+  perplexity (exp mean NLL over every position but each window's first) and its delta to the
+  bfloat16-KV run; greedy agreement: the share of positions whose top-1 next token equals the
+  bfloat16-KV run's (teacher forced: both runs see the same text).
+* speed: a decode step of ``--batch`` requests with ``--context`` - i tokens (row i; staggered, so
+  about one row in a group seals its key group per step, as in steady decoding; pools filled with
+  random codes; attention cost does not depend on the values): one engine of model dtype
+  ``--dtype``, one pool per KV dtype swapped into its runner, timed in turn for ``--reps`` rounds;
+  median ``ModelRunner.forward`` wall time and process CPU time (with one torch thread, the CPU
+  time is the step's cost without the waits of a shared machine) per dtype, and their ratios to the
+  bfloat16 pool.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+
+import torch
+
+DTYPES = ("bfloat16", "int8", "int4", "fp8_e4m3")
+
+
+def topics_ids(tokenizer, n: int) -> list[int]:
+    from pydoc_data.topics import topics
+
+    text = "".join(topics[k] for k in sorted(topics))
+    ids = tokenizer.encode(text[: 10 * n], add_special_tokens=False)
+    assert len(ids) >= n, "text too short"
+    return ids[:n]
+
+
+def pool_bytes(pool) -> int:
+    seen, total = set(), 0
+    for layer in pool.k_buffers + pool.v_buffers:
+        ts = [layer] if isinstance(layer, torch.Tensor) else [layer.k_data, layer.v_data, layer.k_scale, layer.v_scale]
+        for t in ts:
+            key = (t.untyped_storage().data_ptr(), t.data_ptr())
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+    return total
+
+
+def accuracy(args) -> dict:
+    from sglite import Engine
+
+    res = {}
+    for kvd in ("auto",) + DTYPES:
+        e = Engine(dtype="float32", kv_cache_dtype=kvd, max_total_tokens=args.tokens + 2048,
+                   log_level="warning", disable_radix_cache=True)
+        ids = topics_ids(e.tokenizer, args.tokens)
+        wins = [ids[i:i + args.window] for i in range(0, args.tokens, args.window)]
+        t = time.time()
+        outs = e.generate(input_ids=wins, sampling_params=[{"max_new_tokens": 1, "temperature": 0}] * len(wins),
+                          return_logprob=True, logprob_start_len=0, top_logprobs_num=1)
+        lps, top = [], []
+        for w, o in zip(wins, outs):
+            m = o["meta_info"]
+            ent = m["input_token_logprobs"]
+            lps += [x[0] for x in ent[1:]]
+            tops = m["input_top_logprobs"]  # entry i: top tokens at position i (predicting token i)
+            top += [x[0][1] for x in tops[1:]] + [m["output_token_logprobs"][0][1]]
+        pool = e.runner.token_to_kv_pool
+        res[kvd] = {"nll": -math.fsum(lps) / len(lps), "top1": top, "seconds": time.time() - t,
+                    "bytes_per_token": pool.bytes_per_token,
+                    "pool_bytes_per_token": pool_bytes(pool) / (pool.capacity + pool.page_size)}
+        e.shutdown()
+        print(kvd, f"nll {res[kvd]['nll']:.5f}", f"{res[kvd]['seconds']:.1f} s", file=sys.stderr)
+    base = res["bfloat16"]
+    rows = []
+    for kvd, r in res.items():
+        agree = sum(a == b for a, b in zip(r["top1"], base["top1"])) / len(base["top1"])
+        rows.append({"kv_cache_dtype": kvd, "perplexity": math.exp(r["nll"]),
+                     "ppl_delta_vs_bf16_pct": 100 * (math.exp(r["nll"] - base["nll"]) - 1),
+                     "greedy_agree_vs_bf16": agree, "positions": len(base["top1"]),
+                     "bytes_per_token": r["bytes_per_token"],
+                     "allocated_bytes_per_token": round(r["pool_bytes_per_token"], 1),
+                     "tokens_per_GiB": (1 << 30) // r["bytes_per_token"],
+                     "density_vs_bf16": base["bytes_per_token"] / r["bytes_per_token"]})
+    return {"python": sys.version.split()[0], "tokens": args.tokens, "window": args.window, "rows": rows}
+
+
+def fill_pool(pool, table, B: int, L: int, g: torch.Generator) -> None:
+    """Rows 0..B-1 of ``table`` hold L tokens on consecutive pages; the pool random (attention
+    cost does not depend on the values)."""
+    ps = pool.page_size
+    pages_per = -(-L // ps)
+    for b in range(B):
+        first = 1 + b * pages_per
+        table[b, :L] = torch.arange(first * ps, first * ps + L, dtype=torch.int32)
+    for layer in pool.k_buffers + (pool.v_buffers if isinstance(pool.v_buffers[0], torch.Tensor) else []):
+        if isinstance(layer, torch.Tensor):
+            layer.copy_(torch.randn(layer.shape, generator=g).to(layer.dtype) * 0.5)
+        elif layer.kind == "fp8_e4m3":
+            layer.k_data.copy_(torch.randn(layer.k_data.shape, generator=g).to(layer.k_data.dtype))
+            layer.v_data.copy_(torch.randn(layer.v_data.shape, generator=g).to(layer.v_data.dtype))
+        else:
+            for t in (layer.k_data, layer.v_data):
+                t.copy_(torch.randint(0, 255, t.shape, generator=g, dtype=torch.uint8))
+            for t in (layer.k_scale, layer.v_scale):
+                t.copy_(torch.rand(t.shape, generator=g).half() * 0.01)
+            for t in (layer.res_k, layer.res_v):
+                t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+
+
+def speed(args) -> dict:
+    """One engine (model dtype ``--dtype``); one pool per KV dtype, swapped into its runner; the
+    dtypes are timed in turn, ``--reps`` rounds, so machine drift hits them alike."""
+    from sglite import Engine
+    from sglite.runtime.forward_batch import ForwardBatch
+    from sglite.runtime.kv_quant import make_pool
+
+    B, L = args.batch, args.context
+    e = Engine(dtype=args.dtype, max_total_tokens=1024, max_running_requests=B, log_level="warning")
+    r = e.runner
+    a = r.arch
+    g = torch.Generator().manual_seed(0)
+    table = r.req_to_token_pool.req_to_token
+    pools = {}
+    for kvd in DTYPES:
+        pool = make_pool(kvd, B * (L + 256) + 1024, 128, a.num_layers,  # one slot table for all: pages of 128
+                         a.num_kv_heads, a.head_dim, r.dtype, r.device, 128, table.shape[0])
+        fill_pool(pool, table, B, L, g)
+        pools[kvd] = pool
+    rows = torch.arange(B)
+    lens = L - rows  # staggered lengths: ~one row in G completes a key group per step, as in steady decoding
+    fb = ForwardBatch(input_ids=torch.randint(0, 1000, (B,), generator=g), positions=lens - 1,
+                      out_cache_loc=table[rows, lens - 1].long(), req_to_token=table,
+                      ext_req_pool_indices=torch.empty(0, dtype=torch.int64),
+                      ext_prefix_lens=torch.empty(0, dtype=torch.int64),
+                      ext_extend_lens=torch.empty(0, dtype=torch.int64), dec_req_pool_indices=rows,
+                      dec_seq_lens=lens, logits_indices=rows)
+    times = {k: [] for k in pools}
+    cpu = {k: [] for k in pools}
+    for i in range(args.reps + 1):
+        for kvd, pool in pools.items():
+            r.token_to_kv_pool = pool
+            t, c = time.perf_counter(), time.process_time()
+            r.forward(fb)
+            if i:  # round 0 warms up
+                times[kvd].append(time.perf_counter() - t)
+                cpu[kvd].append(time.process_time() - c)
+    e.shutdown()
+    base = statistics.median(times["bfloat16"])
+    base_cpu = statistics.median(cpu["bfloat16"])
+    out = [{"kv_cache_dtype": k, "step_ms": 1000 * statistics.median(v), "vs_bf16_pool": statistics.median(v) / base,
+            "cpu_ms": 1000 * statistics.median(cpu[k]), "cpu_vs_bf16_pool": statistics.median(cpu[k]) / base_cpu,
+            "bytes_per_token": pools[k].bytes_per_token} for k, v in times.items()]
+    return {"batch": B, "context": L, "dtype": args.dtype, "threads": torch.get_num_threads(), "rows": out}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("accuracy")
+    a.add_argument("--tokens", type=int, default=4096)
+    a.add_argument("--window", type=int, default=1024)
+    s = sub.add_parser("speed")
+    s.add_argument("--batch", type=int, default=64)
+    s.add_argument("--context", type=int, default=1024)
+    s.add_argument("--reps", type=int, default=5)
+    s.add_argument("--dtype", default="bfloat16")
+    args = p.parse_args()
+    print(json.dumps(accuracy(args) if args.cmd == "accuracy" else speed(args), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,199 @@
+"""Prefill/decode disaggregation: a prefill server computes a prompt's KV, a decode server continues.
+
+DistServe (Zhong et al. 2024) / Splitwise placement: prefill and decode run on different servers so
+neither phase stalls the other. Here (``disaggregation_mode``):
+
+* the **prefill** server (``prefill``) hosts a bootstrap ``TCPStore`` on
+  ``disaggregation_bootstrap_port``; ``POST /disagg/prefill {"text" | "input_ids",
+  "bootstrap_room"}`` prefills the prompt into its radix cache, reads the prompt's K/V out of its
+  pool and sends token ids and K/V to the decode server of that room;
+* the **decode** server (``decode``) answers ``POST /disagg/receive {"bootstrap_host",
+  "bootstrap_port", "bootstrap_room"}``: it joins the room, receives the ids and K/V, writes them
+  into free slots of its own pool and inserts them into its radix cache;
+* the router (``sglite router --pd-disaggregation``) sends both at once, then the original request
+  to the decode server, whose radix cache now holds the prompt: it computes the last prompt token
+  and decodes. Greedy output is the colocated server's.
+
+The bootstrap handshake: the room id (random, from the router) names a store prefix; both sides
+build a 2-rank gloo group on it (prefill rank 0, decode rank 1) through the prefill server's store;
+the transfer is torch.distributed send/recv. Payload: header ``[n, L, Hkv, D]`` int64, ids ``[n]``
+int64, then K and V as ``[L, n, Hkv, D]`` in the pool dtype. Both servers must run the same model
+and dtype (checked from the header); ``tp_size`` must be 1.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from datetime import timedelta
+
+import torch
+
+log = logging.getLogger("sglite.disaggregation")
+
+MODES = ("null", "prefill", "decode")
+TRANSFER_TIMEOUT = timedelta(seconds=600)  # a decode server may wait for a whole queued prefill
+TRANSFER_THREADS = 64  # transfers in flight per server (each blocks a thread until its peer comes)
+
+
+def _room_group(store, room: int, rank: int):
+    import torch.distributed as dist
+
+    return dist.ProcessGroupGloo(dist.PrefixStore(f"sglite/pd/{int(room)}", store), rank, 2, TRANSFER_TIMEOUT)
+
+
+def export_prefix(engine, ids: list[int]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """The cached prefix of ``ids`` in ``engine``'s radix cache and its K/V, copied on the engine's
+    loop thread between steps: (ids [n], K [L, n, Hkv, D], V [L, n, Hkv, D])."""
+    def fn():
+        slots, _ = engine.scheduler.kv.match_prefix(ids)
+        pool = engine.runner.token_to_kv_pool
+        k = torch.stack([b[slots] for b in pool.k_buffers]).cpu()
+        v = torch.stack([b[slots] for b in pool.v_buffers]).cpu()
+        return ids[:len(slots)], k, v
+    return engine._loop.call(fn)  # noqa: SLF001 (the loop's between-steps call is the safe place)
+
+
+def import_prefix(engine, ids: list[int], k: torch.Tensor, v: torch.Tensor) -> int:
+    """Write ``ids``' K/V ([L, n, Hkv, D]) into free slots of ``engine``'s pool and insert them into
+    its radix cache (whole pages; evicting LRU entries when short). Returns the tokens of ``ids``
+    the cache holds afterwards (0 when the pool could not take them)."""
+    def fn():
+        kvm = engine.scheduler.kv
+        pool, cache, ps = kvm.kv_pool, kvm.cache, kvm.page_size
+        n = len(ids) - len(ids) % ps
+        if n == 0 or cache.disabled:
+            return 0
+        prefix, node = kvm.match_prefix(ids[:n])
+        m = len(prefix)
+        if m >= n:
+            return m
+        cache.inc_lock_ref(node)  # keep the matched part while evicting for the rest
+        try:
+            need = pool.tokens_needed(m, n - m)
+            if pool.free_tokens() < need:
+                kvm.evicted_tokens += cache.evict(need - pool.free_tokens())
+            slots = pool.alloc_extend(int(prefix[-1]) if m else None, m, n - m)
+        finally:
+            cache.dec_lock_ref(node)
+        if slots is None:
+            return m
+        dev = pool.k_buffers[0].device
+        for layer, (kb, vb) in enumerate(zip(pool.k_buffers, pool.v_buffers)):
+            kb[slots.to(dev)] = k[layer, m:n].to(dev, kb.dtype)
+            vb[slots.to(dev)] = v[layer, m:n].to(dev, vb.dtype)
+        dup = cache.insert(ids[:n], torch.cat([prefix, slots]))
+        assert dup == m, "radix cache changed during import"
+        return n
+    return engine._loop.call(fn)  # noqa: SLF001
+
+
+def send_kv(store, room: int, ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+    """Prefill side of room ``room``: header, ids, K, V to rank 1 (blocks until received)."""
+    pg = _room_group(store, room, 0)
+    L, n, H, D = k.shape
+    for t in (torch.tensor([n, L, H, D], dtype=torch.int64), torch.tensor(ids, dtype=torch.int64),
+              k.contiguous(), v.contiguous()):
+        if t.numel():
+            pg.send([t], 1, 0).wait()
+
+
+def recv_kv(store, room: int, dtype: torch.dtype, shape: tuple[int, int, int]):
+    """Decode side of room ``room``: (ids, K, V). ``shape`` = this pool's (L, Hkv, D); a
+    different model raises ValueError."""
+    pg = _room_group(store, room, 1)
+    hdr = torch.zeros(4, dtype=torch.int64)
+    pg.recv([hdr], 0, 0).wait()
+    n, L, H, D = hdr.tolist()
+    if (L, H, D) != tuple(shape):
+        raise ValueError(f"bootstrap_room {room}: the prefill server's KV is (layers, heads, dim)={L, H, D}, "
+                         f"this server's {tuple(shape)}: not the same model")
+    if n == 0:
+        return [], None, None
+    ids = torch.zeros(n, dtype=torch.int64)
+    k, v = torch.empty(L, n, H, D, dtype=dtype), torch.empty(L, n, H, D, dtype=dtype)
+    for t in (ids, k, v):
+        pg.recv([t], 0, 0).wait()
+    return ids.tolist(), k, v
+
+
+class Bootstrap:
+    """The prefill server's bootstrap store (``TCPStore`` master on ``port``, all interfaces),
+    and the decode server's client stores (one per prefill server)."""
+
+    def __init__(self, port: int | None = None):
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.server = dist.TCPStore("0.0.0.0", port, None, True, wait_for_workers=False) if port else None
+        self._clients: dict = {}
+        self._lock = threading.Lock()
+
+    def client(self, host: str, port: int):
+        with self._lock:
+            if (host, port) not in self._clients:
+                self._clients[(host, port)] = self._dist.TCPStore(host, port, None, False,
+                                                                  timeout=TRANSFER_TIMEOUT)
+            return self._clients[(host, port)]
+
+
+def disaggregation_routes(engine, mode: str, bootstrap_port: int):
+    """FastAPI routes of a prefill (``/disagg/prefill``) or decode (``/disagg/receive``) server."""
+    from fastapi import APIRouter
+    from fastapi.responses import JSONResponse
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    router = APIRouter()
+    boot = Bootstrap(bootstrap_port if mode == "prefill" else None)
+    # own threads, not asyncio's small default pool: a receive blocks until its prefill is done,
+    # and prefill sends block until their receivers come; sharing a few threads could deadlock
+    pool_ = ThreadPoolExecutor(TRANSFER_THREADS, thread_name_prefix=f"sglite-pd-{mode}")
+
+    async def in_thread(fn):
+        return await asyncio.get_running_loop().run_in_executor(pool_, fn)
+
+    def bad(msg):
+        return JSONResponse({"error": {"message": msg, "code": 400, "type": "BadRequestError"}}, status_code=400)
+
+    def room_of(body):
+        room = body.get("bootstrap_room")
+        return room if isinstance(room, int) and not isinstance(room, bool) and room >= 0 else None
+
+    if mode == "prefill":
+        @router.post("/disagg/prefill")
+        async def prefill(body: dict):
+            room = room_of(body)
+            if room is None:
+                return bad("bootstrap_room: a non-negative integer is required")
+            text, input_ids = body.get("text"), body.get("input_ids")
+            if (text is None) == (input_ids is None) or (text is not None and not isinstance(text, str)):
+                return bad("text: exactly one of text (a string) and input_ids is required")
+            ids = engine.tokenizer.encode(text) if text is not None else input_ids
+
+            def work():
+                info = engine.cache_prefix(input_ids=ids)
+                got, k, v = export_prefix(engine, ids)
+                send_kv(boot.server, room, got, k, v)
+                return {"prompt_tokens": info["prompt_tokens"], "transferred_tokens": len(got)}
+            return await in_thread(work)
+    else:
+        @router.post("/disagg/receive")
+        async def receive(body: dict):
+            room, host, port = room_of(body), body.get("bootstrap_host"), body.get("bootstrap_port")
+            if room is None:
+                return bad("bootstrap_room: a non-negative integer is required")
+            if not isinstance(host, str) or not isinstance(port, int) or not 0 < port < 65536:
+                return bad("bootstrap_host/bootstrap_port: the prefill server's host and bootstrap port are required")
+            pool = engine.runner.token_to_kv_pool
+            shape = (len(pool.k_buffers), *pool.k_buffers[0].shape[1:])
+
+            def work():
+                ids, k, v = recv_kv(boot.client(host, port), room, pool.k_buffers[0].dtype, shape)
+                return {"cached_tokens": import_prefix(engine, ids, k, v) if ids else 0,
+                        "received_tokens": len(ids)}
+            try:
+                return await in_thread(work)
+            except ValueError as exc:
+                return bad(str(exc))
+    return router

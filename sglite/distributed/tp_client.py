@@ -1,0 +1,180 @@
+"""The scheduler's side of tensor parallelism: a runner that drives ``tp_size`` worker processes.
+
+:class:`TPRunnerClient` stands where a :class:`~sglite.runtime.model_runner.ModelRunner` stands
+for the :class:`~sglite.runtime.scheduler.Scheduler`: it owns the slot table and the page allocator
+(every rank's KV pool shard has the same pages, so one allocator plans for all), and its
+:meth:`forward` broadcasts the step's :class:`~sglite.runtime.forward_batch.ForwardBatch` on the
+control channel; every worker runs it, rank 0 returns the logits. Node 0 hosts the rendezvous
+(a ``TCPStore`` at ``dist_init_addr``) and starts its own workers; other nodes start theirs with
+``sglite serve --node-rank k`` (:func:`run_node_workers`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import socket
+import threading
+import weakref
+
+import torch
+
+from ..config import EngineConfig
+from ..errors import InvalidRequestError
+from ..runtime.kv_pool import ReqToTokenPool, TokenToKVPool
+from ..runtime.models.llama import LlamaArch
+from ..runtime.quant_loader import resolve_quantization as _resolve_q
+from .parallel_state import TPLayout
+from .tp_worker import BIG, compact_batch, worker_main
+
+log = logging.getLogger("sglite.tp")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def start_workers(config: EngineConfig, addr: str, ranks) -> list:
+    """Spawn one worker process per tensor-parallel rank in ``ranks`` (daemonic, "spawn" start)."""
+    ctx = mp.get_context("spawn")
+    cfg = dataclasses.asdict(config)
+    procs = []
+    for r in ranks:
+        p = ctx.Process(target=worker_main, args=(cfg, r, addr, config.log_level), daemon=True,
+                        name=f"sglite-tp{r}")
+        p.start()
+        procs.append(p)
+    return procs
+
+
+def run_node_workers(config: EngineConfig) -> int:
+    """``sglite serve --node-rank k`` (k > 0): run this node's workers until they exit. Returns
+    the first non-zero exit code (0 when all stopped cleanly)."""
+    n = config.tp_size // config.nnodes
+    procs = start_workers(config, config.dist_init_addr, range(config.node_rank * n, (config.node_rank + 1) * n))
+    for p in procs:
+        p.join()
+    return next((p.exitcode for p in procs if p.exitcode), 0)
+
+
+def _stop(ctrl, procs, lock) -> None:
+    with lock:
+        if ctrl[0] is not None:
+            try:
+                if all(p.is_alive() for p in procs):
+                    ctrl[0].broadcast_obj(("stop",))
+            except Exception:  # a worker is gone: terminate below
+                log.warning("could not send stop to the tensor-parallel workers")
+            ctrl[0] = None
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+
+
+class TPRunnerClient:
+    """Runner of a tensor-parallel engine (``tp_size > 1``), the scheduler's side.
+
+    Same attributes as ModelRunner that the scheduler and engine read: ``req_to_token_pool``,
+    ``token_to_kv_pool`` (allocator only: its K/V buffers live in the workers), ``vocab_size``,
+    ``device`` (``cpu``: logits arrive on the host), ``dtype``, ``context_length``,
+    ``max_total_tokens``, ``bytes_per_token`` (all ranks together), plus ``tp_size``.
+
+    Raises:
+        InvalidRequestError: the heads / MLP width do not split over ``tp_size`` (field tp_size),
+            or the context is longer than the model's.
+        RuntimeError: a worker failed to start or load (its log has the cause).
+    """
+
+    def __init__(self, config: EngineConfig, checkpoint):
+        if config.node_rank != 0:
+            raise InvalidRequestError(f"node_rank={config.node_rank}: the engine (scheduler) runs on node 0; "
+                                      "start the other nodes' workers with `sglite serve --node-rank k`",
+                                      field="node_rank")
+        q = config.quantization
+        if q not in (None, "none", "auto") or (q == "auto" and _resolve_q(q, checkpoint) not in (None, "gguf")):
+            raise InvalidRequestError(f"quantization={q!r}: tensor parallelism runs dense weights (use "
+                                      "quantization=none; a .gguf model is dequantized)", field="quantization")
+        hf = checkpoint.hf_config
+        self.arch = arch = LlamaArch.from_hf_config(hf)
+        self.tp_size = tp = config.tp_size
+        layout = TPLayout.make(hf, 0, tp)  # checks the split before anything starts
+        from ..runtime.model_runner import resolve_device, resolve_dtype
+
+        self.worker_device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.worker_device)
+        self.device = "cpu"
+        self.vocab_size = arch.vocab_size
+        self.context_length = config.context_length or arch.max_position_embeddings
+        if self.context_length > arch.max_position_embeddings:
+            raise InvalidRequestError(f"context_length={self.context_length} exceeds the model's "
+                                      f"max_position_embeddings ({arch.max_position_embeddings})", field="context_length")
+        import torch.distributed as dist
+
+        from .control import ControlChannel, parse_addr
+
+        addr = config.dist_init_addr or f"127.0.0.1:{free_port()}"
+        host, port = parse_addr(addr)
+        store = dist.TCPStore(host, port, tp + 1, True, wait_for_workers=False)
+        wcfg = dataclasses.replace(config, model_path=str(checkpoint.model_dir), dist_init_addr=addr)
+        per_node = tp // config.nnodes
+        self._procs = start_workers(wcfg, addr, range(per_node))
+        self._lock = threading.Lock()
+        self._ctrl = [None]
+        self._finalizer = weakref.finalize(self, _stop, self._ctrl, self._procs, self._lock)
+        box: dict = {}
+
+        def join():
+            try:
+                box["ctrl"] = ControlChannel(store, 0, tp + 1)
+            except Exception as exc:
+                box["error"] = exc
+
+        t = threading.Thread(target=join, daemon=True)
+        t.start()
+        while t.is_alive():
+            self._alive()
+            t.join(0.05)
+        if "error" in box:
+            raise RuntimeError(f"tensor-parallel rendezvous at {addr} failed: {box['error']}")
+        self._ctrl[0] = ctrl = box["ctrl"]
+        self._store = store
+        tokens = ctrl.all_reduce_int(BIG, dist.ReduceOp.MIN, self._alive)
+        if ctrl.all_reduce_int(0, dist.ReduceOp.MAX, self._alive):
+            self.close()
+            raise RuntimeError("a tensor-parallel worker failed to load the model (see its log above)")
+        kv_bytes = torch.finfo(self.dtype).bits // 8
+        self.bytes_per_token = 2 * arch.num_layers * layout.num_kv_heads * tp * arch.head_dim * kv_bytes
+        self.token_to_kv_pool = TokenToKVPool(tokens, config.page_size, 0, layout.num_kv_heads, arch.head_dim,
+                                              self.dtype, "cpu")  # no layers: pages only
+        self.token_to_kv_pool.bytes_per_token = self.bytes_per_token
+        self.req_to_token_pool = ReqToTokenPool(config.max_running_requests + 8, self.context_length + 8, "cpu")
+        self.max_total_tokens = self.token_to_kv_pool.capacity
+        log.info("tensor parallel: %d workers (%s) ready; KV pool %d tokens per rank", tp, self.worker_device,
+                 self.max_total_tokens)
+
+    def _alive(self) -> None:
+        for i, p in enumerate(self._procs):
+            if not p.is_alive():
+                raise RuntimeError(f"tensor-parallel worker rank {i} exited (code {p.exitcode})")
+
+    def forward(self, fb) -> torch.Tensor:
+        """Run one step on every rank. Returns [M, V] float32 logits on the CPU.
+
+        Raises RuntimeError when a worker's step failed or a worker process is gone."""
+        ctrl = self._ctrl[0]
+        if ctrl is None:
+            raise RuntimeError("tensor-parallel workers are stopped")
+        with self._lock:
+            ctrl.broadcast_obj(("forward", compact_batch(fb)), self._alive)
+            err = ctrl.recv_obj(1, self._alive)
+            if err is not None:
+                raise RuntimeError(f"tensor-parallel step failed on rank 0: {err}")
+            out = torch.empty(fb.logits_indices.shape[0], self.vocab_size, dtype=torch.float32)
+            return ctrl.recv(out, 1, self._alive)
+
+    def close(self) -> None:
+        """Stop the workers (idempotent)."""
+        self._finalizer()

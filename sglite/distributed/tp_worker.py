@@ -1,0 +1,111 @@
+"""A tensor-parallel model worker process: one rank's weight shard and KV pool shard.
+
+Started by :class:`~sglite.distributed.tp_client.TPRunnerClient` (node 0) or by
+``sglite serve --node-rank k`` (other nodes). The loop: receive the scheduler's command on the
+control channel (:class:`~sglite.distributed.control.ControlChannel`), run the same
+:class:`~sglite.runtime.forward_batch.ForwardBatch` as every other rank (the collectives inside the
+forward run on the tensor-parallel group: gloo on CPU, NCCL on CUDA), and on
+rank 0 send the step's logits back to the scheduler.
+
+Commands (pickled tuples): ``("forward", fields)`` with ForwardBatch fields (``req_to_token``
+compacted to the step's rows, see :func:`compact_batch`); ``("stop",)``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import torch
+
+log = logging.getLogger("sglite.tp_worker")
+
+BIG = 1 << 62
+
+
+def compact_batch(fb) -> dict:
+    """ForwardBatch fields with the slot table cut to the step's rows and longest sequence
+    (``[B, Lmax_step]`` int32, row indices remapped), so a step ships kilobytes, not the table."""
+    rows = torch.cat([fb.ext_req_pool_indices, fb.dec_req_pool_indices])
+    uniq, inv = torch.unique(rows, return_inverse=True)
+    need = torch.cat([fb.ext_prefix_lens + fb.ext_extend_lens, fb.dec_seq_lens])
+    width = int(need.max()) if need.numel() else 1
+    ne = fb.ext_req_pool_indices.shape[0]
+    out = {k: v for k, v in fb.__dict__.items()}
+    out["req_to_token"] = fb.req_to_token[uniq, :width].contiguous()
+    out["ext_req_pool_indices"], out["dec_req_pool_indices"] = inv[:ne].long(), inv[ne:].long()
+    return out
+
+
+def worker_main(config_dict: dict, tp_rank: int, addr: str, log_level: str = "info") -> None:
+    """Process entry point: join the rendezvous at ``addr`` ("host:port"), load this rank's
+    shard, size the KV pool with the others (the minimum over ranks), then serve commands until
+    ``stop``. Errors in a step are logged and reported to the scheduler by rank 0."""
+    import torch.distributed as dist
+
+    from ..config import EngineConfig
+    from ..logging_setup import configure
+    from ..runtime.forward_batch import ForwardBatch
+    from ..runtime.model_loader import load_checkpoint
+    from ..runtime.model_runner import ModelRunner, available_memory_bytes, pool_tokens, resolve_device, resolve_dtype
+    from .control import DEFAULT_TIMEOUT, ControlChannel, parse_addr
+    from .parallel_state import TPComm, TPLayout, load_shard, make_tp_group
+
+    configure(log_level)
+    cfg = EngineConfig(**config_dict)
+    tp, local_n = cfg.tp_size, cfg.tp_size // cfg.nnodes
+    host, port = parse_addr(addr)
+    store = dist.TCPStore(host, port, tp + 1, False, timeout=DEFAULT_TIMEOUT)
+    ctrl = ControlChannel(store, 1 + tp_rank, tp + 1)
+    device = resolve_device(cfg.device)
+    if device.startswith("cuda"):
+        device = f"cuda:{tp_rank % torch.cuda.device_count()}"
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(cfg.num_threads or max(1, ((os.cpu_count() or 2) - 1) // local_n))
+    group = make_tp_group(store, tp_rank, tp, device)
+    status = 0
+    try:
+        ckpt = load_checkpoint(cfg.model_path)
+        layout = TPLayout.make(ckpt.hf_config, tp_rank, tp)
+        dtype = resolve_dtype(cfg.dtype, device)
+        sd = load_shard(ckpt, layout, dtype)
+        hf_local = layout.local_hf_config(ckpt.hf_config)
+        ctx = cfg.context_length or ckpt.hf_config.max_position_embeddings
+        bpt = 2 * hf_local.num_hidden_layers * layout.num_kv_heads * hf_local.head_dim * torch.finfo(dtype).bits // 8
+        share = local_n if device == "cpu" else 1  # the ranks of this node share its host memory
+        tokens = cfg.max_total_tokens or pool_tokens(cfg, ctx, bpt, available_memory_bytes(device) // share)
+    except Exception:
+        log.exception("tensor-parallel rank %d failed to load", tp_rank)
+        status, tokens = 1, BIG
+    tokens = ctrl.all_reduce_int(tokens, dist.ReduceOp.MIN)
+    runner = None
+    if status == 0:
+        try:
+            local_cfg = dataclasses.replace(cfg, max_total_tokens=tokens, device=device, tp_size=1, nnodes=1,
+                                            node_rank=0, dist_init_addr=None, quantization="none")
+            runner = ModelRunner(local_cfg, hf_local, sd)
+            runner.model.tp = TPComm(layout, group)
+            del sd
+        except Exception:
+            log.exception("tensor-parallel rank %d failed to build its model", tp_rank)
+            status = 1
+    if ctrl.all_reduce_int(status, dist.ReduceOp.MAX):
+        return
+    log.info("tensor-parallel rank %d/%d ready on %s (%d KV tokens)", tp_rank, tp, device, runner.max_total_tokens)
+    pool = runner.token_to_kv_pool
+    while True:
+        cmd = ctrl.broadcast_obj()
+        if cmd[0] == "stop":
+            break
+        try:
+            fb = ForwardBatch(**{k: v.to(device) for k, v in cmd[1].items()})
+            logits = runner.model.forward(fb, pool.k_buffers, pool.v_buffers)  # [M, V] float32
+            err = None
+        except Exception as exc:  # report, keep serving
+            log.exception("tensor-parallel rank %d: step failed", tp_rank)
+            err = f"{type(exc).__name__}: {exc}"
+        if tp_rank == 0:
+            ctrl.send_obj(err, 0)
+            if err is None:
+                ctrl.send(logits.cpu(), 0)

@@ -134,3 +134,31 @@ def test_native_generate_and_metrics(server):
     assert all(len(x["meta_info"]["output_token_logprobs"]) == 4 for x in r)
     text = httpx.get(server.url + "/metrics").text
     assert "sglite_time_to_first_token_seconds_count" in text and "sglite_kv_usage" in text
+
+
+def _stream_call(client, model, max_tokens, choice):
+    tool = {"type": "function", "function": {"name": "paint", "parameters": BOUNDED}}
+    kw = dict(model=model, messages=MSG, tools=[tool], max_tokens=max_tokens, temperature=0, tool_choice=choice)
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    tcs = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert all(len(c.choices[0].delta.tool_calls or []) <= 1 for c in chunks if c.choices)  # one entry a chunk
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    fr = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    full = client.chat.completions.create(**kw).choices[0]
+    return tcs, text, fr, full
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "paint"}}, "required"])
+def test_forced_tool_call_streams_arguments_and_cut_by_length(client, model, choice):
+    tcs, text, fr, full = _stream_call(client, model, 80, choice)
+    assert text == "" and fr == ["tool_calls"] and full.finish_reason == "tool_calls"
+    assert tcs[0].id and tcs[0].function.name == "paint" and len(tcs) > 2
+    whole = "".join(t.function.arguments or "" for t in tcs)
+    assert json.loads(whole) == json.loads(full.message.tool_calls[0].function.arguments)
+    jsonschema.validate(json.loads(whole), BOUNDED)
+    tcs, text, fr, cut = _stream_call(client, model, 14, choice)  # greedy: the same tokens, cut mid-arguments
+    partial = "".join(t.function.arguments or "" for t in tcs)
+    assert text == "" and fr == ["length"] and cut.finish_reason == "length" and cut.message.content is None
+    assert 0 < len(partial) < len(whole) and whole.startswith(partial), (partial, whole)
+    assert cut.message.tool_calls[0].function.name == "paint"
+    assert cut.message.tool_calls[0].function.arguments == partial

@@ -213,9 +213,11 @@ def test_forced_named_tool_call(server, client):
 def test_forced_required_tool_call_streamed(server, client):
     chunks = list(client.chat.completions.create(model="fake-model", messages=USER, tools=[WEATHER, TIME],
                                                  tool_choice="required", max_tokens=80, stream=True))
-    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert len(calls) == 1 and calls[0].id.startswith("call_")
-    _check_call(calls[0], WEATHER)  # the fake answers the first anyOf branch
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].id.startswith("call_") and all(d.index == 0 for d in deltas)
+    args = json.loads("".join(d.function.arguments for d in deltas))  # the fake answers the first anyOf branch
+    jsonschema.validate(args, WEATHER["function"]["parameters"])
+    assert deltas[0].function.name == "get_weather"
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
     assert len(json.loads(_last_sp(server)["json_schema"])["anyOf"]) == 2
@@ -237,7 +239,8 @@ def test_auto_tool_call_parsed_stream_and_full(in_template):
         chunks = list(cl.chat.completions.create(stream=True, **kw))
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text.strip() == "Let me check." and "<tool" not in text
-        calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-        assert json.loads(calls[0].function.arguments) == {"city": "Paris", "days": 2}
+        deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+        assert deltas[0].function.name == "get_weather" and deltas[0].function.arguments == ""
+        assert json.loads("".join(d.function.arguments for d in deltas)) == {"city": "Paris", "days": 2}
         r = cl.chat.completions.create(tool_choice="none", **kw)
         assert r.choices[0].message.tool_calls is None and "<tool_call>" in r.choices[0].message.content

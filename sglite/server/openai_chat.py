@@ -3,8 +3,11 @@
 The prompt is the engine's chat template over ``messages`` (with the tools shown when
 ``tool_choice`` is not ``none``); forced tool calls add a JSON-schema constraint (see
 :mod:`sglite.server.tool_calls`). Streamed chunks carry ``delta.role`` first, then
-``delta.content`` pieces, then (for calls) one ``delta.tool_calls`` chunk, then a chunk with
-``finish_reason`` (``tool_calls`` when the model called a tool) and ``matched_stop``.
+``delta.content`` pieces, then (for calls) ``delta.tool_calls`` chunks as OpenAI streams them (the
+call's id and name first, then its arguments text as it is generated: see
+:mod:`sglite.server.tool_stream`), then a chunk with ``finish_reason`` and ``matched_stop``.
+``finish_reason`` is ``tool_calls`` when the model called a tool, ``length`` when ``max_tokens``
+cut a call's arguments (the partial call is still returned as ``tool_calls``, never as content).
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ from .openai_format import chat_logprobs, finish_info, new_id, now, num_logprob_
 from .openai_params import chat_messages, check_model, make_call, sampling_params
 from .protocol import ChatCompletionRequest
 from .sse import sse_event, sse_response
-from .tool_calls import ToolPlan, ToolStreamFilter, parse_tool_calls, plan_tools, render_prompt
+from .tool_calls import ToolPlan, parse_tool_calls, plan_tools, render_prompt
+from .tool_stream import ToolCallStreamer, chunk_entries, truncated_tool_calls
 
 MAX_TOP_LOGPROBS = 20
 
@@ -85,10 +89,13 @@ def _chat_choice(i: int, out: dict, plan: ToolPlan, k: int, tb=None) -> dict:
     meta = out["meta_info"]
     fr, ms = finish_info(meta)
     content, calls = parse_tool_calls(out["text"], plan)
+    if not calls and fr == "length" and plan.mode != "none":
+        content, calls = truncated_tool_calls(out["text"], plan)
+    elif calls:
+        fr = "tool_calls" if fr in ("stop", "length") else fr
     msg: dict = {"role": "assistant", "content": content}
     if calls:
         msg["tool_calls"] = calls
-        fr = "tool_calls"
     return {"index": i, "message": msg, "logprobs": chat_logprobs(meta, 0, None, tb) if k >= 0 else None,
             "finish_reason": fr, "matched_stop": ms}
 
@@ -97,7 +104,7 @@ async def _chat_events(ctx, req: ChatCompletionRequest, stream, plan: ToolPlan, 
     """OpenAI chunks from the incremental engine stream; the tool filter sees each choice's text so far."""
     rid, created = new_id("chatcmpl"), now()
     n_out = stream.call.num_outputs
-    filters = [ToolStreamFilter(plan) for _ in range(n_out)]
+    tools = [ToolCallStreamer(plan) for _ in range(n_out)]
     texts = [""] * n_out  # each choice's text so far, built from the deltas (the tool parser needs it)
     last: list[Optional[dict]] = [None] * n_out
 
@@ -114,18 +121,18 @@ async def _chat_events(ctx, req: ChatCompletionRequest, stream, plan: ToolPlan, 
         last[i] = out
         texts[i] += out["text"]
         fr, ms = finish_info(meta)
-        calls: list = []
         if fr is None:
-            delta = filters[i].feed(texts[i])
+            delta, calls = tools[i].feed(texts[i])
         else:
-            delta, calls = filters[i].finish(texts[i])
+            delta, calls = tools[i].finish(texts[i], fr)
         lp = chat_logprobs(meta, 0, None, _token_bytes(ctx)) if k >= 0 and num_logprob_tokens(meta) else None
         if delta or lp:
             yield chunk(i, {"content": delta}, lp=lp)
-        if calls:
-            yield chunk(i, {"tool_calls": [dict(c, index=j) for j, c in enumerate(calls)]})
-            fr = "tool_calls"
+        for entry in chunk_entries(calls):
+            yield chunk(i, {"tool_calls": [entry]})
         if fr is not None:
+            if tools[i].called and fr in ("stop", "length"):
+                fr = "length" if fr == "length" and tools[i].incomplete else "tool_calls"
             yield chunk(i, {}, fr, ms)
     if req.stream_options is not None and req.stream_options.include_usage:
         yield sse_event({"id": rid, "object": "chat.completion.chunk", "created": created,

@@ -47,10 +47,21 @@ class FakeTokenizer:
         return bytes([token_id]) if 0 <= token_id < 256 else b""
 
 
-def example_instance(schema: Any) -> Any:
-    """A small JSON value valid for the simple JSON Schema ``schema`` (no $ref)."""
-    if schema is True or not isinstance(schema, dict):
+def _resolve(root: Any, ref: str) -> Any:
+    node = root
+    for part in ref[2:].split("/") if ref.startswith("#/") else []:
+        node = node.get(part.replace("~1", "/").replace("~0", "~"), {}) if isinstance(node, dict) else {}
+    return node
+
+
+def example_instance(schema: Any, root: Any = None, depth: int = 0) -> Any:
+    """A small JSON value valid for the simple JSON Schema ``schema``; local ``$ref`` s (``#/...``)
+    resolve against ``root`` (default: ``schema`` itself)."""
+    root = schema if root is None else root
+    if schema is True or not isinstance(schema, dict) or depth > 32:
         return {}
+    if isinstance(schema.get("$ref"), str):
+        return example_instance(_resolve(root, schema["$ref"]), root, depth + 1)
     for key in ("const",):
         if key in schema:
             return schema[key]
@@ -58,15 +69,15 @@ def example_instance(schema: Any) -> Any:
         return schema["enum"][0]
     for key in ("anyOf", "oneOf"):
         if schema.get(key):
-            return example_instance(schema[key][0])
+            return example_instance(schema[key][0], root, depth + 1)
     t = schema.get("type", "object")
     t = t[0] if isinstance(t, list) else t
     if t == "object":
         props = schema.get("properties", {})
-        keys = schema.get("required", list(props))
-        return {k: example_instance(props.get(k, {"type": "string"})) for k in keys}
+        keys = schema.get("required") or list(props)  # none required: show them all (a fuller answer)
+        return {k: example_instance(props.get(k, {"type": "string"}), root, depth + 1) for k in keys}
     if t == "array":
-        return [example_instance(schema.get("items", {"type": "integer"}))
+        return [example_instance(schema.get("items", {"type": "integer"}), root, depth + 1)
                 for _ in range(max(1, schema.get("minItems", 1)))]
     if t == "string":
         return "a" * max(3, schema.get("minLength", 0))

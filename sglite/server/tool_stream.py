@@ -1,0 +1,252 @@
+"""Streaming tool calls for ``/v1/chat/completions`` as OpenAI clients accumulate them.
+
+A call is streamed as OpenAI streams it: a first ``delta.tool_calls`` entry
+``{"index", "id", "type": "function", "function": {"name", "arguments": ""}}`` as soon as the
+function name is complete, then entries ``{"index", "function": {"arguments": "<new text>"}}``
+carrying the arguments JSON text as it is generated (the concatenation is the arguments text,
+without the call wrapper ``{"name": ..., "arguments": ...}`` around it). A call cut by
+``max_tokens`` has streamed its partial arguments (never as ``content``).
+
+Where calls are parsed from:
+
+* forced mode (``tool_choice`` ``"required"`` or a named function): the whole output is one
+  call object ``{"name": ..., "arguments": ...}`` (the grammar puts ``name`` first, schema order);
+* auto mode: text before ``<tool_call>`` is content; each ``<tool_call>{...}</tool_call>`` block
+  is a call (indices 0, 1, ...; only the first when ``parallel_tool_calls`` is false); an answer
+  that starts with ``{`` is a bare call. Calls whose header does not parse incrementally (keys in
+  another order, a name that is not a tool) are held and parsed whole at the end, as
+  :func:`~sglite.server.tool_calls.parse_tool_calls` does.
+
+Sources: OpenAI's chat-completions streaming format (``ChoiceDeltaToolCall``); SGLang's
+``function_call`` detectors and vLLM's tool parsers stream argument deltas the same way.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Optional
+
+from .tool_calls import OPEN_TAG, ToolPlan, parse_tool_calls
+
+# a call object's opening up to its arguments value: `{"name": "<str>", "arguments": `
+_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+_NAME_PREFIX = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)')
+_LITERAL_END = set(",}] \t\r\n")
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class _ValueScanner:
+    """Finds where one JSON value ends, fed the text incrementally (O(1) per character)."""
+
+    def __init__(self):
+        self.depth, self.in_str, self.esc, self.kind, self.done = 0, False, False, None, False
+
+    def scan(self, text: str, pos: int) -> int:
+        """Consume ``text[pos:]`` up to the value's end; return the index reached."""
+        n = len(text)
+        while pos < n and not self.done:
+            ch = text[pos]
+            if self.kind is None:
+                self.kind = "container" if ch in "{[" else "string" if ch == '"' else "literal"
+                self.depth = 1 if ch in "{[" else 0
+                self.in_str = ch == '"'
+            elif self.kind == "literal":
+                if ch in _LITERAL_END:
+                    self.done = True
+                    break
+            elif self.in_str:
+                if self.esc:
+                    self.esc = False
+                elif ch == "\\":
+                    self.esc = True
+                elif ch == '"':
+                    self.in_str = False
+                    self.done = self.kind == "string"
+            elif ch == '"':
+                self.in_str = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                self.done = self.depth == 0
+            pos += 1
+        return pos
+
+
+class ToolCallStreamer:
+    """Per-choice state: ``feed(cumulative_text)`` -> ``(content_delta, tool_call_deltas)``;
+    ``finish(text, finish_reason)`` -> ``(content_delta, tool_call_deltas)`` for the last chunk.
+
+    ``called`` is True once any call was (or is being) returned; ``incomplete`` is True when the
+    last call's arguments were cut before their JSON value ended (by ``max_tokens``).
+    """
+
+    def __init__(self, plan: ToolPlan):
+        self.plan = plan
+        self.sent = 0          # content characters sent
+        self.pos = 0           # parse position for calls
+        self.call_from = 0     # where the call being parsed starts (its <tool_call> tag or `{`)
+        self.state = {"none": "plain", "auto": "content"}.get(plan.mode, "call")
+        self.n_calls = 0
+        self.args_sent = 0     # end of the current call's arguments text already sent
+        self.scanner: Optional[_ValueScanner] = None
+        self.incomplete = False
+
+    @property
+    def called(self) -> bool:
+        return self.n_calls > 0
+
+    def _content(self, text: str) -> int:
+        """Auto mode, before any call: how far content may be sent; switches state on a call start."""
+        i = text.find(OPEN_TAG, self.sent)
+        if i >= 0:
+            self.call_from, self.pos, self.state = i, i + len(OPEN_TAG), "call"
+            return i
+        head = text.lstrip()
+        if not text[:self.sent].strip() and head.startswith(("{", "[")):
+            if head.startswith("{"):
+                self.call_from, self.pos, self.state = self.sent, self.sent, "call"
+            return self.sent  # a bare call: nothing of it is content
+        for k in range(min(len(OPEN_TAG) - 1, len(text) - self.sent), 0, -1):
+            if OPEN_TAG.startswith(text[-k:]):
+                return len(text) - k
+        return len(text)
+
+    def _header(self, text: str) -> Optional[dict]:
+        m = _HEADER.match(text, self.pos)
+        if m is None:
+            return None
+        try:
+            name = json.loads(m.group(1))
+        except json.JSONDecodeError:
+            name = None
+        if name not in self.plan.names:
+            self.state = "held"
+            return None
+        self.pos = m.end()
+        while self.pos < len(text) and text[self.pos].isspace():
+            self.pos += 1
+        self.state, self.scanner, self.args_sent = "args", _ValueScanner(), self.pos
+        self.n_calls += 1
+        return {"index": self.n_calls - 1, "id": new_call_id(), "type": "function",
+                "function": {"name": name, "arguments": ""}}
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        content, deltas = "", []
+        while True:
+            if self.state == "plain":
+                content, self.sent = content + text[self.sent:], len(text)
+            elif self.state == "content":
+                cut = max(self._content(text), self.sent)
+                content, self.sent = content + text[self.sent:cut], cut
+                if self.state == "call":
+                    continue
+            elif self.state == "call":
+                head = self._header(text)
+                if head is not None:
+                    deltas.append(head)
+                    continue
+            elif self.state == "args":
+                if self.args_sent == self.pos and self.pos < len(text) and self.scanner.kind is None:
+                    while self.pos < len(text) and text[self.pos].isspace():
+                        self.pos += 1
+                    self.args_sent = self.pos
+                self.pos = self.scanner.scan(text, self.pos)
+                if self.pos > self.args_sent:
+                    deltas.append({"index": self.n_calls - 1,
+                                   "function": {"arguments": text[self.args_sent:self.pos]}})
+                    self.args_sent = self.pos
+                if self.scanner.done:
+                    more = self.plan.mode == "auto" and self.plan.parallel
+                    self.state = "between" if more else "done"
+                    continue
+            elif self.state == "between":
+                i = text.find(OPEN_TAG, self.pos)
+                if i >= 0:
+                    self.call_from, self.pos, self.state = i, i + len(OPEN_TAG), "call"
+                    continue
+            return content, deltas
+
+    def finish(self, text: str, finish_reason: Optional[str]) -> tuple[str, list[dict]]:
+        content, deltas = self.feed(text)
+        if self.state == "args" and not self.scanner.done:
+            self.incomplete = True
+            return content, deltas
+        if self.plan.mode == "none" or self.state in ("done", "between", "plain"):
+            return content, deltas
+        # a call that did not stream (held header, bare list, or no call at all)
+        if self.called:
+            rest = text[self.call_from:] if self.plan.parallel else ""
+            _, calls = parse_tool_calls(rest, self.plan) if rest else (None, [])
+            return content, deltas + self._whole(calls)
+        _, calls = parse_tool_calls(text, self.plan)
+        if calls:
+            return content, self._whole(calls)
+        if self.plan.mode == "forced" and finish_reason == "length":
+            name = self._guess_name(text)
+            if name is not None:  # cut before the arguments began: the call with empty arguments
+                self.incomplete = True
+                return "", self._whole([{"id": new_call_id(), "type": "function",
+                                         "function": {"name": name, "arguments": ""}}])
+        content, self.sent = content + text[self.sent:], len(text)
+        return content, deltas
+
+    def _whole(self, calls: list[dict]) -> list[dict]:
+        out = []
+        for c in calls:
+            out.append(dict(c, index=self.n_calls))
+            self.n_calls += 1
+        return out
+
+    def _guess_name(self, text: str) -> Optional[str]:
+        """The function a truncated forced call is calling: the only tool, or the only tool whose
+        name starts with the name text generated so far."""
+        if len(self.plan.names) == 1:
+            return self.plan.names[0]
+        m = _NAME_PREFIX.match(text)
+        if m is None:
+            return None
+        hits = [n for n in self.plan.names if n.startswith(m.group(1))]
+        return hits[0] if len(hits) == 1 else None
+
+
+def chunk_entries(deltas: list[dict]) -> list[dict]:
+    """The entries to send, one per chunk: each call's first entry (id, name, ``arguments: ""``)
+    alone, then its arguments pieces joined. Clients read only ``delta.tool_calls[0]`` of a chunk
+    (instructor's TOOLS streaming does), as OpenAI sends one entry per chunk."""
+    out: list[dict] = []
+    for d in deltas:
+        prev = out[-1] if out else None
+        if ("id" not in d and prev is not None and "id" not in prev and prev["index"] == d["index"]):
+            out[-1] = {"index": d["index"],
+                       "function": {"arguments": prev["function"]["arguments"] + d["function"]["arguments"]}}
+        else:
+            out.append(d)
+    return out
+
+
+def merge_tool_call_deltas(deltas: list[dict]) -> list[dict]:
+    """Accumulate ``delta.tool_calls`` entries into whole calls (as OpenAI clients do)."""
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        c = calls.setdefault(d["index"], {"id": None, "type": "function", "function": {"name": None, "arguments": ""}})
+        c["id"] = d.get("id") or c["id"]
+        fn = d.get("function") or {}
+        c["function"]["name"] = fn.get("name") or c["function"]["name"]
+        c["function"]["arguments"] += fn.get("arguments") or ""
+    return [calls[i] for i in sorted(calls)]
+
+
+def truncated_tool_calls(text: str, plan: ToolPlan) -> tuple[Optional[str], list[dict]]:
+    """Non-streamed output cut by ``max_tokens``: ``(content, calls)`` with the partial call's
+    arguments text as generated (OpenAI and vLLM return the truncated call with finish_reason
+    ``length``). Empty ``calls`` when no call had started (then ``content`` is the text)."""
+    s = ToolCallStreamer(plan)
+    content, deltas = s.finish(text, "length")
+    if not deltas:
+        return text, []
+    return content.strip() or None, merge_tool_call_deltas(deltas)

@@ -75,6 +75,33 @@ def build_tag(*parts: str) -> str:
     return h.hexdigest()[:12]
 
 
+STALE_LOCK_S = 600.0  # a build lock this old is a killed build's leftover, not a build in progress
+
+
+def clear_stale_lock(lock: Path, stale_after_s: float = STALE_LOCK_S, poll_s: float = 0.5) -> bool:
+    """Wait while another process holds torch's build ``lock`` (a file it deletes when its build
+    ends); remove the lock once it is ``stale_after_s`` seconds old (mtime), with a warning.
+
+    torch's ``load_inline`` waits forever on a lock left by a build that was killed (a timed-out
+    test, Ctrl-C), which hangs every later engine start on this machine. Returns True when a stale
+    lock was removed."""
+    import time
+
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return False
+        if age >= stale_after_s:
+            log.warning("removing a stale C++ build lock %s (%.0f s old: a killed build's leftover)", lock, age)
+            try:
+                lock.unlink()
+            except FileNotFoundError:
+                pass
+            return True
+        time.sleep(poll_s)
+
+
 def load_cpp(name: str, source: str, extra_cflags: Sequence[str] = ("-O3",), *,
              functions: Optional[Sequence[str]] = None, ops_namespace: Optional[str] = None):
     """Build (or reuse) and load C++ ``source``; None after one logged warning on any failure.
@@ -100,6 +127,7 @@ def load_cpp(name: str, source: str, extra_cflags: Sequence[str] = ("-O3",), *,
         full = f"{name}_{build_tag(source, ' '.join(extra_cflags))}"
         build_dir = cache_root() / "torch_extensions" / full
         build_dir.mkdir(parents=True, exist_ok=True)
+        clear_stale_lock(build_dir / "lock")
         if functions is not None:
             return load_inline(name=full, cpp_sources=[source], functions=list(functions),
                                extra_cflags=list(extra_cflags), build_directory=str(build_dir), verbose=False)

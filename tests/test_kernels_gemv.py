@@ -129,3 +129,23 @@ def test_cpp_sources_are_package_data_files():
         assert src.count("inline __m512 exp_nonpos(") == int(uses_math), n
     with pytest.raises(FileNotFoundError):
         cpu_build.read_source("missing.cpp")
+
+
+def test_stale_build_lock_is_removed_and_a_live_one_waited_for(tmp_path):
+    """A lock left by a killed build (old mtime) is removed; a fresh one is waited for until its
+    holder deletes it (torch's own wait would hang forever on a stale one)."""
+    import os
+    import threading
+    import time
+
+    lock = tmp_path / "lock"
+    assert cpu_build.clear_stale_lock(lock) is False  # no lock: nothing to do
+    lock.touch()
+    old = time.time() - 2 * cpu_build.STALE_LOCK_S
+    os.utime(lock, (old, old))
+    assert cpu_build.clear_stale_lock(lock) is True and not lock.exists()
+    lock.touch()  # a live build: released by its holder after 0.3 s
+    threading.Timer(0.3, lock.unlink).start()
+    t = time.monotonic()
+    assert cpu_build.clear_stale_lock(lock, poll_s=0.05) is False
+    assert time.monotonic() - t >= 0.25 and not lock.exists()

@@ -121,7 +121,7 @@ def test_unsupported_and_unknown_flags_fail_clearly(argv, words, capsys):
 
 
 def test_noop_values_of_unsupported_flags_are_accepted():
-    args = build_parser().parse_args(["--dp-size", "1", "--kv-cache-dtype", "auto"])
+    args = build_parser().parse_args(["--dp-size", "1"])
     assert engine_kwargs(args) == {}
 
 

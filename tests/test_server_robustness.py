@@ -193,3 +193,23 @@ def test_engine_crash_is_500_and_connection_survives():
         assert r.status_code == 500 and "RuntimeError" in r.json()["error"]["message"]
         assert c.get("/health").status_code == 200  # same keep-alive connection
         assert 'status="500"' in c.get("/metrics").text
+
+
+def test_rid_lists_are_tracked_per_prompt():
+    """``rid`` as a list (one id per prompt, SGLang's batch form) is served, also for a single
+    prompt, and aborting one of the ids finds it (a list rid used to be a 500: unhashable)."""
+    from fastapi.testclient import TestClient
+
+    from sglite.server.app import create_app
+    from sglite.server.testing import FakeEngine
+
+    engine = FakeEngine(context_length=96, max_total_tokens=4096)
+    c = TestClient(create_app(engine))
+    r = c.post("/generate", json={"text": "hello", "rid": [""], "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 200, r.text
+    r = c.post("/generate", json={"text": ["a b", "c d"], "rid": ["x1", "x2"], "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 200 and len(r.json()) == 2, r.text
+    r = c.post("/generate", json={"text": ["a b", "c d"], "rid": ["only-one"]})
+    assert r.status_code == 400 and "rid" in r.text
+    info = engine.get_server_info()
+    assert info["available_tokens"] == info["max_total_tokens"]

@@ -139,9 +139,13 @@ class EngineClient:
         except Exception:  # noqa: BLE001
             return None
 
-    def abort(self, rid: str) -> None:
+    def abort(self, rid) -> None:
         """Abort engine request ``rid`` and its ``rid-...`` ones (never raises); counted in the
-        metrics when it was ours."""
+        metrics when it was ours. A list (a batch's per-prompt rids) aborts each."""
+        if isinstance(rid, list):
+            for r in _rid_keys(rid):
+                self.abort(r)
+            return
         if rid in self.active and self.metrics is not None:
             self.metrics.aborted.inc()
         try:
@@ -150,8 +154,10 @@ class EngineClient:
             pass
         self.release(rid)
 
-    def release(self, rid: str) -> None:
-        self.active.discard(rid)
+    def release(self, rid) -> None:
+        """Forget ``rid`` (or each rid of a batch's list) as in flight."""
+        for r in _rid_keys(rid):
+            self.active.discard(r)
 
     def abort_matching(self, rid: str) -> int:
         """Abort ``rid`` and its ``rid-...`` requests; returns how many calls in flight it hit
@@ -186,8 +192,8 @@ class EngineClient:
         Raises:
             ValueError: refused before scheduling (bad input, rid in flight); nothing to abort.
         """
-        fresh = call.rid not in self.active
-        self.active.add(call.rid)
+        fresh = not any(r in self.active for r in _rid_keys(call.rid))
+        self.active.update(_rid_keys(call.rid))
         if self.request_log is not None:
             self.request_log.received(call)
         try:
@@ -207,8 +213,8 @@ class EngineClient:
 
     async def open(self, call: GenCall, incremental: bool = False) -> EngineStream:
         """Start a streamed call and pull its first event (errors raise here, before any output)."""
-        fresh = call.rid not in self.active
-        self.active.add(call.rid)
+        fresh = not any(r in self.active for r in _rid_keys(call.rid))
+        self.active.update(_rid_keys(call.rid))
         if self.request_log is not None:
             self.request_log.received(call)
         try:
@@ -222,6 +228,14 @@ class EngineClient:
             self.abort(call.rid)
             raise
         return EngineStream(self, call, it, first, incremental)
+
+
+def _rid_keys(rid) -> list[str]:
+    """The rids a call is tracked under: ``rid`` itself, or the non-empty entries of a batch's
+    per-prompt rid list (empty ones get fresh ids in the engine and cannot be named anyway)."""
+    if isinstance(rid, list):
+        return [r for r in rid if isinstance(r, str) and r]
+    return [rid]
 
 
 class ClientDisconnected(Exception):

@@ -49,6 +49,7 @@ from sglite.errors import InvalidRequestError, SgliteError
 from .backend import Backend
 from .chat_template import ChatContext, ChatTemplate
 from .choices import ChoicesDecision, ChoicesMethod
+from .runtime_endpoint import sse_objects
 
 logger = logging.getLogger(__name__)
 
@@ -247,16 +248,7 @@ class OpenAI(Backend):
             if res.status_code != 200:
                 res.read()
                 self._check(route, res)
-            for line in res.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                obj = json.loads(data)
-                if "error" in obj:
-                    err = obj["error"]
-                    raise InvalidRequestError(f"{route}: {err.get('message', err) if isinstance(err, dict) else err}")
+            for obj in sse_objects(res, route):
                 usage = obj.get("usage") or usage
                 for c in obj.get("choices") or []:
                     delta = ((c.get("delta") or {}).get("content") if chat_api else c.get("text")) or ""

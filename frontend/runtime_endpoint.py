@@ -93,17 +93,7 @@ class RuntimeEndpoint(Backend):
             if res.status_code != 200:
                 res.read()
                 self._check("/generate", res)
-            for line in res.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                obj = json.loads(data)
-                if "error" in obj:
-                    err = obj["error"]
-                    raise InvalidRequestError(f"/generate: {err.get('message', err) if isinstance(err, dict) else err}")
-                yield obj
+            yield from sse_objects(res, "/generate")
 
     def score(self, prompt, continuations, unconditional=False):
         prompt_tokens = self.cache_prefix(prompt)["prompt_tokens"]
@@ -142,3 +132,21 @@ class RuntimeEndpoint(Backend):
 
     def __repr__(self):
         return f"RuntimeEndpoint({self.base_url!r})"
+
+
+def sse_objects(res, route: str):
+    """The JSON objects of a server-sent-event response (``data: {...}`` lines up to ``[DONE]``).
+
+    Raises:
+        InvalidRequestError: an event carries an ``error`` (its message, prefixed with ``route``)."""
+    for line in res.iter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        obj = json.loads(data)
+        if "error" in obj:
+            err = obj["error"]
+            raise InvalidRequestError(f"{route}: {err.get('message', err) if isinstance(err, dict) else err}")
+        yield obj

@@ -132,12 +132,7 @@ def unpack_gptq(t: dict[str, torch.Tensor], bits: int, group_size: int, name: st
         _check(k in t, f"{name}.{k}: missing from the checkpoint")
     qw, qz, sc = t["qweight"], t["qzeros"], t["scales"]
     k_in, n = qw.shape[0] * pf, qw.shape[1]
-    gs = k_in if group_size == -1 else group_size
-    _check(k_in % gs == 0, f"{name}: group_size={group_size} does not divide in_features={k_in} "
-           f"(quantization_config.group_size)")
-    g = k_in // gs
-    _check(tuple(sc.shape) == (g, n), f"{name}.scales: shape {tuple(sc.shape)} disagrees with qweight "
-           f"{tuple(qw.shape)} and group_size={group_size} (expected {(g, n)})")
+    gs, g = _groups(name, k_in, n, group_size, qw, sc)
     _check(tuple(qz.shape) == (g, n // pf) and n % pf == 0,
            f"{name}.qzeros: shape {tuple(qz.shape)} disagrees with qweight {tuple(qw.shape)} and "
            f"bits={bits} (expected {(g, n // pf)})")
@@ -149,6 +144,21 @@ def unpack_gptq(t: dict[str, torch.Tensor], bits: int, group_size: int, name: st
     codes = unpack_along_rows(qw, bits).T.to(torch.uint8).contiguous()
     zeros = _unpack_cols(qz, bits) + 1
     return GroupQuant(codes, zeros.T.contiguous(), sc.float().T.contiguous(), g_idx.to(torch.int32), bits, gs)
+
+
+def _groups(name: str, k_in: int, n: int, group_size: int, qw: torch.Tensor, sc: torch.Tensor) -> tuple[int, int]:
+    """(group size, group count) of a [K=k_in, N=n] layer (``group_size`` -1 = one group over K),
+    checking it divides K and that ``scales`` is [groups, N].
+
+    Raises:
+        ValueError: naming ``name``, the option and the disagreeing tensor."""
+    gs = k_in if group_size == -1 else group_size
+    _check(k_in % gs == 0, f"{name}: group_size={group_size} does not divide in_features={k_in} "
+           f"(quantization_config.group_size)")
+    g = k_in // gs
+    _check(tuple(sc.shape) == (g, n), f"{name}.scales: shape {tuple(sc.shape)} disagrees with qweight "
+           f"{tuple(qw.shape)} and group_size={group_size} (expected {(g, n)})")
+    return gs, g
 
 
 # ------------------------------------------------------------------ AWQ
@@ -178,12 +188,7 @@ def unpack_awq(t: dict[str, torch.Tensor], bits: int, group_size: int, name: str
         _check(k in t, f"{name}.{k}: missing from the checkpoint")
     qw, qz, sc = t["qweight"], t["qzeros"], t["scales"]
     k_in, n = qw.shape[0], qw.shape[1] * 8
-    gs = k_in if group_size == -1 else group_size
-    _check(k_in % gs == 0, f"{name}: group_size={group_size} does not divide in_features={k_in} "
-           f"(quantization_config.group_size)")
-    g = k_in // gs
-    _check(tuple(sc.shape) == (g, n), f"{name}.scales: shape {tuple(sc.shape)} disagrees with qweight "
-           f"{tuple(qw.shape)} and group_size={group_size} (expected {(g, n)})")
+    gs, g = _groups(name, k_in, n, group_size, qw, sc)
     _check(tuple(qz.shape) == (g, n // 8), f"{name}.qzeros: shape {tuple(qz.shape)} disagrees with qweight "
            f"{tuple(qw.shape)} (expected {(g, n // 8)})")
     codes = _unpack_cols(qw, 4, AWQ_ORDER).T.to(torch.uint8).contiguous()

@@ -31,8 +31,25 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 INT8_MAX = 127
 
 
+class _ChannelScaledWeight:
+    """What the 8-bit weights share: ``weight`` [N, K] (fp8 / int8 codes), ``scale`` [N] float32
+    (one per output channel, w = code * scale), ``bias`` [N] or None."""
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def numel(self) -> int:
+        """Elements read per product (weight + bias)."""
+        return self.weight.numel() + (0 if self.bias is None else self.bias.numel())
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[N, K] in ``dtype``: ``weight * scale[:, None]`` computed in float32."""
+        return (self.weight.float() * self.scale[:, None]).to(dtype)
+
+
 @dataclass(eq=False)
-class Fp8LinearWeight:
+class Fp8LinearWeight(_ChannelScaledWeight):
     """FP8 E4M3 weight [N, K] + float32 per-output-channel scale [N] (module docstring)."""
 
     weight: torch.Tensor
@@ -49,25 +66,15 @@ class Fp8LinearWeight:
         w8 = (wf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return cls(w8.contiguous(), scale.contiguous(), bias)
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.weight.shape
-
     def use(self, impl: str) -> "Fp8LinearWeight":
         """``invariant`` -> ``fp8_invariant`` (the float batch-invariant matmul on the E4M3 values
         converted to x's dtype, then the scale); other float names -> ``fp8``; ``fp8_ref`` kept."""
         self.impl = {"invariant": "fp8_invariant"}.get(impl, impl if impl in ("fp8", "fp8_ref") else "fp8")
         return self
 
-    def numel(self) -> int:
-        return self.weight.numel() + (0 if self.bias is None else self.bias.numel())
-
     def nbytes(self) -> int:
         ts = (self.weight, self.scale, self.bias)
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.weight.float() * self.scale[:, None]).to(dtype)
 
     def to(self, device) -> "Fp8LinearWeight":
         return replace(self, weight=self.weight.to(device), scale=self.scale.to(device),
@@ -80,7 +87,7 @@ class Fp8LinearWeight:
 
 
 @dataclass(eq=False)
-class Int8LinearWeight:
+class Int8LinearWeight(_ChannelScaledWeight):
     """int8 weight [N, K] + float32 per-output-channel scale [N] (W8A8; module docstring).
     ``weight_t`` is the [K, N] contiguous int8 tensor ``torch._int_mm`` reads (made at
     construction); ``weight`` becomes its transposed view, so one copy is resident."""
@@ -109,26 +116,16 @@ class Int8LinearWeight:
         q = torch.clamp(torch.round(wf / s[:, None]), -INT8_MAX, INT8_MAX).to(torch.int8)
         return cls(q, s, bias)
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.weight.shape
-
     def use(self, impl: str) -> "Int8LinearWeight":
         """Float impl names map to ``w8a8`` (``invariant`` too: integer sums are exact and every
         other step is per row, so a row's result never depends on the batch); ``w8a8_ref`` kept."""
         self.impl = impl if impl in ("w8a8", "w8a8_ref") else "w8a8"
         return self
 
-    def numel(self) -> int:
-        return self.weight.numel() + (0 if self.bias is None else self.bias.numel())
-
     def nbytes(self) -> int:
         """Resident bytes (``weight`` is a view of ``weight_t``: counted once)."""
         ts = (self.weight_t, self.scale, self.bias)
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.weight.float() * self.scale[:, None]).to(dtype)
 
     def to(self, device) -> "Int8LinearWeight":
         return Int8LinearWeight(self.weight.to(device), self.scale.to(device),

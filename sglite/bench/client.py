@@ -112,7 +112,7 @@ async def send_native(http: httpx.AsyncClient, cfg: ClientConfig, prompt: str, m
     out = outcome_from_timeline(start, times, int(meta.get("prompt_tokens") or 0),
                                 int(meta.get("completion_tokens") or n_ids), int(meta.get("cached_tokens") or 0),
                                 end=last if times else None)
-    out.start = start - t0
+    out.start, out.output_text = start - t0, text
     return out, text
 
 
@@ -144,7 +144,7 @@ async def send_openai(http: httpx.AsyncClient, cfg: ClientConfig, prompt: str, m
     out = outcome_from_timeline(start, times, int(usage.get("prompt_tokens") or 0),
                                 int(usage.get("completion_tokens") or chunks), int(details.get("cached_tokens") or 0),
                                 end=last if times else None)
-    out.start = start - t0
+    out.start, out.output_text = start - t0, text
     return out, text
 
 

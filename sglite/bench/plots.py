@@ -84,8 +84,9 @@ def _grouped(ax, runs, bars, title) -> None:
         ax.legend(fontsize=8)
 
 
-def plot_sweep(series: dict[str, Sequence[dict]], path, title: str = "") -> Path:
-    """Goodput, P95 TTFT and P95 TPOT against request rate, one line per configuration.
+def plot_sweep(series: dict[str, Sequence[dict]], path, title: str = "", percentile: str = "p95") -> Path:
+    """Goodput, TTFT and TPOT (``percentile``: ``p50`` | ``p95`` | ``p99``) against request rate,
+    one line per configuration.
 
     Args:
         series: ``{config label: [point, ...]}``, a point being ``{"request_rate": float,
@@ -95,8 +96,9 @@ def plot_sweep(series: dict[str, Sequence[dict]], path, title: str = "") -> Path
     fig, axes = _figure(3)
     finite = [p["request_rate"] for pts in series.values() for p in pts if math.isfinite(p["request_rate"])]
     inf_x = 1.5 * max(finite) if finite else 1.0
-    panels = (("goodput", None, "goodput (req/s)"), ("ttft_ms", "p95", "P95 TTFT (ms)"),
-              ("tpot_ms", "p95", "P95 TPOT (ms)"))
+    pct = percentile.upper()
+    panels = (("goodput", None, "goodput (req/s)"), ("ttft_ms", percentile, f"{pct} TTFT (ms)"),
+              ("tpot_ms", percentile, f"{pct} TPOT (ms)"))
     for ax, (key, sub, ylabel) in zip(axes[0], panels):
         for label, pts in series.items():
             pts = sorted(pts, key=lambda p: p["request_rate"])

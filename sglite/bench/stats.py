@@ -81,6 +81,7 @@ class RequestOutcome:
         ttft / e2e: seconds (NaN when the request failed before its first token).
         itl: seconds between successive token-carrying chunks (length = chunks - 1).
         error: the error message when ``success`` is False.
+        output_text: the generated text (set by the HTTP clients; compared across sweep configs).
     """
 
     success: bool
@@ -92,6 +93,7 @@ class RequestOutcome:
     e2e: float = NAN
     itl: list = field(default_factory=list)
     error: str = ""
+    output_text: str = ""
 
     @property
     def tpot(self) -> float:

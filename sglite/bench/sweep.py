@@ -7,9 +7,17 @@
 
 Each ``--config LABEL=FLAGS`` starts its own server (``--server-args`` + ``FLAGS``; see
 :mod:`sglite.bench.launcher`), runs the workload once per rate (the prefix cache flushed before
-each), and stops it. The chart has goodput, P95 TTFT and P95 TPOT against request rate with one
-line per configuration; the table adds DistServe's goodput (the highest rate whose SLO
-attainment is ≥ ``--attainment-target``).
+each), and stops it. ``LABEL=--pd-disaggregation FLAGS`` starts a prefill server, a decode server
+and the P/D router instead, ``LABEL=@URL`` uses a running deployment (:mod:`sglite.bench.deploy`).
+The chart has goodput, TTFT and TPOT (``--percentile``, P95 by default) against request rate with
+one line per configuration; the table adds DistServe's goodput (the highest rate whose SLO
+attainment is ≥ ``--attainment-target``), the P/D router's KV transfers and fallbacks per run, and
+how many requests produced the same text as the first configuration at the same rate (the
+workload is the same at a given rate; with ``--temperature 0`` outputs are expected equal).
+
+    sglite bench sweep --dataset random --input-len 1500 --request-rates 0.1,0.3 \\
+        --server-args "--dtype bfloat16" --config "colocated=" --config "pd=--pd-disaggregation" \\
+        --config "dp2=--dp-size 2" --percentile p99 --output-json pd.json --plot pd.png
 """
 from __future__ import annotations
 
@@ -17,7 +25,7 @@ import argparse
 import math
 from typing import Optional, Sequence
 
-from .launcher import LaunchedServer
+from .deploy import Deployment
 from .report import HelpFormatter, format_table, write_json
 from .serving import _rate, add_workload_args, check_args, run_dataset, server_argv
 from .stats import flat_metrics, max_rate_meeting_attainment
@@ -28,6 +36,32 @@ COLUMNS = (("config", "config"), ("request_rate", "rate (req/s)"), ("request_thr
            ("ttft_ms.p50", "P50 TTFT ms"), ("ttft_ms.p95", "P95 TTFT ms"), ("tpot_ms.p50", "P50 TPOT ms"),
            ("tpot_ms.p95", "P95 TPOT ms"), ("tpot_ms.p99", "P99 TPOT ms"), ("output_throughput", "out tok/s"),
            ("cache_hit_rate", "cache hit"))
+PD_COLUMNS = (("ttft_ms.p99", "P99 TTFT ms"), ("kv_transfers", "KV transfers"), ("kv_fallbacks", "KV fallbacks"),
+              ("same_output", "same output as first"))
+
+
+def compare_outputs(series: dict[str, list[dict]]) -> None:
+    """Set each point's ``same_output`` to ``"k/n"``: requests (in workload order) whose text equals
+    the first configuration's at the same rate (the first configuration itself: ``n/n``)."""
+    labels = list(series)
+    if not labels:
+        return
+    ref = {p["request_rate"]: p.get("outputs") or [] for p in series[labels[0]]}
+    for label in labels:
+        for p in series[label]:
+            want, got = ref.get(p["request_rate"]) or [], p.get("outputs") or []
+            n = max(len(want), len(got))
+            p["same_output"] = f"{sum(a == b for a, b in zip(want, got))}/{n}"
+
+
+def pd_delta(before: dict, after: dict) -> dict:
+    """KV transfers / fallbacks of one run from the router's counters before and after it (``{}``
+    for deployments without a P/D router)."""
+    if not after:
+        return {}
+    return {"kv_transfers": after.get("transfers", 0) - before.get("transfers", 0),
+            "kv_fallbacks": after.get("failures", 0) - before.get("failures", 0),
+            "kv_transferred_tokens": after.get("transferred_tokens", 0) - before.get("transferred_tokens", 0)}
 
 
 def parse_config(text: str) -> tuple[str, str]:
@@ -56,7 +90,8 @@ def parse_rates(text: str) -> list[float]:
 
 def sweep_rows(series: dict[str, list[dict]]) -> list[dict]:
     """Flatten ``{label: [point]}`` into table rows (``config`` + ``request_rate`` + metrics)."""
-    return [{"config": label, **p["metrics"], "request_rate": p["request_rate"]}
+    return [{"config": label, **p["metrics"], "request_rate": p["request_rate"],
+             **{k: p[k] for k in ("kv_transfers", "kv_fallbacks", "same_output") if k in p}}
             for label, pts in series.items() for p in pts]
 
 
@@ -77,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DistServe goodput: highest rate whose SLO attainment (0-1) reaches this")
     p.add_argument("--output-json", default=None,
                    help="write every point here (SGLang's flat keys + nested metrics; default: none)")
-    p.add_argument("--plot", default=None, help="PNG: goodput, P95 TTFT, P95 TPOT vs rate (default: none)")
+    p.add_argument("--plot", default=None, help="PNG: goodput, TTFT and TPOT percentiles vs rate (default: none)")
+    p.add_argument("--percentile", default="p95", choices=("p50", "p95", "p99"),
+                   help="the TTFT/TPOT percentile of the chart")
     add_workload_args(p)
     return p
 
@@ -95,16 +132,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(str(exc))
     series: dict[str, list[dict]] = {}
     for label, flags in configs:
-        argv_server = server_argv(a, a.server_args) + server_argv(argparse.Namespace(model_path=None), flags)
-        with LaunchedServer(argv_server, a.launch_mode) as srv:
+        try:
+            dep = Deployment(flags, server_argv(a, a.server_args), a.launch_mode)
+        except ValueError as exc:
+            parser.error(str(exc))
+        with dep:
             for rate in rates:
-                res = run_dataset(a, srv.url, rate, f"{label} @ {rate}", pairs)
-                series.setdefault(label, []).append({**flat_metrics(res.metrics), "request_rate": rate,
-                                                     "metrics": res.metrics, "server_args": argv_server})
+                before = dep.pd_counters()
+                res = run_dataset(a, dep.url, rate, f"{label} @ {rate}", pairs)
+                extra = pd_delta(before, dep.pd_counters())
+                series.setdefault(label, []).append({
+                    **flat_metrics(res.metrics), "request_rate": rate, "metrics": res.metrics,
+                    "server_args": dep.server_args, "deployment": dep.kind, **extra,
+                    "requests": [{"ttft": o.ttft, "tpot": o.tpot, "success": o.success} for o in res.outcomes],
+                    "outputs": [o.output_text for o in res.outcomes]})
+                pct = a.percentile.upper()
                 print(f"{label} @ {rate} req/s: goodput {res.metrics['goodput']:.3f} req/s, "
-                      f"P95 TTFT {res.metrics['ttft_ms']['p95']:.1f} ms, "
-                      f"P95 TPOT {res.metrics['tpot_ms']['p95']:.1f} ms", flush=True)
-    print(format_table(sweep_rows(series), COLUMNS))
+                      f"{pct} TTFT {res.metrics['ttft_ms'][a.percentile]:.1f} ms, "
+                      f"{pct} TPOT {res.metrics['tpot_ms'][a.percentile]:.1f} ms"
+                      + (f", KV transfers {extra['kv_transfers']} (fallbacks {extra['kv_fallbacks']})"
+                         if extra else ""), flush=True)
+    compare_outputs(series)
+    print(format_table(sweep_rows(series), COLUMNS + PD_COLUMNS))
     good = distserve_goodput(series, a.attainment_target)
     for label, g in good.items():
         shown = "none of the rates" if g is None else ("inf" if math.isinf(g) else f"{g:g} req/s")
@@ -116,5 +165,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .plots import plot_sweep
 
         slo = f"SLO TTFT<={a.slo_ttft_ms} ms, TPOT<={a.slo_tpot_ms} ms"
-        plot_sweep(series, a.plot, title=f"{a.dataset}: {' vs '.join(series)} ({slo})")
+        plot_sweep(series, a.plot, title=f"{a.dataset}: {' vs '.join(series)} ({slo})", percentile=a.percentile)
     return 0 if all(p["metrics"]["completed"] for pts in series.values() for p in pts) else 1

@@ -8,7 +8,7 @@ through chunk by chunk. A worker that cannot be reached (connection error, or 50
 any byte was sent) is marked unhealthy and the request is retried on another (``max_retries``);
 a background task probes every worker's ``/health`` every ``health_check_interval_secs`` and
 brings recovered workers back (with an empty approximate tree). ``/flush_cache`` goes to every
-worker; ``/get_server_info`` lists the workers with their health, load and own server info;
+worker (and every prefill server of a P/D router); ``/get_server_info`` lists the workers with their health, load and own server info;
 other GET routes (``/v1/models``, ``/get_model_info``) go to a healthy worker.
 """
 from __future__ import annotations
@@ -242,6 +242,11 @@ def create_router_app(config: RouterConfig) -> FastAPI:
             try:
                 codes.append((await router.client.post(u + "/flush_cache", headers=fwd(request))).status_code)
                 router.policy.forget(i)
+            except httpx.HTTPError:
+                codes.append(503)
+        for u, _ in (pairing.prefill if pairing is not None else ()):  # the prefill servers' caches too
+            try:
+                codes.append((await router.client.post(u + "/flush_cache", headers=fwd(request))).status_code)
             except httpx.HTTPError:
                 codes.append(503)
         ok = all(c == 200 for c in codes)

@@ -88,6 +88,11 @@ def import_prefix(engine, ids: list[int], k: torch.Tensor, v: torch.Tensor) -> i
     return engine._loop.call(fn)  # noqa: SLF001
 
 
+class TransferError(RuntimeError):
+    """A KV transfer that did not happen: the prefill server failed the request's prefill (it
+    sends a failure header), or the peer's connection broke / timed out (gloo's error)."""
+
+
 def send_kv(store, room: int, ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
     """Prefill side of room ``room``: header, ids, K, V to rank 1 (blocks until received)."""
     pg = _room_group(store, room, 0)
@@ -98,13 +103,21 @@ def send_kv(store, room: int, ids: list[int], k: torch.Tensor, v: torch.Tensor) 
             pg.send([t], 1, 0).wait()
 
 
+def send_failure(store, room: int) -> None:
+    """Prefill side of room ``room`` when its prefill failed: a header with ``n = -1``, so the
+    waiting decode server stops at once (:class:`TransferError`) instead of at the timeout."""
+    _room_group(store, room, 0).send([torch.tensor([-1, 0, 0, 0], dtype=torch.int64)], 1, 0).wait()
+
+
 def recv_kv(store, room: int, dtype: torch.dtype, shape: tuple[int, int, int]):
     """Decode side of room ``room``: (ids, K, V). ``shape`` = this pool's (L, Hkv, D); a
-    different model raises ValueError."""
+    different model raises ValueError; a failure header raises TransferError."""
     pg = _room_group(store, room, 1)
     hdr = torch.zeros(4, dtype=torch.int64)
     pg.recv([hdr], 0, 0).wait()
     n, L, H, D = hdr.tolist()
+    if n < 0:
+        raise TransferError(f"bootstrap_room {room}: the prefill server failed this request's prefill")
     if (L, H, D) != tuple(shape):
         raise ValueError(f"bootstrap_room {room}: the prefill server's KV is (layers, heads, dim)={L, H, D}, "
                          f"this server's {tuple(shape)}: not the same model")
@@ -153,8 +166,20 @@ def disaggregation_routes(engine, mode: str, bootstrap_port: int):
     async def in_thread(fn):
         return await asyncio.get_running_loop().run_in_executor(pool_, fn)
 
+    stats = {"sent": 0, "sent_tokens": 0, "failed": 0} if mode == "prefill" else \
+        {"received": 0, "received_tokens": 0, "failed": 0}
+    stats_lock = threading.Lock()
+
+    def count(key, n=1):
+        with stats_lock:
+            stats[key] += n
+
     def bad(msg):
         return JSONResponse({"error": {"message": msg, "code": 400, "type": "BadRequestError"}}, status_code=400)
+
+    def failed(msg):
+        log.warning("%s", msg)
+        return JSONResponse({"error": {"message": msg, "code": 502, "type": "KVTransferError"}}, status_code=502)
 
     def room_of(body):
         room = body.get("bootstrap_room")
@@ -172,11 +197,24 @@ def disaggregation_routes(engine, mode: str, bootstrap_port: int):
             ids = engine.tokenizer.encode(text) if text is not None else input_ids
 
             def work():
-                info = engine.cache_prefix(input_ids=ids)
-                got, k, v = export_prefix(engine, ids)
+                try:
+                    info = engine.cache_prefix(input_ids=ids)
+                    got, k, v = export_prefix(engine, ids)
+                except Exception:
+                    send_failure(boot.server, room)  # the decode server of this room stops waiting
+                    raise
                 send_kv(boot.server, room, got, k, v)
+                count("sent")
+                count("sent_tokens", len(got))
                 return {"prompt_tokens": info["prompt_tokens"], "transferred_tokens": len(got)}
-            return await in_thread(work)
+            try:
+                return await in_thread(work)
+            except ValueError as exc:  # InvalidRequestError: a bad prompt
+                count("failed")
+                return bad(str(exc))
+            except Exception as exc:  # noqa: BLE001 - gloo: the decode side went away / timed out
+                count("failed")
+                return failed(f"bootstrap_room {room}: prefill or KV send failed: {type(exc).__name__}: {exc}")
     else:
         @router.post("/disagg/receive")
         async def receive(body: dict):
@@ -190,10 +228,22 @@ def disaggregation_routes(engine, mode: str, bootstrap_port: int):
 
             def work():
                 ids, k, v = recv_kv(boot.client(host, port), room, pool.k_buffers[0].dtype, shape)
-                return {"cached_tokens": import_prefix(engine, ids, k, v) if ids else 0,
-                        "received_tokens": len(ids)}
+                cached = import_prefix(engine, ids, k, v) if ids else 0
+                count("received")
+                count("received_tokens", len(ids))
+                return {"cached_tokens": cached, "received_tokens": len(ids)}
             try:
                 return await in_thread(work)
             except ValueError as exc:
+                count("failed")
                 return bad(str(exc))
+            except Exception as exc:  # noqa: BLE001 - TransferError, gloo's timeout / closed connection
+                count("failed")
+                return failed(f"bootstrap_room {room}: receiving the KV failed: {type(exc).__name__}: {exc}")
+
+    @router.get("/disagg/stats")
+    async def disagg_stats():
+        """This half's transfer counters: ``sent``/``sent_tokens`` (prefill) or
+        ``received``/``received_tokens`` (decode), and ``failed``."""
+        return {"disaggregation_mode": mode, **stats}
     return router

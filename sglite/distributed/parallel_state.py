@@ -119,16 +119,23 @@ def load_shard(checkpoint, layout: TPLayout, dtype: torch.dtype) -> dict[str, to
     return out
 
 
+def tp_backend(device) -> str:
+    """The torch.distributed backend of the tensor-parallel group on ``device`` (a ``str`` or
+    ``torch.device``): ``"nccl"`` for CUDA devices, ``"gloo"`` otherwise (CPU). The one place this
+    is decided; the control group and the P/D KV transfer always use gloo (host tensors)."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
 def make_tp_group(store, rank: int, size: int, device: str):
     """The tensor-parallel process group of ``size`` model ranks, built on ``store`` (a
-    ``torch.distributed`` store shared with the scheduler): NCCL for CUDA devices, else gloo. A
-    backend object, not the process's default group."""
+    ``torch.distributed`` store shared with the scheduler), backend :func:`tp_backend` of
+    ``device``. A backend object, not the process's default group."""
     import torch.distributed as dist
 
     from .control import DEFAULT_TIMEOUT
 
     prefixed = dist.PrefixStore("sglite/tp", store)
-    if str(device).startswith("cuda"):
+    if tp_backend(device) == "nccl":
         return dist.ProcessGroupNCCL(prefixed, rank, size)
     return dist.ProcessGroupGloo(prefixed, rank, size, DEFAULT_TIMEOUT)
 

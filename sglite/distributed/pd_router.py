@@ -7,8 +7,10 @@ servers) and a prefill server (round robin), draws a random bootstrap room, and 
 and bootstrap port) to the decode server (:mod:`~sglite.distributed.disaggregation`); when both
 answer, the original request goes to the decode server, whose radix cache now holds the prompt.
 Chat requests (the prompt text needs the chat template) and batches skip the transfer: the decode
-server prefills them itself. A failed transfer is logged and the decode server prefills too (same
-output, no disaggregation for that request).
+server prefills them itself. A failed transfer is logged and counted (``failures``, reported by
+the router's ``/get_server_info`` under ``pd``) and the decode server prefills too (same output,
+no disaggregation for that request). A client that disconnects during the transfer is not
+forwarded (``aborted``).
 """
 from __future__ import annotations
 
@@ -23,6 +25,13 @@ import httpx
 from .router_policy import RouterConfig
 
 log = logging.getLogger("sglite.router")
+
+FAILURE_GRACE_SECS = 10.0  # how long a failed prefill waits for the decode server's answer
+
+
+class ClientGone(Exception):
+    """The client disconnected while its KV was being transferred: nothing is sent to the decode
+    server (the KV it received stays in its radix cache, unlocked, evictable)."""
 
 
 def prefill_body(path: str, body: dict) -> Optional[dict]:
@@ -46,6 +55,7 @@ class PrefillPairing:
         transfers: requests whose KV came from a prefill server.
         transferred_tokens: prompt tokens whose KV was sent.
         failures: transfers that failed (those requests were prefilled by the decode server).
+        aborted: requests whose client disconnected during the transfer (not forwarded).
     """
 
     def __init__(self, config: RouterConfig, seed: Optional[int] = None):
@@ -53,9 +63,17 @@ class PrefillPairing:
         self._rr = 0
         self._rng = random.Random(seed)
         self.client: Optional[httpx.AsyncClient] = None
-        self.transfers = self.transferred_tokens = self.failures = 0
+        self.transfers = self.transferred_tokens = self.failures = self.aborted = 0
 
-    async def transfer(self, decode_url: str, body: dict, text: str, path: str) -> None:
+    async def transfer(self, decode_url: str, body: dict, text: str, path: str, request=None) -> None:
+        """Move the prompt's KV of ``body`` to ``decode_url`` (nothing for chats and batches).
+
+        A failed transfer is counted in ``failures`` and logged; the request then goes on (the
+        decode server prefills it). When one side fails first, the other's answer is awaited at
+        most ``FAILURE_GRACE_SECS`` (a live prefill server tells its decode peer with a failure
+        header; a decode server that gives up closes its gloo connection). Raises :class:`ClientGone` when ``request``
+        (the client's Starlette request) disconnected during the transfer (counted in ``aborted``).
+        """
         pre = prefill_body(path, body)
         if pre is None:
             return
@@ -64,9 +82,21 @@ class PrefillPairing:
         room = self._rng.getrandbits(62)
         pre["bootstrap_room"] = room
         recv = {"bootstrap_host": urlparse(url).hostname, "bootstrap_port": bport, "bootstrap_room": room}
+        tp = asyncio.ensure_future(self.client.post(url + "/disagg/prefill", json=pre))
+        td = asyncio.ensure_future(self.client.post(decode_url + "/disagg/receive", json=recv))
         try:
-            rp, rd = await asyncio.gather(self.client.post(url + "/disagg/prefill", json=pre),
-                                          self.client.post(decode_url + "/disagg/receive", json=recv))
+            done, _ = await asyncio.wait((tp, td), return_when=asyncio.FIRST_COMPLETED)
+            first = next(iter(done))
+            if first.exception() is not None or first.result().status_code != 200:
+                other = td if first is tp else tp  # told by the failure (or not): bounded wait
+                await asyncio.wait((other,), timeout=FAILURE_GRACE_SECS)
+            else:
+                await asyncio.wait((tp, td))
+            if not (tp.done() and td.done()):
+                side = "prefill" if first is tp else "decode"
+                raise RuntimeError(f"the {side} server failed ({_describe(first)}) and the other had not "
+                                   f"answered after {FAILURE_GRACE_SECS:g} s")
+            rp, rd = tp.result(), td.result()
             if rp.status_code != 200 or rd.status_code != 200:
                 raise RuntimeError(f"prefill {rp.status_code} {rp.text[:200]}; decode {rd.status_code} {rd.text[:200]}")
             self.transfers += 1
@@ -75,3 +105,19 @@ class PrefillPairing:
             self.failures += 1
             log.warning("KV transfer %s -> %s (room %d) failed, the decode server prefills: %s",
                         url, decode_url, room, exc)
+        finally:
+            for t in (tp, td):
+                if not t.done():
+                    t.cancel()
+        if request is not None and await request.is_disconnected():
+            self.aborted += 1
+            raise ClientGone(f"the client disconnected during the KV transfer of room {room}")
+
+
+def _describe(task) -> str:
+    if not task.done():
+        return "pending"
+    if task.exception() is not None:
+        return f"{type(task.exception()).__name__}: {task.exception()}"
+    r = task.result()
+    return f"{r.status_code} {r.text[:200]}"

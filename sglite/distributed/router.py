@@ -26,6 +26,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from .pd_router import ClientGone
 from .router_policy import Policy, RouterConfig
 
 log = logging.getLogger("sglite.router")
@@ -130,6 +131,8 @@ class Router:
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as exc:
                 last = f"{self.urls[i]}: {type(exc).__name__}: {exc}"
                 self._mark_down(i, last)
+            except ClientGone as exc:  # nobody to answer (499: nginx's "client closed request")
+                return JSONResponse({"error": {"message": str(exc), "code": 499}}, status_code=499)
             finally:
                 if not released:
                     self.loads[i] -= 1
@@ -200,7 +203,7 @@ def create_router_app(config: RouterConfig) -> FastAPI:
             if not isinstance(body, dict):
                 return JSONResponse({"error": {"message": "request body must be a JSON object", "code": 400}}, 400)
             return await router.proxy(path, body, fwd(request), before=before and (
-                lambda i, text: before(router.urls[i], body, text, path)))
+                lambda i, text: before(router.urls[i], body, text, path, request)))
         return generate
 
     for path in GENERATE_ROUTES:
@@ -232,7 +235,8 @@ def create_router_app(config: RouterConfig) -> FastAPI:
         out = {"policy": config.policy, "workers": workers}
         if pairing is not None:
             out["pd"] = {"prefill_urls": [u for u, _ in pairing.prefill], "transfers": pairing.transfers,
-                         "transferred_tokens": pairing.transferred_tokens, "failures": pairing.failures}
+                         "transferred_tokens": pairing.transferred_tokens, "failures": pairing.failures,
+                         "aborted": pairing.aborted}
         return out
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])

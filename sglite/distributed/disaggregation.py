@@ -18,7 +18,9 @@ The bootstrap handshake: the room id (random, from the router) names a store pre
 build a 2-rank gloo group on it (prefill rank 0, decode rank 1) through the prefill server's store;
 the transfer is torch.distributed send/recv. Payload: header ``[n, L, Hkv, D]`` int64, ids ``[n]``
 int64, then K and V as ``[L, n, Hkv, D]`` in the pool dtype. Both servers must run the same model
-and dtype (checked from the header); ``tp_size`` must be 1.
+and dtype (checked from the header); ``tp_size`` must be 1. A prefill that fails sends the header
+``[-1, 0, 0, 0]`` instead, so its decode peer stops waiting (:class:`TransferError`, HTTP 502);
+``GET /disagg/stats`` counts each half's transfers and failures.
 """
 from __future__ import annotations
 

@@ -40,3 +40,18 @@ def test_max_rate_bisection():
     st = StepTimes(1.0, 0.05, 0.002, 48)
     r = max_rate(lambda r: meets_colocated(r, st, 1, 4.0, 0.4))
     assert meets_colocated(r * 0.99, st, 1, 4.0, 0.4) and not meets_colocated(r * 1.02, st, 1, 4.0, 0.4)
+
+
+def test_kv_transfer_time_counts_against_disaggregated_ttft_only():
+    """The transfer adds to the disaggregated TTFT: at a TTFT SLO of prefill + transfer the
+    single prefill device can no longer meet it at any rate; colocated is unaffected."""
+    from sglite.distributed.placement import meets_disaggregated
+
+    st = StepTimes(prefill_s=2.0, decode_a=0.1, decode_b=0.001, output_len=48)
+    slow = StepTimes(prefill_s=2.0, decode_a=0.1, decode_b=0.001, output_len=48, transfer_s=0.5)
+    assert meets_disaggregated(0.1, st, 1, 1, ttft_slo=2.4, tpot_slo=1.0)
+    assert not meets_disaggregated(0.1, slow, 1, 1, ttft_slo=2.4, tpot_slo=1.0)
+    g, g_slow = (goodput_per_device(s, ttft_slo=4.0, tpot_slo=0.15, max_devices=4) for s in (st, slow))
+    assert g_slow["colocated"] == g["colocated"]
+    assert 0 < g_slow["disaggregated"][0] < g["disaggregated"][0]
+    assert StepTimes.fit(2.0, {1: 0.1, 8: 0.2}, 48, transfer_s=0.5).transfer_s == 0.5

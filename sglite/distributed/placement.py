@@ -26,20 +26,23 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class StepTimes:
-    """Measured times (seconds). ``decode_a + decode_b·B`` is one decode step at batch ``B``."""
+    """Measured times (seconds). ``decode_a + decode_b·B`` is one decode step at batch ``B``;
+    ``transfer_s``: moving one prompt's KV from a prefill to a decode device (disaggregated
+    placements only: added to their TTFT; the link is assumed not to queue)."""
 
     prefill_s: float
     decode_a: float
     decode_b: float
     output_len: int
+    transfer_s: float = 0.0
 
     @classmethod
-    def fit(cls, prefill_s: float, batch_times: dict, output_len: int) -> "StepTimes":
+    def fit(cls, prefill_s: float, batch_times: dict, output_len: int, transfer_s: float = 0.0) -> "StepTimes":
         """From ``{batch: step seconds}`` (two or more batches): least-squares line."""
         xs, ys = list(batch_times), list(batch_times.values())
         n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
         b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(1e-12, sum((x - mx) ** 2 for x in xs))
-        return cls(prefill_s, max(0.0, my - b * mx), max(0.0, b), output_len)
+        return cls(prefill_s, max(0.0, my - b * mx), max(0.0, b), output_len, transfer_s)
 
     def step(self, batch: float) -> float:
         return self.decode_a + self.decode_b * batch
@@ -65,7 +68,8 @@ def decode_batch(rate: float, st: StepTimes) -> float:
 
 def meets_disaggregated(rate: float, st: StepTimes, x: int, y: int, ttft_slo: float, tpot_slo: float) -> bool:
     b = decode_batch(rate / y, st)
-    return mdl_ttft(rate / x, st.prefill_s) <= ttft_slo and b != float("inf") and st.step(max(b, 1)) <= tpot_slo
+    ttft = mdl_ttft(rate / x, st.prefill_s) + st.transfer_s
+    return ttft <= ttft_slo and b != float("inf") and st.step(max(b, 1)) <= tpot_slo
 
 
 def meets_colocated(rate: float, st: StepTimes, n: int, ttft_slo: float, tpot_slo: float) -> bool:

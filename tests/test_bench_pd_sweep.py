@@ -63,3 +63,17 @@ def test_sweep_colocated_vs_disaggregated_same_outputs(tiny_model_dir, tmp_path)
     assert pd["same_output"] == "4/4" and url["same_output"] == "4/4"
     assert pd["outputs"] == colo["outputs"]
     assert all(r["success"] for r in pd["requests"])
+
+
+@pytest.mark.slow
+def test_deployment_warms_every_server_behind_a_router(tiny_model_dir):
+    """A P/D deployment (thread mode): both halves are listed and each gets its warm-up request."""
+    d = deploy.Deployment("--pd-disaggregation", ["--model-path", str(tiny_model_dir), "--dtype", "float32",
+                                                  "--max-total-tokens", "4096"], mode="thread")
+    with d:
+        urls = d.worker_urls()
+        assert sorted(urls) == sorted(s.url for s in d._servers)
+        served = [s._engine.get_server_info()["prompt_tokens"] for s in d._servers]
+        assert all(n > 0 for n in served)  # the warm-up requests ran on both
+        assert d.warm_workers() == 2
+    assert deploy.Deployment("@http://127.0.0.1:1").worker_urls() == []

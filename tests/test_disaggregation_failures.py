@@ -159,3 +159,33 @@ def test_client_leaving_during_the_transfer_is_not_forwarded(pd, monkeypatch):
         assert got["meta_info"]["cached_tokens"] == got["meta_info"]["prompt_tokens"] - 1
         assert got["output_ids"] == pd.pre_e.generate(text, SP)["output_ids"]
     pd.assert_no_leak()
+
+
+def test_concurrent_transfers_do_not_deadlock(pd):
+    """Six rooms at once, the decode server joining them in the opposite order: every transfer
+    completes (each has its own store connection; a shared one serialized the rendezvous waits
+    and deadlocked two overlapping transfers)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [f"Request {i}: tell me about the number {i} and its friends" for i in range(6)]
+    ids = [pd.pre_e.tokenizer.encode(p) for p in prompts]
+    rooms = list(range(1000, 1006))
+
+    def receive(room):
+        return httpx.post(pd.dec.url + "/disagg/receive", json={
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": pd.bport, "bootstrap_room": room}, timeout=90)
+
+    def send(i):
+        return httpx.post(pd.pre.url + "/disagg/prefill", json={"input_ids": ids[i], "bootstrap_room": rooms[i]},
+                          timeout=90)
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(12) as ex:
+        recvs = [ex.submit(receive, r) for r in reversed(rooms)]
+        sends = [ex.submit(send, i) for i in range(6)]
+        rs, rr = [f.result() for f in sends], [f.result() for f in recvs][::-1]
+    assert time.monotonic() - t0 < 80
+    assert [r.status_code for r in rs + rr] == [200] * 12
+    assert [r.json()["received_tokens"] for r in rr] == [len(x) for x in ids]
+    pre_stats, dec_stats = pd.stats()
+    assert pre_stats["sent"] == 6 and dec_stats["received"] == 6 and dec_stats["failed"] == 0
+    pd.assert_no_leak()

@@ -11,6 +11,8 @@ Three kinds, told apart by ``SPEC``:
   mode, a :class:`~sglite.distributed.router.RouterThread` in ``thread`` mode).
 * ``@URL``: a deployment already running at ``URL`` (nothing started or stopped).
 
+:meth:`Deployment.warm_workers` sends one short request straight to each server behind a router
+when the deployment starts (a benchmark's warmup request through the router reaches only one).
 :meth:`Deployment.pd_counters` reads the router's KV-transfer counters (``transfers``,
 ``transferred_tokens``, ``failures`` = requests whose transfer failed and whose prompt the decode
 server prefilled itself); ``{}`` for deployments without a P/D router.
@@ -101,6 +103,8 @@ class Deployment:
                 self.url = self._servers[0].url
             elif self.kind == "pd":
                 self._start_pd()
+            if self.kind != "url":
+                self.warm_workers()
         except BaseException:
             self.stop()
             raise
@@ -140,6 +144,32 @@ class Deployment:
                                          str(bport), "--decode", dec.url, "--port", str(port),
                                          "--log-level", "warning"])
         _wait_healthy(self.url, self._router, 120.0, "sglite router")
+
+    def worker_urls(self) -> list[str]:
+        """The servers behind a router (its ``/get_server_info`` ``workers`` and ``pd.prefill_urls``);
+        ``[]`` for a single server."""
+        try:
+            info = httpx.get(self.url + "/get_server_info", timeout=30).json()
+        except (httpx.HTTPError, ValueError):
+            return []
+        if not isinstance(info, dict) or not isinstance(info.get("workers"), list):
+            return []
+        pd = info.get("pd") if isinstance(info.get("pd"), dict) else {}
+        return [w["url"] for w in info["workers"] if isinstance(w, dict) and "url" in w] + list(pd.get("prefill_urls", []))
+
+    def warm_workers(self, max_new_tokens: int = 4) -> int:
+        """One short greedy request straight to every server behind a router, so each has run a
+        step before timing (the benchmark's own warmup request reaches one worker only). Returns
+        how many servers answered 200."""
+        body = {"text": "Warm up the server.", "sampling_params": {"max_new_tokens": max_new_tokens,
+                                                                   "temperature": 0}}
+        ok = 0
+        for u in self.worker_urls():
+            try:
+                ok += httpx.post(u + "/generate", json=body, timeout=self.startup_timeout).status_code == 200
+            except httpx.HTTPError:
+                pass
+        return ok
 
     def pd_counters(self) -> dict:
         """The P/D router's transfer counters (``transfers``, ``transferred_tokens``, ``failures``)

@@ -133,23 +133,24 @@ def recv_kv(store, room: int, dtype: torch.dtype, shape: tuple[int, int, int]):
 
 
 class Bootstrap:
-    """The prefill server's bootstrap store (``TCPStore`` master on ``port``, all interfaces),
-    and the decode server's client stores (one per prefill server)."""
+    """The prefill server's bootstrap store (``TCPStore`` master on ``port``, all interfaces) and
+    one client connection per transfer, on either side.
+
+    A ``TCPStore`` client serializes its blocking waits (one operation at a time per connection),
+    so two transfers rendezvousing through one shared connection can each wait for a key the
+    other's peer cannot set yet: a deadlock under concurrent transfers. Hence a fresh connection
+    per transfer (:meth:`connect`), the prefill server's own transfers included."""
 
     def __init__(self, port: int | None = None):
         import torch.distributed as dist
 
         self._dist = dist
+        self.port = port
         self.server = dist.TCPStore("0.0.0.0", port, None, True, wait_for_workers=False) if port else None
-        self._clients: dict = {}
-        self._lock = threading.Lock()
 
-    def client(self, host: str, port: int):
-        with self._lock:
-            if (host, port) not in self._clients:
-                self._clients[(host, port)] = self._dist.TCPStore(host, port, None, False,
-                                                                  timeout=TRANSFER_TIMEOUT)
-            return self._clients[(host, port)]
+    def connect(self, host: str | None = None, port: int | None = None):
+        """A new client of the store at ``host:port`` (default: this server's own store)."""
+        return self._dist.TCPStore(host or "127.0.0.1", port or self.port, None, False, timeout=TRANSFER_TIMEOUT)
 
 
 def disaggregation_routes(engine, mode: str, bootstrap_port: int):
@@ -203,9 +204,9 @@ def disaggregation_routes(engine, mode: str, bootstrap_port: int):
                     info = engine.cache_prefix(input_ids=ids)
                     got, k, v = export_prefix(engine, ids)
                 except Exception:
-                    send_failure(boot.server, room)  # the decode server of this room stops waiting
+                    send_failure(boot.connect(), room)  # the decode server of this room stops waiting
                     raise
-                send_kv(boot.server, room, got, k, v)
+                send_kv(boot.connect(), room, got, k, v)
                 count("sent")
                 count("sent_tokens", len(got))
                 return {"prompt_tokens": info["prompt_tokens"], "transferred_tokens": len(got)}
@@ -229,7 +230,7 @@ def disaggregation_routes(engine, mode: str, bootstrap_port: int):
             shape = (len(pool.k_buffers), *pool.k_buffers[0].shape[1:])
 
             def work():
-                ids, k, v = recv_kv(boot.client(host, port), room, pool.k_buffers[0].dtype, shape)
+                ids, k, v = recv_kv(boot.connect(host, port), room, pool.k_buffers[0].dtype, shape)
                 cached = import_prefix(engine, ids, k, v) if ids else 0
                 count("received")
                 count("received_tokens", len(ids))

@@ -155,7 +155,8 @@ class Deployment:
         if not isinstance(info, dict) or not isinstance(info.get("workers"), list):
             return []
         pd = info.get("pd") if isinstance(info.get("pd"), dict) else {}
-        return [w["url"] for w in info["workers"] if isinstance(w, dict) and "url" in w] + list(pd.get("prefill_urls", []))
+        workers = [w["url"] for w in info["workers"] if isinstance(w, dict) and "url" in w]
+        return workers + list(pd.get("prefill_urls", []))
 
     def warm_workers(self, max_new_tokens: int = 4) -> int:
         """One short greedy request straight to every server behind a router, so each has run a

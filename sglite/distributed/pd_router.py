@@ -71,8 +71,9 @@ class PrefillPairing:
         A failed transfer is counted in ``failures`` and logged; the request then goes on (the
         decode server prefills it). When one side fails first, the other's answer is awaited at
         most ``FAILURE_GRACE_SECS`` (a live prefill server tells its decode peer with a failure
-        header; a decode server that gives up closes its gloo connection). Raises :class:`ClientGone` when ``request``
-        (the client's Starlette request) disconnected during the transfer (counted in ``aborted``).
+        header; a decode server that gives up closes its gloo connection). Raises
+        :class:`ClientGone` when ``request`` (the client's Starlette request) disconnected during
+        the transfer (counted in ``aborted``).
         """
         pre = prefill_body(path, body)
         if pre is None:

@@ -8,8 +8,8 @@ through chunk by chunk. A worker that cannot be reached (connection error, or 50
 any byte was sent) is marked unhealthy and the request is retried on another (``max_retries``);
 a background task probes every worker's ``/health`` every ``health_check_interval_secs`` and
 brings recovered workers back (with an empty approximate tree). ``/flush_cache`` goes to every
-worker (and every prefill server of a P/D router); ``/get_server_info`` lists the workers with their health, load and own server info;
-other GET routes (``/v1/models``, ``/get_model_info``) go to a healthy worker.
+worker (and every prefill server of a P/D router); ``/get_server_info`` lists the workers with
+their health, load and own server info; other GET routes (``/v1/models``, ``/get_model_info``) go to a healthy worker.
 """
 from __future__ import annotations
 

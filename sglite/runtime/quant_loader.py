@@ -16,7 +16,7 @@ from .model_loader import Checkpoint, load_state_dict
 LOADERS: dict[str, Callable] = {"gguf": gguf_native.load_state_dict,
                                 "gptq": hf_loader.load_gptq_awq, "awq": hf_loader.load_gptq_awq,
                                 "fp8": hf_loader.load_fp8, "w8a8_int8": hf_loader.load_w8a8}
-CHECKPOINT_METHODS = ("gptq", "awq", "w8a8_int8")  # quant_method values of quantized HF checkpoints
+CHECKPOINT_METHODS = ("gptq", "awq", "w8a8_int8", "fp8")  # quant_method values of quantized HF checkpoints
 
 
 def resolve_quantization(quantization: Optional[str], checkpoint: Checkpoint) -> Optional[str]:

@@ -4,5 +4,6 @@ from .dispatch import (apply_token_bitmask, decode_attention, extend_attention, 
                        rms_norm, sample, silu_mul, store_kv)
 from .matmul import LinearWeight, choose_impl, make_linear  # noqa: F401
 from .quant_linear import QuantLinearWeight  # noqa: F401
-from .w8_linear import Fp8BlockLinearWeight, Fp8LinearWeight, Int8LinearWeight  # noqa: F401
+from .w8_linear import Fp8LinearWeight, Int8LinearWeight  # noqa: F401
 from .reference import bitmask_to_bool  # noqa: F401
+from .w8_linear import Fp8BlockLinearWeight  # noqa: F401  (block-wise fp8 checkpoints)

@@ -201,9 +201,10 @@ class Fp8BlockLinearWeight:
         return (self.weight.float() * full).to(dtype)
 
     def use(self, impl: str) -> "Fp8BlockLinearWeight":
-        """``fp8_block_ref`` kept; every other name -> ``fp8_block`` (row-local: batch-invariant
-        up to oneDNN's per-shape choices, as ``fp8``)."""
-        self.impl = impl if impl in ("fp8_block", "fp8_block_ref") else "fp8_block"
+        """``invariant`` -> ``fp8_block_invariant`` (the float batch-invariant matmul per tile);
+        ``fp8_block_ref`` kept; other names -> ``fp8_block``."""
+        self.impl = {"invariant": "fp8_block_invariant"}.get(
+            impl, impl if impl in ("fp8_block", "fp8_block_ref", "fp8_block_invariant") else "fp8_block")
         return self
 
     def to(self, device) -> "Fp8BlockLinearWeight":
@@ -271,16 +272,25 @@ def w8a8_linear(x: torch.Tensor, w: Int8LinearWeight) -> torch.Tensor:
     return _finish(acc.float() * s[:, None] * w.scale[None, :], x, w.bias)
 
 
-def fp8_block_linear(x: torch.Tensor, w: Fp8BlockLinearWeight) -> torch.Tensor:
+def fp8_block_linear(x: torch.Tensor, w: Fp8BlockLinearWeight, invariant: bool = False) -> torch.Tensor:
     """x [M, K] -> [M, N]: sum over K tiles of ``F.linear(x_t, w8_t.to(x.dtype))`` (float32) times
-    the tile's per-row scale; then x's dtype (+ bias)."""
+    the tile's per-row scale; then x's dtype (+ bias). ``invariant``: each tile's product through
+    :data:`sglite.kernels.matmul.IMPLS` ``invariant`` (batch-invariant)."""
+    from .matmul import IMPLS as FLOAT_IMPLS, LinearWeight
+
     bk, k = w.block_k, w.weight.shape[1]
     y = None
     for t in range(w.scale.shape[1]):
-        part = F.linear(x[:, t * bk:min(k, (t + 1) * bk)], w.weight[:, t * bk:min(k, (t + 1) * bk)].to(x.dtype))
+        xt, wt = x[:, t * bk:min(k, (t + 1) * bk)], w.weight[:, t * bk:min(k, (t + 1) * bk)].to(x.dtype)
+        part = FLOAT_IMPLS["invariant"](xt.contiguous(), LinearWeight(wt.contiguous())) if invariant else F.linear(xt, wt)
         part = part.float() * w.scale[:, t]
         y = part if y is None else y + part
     return _finish(y, x, w.bias)
+
+
+def fp8_block_invariant(x: torch.Tensor, w: Fp8BlockLinearWeight) -> torch.Tensor:
+    """Batch-invariant :func:`fp8_block_linear` (``invariant=True``)."""
+    return fp8_block_linear(x, w, invariant=True)
 
 
 def fp8_block_reference(x: torch.Tensor, w: Fp8BlockLinearWeight) -> torch.Tensor:
@@ -288,4 +298,5 @@ def fp8_block_reference(x: torch.Tensor, w: Fp8BlockLinearWeight) -> torch.Tenso
     return _finish(F.linear(x.float(), w.dequantize(torch.float32)), x, w.bias)
 
 
-IMPLS = {"fp8_block": fp8_block_linear, "fp8_block_ref": fp8_block_reference, "fp8": fp8_linear, "fp8_ref": fp8_reference, "fp8_invariant": fp8_invariant, "w8a8": w8a8_linear, "w8a8_ref": w8a8_reference}
+IMPLS = {"fp8_block": fp8_block_linear, "fp8_block_ref": fp8_block_reference,
+         "fp8_block_invariant": fp8_block_invariant, "fp8": fp8_linear, "fp8_ref": fp8_reference, "fp8_invariant": fp8_invariant, "w8a8": w8a8_linear, "w8a8_ref": w8a8_reference}

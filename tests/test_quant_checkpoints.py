@@ -207,3 +207,49 @@ def test_cli_quantize_usage_error(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["quantize", "--output", "/nonexistent/x", "--method", "awq", "--bits", "8"])
     assert exc.value.code == 2 and "--bits" in capsys.readouterr().err
+
+
+def _edit_config(src, dst, **top):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(top)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_config_disagreeing_with_tensors_is_named_before_serving(quantized, tmp_path):
+    from sglite import Engine
+    from sglite.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match=r"model\.layers\.0\.mlp\.down_proj\.qweight: 128 input "
+                       r"features, but the config says 96"):
+        Engine(model_path=str(_edit_config(quantized["rtn4_g64"], tmp_path / "gptq", intermediate_size=96)))
+    for name in ("gptq_fp8", "w8a8"):  # fp8 / int8 tensors against config.json
+        with pytest.raises(InvalidRequestError, match=r"model\.layers\.0\.mlp\.down_proj\.weight: shape "
+                           r"\(64, 128\) disagrees with the checkpoint's config \(expected \(64, 96\)"):
+            Engine(model_path=str(_edit_config(quantized[name], tmp_path / name, intermediate_size=96)))
+
+
+def test_w8a8_checkpoint_scale_errors_name_the_tensor(quantized, tmp_path):
+    from sglite import Engine
+    from sglite.errors import InvalidRequestError
+
+    def cut(sd):
+        sd["model.layers.1.self_attn.q_proj.weight_scale"] = sd["model.layers.1.self_attn.q_proj.weight_scale"][:5].contiguous()
+    with pytest.raises(InvalidRequestError, match=r"model\.layers\.1\.self_attn\.q_proj\.weight_scale: \(5, 1\) "
+                       r"disagrees with model\.layers\.1\.self_attn\.q_proj\.weight \(64, 64\)"):
+        Engine(model_path=str(_edited_copy(quantized["w8a8"], tmp_path / "cut", tensor_edit=cut)))
+
+    def drop(sd):
+        del sd["model.layers.0.mlp.down_proj.weight_scale"]
+    with pytest.raises(InvalidRequestError, match=r"model\.layers\.0\.mlp\.down_proj\.weight: int8 weight without a weight_scale"):
+        Engine(model_path=str(_edited_copy(quantized["w8a8"], tmp_path / "drop", tensor_edit=drop)))
+
+
+def test_quantized_checkpoint_with_tensor_parallelism_is_refused_before_workers_start(quantized):
+    from sglite import Engine
+    from sglite.errors import InvalidRequestError
+
+    for name in ("rtn4_g64", "gptq_fp8"):
+        with pytest.raises(InvalidRequestError, match=r"quantization='auto': tensor parallelism runs dense weights"):
+            Engine(model_path=str(quantized[name]), tp_size=2)

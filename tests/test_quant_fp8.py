@@ -77,6 +77,12 @@ def test_fp8_block_linear_matches_reference(dtype, m):
     tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     want = w8_linear.fp8_block_reference(x, q)
     torch.testing.assert_close(kernels.linear(x, q), want, **tol)
+    inv = kernels.linear(x, q.use("invariant"))
+    assert q.impl == "fp8_block_invariant"
+    torch.testing.assert_close(inv, want, **tol)
+    for i in range(m):  # batch-invariant: a row's result does not depend on the batch
+        assert torch.equal(inv[i:i + 1], kernels.linear(x[i:i + 1], q))
+    q.use("auto")
     fused = Fp8BlockLinearWeight.concat([q, q])
     assert fused.shape == (160, 200) and torch.equal(fused.dequantize()[80:], q.dequantize())
     assert q.nbytes() == 80 * 200 + 80 * 4 * 4 + 80 * bias.to(dtype).element_size()

@@ -6,3 +6,4 @@ from .matmul import LinearWeight, choose_impl, make_linear  # noqa: F401
 from .quant_linear import QuantLinearWeight  # noqa: F401
 from .w8_linear import Fp8LinearWeight, Int8LinearWeight  # noqa: F401
 from .reference import bitmask_to_bool  # noqa: F401
+from .w8_linear import Fp8BlockLinearWeight  # noqa: F401  (block-wise fp8 checkpoints)

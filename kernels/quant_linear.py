@@ -24,7 +24,9 @@ Fields:
         channel ``32 b + j + 16`` in its high nibble (a Q4_0/Q4_1 block's ``qs`` bytes verbatim).
     scales: float32 [N, K // group_size].
     mins: float32 [N, K // group_size] or None (symmetric formats may still use it, see below).
-    bits: 4 or 8.  group_size: a multiple of 32 dividing K (so K % 32 == 0).
+    bits: 4 or 8.  group_size: a multiple of 32 dividing K (so K % 32 == 0), or 16 (GGUF Q6_K's
+    sub-blocks; K % 32 == 0 still): such weights run on ``quant_ref`` only (the kernels read one
+    scale per 32 channels).
     perm: int64 [K] (a permutation of range(K)) or None.   bias: [N] (activation dtype) or None.
 
 How the formats map (all exact in float32, because a float16 scale times an integer of <= 8 bits
@@ -61,6 +63,7 @@ import torch
 import torch.nn.functional as F
 
 BLOCK = 32  # channels per packing block (GGUF's QK4_0/QK4_1/QK8_0); group_size is a multiple
+SUB_BLOCK = 16  # smallest group: GGUF Q6_K's 16-weight sub-blocks (such weights run on quant_ref only)
 BITS = (4, 8)
 QUANT_IMPLS = ("quant_ref", "quant_cpp", "quant_invariant", "quant_triton")
 
@@ -146,9 +149,9 @@ class QuantLinearWeight:
         """Check shapes and dtypes against each other. Raises ValueError naming the field."""
         _check_bits(self.bits)
         k, gs = self.in_features, self.group_size
-        if gs <= 0 or gs % BLOCK or k % gs:
-            raise ValueError(f"quantized weight: group_size must be a multiple of {BLOCK} dividing "
-                             f"in_features={k}, got {gs}")
+        if gs <= 0 or gs % SUB_BLOCK or k % gs or k % BLOCK:
+            raise ValueError(f"quantized weight: group_size must be a multiple of {SUB_BLOCK} dividing "
+                             f"in_features={k} (a multiple of {BLOCK}), got {gs}")
         if self.qweight.dtype != torch.uint8 or self.qweight.dim() != 2 or self.qweight.shape[1] * 8 != k * self.bits:
             raise ValueError(f"quantized weight: qweight must be uint8 [N, {k * self.bits // 8}], got "
                              f"{self.qweight.dtype} {tuple(self.qweight.shape)}")
@@ -279,7 +282,10 @@ def gather_input(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
 def best_impl(w: QuantLinearWeight) -> str:
     """The fastest available implementation for ``w``'s device: ``quant_cpp`` on CPU when the C++
     kernel loads (:mod:`.quant_cpu`), ``quant_triton`` on CUDA when triton imports
-    (:mod:`.triton_quant`), else ``quant_ref``."""
+    (:mod:`.triton_quant`), else ``quant_ref`` (always for a group size that is not a multiple of
+    32: the kernels read one scale per 32-channel block)."""
+    if w.group_size % BLOCK:
+        return "quant_ref"
     if w.device.type == "cpu":
         from . import quant_cpu
 
@@ -302,7 +308,7 @@ def _cpp(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
 def _invariant(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
     from . import quant_cpu
 
-    if quant_cpu.available() and x.device.type == "cpu":
+    if quant_cpu.available() and x.device.type == "cpu" and w.group_size % BLOCK == 0:
         return quant_cpu.linear(x, w, invariant=True)
     if x.shape[0] == 0:
         return reference_linear(x, w)

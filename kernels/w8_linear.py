@@ -6,6 +6,12 @@ more implementations of :data:`sglite.kernels.matmul.IMPLS`:
     ``fp8``: ``F.linear(x, w8.to(x.dtype))`` times the scale in float32 -- the per-output-channel
     scale commutes with the sum, and E4M3 values (3 mantissa bits) convert exactly to bf16 / fp16 /
     fp32, so the only rounding besides oneDNN's is the final multiply. ``fp8_ref``: dequantize to float32, F.linear.
+:class:`Fp8BlockLinearWeight` (``quant_method: fp8`` checkpoints with ``weight_block_size``
+    [bn, bk], DeepSeek-V3 / SGLang block-wise FP8): E4M3 weight [N, K] and one scale per row and
+    K tile of ``block_k`` channels (the [ceil(N/bn), ceil(K/bk)] tile scales expanded over each
+    tile's rows at load, so fused QKV / gate-up rows concatenate whatever bn is).
+    ``fp8_block``: per K tile ``F.linear(x[:, tile], w8[:, tile].to(x.dtype))`` in float32 times the
+    tile's per-row scale, summed in float32; ``fp8_block_ref``: dequantize to float32, F.linear.
 :class:`Int8LinearWeight` (``--quantization w8a8_int8``): W8A8 as in SmoothQuant (Xiao et al.
     2023; the smoothing itself is done offline by ``sglite quantize --method smoothquant``):
     weights symmetric per-channel int8 (``W = w_scale[n] * q[n, k]``), activations quantized per
@@ -137,6 +143,85 @@ class Int8LinearWeight(_ChannelScaledWeight):
                                 weight_t=torch.cat([w.weight_t for w in ws], dim=1).contiguous())
 
 
+@dataclass(eq=False)
+class Fp8BlockLinearWeight:
+    """FP8 E4M3 weight [N, K] with block-wise scales (module docstring).
+
+    Attributes:
+        weight: float8_e4m3fn [N, K].  scale: float32 [N, ceil(K / block_k)] (row n, K tile t).
+        block_k: input channels per tile.  bias: [N] or None.  impl: ``fp8_block`` | ``fp8_block_ref``.
+    """
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    block_k: int
+    bias: Optional[torch.Tensor] = None
+    impl: str = "fp8_block"
+
+    def __post_init__(self):
+        n, k = self.weight.shape
+        if self.weight.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"fp8: weight must be float8_e4m3fn, got {self.weight.dtype}")
+        if self.block_k < 1 or tuple(self.scale.shape) != (n, -(-k // self.block_k)):
+            raise ValueError(f"fp8: block scales must be [{n}, ceil({k} / block_k={self.block_k})], "
+                             f"got {tuple(self.scale.shape)}")
+        self.scale = self.scale.float().contiguous()
+
+    @classmethod
+    def from_tiles(cls, weight: torch.Tensor, scale_inv: torch.Tensor, block: Sequence[int],
+                   bias: Optional[torch.Tensor] = None) -> "Fp8BlockLinearWeight":
+        """From a checkpoint's tile scales ``weight_scale_inv`` [ceil(N/bn), ceil(K/bk)] and
+        ``weight_block_size`` ``(bn, bk)``: W[n, k] = weight[n, k] * scale_inv[n // bn, k // bk].
+
+        Raises:
+            ValueError: the tile grid disagrees with the weight's shape."""
+        bn, bk = int(block[0]), int(block[1])
+        n, k = weight.shape
+        want = (-(-n // bn), -(-k // bk))
+        if tuple(scale_inv.shape) != want:
+            raise ValueError(f"fp8: weight_scale_inv {tuple(scale_inv.shape)} disagrees with weight "
+                             f"{(n, k)} and weight_block_size {[bn, bk]} (expected {want})")
+        return cls(weight, scale_inv.float().repeat_interleave(bn, 0)[:n], bk, bias)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def numel(self) -> int:
+        return self.weight.numel() + (0 if self.bias is None else self.bias.numel())
+
+    def nbytes(self) -> int:
+        ts = (self.weight, self.scale, self.bias)
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[N, K] in ``dtype``: ``weight * scale`` (expanded over each tile) in float32."""
+        k = self.weight.shape[1]
+        full = self.scale.repeat_interleave(self.block_k, 1)[:, :k]
+        return (self.weight.float() * full).to(dtype)
+
+    def use(self, impl: str) -> "Fp8BlockLinearWeight":
+        """``invariant`` -> ``fp8_block_invariant`` (the float batch-invariant matmul per tile);
+        ``fp8_block_ref`` kept; other names -> ``fp8_block``."""
+        self.impl = {"invariant": "fp8_block_invariant"}.get(
+            impl, impl if impl in ("fp8_block", "fp8_block_ref", "fp8_block_invariant") else "fp8_block")
+        return self
+
+    def to(self, device) -> "Fp8BlockLinearWeight":
+        return replace(self, weight=self.weight.to(device), scale=self.scale.to(device),
+                       bias=None if self.bias is None else self.bias.to(device))
+
+    @staticmethod
+    def concat(ws: Sequence["Fp8BlockLinearWeight"]) -> "Fp8BlockLinearWeight":
+        """Rows stacked (same K and block_k); biases are set by the caller.
+
+        Raises:
+            ValueError: block_k differs."""
+        if len({w.block_k for w in ws}) != 1:
+            raise ValueError(f"fp8: cannot fuse weights with block_k {[w.block_k for w in ws]}")
+        return Fp8BlockLinearWeight(torch.cat([w.weight for w in ws]), torch.cat([w.scale for w in ws]), ws[0].block_k)
+
+
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token int8: ``(xq int8 [M, K], a_scale float32 [M])``, ``x ~= xq * a_scale``."""
     xf = x.float()
@@ -187,4 +272,31 @@ def w8a8_linear(x: torch.Tensor, w: Int8LinearWeight) -> torch.Tensor:
     return _finish(acc.float() * s[:, None] * w.scale[None, :], x, w.bias)
 
 
-IMPLS = {"fp8": fp8_linear, "fp8_ref": fp8_reference, "fp8_invariant": fp8_invariant, "w8a8": w8a8_linear, "w8a8_ref": w8a8_reference}
+def fp8_block_linear(x: torch.Tensor, w: Fp8BlockLinearWeight, invariant: bool = False) -> torch.Tensor:
+    """x [M, K] -> [M, N]: sum over K tiles of ``F.linear(x_t, w8_t.to(x.dtype))`` (float32) times
+    the tile's per-row scale; then x's dtype (+ bias). ``invariant``: each tile's product through
+    :data:`sglite.kernels.matmul.IMPLS` ``invariant`` (batch-invariant)."""
+    from .matmul import IMPLS as FLOAT_IMPLS, LinearWeight
+
+    bk, k = w.block_k, w.weight.shape[1]
+    y = None
+    for t in range(w.scale.shape[1]):
+        xt, wt = x[:, t * bk:min(k, (t + 1) * bk)], w.weight[:, t * bk:min(k, (t + 1) * bk)].to(x.dtype)
+        part = FLOAT_IMPLS["invariant"](xt.contiguous(), LinearWeight(wt.contiguous())) if invariant else F.linear(xt, wt)
+        part = part.float() * w.scale[:, t]
+        y = part if y is None else y + part
+    return _finish(y, x, w.bias)
+
+
+def fp8_block_invariant(x: torch.Tensor, w: Fp8BlockLinearWeight) -> torch.Tensor:
+    """Batch-invariant :func:`fp8_block_linear` (``invariant=True``)."""
+    return fp8_block_linear(x, w, invariant=True)
+
+
+def fp8_block_reference(x: torch.Tensor, w: Fp8BlockLinearWeight) -> torch.Tensor:
+    """The spec: float32 ``F.linear(x, dequantize())``, rounded to x's dtype, + bias."""
+    return _finish(F.linear(x.float(), w.dequantize(torch.float32)), x, w.bias)
+
+
+IMPLS = {"fp8_block": fp8_block_linear, "fp8_block_ref": fp8_block_reference,
+         "fp8_block_invariant": fp8_block_invariant, "fp8": fp8_linear, "fp8_ref": fp8_reference, "fp8_invariant": fp8_invariant, "w8a8": w8a8_linear, "w8a8_ref": w8a8_reference}

@@ -118,7 +118,7 @@ class EngineConfig:
             requests (a large batch is compute bound: extra rows cost their full price).
         quantization: weight quantization (SGLang's option): ``auto`` | ``none`` (None) | ``gguf`` |
             ``gptq`` | ``awq`` | ``fp8`` | ``w8a8_int8``.
-            ``gguf`` keeps a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks quantized in memory and runs the
+            ``gguf`` keeps a GGUF file's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks quantized in memory and runs the
             matmuls on them (:mod:`sglite.kernels.quant_linear`; other GGUF tensor types are
             dequantized); ``none`` dequantizes every weight at load (the ``dtype`` copies);
             ``auto`` is ``gguf`` for a ``.gguf`` model (the default model too), the checkpoint's
@@ -126,7 +126,8 @@ class EngineConfig:
             ``gptq`` / ``awq``: AutoGPTQ / AutoAWQ checkpoints (4/8-bit, 4-bit for AWQ; group
             sizes 32/64/128, act-order), kept quantized (:mod:`sglite.quant.hf_loader`).
             ``fp8``: matmul weights quantized at load to FP8 E4M3 with per-output-channel scales
-            (weight-only). ``w8a8_int8``: int8 weights (per channel) and int8 activations (per
+            (weight-only), or a ``quant_method: fp8`` checkpoint (``sglite quantize --format fp8``:
+            GPTQ-compensated E4M3; per-channel or ``weight_block_size`` block-wise scales). ``w8a8_int8``: int8 weights (per channel) and int8 activations (per
             token, at run time), int32 accumulation; a ``sglite quantize --method smoothquant``
             checkpoint, or a float one quantized at load. ``dtype`` still sets the activation dtype.
         tp_size: tensor-parallel degree: the engine's scheduler drives this many model worker

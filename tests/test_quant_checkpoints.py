@@ -19,7 +19,13 @@ CASES = {
     "awq4_g32": QuantOptions(method="awq", bits=4, group_size=32),
     "rtn4_g64": QuantOptions(method="rtn", bits=4, group_size=64),
     "w8a8": QuantOptions(method="smoothquant", bits=8),
+    "gptq_fp8": QuantOptions(method="gptq", bits=8, weight_format="fp8"),
+    "gptq_fp8_act": QuantOptions(method="gptq", bits=8, weight_format="fp8", desc_act=True),
+    "rtn_fp8_block": QuantOptions(method="rtn", bits=8, weight_format="fp8", weight_block_size=(48, 48)),
+    "gptq_fp8_block": QuantOptions(method="gptq", bits=8, weight_format="fp8", weight_block_size=(32, 48)),
 }
+KINDS = {"w8a8": {"Int8LinearWeight"}, "gptq_fp8": {"Fp8LinearWeight"}, "gptq_fp8_act": {"Fp8LinearWeight"},
+         "rtn_fp8_block": {"Fp8BlockLinearWeight"}, "gptq_fp8_block": {"Fp8BlockLinearWeight"}}
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +51,11 @@ def _dequantized_state(ckpt_dir):
     for k in [k for k in sd if k.endswith(".weight_scale")]:
         p = k[:-13]
         out[p + ".weight"] = sd.pop(p + ".weight").float() * sd.pop(k).float()
+    for k in [k for k in sd if k.endswith(".weight_scale_inv")]:  # block-wise fp8: one scale per tile
+        p, (bn, bk) = k[:-17], qc["weight_block_size"]
+        w = sd.pop(p + ".weight").float()
+        full = sd.pop(k).float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+        out[p + ".weight"] = w * full[:w.shape[0], :w.shape[1]]
     out.update({k: v.float() for k, v in sd.items()})
     return cfg, out
 
@@ -78,7 +89,7 @@ def test_quantized_checkpoint_runs_like_its_dequantized_reference(quantized, nam
     cfg, state = _dequantized_state(d)
     want = _hf_logprobs(cfg, state, PROMPT_IDS)
     got, kinds = _engine_logprobs(d, PROMPT_IDS)
-    assert kinds == ({"Int8LinearWeight"} if name == "w8a8" else {"QuantLinearWeight"})
+    assert kinds == KINDS.get(name, {"QuantLinearWeight"})
     # w8a8 also quantizes activations per token: close, not equal, to the weight-only reference
     tol = 0.15 if name == "w8a8" else 2e-3
     assert max(abs(a - b) for a, b in zip(got, want)) < tol
@@ -154,6 +165,40 @@ def test_quantize_rejects_options_before_work(real_checkpoint):
     with pytest.raises(ValueError, match="--method"):
         check_options(QuantOptions(method="squeeze"), cfg)
     check_options(QuantOptions(method="gptq", group_size=64), cfg)  # 576 = 9 x 64
+    with pytest.raises(ValueError, match=r"--format fp8: methods rtn\|gptq, got --method awq"):
+        check_options(QuantOptions(method="awq", weight_format="fp8"), cfg)
+    with pytest.raises(ValueError, match="--weight-block-size: only with --format fp8"):
+        check_options(QuantOptions(method="gptq", weight_block_size=(128, 128)), cfg)
+    with pytest.raises(ValueError, match="--desc-act: act-order needs per-channel scales"):
+        check_options(QuantOptions(method="gptq", weight_format="fp8", desc_act=True,
+                                   weight_block_size=(128, 128)), cfg)
+    check_options(QuantOptions(method="gptq", group_size=128, weight_format="fp8"), cfg)  # no groups in fp8
+
+
+def test_fp8_checkpoint_load_errors_name_the_tensor(quantized, tmp_path):
+    from sglite import Engine
+    from sglite.errors import InvalidRequestError
+
+    src = quantized["gptq_fp8"]
+
+    def drop_scale(sd):
+        del sd["model.layers.1.mlp.up_proj.weight_scale"]
+    with pytest.raises(InvalidRequestError, match=r"model\.layers\.1\.mlp\.up_proj\.weight: float8 weight without its weight_scale"):
+        Engine(model_path=str(_edited_copy(src, tmp_path / "noscale", tensor_edit=drop_scale)))
+
+    def cut(sd):
+        sd["model.layers.0.self_attn.k_proj.weight_scale"] = sd["model.layers.0.self_attn.k_proj.weight_scale"][:3].contiguous()
+    with pytest.raises(InvalidRequestError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight_scale: \(3, 1\) disagrees"):
+        Engine(model_path=str(_edited_copy(src, tmp_path / "cut", tensor_edit=cut)))
+    with pytest.raises(InvalidRequestError, match=r"weight_scale: a per-channel scale, but quantization_config\.weight_block_size"):
+        Engine(model_path=str(_edited_copy(src, tmp_path / "blk", {"weight_block_size": [32, 32]})))
+    with pytest.raises(InvalidRequestError, match=r"quantization_config\.weight_block_size: two positive integers"):
+        Engine(model_path=str(_edited_copy(src, tmp_path / "blk0", {"weight_block_size": [0, 32]})))
+    with pytest.raises(InvalidRequestError, match=r"model\.layers\.0\.\S+: fp8: weight_scale_inv \(2, \d\) disagrees with weight \(64, \d+\) "
+                       r"and weight_block_size \[64, 48\]"):
+        Engine(model_path=str(_edited_copy(quantized["rtn_fp8_block"], tmp_path / "blk2", {"weight_block_size": [64, 48]})))
+    with pytest.raises(InvalidRequestError, match="is a fp8 checkpoint"):
+        Engine(model_path=str(src), quantization="gptq")
 
 
 def test_cli_quantize_usage_error(capsys):
@@ -162,3 +207,49 @@ def test_cli_quantize_usage_error(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["quantize", "--output", "/nonexistent/x", "--method", "awq", "--bits", "8"])
     assert exc.value.code == 2 and "--bits" in capsys.readouterr().err
+
+
+def _edit_config(src, dst, **top):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(top)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_config_disagreeing_with_tensors_is_named_before_serving(quantized, tmp_path):
+    from sglite import Engine
+    from sglite.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match=r"model\.layers\.0\.mlp\.down_proj\.qweight: 128 input "
+                       r"features, but the config says 96"):
+        Engine(model_path=str(_edit_config(quantized["rtn4_g64"], tmp_path / "gptq", intermediate_size=96)))
+    for name in ("gptq_fp8", "w8a8"):  # fp8 / int8 tensors against config.json
+        with pytest.raises(InvalidRequestError, match=r"model\.layers\.0\.mlp\.down_proj\.weight: shape "
+                           r"\(64, 128\) disagrees with the checkpoint's config \(expected \(64, 96\)"):
+            Engine(model_path=str(_edit_config(quantized[name], tmp_path / name, intermediate_size=96)))
+
+
+def test_w8a8_checkpoint_scale_errors_name_the_tensor(quantized, tmp_path):
+    from sglite import Engine
+    from sglite.errors import InvalidRequestError
+
+    def cut(sd):
+        sd["model.layers.1.self_attn.q_proj.weight_scale"] = sd["model.layers.1.self_attn.q_proj.weight_scale"][:5].contiguous()
+    with pytest.raises(InvalidRequestError, match=r"model\.layers\.1\.self_attn\.q_proj\.weight_scale: \(5, 1\) "
+                       r"disagrees with model\.layers\.1\.self_attn\.q_proj\.weight \(64, 64\)"):
+        Engine(model_path=str(_edited_copy(quantized["w8a8"], tmp_path / "cut", tensor_edit=cut)))
+
+    def drop(sd):
+        del sd["model.layers.0.mlp.down_proj.weight_scale"]
+    with pytest.raises(InvalidRequestError, match=r"model\.layers\.0\.mlp\.down_proj\.weight: int8 weight without a weight_scale"):
+        Engine(model_path=str(_edited_copy(quantized["w8a8"], tmp_path / "drop", tensor_edit=drop)))
+
+
+def test_quantized_checkpoint_with_tensor_parallelism_is_refused_before_workers_start(quantized):
+    from sglite import Engine
+    from sglite.errors import InvalidRequestError
+
+    for name in ("rtn4_g64", "gptq_fp8"):
+        with pytest.raises(InvalidRequestError, match=r"quantization='auto': tensor parallelism runs dense weights"):
+            Engine(model_path=str(quantized[name]), tp_size=2)

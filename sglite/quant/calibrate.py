@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from .awq import search_scales
+from .fp8 import expand_block_scales, gptq_fp8, rtn_fp8
 from .gptq import HessianAccumulator, gptq_quantize
 from .hf_formats import GroupQuant
 from .rtn import rtn
@@ -66,6 +67,9 @@ class QuantOptions:
         desc_act: GPTQ act-order.  damp_percent: GPTQ dampening.
         awq_grid: AWQ alpha grid size.  awq_tokens: calibration rows kept for AWQ's search.
         smooth_alpha: SmoothQuant migration strength.
+        weight_format: ``int`` (the integer grids above) or ``fp8`` (E4M3, :mod:`.fp8`; methods
+            rtn | gptq; ``bits`` and ``group_size`` unused).
+        weight_block_size: fp8 only: ``(bn, bk)`` tile scales instead of per-channel ones.
     """
 
     method: str = "gptq"
@@ -77,10 +81,15 @@ class QuantOptions:
     awq_grid: int = 20
     awq_tokens: int = 512
     smooth_alpha: float = 0.5
+    weight_format: str = "int"
+    weight_block_size: Optional[tuple[int, int]] = None
 
     @property
     def format(self) -> str:
-        """Checkpoint format written: ``awq`` for AWQ, ``w8a8_int8`` for SmoothQuant, else ``gptq``."""
+        """Checkpoint format written: ``fp8`` for the fp8 weight format, ``awq`` for AWQ,
+        ``w8a8_int8`` for SmoothQuant, else ``gptq``."""
+        if self.weight_format == "fp8":
+            return "fp8"
         return {"awq": "awq", "smoothquant": "w8a8_int8"}.get(self.method, "gptq")
 
     @property
@@ -151,7 +160,8 @@ def quantize_model(model, ids: torch.Tensor, opts: QuantOptions, batch: int = 8)
 
     Returns:
         ``{linear prefix ("model.layers.3.mlp.up_proj"): GroupQuant}`` for rtn / gptq / awq, or
-        ``{prefix: (int8 weight [N, K], float32 scale [N])}`` for smoothquant. The module weights
+        ``{prefix: (int8 weight [N, K], float32 scale [N])}`` for smoothquant, ``{prefix: (float8_e4m3fn
+        weight [N, K], float32 scale [N] or tile scales)}`` for the fp8 format. The module weights
         hold the dequantized values; AWQ / SmoothQuant also rescaled the RMSNorm weights and
         ``up_proj`` rows (write the model's other tensors as they are now).
     Raises:
@@ -195,6 +205,14 @@ def quantize_model(model, ids: torch.Tensor, opts: QuantOptions, batch: int = 8)
             for name in names:
                 mod = _get(layer, name)
                 w = mod.weight.float()
+                if opts.format == "fp8":
+                    blk = opts.weight_block_size
+                    w8, s = (gptq_fp8(w, stats[g].hessian.hessian(), opts.desc_act, opts.damp_percent, block=blk)
+                             if opts.method == "gptq" else rtn_fp8(w, blk))
+                    out[prefix + name] = (w8, s)
+                    full = s[:, None] if blk is None else expand_block_scales(s, tuple(w.shape), blk)
+                    mod.weight.copy_((w8.float() * full).to(mod.weight.dtype))
+                    continue
                 if opts.method == "gptq":
                     q = gptq_quantize(w, stats[g].hessian.hessian(), opts.bits, opts.group_size, opts.sym,
                                       opts.desc_act, opts.damp_percent, min_zero=opts.min_zero)

@@ -12,7 +12,11 @@ quantized weights the model runs through ``kernels.linear``.
   int8 + ``<prefix>.weight_scale`` [N, 1]) -> :class:`sglite.kernels.Int8LinearWeight`; on a float
   checkpoint, the float matmul weights are quantized at load (per-channel, without smoothing).
 * ``fp8``: the float matmul weights quantized at load to E4M3 with per-output-channel scales
-  (:class:`sglite.kernels.Fp8LinearWeight`).
+  (:class:`sglite.kernels.Fp8LinearWeight`); or a ``quant_method: fp8`` checkpoint (written by
+  ``sglite quantize --format fp8``, or DeepSeek-V3 / SGLang block-wise ones): ``<prefix>.weight``
+  float8_e4m3fn with ``<prefix>.weight_scale`` (one per output channel, [N] or [N, 1]) or, with
+  ``quantization_config.weight_block_size`` [bn, bk], ``<prefix>.weight_scale_inv``
+  [ceil(N/bn), ceil(K/bk)] (:class:`sglite.kernels.Fp8BlockLinearWeight`).
 Embeddings, norms and the LM head stay in the activation dtype.
 """
 from __future__ import annotations
@@ -137,17 +141,57 @@ def _online(checkpoint, dtype, device, make) -> dict:
 
 
 def load_fp8(checkpoint, dtype, device="cpu") -> dict:
-    """Float checkpoint -> FP8 E4M3 per-channel matmul weights (quantized at load).
+    """Float checkpoint -> FP8 E4M3 per-channel matmul weights (quantized at load); a ``fp8``
+    checkpoint -> its weights as stored (module docstring).
 
     Raises:
-        InvalidRequestError: the checkpoint is already quantized (another quant_method)."""
+        InvalidRequestError: the checkpoint is quantized with another quant_method; in a fp8
+            checkpoint: a bad ``weight_block_size``, a scale whose shape disagrees with its weight,
+            a float8 weight without its scale or a scale without a float8 weight (names the tensor)."""
     from sglite.kernels import Fp8LinearWeight
 
     m = checkpoint_method(checkpoint.hf_config)
-    if m is not None:
+    if m is None:
+        return _online(checkpoint, dtype, device, Fp8LinearWeight.quantize)
+    if m != "fp8":
         raise _bad(f"quantization: fp8 quantizes a float checkpoint at load; {checkpoint.source!r} is "
                    f"{m}-quantized (quantization_config.quant_method)")
-    return _online(checkpoint, dtype, device, Fp8LinearWeight.quantize)
+    return _finish(_fp8_tensors(checkpoint), checkpoint, dtype, device)
+
+
+def _fp8_tensors(checkpoint) -> dict:
+    from sglite.kernels import Fp8BlockLinearWeight, Fp8LinearWeight
+
+    qc = quant_config(checkpoint.hf_config) or {}
+    block = qc.get("weight_block_size")
+    if block is not None and (not isinstance(block, (list, tuple)) or len(block) != 2
+                              or not all(isinstance(b, int) and b >= 1 for b in block)):
+        raise _bad(f"quantization_config.weight_block_size: two positive integers [bn, bk], got {block!r}")
+    scale_suffix = ".weight_scale" if block is None else ".weight_scale_inv"
+    sd = _read_tensors(checkpoint)
+    for k in [k for k in sd if k.endswith((".weight_scale", ".weight_scale_inv"))]:
+        p = k[:k.rindex(".weight_scale")]
+        if not k.endswith(scale_suffix):
+            raise _bad(f"{k}: a {'block-wise' if block is None else 'per-channel'} scale, but "
+                       f"quantization_config.weight_block_size is {block!r} (expected {p}{scale_suffix})")
+        w, s = sd.get(p + ".weight"), sd.pop(k)
+        if w is None or w.dtype != torch.float8_e4m3fn or w.dim() != 2:
+            raise _bad(f"{p}.weight: must be a float8_e4m3fn [N, K] tensor next to {k}, got "
+                       f"{None if w is None else (w.dtype, tuple(w.shape))}")
+        try:
+            if block is None:
+                if s.numel() != w.shape[0]:
+                    raise ValueError(f"{k}: {tuple(s.shape)} disagrees with {p}.weight {tuple(w.shape)} "
+                                     "(one scale per output channel)")
+                sd[p + ".weight"] = Fp8LinearWeight(w, s.reshape(-1).float().contiguous())
+            else:
+                sd[p + ".weight"] = Fp8BlockLinearWeight.from_tiles(w, s, block)
+        except ValueError as exc:
+            raise _bad(f"{p}: {exc}") from exc
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor) and v.dtype == torch.float8_e4m3fn:
+            raise _bad(f"{k}: float8 weight without its {scale_suffix[1:]}")
+    return sd
 
 
 def load_w8a8(checkpoint, dtype, device="cpu") -> dict:

@@ -1,7 +1,11 @@
 """``sglite quantize``: write an HF-format quantized checkpoint from a float model and calibration text.
 
 Methods: ``rtn`` (round to nearest; written in GPTQ format, no act-order), ``gptq`` (:mod:`.gptq`),
-``awq`` (:mod:`.awq`; AutoAWQ GEMM format, 4-bit), ``smoothquant`` (W8A8: :mod:`.calibrate`'s
+``awq`` (:mod:`.awq`; AutoAWQ GEMM format, 4-bit); ``--format fp8`` with rtn / gptq: FP8 E4M3
+weights (:mod:`.fp8`; ``quant_method: fp8``, ``weight`` float8_e4m3fn [N, K] and ``weight_scale``
+float32 [N, 1] per output channel, or with ``--weight-block-size bn,bk`` ``weight_scale_inv``
+[ceil(N/bn), ceil(K/bk)] and ``weight_block_size`` in the config, DeepSeek-V3 / SGLang's
+block-wise layout); ``smoothquant`` (W8A8: :mod:`.calibrate`'s
 SmoothQuant smoothing + per-channel int8 weights; SGLang's ``w8a8_int8`` format: ``weight`` int8
 [N, K] and ``weight_scale`` float32 [N, 1]; activations are quantized per token at run time).
 
@@ -38,6 +42,19 @@ def check_options(opts: QuantOptions, hf_config) -> None:
             intermediate_size, heads x head_dim)."""
     if opts.method not in METHODS:
         raise ValueError(f"--method: must be one of {'|'.join(METHODS)}, got {opts.method!r}")
+    if opts.weight_format not in ("int", "fp8"):
+        raise ValueError(f"--format: must be int or fp8, got {opts.weight_format!r}")
+    if opts.weight_block_size is not None and opts.weight_format != "fp8":
+        raise ValueError("--weight-block-size: only with --format fp8")
+    if opts.weight_format == "fp8":
+        if opts.method not in ("rtn", "gptq"):
+            raise ValueError(f"--format fp8: methods rtn|gptq, got --method {opts.method}")
+        blk = opts.weight_block_size
+        if blk is not None and (len(blk) != 2 or min(blk) < 1):
+            raise ValueError(f"--weight-block-size: two positive sizes (bn,bk), got {blk}")
+        if blk is not None and opts.desc_act:
+            raise ValueError("--desc-act: act-order needs per-channel scales, not --weight-block-size")
+        return
     allowed = {"awq": (4,), "smoothquant": (8,)}.get(opts.method, (4, 8))
     if opts.bits not in allowed:
         raise ValueError(f"--bits: {opts.method} supports {allowed}, got {opts.bits}")
@@ -75,6 +92,12 @@ def write_checkpoint(out_dir, model, quantized: dict, opts: QuantOptions, src_di
             continue
         tensors[name] = t.detach().to(torch.float16).contiguous() if t.is_floating_point() else t.contiguous()
     for prefix, q in quantized.items():
+        if opts.format == "fp8":
+            w8, s = q
+            scale_name = ".weight_scale" if opts.weight_block_size is None else ".weight_scale_inv"
+            tensors[prefix + ".weight"] = w8.contiguous()
+            tensors[prefix + scale_name] = (s.view(-1, 1) if opts.weight_block_size is None else s).float().contiguous()
+            continue
         if opts.format == "w8a8_int8":
             wq, s = q
             tensors[prefix + ".weight"] = wq.contiguous()
@@ -88,7 +111,14 @@ def write_checkpoint(out_dir, model, quantized: dict, opts: QuantOptions, src_di
     cfg = model.config.to_dict()
     cfg["torch_dtype"] = "float16"
     cfg.pop("dtype", None)
-    if opts.format == "w8a8_int8":
+    if opts.format == "fp8":
+        cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                      "sglite_method": opts.method}
+        if opts.weight_block_size is not None:
+            cfg["quantization_config"]["weight_block_size"] = list(opts.weight_block_size)
+        else:
+            cfg["quantization_config"]["weight_scheme"] = "per_channel"
+    elif opts.format == "w8a8_int8":
         cfg["quantization_config"] = {"quant_method": "w8a8_int8", "bits": 8,
                                       "activation_scheme": "dynamic_per_token",
                                       "weight_scheme": "per_channel_symmetric",
@@ -143,6 +173,10 @@ def build_parser():
     p.add_argument("--desc-act", action="store_true", help="GPTQ act-order (default: off)")
     p.add_argument("--damp-percent", type=float, default=0.01, help="GPTQ dampening (default: 0.01)")
     p.add_argument("--smooth-alpha", type=float, default=0.5, help="SmoothQuant migration strength (default: 0.5)")
+    p.add_argument("--format", default="int", dest="weight_format",
+                   help="int (GPTQ/AWQ/W8A8 integer formats) | fp8 (E4M3 weights; methods rtn|gptq) (default: int)")
+    p.add_argument("--weight-block-size", default=None,
+                   help="fp8 only: bn,bk tile scales, e.g. 128,128 (default: one scale per output channel)")
     p.add_argument("--calib-file", default=None,
                    help="UTF-8 calibration text (default: the end of CPython's pydoc_data topics text)")
     p.add_argument("--n-samples", type=int, default=32, help="calibration sequences (default: 32)")
@@ -156,9 +190,14 @@ def main(argv=None) -> int:
 
     p = build_parser()
     a = p.parse_args(argv)
-    bits = a.bits if a.bits is not None else (8 if a.method == "smoothquant" else 4)
+    bits = a.bits if a.bits is not None else (8 if a.method == "smoothquant" or a.weight_format == "fp8" else 4)
+    try:
+        blk = None if a.weight_block_size is None else tuple(int(v) for v in a.weight_block_size.split(","))
+    except ValueError:
+        p.error(f"--weight-block-size: two integers bn,bk, got {a.weight_block_size!r}")
     opts = QuantOptions(method=a.method, bits=bits, group_size=a.group_size, sym=a.sym, desc_act=a.desc_act,
-                        damp_percent=a.damp_percent, smooth_alpha=a.smooth_alpha)
+                        damp_percent=a.damp_percent, smooth_alpha=a.smooth_alpha,
+                        weight_format=a.weight_format, weight_block_size=blk)
     try:
         if a.n_samples < 1 or a.seq_len < 2:
             raise ValueError(f"--n-samples / --seq-len: must be >= 1 / >= 2, got {a.n_samples} / {a.seq_len}")

@@ -42,8 +42,8 @@ from .quant_linear import QuantLinearWeight, gather_input
 
 MAX_ROWS = 8  # rows of x per kernel call (register budget)
 GEMV_MAX_ROWS = 32  # up to this many rows: GEMV calls in blocks of 8; more: dequantize + GEMM
-AVX_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
-CFLAGS_AVX = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-ffp-contract=off")
+AVX_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c")
+CFLAGS_AVX = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c", "-ffp-contract=off")
 VNNI_FLAG = "avx512_vnni"  # with it the AVX build adds -mavx512vnni (VPDPBUSD for int8 activations)
 CFLAGS_PORTABLE = ("-O3", "-ffp-contract=off")
 
@@ -76,7 +76,11 @@ _NO_MINS = torch.empty(0)
 
 
 def _mins(w: QuantLinearWeight) -> torch.Tensor:
-    return _NO_MINS if w.mins is None else w.mins  # the kernel reads an empty tensor as "no offsets"
+    return _NO_MINS if w.mins is None else w.mins.float()  # the kernel reads an empty tensor as "no offsets"
+
+
+def _scales(w: QuantLinearWeight) -> torch.Tensor:
+    return w.scales.float()  # float16 (compact) scales widened, exactly; float32 ones as they are
   # activation dtypes the kernel takes as they are
 
 
@@ -84,7 +88,7 @@ def gemv(x: torch.Tensor, w: QuantLinearWeight, portable: bool = False) -> torch
     """x [M, K] (stored channel order, 1 <= M <= 8) @ W_stored.T (+ bias) -> [M, N], x's dtype
     (float32 sums rounded once)."""
     xin = x if x.dtype in _NATIVE else x.float()
-    y = _mod(portable).quant_gemv(xin, w.qweight, w.scales, _mins(w), w.bits, w.group_size)
+    y = _mod(portable).quant_gemv(xin, w.qweight, _scales(w), _mins(w), w.bits, w.group_size)
     if y.dtype != x.dtype:
         y = y.to(x.dtype)
     return y if w.bias is None else y + w.bias.to(x.dtype)
@@ -122,7 +126,8 @@ def gemv_q8(x: torch.Tensor, w: QuantLinearWeight, portable: bool = False) -> to
 
     Raises:
         RuntimeError: the kernel is unavailable or the inputs break the contract."""
-    return _mod(portable).quant_gemv_q8(x.float().contiguous(), w.qweight, w.scales, _mins(w), w.bits,
+    mins = _NO_MINS if w.mins is None else w.mins  # float32 or float16 (compact), read as stored
+    return _mod(portable).quant_gemv_q8(x.float().contiguous(), w.qweight, w.scales, mins, w.bits,
                                         w.group_size, portable)
 
 
@@ -134,7 +139,7 @@ def vnni() -> bool:
 
 def dequantize(w: QuantLinearWeight, dtype: torch.dtype = torch.float32, portable: bool = False) -> torch.Tensor:
     """``W_stored`` [N, K] in ``dtype`` (float32 math; bf16 rounded once from it)."""
-    out = _mod(portable).quant_dequant(w.qweight, w.scales, _mins(w), w.bits, w.group_size, dtype == torch.bfloat16)
+    out = _mod(portable).quant_dequant(w.qweight, _scales(w), _mins(w), w.bits, w.group_size, dtype == torch.bfloat16)
     return out if out.dtype == dtype else out.to(dtype)
 
 
@@ -142,7 +147,7 @@ def linear(x: torch.Tensor, w: QuantLinearWeight, invariant: bool = False, porta
     """``x @ W.T + bias`` for x [M, K] (any M >= 0) on CPU; see the module docstring."""
     m = x.shape[0]
     if 1 <= m <= MAX_ROWS and w.perm is None and w.bias is None and x.dtype in _NATIVE and not portable:
-        return _mod(False).quant_gemv(x, w.qweight, w.scales, _mins(w), w.bits, w.group_size)  # decode fast path
+        return _mod(False).quant_gemv(x, w.qweight, _scales(w), _mins(w), w.bits, w.group_size)  # decode fast path
     xs = gather_input(x, w)
     if m == 0:
         return x.new_zeros((0, w.shape[0]))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sglite.kernels import decode_fused, quant_cpu
-from sglite.kernels.quant_linear import QuantLinearWeight
+from sglite.kernels.quant_linear import QuantLinearWeight, compact_scales
 
 pytestmark = pytest.mark.skipif(not quant_cpu.available(), reason="the C++ quant kernel did not build here")
 BUILDS = [False, True]  # portable=False: VNNI where the CPU has it
@@ -46,6 +46,26 @@ def test_gemv_q8_matches_reference(portable, bits, n, k, mins):
         # and it is a quantized product: close to the float one, not equal
         exact = x @ w.dequantize().T
         assert (y - exact).abs().max().item() <= 0.05 * exact.abs().max().item()
+    # float16 scales / mins (compact_scales): the same values, so the same result bit for bit
+    ref = [quant_cpu.gemv_q8(torch.randn(r, k, generator=torch.Generator().manual_seed(r)), w, portable=portable)
+           for r in (1, 4)]
+    assert compact_scales(w) and w.scales.dtype == torch.float16
+    for r, y in zip((1, 4), ref):
+        x = torch.randn(r, k, generator=torch.Generator().manual_seed(r))
+        assert torch.equal(quant_cpu.gemv_q8(x, w, portable=portable), y)
+        assert torch.allclose(quant_cpu.linear(x, w, portable=portable), x @ w.dequantize().T, rtol=1e-4, atol=1e-4)
+
+
+def test_compact_scales_only_when_exact():
+    w = make(8, 64, 4, seed=1)
+    w.scales[0, 0] = 0.1 + 1e-9  # not a float16 value
+    before = w.dequantize()
+    assert not compact_scales(w) and w.scales.dtype == torch.float32
+    w.scales[0, 0] = 0.25
+    assert compact_scales(w) and w.mins.dtype == torch.float16
+    assert torch.equal(w.dequantize()[1:], before[1:])
+    with pytest.raises(ValueError, match="mins dtype"):
+        QuantLinearWeight(w.qweight, w.scales.float(), w.mins, 4, 32, 64)
 
 
 def test_gemv_q8_rejects_other_group_sizes():

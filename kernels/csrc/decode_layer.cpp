@@ -29,14 +29,16 @@ void rms_norm(const float* x, const float* w, int64_t M, int64_t H, float eps, f
 QW weight(const std::vector<at::Tensor>& t, size_t i, int64_t bits) {  // t[i..i+2] = codes, scales, mins
   const at::Tensor &q = t[i], &s = t[i + 1], &mn = t[i + 2];
   const int64_t N = q.size(0), K = q.size(1) * 8 / bits;
-  TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && s.scalar_type() == at::kFloat && s.is_contiguous()
-              && s.numel() == N * (K / BLK) && (mn.numel() == 0 || (mn.scalar_type() == at::kFloat && mn.is_contiguous()
+  const auto st = s.scalar_type();
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && (st == at::kFloat || st == at::kHalf) && s.is_contiguous()
+              && s.numel() == N * (K / BLK) && (mn.numel() == 0 || (mn.scalar_type() == st && mn.is_contiguous()
               && mn.numel() == N * (K / BLK))), "decode_forward: a weight breaks the group-32 layout");
-  return QW{q.data_ptr<uint8_t>(), s.data_ptr<float>(), mn.numel() ? mn.data_ptr<float>() : nullptr, (int)bits,
-            BLK, N, K};
+  return QW{q.data_ptr<uint8_t>(), (const float*)s.data_ptr(), mn.numel() ? (const float*)mn.data_ptr() : nullptr,
+            (int)bits, BLK, N, K, st == at::kHalf};
 }
 
 void gemv(const QW& w, const float* x, int64_t M, float* y, bool q8) {
+  TORCH_CHECK(q8 || !w.half, "decode_forward: float16 scales need the int8-activation path");
   if (q8) gemv_q8(w, x, M, y);
   else gemv_float(w, x, nullptr, M, y);
 }

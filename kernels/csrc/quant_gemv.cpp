@@ -94,11 +94,13 @@ at::Tensor quant_gemv_q8(at::Tensor x, at::Tensor q, at::Tensor s, at::Tensor mn
               "quant_gemv_q8: x must be float32 [M <= 8, K]");
   TORCH_CHECK(gs == BLK, "quant_gemv_q8: group_size must be 32");
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
-  check_weight(q, s, mn, bits, gs, K);
+  const bool half = s.scalar_type() == at::kHalf;  // float16 scales / mins (exact GGUF ones)
+  TORCH_CHECK(!half || mn.numel() == 0 || mn.scalar_type() == at::kHalf, "quant_gemv_q8: scales and mins must share a dtype");
+  check_weight(q, half ? s.to(at::kFloat) : s, half && mn.numel() ? mn.to(at::kFloat) : mn, bits, gs, K);
   x = x.contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
-  const QW w{q.data_ptr<uint8_t>(), s.data_ptr<float>(), mn.numel() > 0 ? mn.data_ptr<float>() : nullptr,
-             (int)bits, gs, N, K};
+  const QW w{q.data_ptr<uint8_t>(), (const float*)s.data_ptr(), mn.numel() > 0 ? (const float*)mn.data_ptr() : nullptr,
+             (int)bits, gs, N, K, half};
   gemv_q8(w, x.data_ptr<float>(), M, y.data_ptr<float>(), portable);
   return y;
 }

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#include <c10/util/Half.h>
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define SGQ_AVX512 1
@@ -153,10 +154,14 @@ void rows_avx_m(int64_t M, const uint16_t* xp, int64_t K, const uint8_t* q, cons
 
 
 // One quantized weight as the kernels read it (see quant_linear.py): codes [N, K * bits / 8],
-// scales and optional mins [N, K / gs] float32.
+// scales and optional mins [N, K / gs] float32, or float16 bits when `half` (the Q8 path only).
 struct QW {
-  const uint8_t* q; const float* s; const float* mn; int bits; int64_t gs, N, K;
+  const uint8_t* q; const float* s; const float* mn; int bits; int64_t gs, N, K; bool half = false;
 };
+
+inline float half_to_float(uint16_t h) { c10::Half v; v.x = h; return (float)v; }
+inline float scale_at(const float* p, int64_t i) { return p[i]; }
+inline float scale_at(const uint16_t* p, int64_t i) { return half_to_float(p[i]); }
 
 // y [M, N] float32 = x [M, K] @ W_stored.T, float-exact path (see quant_cpu.py): xf is x as
 // float32; xbf is x's bf16 bits when x is bf16 (one plane), nullptr for float32 x (three planes).
@@ -220,9 +225,12 @@ inline void quantize_q8(const float* x, int64_t M, int64_t K, int8_t* xq, float*
 }
 
 // portable rows: y[m, n] = sum_b s[n, b] * (dx[m, b] * idot(q, xq)) + mn[n, b] * sx[m, b]
-inline void rows_q8_portable(const int8_t* xq, const float* dx, const float* sx, int64_t M, int64_t K,
-                             const QW& w, int64_t n0, int64_t n1, float* y) {
+template <typename ST>
+void rows_q8_portable(const int8_t* xq, const float* dx, const float* sx, int64_t M, int64_t K,
+                      const QW& w, int64_t n0, int64_t n1, float* y) {
   const int64_t nb = K / BLK, rowb = K * w.bits / 8;
+  const ST* ws = (const ST*)w.s;
+  const ST* wm = (const ST*)w.mn;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* qr = w.q + n * rowb;
     for (int64_t m = 0; m < M; ++m) {
@@ -236,8 +244,8 @@ inline void rows_q8_portable(const int8_t* xq, const float* dx, const float* sx,
           const uint8_t* p = qr + b * BLK / 2;
           for (int i = 0; i < 16; ++i) d += (int32_t)(p[i] & 0xF) * xr[i] + (int32_t)(p[i] >> 4) * xr[i + 16];
         }
-        acc += w.s[n * nb + b] * (dx[m * nb + b] * (float)d);
-        if (w.mn) acc += w.mn[n * nb + b] * sx[m * nb + b];
+        acc += scale_at(ws, n * nb + b) * (dx[m * nb + b] * (float)d);
+        if (wm) acc += scale_at(wm, n * nb + b) * sx[m * nb + b];
       }
       y[m * w.N + n] = acc;
     }
@@ -258,21 +266,26 @@ template <int BITS> inline __m512i codes64(const uint8_t* qr, int64_t kb, bool t
 // VPDPBUSD (u8 codes x s8 activations -> int32 per 4 channels); lanes 0..7 belong to the first
 // block of a pair, 8..15 to the second; their float sums are scaled by s[n, b] * dx[m, b]
 // (dxe: dx expanded to those lanes, per pair) and summed; offsets as mins . sx; one reduction.
-template <int M, int BITS>
+inline __m128 load_scales2(const float* p, __mmask8 k) { return _mm_maskz_loadu_ps(k, p); }
+inline __m128 load_scales2(const uint16_t* p, __mmask8 k) { return _mm_cvtph_ps(_mm_maskz_loadu_epi16(k, p)); }
+inline __m512 load_scales16(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
+inline __m512 load_scales16(const uint16_t* p, __mmask16 k) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p)); }
+
+template <int M, int BITS, typename ST>
 void rows_q8_avx(const int8_t* xq, const float* dxe, const float* sx, int64_t K, const QW& w, int64_t n0,
                  int64_t n1, float* y) {
   const int64_t nb = K / BLK, np = (nb + 1) / 2, rowb = K * BITS / 8;
   const __m512i pair_idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* qr = w.q + n * rowb;
-    const float* sr = w.s + n * nb;
+    const ST* sr = (const ST*)w.s + n * nb;
     __m512 a0[M], a1[M];
     for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
     for (int64_t j = 0; j < np; ++j) {
       const bool two = 2 * j + 1 < nb;
       const int64_t kb = j * 2 * BLK;
       const __m512i z = codes64<BITS>(qr, kb, two);
-      const __m512 sv = _mm512_permutexvar_ps(pair_idx, _mm512_castps128_ps512(_mm_maskz_loadu_ps(two ? 3 : 1, sr + 2 * j)));
+      const __m512 sv = _mm512_permutexvar_ps(pair_idx, _mm512_castps128_ps512(load_scales2(sr + 2 * j, two ? 3 : 1)));
       for (int m = 0; m < M; ++m) {
         const __m512i xv = two ? _mm512_loadu_si512(xq + m * K + kb) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, xq + m * K + kb);
         const __m512 f = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), z, xv));
@@ -282,10 +295,10 @@ void rows_q8_avx(const int8_t* xq, const float* dxe, const float* sx, int64_t K,
       }
     }
     if (w.mn) {
-      const float* mr = w.mn + n * nb;
+      const ST* mr = (const ST*)w.mn + n * nb;
       for (int64_t g = 0; g < nb; g += 16) {
         const __mmask16 k = nb - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nb - g)) - 1);
-        const __m512 mv = _mm512_maskz_loadu_ps(k, mr + g);
+        const __m512 mv = load_scales16(mr + g, k);
         for (int m = 0; m < M; ++m) a1[m] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(k, sx + m * nb + g), a1[m]);
       }
     }
@@ -293,11 +306,11 @@ void rows_q8_avx(const int8_t* xq, const float* dxe, const float* sx, int64_t K,
   }
 }
 
-template <int BITS>
+template <int BITS, typename ST>
 void rows_q8_avx_m(int64_t M, const int8_t* xq, const float* dxe, const float* sx, int64_t K, const QW& w,
                    int64_t n0, int64_t n1, float* y) {
   switch (M) {
-#define SGQ_CASE(MM) case MM: rows_q8_avx<MM, BITS>(xq, dxe, sx, K, w, n0, n1, y); break;
+#define SGQ_CASE(MM) case MM: rows_q8_avx<MM, BITS, ST>(xq, dxe, sx, K, w, n0, n1, y); break;
     SGQ_CASE(1) SGQ_CASE(2) SGQ_CASE(3) SGQ_CASE(4) SGQ_CASE(5) SGQ_CASE(6) SGQ_CASE(7) SGQ_CASE(8)
 #undef SGQ_CASE
     default: break;
@@ -320,15 +333,21 @@ inline void gemv_q8(const QW& w, const float* xf, int64_t M, float* y, bool port
       for (int64_t b = 0; b < nb; ++b)
         for (int i = 0; i < 8; ++i) dxe[(m * np + b / 2) * 16 + (b & 1) * 8 + i] = dx[m * nb + b];
     at::parallel_for(0, w.N, grain, [&](int64_t n0, int64_t n1) {
-      if (w.bits == 4) rows_q8_avx_m<4>(M, xq.data(), dxe.data(), sx.data(), K, w, n0, n1, y);
-      else rows_q8_avx_m<8>(M, xq.data(), dxe.data(), sx.data(), K, w, n0, n1, y);
+      if (w.half) {
+        if (w.bits == 4) rows_q8_avx_m<4, uint16_t>(M, xq.data(), dxe.data(), sx.data(), K, w, n0, n1, y);
+        else rows_q8_avx_m<8, uint16_t>(M, xq.data(), dxe.data(), sx.data(), K, w, n0, n1, y);
+      } else {
+        if (w.bits == 4) rows_q8_avx_m<4, float>(M, xq.data(), dxe.data(), sx.data(), K, w, n0, n1, y);
+        else rows_q8_avx_m<8, float>(M, xq.data(), dxe.data(), sx.data(), K, w, n0, n1, y);
+      }
     });
     return;
   }
 #endif
   (void)portable;
   at::parallel_for(0, w.N, grain, [&](int64_t n0, int64_t n1) {
-    rows_q8_portable(xq.data(), dx.data(), sx.data(), M, K, w, n0, n1, y);
+    if (w.half) rows_q8_portable<uint16_t>(xq.data(), dx.data(), sx.data(), M, K, w, n0, n1, y);
+    else rows_q8_portable<float>(xq.data(), dx.data(), sx.data(), M, K, w, n0, n1, y);
   });
 }
 

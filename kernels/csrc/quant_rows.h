@@ -253,53 +253,75 @@ void rows_q8_portable(const int8_t* xq, const float* dx, const float* sx, int64_
 }
 
 #ifdef SGQ_VNNI
-// 64 codes (two 32-blocks) as unsigned bytes in channel order; `two` false: one block, rest zero
+// 64 codes (two 32-blocks b0, b1) as unsigned bytes; `two` false: b0 only, the rest zero. 8 bits:
+// channel order. 4 bits: [lo nibbles b0 | lo b1 | hi b0 | hi b1] (16 bytes each, so channels
+// [b0 0..15 | b1 0..15 | b0 16..31 | b1 16..31]); the activations are laid out to match (arrange_q8).
 template <int BITS> inline __m512i codes64(const uint8_t* qr, int64_t kb, bool two) {
   if (BITS == 8) return two ? _mm512_loadu_si512(qr + kb) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, qr + kb);
   const __m256i raw = two ? _mm256_loadu_si256((const __m256i*)(qr + kb / 2))
                           : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i*)(qr + kb / 2)));
-  __m512i z = _mm512_permutexvar_epi64(_mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0), _mm512_zextsi256_si512(raw));
-  z = _mm512_mask_blend_epi64(0xCC, z, _mm512_srli_epi16(z, 4));  // lanes [lo b0, hi b0, lo b1, hi b1]
-  return _mm512_and_si512(z, _mm512_set1_epi8(0x0F));
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(raw, m4)),
+                            _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), 1);
 }
 
-// VPDPBUSD (u8 codes x s8 activations -> int32 per 4 channels); lanes 0..7 belong to the first
-// block of a pair, 8..15 to the second; their float sums are scaled by s[n, b] * dx[m, b]
-// (dxe: dx expanded to those lanes, per pair) and summed; offsets as mins . sx; one reduction.
-inline __m128 load_scales2(const float* p, __mmask8 k) { return _mm_maskz_loadu_ps(k, p); }
-inline __m128 load_scales2(const uint16_t* p, __mmask8 k) { return _mm_cvtph_ps(_mm_maskz_loadu_epi16(k, p)); }
+// xq [M, K] -> xp [M, np * 64] in codes64's channel order per pair of blocks, zero padded
+inline void arrange_q8(const int8_t* xq, int64_t M, int64_t K, int bits, int8_t* xp) {
+  const int64_t nb = K / BLK, np = (nb + 1) / 2, xs = np * 64;
+  std::memset(xp, 0, M * xs);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const int8_t* src = xq + m * K + b * BLK;
+      int8_t* dst = xp + m * xs + (b / 2) * 64;
+      if (bits == 8) {
+        std::memcpy(dst + (b & 1) * 32, src, 32);
+      } else {
+        std::memcpy(dst + (b & 1) * 16, src, 16);
+        std::memcpy(dst + 32 + (b & 1) * 16, src + 16, 16);
+      }
+    }
+}
+
 inline __m512 load_scales16(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
 inline __m512 load_scales16(const uint16_t* p, __mmask16 k) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p)); }
 
+// VPDPBUSD (u8 codes x s8 activations -> int32 per 4 channels) per pair of blocks; each lane's
+// float sum is scaled by its block's s[n, b] * dx[m, b], picked (VPERMPS) from the 16 products of
+// the current 16-block chunk; offsets as mins . sx per chunk; one horizontal sum per row.
 template <int M, int BITS, typename ST>
-void rows_q8_avx(const int8_t* xq, const float* dxe, const float* sx, int64_t K, const QW& w, int64_t n0,
+void rows_q8_avx(const int8_t* xp, const float* dx, const float* sx, int64_t K, const QW& w, int64_t n0,
                  int64_t n1, float* y) {
-  const int64_t nb = K / BLK, np = (nb + 1) / 2, rowb = K * BITS / 8;
-  const __m512i pair_idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const int64_t nb = K / BLK, xs = (nb + 1) / 2 * 64, rowb = K * BITS / 8;
+  const __m512i base = BITS == 4 ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
+                                 : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i step = _mm512_set1_epi32(2);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* qr = w.q + n * rowb;
     const ST* sr = (const ST*)w.s + n * nb;
+    const ST* mr = w.mn ? (const ST*)w.mn + n * nb : nullptr;
     __m512 a0[M], a1[M];
     for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < np; ++j) {
-      const bool two = 2 * j + 1 < nb;
-      const int64_t kb = j * 2 * BLK;
-      const __m512i z = codes64<BITS>(qr, kb, two);
-      const __m512 sv = _mm512_permutexvar_ps(pair_idx, _mm512_castps128_ps512(load_scales2(sr + 2 * j, two ? 3 : 1)));
-      for (int m = 0; m < M; ++m) {
-        const __m512i xv = two ? _mm512_loadu_si512(xq + m * K + kb) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, xq + m * K + kb);
-        const __m512 f = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), z, xv));
-        const __m512 t = _mm512_mul_ps(sv, _mm512_loadu_ps(dxe + (m * np + j) * 16));
-        if (j & 1) a1[m] = _mm512_fmadd_ps(f, t, a1[m]);
-        else a0[m] = _mm512_fmadd_ps(f, t, a0[m]);
+    for (int64_t c = 0; c < nb; c += 16) {
+      const int64_t nbc = std::min<int64_t>(16, nb - c);
+      const __mmask16 k = nbc == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nbc) - 1);
+      const __m512 sv = load_scales16(sr + c, k);
+      __m512 cs[M];
+      for (int m = 0; m < M; ++m) cs[m] = _mm512_mul_ps(sv, _mm512_maskz_loadu_ps(k, dx + m * nb + c));
+      if (mr) {
+        const __m512 mv = load_scales16(mr + c, k);
+        for (int m = 0; m < M; ++m) a1[m] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(k, sx + m * nb + c), a1[m]);
       }
-    }
-    if (w.mn) {
-      const ST* mr = (const ST*)w.mn + n * nb;
-      for (int64_t g = 0; g < nb; g += 16) {
-        const __mmask16 k = nb - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nb - g)) - 1);
-        const __m512 mv = load_scales16(mr + g, k);
-        for (int m = 0; m < M; ++m) a1[m] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(k, sx + m * nb + g), a1[m]);
+      __m512i idx = base;
+      for (int64_t b = 0; b < nbc; b += 2, idx = _mm512_add_epi32(idx, step)) {
+        const int64_t j = (c + b) / 2;
+        const __m512i z = codes64<BITS>(qr, j * 2 * BLK, c + b + 1 < nb);
+        for (int m = 0; m < M; ++m) {
+          const __m512i xv = _mm512_loadu_si512(xp + m * xs + j * 64);
+          const __m512 f = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), z, xv));
+          const __m512 t = _mm512_permutexvar_ps(idx, cs[m]);
+          if (b & 2) a1[m] = _mm512_fmadd_ps(f, t, a1[m]);
+          else a0[m] = _mm512_fmadd_ps(f, t, a0[m]);
+        }
       }
     }
     for (int m = 0; m < M; ++m) y[m * w.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));
@@ -307,10 +329,10 @@ void rows_q8_avx(const int8_t* xq, const float* dxe, const float* sx, int64_t K,
 }
 
 template <int BITS, typename ST>
-void rows_q8_avx_m(int64_t M, const int8_t* xq, const float* dxe, const float* sx, int64_t K, const QW& w,
+void rows_q8_avx_m(int64_t M, const int8_t* xp, const float* dx, const float* sx, int64_t K, const QW& w,
                    int64_t n0, int64_t n1, float* y) {
   switch (M) {
-#define SGQ_CASE(MM) case MM: rows_q8_avx<MM, BITS, ST>(xq, dxe, sx, K, w, n0, n1, y); break;
+#define SGQ_CASE(MM) case MM: rows_q8_avx<MM, BITS, ST>(xp, dx, sx, K, w, n0, n1, y); break;
     SGQ_CASE(1) SGQ_CASE(2) SGQ_CASE(3) SGQ_CASE(4) SGQ_CASE(5) SGQ_CASE(6) SGQ_CASE(7) SGQ_CASE(8)
 #undef SGQ_CASE
     default: break;
@@ -327,18 +349,15 @@ inline void gemv_q8(const QW& w, const float* xf, int64_t M, float* y, bool port
   const int64_t grain = std::max<int64_t>(16, (int64_t)(1 << 16) / std::max<int64_t>(K, 1));
 #ifdef SGQ_VNNI
   if (!portable) {
-    const int64_t np = (nb + 1) / 2;
-    std::vector<float> dxe(M * np * 16, 0.f);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t b = 0; b < nb; ++b)
-        for (int i = 0; i < 8; ++i) dxe[(m * np + b / 2) * 16 + (b & 1) * 8 + i] = dx[m * nb + b];
+    std::vector<int8_t> xp(M * ((nb + 1) / 2) * 64);
+    arrange_q8(xq.data(), M, K, w.bits, xp.data());
     at::parallel_for(0, w.N, grain, [&](int64_t n0, int64_t n1) {
       if (w.half) {
-        if (w.bits == 4) rows_q8_avx_m<4, uint16_t>(M, xq.data(), dxe.data(), sx.data(), K, w, n0, n1, y);
-        else rows_q8_avx_m<8, uint16_t>(M, xq.data(), dxe.data(), sx.data(), K, w, n0, n1, y);
+        if (w.bits == 4) rows_q8_avx_m<4, uint16_t>(M, xp.data(), dx.data(), sx.data(), K, w, n0, n1, y);
+        else rows_q8_avx_m<8, uint16_t>(M, xp.data(), dx.data(), sx.data(), K, w, n0, n1, y);
       } else {
-        if (w.bits == 4) rows_q8_avx_m<4, float>(M, xq.data(), dxe.data(), sx.data(), K, w, n0, n1, y);
-        else rows_q8_avx_m<8, float>(M, xq.data(), dxe.data(), sx.data(), K, w, n0, n1, y);
+        if (w.bits == 4) rows_q8_avx_m<4, float>(M, xp.data(), dx.data(), sx.data(), K, w, n0, n1, y);
+        else rows_q8_avx_m<8, float>(M, xp.data(), dx.data(), sx.data(), K, w, n0, n1, y);
       }
     });
     return;

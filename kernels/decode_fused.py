@@ -17,7 +17,8 @@ Matmul arithmetic (``q8``): float32 models (``dtype=float32``) run the float-exa
 :mod:`.quant_cpu` (x split into three bf16 planes), so logits match the per-op path up to float32
 summation order and greedy tokens are identical (tests). bf16 models run the int8-activation GEMV
 (:func:`.quant_cpu.gemv_q8`: each 32-block of the activation row rounded to int8 with its own
-scale, integer dots on AVX-512 VNNI, as llama.cpp's Q8_1 activations): faster, not bf16-exact
+scale, integer dots on AVX-512 VNNI, as llama.cpp's Q8_1 activations; CPUs without VNNI keep the
+float GEMV): faster, not bf16-exact
 (its greedy agreement with the per-op path is measured in docs/benchmarks.md).
 
 bf16 models also get their weights' scales and mins stored as float16 where that is exact
@@ -84,6 +85,8 @@ class FusedDecode:
                 self.lin += [w.qweight, w.scales, w.mins if w.mins is not None else torch.empty(0)]
                 self.bits.append(w.bits)
         self.dims = (a.num_heads, a.num_kv_heads, a.head_dim, float(a.rms_norm_eps), float(model.sm_scale))
+        head = model.lm_head
+        self.head_kind = ("q8" if q8 and _quant_ok(head) else "quant") if isinstance(head, QuantLinearWeight) else "float"
 
     def refresh(self) -> None:
         """Re-read the weight tensors (after :meth:`LlamaModel.pack_hugepages` moved them)."""
@@ -107,9 +110,9 @@ class FusedDecode:
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """LM head of final-normed rows h [M, H] float32 -> [M, V] float32 logits."""
         w = self.model.lm_head
-        if isinstance(w, QuantLinearWeight) and self.q8 and _quant_ok(w):
+        if self.head_kind == "q8":
             return quant_cpu.gemv_q8(h, w, self.portable)
-        if isinstance(w, QuantLinearWeight):
+        if self.head_kind == "quant":
             return quant_cpu.linear(h.to(self.model.dtype), w, portable=self.portable).float()
         from .matmul import linear
 
@@ -140,7 +143,7 @@ def prepare(model, portable: bool = False) -> Optional[FusedDecode]:
         return None
     if load(portable) is None or not quant_cpu.available() or not cpu_attention.available():
         return None
-    q8 = model.dtype == torch.bfloat16
+    q8 = model.dtype == torch.bfloat16 and (portable or quant_cpu.vnni())  # no VNNI: the float GEMV
     if q8:  # float16 scales / mins where exact: 4 bytes less per 32 weights streamed every step
         qws = {id(w): w for w in model.linear_weights() if isinstance(w, QuantLinearWeight)}.values()
         if sum(compact_scales(w) for w in list(qws)):

@@ -1,5 +1,6 @@
 """Fused CPU decode: every decoder layer of a Llama-family model with group-quantized weights in ONE
-C++ call per step (source ``csrc/decode_layer.cpp``), for steps of 1..8 decode rows.
+C++ call per step (source ``csrc/decode_layer.cpp``), for steps of 1..32 decode rows (GEMVs in
+blocks of 8 rows).
 
 Why: at batch 1 the per-op path (:meth:`sglite.runtime.models.llama.LlamaModel._forward`) issues
 ~25 torch / dispatcher calls per layer (norms, splits, RoPE, KV scatter, attention, residual adds,
@@ -28,7 +29,7 @@ resident weights go from 115 MB to 98 MB, the bytes every decode step streams.
 Used only when the preconditions hold (:func:`prepare`, static; :meth:`FusedDecode.forward`, per
 step): CPU, float32/bf16, no tensor parallelism, no batch-invariant mode, no QK-norm / QKV bias,
 every layer matmul a :class:`.quant_linear.QuantLinearWeight` with group size 32, no input
-permutation and no bias, a float (non-quantized) KV pool, a step of only decode rows, 1..8 of them;
+permutation and no bias, a float (non-quantized) KV pool, a step of only decode rows, 1..32 of them;
 otherwise the per-op path runs (it is the reference). ``SGLITE_KERNEL=torch`` switches it off; a
 failed build logs one warning and leaves the per-op path.
 """
@@ -44,7 +45,7 @@ from .cpu_build import cpu_flags, load_cpp, read_source
 from .quant_linear import QuantLinearWeight, compact_scales
 from . import cpu_attention, quant_cpu
 
-MAX_ROWS = 8
+MAX_ROWS = 32  # more decode rows: the per-op path (its GEMM on dequantized weights wins there)
 LINEAR_KEYS = ("qkv", "o", "gate_up", "down")
 
 

@@ -118,7 +118,7 @@ def gemv_q8_reference(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
 
 
 def gemv_q8(x: torch.Tensor, w: QuantLinearWeight, portable: bool = False) -> torch.Tensor:
-    """x [M, K] (stored channel order, 1 <= M <= 8; cast to float32) @ W_stored.T with x rounded to
+    """x [M, K] (stored channel order, 1 <= M <= 32, blocks of 8; cast to float32) @ W_stored.T with x rounded to
     int8 per 32-block (:func:`quantize_act_q8_reference`) and integer dot products (``VPDPBUSD``
     on the codes as unsigned bytes when the build has AVX-512 VNNI, plain loops otherwise), per
     block ``s * d * idot + m * sx`` summed in float32 -> [M, N] float32 (bias not added).

@@ -38,7 +38,7 @@ def test_activation_quantization_is_bit_exact(k):
                                            (8, 33, 64, False), (4, 5, 32, False)])
 def test_gemv_q8_matches_reference(portable, bits, n, k, mins):
     w = make(n, k, bits, seed=n + k, mins=mins)
-    for rows in (1, 2, 3, 5, 8):
+    for rows in (1, 2, 3, 5, 8, 13):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
         y, r = quant_cpu.gemv_q8(x, w, portable=portable), quant_cpu.gemv_q8_reference(x, w)
         assert y.shape == (rows, n) and y.dtype == torch.float32
@@ -85,6 +85,7 @@ def quantized_tiny(tiny_model_dir, tmp_path_factory):
 
 
 PROMPTS = [[504, 3458, 3502, 314, 253, 5426], [1314, 28, 5248, 11633, 28, 690, 9095, 30, 378], [357, 12, 99]]
+MANY = [[100 + 37 * i, 7 + i, 2000 + i] for i in range(11)]  # 11 decode rows: GEMVs in blocks of 8
 
 
 def _checked_engine(model_dir, dtype, atol_rel, seen):
@@ -117,10 +118,12 @@ def test_fused_float32_matches_per_op(quantized_tiny, bits):
     try:
         sp = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
         got = [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=sp)]
-        assert 3 in seen and 1 in seen or 3 in seen  # multi-row steps went through the fused path
+        got_many = [o["output_ids"] for o in e.generate(input_ids=MANY, sampling_params=sp)]
+        assert 3 in seen and 11 in seen  # multi-row steps went through the fused path
         e.runner.model.decode_fused = None  # the per-op path alone
         ref = [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=sp)]
         assert got == ref
+        assert got_many == [o["output_ids"] for o in e.generate(input_ids=MANY, sampling_params=sp)]
     finally:
         e.shutdown()
 

@@ -1,4 +1,4 @@
-// Fused batch-1 (1..8 rows) decode through every decoder layer of a Llama-family model with
+// Fused batch-1 (1..32 rows) decode through every decoder layer of a Llama-family model with
 // group-quantized matmul weights, in one call (contract: sglite/kernels/decode_fused.py). Per
 // layer: RMSNorm, QKV GEMV, RoPE (rotate-half), K/V stored into the paged pool, paged decode
 // attention reading the pool in place (the sglite_cpu_attention op), o_proj + residual, RMSNorm,
@@ -70,8 +70,8 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
                           at::Tensor final_norm, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> kbufs,
                           std::vector<at::Tensor> vbufs, at::Tensor out_loc, at::Tensor req_to_token, at::Tensor rows,
                           at::Tensor lens, int64_t Hq, int64_t Hkv, int64_t D, double eps, double sm_scale, bool q8) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= 8,
-              "decode_forward: x must be contiguous float32 [M <= 8, H]");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= 32,
+              "decode_forward: x must be contiguous float32 [M <= 32, H]");
   const int64_t M = x.size(0), H = x.size(1), L = (int64_t)kbufs.size();
   TORCH_CHECK((int64_t)lin.size() == 12 * L && (int64_t)bits.size() == 4 * L && (int64_t)vbufs.size() == L
               && norms.scalar_type() == at::kFloat && norms.is_contiguous() && norms.numel() == L * 2 * H,

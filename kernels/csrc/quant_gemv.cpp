@@ -85,13 +85,13 @@ at::Tensor quant_dequant(at::Tensor q, at::Tensor s, at::Tensor mn, int64_t bits
   return out;
 }
 
-// y [M, N] float32 = q8(x) @ W_stored.T: x [M, K] float32 (1 <= M <= 8, stored channel order)
+// y [M, N] float32 = q8(x) @ W_stored.T: x [M, K] float32 (1 <= M <= 32, stored channel order)
 // quantized to int8 per 32-block (sglite_quant::quantize_q8), integer dots (VNNI when built),
 // group size 32 only
 at::Tensor quant_gemv_q8(at::Tensor x, at::Tensor q, at::Tensor s, at::Tensor mn, int64_t bits, int64_t gs,
                          bool portable) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 8 && x.scalar_type() == at::kFloat,
-              "quant_gemv_q8: x must be float32 [M <= 8, K]");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 32 && x.scalar_type() == at::kFloat,
+              "quant_gemv_q8: x must be float32 [M <= 32, K]");
   TORCH_CHECK(gs == BLK, "quant_gemv_q8: group_size must be 32");
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
   const bool half = s.scalar_type() == at::kHalf;  // float16 scales / mins (exact GGUF ones)

@@ -167,6 +167,15 @@ inline float scale_at(const uint16_t* p, int64_t i) { return half_to_float(p[i])
 // float32; xbf is x's bf16 bits when x is bf16 (one plane), nullptr for float32 x (three planes).
 inline void gemv_float(const QW& w, const float* xf, const uint16_t* xbf, int64_t M, float* y) {
   const int64_t K = w.K, N = w.N, G = K / w.gs;
+  if (M > 8) {  // blocks of 8 rows (the register tiles); the codes stream once per block
+    std::vector<float> part(8 * N);
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+      const int64_t mb = std::min<int64_t>(8, M - m0);
+      gemv_float(w, xf + m0 * K, xbf ? xbf + m0 * K : nullptr, mb, part.data());
+      std::memcpy(y + m0 * N, part.data(), sizeof(float) * mb * N);
+    }
+    return;
+  }
   std::vector<float> xs(M * G);
   group_sums(xf, M, K, w.gs, xs.data());
   const int64_t grain = std::max<int64_t>(16, (int64_t)(1 << 16) / std::max<int64_t>(K, 1));
@@ -340,9 +349,18 @@ void rows_q8_avx_m(int64_t M, const int8_t* xp, const float* dx, const float* sx
 }
 #endif
 
-// y [M, N] float32 = q8(x) @ W_stored.T for x [M, K] float32, 1 <= M <= 8, group size 32
+// y [M, N] float32 = q8(x) @ W_stored.T for x [M, K] float32, group size 32
 inline void gemv_q8(const QW& w, const float* xf, int64_t M, float* y, bool portable = false) {
   const int64_t K = w.K, nb = K / BLK;
+  if (M > 8) {  // blocks of 8 rows, as gemv_float
+    std::vector<float> part(8 * w.N);
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+      const int64_t mb = std::min<int64_t>(8, M - m0);
+      gemv_q8(w, xf + m0 * K, mb, part.data(), portable);
+      std::memcpy(y + m0 * w.N, part.data(), sizeof(float) * mb * w.N);
+    }
+    return;
+  }
   std::vector<int8_t> xq(M * K + 64);
   std::vector<float> dx(M * nb), sx(M * nb);
   quantize_q8(xf, M, K, xq.data(), dx.data(), sx.data());

@@ -121,9 +121,10 @@ class FusedDecode:
 
     def forward(self, fb, k_buffers, v_buffers) -> Optional[torch.Tensor]:
         """[M, V] float32 logits of ``fb.logits_indices``, or None when this step is not for the
-        fused path (extend rows, more than :data:`MAX_ROWS` rows, a quantized KV pool)."""
+        fused path (extend rows, more than :data:`MAX_ROWS` rows, a quantized KV pool, a model made a
+        tensor-parallel shard after load)."""
         n = fb.input_ids.shape[0]
-        if (fb.num_extend_tokens or not 1 <= n <= MAX_ROWS or not isinstance(k_buffers[0], torch.Tensor)
+        if (self.model.tp is not None or fb.num_extend_tokens or not 1 <= n <= MAX_ROWS or not isinstance(k_buffers[0], torch.Tensor)
                 or k_buffers[0].dtype not in (torch.float32, torch.bfloat16)
                 or fb.dec_req_pool_indices.shape[0] != n):
             return None

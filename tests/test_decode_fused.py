@@ -138,6 +138,24 @@ def test_fused_bf16_int8_path_is_close(quantized_tiny):
         e.shutdown()
 
 
+def _decode_batch(e):
+    """A one-row decode ForwardBatch captured from a real step of ``e``."""
+    got = []
+    runner, orig = e.runner, e.runner.forward
+
+    def spy(fb):
+        if fb.num_extend_tokens == 0:
+            got.append(fb)
+        return orig(fb)
+
+    runner.forward = spy
+    try:
+        e.generate(input_ids=PROMPTS[2], sampling_params={"max_new_tokens": 2, "temperature": 0})
+    finally:
+        runner.forward = orig
+    return got[-1]
+
+
 def test_fallbacks(quantized_tiny, monkeypatch):
     from sglite import Engine
 
@@ -149,6 +167,13 @@ def test_fallbacks(quantized_tiny, monkeypatch):
         monkeypatch.delenv("SGLITE_KERNEL")
         monkeypatch.setattr(decode_fused, "load", lambda portable=False: None)  # a failed build
         assert decode_fused.prepare(model) is None
+        fused = model.decode_fused
+        model.tp = object()  # made a tensor-parallel shard after load: the fused step declines
+        try:
+            assert fused.forward(_decode_batch(e), list(e.runner.token_to_kv_pool.k_buffers),
+                                 list(e.runner.token_to_kv_pool.v_buffers)) is None
+        finally:
+            model.tp = None
         model.decode_fused = None
         out = e.generate(input_ids=PROMPTS[0], sampling_params={"max_new_tokens": 3, "temperature": 0})
         assert len(out["output_ids"]) == 3

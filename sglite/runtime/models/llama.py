@@ -142,7 +142,7 @@ class LlamaModel:
         # tensor parallelism (sglite.distributed): this model is one rank's shard and ``tp`` (a
         # TPComm) does the vocab-parallel embedding, the all-reduces and the logits all-gather
         self.tp = None
-        # fused C++ decode of 1..8 decode rows (sglite.kernels.decode_fused.FusedDecode), set by the
+        # fused C++ decode of 1..32 decode rows (sglite.kernels.decode_fused.FusedDecode), set by the
         # model runner when its preconditions hold; None: every step runs the per-op path below
         self.decode_fused = None
 

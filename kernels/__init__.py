@@ -2,6 +2,7 @@
 bitmask, sampling) behind one dispatcher (:mod:`.dispatch`)."""
 from .dispatch import (apply_token_bitmask, decode_attention, extend_attention, linear, resolve_impl,  # noqa: F401
                        rms_norm, sample, silu_mul, store_kv)
+from . import decode_fused  # noqa: F401  (fused CPU decode of quantized models)
 from .matmul import LinearWeight, choose_impl, make_linear  # noqa: F401
 from .quant_linear import QuantLinearWeight  # noqa: F401
 from .w8_linear import Fp8LinearWeight, Int8LinearWeight  # noqa: F401

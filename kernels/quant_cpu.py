@@ -42,8 +42,9 @@ from .quant_linear import QuantLinearWeight, gather_input
 
 MAX_ROWS = 8  # rows of x per kernel call (register budget)
 GEMV_MAX_ROWS = 32  # up to this many rows: GEMV calls in blocks of 8; more: dequantize + GEMM
-AVX_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
-CFLAGS_AVX = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-ffp-contract=off")
+AVX_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c")
+CFLAGS_AVX = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c", "-ffp-contract=off")
+VNNI_FLAG = "avx512_vnni"  # with it the AVX build adds -mavx512vnni (VPDPBUSD for int8 activations)
 CFLAGS_PORTABLE = ("-O3", "-ffp-contract=off")
 
 
@@ -52,8 +53,10 @@ def load(portable: bool = False):
     """The compiled module (AVX-512-BF16 build when the CPU has :data:`AVX_FLAGS` and ``portable``
     is False, else the portable build), or None when the build failed (one warning logged)."""
     simd = not portable and all(f in cpu_flags() for f in AVX_FLAGS)
-    return load_cpp("sglite_quant_gemv" + ("" if simd else "_portable"), read_source("quant_gemv.cpp"),
-                    CFLAGS_AVX if simd else CFLAGS_PORTABLE, functions=["quant_gemv", "quant_dequant", "quant_simd"])
+    flags = CFLAGS_AVX + (("-mavx512vnni",) if VNNI_FLAG in cpu_flags() else ()) if simd else CFLAGS_PORTABLE
+    return load_cpp("sglite_quant_gemv" + ("" if simd else "_portable"), read_source("quant_gemv.cpp"), flags,
+                    functions=["quant_gemv", "quant_dequant", "quant_simd", "quant_gemv_q8", "quant_q8_act",
+                               "quant_vnni"])
 
 
 def available() -> bool:
@@ -73,7 +76,11 @@ _NO_MINS = torch.empty(0)
 
 
 def _mins(w: QuantLinearWeight) -> torch.Tensor:
-    return _NO_MINS if w.mins is None else w.mins  # the kernel reads an empty tensor as "no offsets"
+    return _NO_MINS if w.mins is None else w.mins.float()  # the kernel reads an empty tensor as "no offsets"
+
+
+def _scales(w: QuantLinearWeight) -> torch.Tensor:
+    return w.scales.float()  # float16 (compact) scales widened, exactly; float32 ones as they are
   # activation dtypes the kernel takes as they are
 
 
@@ -81,15 +88,58 @@ def gemv(x: torch.Tensor, w: QuantLinearWeight, portable: bool = False) -> torch
     """x [M, K] (stored channel order, 1 <= M <= 8) @ W_stored.T (+ bias) -> [M, N], x's dtype
     (float32 sums rounded once)."""
     xin = x if x.dtype in _NATIVE else x.float()
-    y = _mod(portable).quant_gemv(xin, w.qweight, w.scales, _mins(w), w.bits, w.group_size)
+    y = _mod(portable).quant_gemv(xin, w.qweight, _scales(w), _mins(w), w.bits, w.group_size)
     if y.dtype != x.dtype:
         y = y.to(x.dtype)
     return y if w.bias is None else y + w.bias.to(x.dtype)
 
 
+def quantize_act_q8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch reference of the int8 activation quantization (what :func:`gemv_q8` applies to x):
+    per row and 32-block of x [M, K] float32, ``d = max|x| / 127``, ``xq = round(x * (1 / d))``
+    (round half to even; 0 where d is 0) clamped to [-127, 127], ``sx = d * sum(xq)``, all float32
+    (GGUF's Q8_1 activation blocks, as llama.cpp quantizes a row before its integer dots).
+
+    Returns (xq int8 [M, K], d float32 [M, K/32], sx float32 [M, K/32])."""
+    m, k = x.shape
+    b = x.float().reshape(m, k // 32, 32)
+    d = b.abs().amax(dim=-1) / 127.0  # [M, K/32]
+    inv = torch.where(d > 0, 1.0 / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(d))
+    xq = torch.round(b * inv[..., None]).clamp(-127, 127)
+    return xq.to(torch.int8).reshape(m, k), d, d * xq.sum(dim=-1)
+
+
+def gemv_q8_reference(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
+    """Torch reference of :func:`gemv_q8`: ``F.linear`` in float32 of the dequantized int8
+    activations (``d * xq`` per block) and ``W_stored``; [M, N] float32."""
+    xq, d, _ = quantize_act_q8_reference(x)
+    xd = (xq.float().reshape(x.shape[0], -1, 32) * d[..., None]).reshape(x.shape)
+    return F.linear(xd, w.dequantize_stored(torch.float32))
+
+
+def gemv_q8(x: torch.Tensor, w: QuantLinearWeight, portable: bool = False) -> torch.Tensor:
+    """x [M, K] (stored channel order, 1 <= M <= 32, blocks of 8; cast to float32) @ W_stored.T with x rounded to
+    int8 per 32-block (:func:`quantize_act_q8_reference`) and integer dot products (``VPDPBUSD``
+    on the codes as unsigned bytes when the build has AVX-512 VNNI, plain loops otherwise), per
+    block ``s * d * idot + m * sx`` summed in float32 -> [M, N] float32 (bias not added).
+    group_size must be 32 (GGUF blocks). Not bf16-exact: error of the order of the int8 step.
+
+    Raises:
+        RuntimeError: the kernel is unavailable or the inputs break the contract."""
+    mins = _NO_MINS if w.mins is None else w.mins  # float32 or float16 (compact), read as stored
+    return _mod(portable).quant_gemv_q8(x.float().contiguous(), w.qweight, w.scales, mins, w.bits,
+                                        w.group_size, portable)
+
+
+def vnni() -> bool:
+    """True when the loaded (non-portable) build runs :func:`gemv_q8` on AVX-512 VNNI."""
+    m = load()
+    return m is not None and bool(m.quant_vnni())
+
+
 def dequantize(w: QuantLinearWeight, dtype: torch.dtype = torch.float32, portable: bool = False) -> torch.Tensor:
     """``W_stored`` [N, K] in ``dtype`` (float32 math; bf16 rounded once from it)."""
-    out = _mod(portable).quant_dequant(w.qweight, w.scales, _mins(w), w.bits, w.group_size, dtype == torch.bfloat16)
+    out = _mod(portable).quant_dequant(w.qweight, _scales(w), _mins(w), w.bits, w.group_size, dtype == torch.bfloat16)
     return out if out.dtype == dtype else out.to(dtype)
 
 
@@ -97,7 +147,7 @@ def linear(x: torch.Tensor, w: QuantLinearWeight, invariant: bool = False, porta
     """``x @ W.T + bias`` for x [M, K] (any M >= 0) on CPU; see the module docstring."""
     m = x.shape[0]
     if 1 <= m <= MAX_ROWS and w.perm is None and w.bias is None and x.dtype in _NATIVE and not portable:
-        return _mod(False).quant_gemv(x, w.qweight, w.scales, _mins(w), w.bits, w.group_size)  # decode fast path
+        return _mod(False).quant_gemv(x, w.qweight, _scales(w), _mins(w), w.bits, w.group_size)  # decode fast path
     xs = gather_input(x, w)
     if m == 0:
         return x.new_zeros((0, w.shape[0]))

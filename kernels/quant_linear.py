@@ -22,7 +22,7 @@ Fields:
         ``bits == 4``: [N, K // 2]. Codes are packed per block of 32 stored channels, GGUF's Q4
         order: byte ``j`` (0..15) of block ``b`` holds channel ``32 b + j`` in its low nibble and
         channel ``32 b + j + 16`` in its high nibble (a Q4_0/Q4_1 block's ``qs`` bytes verbatim).
-    scales: float32 [N, K // group_size].
+    scales: float32 [N, K // group_size] (float16 after :func:`compact_scales`, see below).
     mins: float32 [N, K // group_size] or None (symmetric formats may still use it, see below).
     bits: 4 or 8.  group_size: a multiple of 32 dividing K (so K % 32 == 0), or 16 (GGUF Q6_K's
     sub-blocks; K % 32 == 0 still): such weights run on ``quant_ref`` only (the kernels read one
@@ -39,6 +39,10 @@ has <= 19 significant bits):
     for GPTQ's stored zeros as its kernels do): s = scales, m = -(s * z) (float32), codes as they are;
     act-order ``g_idx``: ``perm = argsort(g_idx, stable)`` so each group's channels are contiguous,
     codes and columns taken in ``perm`` order. (AWQ's interleaved nibble order is undone at load.)
+
+Compact scales: :func:`compact_scales` stores scales and mins as float16 when that is exact (GGUF's
+are float16 in the file), 4 bytes less per group for the fused decode's int8-activation GEMV,
+which reads them as they are; every other consumer widens them to float32 first (exact).
 
 Build one with :meth:`QuantLinearWeight.from_codes` (unpacked codes [N, K] uint8 in stored order),
 concatenate along N with :func:`cat_rows` (fused QKV / gate-up), reorder rows with
@@ -160,9 +164,11 @@ class QuantLinearWeight:
             t = getattr(self, name)
             if t is None and name == "mins":
                 continue
-            if t.dtype != torch.float32 or tuple(t.shape) != (n, k // gs):
-                raise ValueError(f"quantized weight: {name} must be float32 [{n}, {k // gs}], got "
+            if t.dtype not in (torch.float32, torch.float16) or tuple(t.shape) != (n, k // gs):
+                raise ValueError(f"quantized weight: {name} must be float32 (or float16) [{n}, {k // gs}], got "
                                  f"{t.dtype} {tuple(t.shape)}")
+        if self.mins is not None and self.mins.dtype != self.scales.dtype:
+            raise ValueError(f"quantized weight: mins dtype {self.mins.dtype} differs from scales dtype {self.scales.dtype}")
         if self.perm is not None and (self.perm.dtype != torch.int64 or tuple(self.perm.shape) != (k,)):
             raise ValueError(f"quantized weight: perm must be int64 [{k}], got {self.perm.dtype} {tuple(self.perm.shape)}")
         if self.bias is not None and tuple(self.bias.shape) != (n,):
@@ -217,9 +223,9 @@ class QuantLinearWeight:
         """``W_stored`` [N, K] (stored channel order): ``s * q + m`` in float32, then cast to dtype."""
         n, k, gs = self.shape[0], self.in_features, self.group_size
         q = self.codes().to(torch.float32).view(n, k // gs, gs)
-        w = q * self.scales[:, :, None]
+        w = q * self.scales.float()[:, :, None]
         if self.mins is not None:
-            w = w + self.mins[:, :, None]
+            w = w + self.mins.float()[:, :, None]
         return w.view(n, k).to(dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -264,6 +270,21 @@ def cat_rows(ws: Sequence[QuantLinearWeight], bias: Optional[torch.Tensor] = Non
     fmts = sorted({w.fmt for w in ws})
     return QuantLinearWeight(torch.cat([w.qweight for w in ws]), torch.cat([w.scales for w in ws]), mins,
                              a.bits, a.group_size, a.in_features, a.perm, bias, impl=a.impl, fmt="+".join(fmts))
+
+
+def compact_scales(w: QuantLinearWeight) -> bool:
+    """Store ``w``'s scales and mins as float16 when every value survives the round trip exactly;
+    returns whether it did (False: left float32). In place; the weight means the same."""
+    parts = [t for t in (w.scales, w.mins) if t is not None]
+    if any(t.dtype != torch.float32 for t in parts):
+        return all(t.dtype == torch.float16 for t in parts)
+    halves = [t.half() for t in parts]
+    if not all(torch.equal(h.float(), t) for h, t in zip(halves, parts)):
+        return False
+    w.scales = halves[0]
+    if w.mins is not None:
+        w.mins = halves[1]
+    return True
 
 
 def reference_linear(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:

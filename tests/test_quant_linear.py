@@ -132,6 +132,7 @@ def test_bench_quant_agreement_and_args():
     ag = bq.agreement([[1, 2, 3], [4, 5]], [[1, 9, 3], [4, 5]])
     assert ag == {"positions_equal": 4 / 5, "prompts_equal": 0.5, "positions": 5}
     assert len(set(bq.agreement_prompts(64))) == 64
+    assert bq.build_parser().parse_args(["--agreement-dtype", "bfloat16"]).agreement_dtype == "bfloat16"
     a = bq.build_parser().parse_args(["--decode-tokens", "0"])
     with pytest.raises(ValueError, match="--decode-tokens"):
         bq.check_args(a)

@@ -3,14 +3,15 @@ one process (this machine's speed drifts, so only same-run ratios mean anything)
 
     sglite bench quant [--model-path P] [--schemes gguf,none] [--dtype bfloat16] [--num-threads 1]
                        [--decode-tokens 64] [--prefill-len 512] [--repeats 3]
-                       [--agreement-prompts 64] [--agreement-tokens 32] [--parts speed,agreement]
+                       [--agreement-prompts 64] [--agreement-tokens 32] [--agreement-dtype float32]
+                       [--parts speed,agreement]
 
 speed (per scheme, ``--dtype`` activations): resident weight bytes
 (``LlamaModel.resident_weight_bytes``), batch-1 and batch-16 decode tok/s (the time of
 ``1 + decode_tokens`` greedy tokens minus the time of 1, so prefill drops out; best of
 ``--repeats``), prefill tok/s (one ``--prefill-len``-token prompt, radix cache off).
-agreement: greedy tokens of each scheme against ``none`` (the dequantized weights) in float32
-activations over ``--agreement-prompts`` prompts x ``--agreement-tokens`` tokens: the share of
+agreement: greedy tokens of each scheme against ``none`` (the dequantized weights) in
+``--agreement-dtype`` activations (default float32) over ``--agreement-prompts`` prompts x ``--agreement-tokens`` tokens: the share of
 positions with equal tokens (free running: after a first difference the texts go their own way)
 and the share of prompts whose whole continuation is equal.
 Output: a table, ``--output-json``.
@@ -83,7 +84,7 @@ def speed(a, scheme: Optional[str]) -> dict:
 
 
 def greedy(a, scheme: Optional[str], prompts: list[str]) -> list[list[int]]:
-    e = _engine(a, scheme, "float32", max_total_tokens=16 * 1024)
+    e = _engine(a, scheme, a.agreement_dtype, max_total_tokens=16 * 1024)
     try:
         msgs = [e.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
         outs = e.generate(msgs, {"max_new_tokens": a.agreement_tokens, "temperature": 0, "ignore_eos": True})
@@ -109,11 +110,11 @@ def run(a: argparse.Namespace) -> dict:
             res["speed"].append(speed(a, s))
     if "agreement" in a.parts:
         prompts = agreement_prompts(a.agreement_prompts)
-        _log("agreement: dequantized reference (float32)")
+        _log(f"agreement: dequantized reference ({a.agreement_dtype})")
         ref = greedy(a, None, prompts)
         for s in schemes:
             if s is not None:
-                _log(f"agreement: {s} (float32)")
+                _log(f"agreement: {s} ({a.agreement_dtype})")
                 res["agreement"][s] = agreement(ref, greedy(a, s, prompts))
     return res
 
@@ -130,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="runs per measurement (best kept)")
     p.add_argument("--agreement-prompts", type=int, default=64, help="prompts of the agreement run")
     p.add_argument("--agreement-tokens", type=int, default=32, help="greedy tokens per prompt")
+    p.add_argument("--agreement-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="activation dtype of the agreement runs")
     p.add_argument("--parts", default="speed,agreement", help="speed and/or agreement")
     p.add_argument("--output-json", default=None, help="write the results here")
     return p
@@ -156,7 +159,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if rows:
         print(format_table(rows, [(k, k) for k in rows[0]]))
     for s, ag in res["agreement"].items():
-        print(f"greedy agreement {s} vs dequantized (float32, {ag['positions']} positions): "
+        print(f"greedy agreement {s} vs dequantized ({a.agreement_dtype}, {ag['positions']} positions): "
               f"{100 * ag['positions_equal']:.1f}% of positions, {100 * ag['prompts_equal']:.1f}% of prompts equal")
     if a.output_json:
         write_json(a.output_json, res)

@@ -90,6 +90,7 @@ class ModelRunner:
         deterministic = bool(config.enable_deterministic_inference)
         self.model = LlamaModel(self.arch, state_dict, self.dtype, self.device, batch_invariant=deterministic)
         self.linear_impl = self._choose_linear_impl(config)
+        self.model.decode_fused = kernels.decode_fused.prepare(self.model)  # None: per-op decode
         self.vocab_size = self.arch.vocab_size
         self.context_length = config.context_length or self.arch.max_position_embeddings
         if self.context_length > self.arch.max_position_embeddings:

@@ -142,6 +142,9 @@ class LlamaModel:
         # tensor parallelism (sglite.distributed): this model is one rank's shard and ``tp`` (a
         # TPComm) does the vocab-parallel embedding, the all-reduces and the logits all-gather
         self.tp = None
+        # fused C++ decode of 1..32 decode rows (sglite.kernels.decode_fused.FusedDecode), set by the
+        # model runner when its preconditions hold; None: every step runs the per-op path below
+        self.decode_fused = None
 
     def linear_weights(self) -> list:
         """Every matmul weight (:class:`~sglite.kernels.LinearWeight` or
@@ -210,6 +213,10 @@ class LlamaModel:
         Returns:
             [M, V] float32 logits for the rows ``fb.logits_indices``.
         """
+        if self.decode_fused is not None:
+            logits = self.decode_fused.forward(fb, k_buffers, v_buffers)
+            if logits is not None:
+                return logits
         logits = self._forward(fb, k_buffers, v_buffers)
         if (self.linear_impl == "fp16" and (fb.input_ids.shape[0] == 1 or logits.shape[0] == 1)
                 and not bool(logits.isfinite().all())):

@@ -1,0 +1,147 @@
+// Fused batch-1 (1..32 rows) decode through every decoder layer of a Llama-family model with
+// group-quantized matmul weights, in one call (contract: sglite/kernels/decode_fused.py). Per
+// layer: RMSNorm, QKV GEMV, RoPE (rotate-half), K/V stored into the paged pool, paged decode
+// attention reading the pool in place (the sglite_cpu_attention op), o_proj + residual, RMSNorm,
+// gate/up GEMV, SiLU(g) * u, down + residual; then the final RMSNorm. Activations stay float32
+// between ops; the GEMVs are quant_rows.h's float-exact one (q8 = false) or the int8-activation
+// one (q8 = true).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/BFloat16.h>
+#include "quant_rows.h"
+
+namespace {
+
+using namespace sglite_quant;
+
+// y[m, :] = x[m, :] / sqrt(mean(x[m, :]^2) + eps) * w
+void rms_norm(const float* x, const float* w, int64_t M, int64_t H, float eps, float* y) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * H;
+    float ss = 0.f;
+    for (int64_t i = 0; i < H; ++i) ss += xr[i] * xr[i];
+    const float r = 1.f / std::sqrt(ss / (float)H + eps);
+    for (int64_t i = 0; i < H; ++i) y[m * H + i] = xr[i] * r * w[i];
+  }
+}
+
+QW weight(const std::vector<at::Tensor>& t, size_t i, int64_t bits) {  // t[i..i+2] = codes, scales, mins
+  const at::Tensor &q = t[i], &s = t[i + 1], &mn = t[i + 2];
+  const int64_t N = q.size(0), K = q.size(1) * 8 / bits;
+  const auto st = s.scalar_type();
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && (st == at::kFloat || st == at::kHalf) && s.is_contiguous()
+              && s.numel() == N * (K / BLK) && (mn.numel() == 0 || (mn.scalar_type() == st && mn.is_contiguous()
+              && mn.numel() == N * (K / BLK))), "decode_forward: a weight breaks the group-32 layout");
+  return QW{q.data_ptr<uint8_t>(), (const float*)s.data_ptr(), mn.numel() ? (const float*)mn.data_ptr() : nullptr,
+            (int)bits, BLK, N, K, st == at::kHalf};
+}
+
+void gemv(const QW& w, const float* x, int64_t M, float* y, bool q8) {
+  TORCH_CHECK(q8 || !w.half, "decode_forward: float16 scales need the int8-activation path");
+  if (q8) gemv_q8(w, x, M, y);
+  else gemv_float(w, x, nullptr, M, y);
+}
+
+template <typename T> inline T cast_to(float v);
+template <> inline float cast_to<float>(float v) { return v; }
+template <> inline c10::BFloat16 cast_to<c10::BFloat16>(float v) { return c10::BFloat16(v); }
+
+template <typename T>
+void store_rows(at::Tensor& buf, const int64_t* loc, const float* src, int64_t M, int64_t Hkv, int64_t D,
+                int64_t src_stride) {
+  T* p = buf.data_ptr<T>();
+  const int64_t s0 = buf.stride(0), s1 = buf.stride(1), S = buf.size(0);
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK_INDEX(loc[m] >= 0 && loc[m] < S, "decode_forward: out_cache_loc[", m, "]=", loc[m], " outside the pool");
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t d = 0; d < D; ++d) p[loc[m] * s0 + h * s1 + d] = cast_to<T>(src[m * src_stride + h * D + d]);
+  }
+}
+
+}  // namespace
+
+// x [M, H] float32 (the embedded tokens) -> [M, H] float32 hidden after the final RMSNorm.
+// norms [L, 2, H] float32 (input, post-attention); lin: per layer 4 weights (qkv, o, gate_up,
+// down) x (codes, scales, mins (empty: none)); bits [4L]; cos/sin [M, D/2] float32 of the rows'
+// positions; k/v buffers [S, Hkv, D] per layer (float32 or bf16, unit stride along D; written at
+// out_cache_loc [M] int64); req_to_token [R, Lmax] int32; rows/lens [M] int64.
+at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor> lin, std::vector<int64_t> bits,
+                          at::Tensor final_norm, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> kbufs,
+                          std::vector<at::Tensor> vbufs, at::Tensor out_loc, at::Tensor req_to_token, at::Tensor rows,
+                          at::Tensor lens, int64_t Hq, int64_t Hkv, int64_t D, double eps, double sm_scale, bool q8) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= 32,
+              "decode_forward: x must be contiguous float32 [M <= 32, H]");
+  const int64_t M = x.size(0), H = x.size(1), L = (int64_t)kbufs.size();
+  TORCH_CHECK((int64_t)lin.size() == 12 * L && (int64_t)bits.size() == 4 * L && (int64_t)vbufs.size() == L
+              && norms.scalar_type() == at::kFloat && norms.is_contiguous() && norms.numel() == L * 2 * H,
+              "decode_forward: per-layer inputs disagree with the layer count");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous()
+              && cos.numel() == M * (D / 2) && sin.numel() == M * (D / 2) && D % 2 == 0, "decode_forward: cos/sin must be float32 [M, D/2]");
+  TORCH_CHECK(out_loc.scalar_type() == at::kLong && out_loc.is_contiguous() && out_loc.numel() == M,
+              "decode_forward: out_cache_loc must be int64 [M]");
+  static auto attn = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("sglite_cpu_attention::decode_attention", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                        const at::Tensor&, double)>();
+  const int64_t Nqkv = (Hq + 2 * Hkv) * D, half = D / 2;
+  at::Tensor out = x.clone();
+  float* xr = out.data_ptr<float>();
+  std::vector<float> h(M * H), qkv, att_in(M * Hq * D), tmp(M * H), gu, act;
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const float* np_ = norms.data_ptr<float>();
+  const int64_t* loc = out_loc.data_ptr<int64_t>();
+  at::Tensor q_t = at::empty({M, Hq, D}, x.options());
+  for (int64_t l = 0; l < L; ++l) {
+    const QW wqkv = weight(lin, 12 * l, bits[4 * l]), wo = weight(lin, 12 * l + 3, bits[4 * l + 1]);
+    const QW wgu = weight(lin, 12 * l + 6, bits[4 * l + 2]), wd = weight(lin, 12 * l + 9, bits[4 * l + 3]);
+    TORCH_CHECK(wqkv.K == H && wqkv.N == Nqkv && wo.K == Hq * D && wo.N == H && wgu.K == H && wd.N == H
+                && wd.K * 2 == wgu.N, "decode_forward: layer ", l, " weight shapes disagree with the model");
+    const int64_t I = wd.K;
+    rms_norm(xr, np_ + (2 * l) * H, M, H, (float)eps, h.data());
+    qkv.resize(M * Nqkv);
+    gemv(wqkv, h.data(), M, qkv.data(), q8);
+    for (int64_t m = 0; m < M; ++m)  // RoPE on the q and k heads (rotate-half)
+      for (int64_t hd = 0; hd < Hq + Hkv; ++hd) {
+        float* v = qkv.data() + m * Nqkv + hd * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const float c = cp[m * half + i], s = sp[m * half + i], a = v[i], b = v[i + half];
+          v[i] = a * c - b * s;
+          v[i + half] = b * c + a * s;
+        }
+      }
+    at::Tensor& kb = kbufs[l];
+    at::Tensor& vb = vbufs[l];
+    TORCH_CHECK(kb.dim() == 3 && kb.size(1) == Hkv && kb.size(2) == D && kb.stride(2) == 1 && vb.sizes() == kb.sizes()
+                && vb.stride(2) == 1 && vb.scalar_type() == kb.scalar_type(), "decode_forward: pool of layer ", l, " is not [S, Hkv, D]");
+    if (kb.scalar_type() == at::kBFloat16) {
+      store_rows<c10::BFloat16>(kb, loc, qkv.data() + Hq * D, M, Hkv, D, Nqkv);
+      store_rows<c10::BFloat16>(vb, loc, qkv.data() + (Hq + Hkv) * D, M, Hkv, D, Nqkv);
+    } else {
+      TORCH_CHECK(kb.scalar_type() == at::kFloat, "decode_forward: pool dtype must be float32 or bfloat16");
+      store_rows<float>(kb, loc, qkv.data() + Hq * D, M, Hkv, D, Nqkv);
+      store_rows<float>(vb, loc, qkv.data() + (Hq + Hkv) * D, M, Hkv, D, Nqkv);
+    }
+    float* qp = q_t.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m) std::memcpy(qp + m * Hq * D, qkv.data() + m * Nqkv, sizeof(float) * Hq * D);
+    at::Tensor o = attn.call(q_t, kb, vb, req_to_token, rows, lens, sm_scale);  // [M, Hq, D] float32
+    gemv(wo, o.data_ptr<float>(), M, tmp.data(), q8);
+    for (int64_t i = 0; i < M * H; ++i) xr[i] += tmp[i];
+    rms_norm(xr, np_ + (2 * l + 1) * H, M, H, (float)eps, h.data());
+    gu.resize(M * 2 * I);
+    act.resize(M * I);
+    gemv(wgu, h.data(), M, gu.data(), q8);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t i = 0; i < I; ++i) {
+        const float g = gu[m * 2 * I + i], u = gu[m * 2 * I + I + i];
+        act[m * I + i] = g / (1.f + std::exp(-g)) * u;
+      }
+    gemv(wd, act.data(), M, tmp.data(), q8);
+    for (int64_t i = 0; i < M * H; ++i) xr[i] += tmp[i];
+  }
+  TORCH_CHECK(final_norm.scalar_type() == at::kFloat && final_norm.numel() == H, "decode_forward: final_norm must be float32 [H]");
+  at::Tensor y = at::empty({M, H}, x.options());
+  rms_norm(xr, final_norm.data_ptr<float>(), M, H, (float)eps, y.data_ptr<float>());
+  return y;
+}

@@ -1,0 +1,391 @@
+// Quantized GEMV rows shared by sglite's C++ kernels (quant_gemv.cpp, decode_layer.cpp); spliced
+// into each source by sglite.kernels.cpu_build.read_source. Representation and contracts:
+// sglite/kernels/quant_linear.py (codes, scales, mins) and sglite/kernels/quant_cpu.py (float
+// GEMV on bf16 planes; int8 activations on VNNI). Needs <ATen/Parallel.h>, <c10/util/BFloat16.h>.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#include <c10/util/Half.h>
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define SGQ_AVX512 1
+#endif
+#if defined(SGQ_AVX512) && defined(__AVX512VNNI__)
+#define SGQ_VNNI 1
+#endif
+
+namespace sglite_quant {
+
+
+constexpr int64_t BLK = 32;  // channels per packing block
+
+// xs[m * G + g] = float32 sum of x[m, g * gs : (g + 1) * gs] (the offsets' factor)
+inline void group_sums(const float* xf, int64_t M, int64_t K, int64_t gs, float* xs) {
+  const int64_t G = K / gs;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      float a = 0.f;
+      for (int64_t i = 0; i < gs; ++i) a += xf[m * K + g * gs + i];
+      xs[m * G + g] = a;
+    }
+}
+
+// codes of one 32-block as floats (stored order), both widths
+inline void decode_block(const uint8_t* q, int bits, int64_t kb, float* out) {
+  if (bits == 8) {
+    for (int i = 0; i < BLK; ++i) out[i] = (float)q[kb + i];
+  } else {
+    const uint8_t* p = q + kb / 2;
+    for (int i = 0; i < 16; ++i) { out[i] = (float)(p[i] & 0xF); out[i + 16] = (float)(p[i] >> 4); }
+  }
+}
+
+// portable GEMV: y[m, n] = sum_g s[n, g] * dot(x[m, group g], q[n, group g]) + sum_g mins[n, g] * xs[m, g]
+inline void rows_portable(const float* xf, int64_t M, int64_t K, const uint8_t* q, int bits, const float* s,
+                   const float* mn, const float* xs, int64_t gs, int64_t n0, int64_t n1, int64_t N, float* y) {
+  const int64_t G = K / gs, rowb = K * bits / 8;
+  std::vector<float> wq(gs), acc(M);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* qr = q + n * rowb;
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t b = 0; b < gs; b += BLK) decode_block(qr, bits, g * gs + b, wq.data() + b);
+      const float sg = s[n * G + g];
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xr = xf + m * K + g * gs;
+        float d = 0.f;
+        for (int64_t i = 0; i < gs; ++i) d += xr[i] * wq[i];
+        acc[m] += sg * d;
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      float a = acc[m];
+      if (mn)
+        for (int64_t g = 0; g < G; ++g) a += mn[n * G + g] * xs[m * G + g];
+      y[m * N + n] = a;
+    }
+  }
+}
+
+#ifdef SGQ_AVX512
+inline __m512i lut4() {  // bf16 bit patterns of the integers 0..15 (words 16..31 unused)
+  alignas(64) uint16_t t[32];
+  for (int i = 0; i < 32; ++i) {
+    float f = (float)(i & 15);
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    t[i] = (uint16_t)(u >> 16);  // exact: small integers have <= 8 significant bits
+  }
+  return _mm512_load_si512(t);
+}
+
+// 32 codes of a 4-bit block (16 bytes: low nibbles = channels 0..15, high = 16..31) as bf16
+inline __m512bh unpack4(const uint8_t* p, __m512i lut) {
+  const __m256i w16 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
+  __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(w16), _mm256_srli_epi16(w16, 4), 1);
+  z = _mm512_and_si512(z, _mm512_set1_epi16(0x0F));
+  return (__m512bh)_mm512_permutexvar_epi16(z, lut);
+}
+
+// 32 codes of an 8-bit block as bf16 (integers <= 255 are exact in bf16)
+inline __m512bh unpack8(const uint8_t* p) {
+  const __m256i raw = _mm256_loadu_si256((const __m256i*)p);
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(raw)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(raw, 1)));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// M rows of x as P bf16 planes (xp[(p * M + m) * K + k]; P = 1: bf16 x, P = 3: float32 x split
+// exactly into hi + mid + lo) against weight rows n0..n1. Per group: the planes' VDPBF16PS
+// products (exact in float32) summed into t, then acc += scale * t; two accumulators per row
+// (even / odd groups) hide the FMA latency; offsets folded in as mins . xs; one horizontal sum.
+template <int M, int P, int BITS>
+void rows_avx(const uint16_t* xp, int64_t K, const uint8_t* q, const float* s, const float* mn,
+              const float* xs, int64_t gs, int64_t n0, int64_t n1, int64_t N, float* y) {
+  const int64_t G = K / gs, rowb = K * BITS / 8, bpg = gs / BLK;
+  const __m512i lut = lut4();
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* qr = q + n * rowb;
+    const float* sr = s + n * G;
+    __m512 a0[M], a1[M];
+    for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 t[M];
+      for (int m = 0; m < M; ++m) t[m] = _mm512_setzero_ps();
+      for (int64_t b = 0; b < bpg; ++b) {
+        const int64_t kb = (g * bpg + b) * BLK;
+        const __m512bh w = BITS == 4 ? unpack4(qr + kb / 2, lut) : unpack8(qr + kb);
+        for (int m = 0; m < M; ++m)
+          for (int p = 0; p < P; ++p)
+            t[m] = _mm512_dpbf16_ps(t[m], w, (__m512bh)_mm512_loadu_si512(xp + (p * M + m) * K + kb));
+      }
+      const __m512 sv = _mm512_set1_ps(sr[g]);
+      if (g & 1)
+        for (int m = 0; m < M; ++m) a1[m] = _mm512_fmadd_ps(t[m], sv, a1[m]);
+      else
+        for (int m = 0; m < M; ++m) a0[m] = _mm512_fmadd_ps(t[m], sv, a0[m]);
+    }
+    if (mn) {
+      const float* mr = mn + n * G;
+      for (int64_t g = 0; g < G; g += 16) {
+        const __mmask16 k = G - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g)) - 1);
+        const __m512 mv = _mm512_maskz_loadu_ps(k, mr + g);
+        for (int m = 0; m < M; ++m) a1[m] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(k, xs + m * G + g), a1[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) y[m * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));
+  }
+}
+
+template <int P, int BITS>
+void rows_avx_m(int64_t M, const uint16_t* xp, int64_t K, const uint8_t* q, const float* s, const float* mn,
+                const float* xs, int64_t gs, int64_t n0, int64_t n1, int64_t N, float* y) {
+  switch (M) {
+#define SGQ_CASE(MM) case MM: rows_avx<MM, P, BITS>(xp, K, q, s, mn, xs, gs, n0, n1, N, y); break;
+    SGQ_CASE(1) SGQ_CASE(2) SGQ_CASE(3) SGQ_CASE(4) SGQ_CASE(5) SGQ_CASE(6) SGQ_CASE(7) SGQ_CASE(8)
+#undef SGQ_CASE
+    default: TORCH_CHECK(false, "quant_gemv: 1..8 rows");
+  }
+}
+#endif
+
+
+// One quantized weight as the kernels read it (see quant_linear.py): codes [N, K * bits / 8],
+// scales and optional mins [N, K / gs] float32, or float16 bits when `half` (the Q8 path only).
+struct QW {
+  const uint8_t* q; const float* s; const float* mn; int bits; int64_t gs, N, K; bool half = false;
+};
+
+inline float half_to_float(uint16_t h) { c10::Half v; v.x = h; return (float)v; }
+inline float scale_at(const float* p, int64_t i) { return p[i]; }
+inline float scale_at(const uint16_t* p, int64_t i) { return half_to_float(p[i]); }
+
+// y [M, N] float32 = x [M, K] @ W_stored.T, float-exact path (see quant_cpu.py): xf is x as
+// float32; xbf is x's bf16 bits when x is bf16 (one plane), nullptr for float32 x (three planes).
+inline void gemv_float(const QW& w, const float* xf, const uint16_t* xbf, int64_t M, float* y) {
+  const int64_t K = w.K, N = w.N, G = K / w.gs;
+  if (M > 8) {  // blocks of 8 rows (the register tiles); the codes stream once per block
+    std::vector<float> part(8 * N);
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+      const int64_t mb = std::min<int64_t>(8, M - m0);
+      gemv_float(w, xf + m0 * K, xbf ? xbf + m0 * K : nullptr, mb, part.data());
+      std::memcpy(y + m0 * N, part.data(), sizeof(float) * mb * N);
+    }
+    return;
+  }
+  std::vector<float> xs(M * G);
+  group_sums(xf, M, K, w.gs, xs.data());
+  const int64_t grain = std::max<int64_t>(16, (int64_t)(1 << 16) / std::max<int64_t>(K, 1));
+#ifdef SGQ_AVX512
+  const int P = xbf ? 1 : 3;
+  std::vector<uint16_t> planes(xbf ? 0 : P * M * K);
+  if (!xbf) {  // float32 x = hi + mid + lo, each bf16 (round to nearest even), exact but for <= 2^-24 |x|
+    for (int64_t i = 0; i < M * K; ++i) {
+      float r = xf[i];
+      for (int p = 0; p < 3; ++p) {
+        const c10::BFloat16 b(r);
+        planes[(p * M) * K + i] = b.x;
+        r -= (float)b;
+      }
+    }
+  }
+  const uint16_t* xp = xbf ? xbf : planes.data();
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    if (w.bits == 4) {
+      if (P == 1) rows_avx_m<1, 4>(M, xp, K, w.q, w.s, w.mn, xs.data(), w.gs, n0, n1, N, y);
+      else rows_avx_m<3, 4>(M, xp, K, w.q, w.s, w.mn, xs.data(), w.gs, n0, n1, N, y);
+    } else {
+      if (P == 1) rows_avx_m<1, 8>(M, xp, K, w.q, w.s, w.mn, xs.data(), w.gs, n0, n1, N, y);
+      else rows_avx_m<3, 8>(M, xp, K, w.q, w.s, w.mn, xs.data(), w.gs, n0, n1, N, y);
+    }
+  });
+#else
+  (void)xbf;
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    rows_portable(xf, M, K, w.q, w.bits, w.s, w.mn, xs.data(), w.gs, n0, n1, N, y);
+  });
+#endif
+}
+
+// ---- int8 activations (the Q8 path; torch reference: quant_cpu.quantize_act_q8_reference) ----
+// Per row m and 32-block b of x: d = max|x| / 127, xq = round_half_even(x * (1 / d)) (0 when d is
+// 0), clamped to [-127, 127]; dx[m, b] = d, sx[m, b] = d * sum(xq) (the offsets' factor).
+inline void quantize_q8(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx) {
+  const int64_t nb = K / BLK;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xr = x + m * K + b * BLK;
+      float amax = 0.f;
+      for (int i = 0; i < BLK; ++i) amax = std::max(amax, std::fabs(xr[i]));
+      const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+      int sum = 0;
+      for (int i = 0; i < BLK; ++i) {
+        float v = std::nearbyint(xr[i] * id);
+        v = std::min(127.f, std::max(-127.f, v));
+        xq[m * K + b * BLK + i] = (int8_t)v;
+        sum += (int)v;
+      }
+      dx[m * nb + b] = d;
+      sx[m * nb + b] = d * (float)sum;
+    }
+}
+
+// portable rows: y[m, n] = sum_b s[n, b] * (dx[m, b] * idot(q, xq)) + mn[n, b] * sx[m, b]
+template <typename ST>
+void rows_q8_portable(const int8_t* xq, const float* dx, const float* sx, int64_t M, int64_t K,
+                      const QW& w, int64_t n0, int64_t n1, float* y) {
+  const int64_t nb = K / BLK, rowb = K * w.bits / 8;
+  const ST* ws = (const ST*)w.s;
+  const ST* wm = (const ST*)w.mn;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* qr = w.q + n * rowb;
+    for (int64_t m = 0; m < M; ++m) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const int8_t* xr = xq + m * K + b * BLK;
+        int32_t d = 0;
+        if (w.bits == 8) {
+          for (int i = 0; i < BLK; ++i) d += (int32_t)qr[b * BLK + i] * xr[i];
+        } else {
+          const uint8_t* p = qr + b * BLK / 2;
+          for (int i = 0; i < 16; ++i) d += (int32_t)(p[i] & 0xF) * xr[i] + (int32_t)(p[i] >> 4) * xr[i + 16];
+        }
+        acc += scale_at(ws, n * nb + b) * (dx[m * nb + b] * (float)d);
+        if (wm) acc += scale_at(wm, n * nb + b) * sx[m * nb + b];
+      }
+      y[m * w.N + n] = acc;
+    }
+  }
+}
+
+#ifdef SGQ_VNNI
+// 64 codes (two 32-blocks b0, b1) as unsigned bytes; `two` false: b0 only, the rest zero. 8 bits:
+// channel order. 4 bits: [lo nibbles b0 | lo b1 | hi b0 | hi b1] (16 bytes each, so channels
+// [b0 0..15 | b1 0..15 | b0 16..31 | b1 16..31]); the activations are laid out to match (arrange_q8).
+template <int BITS> inline __m512i codes64(const uint8_t* qr, int64_t kb, bool two) {
+  if (BITS == 8) return two ? _mm512_loadu_si512(qr + kb) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, qr + kb);
+  const __m256i raw = two ? _mm256_loadu_si256((const __m256i*)(qr + kb / 2))
+                          : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i*)(qr + kb / 2)));
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(raw, m4)),
+                            _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), 1);
+}
+
+// xq [M, K] -> xp [M, np * 64] in codes64's channel order per pair of blocks, zero padded
+inline void arrange_q8(const int8_t* xq, int64_t M, int64_t K, int bits, int8_t* xp) {
+  const int64_t nb = K / BLK, np = (nb + 1) / 2, xs = np * 64;
+  std::memset(xp, 0, M * xs);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const int8_t* src = xq + m * K + b * BLK;
+      int8_t* dst = xp + m * xs + (b / 2) * 64;
+      if (bits == 8) {
+        std::memcpy(dst + (b & 1) * 32, src, 32);
+      } else {
+        std::memcpy(dst + (b & 1) * 16, src, 16);
+        std::memcpy(dst + 32 + (b & 1) * 16, src + 16, 16);
+      }
+    }
+}
+
+inline __m512 load_scales16(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
+inline __m512 load_scales16(const uint16_t* p, __mmask16 k) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p)); }
+
+// VPDPBUSD (u8 codes x s8 activations -> int32 per 4 channels) per pair of blocks; each lane's
+// float sum is scaled by its block's s[n, b] * dx[m, b], picked (VPERMPS) from the 16 products of
+// the current 16-block chunk; offsets as mins . sx per chunk; one horizontal sum per row.
+template <int M, int BITS, typename ST>
+void rows_q8_avx(const int8_t* xp, const float* dx, const float* sx, int64_t K, const QW& w, int64_t n0,
+                 int64_t n1, float* y) {
+  const int64_t nb = K / BLK, xs = (nb + 1) / 2 * 64, rowb = K * BITS / 8;
+  const __m512i base = BITS == 4 ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
+                                 : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i step = _mm512_set1_epi32(2);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* qr = w.q + n * rowb;
+    const ST* sr = (const ST*)w.s + n * nb;
+    const ST* mr = w.mn ? (const ST*)w.mn + n * nb : nullptr;
+    __m512 a0[M], a1[M];
+    for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < nb; c += 16) {
+      const int64_t nbc = std::min<int64_t>(16, nb - c);
+      const __mmask16 k = nbc == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nbc) - 1);
+      const __m512 sv = load_scales16(sr + c, k);
+      __m512 cs[M];
+      for (int m = 0; m < M; ++m) cs[m] = _mm512_mul_ps(sv, _mm512_maskz_loadu_ps(k, dx + m * nb + c));
+      if (mr) {
+        const __m512 mv = load_scales16(mr + c, k);
+        for (int m = 0; m < M; ++m) a1[m] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(k, sx + m * nb + c), a1[m]);
+      }
+      __m512i idx = base;
+      for (int64_t b = 0; b < nbc; b += 2, idx = _mm512_add_epi32(idx, step)) {
+        const int64_t j = (c + b) / 2;
+        const __m512i z = codes64<BITS>(qr, j * 2 * BLK, c + b + 1 < nb);
+        for (int m = 0; m < M; ++m) {
+          const __m512i xv = _mm512_loadu_si512(xp + m * xs + j * 64);
+          const __m512 f = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), z, xv));
+          const __m512 t = _mm512_permutexvar_ps(idx, cs[m]);
+          if (b & 2) a1[m] = _mm512_fmadd_ps(f, t, a1[m]);
+          else a0[m] = _mm512_fmadd_ps(f, t, a0[m]);
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m) y[m * w.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));
+  }
+}
+
+template <int BITS, typename ST>
+void rows_q8_avx_m(int64_t M, const int8_t* xp, const float* dx, const float* sx, int64_t K, const QW& w,
+                   int64_t n0, int64_t n1, float* y) {
+  switch (M) {
+#define SGQ_CASE(MM) case MM: rows_q8_avx<MM, BITS, ST>(xp, dx, sx, K, w, n0, n1, y); break;
+    SGQ_CASE(1) SGQ_CASE(2) SGQ_CASE(3) SGQ_CASE(4) SGQ_CASE(5) SGQ_CASE(6) SGQ_CASE(7) SGQ_CASE(8)
+#undef SGQ_CASE
+    default: break;
+  }
+}
+#endif
+
+// y [M, N] float32 = q8(x) @ W_stored.T for x [M, K] float32, group size 32
+inline void gemv_q8(const QW& w, const float* xf, int64_t M, float* y, bool portable = false) {
+  const int64_t K = w.K, nb = K / BLK;
+  if (M > 8) {  // blocks of 8 rows, as gemv_float
+    std::vector<float> part(8 * w.N);
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+      const int64_t mb = std::min<int64_t>(8, M - m0);
+      gemv_q8(w, xf + m0 * K, mb, part.data(), portable);
+      std::memcpy(y + m0 * w.N, part.data(), sizeof(float) * mb * w.N);
+    }
+    return;
+  }
+  std::vector<int8_t> xq(M * K + 64);
+  std::vector<float> dx(M * nb), sx(M * nb);
+  quantize_q8(xf, M, K, xq.data(), dx.data(), sx.data());
+  const int64_t grain = std::max<int64_t>(16, (int64_t)(1 << 16) / std::max<int64_t>(K, 1));
+#ifdef SGQ_VNNI
+  if (!portable) {
+    std::vector<int8_t> xp(M * ((nb + 1) / 2) * 64);
+    arrange_q8(xq.data(), M, K, w.bits, xp.data());
+    at::parallel_for(0, w.N, grain, [&](int64_t n0, int64_t n1) {
+      if (w.half) {
+        if (w.bits == 4) rows_q8_avx_m<4, uint16_t>(M, xp.data(), dx.data(), sx.data(), K, w, n0, n1, y);
+        else rows_q8_avx_m<8, uint16_t>(M, xp.data(), dx.data(), sx.data(), K, w, n0, n1, y);
+      } else {
+        if (w.bits == 4) rows_q8_avx_m<4, float>(M, xp.data(), dx.data(), sx.data(), K, w, n0, n1, y);
+        else rows_q8_avx_m<8, float>(M, xp.data(), dx.data(), sx.data(), K, w, n0, n1, y);
+      }
+    });
+    return;
+  }
+#endif
+  (void)portable;
+  at::parallel_for(0, w.N, grain, [&](int64_t n0, int64_t n1) {
+    if (w.half) rows_q8_portable<uint16_t>(xq.data(), dx.data(), sx.data(), M, K, w, n0, n1, y);
+    else rows_q8_portable<float>(xq.data(), dx.data(), sx.data(), M, K, w, n0, n1, y);
+  });
+}
+
+}  // namespace sglite_quant

@@ -1,0 +1,153 @@
+"""Fused CPU decode: every decoder layer of a Llama-family model with group-quantized weights in ONE
+C++ call per step (source ``csrc/decode_layer.cpp``), for steps of 1..32 decode rows (GEMVs in
+blocks of 8 rows).
+
+Why: at batch 1 the per-op path (:meth:`sglite.runtime.models.llama.LlamaModel._forward`) issues
+~25 torch / dispatcher calls per layer (norms, splits, RoPE, KV scatter, attention, residual adds,
+SiLU), ~5 ms of a ~17 ms step of the default model on one thread; the fused call runs the same
+math in C++ with float32 activations between the ops.
+
+Per layer (Llama: RMSNorm of Zhang & Sennrich 2019, RoPE of Su et al. 2021 in the rotate-half
+form, GQA, SwiGLU of Shazeer 2020): RMSNorm -> QKV GEMV -> RoPE on q and k -> K/V written into the
+paged pool at ``out_cache_loc`` (in the pool's dtype) -> paged decode attention reading the pool in
+place (the ``sglite_cpu_attention`` op of :mod:`.cpu_attention`) -> o_proj + residual -> RMSNorm ->
+gate/up GEMV -> ``silu(g) * u`` -> down + residual; then the final RMSNorm in C++ and the LM head
+through :mod:`.quant_cpu` (or ``kernels.linear`` for a float head).
+
+Matmul arithmetic (``q8``): float32 models (``dtype=float32``) run the float-exact GEMV of
+:mod:`.quant_cpu` (x split into three bf16 planes), so logits match the per-op path up to float32
+summation order and greedy tokens are identical (tests). bf16 models run the int8-activation GEMV
+(:func:`.quant_cpu.gemv_q8`: each 32-block of the activation row rounded to int8 with its own
+scale, integer dots on AVX-512 VNNI, as llama.cpp's Q8_1 activations; CPUs without VNNI keep the
+float GEMV): faster, not bf16-exact
+(its greedy agreement with the per-op path is measured in docs/benchmarks.md).
+
+bf16 models also get their weights' scales and mins stored as float16 where that is exact
+(:func:`.quant_linear.compact_scales`; GGUF's are float16 in the file): the default model's
+resident weights go from 115 MB to 98 MB, the bytes every decode step streams.
+
+Used only when the preconditions hold (:func:`prepare`, static; :meth:`FusedDecode.forward`, per
+step): CPU, float32/bf16, no tensor parallelism, no batch-invariant mode, no QK-norm / QKV bias,
+every layer matmul a :class:`.quant_linear.QuantLinearWeight` with group size 32, no input
+permutation and no bias, a float (non-quantized) KV pool, a step of only decode rows, 1..32 of them;
+otherwise the per-op path runs (it is the reference). ``SGLITE_KERNEL=torch`` switches it off; a
+failed build logs one warning and leaves the per-op path.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+
+from .cpu_build import cpu_flags, load_cpp, read_source
+from .quant_linear import QuantLinearWeight, compact_scales
+from . import cpu_attention, quant_cpu
+
+MAX_ROWS = 32  # more decode rows: the per-op path (its GEMM on dequantized weights wins there)
+LINEAR_KEYS = ("qkv", "o", "gate_up", "down")
+
+
+@functools.lru_cache(maxsize=None)
+def load(portable: bool = False):
+    """The compiled module (the AVX-512 build with :data:`.quant_cpu.AVX_FLAGS` (+ VNNI) on CPUs that
+    have them unless ``portable``), or None after one logged warning."""
+    flags = cpu_flags()
+    simd = not portable and all(f in flags for f in quant_cpu.AVX_FLAGS)
+    cflags = quant_cpu.CFLAGS_AVX + (("-mavx512vnni",) if quant_cpu.VNNI_FLAG in flags else ()) if simd \
+        else quant_cpu.CFLAGS_PORTABLE
+    return load_cpp("sglite_decode_layer" + ("" if simd else "_portable"), read_source("decode_layer.cpp"), cflags,
+                    functions=["decode_forward"])
+
+
+def _quant_ok(w) -> bool:
+    return (isinstance(w, QuantLinearWeight) and w.group_size == 32 and w.perm is None and w.bias is None
+            and w.device.type == "cpu")
+
+
+class FusedDecode:
+    """The packed inputs of one model's fused decode (built once at load by :func:`prepare`).
+
+    Attributes:
+        q8: int8 activations (bf16 models) or the float-exact GEMV (float32 models).
+    """
+
+    def __init__(self, model, q8: bool, portable: bool = False):
+        a = model.arch
+        self.model, self.q8, self.portable = model, q8, portable
+        self.norms = torch.stack([torch.stack([L["in_norm"].float(), L["post_norm"].float()])
+                                  for L in model.layers]).contiguous()  # [L, 2, H] float32
+        self.final_norm = model.norm.float().contiguous()  # [H]
+        self.lin, self.bits = [], []
+        for L in model.layers:
+            for k in LINEAR_KEYS:
+                w = L[k]
+                self.lin += [w.qweight, w.scales, w.mins if w.mins is not None else torch.empty(0)]
+                self.bits.append(w.bits)
+        self.dims = (a.num_heads, a.num_kv_heads, a.head_dim, float(a.rms_norm_eps), float(model.sm_scale))
+        head = model.lm_head
+        self.head_kind = ("q8" if q8 and _quant_ok(head) else "quant") if isinstance(head, QuantLinearWeight) else "float"
+
+    def refresh(self) -> None:
+        """Re-read the weight tensors (after :meth:`LlamaModel.pack_hugepages` moved them)."""
+        self.__init__(self.model, self.q8, self.portable)
+
+    def hidden(self, fb, k_buffers, v_buffers) -> torch.Tensor:
+        """[N, H] float32 final-normed hidden states of the step's decode rows (KV written)."""
+        m = self.model
+        ids = fb.input_ids
+        x = m.embed[ids] if isinstance(m.embed, torch.Tensor) else m.embed.rows(ids, m.dtype)  # [N, H]
+        cos, sin = m.cos[fb.positions].contiguous(), m.sin[fb.positions].contiguous()  # [N, D/2] float32
+        rt = fb.req_to_token
+        if rt.dtype != torch.int32:
+            rt = rt.to(torch.int32)
+        Hq, Hkv, D, eps, sm = self.dims
+        return load(self.portable).decode_forward(
+            x.float().contiguous(), self.norms, self.lin, self.bits, self.final_norm, cos, sin, list(k_buffers),
+            list(v_buffers), fb.out_cache_loc.contiguous(), rt, fb.dec_req_pool_indices.contiguous(),
+            fb.dec_seq_lens.contiguous(), Hq, Hkv, D, eps, sm, self.q8)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """LM head of final-normed rows h [M, H] float32 -> [M, V] float32 logits."""
+        w = self.model.lm_head
+        if self.head_kind == "q8":
+            return quant_cpu.gemv_q8(h, w, self.portable)
+        if self.head_kind == "quant":
+            return quant_cpu.linear(h.to(self.model.dtype), w, portable=self.portable).float()
+        from .matmul import linear
+
+        return linear(h.to(self.model.dtype), w).float()
+
+    def forward(self, fb, k_buffers, v_buffers) -> Optional[torch.Tensor]:
+        """[M, V] float32 logits of ``fb.logits_indices``, or None when this step is not for the
+        fused path (extend rows, more than :data:`MAX_ROWS` rows, a quantized KV pool, a model made a
+        tensor-parallel shard after load)."""
+        n = fb.input_ids.shape[0]
+        if (self.model.tp is not None or fb.num_extend_tokens or not 1 <= n <= MAX_ROWS or not isinstance(k_buffers[0], torch.Tensor)
+                or k_buffers[0].dtype not in (torch.float32, torch.bfloat16)
+                or fb.dec_req_pool_indices.shape[0] != n):
+            return None
+        h = self.hidden(fb, k_buffers, v_buffers)
+        if fb.logits_indices.shape[0] != n:
+            h = h[fb.logits_indices]
+        return self.head(h.contiguous())
+
+
+def prepare(model, portable: bool = False) -> Optional[FusedDecode]:
+    """A :class:`FusedDecode` for ``model`` (a ``LlamaModel``) when its static preconditions hold
+    (module docstring) and the kernels build; else None (the per-op path runs)."""
+    a = model.arch
+    if (os.environ.get("SGLITE_KERNEL") in ("torch", "triton") or model.device != "cpu" or model.tp is not None
+            or model.batch_invariant or a.qk_norm or a.qkv_bias or a.head_dim > cpu_attention.MAX_HEAD_DIM
+            or model.dtype not in (torch.float32, torch.bfloat16)
+            or not all(_quant_ok(L[k]) for L in model.layers for k in LINEAR_KEYS)):
+        return None
+    if load(portable) is None or not quant_cpu.available() or not cpu_attention.available():
+        return None
+    q8 = model.dtype == torch.bfloat16 and (portable or quant_cpu.vnni())  # no VNNI: the float GEMV
+    if q8:  # float16 scales / mins where exact: 4 bytes less per 32 weights streamed every step
+        qws = {id(w): w for w in model.linear_weights() if isinstance(w, QuantLinearWeight)}.values()
+        if sum(compact_scales(w) for w in list(qws)):
+            model.pack_hugepages()  # one fresh buffer: the float32 scales' memory is released
+    return FusedDecode(model, q8=q8, portable=portable)

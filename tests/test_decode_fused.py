@@ -1,0 +1,216 @@
+"""Fused CPU decode (sglite.kernels.decode_fused) and the int8-activation GEMV
+(quant_cpu.gemv_q8): the C++ activation quantization bit for bit against its torch reference, the
+GEMV against the reference on random shapes (odd block counts, 4/8 bits, with and without
+offsets, 1..8 rows, both builds), the fused step against the per-op path (the reference) on a tiny
+random Llama quantized to 32-groups (float32: logits close and greedy tokens identical; bf16: the
+int8 path close), and the fallbacks (SGLITE_KERNEL=torch, a failed build, steps it does not take)."""
+import pytest
+import torch
+
+from sglite.kernels import decode_fused, quant_cpu
+from sglite.kernels.quant_linear import QuantLinearWeight, compact_scales
+
+pytestmark = pytest.mark.skipif(not quant_cpu.available(), reason="the C++ quant kernel did not build here")
+BUILDS = [False, True]  # portable=False: VNNI where the CPU has it
+
+
+def make(n, k, bits, seed, mins=True):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2 ** bits, (n, k), generator=g, dtype=torch.uint8)
+    s = (torch.rand(n, k // 32, generator=g) * 0.1).half().float()
+    m = (torch.randn(n, k // 32, generator=g) * 0.05).half().float() if mins else None
+    return QuantLinearWeight.from_codes(codes, s, m, bits, 32)
+
+
+@pytest.mark.parametrize("k", [32, 96, 160, 576])
+def test_activation_quantization_is_bit_exact(k):
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(k)) * 3
+    x[0, :32] = 0.0  # an all-zero block: scale 0, codes 0
+    x[1, 5] = 1e4  # one outlier sets its block's step
+    xq, d, sx = quant_cpu._mod(False).quant_q8_act(x)
+    rq, rd, rsx = quant_cpu.quantize_act_q8_reference(x)
+    assert torch.equal(xq, rq) and torch.equal(d, rd) and torch.equal(sx, rsx)
+    assert int(xq.abs().max()) <= 127 and int(xq[0, :32].abs().max()) == 0
+
+
+@pytest.mark.parametrize("portable", BUILDS)
+@pytest.mark.parametrize("bits,n,k,mins", [(4, 37, 96, True), (4, 64, 576, True), (8, 19, 160, True),
+                                           (8, 33, 64, False), (4, 5, 32, False)])
+def test_gemv_q8_matches_reference(portable, bits, n, k, mins):
+    w = make(n, k, bits, seed=n + k, mins=mins)
+    for rows in (1, 2, 3, 5, 8, 13):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        y, r = quant_cpu.gemv_q8(x, w, portable=portable), quant_cpu.gemv_q8_reference(x, w)
+        assert y.shape == (rows, n) and y.dtype == torch.float32
+        assert (y - r).abs().max().item() <= 1e-5 * k ** 0.5 * (r.abs().max().item() + 1e-6)
+        # and it is a quantized product: close to the float one, not equal
+        exact = x @ w.dequantize().T
+        assert (y - exact).abs().max().item() <= 0.05 * exact.abs().max().item()
+    # float16 scales / mins (compact_scales): the same values, so the same result bit for bit
+    ref = [quant_cpu.gemv_q8(torch.randn(r, k, generator=torch.Generator().manual_seed(r)), w, portable=portable)
+           for r in (1, 4)]
+    assert compact_scales(w) and w.scales.dtype == torch.float16
+    for r, y in zip((1, 4), ref):
+        x = torch.randn(r, k, generator=torch.Generator().manual_seed(r))
+        assert torch.equal(quant_cpu.gemv_q8(x, w, portable=portable), y)
+        assert torch.allclose(quant_cpu.linear(x, w, portable=portable), x @ w.dequantize().T, rtol=1e-4, atol=1e-4)
+
+
+def test_compact_scales_only_when_exact():
+    w = make(8, 64, 4, seed=1)
+    w.scales[0, 0] = 0.1 + 1e-9  # not a float16 value
+    before = w.dequantize()
+    assert not compact_scales(w) and w.scales.dtype == torch.float32
+    w.scales[0, 0] = 0.25
+    assert compact_scales(w) and w.mins.dtype == torch.float16
+    assert torch.equal(w.dequantize()[1:], before[1:])
+    with pytest.raises(ValueError, match="mins dtype"):
+        QuantLinearWeight(w.qweight, w.scales.float(), w.mins, 4, 32, 64)
+
+
+def test_gemv_q8_rejects_other_group_sizes():
+    w = QuantLinearWeight.from_codes(torch.zeros(4, 64, dtype=torch.uint8), torch.ones(4, 1), None, 4, 64)
+    with pytest.raises(RuntimeError, match="group_size must be 32"):
+        quant_cpu.gemv_q8(torch.randn(1, 64), w)
+
+
+@pytest.fixture(scope="module")
+def quantized_tiny(tiny_model_dir, tmp_path_factory):
+    from sglite.quant.calibrate import QuantOptions
+    from sglite.quant.quantize_cli import quantize
+
+    root = tmp_path_factory.mktemp("fused")
+    return {bits: quantize(str(tiny_model_dir), root / f"rtn{bits}", QuantOptions(method="rtn", bits=bits, group_size=32),
+                           n_samples=1, seq_len=16) for bits in (4, 8)}
+
+
+PROMPTS = [[504, 3458, 3502, 314, 253, 5426], [1314, 28, 5248, 11633, 28, 690, 9095, 30, 378], [357, 12, 99]]
+MANY = [[100 + 37 * i, 7 + i, 2000 + i] for i in range(11)]  # 11 decode rows: GEMVs in blocks of 8
+
+
+def _checked_engine(model_dir, dtype, atol_rel, seen):
+    """An engine whose fused steps are checked against the per-op path on the same batch."""
+    from sglite import Engine
+
+    e = Engine(model_path=str(model_dir), dtype=dtype, max_total_tokens=2048)
+    model = e.runner.model
+    fused = model.decode_fused
+    assert fused is not None and fused.q8 == (dtype == "bfloat16")
+
+    class Checked:
+        def forward(self, fb, kb, vb):
+            got = fused.forward(fb, kb, vb)
+            if got is not None:
+                ref = model._forward(fb, kb, vb)  # rewrites the same KV slots
+                err = (got - ref).abs().max().item() / (ref.abs().max().item() + 1e-6)
+                assert err <= atol_rel, err
+                seen.append(fb.input_ids.shape[0])
+            return got
+
+    model.decode_fused = Checked()
+    return e, fused
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fused_float32_matches_per_op(quantized_tiny, bits):
+    seen = []
+    e, fused = _checked_engine(quantized_tiny[bits], "float32", 1e-5, seen)
+    try:
+        sp = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+        got = [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=sp)]
+        got_many = [o["output_ids"] for o in e.generate(input_ids=MANY, sampling_params=sp)]
+        assert 3 in seen and 11 in seen  # multi-row steps went through the fused path
+        e.runner.model.decode_fused = None  # the per-op path alone
+        ref = [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=sp)]
+        assert got == ref
+        assert got_many == [o["output_ids"] for o in e.generate(input_ids=MANY, sampling_params=sp)]
+    finally:
+        e.shutdown()
+
+
+def test_fused_bf16_int8_path_is_close(quantized_tiny):
+    seen = []
+    e, _ = _checked_engine(quantized_tiny[4], "bfloat16", 0.1, seen)
+    try:
+        e.generate(input_ids=PROMPTS[:2], sampling_params={"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+        assert seen
+    finally:
+        e.shutdown()
+
+
+def _decode_batch(e):
+    """A one-row decode ForwardBatch captured from a real step of ``e``."""
+    got = []
+    runner, orig = e.runner, e.runner.forward
+
+    def spy(fb):
+        if fb.num_extend_tokens == 0:
+            got.append(fb)
+        return orig(fb)
+
+    runner.forward = spy
+    try:
+        e.generate(input_ids=PROMPTS[2], sampling_params={"max_new_tokens": 2, "temperature": 0})
+    finally:
+        runner.forward = orig
+    return got[-1]
+
+
+def test_fallbacks(quantized_tiny, monkeypatch):
+    from sglite import Engine
+
+    with Engine(model_path=str(quantized_tiny[4]), dtype="float32", max_total_tokens=2048) as e:
+        model = e.runner.model
+        assert decode_fused.prepare(model) is not None
+        monkeypatch.setenv("SGLITE_KERNEL", "torch")
+        assert decode_fused.prepare(model) is None
+        monkeypatch.delenv("SGLITE_KERNEL")
+        monkeypatch.setattr(decode_fused, "load", lambda portable=False: None)  # a failed build
+        assert decode_fused.prepare(model) is None
+        fused = model.decode_fused
+        model.tp = object()  # made a tensor-parallel shard after load: the fused step declines
+        try:
+            assert fused.forward(_decode_batch(e), list(e.runner.token_to_kv_pool.k_buffers),
+                                 list(e.runner.token_to_kv_pool.v_buffers)) is None
+        finally:
+            model.tp = None
+        model.decode_fused = None
+        out = e.generate(input_ids=PROMPTS[0], sampling_params={"max_new_tokens": 3, "temperature": 0})
+        assert len(out["output_ids"]) == 3
+
+
+def test_float_model_is_not_fused(tiny_model_dir):
+    from sglite import Engine
+
+    with Engine(model_path=str(tiny_model_dir), dtype="float32", max_total_tokens=2048) as e:
+        assert e.runner.model.decode_fused is None  # float weights: the per-op path
+
+
+def test_portable_build_matches(quantized_tiny):
+    from sglite import Engine
+
+    if decode_fused.load(portable=True) is None:
+        pytest.skip("portable build failed")
+    with Engine(model_path=str(quantized_tiny[4]), dtype="float32", max_total_tokens=2048) as e:
+        model = e.runner.model
+        sp = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+        ref = e.generate(input_ids=PROMPTS[1], sampling_params=sp)["output_ids"]
+        model.decode_fused = decode_fused.prepare(model, portable=True)
+        assert e.generate(input_ids=PROMPTS[1], sampling_params=sp)["output_ids"] == ref
+
+
+@pytest.mark.slow
+def test_real_model_fused_float32_tokens_equal_per_op(real_engine):
+    model = real_engine.runner.model
+    fused = model.decode_fused
+    assert fused is not None and not fused.q8
+    msgs = [real_engine.tokenizer.apply_chat_template([{"role": "user", "content": p}])
+            for p in ("Explain the water cycle.", "Write a haiku about bees.", "Name three chess openings.")]
+    sp = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    try:
+        got = [o["output_ids"] for o in real_engine.generate(msgs, sp)]
+        model.decode_fused = None
+        ref = [o["output_ids"] for o in real_engine.generate(msgs, sp)]
+    finally:
+        model.decode_fused = fused
+    assert got == ref

@@ -41,6 +41,7 @@ from .verify import greedy_walk, row_logits, verify_chain
 
 log = logging.getLogger("sglite.speculative")
 
+FREE_ROWS = 4  # rows of a CPU GEMV block that cost about nothing (measured: 1-4 rows alike, 8 rows 1.4x)
 GEMM_ROWS = 32  # steps with more rows run their matmuls as GEMMs: extra draft rows cost little
 TREE_BRANCHES = 3  # most n-gram candidates (token-tree chains) verified per request and step
 TEXT_TAIL_TOKENS = 12  # output tokens decoded as the tail of a text-level lookup
@@ -74,6 +75,7 @@ class SpecDecoder:
         self.tree_ok = self.draft_model is None and config.page_size == 1
         self.tree_branches = TREE_BRANCHES
         self.row_block = row_block
+        self.free_rows_cheap = FREE_ROWS
         self._free_rows = 1 << 30
         self._borrowed: list[int] = []  # scratch rows lent to this step's token trees
 
@@ -207,20 +209,28 @@ class SpecDecoder:
             st.index = NgramIndex()
         st.index.sync(r.seq_len, r.tokens)
         width = self.tree_branches if self.tree_ok else 1
-        cands = []  # (matched chars, is text, chain)
+        cands = []  # (matched chars, strong, chain)
         cap = min(k, st.cap)
         found = st.index.propose_with_match(cap, candidates=width)
         if found:
             tail_chars = len(self._decode(r.tokens(r.seq_len - found[0][1], r.seq_len)))
             for cont, n in found:  # a short match predicts little: at most twice its length
-                cands.append((tail_chars if n == found[0][1] else 0, False, cont[:2 * n]))
+                cands.append((tail_chars if n == found[0][1] else 0, n >= 2, cont[:2 * n]))
         cands.extend(self._text_drafts(r, k, width))
         cands.sort(key=lambda c: -c[0])  # stable: token n-grams win ties
+        # weak candidates (1-token n-gram matches, short text matches) only take the rows that
+        # cost next to nothing (the first FREE_ROWS of the block); strong ones the whole block
+        weak = k if self.row_block is None else max(0, min(k, self._free_rows - (self.row_block - self.free_rows_cheap)))
         chains, firsts, budget = [], set(), k
-        for _, is_text, cont in cands:
+        for _, strong, cont in cands:
             if not cont or cont[0] in firsts or len(chains) >= width or budget < 1:
                 continue
             c = cont[:budget if not chains else max(1, budget // 2)]
+            if not strong:
+                c = c[:weak]
+                weak -= len(c)
+            if not c:
+                continue
             chains.append(c)
             firsts.add(c[0])
             budget = max(0, budget - len(c))
@@ -231,7 +241,7 @@ class SpecDecoder:
 
     def _text_drafts(self, r, k: int, width: int) -> list[tuple[int, bool, list[int]]]:
         """Text-level matches of the sequence's tail in the prompt, re-encoded: ``(matched chars,
-        True, tokens)``. A word-aligned match (a copied value starting) or one of at least
+        trusted, tokens)``. A word-aligned match (a copied value starting) or one of at least
         ``TEXT_TRUST_CHARS`` characters drafts up to ``k`` tokens, whatever the request's cap;
         a weaker one at most the cap."""
         st = r.spec
@@ -244,7 +254,7 @@ class SpecDecoder:
             if not trusted and m.chars < TEXT_MIN_CHARS:
                 continue
             toks = self.out.tokenizer.encode(m.cont)[:k if trusted else min(k, st.cap)]
-            out.append((m.chars, True, toks))
+            out.append((m.chars, trusted, toks))
         return out
 
     def _walk_grammar(self, r, chains: list[list[int]], need_masks: bool = True

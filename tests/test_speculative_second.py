@@ -203,3 +203,29 @@ def test_row_budget_keeps_drafts_in_the_gemv_block():
     assert SpecDecoder(Cfg, None, None, None)._step_rows([mk(1)] * 8) > 8  # no block (GPU)
     assert SpecDecoder._fit([[1, 2, 3, 4, 5], [6, 7, 8], [9]], 6) == [[1, 2, 3, 4, 5], [], []]
     assert SpecDecoder._fit([[1, 2], [6, 7, 8], [9]], 6) == [[1, 2], [6, 7], [9]]  # later: half of what is left
+
+
+@pytest.mark.slow
+def test_self_speculation_with_the_quantized_gguf_as_draft(real_checkpoint):
+    """STANDALONE self-speculation: the default model's GGUF, kept quantized (Q4/Q8 blocks), drafts
+    for the same model dequantized (``quantization="none"``, float32). Greedy output equals the
+    target's own (requests with logprobs are never drafted: the same engine's baseline) and the
+    quantized copy's drafts are mostly kept."""
+    from sglite.kernels.quant_linear import QuantLinearWeight
+
+    e = Engine(dtype="float32", quantization="none", max_total_tokens=8192, check_invariants=True,
+               speculative_algorithm="STANDALONE", speculative_draft_model_path=real_checkpoint.source,
+               speculative_num_steps=4)
+    try:
+        draft, target = e.scheduler.spec.draft_model.runner.model, e.runner.model
+        assert isinstance(draft.embed, QuantLinearWeight)  # the draft really runs the quantized blocks
+        assert not isinstance(target.embed, QuantLinearWeight)
+        prompts = [e.apply_chat_template([{"role": "user", "content": m}])
+                   for m in ("Why is the sky blue?", "Write a haiku about autumn leaves.")]
+        sp = {"max_new_tokens": 32, "temperature": 0}
+        want = [e.generate(p, sp, return_logprob=True)["output_ids"] for p in prompts]
+        got = e.generate(prompts, sp)
+        assert [g["output_ids"] for g in got] == want
+        assert min(g["meta_info"]["spec_accept_length"] for g in got) > 1.5
+    finally:
+        e.shutdown()

@@ -229,3 +229,78 @@ def test_self_speculation_with_the_quantized_gguf_as_draft(real_checkpoint):
         assert min(g["meta_info"]["spec_accept_length"] for g in got) > 1.5
     finally:
         e.shutdown()
+
+
+# ---------------------------------------------------------------------- abort, retraction
+def test_abort_while_speculating_frees_everything(tiny_pair):
+    import asyncio
+
+    _, spec = tiny_pair
+    prompt = "alpha beta gamma delta alpha beta gamma delta alpha beta gamma delta alpha beta"
+
+    async def main():
+        p = {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}
+        it = await spec.async_generate(prompt, p, stream=True, rid="spec-victim")
+        n, last, aborted = 0, None, []
+        async for ev in it:
+            n += 1
+            last = ev
+            if ev["meta_info"].get("spec_verify_ct", 0) >= 2 and not aborted:
+                aborted.append(n)
+                spec.abort("spec-victim")
+            if ev["meta_info"]["finish_reason"] is not None:
+                break
+        return last
+
+    ev = asyncio.run(main())
+    assert ev["meta_info"]["finish_reason"]["type"] == "abort"
+    assert ev["meta_info"]["completion_tokens"] < 300 and ev["meta_info"]["spec_verify_ct"] > 0
+    spec.scheduler.check_invariants()
+    info = spec.get_server_info()
+    assert info["available_tokens"] == info["max_total_tokens"]
+
+
+def test_retraction_while_speculating_greedy_identical(tiny_model_dir):
+    """A pool too small for the batch: requests are retracted (their draft slots included) and
+    resumed; output equals the run without speculation, KV accounted after every step."""
+    kw = dict(dtype="float32", device="cpu", max_total_tokens=160, check_invariants=True, page_size=1)
+    prompts = ["alpha beta gamma delta alpha beta gamma delta alpha beta", "1, 2, 3, 1, 2, 3, 1, 2",
+               "one two one two one two one", "x y z x y z x y z x"]
+    sp = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+    base = Engine(str(tiny_model_dir), **kw)
+    want = [o["output_ids"] for o in base.generate(prompts, sp)]
+    base.shutdown()
+    spec = Engine(str(tiny_model_dir), speculative_algorithm="NGRAM", **kw)
+    try:
+        got = spec.generate(prompts, sp)
+        info = spec.get_server_info()
+    finally:
+        spec.shutdown()
+    assert [o["output_ids"] for o in got] == want
+    assert info["retractions"] > 0 and info["spec_accepted_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_bf16_deterministic_greedy_identical_regex_and_json(tiny_model_dir):
+    """bf16 with ``enable_deterministic_inference``: plain, regex and JSON-schema requests batched
+    together give the same tokens with and without speculation (text drafts and the lazy grammar
+    walk included)."""
+    kw = dict(dtype="bfloat16", device="cpu", max_total_tokens=2048, enable_deterministic_inference=True)
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "city"],
+              "properties": {"name": {"type": "string", "maxLength": 20}, "city": {"type": "string", "maxLength": 20}}}
+    prompts = ["alpha beta gamma delta alpha beta gamma delta alpha beta", "abab abab abab ab",
+               SOURCE + ' {"name":"Maria Gonzalez","city":"Seville"} again:']
+    sps = [{"max_new_tokens": 30, "temperature": 0},
+           {"max_new_tokens": 30, "temperature": 0, "regex": r"(ab ){2,8}(abab|ba)"},
+           {"max_new_tokens": 40, "temperature": 0, "json_schema": json.dumps(schema)}]
+    base = Engine(str(tiny_model_dir), **kw)
+    want = [o["output_ids"] for o in base.generate(prompts, sps)]
+    base.shutdown()
+    spec = Engine(str(tiny_model_dir), speculative_algorithm="NGRAM", **kw)
+    try:
+        got = spec.generate(prompts, sps)
+        assert [o["output_ids"] for o in got] == want
+        assert [spec.generate(p, s)["output_ids"] for p, s in zip(prompts, sps)] == want
+        assert spec.get_server_info()["spec_accepted_tokens"] > 0
+    finally:
+        spec.shutdown()

@@ -109,7 +109,9 @@ class EngineConfig:
             Output is distributed exactly as without it (greedy: identical tokens); see
             ``sglite/runtime/speculative``.
         speculative_draft_model_path: the draft model of ``STANDALONE`` (HF folder or ``.gguf``
-            file; same tokenizer as the target, smaller); it gets its own small KV pool.
+            file; same tokenizer as the target, smaller); it gets its own small KV pool and loads as
+            its checkpoint says (a ``.gguf`` draft stays quantized: self-speculation with a
+            quantized copy of the target).
         speculative_num_steps: greedy steps the ``STANDALONE`` draft model runs per verify step
             (draft tokens proposed, at most ``speculative_num_draft_tokens``).
         speculative_num_draft_tokens: most draft tokens verified per request and step (the verify

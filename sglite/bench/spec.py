@@ -8,7 +8,8 @@ every request runs on both, alternating, so machine drift hits both alike. Workl
 * ``extract_json`` — extract fields of a given text into JSON under a JSON Schema (copy-heavy and
   grammar-constrained), batch 1;
 * ``chat`` — open questions (little to copy), batch 1;
-* ``chat_batch16`` — 16 open questions in one batch.
+* ``chat_batch16`` — 16 open questions in one batch (``--batch-sizes`` adds ``chat_batch<B>``
+  workloads: the batch sweep).
 
 Reports tokens/s of each engine, the ratio, the mean accept length (tokens per verify step, bonus
 included) and how many outputs are token-identical (greedy; exact in fp32, bf16 rows may round
@@ -37,8 +38,9 @@ CHAT = ["What are three good habits for staying healthy?", "Tell me a short stor
         "What should I pack for a beach holiday?"]
 
 
-def workloads(n: int) -> dict:
-    """name -> (list of (chat messages, extra sampling params), batch size)."""
+def workloads(n: int, batches: Sequence[int] = ()) -> dict:
+    """name -> (list of (chat messages, extra sampling params), batch size); ``batches`` adds a
+    ``chat_batch<B>`` workload (B open questions in one batch) per size, for the batch sweep."""
     edits = [("Rewrite the following paragraph exactly as it is, but change 'Tuesday' to '%s'.\n\n%s"
               % (day, PARAGRAPH)) for day in ("Monday", "Friday", "Sunday", "Wednesday")]
     people = [f"{nm} lives in {city} and works as a {job}. You can reach {nm.split()[0]} at {mail}. "
@@ -49,6 +51,7 @@ def workloads(n: int) -> dict:
         "extract_json": ([(p, {"json_schema": schema}) for p in people][:n], 1),
         "chat": ([(c, {}) for c in CHAT][:n], 1),
         "chat_batch16": ([(CHAT[i % len(CHAT)], {}) for i in range(16)], 16),
+        **{f"chat_batch{b}": ([(CHAT[i % len(CHAT)], {}) for i in range(max(b, 4))], b) for b in batches if b != 16},
     }
 
 
@@ -77,7 +80,7 @@ def run(a: argparse.Namespace) -> dict:
                      if a.speculative_draft_model_path else {}))
     results = {}
     try:
-        for name, (items, batch) in workloads(a.num_prompts).items():
+        for name, (items, batch) in workloads(a.num_prompts, a.batch_sizes or ()).items():
             if a.workloads and name not in a.workloads:
                 continue
             prompts = [base.apply_chat_template([{"role": "user", "content": m}]) for m, _ in items]
@@ -130,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the spec engine's batch limit for drafting (default: the engine's)")
     p.add_argument("--workloads", nargs="*", default=None,
                    help="subset of copy_edit extract_json chat chat_batch16 (default: all)")
+    p.add_argument("--batch-sizes", nargs="*", type=int, default=None,
+                   help="add a chat_batch<B> workload per size (max(B, 4) open questions in batches of B: the batch sweep; default: none)")
     p.add_argument("--output-json", default=None, help="write the results here")
     return p
 

@@ -89,6 +89,8 @@ class Scheduler:
         """Finish every running (and, unless ``running_only``, waiting) request with reason abort,
         freeing its KV; never raises (the engine calls it to recover from a failed step)."""
         queues = (self.running,) if running_only else (self.waiting, self.running)
+        if self.spec is not None:
+            self.spec.release_scratch()  # token-tree rows a failed step left borrowed
         for queue_ in queues:
             for r in list(queue_):
                 try:
@@ -283,6 +285,8 @@ class Scheduler:
     def check_invariants(self) -> None:
         """Assert pool + tree consistency (see :meth:`KVManager.check_invariants`)."""
         self.kv.check_invariants(self.running)
+        if self.spec is not None:
+            self.spec.check_invariants(self.running)  # slot-table rows (token-tree scratch rows)
 
     def close(self) -> None:
         """Stop the grammar-mask thread and the runner's worker processes, if it has any (the

@@ -4,15 +4,21 @@ Per step (``Scheduler.schedule`` → :meth:`SpecDecoder.attach_drafts`, ``Schedu
 :meth:`SpecDecoder.process`):
 
 1. **draft** — each decoding request (caught up with its sequence, no logprobs asked, room left)
-   gets up to ``k`` draft tokens: an n-gram continuation of its own prompt and output (``NGRAM``)
-   or ``speculative_num_steps`` greedy steps of a small draft model (``STANDALONE``). A request
-   with a grammar walks the draft through its matcher: a token the grammar forbids ends the draft,
-   the mask of every position is kept for verification, and the matcher is rolled back. Its KV
-   reservation grows by ``k`` slots (free pages only); its entry becomes an extend of
-   ``pending + k`` tokens with a logits row at each of the last ``k + 1`` positions. Pending
-   jump-forward tokens go first: forced strings ride along as free, always-accepted drafts.
-   With several n-gram candidates (distinct next tokens) the draft is a token tree (:mod:`.tree`):
-   each candidate a chain under the pending token, verified together with a tree attention mask.
+   gets up to ``k`` draft tokens: n-gram continuations of its own prompt and output plus
+   text-level matches of its tail in the prompt, re-encoded (:mod:`.text_lookup`: values copied
+   into JSON after a ``"`` where the prompt had a space) (``NGRAM``), or
+   ``speculative_num_steps`` greedy steps of a small draft model (``STANDALONE``). A request
+   with a grammar walks the draft through its matcher: a token the grammar forbids ends the draft
+   and the matcher is rolled back; sampled requests keep the mask of every position for
+   verification, greedy ones need none (:func:`.verify.greedy_walk` checks the argmax against the
+   matcher instead). Its KV reservation grows by ``k`` slots (free pages only); its entry becomes
+   an extend of ``pending + k`` tokens with a logits row at each of the last ``k + 1`` positions.
+   Pending jump-forward tokens go first: the grammar's forced text (e.g. ``","city":"``) and the
+   draft that continues after it are verified in the same forward, and the forced text is part
+   of the lookup tail. With several candidates (distinct next tokens) the draft is a token tree
+   (:mod:`.tree`): each candidate a chain under the pending token, verified together with a tree
+   attention mask (scratch slot-table rows, borrowed for the step and returned even when the step
+   raises: :meth:`release_scratch`, checked by :meth:`check_invariants`).
 2. **verify** — the one forward of the step computes all rows; :mod:`.verify` keeps a prefix of
    each draft by exact speculative sampling (greedy: prefix matching) and adds one target token.
 3. **commit** — accepted tokens are appended one by one through the output processor (grammar,
@@ -20,6 +26,10 @@ Per step (``Scheduler.schedule`` → :meth:`SpecDecoder.attach_drafts`, ``Schedu
    slots of rejected drafts go back to the pool at once (``KVManager.trim``): they never reach
    the radix tree.
 
+Cost model: on CPU in bf16 the GEMV kernels read the weights once per block of ``row_block`` (8)
+rows, and 1-4 rows cost about one (measured: 8 rows 1.4x, 9-16 rows 2.5-3.6x of one row), so
+the drafts of a step only fill the rows left in the step's current block (:meth:`_step_rows`;
+weak candidates only the first ``FREE_ROWS``): a batch that fills whole blocks gets no drafts.
 Speculation is per request and switches itself off when it cannot pay: for steps with more than
 ``speculative_disable_by_batch_size`` decoding requests (the forward is then compute bound and
 extra rows cost their full price), and for a while for a request whose acceptance rate fell low.
@@ -35,12 +45,18 @@ import torch
 from ..step_plan import SMALL_EXTEND, StepEntry, StepPlan
 from .ngram import NgramIndex
 from .state import SpecState
+from .text_lookup import CONT_CHARS_PER_TOKEN, TextLookup
 from .tree import TreeDraft, tree_contexts, verify_tree
-from .verify import row_logits, verify_chain
+from .verify import greedy_walk, row_logits, verify_chain
 
 log = logging.getLogger("sglite.speculative")
 
+FREE_ROWS = 4  # rows of a CPU GEMV block that cost about nothing (measured: 1-4 rows alike, 8 rows 1.4x)
+GEMM_ROWS = 32  # steps with more rows run their matmuls as GEMMs: extra draft rows cost little
 TREE_BRANCHES = 3  # most n-gram candidates (token-tree chains) verified per request and step
+TEXT_TAIL_TOKENS = 12  # output tokens decoded as the tail of a text-level lookup
+TEXT_MIN_CHARS = 3  # a text match shorter than this (and not word-aligned) is no draft
+TEXT_TRUST_CHARS = 8  # a text match this long drafts the full length, whatever the cap
 
 
 class SpecDecoder:
@@ -52,9 +68,12 @@ class SpecDecoder:
         sampler: the scheduler's ``Sampler`` (its penalties and vocabulary size).
         out: the scheduler's ``OutputProcessor``.
         draft_model: a :class:`~.draft_model.DraftModel` (``STANDALONE``) or None (``NGRAM``).
+        row_block: rows a forward carries at about the price of one (CPU GEMV kernels:
+            ``MAX_ROWS``); drafts then fill the step's last block only (see :meth:`_step_rows`).
+            None: no such limit (GPU).
     """
 
-    def __init__(self, config, kv, sampler, out, draft_model=None):
+    def __init__(self, config, kv, sampler, out, draft_model=None, row_block: Optional[int] = None):
         self.algorithm = config.speculative_algorithm
         self.k_max = config.speculative_num_draft_tokens
         self.max_batch = config.speculative_disable_by_batch_size
@@ -65,6 +84,10 @@ class SpecDecoder:
         # token trees (several n-gram candidates per step) need a slot per position: page size 1
         self.tree_ok = self.draft_model is None and config.page_size == 1
         self.tree_branches = TREE_BRANCHES
+        self.row_block = row_block
+        self.free_rows_cheap = FREE_ROWS
+        self._free_rows = 1 << 30
+        self._borrowed: list[int] = []  # scratch rows lent to this step's token trees
 
     @property
     def stats(self) -> dict:
@@ -82,41 +105,58 @@ class SpecDecoder:
         r = e.req
         left = r.params.max_new_tokens - len(r.output_ids) - 1  # the verify step adds one more
         ctx = self.kv.req_pool.max_context - 8 - (e.start + e.n)
-        return max(0, min(self.k_max, left, ctx))
+        return max(0, min(self.k_max, left, ctx, self._free_rows))
+
+    def _step_rows(self, entries: list[StepEntry]) -> int:
+        """Draft tokens the step can carry at about the price of the rows it has already: with a
+        ``row_block`` (CPU: the GEMV kernels read the weights once per block of that many rows)
+        the rows left to the end of the current block, none when the step's rows fill whole
+        blocks; unlimited without one, or when the step is a GEMM anyway (more than
+        ``GEMM_ROWS`` rows)."""
+        rows = sum(e.n for e in entries)
+        if self.row_block is None or rows > GEMM_ROWS:
+            return 1 << 30
+        return -rows % self.row_block
 
     def attach_drafts(self, entries: list[StepEntry]) -> None:
         """Give the eligible decoding entries of a step their drafts (KV reserved). Called after
         admission, before ``StepPlan.layout``."""
+        self.release_scratch()  # rows a failed step left borrowed
         decoding = [e for e in entries if not e.req.prefilling]
         if not decoding or len(decoding) > self.max_batch:
             return
         cands = [e for e in decoding if self._eligible(e)]
-        if not cands:
+        self._free_rows = self._step_rows(entries)
+        if not cands or self._free_rows < 1:
             return
         if self.draft_model is not None:
-            found = self.draft_model.propose([e.req for e in cands], [self._room(e) for e in cands])
-            drafts = [[d] if d else [] for d in found]
+            share = max(1, self._free_rows // len(cands))
+            found = self.draft_model.propose([e.req for e in cands], [min(share, self._room(e)) for e in cands])
+            drafts = iter([[d] if d else [] for d in found])
         else:
-            drafts = [self._ngram(e) for e in cands]
-        for e, chains in zip(cands, drafts):
+            drafts = None
+        for e in cands:
+            chains = next(drafts) if drafts is not None else self._ngram(e)
             r = e.req
             if r.spec is None:
                 r.spec = SpecState()
             r.spec.masks = None
             chain_masks = None
             if chains and r.grammar is not None:
-                chains, chain_masks = self._walk_grammar(r, chains)
+                chains, chain_masks = self._walk_grammar(r, chains, need_masks=r.params.temperature > 1e-6)
+            chains = self._fit(chains, self._free_rows)
             keep = [i for i, c in enumerate(chains) if c]
             rows = self._scratch_rows(len(keep) - 1) if len(keep) > 1 else []
             keep = keep[:1 + len(rows)]
             chains = [chains[i] for i in keep]
             n_nodes = sum(len(c) for c in chains)
             if not chains or not self.kv.reserve_more(r, n_nodes):
-                for row in rows:
-                    self.kv.req_pool.free(row)
+                self.release_scratch(rows)
                 continue
+            self._free_rows -= n_nodes
             if chain_masks is not None:
-                r.spec.masks = torch.cat([chain_masks[0]] + [chain_masks[1 + i] for i in keep])
+                r.spec.masks = torch.cat([chain_masks[0]] + [chain_masks[1 + i][:len(chains[j])]
+                                                             for j, i in enumerate(keep)])
             root_pos = e.start + e.n - 1
             if len(chains) > 1:
                 e.tree = TreeDraft(chains, [r.kv.row] + rows, rows)
@@ -124,56 +164,146 @@ class SpecDecoder:
             e.draft = tuple(t for c in chains for t in c)
             e.n += n_nodes
 
+    @staticmethod
+    def _fit(chains: list[list[int]], budget: int) -> list[list[int]]:
+        """The chains cut to ``budget`` nodes in all: the first takes what it needs, each later
+        one at most half of what is left (empty chains stay, to keep the mask rows aligned)."""
+        out = []
+        for i, c in enumerate(chains):
+            n = min(len(c), budget if i == 0 or not any(out) else budget // 2)
+            out.append(c[:n])
+            budget -= n
+        return out
+
+    def release_scratch(self, rows: Optional[list] = None) -> None:
+        """Give back borrowed slot-table rows: ``rows``, or (None) every row still borrowed (a
+        step that raised between drafting and verification left them)."""
+        rows = list(self._borrowed) if rows is None else rows
+        for row in rows:
+            if row in self._borrowed:
+                self._borrowed.remove(row)
+                self.kv.req_pool.free(row)
+
+    def check_invariants(self, running) -> None:
+        """Assert the slot-table rows are accounted for: free, held by a running request, or
+        borrowed by the step in flight (none between steps)."""
+        pool = self.kv.req_pool
+        held = {r.kv.row for r in running if r.kv is not None and r.kv.row is not None}
+        assert not self._borrowed, f"scratch rows {self._borrowed} still borrowed between steps"
+        assert len(held) + pool.available() == pool.req_to_token.shape[0], (
+            f"slot-table rows lost: {len(held)} held + {pool.available()} free of {pool.req_to_token.shape[0]}")
+
     def _scratch_rows(self, n: int) -> list[int]:
         """Up to ``n`` free slot-table rows for the extra chains of a token tree (fewer when
-        the table is short: the tree then keeps fewer chains)."""
+        the table is short: the tree then keeps fewer chains); borrowed until the step's
+        verification (or :meth:`release_scratch`) gives them back."""
         out = []
         while len(out) < n:
             row = self.kv.req_pool.alloc()
             if row is None:
                 break
             out.append(row)
+        self._borrowed.extend(out)
         return out
 
     def _ngram(self, e: StepEntry) -> list[list[int]]:
+        """Draft chains of a request: token n-gram continuations and text-level prompt matches
+        (:mod:`.text_lookup`), strongest match (in characters) first, distinct first tokens."""
         r, k = e.req, self._room(e)
         if k < 1:
             return []
-        if r.spec is None:
-            r.spec = SpecState(index=NgramIndex())
-        elif r.spec.index is None:
-            r.spec.index = NgramIndex()
-        r.spec.index.sync(r.seq_len, r.tokens)
-        k = min(k, r.spec.cap)
-        found = r.spec.index.propose_with_match(k, candidates=self.tree_branches if self.tree_ok else 1)
-        chains, budget = [], k
-        for cont, n in found:  # a short match predicts little: at most twice its length
-            c = cont[:min(2 * n, budget if not chains else max(1, budget // 2))]
+        st = r.spec
+        if st is None:
+            st = r.spec = SpecState(index=NgramIndex())
+        elif st.index is None:
+            st.index = NgramIndex()
+        st.index.sync(r.seq_len, r.tokens)
+        width = self.tree_branches if self.tree_ok else 1
+        cands = []  # (matched chars, strong, chain)
+        cap = min(k, st.cap)
+        found = st.index.propose_with_match(cap, candidates=width)
+        if found:
+            tail_chars = len(self._decode(r.tokens(r.seq_len - found[0][1], r.seq_len)))
+            for cont, n in found:  # a short match predicts little: at most twice its length
+                cands.append((tail_chars if n == found[0][1] else 0, n >= 2, cont[:2 * n]))
+        cands.extend(self._text_drafts(r, k, width))
+        cands.sort(key=lambda c: -c[0])  # stable: token n-grams win ties
+        # weak candidates (1-token n-gram matches, short text matches) only take the rows that
+        # cost next to nothing (the first FREE_ROWS of the block); strong ones the whole block
+        weak = k if self.row_block is None else max(0, min(k, self._free_rows - (self.row_block - self.free_rows_cheap)))
+        chains, firsts, budget = [], set(), k
+        for _, strong, cont in cands:
+            if not cont or cont[0] in firsts or len(chains) >= width or budget < 1:
+                continue
+            c = cont[:budget if not chains else max(1, budget // 2)]
+            if not strong:
+                c = c[:weak]
+                weak -= len(c)
             if not c:
-                break
+                continue
             chains.append(c)
-            budget -= len(c)
+            firsts.add(c[0])
+            budget = max(0, budget - len(c))
         return chains
 
-    def _walk_grammar(self, r, chains: list[list[int]]) -> tuple[list[list[int]], list[torch.Tensor]]:
-        """The longest prefix of each chain the grammar allows, and the bitmask rows of the verify
-        step: ``[root mask [1, W]] + [one [len, W] per chain]`` (the mask after each node). The
-        matcher is left where it was."""
+    def _decode(self, ids) -> str:
+        return self.out.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _text_drafts(self, r, k: int, width: int) -> list[tuple[int, bool, list[int]]]:
+        """Text-level matches of the sequence's tail in the prompt, re-encoded: ``(matched chars,
+        trusted, tokens)``. A word-aligned match (a copied value starting) or one of at least
+        ``TEXT_TRUST_CHARS`` characters drafts up to ``k`` tokens, whatever the request's cap;
+        a weaker one at most the cap."""
+        st = r.spec
+        if st.text is None:
+            st.text = TextLookup(self._decode(r.input_ids))
+        tail = self._decode(r.tokens(max(len(r.input_ids), r.seq_len - TEXT_TAIL_TOKENS), r.seq_len))
+        out = []
+        for m in st.text.find(tail, k * CONT_CHARS_PER_TOKEN, width):
+            trusted = m.aligned or m.chars >= TEXT_TRUST_CHARS
+            if not trusted and m.chars < TEXT_MIN_CHARS:
+                continue
+            toks = self.out.tokenizer.encode(m.cont)[:k if trusted else min(k, st.cap)]
+            out.append((m.chars, trusted, toks))
+        return out
+
+    def _walk_grammar(self, r, chains: list[list[int]], need_masks: bool = True
+                      ) -> tuple[list[list[int]], Optional[list[torch.Tensor]]]:
+        """The longest prefix of each chain the grammar allows, and (``need_masks``: sampled
+        requests) the bitmask rows of the verify step: ``[root mask [1, W]] + [one [len, W] per
+        chain]`` (the mask after each node). Greedy requests need no masks (None): verification
+        checks the argmax against the matcher and fills a mask only where it is refused
+        (:func:`.verify.greedy_walk`). The matcher is left where it was, also when it raises.
+
+        With jump-forward on, a chain also ends before a token after which the grammar forces
+        text: without speculation that text is appended by jump-forward right after the token
+        (not predicted by the model), so a verify row after such a token would predict what the
+        plain run never samples; the forced text follows the step's last token instead."""
         g, W = r.grammar, self.sampler.words
-        root = torch.full((1, W), -1, dtype=torch.int32)
-        g.fill_next_token_bitmask(root, 0)
-        kept_chains, masks = [], [root]
+        jump = bool(getattr(self.out, "enable_jump_forward", False)) and hasattr(g, "find_jump_forward_string")
+        masks = None
+        if need_masks:
+            masks = [torch.full((1, W), -1, dtype=torch.int32)]
+            g.fill_next_token_bitmask(masks[0], 0)
+        kept_chains = []
         for c in chains:
-            m = torch.full((len(c), W), -1, dtype=torch.int32)
+            m = torch.full((len(c), W), -1, dtype=torch.int32) if need_masks else None
             kept = 0
-            for t in c:
-                if g.is_terminated() or not g.accept_token(t):
-                    break
-                g.fill_next_token_bitmask(m, kept)
-                kept += 1
-            g.rollback(kept)
+            try:
+                for t in c:
+                    if g.is_terminated() or not g.accept_token(t):
+                        break
+                    if jump and g.find_jump_forward_string():
+                        g.rollback(1)  # see above: the draft ends before a token that forces text
+                        break
+                    kept += 1
+                    if m is not None:
+                        g.fill_next_token_bitmask(m, kept - 1)
+            finally:
+                g.rollback(kept)
             kept_chains.append(c[:kept])
-            masks.append(m[:kept])
+            if masks is not None:
+                masks.append(m[:kept])
         return kept_chains, masks
 
     # ------------------------------------------------------------------ verify + commit
@@ -186,11 +316,16 @@ class SpecDecoder:
             pending = e.n - nodes
             contexts = tree_contexts(tree) if tree is not None else [e.draft[:i] for i in range(nodes + 1)]
             x = row_logits(self.sampler, logits[e.sample_row:e.sample_row + nodes + 1], r, contexts, r.spec.masks)
-            r.spec.masks = None
             gen = None
             if r.params.temperature > 1e-6:
                 gen = torch.Generator().manual_seed((r.seed * 1_000_003 + len(r.output_ids)) % (1 << 62))
-            if tree is not None:
+            if r.grammar is not None and gen is None and r.spec.masks is None:
+                tokens, a, chain = self._greedy_grammar(x, e, r)
+                if tree is not None:
+                    self._settle_tree(r, e.start + pending - 1, tree, chain, a)
+                    self.counters["spec_tree_steps"] += 1
+                k = len(tree.chains[chain]) if tree is not None else nodes
+            elif tree is not None:
                 tokens, a, chain = verify_tree(x, tree, r.params, gen)
                 self._settle_tree(r, e.start + pending - 1, tree, chain, a)
                 k = len(tree.chains[chain])
@@ -198,6 +333,7 @@ class SpecDecoder:
             else:
                 tokens, a = verify_chain(x, e.draft, r.params, gen)
                 k = nodes
+            r.spec.masks = None
             reason: Optional[object] = None
             done = 0
             for i, tok in enumerate(tokens):
@@ -216,6 +352,34 @@ class SpecDecoder:
                 finish(r, reason)
         return appended
 
+    def _greedy_grammar(self, x: torch.Tensor, e: StepEntry, r) -> tuple[list[int], int, int]:
+        """Greedy verification of a grammar request's chain or tree without precomputed masks:
+        :func:`.verify.greedy_walk` along the draft. Returns (tokens, accepted, chain)."""
+        tree = e.tree
+        if tree is None:
+            draft = e.draft
+            child = lambda row, t: row + 1 if row < len(draft) and draft[row] == t else None  # noqa: E731
+        else:
+            starts, off = [], 1
+            for c in tree.chains:
+                starts.append(off)
+                off += len(c)
+            where = {}  # row -> (chain, depth of the node: its child is chain[depth])
+            for b, c in enumerate(tree.chains):
+                for d in range(len(c)):
+                    where[starts[b] + d] = (b, d + 1)
+
+            def child(row, t):
+                if row == 0:
+                    return next((starts[b] for b, c in enumerate(tree.chains) if c and c[0] == t), None)
+                b, d = where[row]
+                c = tree.chains[b]
+                return row + 1 if d < len(c) and c[d] == t else None
+        tokens, rows = greedy_walk(x, child, r.grammar, self.sampler.words)
+        a = len(tokens) - 1
+        chain = where[rows[-1]][0] if tree is not None and a > 0 else 0
+        return tokens, a, chain
+
     def _settle_tree(self, r, root_pos: int, tree: TreeDraft, chain: int, a: int) -> None:
         """Move the accepted chain's slots to the positions right after the root (the rest after
         them, to be trimmed) and give back the scratch rows."""
@@ -223,8 +387,7 @@ class SpecDecoder:
         n = len(tree.tokens)
         seg = table[r.kv.row, root_pos + 1:root_pos + 1 + n].clone()
         table[r.kv.row, root_pos + 1:root_pos + 1 + n] = seg[torch.tensor(tree.accepted_order(chain, a))]
-        for row in tree.scratch:
-            self.kv.req_pool.free(row)
+        self.release_scratch(tree.scratch)
         tree.scratch = []
 
 
@@ -237,4 +400,9 @@ def make_spec_decoder(config, runner, kv, sampler, out) -> Optional[SpecDecoder]
     if config.speculative_algorithm == "STANDALONE":
         from .draft_model import DraftModel
         draft = DraftModel.load(config, runner)
-    return SpecDecoder(config, kv, sampler, out, draft)
+    row_block = None  # GPU, or float32 on CPU (oneDNN GEMMs: a few more rows cost little)
+    if torch.device(getattr(runner, "device", "cpu")).type == "cpu" and getattr(runner, "dtype", None) in (
+            torch.bfloat16, torch.float16):
+        from sglite.kernels.cpu_gemv import MAX_ROWS  # the bf16 / quantized GEMV kernels' row block
+        row_block = MAX_ROWS
+    return SpecDecoder(config, kv, sampler, out, draft, row_block)

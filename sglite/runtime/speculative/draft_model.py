@@ -69,18 +69,23 @@ class DraftModel:
     @classmethod
     def load(cls, config, target_runner) -> "DraftModel":
         """Load ``config.speculative_draft_model_path`` on the target's device and dtype, with a KV
-        pool of the target's size. Raises InvalidRequestError (field
-        ``speculative_draft_model_path``) when its vocabulary differs from the target's."""
-        from ..model_loader import load_checkpoint, load_state_dict
+        pool of the target's size. The draft's weights load as its own checkpoint says
+        (``quantization`` auto: a ``.gguf`` draft keeps its Q4/Q8 blocks quantized whatever the
+        target's ``quantization``), so a quantized copy of the target is a cheap draft
+        (self-speculation). Raises InvalidRequestError (field ``speculative_draft_model_path``)
+        when its vocabulary differs from the target's."""
+        from ..model_loader import load_checkpoint
         from ..model_runner import ModelRunner
+        from ..quant_loader import load_weights
 
         path = config.speculative_draft_model_path
         ckpt = load_checkpoint(path)
         dtype = str(target_runner.dtype).replace("torch.", "")
         cfg = dataclasses.replace(config, model_path=path, dtype=dtype, page_size=1, speculative_algorithm=None,
+                                  quantization="auto",
                                   max_total_tokens=getattr(target_runner, "max_total_tokens", None) or 8192,
                                   context_length=target_runner.context_length)
-        runner = ModelRunner(cfg, ckpt.hf_config, load_state_dict(ckpt, target_runner.dtype, target_runner.device))
+        runner = ModelRunner(cfg, ckpt.hf_config, load_weights(ckpt, "auto", target_runner.dtype, target_runner.device))
         if runner.vocab_size != target_runner.vocab_size:
             raise InvalidRequestError(
                 f"draft model vocabulary ({runner.vocab_size}) differs from the target's "

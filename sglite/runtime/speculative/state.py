@@ -29,6 +29,7 @@ class SpecState:
         cooldown: steps left without drafting (acceptance fell low).
         masks: the grammar bitmask rows of the draft being verified ([k+1, W] int32) or None.
         draft_kv: the draft model's KV state of this request (``STANDALONE``).
+        text: the text-level lookup of the request's prompt (``NGRAM``; :mod:`.text_lookup`).
     """
 
     index: Optional[NgramIndex] = None
@@ -41,6 +42,7 @@ class SpecState:
     cap: int = START_LEN
     masks: Any = None
     draft_kv: Any = None
+    text: Any = None
 
     def record(self, k: int, a: int, k_max: int = 64) -> None:
         """A verify step of ``k`` draft tokens kept ``a`` of them (``k_max``: the configured most)."""

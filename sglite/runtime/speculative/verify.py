@@ -20,7 +20,7 @@ probability ``p_i(d_i)`` and the residual is ``p_i`` without ``d_i``. Greedy req
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -110,3 +110,47 @@ def verify_chain(x: torch.Tensor, draft: Sequence[int], params, generator: Optio
         return list(draft[:i]) + [tok], i
     tok = int(torch.multinomial(p[k], 1, generator=generator))
     return list(draft) + [tok], k
+
+
+def greedy_walk(x: torch.Tensor, child: Callable[[int, int], Optional[int]], grammar, words: int
+                ) -> tuple[list[int], list[int]]:
+    """Greedy verification of a grammar request without the draft's masks. From row 0, each
+    row's target token is the argmax of ``x`` ([rows, V] float32, penalties applied, no grammar
+    mask) when the matcher (at the state after the draft tokens above the row) allows it, else the
+    argmax of the row masked by the matcher's bitmask (``words`` int32 words; a vocabulary walk
+    only where the cheap answer is refused). Masking only removes tokens, so an allowed argmax is
+    the masked argmax: the result equals prefix matching against fully masked rows.
+
+    Args:
+        child: ``child(row, token)`` the row of the draft node under ``row`` spelling ``token``,
+            or None (the draft ends there or disagrees).
+        grammar: the request's matcher; left where it was, also when this raises.
+    Returns:
+        (tokens, rows): the target token of every row walked (accepted drafts, then the
+        correction or bonus) and those rows.
+    """
+    tokens: list[int] = []
+    rows: list[int] = []
+    walked, row = 0, 0
+    try:
+        while True:
+            t = int(x[row].argmax())
+            if grammar.is_terminated():
+                ok = False  # nothing follows; the request ends at the previous token
+            elif grammar.accept_token(t):
+                ok = True
+            else:
+                m = torch.full((1, words), -1, dtype=torch.int32)
+                grammar.fill_next_token_bitmask(m, 0)
+                t = int((x[row:row + 1] + bitmask_to_additive(m, x.shape[1]))[0].argmax())
+                ok = grammar.accept_token(t)
+            walked += ok
+            tokens.append(t)
+            rows.append(row)
+            nxt = child(row, t)
+            if nxt is None:
+                return tokens, rows
+            row = nxt
+    finally:
+        if walked:
+            grammar.rollback(walked)

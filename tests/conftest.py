@@ -56,3 +56,16 @@ def _triton_interpreter_gate(request):
     if getattr(request.module, "IN_PROCESS", True) is False and request.node.name != "test_file_in_fresh_interpreter":
         pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set; "
                     "this file's checks ran in a subprocess (test_file_in_fresh_interpreter)")
+
+
+@pytest.fixture(scope="module")
+def ngram_pair(tiny_model_dir):
+    """Two float32 engines on the tiny random Llama: without and with NGRAM speculation (6 drafts)."""
+    from sglite import Engine
+
+    kw = dict(dtype="float32", device="cpu", max_total_tokens=4096, check_invariants=True)
+    base = Engine(str(tiny_model_dir), **kw)
+    spec = Engine(str(tiny_model_dir), speculative_algorithm="NGRAM", speculative_num_draft_tokens=6, **kw)
+    yield base, spec
+    base.shutdown()
+    spec.shutdown()

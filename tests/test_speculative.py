@@ -166,22 +166,12 @@ def test_target_probs_is_the_samplers_distribution(temp, top_k, top_p, min_p):
 
 
 # ---------------------------------------------------------------------- engine, greedy exactness
-@pytest.fixture(scope="module")
-def tiny_pair(tiny_model_dir):
-    kw = dict(dtype="float32", device="cpu", max_total_tokens=4096, check_invariants=True)
-    base = Engine(str(tiny_model_dir), **kw)
-    spec = Engine(str(tiny_model_dir), speculative_algorithm="NGRAM", speculative_num_draft_tokens=6, **kw)
-    yield base, spec
-    base.shutdown()
-    spec.shutdown()
-
-
 def _ids(outs):
     return [o["output_ids"] for o in outs]
 
 
-def test_greedy_identical_batched_plain(tiny_pair):
-    base, spec = tiny_pair
+def test_greedy_identical_batched_plain(ngram_pair):
+    base, spec = ngram_pair
     sp = {"max_new_tokens": 48, "temperature": 0}
     want, got = base.generate(COPY_PROMPTS, sp), spec.generate(COPY_PROMPTS, sp)
     assert _ids(got) == _ids(want)
@@ -199,8 +189,8 @@ def test_greedy_identical_batched_plain(tiny_pair):
     assert info["available_tokens"] == info["max_total_tokens"]
 
 
-def test_greedy_identical_with_penalties_stops_and_lengths(tiny_pair):
-    base, spec = tiny_pair
+def test_greedy_identical_with_penalties_stops_and_lengths(ngram_pair):
+    base, spec = ngram_pair
     sps = [{"max_new_tokens": 30, "temperature": 0, "frequency_penalty": 0.5},
            {"max_new_tokens": 7, "temperature": 0, "repetition_penalty": 1.3},
            {"max_new_tokens": 40, "temperature": 0, "stop": [" lazy"], "min_new_tokens": 3},
@@ -210,8 +200,8 @@ def test_greedy_identical_with_penalties_stops_and_lengths(tiny_pair):
     assert [g["text"] for g in got] == [w["text"] for w in want]
 
 
-def test_greedy_identical_regex_and_json_schema(tiny_pair):
-    base, spec = tiny_pair
+def test_greedy_identical_regex_and_json_schema(ngram_pair):
+    base, spec = ngram_pair
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                                "tags": {"type": "array", "items": {"enum": ["ab", "abab"]},
                                                         "maxItems": 6}},

@@ -115,19 +115,9 @@ def test_greedy_walk_rolls_back_when_the_grammar_raises():
 
 
 # ---------------------------------------------------------------------- engine
-@pytest.fixture(scope="module")
-def tiny_pair(tiny_model_dir):
-    kw = dict(dtype="float32", device="cpu", max_total_tokens=4096, check_invariants=True)
-    base = Engine(str(tiny_model_dir), **kw)
-    spec = Engine(str(tiny_model_dir), speculative_algorithm="NGRAM", speculative_num_draft_tokens=6, **kw)
-    yield base, spec
-    base.shutdown()
-    spec.shutdown()
-
-
-def test_json_extraction_greedy_identical_with_text_drafts(tiny_pair):
+def test_json_extraction_greedy_identical_with_text_drafts(ngram_pair):
     """Copy-into-JSON prompts, batched and alone: same tokens as without speculation."""
-    base, spec = tiny_pair
+    base, spec = ngram_pair
     schema = {"type": "object", "additionalProperties": False, "required": ["name", "city"],
               "properties": {"name": {"type": "string", "maxLength": 20}, "city": {"type": "string", "maxLength": 20}}}
     prompts = [SOURCE + ' {"name":"Maria Gonzalez","city":"Seville"} again:',
@@ -139,10 +129,10 @@ def test_json_extraction_greedy_identical_with_text_drafts(tiny_pair):
     assert [spec.generate(p, s)["output_ids"] for p, s in zip(prompts, sps)] == want
 
 
-def test_failed_verify_step_returns_tree_rows_and_kv(tiny_pair):
+def test_failed_verify_step_returns_tree_rows_and_kv(ngram_pair):
     """A step that raises with a token tree in flight (scratch rows borrowed, draft KV reserved)
     fails its requests and leaves no row or slot behind; the engine keeps serving."""
-    _, spec = tiny_pair
+    _, spec = ngram_pair
     sched = spec.scheduler
     runner = sched.runner
     orig = runner.forward
@@ -166,13 +156,13 @@ def test_failed_verify_step_returns_tree_rows_and_kv(tiny_pair):
     pool = sched.kv.req_pool
     assert pool.available() == pool.req_to_token.shape[0]
     # still serving, with identical output
-    base, _ = tiny_pair
+    base, _ = ngram_pair
     sp = {"max_new_tokens": 20, "temperature": 0}
     assert spec.generate(prompt, sp)["output_ids"] == base.generate(prompt, sp)["output_ids"]
 
 
-def test_scratch_row_accounting_detects_a_leak(tiny_pair):
-    _, spec = tiny_pair
+def test_scratch_row_accounting_detects_a_leak(ngram_pair):
+    _, spec = ngram_pair
     dec = spec.scheduler.spec
     row = dec._scratch_rows(1)
     assert row and dec._borrowed == row
@@ -232,10 +222,10 @@ def test_self_speculation_with_the_quantized_gguf_as_draft(real_checkpoint):
 
 
 # ---------------------------------------------------------------------- abort, retraction
-def test_abort_while_speculating_frees_everything(tiny_pair):
+def test_abort_while_speculating_frees_everything(ngram_pair):
     import asyncio
 
-    _, spec = tiny_pair
+    _, spec = ngram_pair
     prompt = "alpha beta gamma delta alpha beta gamma delta alpha beta gamma delta alpha beta"
 
     async def main():

@@ -179,6 +179,7 @@ def test_tp_engine_reports_a_dead_worker(tiny_model_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # a node that dies at start-up must fail the test, not hang the suite
 def test_two_nodes_on_one_machine(tiny_model_dir):
     """--nnodes 2: node 0 (this engine) runs rank 0 and the scheduler, ``sglite serve --node-rank 1``
     (another process, same --dist-init-addr) runs rank 1; output equals tp_size=1."""

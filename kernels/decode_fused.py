@@ -96,8 +96,7 @@ class FusedDecode:
     def hidden(self, fb, k_buffers, v_buffers) -> torch.Tensor:
         """[N, H] float32 final-normed hidden states of the step's decode rows (KV written)."""
         m = self.model
-        ids = fb.input_ids
-        x = m.embed[ids] if isinstance(m.embed, torch.Tensor) else m.embed.rows(ids, m.dtype)  # [N, H]
+        x = m.embed_rows(fb.input_ids)  # [N, H]
         cos, sin = m.cos[fb.positions].contiguous(), m.sin[fb.positions].contiguous()  # [N, D/2] float32
         rt = fb.req_to_token
         if rt.dtype != torch.int32:

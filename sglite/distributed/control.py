@@ -65,6 +65,7 @@ class ControlChannel:
         return int(t.item())
 
     def send(self, t: torch.Tensor, dst: int) -> None:
+        """Send tensor ``t`` (any shape/dtype; made contiguous) to rank ``dst``; blocks until sent."""
         self.pg.send([t.contiguous()], dst, 0).wait()
 
     def recv(self, t: torch.Tensor, src: int, alive=None) -> torch.Tensor:
@@ -73,10 +74,13 @@ class ControlChannel:
         return t
 
     def send_obj(self, obj, dst: int) -> None:
+        """Send a picklable ``obj`` to rank ``dst``: its byte length (int64 [1]) then the bytes (uint8)."""
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         self.send(torch.tensor([data.numel()], dtype=torch.int64), dst)
         self.send(data, dst)
 
     def recv_obj(self, src: int, alive=None):
+        """The object :meth:`send_obj` sent from rank ``src``; ``alive`` (optional) is called first
+        and raises when the peer has died."""
         n = self.recv(torch.zeros(1, dtype=torch.int64), src, alive)
         return pickle.loads(self.recv(torch.empty(int(n.item()), dtype=torch.uint8), src, alive).numpy().tobytes())

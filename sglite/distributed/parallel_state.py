@@ -43,6 +43,9 @@ class TPLayout:
 
     @classmethod
     def make(cls, hf_config, tp_rank: int, tp_size: int) -> "TPLayout":
+        """Rank ``tp_rank``'s slices of heads, KV heads (replicated when ``tp_size`` > KV heads),
+        MLP columns and padded vocabulary rows (Megatron-LM, Shoeybi et al. 2019, §3). Raises
+        ``InvalidRequestError`` (field ``tp_size``) when a dimension does not split."""
         hq = hf_config.num_attention_heads
         hkv = getattr(hf_config, "num_key_value_heads", None) or hq
         inter, vocab = hf_config.intermediate_size, hf_config.vocab_size

@@ -45,6 +45,7 @@ class StepTimes:
         return cls(prefill_s, max(0.0, my - b * mx), max(0.0, b), output_len, transfer_s)
 
     def step(self, batch: float) -> float:
+        """Seconds of one decode step with ``batch`` requests decoding (the fitted line a + b·batch)."""
         return self.decode_a + self.decode_b * batch
 
 
@@ -67,12 +68,20 @@ def decode_batch(rate: float, st: StepTimes) -> float:
 
 
 def meets_disaggregated(rate: float, st: StepTimes, x: int, y: int, ttft_slo: float, tpot_slo: float) -> bool:
+    """Whether ``x`` prefill devices and ``y`` decode devices meet both SLOs at ``rate`` req/s
+    (DistServe, Zhong et al. 2024, §3.1-3.2: prefill instances as M/D/1 queues of ``rate/x``, TTFT =
+    their mean time plus the KV transfer; decode at the fixed-point batch of ``rate/y``). SLOs in
+    seconds."""
     b = decode_batch(rate / y, st)
     ttft = mdl_ttft(rate / x, st.prefill_s) + st.transfer_s
     return ttft <= ttft_slo and b != float("inf") and st.step(max(b, 1)) <= tpot_slo
 
 
 def meets_colocated(rate: float, st: StepTimes, n: int, ttft_slo: float, tpot_slo: float) -> bool:
+    """Whether ``n`` colocated devices (``rate/n`` req/s each, prefill and decode sharing a device)
+    meet both SLOs (seconds): prefills take ``rho_p = rate/n · prefill_s`` of the time, decode steps
+    run in the rest, so TPOT is stretched by ``1/(1 - rho_p)`` (the prefill-decode interference of
+    the module docstring)."""
     r = rate / n
     rho_p = r * st.prefill_s
     if rho_p >= 1:

@@ -98,6 +98,7 @@ class Policy:
         self._rng = random.Random(seed)
 
     def select(self, text: str, loads: list[int], healthy: list[bool]) -> int:
+        """Index of the worker for a request of ``text`` under ``config.policy`` (see the class)."""
         ok = [i for i in range(self.n) if healthy[i]]
         if not ok:
             raise RuntimeError("no healthy worker")

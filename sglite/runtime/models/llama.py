@@ -238,8 +238,7 @@ class LlamaModel:
         if self.tp is not None:  # vocab-parallel lookup (tensor parallelism)
             x = self.tp.embed(self.embed, fb.input_ids)  # [N, H]
         else:
-            x = (self.embed[fb.input_ids] if isinstance(self.embed, torch.Tensor)
-                 else self.embed.rows(fb.input_ids, self.dtype))  # [N, H]
+            x = self.embed_rows(fb.input_ids)  # [N, H]
         cos = self.cos[fb.positions].to(self.dtype)  # [N, D/2]
         sin = self.sin[fb.positions].to(self.dtype)  # [N, D/2]
         for li, L in enumerate(self.layers):
@@ -272,6 +271,12 @@ class LlamaModel:
         x = kernels.rms_norm(x, self.norm, a.rms_norm_eps, batch_invariant=inv)  # [M, H]
         logits = kernels.linear(x, self.lm_head).float()  # [M, V] ([M, V/tp] on a tensor-parallel rank)
         return logits if self.tp is None else self.tp.gather_logits(logits)
+
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows of token ids ``ids`` [N] int64 -> [N, H] in the model dtype, from the float
+        table or a quantized one (:meth:`~sglite.kernels.QuantLinearWeight.rows` dequantizes only
+        those rows). Not the tensor-parallel lookup (``self.tp.embed``)."""
+        return self.embed[ids] if isinstance(self.embed, torch.Tensor) else self.embed.rows(ids, self.dtype)
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         """A row-parallel matmul's output: summed over tensor-parallel ranks, else as is."""

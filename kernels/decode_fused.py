@@ -24,7 +24,10 @@ float GEMV): faster, not bf16-exact
 
 bf16 models also get their weights' scales and mins stored as float16 where that is exact
 (:func:`.quant_linear.compact_scales`; GGUF's are float16 in the file): the default model's
-resident weights go from 115 MB to 98 MB, the bytes every decode step streams.
+resident weights go from 115 MB to 98 MB, the bytes every decode step streams. On VNNI CPUs their
+group-32 weights (the LM head / tied embedding too) are then interleaved in 16-row tiles
+(:func:`.quant_linear.tile_rows`, ``csrc/quant_tiles.h``): same bytes, about 4x fewer vector
+instructions per weight byte than the row layout's GEMV, so the step becomes memory-bound.
 
 Used only when the preconditions hold (:func:`prepare`, static; :meth:`FusedDecode.forward`, per
 step): CPU, float32/bf16, no tensor parallelism, no batch-invariant mode, no QK-norm / QKV bias,
@@ -42,7 +45,7 @@ from typing import Optional
 import torch
 
 from .cpu_build import cpu_flags, load_cpp, read_source
-from .quant_linear import QuantLinearWeight, compact_scales
+from .quant_linear import QuantLinearWeight, compact_scales, tile_rows
 from . import cpu_attention, quant_cpu
 
 MAX_ROWS = 32  # more decode rows: the per-op path (its GEMM on dequantized weights wins there)
@@ -59,6 +62,10 @@ def load(portable: bool = False):
         else quant_cpu.CFLAGS_PORTABLE
     return load_cpp("sglite_decode_layer" + ("" if simd else "_portable"), read_source("decode_layer.cpp"), cflags,
                     functions=["decode_forward"])
+
+
+def _tileable(w) -> bool:
+    return _quant_ok(w) and w.shape[0] % 16 == 0
 
 
 def _quant_ok(w) -> bool:
@@ -88,6 +95,10 @@ class FusedDecode:
         self.dims = (a.num_heads, a.num_kv_heads, a.head_dim, float(a.rms_norm_eps), float(model.sm_scale))
         head = model.lm_head
         self.head_kind = ("q8" if q8 and _quant_ok(head) else "quant") if isinstance(head, QuantLinearWeight) else "float"
+        tiled = {L[k].tiled for L in model.layers for k in LINEAR_KEYS}
+        if len(tiled) != 1:
+            raise ValueError("fused decode: the layer weights must be all tiled or none")
+        self.tiled = tiled.pop()
 
     def refresh(self) -> None:
         """Re-read the weight tensors (after :meth:`LlamaModel.pack_hugepages` moved them)."""
@@ -105,7 +116,7 @@ class FusedDecode:
         return load(self.portable).decode_forward(
             x.float().contiguous(), self.norms, self.lin, self.bits, self.final_norm, cos, sin, list(k_buffers),
             list(v_buffers), fb.out_cache_loc.contiguous(), rt, fb.dec_req_pool_indices.contiguous(),
-            fb.dec_seq_lens.contiguous(), Hq, Hkv, D, eps, sm, self.q8)
+            fb.dec_seq_lens.contiguous(), Hq, Hkv, D, eps, sm, self.q8, self.tiled)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """LM head of final-normed rows h [M, H] float32 -> [M, V] float32 logits."""
@@ -146,7 +157,10 @@ def prepare(model, portable: bool = False) -> Optional[FusedDecode]:
         return None
     q8 = model.dtype == torch.bfloat16 and (portable or quant_cpu.vnni())  # no VNNI: the float GEMV
     if q8:  # float16 scales / mins where exact: 4 bytes less per 32 weights streamed every step
-        qws = {id(w): w for w in model.linear_weights() if isinstance(w, QuantLinearWeight)}.values()
-        if sum(compact_scales(w) for w in list(qws)):
-            model.pack_hugepages()  # one fresh buffer: the float32 scales' memory is released
+        qws = list({id(w): w for w in model.linear_weights() if isinstance(w, QuantLinearWeight)}.values())
+        changed = sum(compact_scales(w) for w in qws)
+        if not portable and quant_cpu.vnni() and all(_tileable(L[k]) for L in model.layers for k in LINEAR_KEYS):
+            changed += sum(tile_rows(w) for w in qws if _tileable(w))  # 16-row tiles (module docstring)
+        if changed:
+            model.pack_hugepages()  # one fresh buffer: the replaced arrays' memory is released
     return FusedDecode(model, q8=q8, portable=portable)

@@ -23,7 +23,9 @@ columns gathered into stored order, 1..8 rows -> :func:`gemv`, up to :data:`GEMV
 :func:`dequantize` (oneDNN's GEMM on the weight dequantized once per call; at prefill sizes the
 dequantization is a small part of the product). Measured (one thread, bf16, 16 SmolLM2-shaped
 Q4 matrices): M=16 GEMV blocks 17 ms vs dequantize+GEMM 22 ms, M=32 26 vs 32, M=64 59 vs 46,
-M=128 140 vs 81. ``invariant=True`` runs every row through the GEMV
+M=128 140 vs 81. A weight in 16-row tiles (``w.tiled``; bf16 models on VNNI CPUs, see
+:mod:`.decode_fused`) runs 1..32 rows through :func:`gemv_q8` instead (int8 activations), more rows
+through the dequantized GEMM. ``invariant=True`` runs every row through the GEMV
 in blocks of 8 rows (a row's arithmetic does not depend on M: batch-invariant).
 
 Build: :func:`.cpu_build.load_cpp`, with ``-mavx512f -mavx512bw -mavx512vl -mavx512bf16`` when
@@ -88,6 +90,7 @@ def gemv(x: torch.Tensor, w: QuantLinearWeight, portable: bool = False) -> torch
     """x [M, K] (stored channel order, 1 <= M <= 8) @ W_stored.T (+ bias) -> [M, N], x's dtype
     (float32 sums rounded once)."""
     xin = x if x.dtype in _NATIVE else x.float()
+    w = w.untiled()  # the float GEMV reads rows (a tiled weight takes gemv_q8 in linear())
     y = _mod(portable).quant_gemv(xin, w.qweight, _scales(w), _mins(w), w.bits, w.group_size)
     if y.dtype != x.dtype:
         y = y.to(x.dtype)
@@ -122,13 +125,14 @@ def gemv_q8(x: torch.Tensor, w: QuantLinearWeight, portable: bool = False) -> to
     int8 per 32-block (:func:`quantize_act_q8_reference`) and integer dot products (``VPDPBUSD``
     on the codes as unsigned bytes when the build has AVX-512 VNNI, plain loops otherwise), per
     block ``s * d * idot + m * sx`` summed in float32 -> [M, N] float32 (bias not added).
-    group_size must be 32 (GGUF blocks). Not bf16-exact: error of the order of the int8 step.
+    group_size must be 32 (GGUF blocks). Not bf16-exact: error of the order of the int8 step. Reads
+    the row layout and the 16-row tiles (``w.tiled``, ``csrc/quant_tiles.h``) alike.
 
     Raises:
         RuntimeError: the kernel is unavailable or the inputs break the contract."""
     mins = _NO_MINS if w.mins is None else w.mins  # float32 or float16 (compact), read as stored
     return _mod(portable).quant_gemv_q8(x.float().contiguous(), w.qweight, w.scales, mins, w.bits,
-                                        w.group_size, portable)
+                                        w.group_size, portable, w.tiled)
 
 
 def vnni() -> bool:
@@ -139,6 +143,7 @@ def vnni() -> bool:
 
 def dequantize(w: QuantLinearWeight, dtype: torch.dtype = torch.float32, portable: bool = False) -> torch.Tensor:
     """``W_stored`` [N, K] in ``dtype`` (float32 math; bf16 rounded once from it)."""
+    w = w.untiled()
     out = _mod(portable).quant_dequant(w.qweight, _scales(w), _mins(w), w.bits, w.group_size, dtype == torch.bfloat16)
     return out if out.dtype == dtype else out.to(dtype)
 
@@ -146,7 +151,10 @@ def dequantize(w: QuantLinearWeight, dtype: torch.dtype = torch.float32, portabl
 def linear(x: torch.Tensor, w: QuantLinearWeight, invariant: bool = False, portable: bool = False) -> torch.Tensor:
     """``x @ W.T + bias`` for x [M, K] (any M >= 0) on CPU; see the module docstring."""
     m = x.shape[0]
-    if 1 <= m <= MAX_ROWS and w.perm is None and w.bias is None and x.dtype in _NATIVE and not portable:
+    if w.tiled and 1 <= m <= GEMV_MAX_ROWS and not invariant:  # the tiles' int8-activation GEMV
+        y = gemv_q8(gather_input(x, w), w, portable).to(x.dtype)
+        return y if w.bias is None else y + w.bias.to(x.dtype)
+    if 1 <= m <= MAX_ROWS and w.perm is None and w.bias is None and x.dtype in _NATIVE and not portable and not w.tiled:
         return _mod(False).quant_gemv(x, w.qweight, _scales(w), _mins(w), w.bits, w.group_size)  # decode fast path
     xs = gather_input(x, w)
     if m == 0:

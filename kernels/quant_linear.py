@@ -28,6 +28,7 @@ Fields:
     sub-blocks; K % 32 == 0 still): such weights run on ``quant_ref`` only (the kernels read one
     scale per 32 channels).
     perm: int64 [K] (a permutation of range(K)) or None.   bias: [N] (activation dtype) or None.
+    tiled: bool, the 16-row tile layout (below); False for every weight until :func:`tile_rows`.
 
 How the formats map (all exact in float32, because a float16 scale times an integer of <= 8 bits
 has <= 19 significant bits):
@@ -43,6 +44,19 @@ has <= 19 significant bits):
 Compact scales: :func:`compact_scales` stores scales and mins as float16 when that is exact (GGUF's
 are float16 in the file), 4 bytes less per group for the fused decode's int8-activation GEMV,
 which reads them as they are; every other consumer widens them to float32 first (exact).
+
+16-row tiles: :func:`tile_rows` interleaves a group-32 weight's codes, scales and mins in tiles of
+16 rows (``tiled=True``; N % 16 == 0), the layout of the int8-activation GEMV of the fused CPU decode
+(``csrc/quant_tiles.h``: one ``VPDPBUSD`` covers 4 channels of 16 rows, no per-row horizontal sum,
+every array streams in order). Same bytes, same meaning; ``qweight`` / ``scales`` / ``mins`` keep
+their shapes but hold the tiled order::
+
+    row-layout qweight.view(N // 16, 16, K // 32, C, 4).permute(0, 2, 3, 1, 4)   (C = bits: groups of 4
+        code bytes per row and block -- 8 at 8 bits, 4 at 4 bits)
+    row-layout scales / mins.view(N // 16, 16, K // 32).permute(0, 2, 1)
+
+:meth:`QuantLinearWeight.untiled` gives the row layout back (a copy); every consumer that does
+not read tiles (the float GEMV, the dequantizer, Triton, the reference) goes through it.
 
 Build one with :meth:`QuantLinearWeight.from_codes` (unpacked codes [N, K] uint8 in stored order),
 concatenate along N with :func:`cat_rows` (fused QKV / gate-up), reorder rows with
@@ -69,6 +83,7 @@ import torch.nn.functional as F
 BLOCK = 32  # channels per packing block (GGUF's QK4_0/QK4_1/QK8_0); group_size is a multiple
 SUB_BLOCK = 16  # smallest group: GGUF Q6_K's 16-weight sub-blocks (such weights run on quant_ref only)
 BITS = (4, 8)
+TILE = 16  # rows per tile of the tiled layout (tile_rows)
 QUANT_IMPLS = ("quant_ref", "quant_cpp", "quant_invariant", "quant_triton")
 
 
@@ -121,6 +136,7 @@ class QuantLinearWeight:
         bias: [N] or None (added in the activation dtype, as ``F.linear``).
         impl: a name of :data:`QUANT_IMPLS`; set through :meth:`use`.
         fmt: where it came from (``"gguf:Q4_1"``, ``"gptq"``, ...); reporting only.
+        tiled: codes, scales and mins in 16-row tiles (:func:`tile_rows`).
     """
 
     qweight: torch.Tensor
@@ -133,6 +149,7 @@ class QuantLinearWeight:
     bias: Optional[torch.Tensor] = None
     impl: str = "quant_ref"
     fmt: str = ""
+    tiled: bool = False
 
     def __post_init__(self):
         self.validate()
@@ -173,6 +190,9 @@ class QuantLinearWeight:
             raise ValueError(f"quantized weight: perm must be int64 [{k}], got {self.perm.dtype} {tuple(self.perm.shape)}")
         if self.bias is not None and tuple(self.bias.shape) != (n,):
             raise ValueError(f"quantized weight: bias must be [{n}], got {tuple(self.bias.shape)}")
+        if self.tiled and (n % TILE or gs != BLOCK):
+            raise ValueError(f"quantized weight: the tiled layout needs out_features % {TILE} == 0 and group_size "
+                             f"{BLOCK}, got {n} and {gs}")
 
     # -- the LinearWeight interface ---------------------------------------------------------------
     @property
@@ -215,18 +235,29 @@ class QuantLinearWeight:
                        perm=mv(self.perm), bias=mv(self.bias))
 
     # -- reference ----------------------------------------------------------------------------------
+    def untiled(self) -> "QuantLinearWeight":
+        """This weight in the row layout: self when not tiled, else a copy with ``tiled=False``."""
+        if not self.tiled:
+            return self
+        n, nb = self.shape[0], self.in_features // BLOCK
+        q = self.qweight.view(n // TILE, nb, -1, TILE, 4).permute(0, 3, 1, 2, 4).reshape(n, -1)
+        rows = lambda t: None if t is None else t.view(n // TILE, nb, TILE).permute(0, 2, 1).reshape(n, nb)  # noqa: E731
+        return replace(self, qweight=q.contiguous(), scales=rows(self.scales).contiguous(),
+                       mins=None if self.mins is None else rows(self.mins).contiguous(), tiled=False)
+
     def codes(self) -> torch.Tensor:
-        """Unpacked codes [N, K] uint8, stored channel order."""
-        return unpack_codes(self.qweight, self.bits)
+        """Unpacked codes [N, K] uint8, stored channel order (row layout)."""
+        return unpack_codes(self.untiled().qweight, self.bits)
 
     def dequantize_stored(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``W_stored`` [N, K] (stored channel order): ``s * q + m`` in float32, then cast to dtype."""
-        n, k, gs = self.shape[0], self.in_features, self.group_size
-        q = self.codes().to(torch.float32).view(n, k // gs, gs)
-        w = q * self.scales.float()[:, :, None]
-        if self.mins is not None:
-            w = w + self.mins.float()[:, :, None]
-        return w.view(n, k).to(dtype)
+        w = self.untiled()
+        n, k, gs = w.shape[0], w.in_features, w.group_size
+        q = w.codes().to(torch.float32).view(n, k // gs, gs)
+        out = q * w.scales.float()[:, :, None]
+        if w.mins is not None:
+            out = out + w.mins.float()[:, :, None]
+        return out.view(n, k).to(dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The logical weight ``W`` [N, K] (input permutation undone) in ``dtype``."""
@@ -240,12 +271,22 @@ class QuantLinearWeight:
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` of ``W`` dequantized, [len(ids), K] in ``dtype`` (an embedding lookup of a
         tied embedding / LM head)."""
-        sub = replace(self, qweight=self.qweight[ids], scales=self.scales[ids],
-                      mins=None if self.mins is None else self.mins[ids], bias=None)
+        if self.tiled:  # gather the rows out of their tiles (only those rows' bytes are read)
+            n, nb = self.shape[0], self.in_features // BLOCK
+            t, r = ids // TILE, ids % TILE
+            q = self.qweight.view(n // TILE, nb, -1, TILE, 4).permute(0, 3, 1, 2, 4)[t, r].reshape(ids.numel(), -1)
+            rows = lambda x: None if x is None else x.view(n // TILE, nb, TILE).permute(0, 2, 1)[t, r]  # noqa: E731
+            sub = replace(self, qweight=q.contiguous(), scales=rows(self.scales).contiguous(),
+                          mins=None if self.mins is None else rows(self.mins).contiguous(), bias=None, tiled=False)
+        else:
+            sub = replace(self, qweight=self.qweight[ids], scales=self.scales[ids],
+                          mins=None if self.mins is None else self.mins[ids], bias=None)
         return sub.dequantize(dtype)
 
     def permute_rows(self, idx: torch.Tensor) -> "QuantLinearWeight":
-        """A weight whose row ``i`` is this weight's row ``idx[i]`` (exact: rows are independent)."""
+        """A weight whose row ``i`` is this weight's row ``idx[i]`` (exact: rows are independent); row layout."""
+        if self.tiled:
+            return self.untiled().permute_rows(idx)
         return replace(self, qweight=self.qweight[idx].contiguous(), scales=self.scales[idx].contiguous(),
                        mins=None if self.mins is None else self.mins[idx].contiguous(),
                        bias=None if self.bias is None else self.bias[idx].contiguous())
@@ -253,10 +294,12 @@ class QuantLinearWeight:
 
 def cat_rows(ws: Sequence[QuantLinearWeight], bias: Optional[torch.Tensor] = None) -> QuantLinearWeight:
     """Concatenate weights along N (fused QKV / gate-up): same bits, group_size, K and perm; mins
-    present in all or none (a None mins becomes zeros when others have them).
+    present in all or none (a None mins becomes zeros when others have them). The result is in the
+    row layout (tiled inputs are untiled).
 
     Raises:
         ValueError: the weights disagree (names the field)."""
+    ws = [w.untiled() for w in ws]
     a = ws[0]
     for w in ws[1:]:
         for f in ("bits", "group_size", "in_features"):
@@ -284,6 +327,24 @@ def compact_scales(w: QuantLinearWeight) -> bool:
     w.scales = halves[0]
     if w.mins is not None:
         w.mins = halves[1]
+    return True
+
+
+def tile_rows(w: QuantLinearWeight) -> bool:
+    """Interleave ``w``'s codes, scales and mins in 16-row tiles (module docstring) when it is in
+    the row layout with group size 32 and N % 16 == 0; returns whether ``w`` is tiled now. In
+    place (one copy of each array); the weight means the same."""
+    if w.tiled:
+        return True
+    n, nb = w.shape[0], w.in_features // BLOCK
+    if n % TILE or w.group_size != BLOCK:
+        return False
+    tile = lambda t: t.view(n // TILE, TILE, nb).permute(0, 2, 1).reshape(n, nb).contiguous()  # noqa: E731
+    w.qweight = w.qweight.view(n // TILE, TILE, nb, -1, 4).permute(0, 2, 3, 1, 4).reshape(n, -1).contiguous()
+    w.scales = tile(w.scales)
+    if w.mins is not None:
+        w.mins = tile(w.mins)
+    w.tiled = True
     return True
 
 

@@ -73,6 +73,7 @@ def _quant_kernel(X, Q, S, Mn, Bias, Y, M, N, K, G, GS, stride_xm, stride_ym,
 def linear(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
     """``x @ W.T + bias`` for x [M, K] on w's device (CUDA, or CPU under the interpreter) -> [M, N]
     in x's dtype. Raises ValueError / RuntimeError for mismatched devices (see ``check_device``)."""
+    w = w.untiled()  # the kernel reads the row layout
     check_device(x, w.qweight)
     xs = gather_input(x, w)
     m, n = xs.shape[0], w.shape[0]

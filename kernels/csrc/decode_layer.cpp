@@ -26,7 +26,7 @@ void rms_norm(const float* x, const float* w, int64_t M, int64_t H, float eps, f
   }
 }
 
-QW weight(const std::vector<at::Tensor>& t, size_t i, int64_t bits) {  // t[i..i+2] = codes, scales, mins
+QW weight(const std::vector<at::Tensor>& t, size_t i, int64_t bits, bool tiled) {  // t[i..i+2] = codes, scales, mins
   const at::Tensor &q = t[i], &s = t[i + 1], &mn = t[i + 2];
   const int64_t N = q.size(0), K = q.size(1) * 8 / bits;
   const auto st = s.scalar_type();
@@ -34,11 +34,11 @@ QW weight(const std::vector<at::Tensor>& t, size_t i, int64_t bits) {  // t[i..i
               && s.numel() == N * (K / BLK) && (mn.numel() == 0 || (mn.scalar_type() == st && mn.is_contiguous()
               && mn.numel() == N * (K / BLK))), "decode_forward: a weight breaks the group-32 layout");
   return QW{q.data_ptr<uint8_t>(), (const float*)s.data_ptr(), mn.numel() ? (const float*)mn.data_ptr() : nullptr,
-            (int)bits, BLK, N, K, st == at::kHalf};
+            (int)bits, BLK, N, K, st == at::kHalf, tiled};
 }
 
 void gemv(const QW& w, const float* x, int64_t M, float* y, bool q8) {
-  TORCH_CHECK(q8 || !w.half, "decode_forward: float16 scales need the int8-activation path");
+  TORCH_CHECK(q8 || (!w.half && !w.tiled), "decode_forward: float16 scales and 16-row tiles need the int8-activation path");
   if (q8) gemv_q8(w, x, M, y);
   else gemv_float(w, x, nullptr, M, y);
 }
@@ -65,11 +65,13 @@ void store_rows(at::Tensor& buf, const int64_t* loc, const float* src, int64_t M
 // norms [L, 2, H] float32 (input, post-attention); lin: per layer 4 weights (qkv, o, gate_up,
 // down) x (codes, scales, mins (empty: none)); bits [4L]; cos/sin [M, D/2] float32 of the rows'
 // positions; k/v buffers [S, Hkv, D] per layer (float32 or bf16, unit stride along D; written at
-// out_cache_loc [M] int64); req_to_token [R, Lmax] int32; rows/lens [M] int64.
+// out_cache_loc [M] int64); req_to_token [R, Lmax] int32; rows/lens [M] int64; tiled: every layer
+// weight is in 16-row tiles (quant_tiles.h; needs q8).
 at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor> lin, std::vector<int64_t> bits,
                           at::Tensor final_norm, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> kbufs,
                           std::vector<at::Tensor> vbufs, at::Tensor out_loc, at::Tensor req_to_token, at::Tensor rows,
-                          at::Tensor lens, int64_t Hq, int64_t Hkv, int64_t D, double eps, double sm_scale, bool q8) {
+                          at::Tensor lens, int64_t Hq, int64_t Hkv, int64_t D, double eps, double sm_scale, bool q8,
+                          bool tiled) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= 32,
               "decode_forward: x must be contiguous float32 [M <= 32, H]");
   const int64_t M = x.size(0), H = x.size(1), L = (int64_t)kbufs.size();
@@ -94,8 +96,8 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
   const int64_t* loc = out_loc.data_ptr<int64_t>();
   at::Tensor q_t = at::empty({M, Hq, D}, x.options());
   for (int64_t l = 0; l < L; ++l) {
-    const QW wqkv = weight(lin, 12 * l, bits[4 * l]), wo = weight(lin, 12 * l + 3, bits[4 * l + 1]);
-    const QW wgu = weight(lin, 12 * l + 6, bits[4 * l + 2]), wd = weight(lin, 12 * l + 9, bits[4 * l + 3]);
+    const QW wqkv = weight(lin, 12 * l, bits[4 * l], tiled), wo = weight(lin, 12 * l + 3, bits[4 * l + 1], tiled);
+    const QW wgu = weight(lin, 12 * l + 6, bits[4 * l + 2], tiled), wd = weight(lin, 12 * l + 9, bits[4 * l + 3], tiled);
     TORCH_CHECK(wqkv.K == H && wqkv.N == Nqkv && wo.K == Hq * D && wo.N == H && wgu.K == H && wd.N == H
                 && wd.K * 2 == wgu.N, "decode_forward: layer ", l, " weight shapes disagree with the model");
     const int64_t I = wd.K;

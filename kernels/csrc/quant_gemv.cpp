@@ -87,9 +87,9 @@ at::Tensor quant_dequant(at::Tensor q, at::Tensor s, at::Tensor mn, int64_t bits
 
 // y [M, N] float32 = q8(x) @ W_stored.T: x [M, K] float32 (1 <= M <= 32, stored channel order)
 // quantized to int8 per 32-block (sglite_quant::quantize_q8), integer dots (VNNI when built),
-// group size 32 only
+// group size 32 only; tiled: the weight is in 16-row tiles (quant_tiles.h)
 at::Tensor quant_gemv_q8(at::Tensor x, at::Tensor q, at::Tensor s, at::Tensor mn, int64_t bits, int64_t gs,
-                         bool portable) {
+                         bool portable, bool tiled) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 32 && x.scalar_type() == at::kFloat,
               "quant_gemv_q8: x must be float32 [M <= 32, K]");
   TORCH_CHECK(gs == BLK, "quant_gemv_q8: group_size must be 32");
@@ -100,7 +100,8 @@ at::Tensor quant_gemv_q8(at::Tensor x, at::Tensor q, at::Tensor s, at::Tensor mn
   x = x.contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
   const QW w{q.data_ptr<uint8_t>(), (const float*)s.data_ptr(), mn.numel() > 0 ? (const float*)mn.data_ptr() : nullptr,
-             (int)bits, gs, N, K, half};
+             (int)bits, gs, N, K, half, tiled};
+  TORCH_CHECK(!tiled || N % TILE == 0, "quant_gemv_q8: a 16-row tiled weight needs N % 16 == 0");
   gemv_q8(w, x.data_ptr<float>(), M, y.data_ptr<float>(), portable);
   return y;
 }

@@ -155,8 +155,11 @@ void rows_avx_m(int64_t M, const uint16_t* xp, int64_t K, const uint8_t* q, cons
 
 // One quantized weight as the kernels read it (see quant_linear.py): codes [N, K * bits / 8],
 // scales and optional mins [N, K / gs] float32, or float16 bits when `half` (the Q8 path only).
+// `tiled`: codes, scales and mins interleaved in tiles of 16 rows (quant_tiles.h; the int8-activation
+// path only).
 struct QW {
   const uint8_t* q; const float* s; const float* mn; int bits; int64_t gs, N, K; bool half = false;
+  bool tiled = false;
 };
 
 inline float half_to_float(uint16_t h) { c10::Half v; v.x = h; return (float)v; }
@@ -349,6 +352,8 @@ void rows_q8_avx_m(int64_t M, const int8_t* xp, const float* dx, const float* sx
 }
 #endif
 
+#include "quant_tiles.h"
+
 // y [M, N] float32 = q8(x) @ W_stored.T for x [M, K] float32, group size 32
 inline void gemv_q8(const QW& w, const float* xf, int64_t M, float* y, bool portable = false) {
   const int64_t K = w.K, nb = K / BLK;
@@ -364,6 +369,10 @@ inline void gemv_q8(const QW& w, const float* xf, int64_t M, float* y, bool port
   std::vector<int8_t> xq(M * K + 64);
   std::vector<float> dx(M * nb), sx(M * nb);
   quantize_q8(xf, M, K, xq.data(), dx.data(), sx.data());
+  if (w.tiled) {
+    gemv_q8_tiled(w, xq.data(), dx.data(), sx.data(), M, y, portable);
+    return;
+  }
   const int64_t grain = std::max<int64_t>(16, (int64_t)(1 << 16) / std::max<int64_t>(K, 1));
 #ifdef SGQ_VNNI
   if (!portable) {

@@ -4,12 +4,16 @@ one process (this machine's speed drifts, so only same-run ratios mean anything)
     sglite bench quant [--model-path P] [--schemes gguf,none] [--dtype bfloat16] [--num-threads 1]
                        [--decode-tokens 64] [--prefill-len 512] [--repeats 3]
                        [--agreement-prompts 64] [--agreement-tokens 32] [--agreement-dtype float32]
-                       [--parts speed,agreement]
+                       [--parts speed,agreement] [--llama-bench PATH]
 
 speed (per scheme, ``--dtype`` activations): resident weight bytes
 (``LlamaModel.resident_weight_bytes``), batch-1 and batch-16 decode tok/s (the time of
 ``1 + decode_tokens`` greedy tokens minus the time of 1, so prefill drops out; best of
 ``--repeats``), prefill tok/s (one ``--prefill-len``-token prompt, radix cache off).
+``--llama-bench PATH`` (a ``llama-bench`` binary built from llama.cpp, see docs/benchmarks.md): each
+batch-1 repeat first runs ``llama-bench -m <model> -p 0 -n <decode-tokens> -t <threads> -r 1`` on
+the same GGUF file, so both are measured side by side in one run under the same load; adds
+``llama_cpp_b1_tok_s`` (best) and ``b1_vs_llama_cpp`` (our best / theirs) per scheme.
 agreement: greedy tokens of each scheme against ``none`` (the dequantized weights) in
 ``--agreement-dtype`` activations (default float32) over ``--agreement-prompts`` prompts x ``--agreement-tokens`` tokens: the share of
 positions with equal tokens (free running: after a first difference the texts go their own way)
@@ -19,7 +23,9 @@ Output: a table, ``--output-json``.
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import subprocess
 import sys
 import time
 from typing import Optional, Sequence
@@ -56,8 +62,26 @@ def _timed(engine, prompts: list, new_tokens: int) -> float:
     return time.perf_counter() - t
 
 
+def llama_bench(a, threads: int) -> float:
+    """tok/s of one ``llama-bench`` decode run (``--llama-bench``) on the same GGUF file.
+
+    Raises:
+        RuntimeError: the binary failed or printed no result."""
+    from sglite.runtime.model_loader import default_model_path
+
+    model = a.model_path or str(default_model_path())
+    cmd = [a.llama_bench, "-m", model, "-p", "0", "-n", str(a.decode_tokens), "-t", str(threads), "-r", "1", "-o", "json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    try:
+        return float(json.loads(out.stdout)[0]["avg_ts"])
+    except (ValueError, IndexError, KeyError) as e:
+        raise RuntimeError(f"--llama-bench: {' '.join(cmd)} gave no result (exit {out.returncode}): "
+                           f"{out.stderr.strip()[-300:]}") from e
+
+
 def speed(a, scheme: Optional[str]) -> dict:
-    """Resident bytes, decode tok/s at batch 1 and 16, prefill tok/s of one scheme."""
+    """Resident bytes, decode tok/s at batch 1 and 16, prefill tok/s of one scheme (and llama.cpp's
+    batch-1 decode interleaved with ours when ``--llama-bench`` is given)."""
     e = _engine(a, scheme, a.dtype, disable_radix_cache=True, max_total_tokens=16 * 1024)
     rng = random.Random(0)
     vocab = list(range(200, 40000))
@@ -67,12 +91,19 @@ def speed(a, scheme: Optional[str]) -> dict:
         for batch in (1, 16):
             ps = [[rng.choice(vocab) for _ in range(32)] for _ in range(batch)]
             _timed(e, ps, 4)  # warm-up
-            best = float("inf")
+            import torch  # the engine's thread count (set from --num-threads)
+
+            best, theirs = float("inf"), 0.0
             for _ in range(a.repeats):
+                if batch == 1 and a.llama_bench:
+                    theirs = max(theirs, llama_bench(a, a.num_threads or torch.get_num_threads()))
                 t1 = _timed(e, ps, 1)
                 tn = _timed(e, ps, 1 + a.decode_tokens)
                 best = min(best, max(tn - t1, 1e-9))
             out[f"decode_b{batch}_tok_s"] = batch * a.decode_tokens / best
+            if batch == 1 and a.llama_bench:
+                out["llama_cpp_b1_tok_s"] = theirs
+                out["b1_vs_llama_cpp"] = out["decode_b1_tok_s"] / theirs
         best = float("inf")
         for _ in range(a.repeats):
             p = [rng.choice(vocab) for _ in range(a.prefill_len)]
@@ -135,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activation dtype of the agreement runs")
     p.add_argument("--parts", default="speed,agreement", help="speed and/or agreement")
     p.add_argument("--output-json", default=None, help="write the results here")
+    p.add_argument("--llama-bench", default=None,
+                   help="a llama-bench binary: run it on the same GGUF, interleaved with the batch-1 decode runs")
     return p
 
 
@@ -143,6 +176,8 @@ def check_args(a: argparse.Namespace) -> None:
     for name in ("decode_tokens", "prefill_len", "repeats", "agreement_prompts", "agreement_tokens"):
         if getattr(a, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(a, name)}")
+    if a.llama_bench and a.model_path and not a.model_path.endswith(".gguf"):
+        raise ValueError(f"--llama-bench: needs a .gguf --model-path, got {a.model_path!r}")
     if not set(a.parts.split(",")) <= {"speed", "agreement"}:
         raise ValueError(f"--parts: must be speed and/or agreement, got {a.parts!r}")
 

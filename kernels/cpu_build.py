@@ -70,8 +70,11 @@ def cpu_flags() -> frozenset[str]:
 
 
 def build_tag(*parts: str) -> str:
-    """12-hex hash of ``parts``, the torch version and the CPU flags (names a build directory)."""
-    h = hashlib.sha1("\0".join((*parts, torch.__version__, " ".join(sorted(cpu_flags())))).encode())
+    """12-hex hash of ``parts``, the torch version and install folder (two virtualenvs compile with
+    different include paths, so sharing a build directory would make each rebuild the other's) and
+    the CPU flags (names a build directory)."""
+    where = os.path.dirname(torch.__file__)
+    h = hashlib.sha1("\0".join((*parts, torch.__version__, where, " ".join(sorted(cpu_flags())))).encode())
     return h.hexdigest()[:12]
 
 

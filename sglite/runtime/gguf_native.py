@@ -30,6 +30,10 @@ layout to GGML's interleaved one); transformers' GGUF loader reverses it, and so
 (:func:`unpermute_rows`), by permuting whole quantized rows (exact). The first layer's Q and K are
 checked against the cached float32 weights at load, so a file whose rows are laid out otherwise
 fails loudly instead of producing garbage.
+
+Start-up: the weights read from the blocks are saved once into the converted folder
+(:mod:`sglite.runtime.native_cache`) and memory-mapped from there on later starts, which skips
+``GGUFReader`` (its metadata parsing is most of a start's time).
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ import torch
 from sglite.kernels.quant_linear import QuantLinearWeight
 
 from ..errors import InvalidRequestError
+from . import native_cache
 from .model_loader import Checkpoint
 
 log = logging.getLogger("sglite.gguf_native")
@@ -171,21 +176,13 @@ def load_state_dict(checkpoint: Checkpoint, dtype: torch.dtype, device: str = "c
     if not checkpoint.source.lower().endswith(".gguf"):
         raise InvalidRequestError(f"quantization: gguf needs a .gguf model_path, got {checkpoint.source!r}",
                                   field="quantization")
-    reader = gguf.GGUFReader(checkpoint.source)
-    arch = _field(reader, "general.architecture", "llama")
     cfg = checkpoint.hf_config
-    heads = {"attn_q": cfg.num_attention_heads,
-             "attn_k": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads}
-    state: dict = {}
-    for t in reader.tensors:
-        name = hf_name(t.name)
-        if name is None or t.tensor_type.name not in NATIVE_TYPES:
-            continue
-        w = blocks_to_weight(t.tensor_type.name, t.data, int(t.shape[0]))
-        kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
-        if kind in heads and arch in _PERMUTED_ARCHS:
-            w = w.permute_rows(unpermute_rows(w.shape[0], heads[kind]))
-        state[name] = w.to(device)
+    cached = native_cache.load(native_cache.cache_path(checkpoint.model_dir), device)
+    if cached is not None:  # the blocks as a previous start read them (module native_cache)
+        state: dict = cached
+    else:
+        state = _read_blocks(gguf.GGUFReader(checkpoint.source), cfg, device)
+        native_cache.save(native_cache.cache_path(checkpoint.model_dir), state)
     files = sorted(checkpoint.model_dir.glob("*.safetensors"))
     for file in files:
         with safe_open(str(file), framework="pt") as f:
@@ -199,6 +196,24 @@ def load_state_dict(checkpoint: Checkpoint, dtype: torch.dtype, device: str = "c
     n_q = sum(isinstance(v, QuantLinearWeight) for v in state.values())
     log.info("GGUF %s: %d tensors kept quantized (%s)", checkpoint.source, n_q,
              ", ".join(sorted({v.fmt for v in state.values() if isinstance(v, QuantLinearWeight)})))
+    return state
+
+
+def _read_blocks(reader, cfg, device: str) -> dict:
+    """The :data:`NATIVE_TYPES` tensors of an open ``GGUFReader`` as HF-named QuantLinearWeights."""
+    arch = _field(reader, "general.architecture", "llama")
+    heads = {"attn_q": cfg.num_attention_heads,
+             "attn_k": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads}
+    state: dict = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None or t.tensor_type.name not in NATIVE_TYPES:
+            continue
+        w = blocks_to_weight(t.tensor_type.name, t.data, int(t.shape[0]))
+        kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+        if kind in heads and arch in _PERMUTED_ARCHS:
+            w = w.permute_rows(unpermute_rows(w.shape[0], heads[kind]))
+        state[name] = w.to(device)
     return state
 
 

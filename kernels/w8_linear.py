@@ -54,6 +54,51 @@ class _ChannelScaledWeight:
         return (self.weight.float() * self.scale[:, None]).to(dtype)
 
 
+SCALE_SEARCH_STEPS = 16  # candidate per-channel FP8 scales per binade (fp8_channel_scales)
+
+
+def fp8_channel_scales(w: torch.Tensor, steps: int = SCALE_SEARCH_STEPS) -> torch.Tensor:
+    """float32 [N] per-output-channel scales for E4M3 codes of ``w`` [N, K] (float32).
+
+    Among ``max_k |w[n, k]| / 448 * 2 ** (j / steps)`` for j = 0..steps-1 -- one binade upwards
+    from the smallest scale that clips nothing, so no weight clips and every alignment of E4M3's
+    grid (3 mantissa bits) to the row is tried -- each row takes the scale whose rounding error
+    ``sum_k (w[n, k] - s * e4m3(w[n, k] / s))^2`` is least (the first on ties: j = 0, the plain
+    ``max / 448``, unless another is strictly better). ``steps = 1`` is plain max scaling. An
+    all-zero row gets 1. A least-squares scale search per channel, as llama.cpp's integer
+    quantizers and GPTQ's ``mse`` grid option do for integer grids; here the float grid makes the
+    scale's mantissa, not a clipping range, the thing searched. On the default model (weights
+    dequantized from GGUF Q4_1, so few distinct values per block) it cuts the weights' relative
+    error from ~2.6 % to ~2.4 % and the perplexity increase of ``--quantization fp8`` from +2.09 %
+    to +0.79 % (docs/benchmarks.md).
+
+    Raises:
+        ValueError: ``steps`` < 1."""
+    if steps < 1:
+        raise ValueError(f"fp8 scale search: steps must be >= 1, got {steps}")
+    w = w.float()
+    amax = w.abs().amax(1)
+    base = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    if steps == 1:
+        return base.contiguous()
+    best = base.clone()
+    rows = max(1, (1 << 18) // max(1, w.shape[1]))  # row chunks of ~1 MB: every candidate while in cache
+    for r0 in range(0, w.shape[0], rows):
+        wc, bc = w[r0:r0 + rows], base[r0:r0 + rows]
+        best_err = None
+        for j in range(steps):
+            s = bc * 2.0 ** (j / steps)
+            v = wc / s[:, None]  # as the codes are made; |v| <= 448: nothing clips
+            err = v.to(torch.float8_e4m3fn).float().sub_(v).square_().sum(1).mul_(s * s)
+            if best_err is None:
+                best_err = err
+                continue
+            better = err < best_err
+            best[r0:r0 + rows] = torch.where(better, s, best[r0:r0 + rows])
+            best_err = torch.where(better, err, best_err)
+    return best.contiguous()
+
+
 @dataclass(eq=False)
 class Fp8LinearWeight(_ChannelScaledWeight):
     """FP8 E4M3 weight [N, K] + float32 per-output-channel scale [N] (module docstring)."""
@@ -64,11 +109,12 @@ class Fp8LinearWeight(_ChannelScaledWeight):
     impl: str = "fp8"
 
     @classmethod
-    def quantize(cls, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> "Fp8LinearWeight":
-        """From a float weight [N, K]: ``scale = max|w_n| / 448`` (a zero row gets scale 1)."""
+    def quantize(cls, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 search_steps: int = SCALE_SEARCH_STEPS) -> "Fp8LinearWeight":
+        """From a float weight [N, K]: per-channel scales of :func:`fp8_channel_scales` (``search_steps``
+        1: plain ``max|w_n| / 448``), codes ``e4m3(w / scale)``."""
         wf = w.float()
-        amax = wf.abs().amax(1)
-        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        scale = fp8_channel_scales(wf, search_steps)
         w8 = (wf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return cls(w8.contiguous(), scale.contiguous(), bias)
 

@@ -7,7 +7,7 @@ import torch
 
 from sglite import kernels
 from sglite.kernels import Fp8BlockLinearWeight, Fp8LinearWeight, w8_linear
-from sglite.quant.fp8 import block_scales, e4m3, expand_block_scales, gptq_fp8, rtn_fp8
+from sglite.quant.fp8 import block_scales, channel_scales, e4m3, expand_block_scales, gptq_fp8, rtn_fp8
 from sglite.quant.gptq import HessianAccumulator
 
 
@@ -43,7 +43,8 @@ def test_gptq_fp8_beats_rtn_fp8_on_layer_output(act, block):
     acc.add(x)
     w8, s = gptq_fp8(w, acc.hessian(), act_order=act, block=block)
     r8, rs = rtn_fp8(w, block)
-    assert torch.equal(s, rs)  # scales come from the original weights
+    # scales come from the original weights: GPTQ's max / 448 per channel (RTN searches per channel)
+    assert torch.equal(s, channel_scales(w) if block is None else rs)
     assert w8.dtype == torch.float8_e4m3fn and w8.shape == w.shape
     e_gptq, e_rtn = _out_err(w, _deq(w8, s, block), x), _out_err(w, _deq(r8, rs, block), x)
     assert e_gptq < 0.6 * e_rtn, (e_gptq, e_rtn)
@@ -92,3 +93,24 @@ def test_fp8_block_weight_rejects_a_wrong_tile_grid():
     w8, tiles = rtn_fp8(torch.randn(64, 64), (32, 32))
     with pytest.raises(ValueError, match=r"weight_scale_inv \(2, 2\) disagrees .*expected \(1, 2\)"):
         Fp8BlockLinearWeight.from_tiles(w8, tiles, (64, 32))
+
+
+def test_channel_scale_search_never_worse_and_never_clips():
+    from sglite.kernels.w8_linear import FP8_MAX, fp8_channel_scales
+
+    g = torch.Generator().manual_seed(3)
+    # discrete weights (a 4-bit grid per row, like GGUF-dequantized ones) and a zero row
+    w = (torch.randint(0, 16, (24, 128), generator=g).float() - 7.5) * (torch.rand(24, 1, generator=g) * 0.02 + 1e-3)
+    w[5] = 0.0
+    plain, searched = fp8_channel_scales(w, steps=1), fp8_channel_scales(w)
+    amax = w.abs().amax(1)
+    assert torch.equal(plain[amax > 0], (amax / FP8_MAX)[amax > 0]) and plain[5] == 1.0 == searched[5]
+    assert bool((searched >= plain).all()) and bool((searched < 2 * plain).all())  # one binade up: no clipping
+    assert float((w / searched[:, None]).abs().max()) <= FP8_MAX
+
+    def err(s):
+        return ((w / s[:, None]).to(torch.float8_e4m3fn).float() * s[:, None] - w).square().sum(1)
+
+    assert bool((err(searched) <= err(plain)).all()) and float(err(searched).sum()) < 0.95 * float(err(plain).sum())
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        fp8_channel_scales(w, steps=0)

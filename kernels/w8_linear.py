@@ -2,7 +2,9 @@
 more implementations of :data:`sglite.kernels.matmul.IMPLS`:
 
 :class:`Fp8LinearWeight` (``--quantization fp8``): weight-only FP8 E4M3 (``torch.float8_e4m3fn``,
-    max 448), ``W[n, k] = scale[n] * w8[n, k]``, ``scale[n] = max_k |W[n, k]| / 448``.
+    max 448), ``W[n, k] = scale[n] * w8[n, k]``; when quantized here (at load, or by ``sglite quantize
+    --method rtn --format fp8``) ``scale[n]`` is the least-squares choice of :func:`fp8_channel_scales`
+    within ``[max_k |W[n, k]| / 448, 2 * max / 448)`` (checkpoints bring their own scales).
     ``fp8``: ``F.linear(x, w8.to(x.dtype))`` times the scale in float32 -- the per-output-channel
     scale commutes with the sum, and E4M3 values (3 mantissa bits) convert exactly to bf16 / fp16 /
     fp32, so the only rounding besides oneDNN's is the final multiply. ``fp8_ref``: dequantize to float32, F.linear.

@@ -282,9 +282,9 @@ class SpecDecoder:
         found = st.index.propose_with_match(cap, candidates=width)
         if found:
             tail_chars = len(self._decode(r.tokens(r.seq_len - found[0][1], r.seq_len)))
-            for cont, n in found:  # a short match predicts little: at most twice its length
-                cands.append((tail_chars if n == found[0][1] else 0, n >= 2, cont[:2 * n] if self.cost is None else cont,
-                              f"ngram{n}"))
+            for cont, n in found:  # a short match predicts little: at most twice its length (no cost model)
+                cont = cont if self.cost is not None else cont[:2 * n]
+                cands.append((tail_chars if n == found[0][1] else 0, n >= 2, cont, f"ngram{n}"))
         cands.extend(self._text_drafts(r, k, width))
         cands.sort(key=lambda c: -c[0])  # stable: token n-grams win ties
         # weak candidates (1-token n-gram matches, short text matches) only take the rows that

@@ -57,12 +57,14 @@ def test_accept_model_learns_per_source_and_per_request():
     p0 = m.rate("ngram1")
     own = {}
     for _ in range(20):
-        m.record("ngram1", 4, 0, own)  # every first token rejected
+        m.record(["ngram1"] * 4, 0, own)  # every first token rejected
     assert m.rate("ngram1") < p0 / 2 and m.rate("ngram1", own) < m.rate("ngram1")
     for _ in range(20):
-        m.record("text", 8, 8)  # copies kept whole
+        m.record(["text"] * 8, 8)  # copies kept whole
+    m.record(["text", "text_word"], 1)  # a copied value ended where a new word began
     assert m.rate("text") > 0.9
     assert m.rate("text", own) == m.rate("text")  # no evidence of its own: the global estimate
+    assert m.counts["text_word"][0] == 0 and m.counts["text_word"][1] == pytest.approx(1.0)
 
 
 # ---------------------------------------------------------------------- engine: fused verify rows

@@ -26,13 +26,20 @@ Per step (``Scheduler.schedule`` → :meth:`SpecDecoder.attach_drafts`, ``Schedu
    slots of rejected drafts go back to the pool at once (``KVManager.trim``): they never reach
    the radix tree.
 
-Cost model: on CPU in bf16 the GEMV kernels read the weights once per block of ``row_block`` (8)
-rows, and 1-4 rows cost about one (measured: 8 rows 1.4x, 9-16 rows 2.5-3.6x of one row), so
-the drafts of a step only fill the rows left in the step's current block (:meth:`_step_rows`;
-weak candidates only the first ``FREE_ROWS``): a batch that fills whole blocks gets no drafts.
-Speculation is per request and switches itself off when it cannot pay: for steps with more than
-``speculative_disable_by_batch_size`` decoding requests (the forward is then compute bound and
-extra rows cost their full price), and for a while for a request whose acceptance rate fell low.
+Cost model (NGRAM on CPU): what a step of ``R`` rows costs is measured (:mod:`.policy`: the
+model's forward of 1..32 decode rows timed at start-up, plus the per-step overhead learned from
+the time between steps; with the int8-activation GEMV each row after the first costs ~0.4 of a
+one-row step), every candidate draft token gets the probability that it is kept (per draft
+source: n-gram match length, text match, learned online over all requests and per request), and
+the step carries the tokens that maximize its expected tokens per second
+(:func:`.policy.choose`): none in open chat once its drafts keep failing, the whole copy in a
+copy task. Without a measured cost (GPU, ``STANDALONE``) the older rule holds: on CPU in bf16
+the drafts of a step only fill the rows left in the step's current block of ``row_block`` rows
+(:meth:`_step_rows`; weak candidates only the first ``FREE_ROWS``), and a per-request cap (doubled
+after a draft kept whole, cut after a rejection) and a pause after low acceptance.
+Speculation is per request and off for steps with more than ``speculative_disable_by_batch_size``
+decoding requests (the forward is then compute bound and extra rows cost their full price).
+Verify entries run as decode rows (:meth:`.StepPlan.layout`), so on CPU they take the fused decode.
 Requests asking for logprobs are never drafted.
 """
 from __future__ import annotations
@@ -96,6 +103,7 @@ class SpecDecoder:
         self.cost = cost if draft_model is None else None
         self.accept = AcceptModel()
         self._last_step: Optional[tuple[float, int]] = None  # (start time, rows) of a decode-only step
+        self._starts_word: dict[int, bool] = {}  # token id -> its text starts with whitespace
 
     @property
     def stats(self) -> dict:
@@ -150,7 +158,7 @@ class SpecDecoder:
         if self.draft_model is not None:
             share = max(1, self._free_rows // len(cands))
             found = self.draft_model.propose([e.req for e in cands], [min(share, self._room(e)) for e in cands])
-            drafts = iter([[(d, "model")] if d else [] for d in found])
+            drafts = iter([[(d, ["model"] * len(d))] if d else [] for d in found])
         else:
             drafts = None
         proposals = []
@@ -200,15 +208,14 @@ class SpecDecoder:
         probs, owner = [], []
         for j, (e, chains, sources, _) in enumerate(proposals):
             q = 1.0  # a later chain of a tree is only reached where the earlier first tokens fail
-            for c, src in zip(chains, sources):
-                a = self.accept.rate(src, e.req.spec.own)
-                ps, p = [], q * a
-                for _ in c:
+            for c, srcs in zip(chains, sources):
+                ps, p = [], q
+                for src in srcs[:len(c)]:
+                    p *= self.accept.rate(src, e.req.spec.own)
                     ps.append(p)
-                    p *= a
                 probs.append(ps)
                 owner.append(j)
-                q *= 1.0 - a
+                q *= 1.0 - (ps[0] / q if ps and q > 0 else 0.0)
         base_rows = sum(e.n for e in entries)
         if base_rows > GEMM_ROWS:  # a GEMM step (prefill chunk): a few more rows cost next to nothing
             cost = lambda rows: 1.0  # noqa: E731
@@ -263,8 +270,8 @@ class SpecDecoder:
         self._borrowed.extend(out)
         return out
 
-    def _ngram(self, e: StepEntry) -> list[tuple[list[int], str]]:
-        """Draft chains of a request with their sources (:class:`.policy.AcceptModel`): token
+    def _ngram(self, e: StepEntry) -> list[tuple[list[int], list[str]]]:
+        """Draft chains of a request with their per-token sources (:class:`.policy.AcceptModel`): token
         n-gram continuations (``ngram<n>``) and text-level prompt matches (:mod:`.text_lookup`;
         ``text`` / ``text_weak``), strongest match (in characters) first, distinct first tokens."""
         r, k = e.req, self._room(e)
@@ -301,10 +308,24 @@ class SpecDecoder:
                 weak -= len(c)
             if not c:
                 continue
-            chains.append((c, src))
+            chains.append((c, self._token_sources(c, src)))
             firsts.add(c[0])
             budget = max(0, budget - len(c))
         return chains
+
+    def _token_sources(self, chain: list[int], src: str) -> list[str]:
+        """Per-token sources of a chain: a trusted text draft's tokens after the first that start
+        a new word are ``text_word`` (copied JSON values end at such a token), the rest ``src``."""
+        if src != "text":
+            return [src] * len(chain)
+        out = [src]
+        for t in chain[1:]:
+            ws = self._starts_word.get(t)
+            if ws is None:
+                piece = self._decode([t])
+                ws = self._starts_word[t] = bool(piece) and piece[0].isspace()
+            out.append("text_word" if ws else src)
+        return out
 
     def _decode(self, ids) -> str:
         return self.out.tokenizer.decode(ids, skip_special_tokens=False)
@@ -405,8 +426,8 @@ class SpecDecoder:
             self.kv.commit(r, pending + min(a, done), share=False)
             self.kv.trim(r)
             r.spec.record(k, a, self.k_max)
-            for b, (src, n) in enumerate(zip(r.spec.sources, [len(c) for c in tree.chains] if tree else [nodes])):
-                self.accept.record(src, n, a if b == chain else 0, r.spec.own)
+            for b, (srcs, n) in enumerate(zip(r.spec.sources, [len(c) for c in tree.chains] if tree else [nodes])):
+                self.accept.record(srcs[:n], a if b == chain else 0, r.spec.own)
             self.counters["spec_verify_steps"] += 1
             self.counters["spec_draft_tokens"] += nodes
             self.counters["spec_accepted_tokens"] += a

@@ -12,10 +12,12 @@ request's drafts fared so far.
   the loaded model (:func:`probe_forward`, decode rows of one request, the fastest of a few
   interleaved runs), plus the scheduler's per-step overhead, learned online from the time between
   steps (:meth:`StepCost.observe`).
-* :class:`AcceptModel` — per draft source (``ngram1`` .. ``ngram4``: n-gram match of that many
-  tokens; ``text`` / ``text_weak``: text-level prompt match, trusted or short; ``model``: a draft
-  model) the probability that a draft token is kept given the one before it was: a prior, moved by
-  every verify step of every request (decayed counts), and per request by its own results.
+* :class:`AcceptModel` — per draft source of a token (``ngram1`` .. ``ngram4``: n-gram match of
+  that many tokens; ``text``: a trusted text-level prompt match, ``text_word`` its tokens that
+  start a new word (where a copied JSON value tends to end), ``text_weak``: a short one;
+  ``model``: a draft model) the probability that a draft token is kept given the one before it
+  was: a prior, moved by every verify step of every request (decayed counts), and per request by
+  its own results.
 * :func:`choose` — the draft tokens of a step: every candidate token gets the probability that it
   is kept (the product of the conditional probabilities down its chain; a second chain of a token
   tree only where the first chain's first token is not kept), tokens are taken in decreasing
@@ -33,12 +35,12 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # row counts timed at start-up (others interpolated)
-PROBE_REPS = 3  # interleaved passes; the fastest run of each row count is kept
+PROBE_ROWS = (1, 2, 4, 8, 16, 32)  # row counts timed at start-up (others interpolated)
+PROBE_REPS = 2  # interleaved passes; the fastest run of each row count is kept
 PROBE_CONTEXT = 128  # tokens the probe rows attend to
 OVERHEAD_EMA = 0.1  # weight of the newest step in the per-step overhead average
-PRIORS = {"ngram1": 0.3, "ngram2": 0.5, "ngram3": 0.6, "ngram4": 0.7, "text": 0.6, "text_weak": 0.35,
-          "model": 0.6}  # conditional keep probability of a draft token before any evidence
+PRIORS = {"ngram1": 0.3, "ngram2": 0.5, "ngram3": 0.6, "ngram4": 0.7, "text": 0.6, "text_word": 0.5,
+          "text_weak": 0.35, "model": 0.6}  # conditional keep probability of a draft token before any evidence
 PRIOR_WEIGHT = 4.0  # pseudo-counts of the prior (and of the global estimate in a request's one)
 DECAY = 0.995  # per verify step, the global counts fade (recent requests weigh more)
 MIN_GAIN = 1.02  # a step takes drafts only when they promise at least this much more tokens/s
@@ -139,20 +141,22 @@ class AcceptModel:
             return (k + PRIOR_WEIGHT * g) / (n + PRIOR_WEIGHT)
         return g
 
-    def record(self, source: str, drafted: int, accepted: int, own: Optional[dict] = None) -> None:
-        """A chain of ``drafted`` tokens from ``source`` kept its first ``accepted``: ``accepted``
-        tokens kept, one more tried (the rejected one) unless all were kept."""
-        tried = accepted + (1 if accepted < drafted else 0)
+    def record(self, sources: Sequence[str], accepted: int, own: Optional[dict] = None) -> None:
+        """A chain of draft tokens with these per-token ``sources`` kept its first ``accepted``:
+        each of those counts as kept and tried, the rejected one (if any) as tried; ``own`` (a
+        request's counts) is updated too."""
         for c in self.counts.values():
             c[0] *= DECAY
             c[1] *= DECAY
-        c = self.counts.setdefault(source, [0.0, 0.0])
-        c[0] += accepted
-        c[1] += tried
-        if own is not None:
-            o = own.setdefault(source, [0, 0])
-            o[0] += accepted
-            o[1] += tried
+        for i, src in enumerate(sources[:accepted + 1]):
+            kept = 1 if i < accepted else 0
+            c = self.counts.setdefault(src, [0.0, 0.0])
+            c[0] += kept
+            c[1] += 1
+            if own is not None:
+                o = own.setdefault(src, [0, 0])
+                o[0] += kept
+                o[1] += 1
 
 
 def choose(base_tokens: int, base_rows: int, chains: Sequence[Sequence[float]],

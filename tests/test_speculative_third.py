@@ -130,3 +130,19 @@ def test_verify_entries_are_decode_rows():
     plan = StepPlan([e, plain]).layout(8)
     assert e.decode_rows and not plain.decode_rows
     assert plan.entries == [plain, e] and plan.verifying == [e] and e.sample_row == 1
+
+
+@pytest.mark.skipif(not quant_cpu.available(), reason="the C++ quant kernel did not build here")
+def test_bf16_greedy_identical_on_the_fused_decode(quantized_tiny4):
+    """bf16 without deterministic mode: a verify row through the fused decode is computed as the
+    plain run's one-row decode step computes that token (each row's activations quantized and
+    multiplied on their own), so greedy output is identical token for token."""
+    kw = dict(model_path=str(quantized_tiny4), dtype="bfloat16", max_total_tokens=2048)
+    sp = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+    with Engine(**kw) as base:
+        assert base.runner.model.decode_fused is not None
+        want = [base.generate(input_ids=p, sampling_params=sp)["output_ids"] for p in PROMPTS]
+    with Engine(**kw, speculative_algorithm="NGRAM") as spec:
+        got = [spec.generate(input_ids=p, sampling_params=sp)["output_ids"] for p in PROMPTS]
+        accepted = spec.get_server_info()["spec_accepted_tokens"]
+    assert got == want and accepted > 0

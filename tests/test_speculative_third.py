@@ -30,7 +30,7 @@ def test_choose_drafts_only_what_pays_for_its_rows():
     assert choose(1, 1, [[0.95, 0.9], [0.04, 0.03]], FLAT) == [2, 2]
     # batch 8: a row costs 1/8 of what the step's tokens are worth each, so weak drafts stop
     assert choose(8, 8, [[0.3]] * 8, LINEAR) == [0] * 8
-    assert choose(8, 8, [[1.0] * 4] + [[0.3]] * 7, LINEAR) == [4] + [0] * 7
+    assert choose(8, 8, [[1.0] * 8] + [[0.3]] * 7, LINEAR) == [8] + [0] * 7
 
 
 def test_choose_keeps_chain_prefixes():
@@ -48,6 +48,15 @@ def test_step_cost_interpolates_and_learns_the_overhead():
     assert c.overhead == pytest.approx(0.005, abs=1e-4)
     c.observe(1, 5.0)  # an idle wait between requests: ignored
     assert c.overhead == pytest.approx(0.005, abs=1e-4)
+    for _ in range(200):
+        c.observe(4, c.forward(4) + 0.006, drafted=True)  # drafting and verification: 1 ms more
+    assert c.verify_extra == pytest.approx(0.001, abs=1e-4) and c.overhead == pytest.approx(0.005, abs=1e-4)
+    assert c(4, drafted=True) == pytest.approx(c(4) + 0.001, abs=1e-4)
+    # the extra is charged to drafting: a draft kept with p = 0.3 no longer pays at batch 1
+    assert choose(1, 1, [[0.3]], StepCost({1: 1.0, 2: 1.2})) == [1]
+    slow = StepCost({1: 1.0, 2: 1.2})
+    slow.verify_extra = 0.1
+    assert choose(1, 1, [[0.3]], slow) == [0]
     with pytest.raises(ValueError, match="forward"):
         StepCost({})
 

@@ -102,7 +102,7 @@ class SpecDecoder:
         # (policy.choose) instead of the row block and the adaptive cap
         self.cost = cost if draft_model is None else None
         self.accept = AcceptModel()
-        self._last_step: Optional[tuple[float, int]] = None  # (start time, rows) of a decode-only step
+        self._last_step: Optional[tuple] = None  # (start time, rows, drafted) of a decode-only step
         self._starts_word: dict[int, bool] = {}  # token id -> its text starts with whitespace
 
     @property
@@ -139,12 +139,12 @@ class SpecDecoder:
         admission, before ``StepPlan.layout``."""
         now = time.perf_counter()
         if self.cost is not None and self._last_step is not None:
-            self.cost.observe(self._last_step[1], now - self._last_step[0])
+            self.cost.observe(self._last_step[1], now - self._last_step[0], self._last_step[2])
         try:
             self._attach(entries)
         finally:
             decode_only = entries and not any(e.req.prefilling for e in entries)
-            self._last_step = (now, sum(e.n for e in entries)) if decode_only else None
+            self._last_step = (now, sum(e.n for e in entries), any(e.draft for e in entries)) if decode_only else None
 
     def _attach(self, entries: list[StepEntry]) -> None:
         self.release_scratch()  # rows a failed step left borrowed
@@ -218,7 +218,7 @@ class SpecDecoder:
                 q *= 1.0 - (ps[0] / q if ps and q > 0 else 0.0)
         base_rows = sum(e.n for e in entries)
         if base_rows > GEMM_ROWS:  # a GEMM step (prefill chunk): a few more rows cost next to nothing
-            cost = lambda rows: 1.0  # noqa: E731
+            cost = lambda rows, drafted=False: 1.0  # noqa: E731
         else:
             cost = self.cost
         base_tokens = sum(1 for e in entries if not e.req.prefilling)

@@ -10,8 +10,9 @@ request's drafts fared so far.
 
 * :class:`StepCost` — seconds of a step of ``R`` rows: the forward measured once at start-up on
   the loaded model (:func:`probe_forward`, decode rows of one request, the fastest of a few
-  interleaved runs), plus the scheduler's per-step overhead, learned online from the time between
-  steps (:meth:`StepCost.observe`).
+  interleaved runs), plus the scheduler's per-step overhead and the extra of a step that verifies
+  drafts (drafting, verification), both learned online from the time between steps
+  (:meth:`StepCost.observe`).
 * :class:`AcceptModel` — per draft source of a token (``ngram1`` .. ``ngram4``: n-gram match of
   that many tokens; ``text``: a trusted text-level prompt match, ``text_word`` its tokens that
   start a new word (where a copied JSON value tends to end), ``text_weak``: a short one;
@@ -43,7 +44,7 @@ PRIORS = {"ngram1": 0.3, "ngram2": 0.5, "ngram3": 0.6, "ngram4": 0.7, "text": 0.
           "text_weak": 0.35, "model": 0.6}  # conditional keep probability of a draft token before any evidence
 PRIOR_WEIGHT = 4.0  # pseudo-counts of the prior (and of the global estimate in a request's one)
 DECAY = 0.995  # per verify step, the global counts fade (recent requests weigh more)
-MIN_GAIN = 1.02  # a step takes drafts only when they promise at least this much more tokens/s
+MIN_GAIN = 1.05  # a step takes drafts only when they promise at least this much more tokens/s
 
 
 class StepCost:
@@ -61,6 +62,7 @@ class StepCost:
         self.rows = sorted(forward)
         self.secs = [float(forward[r]) for r in self.rows]
         self.overhead = overhead
+        self.verify_extra = 0.0  # what a step with drafts costs beyond that (drafting, verification)
 
     def forward(self, rows: int) -> float:
         """Interpolated forward seconds of ``rows`` rows."""
@@ -73,14 +75,20 @@ class StepCost:
                 return max(ys[0] * 0.5, y0 + (y1 - y0) * (rows - x0) / (x1 - x0))
         return ys[-1]  # unreachable
 
-    def __call__(self, rows: int) -> float:
-        return self.forward(rows) + self.overhead
+    def __call__(self, rows: int, drafted: bool = False) -> float:
+        """Seconds of a step of ``rows`` rows (``drafted``: one that verifies drafts)."""
+        return self.forward(rows) + self.overhead + (self.verify_extra if drafted else 0.0)
 
-    def observe(self, rows: int, seconds: float) -> None:
+    def observe(self, rows: int, seconds: float, drafted: bool = False) -> None:
         """A step of ``rows`` rows took ``seconds`` from start to start: the part beyond the
-        forward updates the overhead estimate (outliers, e.g. an idle wait, are ignored)."""
+        forward updates the overhead estimate of plain steps, or (``drafted``) the extra of steps
+        that verify drafts; outliers (an idle wait between requests) are ignored."""
         extra = seconds - self.forward(rows)
-        if 0.0 <= extra <= 2.0 * self.forward(1) + self.overhead:
+        if not 0.0 <= extra <= 2.0 * self.forward(1) + self.overhead + self.verify_extra:
+            return
+        if drafted:
+            self.verify_extra = max(0.0, self.verify_extra + OVERHEAD_EMA * (extra - self.overhead - self.verify_extra))
+        else:
             self.overhead += OVERHEAD_EMA * (extra - self.overhead)
 
 
@@ -168,7 +176,8 @@ def choose(base_tokens: int, base_rows: int, chains: Sequence[Sequence[float]],
         base_rows: its rows without drafts.
         chains: per candidate chain, the keep probability of each of its tokens (decreasing down
             the chain: each the product of the conditional ones above it).
-        cost: seconds of a step of ``rows`` rows (:class:`StepCost`).
+        cost: ``cost(rows, drafted)`` seconds of a step of ``rows`` rows, ``drafted`` when it
+            verifies drafts (:class:`StepCost`).
     Returns:
         per chain the number of leading tokens to draft (all zero when drafting does not pay).
     """
@@ -177,7 +186,7 @@ def choose(base_tokens: int, base_rows: int, chains: Sequence[Sequence[float]],
     gain = float(base_tokens)
     for n, (neg_p, _, _) in enumerate(toks, start=1):
         gain -= neg_p
-        v = gain / cost(base_rows + n)
+        v = gain / cost(base_rows + n, True)
         if v > best:
             best_n, best = n, v
     out = [0] * len(chains)

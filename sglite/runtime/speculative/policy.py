@@ -23,7 +23,9 @@ request's drafts fared so far.
   is kept (the product of the conditional probabilities down its chain; a second chain of a token
   tree only where the first chain's first token is not kept), tokens are taken in decreasing
   probability (a chain's tokens stay a prefix) and the count that maximizes the step's expected
-  tokens per second is kept; zero when no count beats the plain step.
+  tokens per second is kept, with what the drafts add to the step's cost counted
+  ``COST_MARGIN`` times (a margin for the estimates); zero when no count beats the plain step.
+  Where rows are free (a GEMM step) any token with a positive estimate is taken.
 
 This is the expected-throughput draft-length rule of the speculative-decoding literature (e.g.
 Leviathan et al. 2023 §3.3, optimal ``gamma`` for a cost ratio ``c``; SpecDec++ / "dynamic
@@ -44,7 +46,7 @@ PRIORS = {"ngram1": 0.3, "ngram2": 0.5, "ngram3": 0.6, "ngram4": 0.7, "text": 0.
           "text_weak": 0.35, "model": 0.6}  # conditional keep probability of a draft token before any evidence
 PRIOR_WEIGHT = 4.0  # pseudo-counts of the prior (and of the global estimate in a request's one)
 DECAY = 0.995  # per verify step, the global counts fade (recent requests weigh more)
-MIN_GAIN = 1.05  # a step takes drafts only when they promise at least this much more tokens/s
+COST_MARGIN = 1.25  # what drafts add to a step's cost is counted this much higher (estimates err)
 
 
 class StepCost:
@@ -182,11 +184,12 @@ def choose(base_tokens: int, base_rows: int, chains: Sequence[Sequence[float]],
         per chain the number of leading tokens to draft (all zero when drafting does not pay).
     """
     toks = sorted(((-p, d, c) for c, ps in enumerate(chains) for d, p in enumerate(ps) if p > 0.0))
-    best_n, best = 0, base_tokens / cost(base_rows) * MIN_GAIN
+    c0 = cost(base_rows)
+    best_n, best = 0, base_tokens / c0
     gain = float(base_tokens)
     for n, (neg_p, _, _) in enumerate(toks, start=1):
         gain -= neg_p
-        v = gain / cost(base_rows + n, True)
+        v = gain / (c0 + COST_MARGIN * (cost(base_rows + n, True) - c0))
         if v > best:
             best_n, best = n, v
     out = [0] * len(chains)

@@ -38,6 +38,20 @@ def tiny_qwen_dir(tmp_path_factory, real_checkpoint):
                            vocab_from=real_checkpoint.model_dir)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _flat_speculative_step_costs():
+    """On CPU, NGRAM drafting follows the step costs measured at engine start-up
+    (:mod:`sglite.runtime.speculative.policy`), so which drafts a step carries depends on the
+    machine's load at that moment. Tests must not: every engine of the session gets a flat curve
+    (rows free: every candidate token with a positive keep estimate is drafted). The probe itself
+    is tested by calling ``policy.probe_forward`` directly."""
+    from sglite.runtime.speculative import decoder
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(decoder, "probe_forward", lambda runner, kv: {1: 1.0, 32: 1.0})
+        yield
+
+
 @pytest.fixture(scope="session")
 def real_engine(real_checkpoint):
     """ONE engine on the default model for the whole test session (float32: parity-grade)."""

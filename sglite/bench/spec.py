@@ -11,9 +11,11 @@ every request runs on both, alternating, so machine drift hits both alike. Workl
 * ``chat_batch16`` — 16 open questions in one batch (``--batch-sizes`` adds ``chat_batch<B>``
   workloads: the batch sweep).
 
-Reports tokens/s of each engine, the ratio, the mean accept length (tokens per verify step, bonus
-included) and how many outputs are token-identical (greedy; exact in fp32, bf16 rows may round
-differently when computed in a verify step).
+Reports tokens/s of each engine, the ratio, the decode-only ratio (tokens after the first over
+the time after the first token: the part speculation can change; the prompt's prefill is the
+same work in both engines), the mean accept length (tokens per verify step, bonus included) and
+how many outputs are token-identical (greedy; exact in fp32, bf16 rows may round differently
+when computed in a verify step).
 """
 from __future__ import annotations
 
@@ -64,6 +66,13 @@ def _run(engine, prompts, sps, batch):
     return outs, time.perf_counter() - t0
 
 
+def _decode_part(outs, seconds) -> tuple[int, float]:
+    """(tokens after each request's first, seconds after the batch's last first token) of one
+    batch: the decode phase, without the prompt's prefill."""
+    ttft = max((o["meta_info"].get("ttft") or 0.0) for o in outs)
+    return sum(max(0, len(o["output_ids"]) - 1) for o in outs), max(seconds - ttft, 1e-9)
+
+
 def run(a: argparse.Namespace) -> dict:
     from sglite import Engine
 
@@ -89,6 +98,7 @@ def run(a: argparse.Namespace) -> dict:
             _run(spec, prompts[:1], sps[:1], 1)
             tb = ts = 0.0
             nb = ns = 0
+            dec = {"base": [0, 0.0], "spec": [0, 0.0]}
             same, steps, verified = 0, 0, 0
             for j, i in enumerate(list(range(0, len(prompts), batch)) * a.rounds):
                 # alternate engines per batch in ABBA order, so linear drift of the machine cancels
@@ -97,6 +107,10 @@ def run(a: argparse.Namespace) -> dict:
                 o2, t2 = _run(second, prompts[i:i + batch], sps[i:i + batch], batch)
                 (ob, t_b), (os_, t_s) = ((o1, t1), (o2, t2)) if first is base else ((o2, t2), (o1, t1))
                 tb, ts = tb + t_b, ts + t_s
+                for key, o, t in (("base", ob, t_b), ("spec", os_, t_s)):
+                    n_d, t_d = _decode_part(o, t)
+                    dec[key][0] += n_d
+                    dec[key][1] += t_d
                 nb += sum(len(o["output_ids"]) for o in ob)
                 ns += sum(len(o["output_ids"]) for o in os_)
                 same += sum(x["output_ids"] == y["output_ids"] for x, y in zip(ob, os_))
@@ -105,11 +119,13 @@ def run(a: argparse.Namespace) -> dict:
                     steps += m.get("spec_verify_ct", 0)
                     verified += m.get("spec_accepted_tokens", 0) + m.get("spec_verify_ct", 0)
             r = {"batch": batch, "requests": len(prompts) * a.rounds, "base_tok_s": nb / tb, "spec_tok_s": ns / ts,
-                 "speedup": (ns / ts) / (nb / tb), "accept_length": verified / steps if steps else 0.0,
+                 "speedup": (ns / ts) / (nb / tb),
+                 "decode_speedup": (dec["spec"][0] / dec["spec"][1]) / max(dec["base"][0] / dec["base"][1], 1e-9),
+                 "accept_length": verified / steps if steps else 0.0,
                  "identical": f"{same}/{len(prompts) * a.rounds}", "tokens": [nb, ns]}
             results[name] = r
             print(f"{name:14s} batch {batch:2d}: base {r['base_tok_s']:7.1f} tok/s  spec {r['spec_tok_s']:7.1f} "
-                  f"tok/s  x{r['speedup']:.2f}  accept length {r['accept_length']:.2f}  identical {r['identical']}",
+                  f"tok/s  x{r['speedup']:.2f}  decode x{r['decode_speedup']:.2f}  accept length {r['accept_length']:.2f}  identical {r['identical']}",
                   flush=True)
     finally:
         base.shutdown()

@@ -80,7 +80,11 @@ class StepPlan:
         token's result does not depend on chunking or on the batch). Returns self.
         """
         for e in self.entries:
-            e.decode_rows = small_extend is None or e.n <= small_extend or e.tree is not None
+            # a verify step (draft tokens after at most ``small_extend`` pending ones) is decode rows
+            # too: each row attends to the rows before it, as an extend would, and a CPU step of
+            # only decode rows takes the fused decode (kernels/decode_fused.py), whose rows are
+            # computed as the plain run's decode rows are
+            e.decode_rows = small_extend is None or e.n <= small_extend or e.tree is not None or bool(e.draft)
         self.entries.sort(key=lambda e: e.decode_rows)
         row = 0
         for e in self.entries:

@@ -26,24 +26,33 @@ Per step (``Scheduler.schedule`` → :meth:`SpecDecoder.attach_drafts`, ``Schedu
    slots of rejected drafts go back to the pool at once (``KVManager.trim``): they never reach
    the radix tree.
 
-Cost model: on CPU in bf16 the GEMV kernels read the weights once per block of ``row_block`` (8)
-rows, and 1-4 rows cost about one (measured: 8 rows 1.4x, 9-16 rows 2.5-3.6x of one row), so
-the drafts of a step only fill the rows left in the step's current block (:meth:`_step_rows`;
-weak candidates only the first ``FREE_ROWS``): a batch that fills whole blocks gets no drafts.
-Speculation is per request and switches itself off when it cannot pay: for steps with more than
-``speculative_disable_by_batch_size`` decoding requests (the forward is then compute bound and
-extra rows cost their full price), and for a while for a request whose acceptance rate fell low.
+Cost model (NGRAM on CPU): what a step of ``R`` rows costs is measured (:mod:`.policy`: the
+model's forward of 1..32 decode rows timed at start-up, plus the per-step overhead learned from
+the time between steps; with the int8-activation GEMV each row after the first costs ~0.4 of a
+one-row step), every candidate draft token gets the probability that it is kept (per draft
+source: n-gram match length, text match, learned online over all requests and per request), and
+the step carries the tokens that maximize its expected tokens per second
+(:func:`.policy.choose`): none in open chat once its drafts keep failing, the whole copy in a
+copy task. Without a measured cost (GPU, ``STANDALONE``) the older rule holds: on CPU in bf16
+the drafts of a step only fill the rows left in the step's current block of ``row_block`` rows
+(:meth:`_step_rows`; weak candidates only the first ``FREE_ROWS``), and a per-request cap (doubled
+after a draft kept whole, cut after a rejection) and a pause after low acceptance.
+Speculation is per request and off for steps with more than ``speculative_disable_by_batch_size``
+decoding requests (the forward is then compute bound and extra rows cost their full price).
+Verify entries run as decode rows (:meth:`.StepPlan.layout`), so on CPU they take the fused decode.
 Requests asking for logprobs are never drafted.
 """
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, Optional
 
 import torch
 
 from ..step_plan import SMALL_EXTEND, StepEntry, StepPlan
 from .ngram import NgramIndex
+from .policy import AcceptModel, StepCost, choose, probe_forward
 from .state import SpecState
 from .text_lookup import CONT_CHARS_PER_TOKEN, TextLookup
 from .tree import TreeDraft, tree_contexts, verify_tree
@@ -73,7 +82,8 @@ class SpecDecoder:
             None: no such limit (GPU).
     """
 
-    def __init__(self, config, kv, sampler, out, draft_model=None, row_block: Optional[int] = None):
+    def __init__(self, config, kv, sampler, out, draft_model=None, row_block: Optional[int] = None,
+                 cost: Optional[StepCost] = None):
         self.algorithm = config.speculative_algorithm
         self.k_max = config.speculative_num_draft_tokens
         self.max_batch = config.speculative_disable_by_batch_size
@@ -88,6 +98,12 @@ class SpecDecoder:
         self.free_rows_cheap = FREE_ROWS
         self._free_rows = 1 << 30
         self._borrowed: list[int] = []  # scratch rows lent to this step's token trees
+        # measured step costs (NGRAM on CPU): drafts chosen for expected tokens per second
+        # (policy.choose) instead of the row block and the adaptive cap
+        self.cost = cost if draft_model is None else None
+        self.accept = AcceptModel()
+        self._last_step: Optional[tuple] = None  # (start time, rows, drafted) of a decode-only step
+        self._starts_word: dict[int, bool] = {}  # token id -> its text starts with whitespace
 
     @property
     def stats(self) -> dict:
@@ -99,7 +115,7 @@ class SpecDecoder:
         r = e.req
         return (not r.prefilling and e.ends_sequence and e.n <= SMALL_EXTEND and r.finished is None
                 and not r.return_logprob and r.params.max_new_tokens - len(r.output_ids) > 1
-                and (r.spec is None or r.spec.may_draft()))
+                and (r.spec is None or self.cost is not None or r.spec.may_draft()))
 
     def _room(self, e: StepEntry) -> int:
         r = e.req
@@ -121,22 +137,34 @@ class SpecDecoder:
     def attach_drafts(self, entries: list[StepEntry]) -> None:
         """Give the eligible decoding entries of a step their drafts (KV reserved). Called after
         admission, before ``StepPlan.layout``."""
+        now = time.perf_counter()
+        if self.cost is not None and self._last_step is not None:
+            self.cost.observe(self._last_step[1], now - self._last_step[0], self._last_step[2])
+        try:
+            self._attach(entries)
+        finally:
+            decode_only = entries and not any(e.req.prefilling for e in entries)
+            self._last_step = (now, sum(e.n for e in entries), any(e.draft for e in entries)) if decode_only else None
+
+    def _attach(self, entries: list[StepEntry]) -> None:
         self.release_scratch()  # rows a failed step left borrowed
         decoding = [e for e in entries if not e.req.prefilling]
         if not decoding or len(decoding) > self.max_batch:
             return
         cands = [e for e in decoding if self._eligible(e)]
-        self._free_rows = self._step_rows(entries)
+        self._free_rows = self._step_rows(entries) if self.cost is None else 1 << 30
         if not cands or self._free_rows < 1:
             return
         if self.draft_model is not None:
             share = max(1, self._free_rows // len(cands))
             found = self.draft_model.propose([e.req for e in cands], [min(share, self._room(e)) for e in cands])
-            drafts = iter([[d] if d else [] for d in found])
+            drafts = iter([[(d, ["model"] * len(d))] if d else [] for d in found])
         else:
             drafts = None
+        proposals = []
         for e in cands:
-            chains = next(drafts) if drafts is not None else self._ngram(e)
+            found = next(drafts) if drafts is not None else self._ngram(e)
+            chains, sources = [c for c, _ in found], [s for _, s in found]
             r = e.req
             if r.spec is None:
                 r.spec = SpecState()
@@ -144,7 +172,15 @@ class SpecDecoder:
             chain_masks = None
             if chains and r.grammar is not None:
                 chains, chain_masks = self._walk_grammar(r, chains, need_masks=r.params.temperature > 1e-6)
-            chains = self._fit(chains, self._free_rows)
+            proposals.append((e, chains, sources, chain_masks))
+        if self.cost is not None:
+            lens = self._choose(proposals, entries)
+            proposals = [(e, [c[:n] for c, n in zip(chains, ns)], src, m)
+                         for (e, chains, src, m), ns in zip(proposals, lens)]
+        for e, chains, sources, chain_masks in proposals:
+            r = e.req
+            if self.cost is None:
+                chains = self._fit(chains, self._free_rows)
             keep = [i for i, c in enumerate(chains) if c]
             rows = self._scratch_rows(len(keep) - 1) if len(keep) > 1 else []
             keep = keep[:1 + len(rows)]
@@ -154,6 +190,7 @@ class SpecDecoder:
                 self.release_scratch(rows)
                 continue
             self._free_rows -= n_nodes
+            r.spec.sources = [sources[i] for i in keep]
             if chain_masks is not None:
                 r.spec.masks = torch.cat([chain_masks[0]] + [chain_masks[1 + i][:len(chains[j])]
                                                              for j, i in enumerate(keep)])
@@ -163,6 +200,33 @@ class SpecDecoder:
                 e.tree.fill_rows(self.kv.req_to_token, r.kv.row, root_pos)
             e.draft = tuple(t for c in chains for t in c)
             e.n += n_nodes
+
+    def _choose(self, proposals: list, entries: list[StepEntry]) -> list[list[int]]:
+        """Per proposal, the tokens of each chain worth verifying this step (:func:`.policy.choose`
+        over the whole step: the keep probability of every candidate token against the measured
+        cost of the rows it adds)."""
+        probs, owner = [], []
+        for j, (e, chains, sources, _) in enumerate(proposals):
+            q = 1.0  # a later chain of a tree is only reached where the earlier first tokens fail
+            for c, srcs in zip(chains, sources):
+                ps, p = [], q
+                for src in srcs[:len(c)]:
+                    p *= self.accept.rate(src, e.req.spec.own)
+                    ps.append(p)
+                probs.append(ps)
+                owner.append(j)
+                q *= 1.0 - (ps[0] / q if ps and q > 0 else 0.0)
+        base_rows = sum(e.n for e in entries)
+        if base_rows > GEMM_ROWS:  # a GEMM step (prefill chunk): a few more rows cost next to nothing
+            cost = lambda rows, drafted=False: 1.0  # noqa: E731
+        else:
+            cost = self.cost
+        base_tokens = sum(1 for e in entries if not e.req.prefilling)
+        flat = choose(base_tokens, base_rows, probs, cost)
+        out: list[list[int]] = [[] for _ in proposals]
+        for j, n in zip(owner, flat):
+            out[j].append(n)
+        return out
 
     @staticmethod
     def _fit(chains: list[list[int]], budget: int) -> list[list[int]]:
@@ -206,9 +270,10 @@ class SpecDecoder:
         self._borrowed.extend(out)
         return out
 
-    def _ngram(self, e: StepEntry) -> list[list[int]]:
-        """Draft chains of a request: token n-gram continuations and text-level prompt matches
-        (:mod:`.text_lookup`), strongest match (in characters) first, distinct first tokens."""
+    def _ngram(self, e: StepEntry) -> list[tuple[list[int], list[str]]]:
+        """Draft chains of a request with their per-token sources (:class:`.policy.AcceptModel`): token
+        n-gram continuations (``ngram<n>``) and text-level prompt matches (:mod:`.text_lookup`;
+        ``text`` / ``text_weak``), strongest match (in characters) first, distinct first tokens."""
         r, k = e.req, self._room(e)
         if k < 1:
             return []
@@ -219,20 +284,22 @@ class SpecDecoder:
             st.index = NgramIndex()
         st.index.sync(r.seq_len, r.tokens)
         width = self.tree_branches if self.tree_ok else 1
-        cands = []  # (matched chars, strong, chain)
-        cap = min(k, st.cap)
+        cands = []  # (matched chars, strong, chain, source)
+        cap = k if self.cost is not None else min(k, st.cap)
         found = st.index.propose_with_match(cap, candidates=width)
         if found:
             tail_chars = len(self._decode(r.tokens(r.seq_len - found[0][1], r.seq_len)))
-            for cont, n in found:  # a short match predicts little: at most twice its length
-                cands.append((tail_chars if n == found[0][1] else 0, n >= 2, cont[:2 * n]))
+            for cont, n in found:  # a short match predicts little: at most twice its length (no cost model)
+                cont = cont if self.cost is not None else cont[:2 * n]
+                cands.append((tail_chars if n == found[0][1] else 0, n >= 2, cont, f"ngram{n}"))
         cands.extend(self._text_drafts(r, k, width))
         cands.sort(key=lambda c: -c[0])  # stable: token n-grams win ties
         # weak candidates (1-token n-gram matches, short text matches) only take the rows that
         # cost next to nothing (the first FREE_ROWS of the block); strong ones the whole block
-        weak = k if self.row_block is None else max(0, min(k, self._free_rows - (self.row_block - self.free_rows_cheap)))
+        weak = k if self.row_block is None or self.cost is not None else max(
+            0, min(k, self._free_rows - (self.row_block - self.free_rows_cheap)))
         chains, firsts, budget = [], set(), k
-        for _, strong, cont in cands:
+        for _, strong, cont, src in cands:
             if not cont or cont[0] in firsts or len(chains) >= width or budget < 1:
                 continue
             c = cont[:budget if not chains else max(1, budget // 2)]
@@ -241,17 +308,31 @@ class SpecDecoder:
                 weak -= len(c)
             if not c:
                 continue
-            chains.append(c)
+            chains.append((c, self._token_sources(c, src)))
             firsts.add(c[0])
             budget = max(0, budget - len(c))
         return chains
 
+    def _token_sources(self, chain: list[int], src: str) -> list[str]:
+        """Per-token sources of a chain: a trusted text draft's tokens after the first that start
+        a new word are ``text_word`` (copied JSON values end at such a token), the rest ``src``."""
+        if src != "text":
+            return [src] * len(chain)
+        out = [src]
+        for t in chain[1:]:
+            ws = self._starts_word.get(t)
+            if ws is None:
+                piece = self._decode([t])
+                ws = self._starts_word[t] = bool(piece) and piece[0].isspace()
+            out.append("text_word" if ws else src)
+        return out
+
     def _decode(self, ids) -> str:
         return self.out.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def _text_drafts(self, r, k: int, width: int) -> list[tuple[int, bool, list[int]]]:
+    def _text_drafts(self, r, k: int, width: int) -> list[tuple[int, bool, list[int], str]]:
         """Text-level matches of the sequence's tail in the prompt, re-encoded: ``(matched chars,
-        trusted, tokens)``. A word-aligned match (a copied value starting) or one of at least
+        trusted, tokens, source)``. A word-aligned match (a copied value starting) or one of at least
         ``TEXT_TRUST_CHARS`` characters drafts up to ``k`` tokens, whatever the request's cap;
         a weaker one at most the cap."""
         st = r.spec
@@ -263,8 +344,8 @@ class SpecDecoder:
             trusted = m.aligned or m.chars >= TEXT_TRUST_CHARS
             if not trusted and m.chars < TEXT_MIN_CHARS:
                 continue
-            toks = self.out.tokenizer.encode(m.cont)[:k if trusted else min(k, st.cap)]
-            out.append((m.chars, trusted, toks))
+            toks = self.out.tokenizer.encode(m.cont)[:k if trusted or self.cost is not None else min(k, st.cap)]
+            out.append((m.chars, trusted, toks, "text" if trusted else "text_weak"))
         return out
 
     def _walk_grammar(self, r, chains: list[list[int]], need_masks: bool = True
@@ -316,7 +397,7 @@ class SpecDecoder:
             pending = e.n - nodes
             contexts = tree_contexts(tree) if tree is not None else [e.draft[:i] for i in range(nodes + 1)]
             x = row_logits(self.sampler, logits[e.sample_row:e.sample_row + nodes + 1], r, contexts, r.spec.masks)
-            gen = None
+            gen, chain = None, 0
             if r.params.temperature > 1e-6:
                 gen = torch.Generator().manual_seed((r.seed * 1_000_003 + len(r.output_ids)) % (1 << 62))
             if r.grammar is not None and gen is None and r.spec.masks is None:
@@ -345,6 +426,8 @@ class SpecDecoder:
             self.kv.commit(r, pending + min(a, done), share=False)
             self.kv.trim(r)
             r.spec.record(k, a, self.k_max)
+            for b, (srcs, n) in enumerate(zip(r.spec.sources, [len(c) for c in tree.chains] if tree else [nodes])):
+                self.accept.record(srcs[:n], a if b == chain else 0, r.spec.own)
             self.counters["spec_verify_steps"] += 1
             self.counters["spec_draft_tokens"] += nodes
             self.counters["spec_accepted_tokens"] += a
@@ -405,4 +488,11 @@ def make_spec_decoder(config, runner, kv, sampler, out) -> Optional[SpecDecoder]
             torch.bfloat16, torch.float16):
         from sglite.kernels.cpu_gemv import MAX_ROWS  # the bf16 / quantized GEMV kernels' row block
         row_block = MAX_ROWS
-    return SpecDecoder(config, kv, sampler, out, draft, row_block)
+    cost = None
+    if draft is None and torch.device(getattr(runner, "device", "cpu")).type == "cpu" and hasattr(runner, "model"):
+        fwd = probe_forward(runner, kv)  # CPU: rows are not free; what they cost is measured
+        if fwd:
+            cost = StepCost(fwd, overhead=0.2 * fwd[min(fwd)])
+            log.info("speculative: forward of 1/8/32 rows %.1f/%.1f/%.1f ms (draft length from these costs)",
+                     1e3 * cost.forward(1), 1e3 * cost.forward(8), 1e3 * cost.forward(32))
+    return SpecDecoder(config, kv, sampler, out, draft, row_block, cost)

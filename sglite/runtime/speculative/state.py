@@ -30,6 +30,8 @@ class SpecState:
         masks: the grammar bitmask rows of the draft being verified ([k+1, W] int32) or None.
         draft_kv: the draft model's KV state of this request (``STANDALONE``).
         text: the text-level lookup of the request's prompt (``NGRAM``; :mod:`.text_lookup`).
+        sources: the draft source of each chain being verified (:class:`.policy.AcceptModel`).
+        own: this request's ``{source: [kept, tried]}`` draft tokens (:class:`.policy.AcceptModel`).
     """
 
     index: Optional[NgramIndex] = None
@@ -43,6 +45,8 @@ class SpecState:
     masks: Any = None
     draft_kv: Any = None
     text: Any = None
+    sources: list = field(default_factory=list)
+    own: dict = field(default_factory=dict)
 
     def record(self, k: int, a: int, k_max: int = 64) -> None:
         """A verify step of ``k`` draft tokens kept ``a`` of them (``k_max``: the configured most)."""

@@ -235,15 +235,22 @@ class QuantLinearWeight:
                        perm=mv(self.perm), bias=mv(self.bias))
 
     # -- reference ----------------------------------------------------------------------------------
+    def _tile_views(self) -> tuple:
+        """Views of a tiled weight's (codes, scales, mins) indexed ``[tile, lane]`` like the row
+        layout's rows (``row = 16 * tile + lane``): codes [N/16, 16, K/32, C, 4] uint8 (C = bits groups
+        of 4 bytes per block), scales / mins [N/16, 16, K/32] (mins None when absent). No copy."""
+        n, nb = self.shape[0], self.in_features // BLOCK
+        lanes = lambda t: None if t is None else t.view(n // TILE, nb, TILE).permute(0, 2, 1)  # noqa: E731
+        q = self.qweight.view(n // TILE, nb, -1, TILE, 4).permute(0, 3, 1, 2, 4)
+        return q, lanes(self.scales), lanes(self.mins)
+
     def untiled(self) -> "QuantLinearWeight":
         """This weight in the row layout: self when not tiled, else a copy with ``tiled=False``."""
         if not self.tiled:
             return self
-        n, nb = self.shape[0], self.in_features // BLOCK
-        q = self.qweight.view(n // TILE, nb, -1, TILE, 4).permute(0, 3, 1, 2, 4).reshape(n, -1)
-        rows = lambda t: None if t is None else t.view(n // TILE, nb, TILE).permute(0, 2, 1).reshape(n, nb)  # noqa: E731
-        return replace(self, qweight=q.contiguous(), scales=rows(self.scales).contiguous(),
-                       mins=None if self.mins is None else rows(self.mins).contiguous(), tiled=False)
+        n = self.shape[0]
+        q, s, m = (None if t is None else t.reshape(n, -1).contiguous() for t in self._tile_views())
+        return replace(self, qweight=q, scales=s, mins=m, tiled=False)
 
     def codes(self) -> torch.Tensor:
         """Unpacked codes [N, K] uint8, stored channel order (row layout)."""
@@ -272,12 +279,9 @@ class QuantLinearWeight:
         """Rows ``ids`` of ``W`` dequantized, [len(ids), K] in ``dtype`` (an embedding lookup of a
         tied embedding / LM head)."""
         if self.tiled:  # gather the rows out of their tiles (only those rows' bytes are read)
-            n, nb = self.shape[0], self.in_features // BLOCK
             t, r = ids // TILE, ids % TILE
-            q = self.qweight.view(n // TILE, nb, -1, TILE, 4).permute(0, 3, 1, 2, 4)[t, r].reshape(ids.numel(), -1)
-            rows = lambda x: None if x is None else x.view(n // TILE, nb, TILE).permute(0, 2, 1)[t, r]  # noqa: E731
-            sub = replace(self, qweight=q.contiguous(), scales=rows(self.scales).contiguous(),
-                          mins=None if self.mins is None else rows(self.mins).contiguous(), bias=None, tiled=False)
+            q, s, m = (None if v is None else v[t, r].reshape(ids.numel(), -1).contiguous() for v in self._tile_views())
+            sub = replace(self, qweight=q, scales=s, mins=m, bias=None, tiled=False)
         else:
             sub = replace(self, qweight=self.qweight[ids], scales=self.scales[ids],
                           mins=None if self.mins is None else self.mins[ids], bias=None)

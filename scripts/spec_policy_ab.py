@@ -7,7 +7,7 @@ Usage: ``python scripts/spec_policy_ab.py copy_edit,extract_json,chat 2`` (workl
 NGRAM engine over the base, and how many outputs equal the base's."""
 import sys, time
 from sglite import Engine
-from sglite.bench.spec import workloads
+from sglite.bench.spec import _decode_part, workloads
 names = sys.argv[1].split(","); rounds = int(sys.argv[2])
 kw = dict(max_total_tokens=16384, max_running_requests=16)
 engs = {"base": Engine(**kw), "cost": Engine(**kw, speculative_algorithm="NGRAM"), "rowblock": Engine(**kw, speculative_algorithm="NGRAM")}
@@ -26,8 +26,8 @@ for wl in names:
             if j % 2: rot = rot[::-1]
             for k in rot:
                 t0 = time.perf_counter(); o = engs[k].generate([prompts[i]], [sps[i]])[0]; t = time.perf_counter() - t0
-                n = len(o["output_ids"]); ttft = o["meta_info"].get("ttft") or 0
-                tot[k][0] += n; tot[k][1] += t; tot[k][2] += n - 1; tot[k][3] += t - ttft
+                n_d, t_d = _decode_part([o], t)  # the decode phase, as sglite bench spec counts it
+                tot[k][0] += len(o["output_ids"]); tot[k][1] += t; tot[k][2] += n_d; tot[k][3] += t_d
                 outs.setdefault((k, i), o["output_ids"])
     b = tot["base"]
     same = {k: sum(outs[(k, i)] == outs[("base", i)] for i in range(len(prompts))) for k in engs}

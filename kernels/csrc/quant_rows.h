@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #include <c10/util/Half.h>
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -21,6 +22,29 @@ namespace sglite_quant {
 
 
 constexpr int64_t BLK = 32;  // channels per packing block
+
+template <int V> using Int = std::integral_constant<int, V>;
+
+// f(Int<M>{}) for M = 1..8: the row count of the register-tiled kernels (templated on M)
+template <typename F> inline void with_rows(int64_t M, F&& f) {
+  switch (M) {
+    case 1: f(Int<1>{}); break;
+    case 2: f(Int<2>{}); break;
+    case 3: f(Int<3>{}); break;
+    case 4: f(Int<4>{}); break;
+    case 5: f(Int<5>{}); break;
+    case 6: f(Int<6>{}); break;
+    case 7: f(Int<7>{}); break;
+    case 8: f(Int<8>{}); break;
+    default: TORCH_CHECK(false, "quantized GEMV: 1..8 rows per kernel call, got ", M);
+  }
+}
+
+// f(Int<bits>{}) for a code width of 4 or 8 bits
+template <typename F> inline void with_bits(int bits, F&& f) {
+  if (bits == 4) f(Int<4>{});
+  else f(Int<8>{});
+}
 
 // xs[m * G + g] = float32 sum of x[m, g * gs : (g + 1) * gs] (the offsets' factor)
 inline void group_sums(const float* xf, int64_t M, int64_t K, int64_t gs, float* xs) {
@@ -140,16 +164,6 @@ void rows_avx(const uint16_t* xp, int64_t K, const uint8_t* q, const float* s, c
   }
 }
 
-template <int P, int BITS>
-void rows_avx_m(int64_t M, const uint16_t* xp, int64_t K, const uint8_t* q, const float* s, const float* mn,
-                const float* xs, int64_t gs, int64_t n0, int64_t n1, int64_t N, float* y) {
-  switch (M) {
-#define SGQ_CASE(MM) case MM: rows_avx<MM, P, BITS>(xp, K, q, s, mn, xs, gs, n0, n1, N, y); break;
-    SGQ_CASE(1) SGQ_CASE(2) SGQ_CASE(3) SGQ_CASE(4) SGQ_CASE(5) SGQ_CASE(6) SGQ_CASE(7) SGQ_CASE(8)
-#undef SGQ_CASE
-    default: TORCH_CHECK(false, "quant_gemv: 1..8 rows");
-  }
-}
 #endif
 
 
@@ -161,6 +175,12 @@ struct QW {
   const uint8_t* q; const float* s; const float* mn; int bits; int64_t gs, N, K; bool half = false;
   bool tiled = false;
 };
+
+// f(ST{}) with ST the scale storage of w: uint16_t (float16 bits, w.half) or float
+template <typename F> inline void with_scale_type(const QW& w, F&& f) {
+  if (w.half) f(uint16_t{});
+  else f(float{});
+}
 
 inline float half_to_float(uint16_t h) { c10::Half v; v.x = h; return (float)v; }
 inline float scale_at(const float* p, int64_t i) { return p[i]; }
@@ -197,13 +217,13 @@ inline void gemv_float(const QW& w, const float* xf, const uint16_t* xbf, int64_
   }
   const uint16_t* xp = xbf ? xbf : planes.data();
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    if (w.bits == 4) {
-      if (P == 1) rows_avx_m<1, 4>(M, xp, K, w.q, w.s, w.mn, xs.data(), w.gs, n0, n1, N, y);
-      else rows_avx_m<3, 4>(M, xp, K, w.q, w.s, w.mn, xs.data(), w.gs, n0, n1, N, y);
-    } else {
-      if (P == 1) rows_avx_m<1, 8>(M, xp, K, w.q, w.s, w.mn, xs.data(), w.gs, n0, n1, N, y);
-      else rows_avx_m<3, 8>(M, xp, K, w.q, w.s, w.mn, xs.data(), w.gs, n0, n1, N, y);
-    }
+    with_bits(w.bits, [&](auto bits) {
+      with_rows(M, [&](auto m) {
+        constexpr int MM = decltype(m)::value, B = decltype(bits)::value;
+        if (P == 1) rows_avx<MM, 1, B>(xp, K, w.q, w.s, w.mn, xs.data(), w.gs, n0, n1, N, y);
+        else rows_avx<MM, 3, B>(xp, K, w.q, w.s, w.mn, xs.data(), w.gs, n0, n1, N, y);
+      });
+    });
   });
 #else
   (void)xbf;
@@ -340,16 +360,6 @@ void rows_q8_avx(const int8_t* xp, const float* dx, const float* sx, int64_t K, 
   }
 }
 
-template <int BITS, typename ST>
-void rows_q8_avx_m(int64_t M, const int8_t* xp, const float* dx, const float* sx, int64_t K, const QW& w,
-                   int64_t n0, int64_t n1, float* y) {
-  switch (M) {
-#define SGQ_CASE(MM) case MM: rows_q8_avx<MM, BITS, ST>(xp, dx, sx, K, w, n0, n1, y); break;
-    SGQ_CASE(1) SGQ_CASE(2) SGQ_CASE(3) SGQ_CASE(4) SGQ_CASE(5) SGQ_CASE(6) SGQ_CASE(7) SGQ_CASE(8)
-#undef SGQ_CASE
-    default: break;
-  }
-}
 #endif
 
 #include "quant_tiles.h"
@@ -379,21 +389,23 @@ inline void gemv_q8(const QW& w, const float* xf, int64_t M, float* y, bool port
     std::vector<int8_t> xp(M * ((nb + 1) / 2) * 64);
     arrange_q8(xq.data(), M, K, w.bits, xp.data());
     at::parallel_for(0, w.N, grain, [&](int64_t n0, int64_t n1) {
-      if (w.half) {
-        if (w.bits == 4) rows_q8_avx_m<4, uint16_t>(M, xp.data(), dx.data(), sx.data(), K, w, n0, n1, y);
-        else rows_q8_avx_m<8, uint16_t>(M, xp.data(), dx.data(), sx.data(), K, w, n0, n1, y);
-      } else {
-        if (w.bits == 4) rows_q8_avx_m<4, float>(M, xp.data(), dx.data(), sx.data(), K, w, n0, n1, y);
-        else rows_q8_avx_m<8, float>(M, xp.data(), dx.data(), sx.data(), K, w, n0, n1, y);
-      }
+      with_scale_type(w, [&](auto st) {
+        with_bits(w.bits, [&](auto bits) {
+          with_rows(M, [&](auto m) {
+            constexpr int MM = decltype(m)::value, B = decltype(bits)::value;
+            rows_q8_avx<MM, B, decltype(st)>(xp.data(), dx.data(), sx.data(), K, w, n0, n1, y);
+          });
+        });
+      });
     });
     return;
   }
 #endif
   (void)portable;
   at::parallel_for(0, w.N, grain, [&](int64_t n0, int64_t n1) {
-    if (w.half) rows_q8_portable<uint16_t>(xq.data(), dx.data(), sx.data(), M, K, w, n0, n1, y);
-    else rows_q8_portable<float>(xq.data(), dx.data(), sx.data(), M, K, w, n0, n1, y);
+    with_scale_type(w, [&](auto st) {
+      rows_q8_portable<decltype(st)>(xq.data(), dx.data(), sx.data(), M, K, w, n0, n1, y);
+    });
   });
 }
 

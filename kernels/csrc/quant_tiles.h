@@ -1,6 +1,7 @@
 // GEMV on quantized weights interleaved in tiles of 16 rows (layout and torch reference:
-// sglite/kernels/quant_linear.py, tile_rows / untile_rows). Spliced by quant_rows.h inside
-// namespace sglite_quant (uses its QW, BLK, scale_at and, with VNNI, <immintrin.h>).
+// sglite/kernels/quant_linear.py, tile_rows / QuantLinearWeight.untiled). Spliced by quant_rows.h inside
+// namespace sglite_quant (uses its QW, BLK, scale_at, with_rows / with_bits / with_scale_type and,
+// with VNNI, <immintrin.h>).
 //
 // Tile t holds rows 16t..16t+15. Per 32-block j its codes are 16 * 32 * bits / 8 bytes: for each
 // group c of 4 consecutive code bytes of a row's packed block (8 groups at 8 bits, 4 at 4 bits),
@@ -107,16 +108,6 @@ void rows_q8_tile(const int8_t* xq, const float* dx, const float* sx, int64_t K,
   }
 }
 
-template <int BITS, typename ST>
-void rows_q8_tile_m(int64_t M, const int8_t* xq, const float* dx, const float* sx, int64_t K, const QW& w,
-                    int64_t t0, int64_t t1, float* y) {
-  switch (M) {
-#define SGQ_CASE(MM) case MM: rows_q8_tile<MM, BITS, ST>(xq, dx, sx, K, w, t0, t1, y); break;
-    SGQ_CASE(1) SGQ_CASE(2) SGQ_CASE(3) SGQ_CASE(4) SGQ_CASE(5) SGQ_CASE(6) SGQ_CASE(7) SGQ_CASE(8)
-#undef SGQ_CASE
-    default: break;
-  }
-}
 #endif
 
 // y [M, N] float32 (1 <= M <= 8) for a tiled weight (w.tiled, N % 16 == 0, group size 32) from the
@@ -125,19 +116,20 @@ inline void gemv_q8_tiled(const QW& w, const int8_t* xq, const float* dx, const 
                           bool portable) {
   const int64_t T = w.N / TILE, grain = std::max<int64_t>(1, (int64_t)(1 << 12) / std::max<int64_t>(w.K, 1));
   at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
+    with_scale_type(w, [&](auto st) {
+      using ST = decltype(st);
 #ifdef SGQ_VNNI
-    if (!portable) {
-      if (w.half) {
-        if (w.bits == 4) rows_q8_tile_m<4, uint16_t>(M, xq, dx, sx, w.K, w, t0, t1, y);
-        else rows_q8_tile_m<8, uint16_t>(M, xq, dx, sx, w.K, w, t0, t1, y);
-      } else {
-        if (w.bits == 4) rows_q8_tile_m<4, float>(M, xq, dx, sx, w.K, w, t0, t1, y);
-        else rows_q8_tile_m<8, float>(M, xq, dx, sx, w.K, w, t0, t1, y);
+      if (!portable) {
+        with_bits(w.bits, [&](auto bits) {
+          with_rows(M, [&](auto m) {
+            constexpr int MM = decltype(m)::value, B = decltype(bits)::value;
+            rows_q8_tile<MM, B, ST>(xq, dx, sx, w.K, w, t0, t1, y);
+          });
+        });
+        return;
       }
-      return;
-    }
 #endif
-    if (w.half) rows_q8_tile_portable<uint16_t>(xq, dx, sx, M, w.K, w, t0, t1, y);
-    else rows_q8_tile_portable<float>(xq, dx, sx, M, w.K, w, t0, t1, y);
+      rows_q8_tile_portable<ST>(xq, dx, sx, M, w.K, w, t0, t1, y);
+    });
   });
 }

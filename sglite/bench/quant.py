@@ -82,7 +82,10 @@ def llama_bench(a, threads: int) -> float:
 def speed(a, scheme: Optional[str]) -> dict:
     """Resident bytes, decode tok/s at batch 1 and 16, prefill tok/s of one scheme (and llama.cpp's
     batch-1 decode interleaved with ours when ``--llama-bench`` is given)."""
+    import torch
+
     e = _engine(a, scheme, a.dtype, disable_radix_cache=True, max_total_tokens=16 * 1024)
+    threads = a.num_threads or torch.get_num_threads()  # the engine's (set from --num-threads)
     rng = random.Random(0)
     vocab = list(range(200, 40000))
     try:
@@ -91,12 +94,10 @@ def speed(a, scheme: Optional[str]) -> dict:
         for batch in (1, 16):
             ps = [[rng.choice(vocab) for _ in range(32)] for _ in range(batch)]
             _timed(e, ps, 4)  # warm-up
-            import torch  # the engine's thread count (set from --num-threads)
-
             best, theirs = float("inf"), 0.0
             for _ in range(a.repeats):
                 if batch == 1 and a.llama_bench:
-                    theirs = max(theirs, llama_bench(a, a.num_threads or torch.get_num_threads()))
+                    theirs = max(theirs, llama_bench(a, threads))
                 t1 = _timed(e, ps, 1)
                 tn = _timed(e, ps, 1 + a.decode_tokens)
                 best = min(best, max(tn - t1, 1e-9))

@@ -42,9 +42,9 @@ def e4m3(x: torch.Tensor) -> torch.Tensor:
 
 
 def channel_scales(w: torch.Tensor) -> torch.Tensor:
-    """float32 [N]: ``max_k |w[n, k]| / 448`` (1 for an all-zero row); ``w`` [N, K]."""
-    amax = w.float().abs().amax(1)
-    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    """float32 [N]: ``max_k |w[n, k]| / 448`` (1 for an all-zero row); ``w`` [N, K]. The plain
+    scales (GPTQ-FP8's); :func:`rtn_fp8` searches them (``fp8_channel_scales`` with its default)."""
+    return fp8_channel_scales(w, steps=1)
 
 
 def block_scales(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -76,7 +76,7 @@ def rtn_fp8(w: torch.Tensor, block: Optional[tuple[int, int]] = None) -> tuple[t
         ``(w8 float8_e4m3fn [N, K], scale)``: scale float32 [N] (``block`` None: the searched
         per-channel scales of :func:`sglite.kernels.w8_linear.fp8_channel_scales`, as
         ``--quantization fp8`` at load) or the tile scales of :func:`block_scales`."""
-    s = fp8_channel_scales(w.float()) if block is None else block_scales(w, block)
+    s = fp8_channel_scales(w) if block is None else block_scales(w, block)
     full = s[:, None] if block is None else expand_block_scales(s, tuple(w.shape), block)
     return (w.float() / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), s
 

@@ -177,12 +177,11 @@ def load_state_dict(checkpoint: Checkpoint, dtype: torch.dtype, device: str = "c
         raise InvalidRequestError(f"quantization: gguf needs a .gguf model_path, got {checkpoint.source!r}",
                                   field="quantization")
     cfg = checkpoint.hf_config
-    cached = native_cache.load(native_cache.cache_path(checkpoint.model_dir), device)
-    if cached is not None:  # the blocks as a previous start read them (module native_cache)
-        state: dict = cached
-    else:
+    cache = native_cache.cache_path(checkpoint.model_dir)
+    state = native_cache.load(cache, device)  # the blocks as a previous start read them
+    if state is None:
         state = _read_blocks(gguf.GGUFReader(checkpoint.source), cfg, device)
-        native_cache.save(native_cache.cache_path(checkpoint.model_dir), state)
+        native_cache.save(cache, state)
     files = sorted(checkpoint.model_dir.glob("*.safetensors"))
     for file in files:
         with safe_open(str(file), framework="pt") as f:

@@ -60,18 +60,19 @@ def save(path: Path, weights: dict) -> bool:
             tensors[f"{name}::mins"] = w.mins.cpu().contiguous()
         meta[name] = {f: getattr(w, f) for f in _FIELDS}
     path = Path(path)
+    tmp = None
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
         os.close(fd)
         save_file(tensors, tmp, metadata={"sglite_quant": json.dumps(meta), "version": VERSION})
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
+        return True
     except OSError as exc:
         log.warning("native cache: cannot write %s (%s); the next start reads the GGUF file again", path, exc)
-        if "tmp" in locals() and os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
         return False
-    return True
 
 
 def load(path: Path, device: str = "cpu") -> Optional[dict]:
@@ -93,7 +94,7 @@ def load(path: Path, device: str = "cpu") -> Optional[dict]:
                 w = QuantLinearWeight(f.get_tensor(f"{name}::qweight"), f.get_tensor(f"{name}::scales"), mins,
                                       int(fields["bits"]), int(fields["group_size"]), int(fields["in_features"]),
                                       fmt=str(fields["fmt"]))
-                out[name] = w.to(device) if device != "cpu" else w
+                out[name] = w.to(device)
             return out
     except (SafetensorError, OSError, KeyError, ValueError, json.JSONDecodeError) as exc:
         log.warning("native cache: %s is unreadable (%s); rebuilding it from the GGUF file", path, exc)

@@ -33,6 +33,7 @@ draft length" work), with the cost curve measured instead of assumed linear.
 """
 from __future__ import annotations
 
+import bisect
 import time
 from typing import Callable, Optional, Sequence
 
@@ -67,15 +68,15 @@ class StepCost:
         self.verify_extra = 0.0  # what a step with drafts costs beyond that (drafting, verification)
 
     def forward(self, rows: int) -> float:
-        """Interpolated forward seconds of ``rows`` rows."""
+        """Forward seconds of ``rows`` rows: linear between the two measured row counts around it
+        (beyond the ends: the line through the first / last two), never below half the smallest
+        measurement; one measurement: proportional to ``rows``."""
         xs, ys = self.rows, self.secs
         if len(xs) == 1:
             return ys[0] * rows / xs[0]
-        for i in range(1, len(xs)):
-            if rows <= xs[i] or i == len(xs) - 1:
-                x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-                return max(ys[0] * 0.5, y0 + (y1 - y0) * (rows - x0) / (x1 - x0))
-        return ys[-1]  # unreachable
+        i = min(max(bisect.bisect_left(xs, rows), 1), len(xs) - 1)  # segment xs[i-1]..xs[i]
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return max(ys[0] * 0.5, y0 + (y1 - y0) * (rows - x0) / (x1 - x0))
 
     def __call__(self, rows: int, drafted: bool = False) -> float:
         """Seconds of a step of ``rows`` rows (``drafted``: one that verifies drafts)."""
@@ -143,6 +144,10 @@ class AcceptModel:
         self.counts = {s: [0.0, 0.0] for s in self.priors}  # source -> [kept, tried]
 
     def rate(self, source: str, own: Optional[dict] = None) -> float:
+        """Probability in (0, 1) that a draft token of ``source`` is kept given the one before it
+        was: ``(kept + w * prior) / (tried + w)`` over the decayed counts of every request (w =
+        ``PRIOR_WEIGHT``; an unknown source has prior 0.5), then the same blend of ``own``'s counts
+        (``{source: [kept, tried]}``, one request's) with that global estimate as the prior."""
         p0 = self.priors.get(source, 0.5)
         kept, tried = self.counts.get(source, (0.0, 0.0))
         g = (kept + PRIOR_WEIGHT * p0) / (tried + PRIOR_WEIGHT)

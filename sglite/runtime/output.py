@@ -97,25 +97,32 @@ class OutputProcessor:
             r.sink(self.event(r))
         return reason
 
-    def _jump_forward(self, r: Req) -> Optional[FinishReason]:
-        s = r.grammar.find_jump_forward_string()
+    def jump_tokens(self, grammar) -> list[int]:
+        """The tokens jump-forward appends at the grammar's current state: the canonical tokens
+        of the string it forces (none when it forces nothing). ``grammar`` is not advanced (the
+        tokens are checked on a fork). Speculative decoding drafts these same tokens after a
+        draft token that forces text, so a verify step stays what the plain run computes."""
+        s = grammar.find_jump_forward_string()
         if not s:
-            return None
+            return []
         toks = self.tokenizer.encode(s)
-        probe = r.grammar.fork()
+        probe = grammar.fork()
         if not all(probe.accept_token(t) for t in toks[:-1]):
-            return None
+            return []
         # whether no token allowed at the last token's position reaches past its bytes: then the
         # boundary cannot merge with what follows and the last token is jumped too
         last_forced = probe.forces_token_text(toks[-1])
         if not probe.accept_token(toks[-1]):
-            return None
+            return []
         if not probe.is_terminated() and not last_forced:
             # leave the last token to the model: the canonical tokens of the forced string alone
             # often end where the model would have merged the boundary with what follows
             # (`name"` + `:` vs `name` + `":`), and keeping it would change the text
             toks = toks[:-1]
-        for tok in toks:
+        return toks
+
+    def _jump_forward(self, r: Req) -> Optional[FinishReason]:
+        for tok in self.jump_tokens(r.grammar):
             if not r.grammar.accept_token(tok):
                 break
             reason = self._check(r, tok, jumped=True)

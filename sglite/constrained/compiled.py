@@ -46,6 +46,8 @@ class CompiledGrammar(CompiledGrammarProtocol):
         self.root = automaton.dfas[automaton.root]
         self._lock = threading.RLock()
         self._masks: dict = {}
+        self._forced: dict = {}  # state -> forced_bytes(state)
+        self._forces: dict = {}  # (state, token id) -> forces_token_text(state, token id)
         self._walks: dict = {}
         self._stack_masks = (StackMasker(automaton.dfas, tokenizer_info.sorted_vocab, self._walk,
                                          tokenizer_info.mask_words, MAX_STACK_DEPTH)
@@ -160,7 +162,46 @@ class CompiledGrammar(CompiledGrammarProtocol):
         return out
 
     def forced_bytes(self, state) -> bytes:
-        """Bytes every continuation of ``state`` must start with (stops at an accepting state)."""
+        """Bytes every continuation of ``state`` must start with (stops at an accepting state);
+        cached per state (jump-forward and speculative drafts ask after every token)."""
+        out = self._forced.get(state)
+        if out is None:
+            out = self._forced_bytes(state)
+            with self._lock:
+                if len(self._forced) >= MAX_STATE_MASKS:
+                    self._forced.pop(next(iter(self._forced)))  # oldest
+                self._forced[state] = out
+        return out
+
+    def forces_token_text(self, state, token_id: int) -> bool:
+        """Whether every token allowed at ``state`` is a prefix of ``token_id``'s bytes (False
+        when ``token_id`` is special or not allowed); cached per (state, token)."""
+        key = (state, token_id)
+        out = self._forces.get(key)
+        if out is None:
+            out = self._forces_token_text(state, token_id)
+            with self._lock:
+                if len(self._forces) >= MAX_STATE_MASKS:
+                    self._forces.pop(next(iter(self._forces)))  # oldest
+                self._forces[key] = out
+        return out
+
+    def _forces_token_text(self, state, token_id: int) -> bool:
+        info = self.info
+        target = info.token_bytes[token_id] if 0 <= token_id < info.vocab_size else None
+        if not target:
+            return False
+        words = self.mask(state).numpy()
+        if not (int(words[token_id >> 5]) >> (token_id & 31)) & 1:
+            return False
+        allowed = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")[:info.vocab_size])
+        for t in allowed.tolist():
+            b = info.token_bytes[t]
+            if b is None or len(b) > len(target) or target[:len(b)] != b:
+                return False
+        return True
+
+    def _forced_bytes(self, state) -> bytes:
         out = bytearray()
         while len(out) < MAX_FORCED_BYTES and not self.accepting(state):
             live = self.live_bytes(state)

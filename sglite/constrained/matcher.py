@@ -111,19 +111,7 @@ class GrammarMatcher(GrammarMatcherProtocol):
         Never mutates the matcher.
         """
         state, terminated = self._history[-1]
-        info = self.compiled.info
-        target = info.token_bytes[token_id] if 0 <= token_id < info.vocab_size else None
-        if terminated or not target:
-            return False
-        words = self.compiled.mask(state).numpy().view(np.uint8)  # [4W] little-endian bytes
-        allowed = np.flatnonzero(np.unpackbits(words, bitorder="little")[:info.vocab_size])
-        if token_id not in set(allowed.tolist()):
-            return False
-        for t in allowed.tolist():
-            b = info.token_bytes[t]
-            if b is None or len(b) > len(target) or target[:len(b)] != b:
-                return False
-        return True
+        return not terminated and self.compiled.forces_token_text(state, token_id)
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (a forced string counts as one); a list

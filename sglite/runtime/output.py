@@ -19,13 +19,18 @@ from .engine_stream import OutputEvent
 from .req import FinishReason, Req
 
 
+JUMP_CACHE = 4096  # forced strings whose canonical tokens are kept (JSON keys repeat)
+
+
 class OutputProcessor:
-    """Stateless helper of the scheduler (state lives on :class:`Req`)."""
+    """Stateless helper of the scheduler (state lives on :class:`Req`; the only memory is a
+    cache of forced strings' token ids)."""
 
     def __init__(self, tokenizer, enable_jump_forward: bool = True):
         self.tokenizer = tokenizer
         self.eos = tokenizer.eos_token_ids
         self.enable_jump_forward = enable_jump_forward
+        self._encoded: dict[str, list[int]] = {}  # forced string -> its canonical tokens
 
     # ------------------------------------------------------------------ logprobs
     def _entry(self, lp: float, tid: int) -> list:
@@ -105,7 +110,12 @@ class OutputProcessor:
         s = grammar.find_jump_forward_string()
         if not s:
             return []
-        toks = self.tokenizer.encode(s)
+        toks = self._encoded.get(s)
+        if toks is None:
+            toks = self.tokenizer.encode(s)
+            if len(self._encoded) >= JUMP_CACHE:
+                self._encoded.pop(next(iter(self._encoded)))
+            self._encoded[s] = toks
         probe = grammar.fork()
         if not all(probe.accept_token(t) for t in toks[:-1]):
             return []
@@ -119,7 +129,7 @@ class OutputProcessor:
             # often end where the model would have merged the boundary with what follows
             # (`name"` + `:` vs `name` + `":`), and keeping it would change the text
             toks = toks[:-1]
-        return toks
+        return list(toks)
 
     def _jump_forward(self, r: Req) -> Optional[FinishReason]:
         for tok in self.jump_tokens(r.grammar):

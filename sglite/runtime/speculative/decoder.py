@@ -66,6 +66,18 @@ TREE_BRANCHES = 3  # most n-gram candidates (token-tree chains) verified per req
 TEXT_TAIL_TOKENS = 12  # output tokens decoded as the tail of a text-level lookup
 TEXT_MIN_CHARS = 3  # a text match shorter than this (and not word-aligned) is no draft
 TEXT_TRUST_CHARS = 8  # a text match this long drafts the full length, whatever the cap
+FORCED = "forced"  # draft source of jump-forward tokens (kept whenever the token before them is)
+CLOSE = "close"  # draft source of a `"` closing a copied JSON string value at a word boundary
+
+
+def _whole_forced(sources: list, n: int, up: bool) -> int:
+    """A chain's draft length ``n`` moved out of its jump-forward tail (``sources`` per token,
+    ``FORCED`` at the end): the token forcing the text and the text go together or not at all;
+    ``up``: the whole chain, else the part before that token."""
+    f = next((i for i, s in enumerate(sources) if s == FORCED), len(sources))
+    if f == len(sources) or n < f or n >= len(sources):
+        return n
+    return len(sources) if up else max(0, f - 1)
 
 
 class SpecDecoder:
@@ -90,7 +102,7 @@ class SpecDecoder:
         self.kv, self.sampler, self.out = kv, sampler, out
         self.draft_model = draft_model
         self.counters = {"spec_verify_steps": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
-                         "spec_tree_steps": 0}
+                         "spec_tree_steps": 0, "spec_forced_tokens": 0}
         # token trees (several n-gram candidates per step) need a slot per position: page size 1
         self.tree_ok = self.draft_model is None and config.page_size == 1
         self.tree_branches = TREE_BRANCHES
@@ -104,10 +116,13 @@ class SpecDecoder:
         self.accept = AcceptModel()
         self._last_step: Optional[tuple] = None  # (start time, rows, drafted) of a decode-only step
         self._starts_word: dict[int, bool] = {}  # token id -> its text starts with whitespace
+        self._quote: Optional[int] = None  # token id of a lone `"` (-1: none), looked up once
+        self._close_merge: Optional[int] = None  # characters of the model's own string-closing token
 
     @property
     def stats(self) -> dict:
-        """Counters since start: verify steps (request-steps), draft and accepted tokens."""
+        """Counters since start: verify steps (request-steps), draft and accepted tokens (of
+        which ``spec_forced_tokens`` were jump-forward text verified as drafts)."""
         return dict(self.counters)
 
     # ------------------------------------------------------------------ drafting
@@ -171,7 +186,8 @@ class SpecDecoder:
             r.spec.masks = None
             chain_masks = None
             if chains and r.grammar is not None:
-                chains, chain_masks = self._walk_grammar(r, chains, need_masks=r.params.temperature > 1e-6)
+                chains, chain_masks = self._walk_grammar(r, chains, need_masks=r.params.temperature > 1e-6,
+                                                         sources=sources, limit=self._forced_room(e))
             proposals.append((e, chains, sources, chain_masks))
         if self.cost is not None:
             lens = self._choose(proposals, entries)
@@ -180,7 +196,7 @@ class SpecDecoder:
         for e, chains, sources, chain_masks in proposals:
             r = e.req
             if self.cost is None:
-                chains = self._fit(chains, self._free_rows)
+                chains = self._fit(chains, self._free_rows, sources)
             keep = [i for i, c in enumerate(chains) if c]
             rows = self._scratch_rows(len(keep) - 1) if len(keep) > 1 else []
             keep = keep[:1 + len(rows)]
@@ -211,7 +227,8 @@ class SpecDecoder:
             for c, srcs in zip(chains, sources):
                 ps, p = [], q
                 for src in srcs[:len(c)]:
-                    p *= self.accept.rate(src, e.req.spec.own)
+                    if src != FORCED:  # jump-forward text: kept whenever the token before it is
+                        p *= self.accept.rate(src, e.req.spec.own)
                     ps.append(p)
                 probs.append(ps)
                 owner.append(j)
@@ -226,15 +243,21 @@ class SpecDecoder:
         out: list[list[int]] = [[] for _ in proposals]
         for j, n in zip(owner, flat):
             out[j].append(n)
+        for (_, chains, sources, _), lens in zip(proposals, out):
+            for b, (c, srcs) in enumerate(zip(chains, sources)):
+                lens[b] = _whole_forced(srcs[:len(c)], lens[b], up=True)
         return out
 
     @staticmethod
-    def _fit(chains: list[list[int]], budget: int) -> list[list[int]]:
+    def _fit(chains: list[list[int]], budget: int, sources: Optional[list] = None) -> list[list[int]]:
         """The chains cut to ``budget`` nodes in all: the first takes what it needs, each later
-        one at most half of what is left (empty chains stay, to keep the mask rows aligned)."""
+        one at most half of what is left (empty chains stay, to keep the mask rows aligned); a
+        cut inside a chain's jump-forward text moves before the token that forces it."""
         out = []
         for i, c in enumerate(chains):
             n = min(len(c), budget if i == 0 or not any(out) else budget // 2)
+            if sources is not None:
+                n = _whole_forced(sources[i][:len(c)], n, up=False)
             out.append(c[:n])
             budget -= n
         return out
@@ -348,7 +371,62 @@ class SpecDecoder:
             out.append((m.chars, trusted, toks, "text" if trusted else "text_weak"))
         return out
 
-    def _walk_grammar(self, r, chains: list[list[int]], need_masks: bool = True
+    def _forced_room(self, e: StepEntry) -> int:
+        """Draft tokens an entry can take in all when jump-forward text extends a chain: the
+        tokens left to ``max_new_tokens`` and the context, whatever the draft cap (forced tokens
+        are no guess)."""
+        r = e.req
+        left = r.params.max_new_tokens - len(r.output_ids) - 1
+        return max(0, min(left, self.kv.req_pool.max_context - 8 - (e.start + e.n)))
+
+    def _quote_id(self) -> Optional[int]:
+        """The token of a lone ``"`` (None when the tokenizer has none)."""
+        if self._quote is None:
+            ids = self.out.tokenizer.encode('"')
+            self._quote = ids[0] if len(ids) == 1 else -1
+        return self._quote if self._quote >= 0 else None
+
+    def _word_start(self, t: int) -> bool:
+        ws = self._starts_word.get(t)
+        if ws is None:
+            piece = self._decode([t])
+            ws = self._starts_word[t] = bool(piece) and piece[0].isspace()
+        return ws
+
+    def _value_ends_before(self, chain: list[int], i: int) -> bool:
+        """Whether a value copied from the prompt likely ends before ``chain[i]`` (``i > 0``):
+        the token starts a new word, or is punctuation that ends the chain or precedes one."""
+        if i == 0:
+            return False
+        if self._word_start(chain[i]):
+            return True
+        piece = self._decode([chain[i]])
+        return bool(piece) and piece[0] in ".,;:!?)" and (i + 1 == len(chain) or self._word_start(chain[i + 1]))
+
+    def _closing_token(self, g, quote: int) -> Optional[int]:
+        """The token that would close the grammar's current JSON string as the model writes it,
+        or None where ``"`` cannot close here. Candidates: the single tokens spelling ``"`` plus
+        a prefix of the text the grammar then forces (`"`, `",`, `","` before `"email":"`): the
+        one merging as many characters as the model did when it last refused a closing draft
+        (models differ in how they merge the boundary), else the canonical first token of the
+        whole. ``g`` is left where it was."""
+        if not g.accept_token(quote):
+            return None
+        try:
+            s = g.find_jump_forward_string() if hasattr(g, "find_jump_forward_string") else ""
+        finally:
+            g.rollback(1)
+        if not s:
+            return quote
+        enc = self.out.tokenizer.encode
+        if self._close_merge is not None and self._close_merge <= len(s) + 1:
+            ids = enc('"' + s[:self._close_merge - 1])
+            if len(ids) == 1:
+                return ids[0]
+        return enc('"' + s)[0]
+
+    def _walk_grammar(self, r, chains: list[list[int]], need_masks: bool = True,
+                      sources: Optional[list] = None, limit: int = 1 << 30
                       ) -> tuple[list[list[int]], Optional[list[torch.Tensor]]]:
         """The longest prefix of each chain the grammar allows, and (``need_masks``: sampled
         requests) the bitmask rows of the verify step: ``[root mask [1, W]] + [one [len, W] per
@@ -356,35 +434,68 @@ class SpecDecoder:
         checks the argmax against the matcher and fills a mask only where it is refused
         (:func:`.verify.greedy_walk`). The matcher is left where it was, also when it raises.
 
-        With jump-forward on, a chain also ends before a token after which the grammar forces
-        text: without speculation that text is appended by jump-forward right after the token
-        (not predicted by the model), so a verify row after such a token would predict what the
-        plain run never samples; the forced text follows the step's last token instead."""
+        With ``sources`` (per chain, per token; updated in place) two more things happen:
+
+        * **Jump-forward text as free drafts** (when jump-forward is on): after a draft token
+          that makes the grammar force text, the plain run appends that text's tokens
+          (:meth:`OutputProcessor.jump_tokens`) without asking the model. The chain ends with
+          those tokens appended, source ``FORCED``: kept whenever the token before them is,
+          never checked against the model (the issue's "jump-forward strings act as free,
+          always-accepted drafts"), so the verify row after them predicts what the plain run's
+          next step predicts (e.g. the first token of the next JSON value). Without ``sources``
+          or room within ``limit`` tokens the chain ends *before* such a token instead (a verify
+          row after it would predict text the plain run never samples).
+        * **Closing a copied value**: where a prompt copy inside a JSON string reaches a word
+          boundary (:meth:`_value_ends_before`) and the grammar lets ``"`` close the string, the
+          chain takes the closing token there (:meth:`_closing_token`, source ``CLOSE``) and
+          ends after it and its forced text: extracted values end where the prompt's phrase
+          goes on (`Hamburg` + `",` + `"job":"` instead of `Hamburg` + ` and works`).
+        """
         g, W = r.grammar, self.sampler.words
         jump = bool(getattr(self.out, "enable_jump_forward", False)) and hasattr(g, "find_jump_forward_string")
+        quote = self._quote_id() if sources is not None else None
         masks = None
         if need_masks:
             masks = [torch.full((1, W), -1, dtype=torch.int32)]
             g.fill_next_token_bitmask(masks[0], 0)
         kept_chains = []
-        for c in chains:
-            m = torch.full((len(c), W), -1, dtype=torch.int32) if need_masks else None
-            kept = 0
+        for b, c in enumerate(chains):
+            rows: list[torch.Tensor] = []
+            out: list[int] = []
+            walked = 0
             try:
-                for t in c:
-                    if g.is_terminated() or not g.accept_token(t):
+                for i, t in enumerate(c):
+                    closing = False
+                    if g.is_terminated():
                         break
-                    if jump and g.find_jump_forward_string():
+                    close = self._closing_token(g, quote) if quote is not None and self._value_ends_before(c, i) else None
+                    if close is not None and close != t and g.accept_token(close):
+                        t, closing = close, True
+                    elif not g.accept_token(t):
+                        break
+                    walked += 1
+                    forced = self.out.jump_tokens(g) if jump and g.find_jump_forward_string() else []
+                    if forced and (sources is None or len(out) + 1 + len(forced) > limit):
                         g.rollback(1)  # see above: the draft ends before a token that forces text
+                        walked -= 1
                         break
-                    kept += 1
-                    if m is not None:
-                        g.fill_next_token_bitmask(m, kept - 1)
+                    for j, tok in enumerate([t] + forced):
+                        if j and not g.accept_token(tok):  # jump_tokens checked them on a fork
+                            raise RuntimeError(f"grammar refused its own jump-forward token {tok}")
+                        walked += j > 0
+                        out.append(tok)
+                        if need_masks:
+                            rows.append(torch.full((1, W), -1, dtype=torch.int32))
+                            g.fill_next_token_bitmask(rows[-1], 0)
+                    if closing or forced:
+                        n = len(out) - len(forced)
+                        sources[b] = list(sources[b][:n - 1]) + [CLOSE if closing else sources[b][n - 1]] + [FORCED] * len(forced)
+                        break
             finally:
-                g.rollback(kept)
-            kept_chains.append(c[:kept])
+                g.rollback(walked)
+            kept_chains.append(out)
             if masks is not None:
-                masks.append(m[:kept])
+                masks.append(torch.cat(rows) if rows else torch.empty((0, W), dtype=torch.int32))
         return kept_chains, masks
 
     # ------------------------------------------------------------------ verify + commit
@@ -398,21 +509,23 @@ class SpecDecoder:
             contexts = tree_contexts(tree) if tree is not None else [e.draft[:i] for i in range(nodes + 1)]
             x = row_logits(self.sampler, logits[e.sample_row:e.sample_row + nodes + 1], r, contexts, r.spec.masks)
             gen, chain = None, 0
+            lens = [len(c) for c in tree.chains] if tree is not None else [nodes]
+            forced = [{d for d, src in enumerate(srcs[:n]) if src == FORCED} for srcs, n in zip(r.spec.sources, lens)]
             if r.params.temperature > 1e-6:
                 gen = torch.Generator().manual_seed((r.seed * 1_000_003 + len(r.output_ids)) % (1 << 62))
             if r.grammar is not None and gen is None and r.spec.masks is None:
-                tokens, a, chain = self._greedy_grammar(x, e, r)
+                tokens, a, chain = self._greedy_grammar(x, e, r, forced)
                 if tree is not None:
                     self._settle_tree(r, e.start + pending - 1, tree, chain, a)
                     self.counters["spec_tree_steps"] += 1
                 k = len(tree.chains[chain]) if tree is not None else nodes
             elif tree is not None:
-                tokens, a, chain = verify_tree(x, tree, r.params, gen)
+                tokens, a, chain = verify_tree(x, tree, r.params, gen, forced=forced)
                 self._settle_tree(r, e.start + pending - 1, tree, chain, a)
                 k = len(tree.chains[chain])
                 self.counters["spec_tree_steps"] += 1
             else:
-                tokens, a = verify_chain(x, e.draft, r.params, gen)
+                tokens, a = verify_chain(x, e.draft, r.params, gen, forced=forced[0] if forced else ())
                 k = nodes
             r.spec.masks = None
             reason: Optional[object] = None
@@ -426,22 +539,36 @@ class SpecDecoder:
             self.kv.commit(r, pending + min(a, done), share=False)
             self.kv.trim(r)
             r.spec.record(k, a, self.k_max)
-            for b, (srcs, n) in enumerate(zip(r.spec.sources, [len(c) for c in tree.chains] if tree else [nodes])):
-                self.accept.record(srcs[:n], a if b == chain else 0, r.spec.own)
+            self._learn_close(r.spec.sources[chain][:lens[chain]] if chain < len(lens) else [], a, tokens)
+            for b, (srcs, n) in enumerate(zip(r.spec.sources, lens)):
+                n = min(n, min(forced[b], default=n))  # forced tokens teach the acceptance model nothing
+                self.accept.record(srcs[:n], min(a, n) if b == chain else 0, r.spec.own)
             self.counters["spec_verify_steps"] += 1
             self.counters["spec_draft_tokens"] += nodes
             self.counters["spec_accepted_tokens"] += a
+            self.counters["spec_forced_tokens"] += sum(d < a for d in forced[chain]) if chain < len(forced) else 0
             if reason is not None:
                 finish(r, reason)
         return appended
 
-    def _greedy_grammar(self, x: torch.Tensor, e: StepEntry, r) -> tuple[list[int], int, int]:
+    def _learn_close(self, srcs: list, a: int, tokens: list[int]) -> None:
+        """A closing draft (source ``CLOSE``) refused where the model closed the string with a
+        token of its own (`",` for our `"`): remember how many characters it merges."""
+        if a < len(srcs) and srcs[a] == CLOSE and a < len(tokens):
+            piece = self._decode([tokens[a]])
+            if piece.startswith('"') and len(piece) <= 3:
+                self._close_merge = len(piece)
+
+    def _greedy_grammar(self, x: torch.Tensor, e: StepEntry, r, forced: list) -> tuple[list[int], int, int]:
         """Greedy verification of a grammar request's chain or tree without precomputed masks:
-        :func:`.verify.greedy_walk` along the draft. Returns (tokens, accepted, chain)."""
+        :func:`.verify.greedy_walk` along the draft (``forced[b]``: the depths of chain ``b``'s
+        jump-forward tokens, taken without a look at the logits). Returns (tokens, accepted,
+        chain)."""
         tree = e.tree
         if tree is None:
             draft = e.draft
             child = lambda row, t: row + 1 if row < len(draft) and draft[row] == t else None  # noqa: E731
+            force = lambda row: draft[row] if row in forced[0] else None  # noqa: E731
         else:
             starts, off = [], 1
             for c in tree.chains:
@@ -458,7 +585,13 @@ class SpecDecoder:
                 b, d = where[row]
                 c = tree.chains[b]
                 return row + 1 if d < len(c) and c[d] == t else None
-        tokens, rows = greedy_walk(x, child, r.grammar, self.sampler.words)
+
+            def force(row):
+                if row == 0:
+                    return None
+                b, d = where[row]
+                return tree.chains[b][d] if d in forced[b] and d < len(tree.chains[b]) else None
+        tokens, rows = greedy_walk(x, child, r.grammar, self.sampler.words, force)
         a = len(tokens) - 1
         chain = where[rows[-1]][0] if tree is not None and a > 0 else 0
         return tokens, a, chain

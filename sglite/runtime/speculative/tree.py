@@ -18,7 +18,7 @@ distributed (greedy: the child equal to the argmax, if any).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 import torch
 
@@ -85,10 +85,11 @@ class TreeDraft:
         return kept + [i for i in range(len(self.tokens)) if i not in set(kept)]
 
 
-def verify_tree(x: torch.Tensor, tree: TreeDraft, params,
-                generator: Optional[torch.Generator] = None) -> tuple[list[int], int, int]:
+def verify_tree(x: torch.Tensor, tree: TreeDraft, params, generator: Optional[torch.Generator] = None,
+                forced: Sequence[Collection[int]] = ()) -> tuple[list[int], int, int]:
     """Walk ``tree`` against the transformed rows ``x`` ([1 + nodes, V] float32: the root's row,
-    then one per node in layout order).
+    then one per node in layout order). ``forced[b]``: the depths (0-based) of chain ``b``'s
+    jump-forward tokens, kept whenever reached without a look at ``x`` (never a chain's first).
 
     Returns:
         (tokens, accepted, chain): the accepted draft tokens plus one target token, how many were
@@ -108,7 +109,9 @@ def verify_tree(x: torch.Tensor, tree: TreeDraft, params,
         else:
             c = tree.chains[chain]
             kids = [(chain, c[depth])] if depth < len(c) else []
-        if greedy:
+        if chain >= 0 and kids and chain < len(forced) and depth in forced[chain]:
+            hit, t = chain, kids[0][1]
+        elif greedy:
             t = int(x[row].argmax())
             hit = next((b for b, tok in kids if tok == t), None)
         else:

@@ -20,7 +20,7 @@ probability ``p_i(d_i)`` and the residual is ``p_i`` without ``d_i``. Greedy req
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Collection, Optional, Sequence
 
 import torch
 
@@ -72,7 +72,7 @@ def row_logits(sampler, logits: torch.Tensor, req, contexts: Sequence[Sequence[i
 
 
 def verify_chain(x: torch.Tensor, draft: Sequence[int], params, generator: Optional[torch.Generator] = None,
-                 draft_probs: Optional[torch.Tensor] = None) -> tuple[list[int], int]:
+                 draft_probs: Optional[torch.Tensor] = None, forced: Collection[int] = ()) -> tuple[list[int], int]:
     """Accept a prefix of ``draft`` against the transformed verify rows ``x`` ([k+1, V] float32,
     from :func:`row_logits`) and add one token from the target (correction or bonus).
 
@@ -82,6 +82,9 @@ def verify_chain(x: torch.Tensor, draft: Sequence[int], params, generator: Optio
         generator: torch generator of the random draws (sampling only).
         draft_probs: [k, V] the draft distributions ``q_i`` when drafts were sampled; None for
             deterministic drafts (point masses).
+        forced: indices of draft tokens the grammar forces after the token before them
+            (jump-forward text): kept whenever reached, never checked against ``x`` (the plain
+            run appends them without sampling).
     Returns:
         (tokens, accepted): ``accepted`` draft tokens kept, ``tokens`` = those plus one more
         (``accepted + 1`` tokens in all).
@@ -90,12 +93,14 @@ def verify_chain(x: torch.Tensor, draft: Sequence[int], params, generator: Optio
     if params.temperature <= 1e-6:
         target = x.argmax(dim=-1).tolist()  # [k+1]
         a = 0
-        while a < k and draft[a] == target[a]:
+        while a < k and (a in forced or draft[a] == target[a]):
             a += 1
         return list(draft[:a]) + [target[a]], a
     p = target_probs(x, params)  # [k+1, V]
     u = torch.rand(k, generator=generator).tolist() if k else []
     for i, d in enumerate(draft):
+        if i in forced:
+            continue
         q_d = 1.0 if draft_probs is None else float(draft_probs[i, d])
         if q_d > 0 and u[i] < float(p[i, d]) / q_d:  # kept with probability min(1, p/q)
             continue
@@ -112,8 +117,8 @@ def verify_chain(x: torch.Tensor, draft: Sequence[int], params, generator: Optio
     return list(draft) + [tok], k
 
 
-def greedy_walk(x: torch.Tensor, child: Callable[[int, int], Optional[int]], grammar, words: int
-                ) -> tuple[list[int], list[int]]:
+def greedy_walk(x: torch.Tensor, child: Callable[[int, int], Optional[int]], grammar, words: int,
+                forced: Optional[Callable[[int], Optional[int]]] = None) -> tuple[list[int], list[int]]:
     """Greedy verification of a grammar request without the draft's masks. From row 0, each
     row's target token is the argmax of ``x`` ([rows, V] float32, penalties applied, no grammar
     mask) when the matcher (at the state after the draft tokens above the row) allows it, else the
@@ -125,6 +130,8 @@ def greedy_walk(x: torch.Tensor, child: Callable[[int, int], Optional[int]], gra
         child: ``child(row, token)`` the row of the draft node under ``row`` spelling ``token``,
             or None (the draft ends there or disagrees).
         grammar: the request's matcher; left where it was, also when this raises.
+        forced: ``forced(row)`` the token the grammar forces after ``row`` (a jump-forward draft
+            node under it: taken without looking at ``x``), or None.
     Returns:
         (tokens, rows): the target token of every row walked (accepted drafts, then the
         correction or bonus) and those rows.
@@ -132,9 +139,11 @@ def greedy_walk(x: torch.Tensor, child: Callable[[int, int], Optional[int]], gra
     tokens: list[int] = []
     rows: list[int] = []
     walked, row = 0, 0
+    top = x.argmax(dim=-1).tolist()  # one pass over all rows
     try:
         while True:
-            t = int(x[row].argmax())
+            f = forced(row) if forced is not None else None
+            t = f if f is not None else top[row]
             if grammar.is_terminated():
                 ok = False  # nothing follows; the request ends at the previous token
             elif grammar.accept_token(t):

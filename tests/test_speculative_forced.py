@@ -1,0 +1,168 @@
+"""Speculative decoding (issue 17): jump-forward text as free, always-accepted drafts, and drafts
+that close a copied JSON string value at a word boundary.
+
+Oracles: the grammar's own forced text (the tokens the plain run's jump-forward appends),
+verification rules worked by hand (a forced draft token is kept whatever the logits say, and
+only behind a kept token), and greedy output token for token against the engine without
+speculation, with drafts taken from that very output (an oracle drafter: every draft token the
+model will agree with, so forced text is verified inside the chains).
+"""
+import json
+
+import pytest
+import torch
+
+from sglite.runtime.speculative.decoder import CLOSE, FORCED, _whole_forced
+from sglite.runtime.speculative.tree import TreeDraft, verify_tree
+from sglite.runtime.speculative.verify import greedy_walk, verify_chain
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "city"],
+          "properties": {"name": {"type": "string", "maxLength": 40}, "city": {"type": "string", "maxLength": 40}}}
+
+
+class _Params:
+    temperature, top_k, top_p, min_p = 1.0, -1, 1.0, 0.0
+
+
+def _rows(argmax: list[int], vocab: int = 12) -> torch.Tensor:
+    x = torch.zeros(len(argmax), vocab)
+    for i, t in enumerate(argmax):
+        x[i, t] = 10.0
+    return x
+
+
+# ---------------------------------------------------------------------- verification (unit)
+def test_forced_draft_tokens_are_kept_whatever_the_logits():
+    # greedy: the row before draft[1] predicts 9, but draft[1] is forced text: kept
+    toks, a = verify_chain(_rows([3, 9, 5, 7]), [3, 4, 5], type("G", (), {"temperature": 0.0}), forced={1})
+    assert (toks, a) == ([3, 4, 5, 7], 3)
+    # ... but only behind a kept token: draft[0] refused, the forced one is never reached
+    toks, a = verify_chain(_rows([8, 9, 5, 7]), [3, 4, 5], type("G", (), {"temperature": 0.0}), forced={1})
+    assert (toks, a) == ([8], 0)
+    # sampling: the target gives the forced token probability ~0, it is still kept
+    x = _rows([3, 9, 5, 7]) * 10
+    gen = torch.Generator().manual_seed(0)
+    toks, a = verify_chain(x, [3, 4, 5], _Params(), gen, forced={1})
+    assert toks[:3] == [3, 4, 5] and a == 3
+
+
+def test_forced_nodes_in_a_token_tree_and_the_greedy_grammar_walk():
+    tree = TreeDraft([[1, 2, 3], [4, 5]])
+    # rows: root, then chain 0 nodes (1, 2, 3), then chain 1 nodes (4, 5)
+    x = _rows([4, 0, 0, 0, 9, 6])
+    toks, a, chain = verify_tree(x, tree, type("G", (), {"temperature": 0.0}), forced=[set(), {1}])
+    assert (toks, a, chain) == ([4, 5, 6], 2, 1)  # 5 is forced after 4: kept though row 4 says 9
+
+    class Free:  # a grammar that allows everything
+        def __init__(self):
+            self.n = 0
+
+        def is_terminated(self):
+            return False
+
+        def accept_token(self, t):
+            self.n += 1
+            return True
+
+        def rollback(self, k):
+            self.n -= k
+
+    g = Free()
+    draft = [3, 4, 5]
+    child = lambda row, t: row + 1 if row < len(draft) and draft[row] == t else None  # noqa: E731
+    toks, rows = greedy_walk(_rows([3, 9, 5, 7]), child, g, 1, forced=lambda row: draft[row] if row == 1 else None)
+    assert toks == [3, 4, 5, 7] and rows == [0, 1, 2, 3] and g.n == 0
+
+
+def test_whole_forced_keeps_the_closing_token_with_its_text():
+    srcs = ["text", "text", CLOSE, FORCED, FORCED]
+    assert [_whole_forced(srcs, n, up=True) for n in range(6)] == [0, 1, 2, 5, 5, 5]
+    assert [_whole_forced(srcs, n, up=False) for n in range(6)] == [0, 1, 2, 2, 2, 5]
+    assert _whole_forced(["text"] * 3, 2, up=True) == 2  # no forced tail: unchanged
+
+
+# ---------------------------------------------------------------------- grammar walk
+@pytest.fixture
+def walker(ngram_pair):
+    _, spec = ngram_pair
+    dec = spec.scheduler.spec
+    tok = dec.out.tokenizer
+    grammar = spec.requests.grammar_backend.compile("json_schema", json.dumps(SCHEMA))
+
+    class R:
+        pass
+
+    def at(text: str):
+        r = R()
+        r.grammar = grammar.matcher()
+        for t in tok.encode(text):
+            assert r.grammar.accept_token(t)
+        return r
+
+    return dec, tok, at
+
+
+def test_walk_closes_a_copied_value_and_appends_the_forced_text(walker):
+    dec, tok, at = walker
+    r = at('{"name":"Tom')
+    before = r.grammar.num_accepted
+    chain = tok.encode(" Becker lives in Hamburg")
+    sources = [["text"] * len(chain)]
+    got, masks = dec._walk_grammar(r, [chain], need_masks=False, sources=sources, limit=64)
+    out = got[0]
+    assert masks is None and r.grammar.num_accepted == before  # rolled back
+    text = tok.decode(out)
+    # the value stops at the word boundary, the string closes, the next key is forced text
+    assert text.startswith(' Becker"') and '"city":' in text and 'lives' not in text
+    assert sources[0][0] == "text" and sources[0][1] == CLOSE and set(sources[0][2:]) == {FORCED}
+    assert len(sources[0]) == len(out)
+    # the forced tail is exactly what jump-forward appends after the closing token
+    g = at('{"name":"Tom')
+    for t in out[:2]:
+        assert g.grammar.accept_token(t)
+    assert out[2:] == dec.out.jump_tokens(g.grammar)
+    # sampled requests get a mask row per node, the forced ones included
+    _, masks = dec._walk_grammar(at('{"name":"Tom'), [chain], need_masks=True, sources=[["text"] * len(chain)], limit=64)
+    assert masks[1].shape[0] == len(out)
+
+
+def test_walk_without_room_ends_before_the_closing_token(walker):
+    dec, tok, at = walker
+    chain = tok.encode(" Becker lives in Hamburg")
+    sources = [["text"] * len(chain)]
+    got, _ = dec._walk_grammar(at('{"name":"Tom'), [chain], need_masks=False, sources=sources, limit=2)
+    assert got == [chain[:1]] and sources == [["text"] * len(chain)]
+    # without sources (no labels) nothing is closed or appended: the old walk
+    got, _ = dec._walk_grammar(at('{"name":"Tom'), [chain], need_masks=False)
+    assert got == [chain]
+
+
+# ---------------------------------------------------------------------- engine
+def test_oracle_drafts_verify_forced_text_greedy_identical(ngram_pair):
+    """Drafts taken from the plain run's own output (so every closing token and the key text
+    after it are in the chains): same tokens as without speculation, alone and batched, greedy
+    and with a penalty; forced text was verified inside chains (not left pending)."""
+    base, spec = ngram_pair
+    dec = spec.scheduler.spec
+    prompts = ["Tom Becker lives in Hamburg. " * 3 + "JSON:", "Maria Gonzalez lives in Seville. JSON:"]
+    sps = [{"max_new_tokens": 48, "temperature": 0, "json_schema": json.dumps(SCHEMA)},
+           {"max_new_tokens": 48, "temperature": 0, "json_schema": json.dumps(SCHEMA), "frequency_penalty": 0.3}]
+    want = [o["output_ids"] for o in base.generate(prompts, sps)]
+    by_prompt = {tuple(spec.tokenizer.encode(p)): w for p, w in zip(prompts, want)}
+
+    def oracle(e):
+        r = e.req
+        w = next((v for k, v in by_prompt.items() if tuple(r.input_ids[-len(k):]) == k), None)
+        chain = list(w[len(r.output_ids):len(r.output_ids) + 6]) if w else []
+        return [(chain, ["text"] * len(chain))] if chain else []
+
+    orig = dec._ngram
+    dec._ngram = oracle
+    try:
+        before = dec.stats["spec_forced_tokens"]
+        assert [o["output_ids"] for o in spec.generate(prompts, sps)] == want
+        assert [spec.generate(p, s)["output_ids"] for p, s in zip(prompts, sps)] == want
+        assert dec.stats["spec_forced_tokens"] > before
+    finally:
+        dec._ngram = orig
+    spec.check_invariants()

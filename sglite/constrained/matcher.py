@@ -1,7 +1,6 @@
 """Per-request grammar matcher: cheap to create, fork and roll back (state history is a list)."""
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from .compiled import CompiledGrammar

@@ -347,7 +347,7 @@ class SpecDecoder:
             if ws is None:
                 piece = self._decode([t])
                 ws = self._starts_word[t] = bool(piece) and piece[0].isspace()
-            out.append("text_word" if ws else src)
+            out.append("text_word" if ws else "text_cont")
         return out
 
     def _decode(self, ids) -> str:
@@ -395,13 +395,14 @@ class SpecDecoder:
 
     def _value_ends_before(self, chain: list[int], i: int) -> bool:
         """Whether a value copied from the prompt likely ends before ``chain[i]`` (``i > 0``):
-        the token starts a new word, or is punctuation that ends the chain or precedes one."""
+        the token starts a new word, or is punctuation followed by one (a sentence's end; the
+        dot inside `example.org` is not)."""
         if i == 0:
             return False
         if self._word_start(chain[i]):
             return True
         piece = self._decode([chain[i]])
-        return bool(piece) and piece[0] in ".,;:!?)" and (i + 1 == len(chain) or self._word_start(chain[i + 1]))
+        return bool(piece) and piece[0] in ".,;:!?)" and i + 1 < len(chain) and self._word_start(chain[i + 1])
 
     def _closing_token(self, g, quote: int) -> Optional[int]:
         """The token that would close the grammar's current JSON string as the model writes it,

@@ -43,7 +43,7 @@ PROBE_ROWS = (1, 2, 4, 8, 16, 32)  # row counts timed at start-up (others interp
 PROBE_REPS = 2  # interleaved passes; the fastest run of each row count is kept
 PROBE_CONTEXT = 128  # tokens the probe rows attend to
 OVERHEAD_EMA = 0.1  # weight of the newest step in the per-step overhead average
-PRIORS = {"ngram1": 0.3, "ngram2": 0.5, "ngram3": 0.6, "ngram4": 0.7, "text": 0.6, "text_word": 0.5,
+PRIORS = {"ngram1": 0.3, "ngram2": 0.5, "ngram3": 0.6, "ngram4": 0.7, "text": 0.6, "text_word": 0.5, "text_cont": 0.8,
           "text_weak": 0.35, "model": 0.6}  # conditional keep probability of a draft token before any evidence
 PRIOR_WEIGHT = 4.0  # pseudo-counts of the prior (and of the global estimate in a request's one)
 DECAY = 0.995  # per verify step, the global counts fade (recent requests weigh more)

@@ -1,4 +1,5 @@
-"""Helpers for tests: tiny random-weight Llama-family checkpoints with the real tokenizer."""
+"""Helpers for tests: tiny random-weight Llama-family checkpoints with the real tokenizer, and
+the chi-square homogeneity test of the speculative-sampling distribution tests."""
 from __future__ import annotations
 
 import math
@@ -207,3 +208,29 @@ def make_tiny_gguf(path, types: dict | None = None, *, seed: int = 0, hidden: in
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def homogeneity_p(a: dict, b: dict) -> float:
+    """P-value of the chi-square homogeneity test of two samples' category counts (dicts); rare
+    categories (pooled expected count < 10) are merged into one."""
+    na, nb = sum(a.values()), sum(b.values())
+    cats, rare = [], [0, 0]
+    for c in set(a) | set(b):
+        x, y = a.get(c, 0), b.get(c, 0)
+        if x + y < 10:
+            rare[0] += x
+            rare[1] += y
+        else:
+            cats.append((x, y))
+    if sum(rare):
+        cats.append(tuple(rare))
+    stat = 0.0
+    for x, y in cats:
+        tot = x + y
+        ea, eb = tot * na / (na + nb), tot * nb / (na + nb)
+        stat += (x - ea) ** 2 / ea + (y - eb) ** 2 / eb
+    df = len(cats) - 1
+    import torch
+
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64),
+                                         torch.tensor(stat / 2.0, dtype=torch.float64))) if df > 0 else 1.0

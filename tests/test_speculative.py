@@ -14,6 +14,7 @@ from sglite import Engine
 from sglite.errors import InvalidRequestError
 from sglite.runtime.speculative import NgramIndex, target_probs, verify_chain
 from sglite.sampling_params import SamplingParams
+from sglite.testing import homogeneity_p
 
 COPY_PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick brown",
@@ -332,30 +333,6 @@ def test_grammar_forbidden_draft_token_ends_the_draft():
     assert chains == [[2, 3], [1, 1], []]  # 7 and 9 are forbidden: each chain ends before them
     assert r.grammar.accepted == []  # rolled back
     assert [m.shape[0] for m in masks] == [1, 2, 2, 0] and int(masks[0][0, 0]) == 0b1110
-
-
-def homogeneity_p(a: dict, b: dict) -> float:
-    """P-value of the chi-square homogeneity test of two samples' category counts (dicts); rare
-    categories (pooled expected count < 10) are merged into one."""
-    na, nb = sum(a.values()), sum(b.values())
-    cats, rare = [], [0, 0]
-    for c in set(a) | set(b):
-        x, y = a.get(c, 0), b.get(c, 0)
-        if x + y < 10:
-            rare[0] += x
-            rare[1] += y
-        else:
-            cats.append((x, y))
-    if sum(rare):
-        cats.append(tuple(rare))
-    stat = 0.0
-    for x, y in cats:
-        tot = x + y
-        ea, eb = tot * na / (na + nb), tot * nb / (na + nb)
-        stat += (x - ea) ** 2 / ea + (y - eb) ** 2 / eb
-    df = len(cats) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64),
-                                         torch.tensor(stat / 2.0, dtype=torch.float64))) if df > 0 else 1.0
 
 
 @pytest.mark.slow

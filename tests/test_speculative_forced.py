@@ -166,3 +166,31 @@ def test_oracle_drafts_verify_forced_text_greedy_identical(ngram_pair):
     finally:
         dec._ngram = orig
     spec.check_invariants()
+
+
+@pytest.mark.slow
+def test_sampled_outputs_distributed_as_without_speculation_with_forced_drafts(tiny_model_dir):
+    """Sampling (temperature 1, top-k) under a regex whose middle is forced text: drafts from a
+    prompt that spells the sentences (so chains carry a choice, then the forced text verified as
+    drafts) leave the distribution of whole outputs unchanged (homogeneity chi-square over many
+    seeded draws); forced drafts were really verified."""
+    import collections
+
+    from sglite import Engine
+    from sglite.testing import homogeneity_p
+
+    kw = dict(dtype="float32", device="cpu", max_total_tokens=8192)
+    base = Engine(str(tiny_model_dir), **kw)
+    spec = Engine(str(tiny_model_dir), speculative_algorithm="NGRAM", speculative_disable_by_batch_size=64, **kw)
+    try:
+        prompt = "red fox jumps high. blue fox jumps low. red fox jumps low. blue fox jumps high. "
+        n = 300
+        sps = [{"max_new_tokens": 12, "temperature": 1.0, "top_k": 20, "sampling_seed": 11 + i,
+                "regex": r"(red|blue) fox jumps (high|low)\."} for i in range(n)]
+        got = {name: collections.Counter(o["text"] for o in e.generate([prompt] * n, sps))
+               for name, e in (("base", base), ("spec", spec))}
+        assert spec.scheduler.spec.stats["spec_forced_tokens"] > 0
+        assert len(got["base"]) >= 2 and homogeneity_p(got["base"], got["spec"]) > 1e-3, (got["base"], got["spec"])
+    finally:
+        base.shutdown()
+        spec.shutdown()

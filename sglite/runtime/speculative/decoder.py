@@ -540,10 +540,11 @@ class SpecDecoder:
             self.kv.commit(r, pending + min(a, done), share=False)
             self.kv.trim(r)
             r.spec.record(k, a, self.k_max)
-            self._learn_close(r.spec.sources[chain][:lens[chain]] if chain < len(lens) else [], a, tokens)
+            # a closing draft refused only for how it merged the boundary closed at the right place
+            kept = a + self._learn_close(r.spec.sources[chain][:lens[chain]] if chain < len(lens) else [], a, tokens)
             for b, (srcs, n) in enumerate(zip(r.spec.sources, lens)):
                 n = min(n, min(forced[b], default=n))  # forced tokens teach the acceptance model nothing
-                self.accept.record(srcs[:n], min(a, n) if b == chain else 0, r.spec.own)
+                self.accept.record(srcs[:n], min(kept, n) if b == chain else 0, r.spec.own)
             self.counters["spec_verify_steps"] += 1
             self.counters["spec_draft_tokens"] += nodes
             self.counters["spec_accepted_tokens"] += a
@@ -552,13 +553,16 @@ class SpecDecoder:
                 finish(r, reason)
         return appended
 
-    def _learn_close(self, srcs: list, a: int, tokens: list[int]) -> None:
+    def _learn_close(self, srcs: list, a: int, tokens: list[int]) -> bool:
         """A closing draft (source ``CLOSE``) refused where the model closed the string with a
-        token of its own (`",` for our `"`): remember how many characters it merges."""
+        token of its own (`",` for our `"`): remember how many characters it merges, and return
+        True (the value did end there)."""
         if a < len(srcs) and srcs[a] == CLOSE and a < len(tokens):
             piece = self._decode([tokens[a]])
             if piece.startswith('"') and len(piece) <= 3:
                 self._close_merge = len(piece)
+                return True
+        return False
 
     def _greedy_grammar(self, x: torch.Tensor, e: StepEntry, r, forced: list) -> tuple[list[int], int, int]:
         """Greedy verification of a grammar request's chain or tree without precomputed masks:

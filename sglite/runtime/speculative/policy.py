@@ -26,6 +26,11 @@ request's drafts fared so far.
   tokens per second is kept, with what the drafts add to the step's cost counted
   ``COST_MARGIN`` times (a margin for the estimates); zero when no count beats the plain step.
   Where rows are free (a GEMM step) any token with a positive estimate is taken.
+* :func:`may_pay` — the same rule on an optimistic bound, before a request's candidates are
+  built: every token of a candidate gets ``rate ** depth`` (its source's conditional keep
+  probability, at least what :func:`choose` would see), so when even that draft does not pay,
+  the candidate is dropped before the expensive part (re-encoding a text match, walking a
+  grammar). Per request: in open chat most steps end here.
 
 This is the expected-throughput draft-length rule of the speculative-decoding literature (e.g.
 Leviathan et al. 2023 §3.3, optimal ``gamma`` for a cost ratio ``c``; SpecDec++ / "dynamic
@@ -201,3 +206,27 @@ def choose(base_tokens: int, base_rows: int, chains: Sequence[Sequence[float]],
     for _, d, c in toks[:best_n]:
         out[c] = max(out[c], d + 1)
     return out
+
+
+def may_pay(base_tokens: int, base_rows: int, candidates: Sequence[tuple[float, int]],
+            cost: Callable[..., float]) -> bool:
+    """Whether some draft of these candidates could pay (:func:`choose` on an upper bound).
+
+    Args:
+        base_tokens, base_rows, cost: as for :func:`choose` (the step without drafts).
+        candidates: per candidate chain ``(rate, length)``: the highest conditional keep
+            probability any of its tokens can get and its most tokens. Each token at depth ``d``
+            is bounded by ``rate ** d`` (a later chain of a token tree has a smaller first
+            probability still), so False means :func:`choose` would draft none of them.
+    Returns:
+        False when no count of bounded tokens beats the plain step; True otherwise.
+    """
+    best = max((q for q, n in candidates if n > 0), default=0.0)
+    if best <= 0.0:
+        return False
+    c0 = cost(base_rows)
+    # the cheapest test first: one token of the best candidate pays
+    if (base_tokens + best) / (c0 + COST_MARGIN * (cost(base_rows + 1, True) - c0)) > base_tokens / c0:
+        return True
+    chains = [[q ** d for d in range(1, n + 1)] for q, n in candidates if n > 0 and q > 0.0]
+    return any(choose(base_tokens, base_rows, chains, cost))

@@ -46,6 +46,8 @@ import torch
 
 PROBE_ROWS = (1, 2, 4, 8, 16, 32)  # row counts timed at start-up (others interpolated)
 PROBE_REPS = 2  # interleaved passes; the fastest run of each row count is kept
+PROBE_SMALL_REPS = 5  # passes for the row counts a step usually carries (<= PROBE_SMALL_ROWS): cheap,
+PROBE_SMALL_ROWS = 8  # and where a noisy minimum (a shared machine) decides whether one draft pays
 PROBE_CONTEXT = 128  # tokens the probe rows attend to
 OVERHEAD_EMA = 0.1  # weight of the newest step in the per-step overhead average
 PRIORS = {"ngram1": 0.3, "ngram2": 0.5, "ngram3": 0.6, "ngram4": 0.7, "text": 0.6, "text_word": 0.5,
@@ -104,7 +106,10 @@ def probe_forward(runner, kv, rows: Sequence[int] = PROBE_ROWS, reps: int = PROB
     """Time the runner's forward for steps of ``rows`` decode rows of one request (attending to
     ``PROBE_CONTEXT`` tokens): ``{rows: seconds}``, the fastest of ``reps`` interleaved runs. Runs
     at start-up, before any request: it borrows a slot-table row and writes K/V into free pool
-    slots (both unused then). None when the runner cannot be probed (no model, pool too small)."""
+    slots (both unused then). Row counts up to ``PROBE_SMALL_ROWS`` get ``PROBE_SMALL_REPS``
+    passes (cheap; a second row's price decides whether open-chat drafts pay), and the times are
+    made non-decreasing in rows (more rows never cost less: a lower time is noise). None when
+    the runner cannot be probed (no model, pool too small)."""
     from ..forward_batch import ForwardBatch
 
     pool = getattr(runner, "token_to_kv_pool", None)
@@ -119,8 +124,10 @@ def probe_forward(runner, kv, rows: Sequence[int] = PROBE_ROWS, reps: int = PROB
     try:
         table[row, :n_max] = torch.arange(1, n_max + 1, dtype=table.dtype)  # free slots (slot 0 is padding)
         t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
-        for rep in range(reps + 1):  # the first pass warms up
+        for rep in range(max(reps, PROBE_SMALL_REPS) + 1):  # the first pass warms up
             for m in rows:
+                if rep > reps and m > PROBE_SMALL_ROWS:
+                    continue
                 pos = list(range(PROBE_CONTEXT, PROBE_CONTEXT + m))
                 fb = ForwardBatch(input_ids=t([1] * m), positions=t(pos), out_cache_loc=t([p + 1 for p in pos]),
                                   req_to_token=table, ext_req_pool_indices=t([]), ext_prefix_lens=t([]),
@@ -134,6 +141,9 @@ def probe_forward(runner, kv, rows: Sequence[int] = PROBE_ROWS, reps: int = PROB
     finally:
         table[row].zero_()
         kv.req_pool.free(row)
+    low = 0.0
+    for m in sorted(best):
+        best[m] = low = max(best[m], low)
     return best
 
 

@@ -291,7 +291,8 @@ class SpecDecoder:
         With the measured-cost policy the lookups are gated, cheapest first: the n-gram lookup
         (a few dict probes) runs every step; the text lookup follows the request's backoff
         (:meth:`.SpecState.may_look`: after a run of fruitless looks, one look every 2, 4, 8
-        steps, unless an n-gram of ``STRONG_NGRAM`` tokens matches or grammar text was forced);
+        steps, unless an n-gram of ``STRONG_NGRAM`` tokens matches, grammar text was forced, or
+        the request has a grammar);
         then :func:`.policy.may_pay` on the candidates' sources, before a text match is
         re-encoded: where even the optimistic bound does not pay, no chain is built."""
         r, k = e.req, self._room(e)
@@ -313,8 +314,10 @@ class SpecDecoder:
         found = st.index.propose_with_match(cap, candidates=width)
         gate = getattr(self, "_gate", None) if self.cost is not None else None
         st.looked = gate is not None
-        # the text lookup backs off after a run of fruitless looks (the n-gram one is cheap)
-        look_text = gate is None or st.may_look(e.n > 1 or (bool(found) and found[0][1] >= STRONG_NGRAM))
+        # the text lookup backs off after a run of fruitless looks (the n-gram one is cheap);
+        # not for grammar requests (JSON values are copied by text, right after the forced key)
+        strong = e.n > 1 or r.grammar is not None or (bool(found) and found[0][1] >= STRONG_NGRAM)
+        look_text = gate is None or st.may_look(strong)
         texts = self._text_drafts(r, k, width) if look_text else []
         if gate is not None and not self._may_pay_any(gate, r, found, texts, k):
             return []

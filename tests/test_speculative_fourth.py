@@ -55,9 +55,14 @@ def test_may_pay_is_an_upper_bound_of_choose():
     assert may_pay(1, 1, [(0.9, 8)], CPU)  # a copy
     assert not may_pay(1, 1, [(0.05, 8), (0.04, 1)], CPU)  # open chat: nothing pays its row
     rng = random.Random(0)
-    for _ in range(300):
+    flat, linear = StepCost({1: 1.0, 32: 1.0}), StepCost({1: 1.0, 2: 1.5, 8: 4.5, 32: 16.5})
+    heavy = StepCost({1: 7.5, 2: 8.3, 8: 20.3}, overhead=1.5)
+    heavy.verify_extra = 6.0  # a fixed extra per verify step: one token never pays, a long chain may
+    assert not may_pay(1, 1, [(0.5, 1)], heavy) and may_pay(1, 1, [(0.97, 8)], heavy)
+    for _ in range(600):
+        cost = rng.choice([CPU, flat, linear, heavy])
         base = rng.choice([1, 1, 2, 4, 8])
-        cands = [(rng.uniform(0.0, 0.6), rng.randint(1, 8)) for _ in range(rng.randint(1, 3))]
+        cands = [(rng.uniform(0.0, rng.choice([0.3, 0.6, 1.0])), rng.randint(1, 8)) for _ in range(rng.randint(1, 3))]
         # actual chains under the bound: conditional rates <= q, a later chain scaled down
         chains, scale = [], 1.0
         for q, n in cands:
@@ -67,8 +72,8 @@ def test_may_pay_is_an_upper_bound_of_choose():
                 ps.append(p)
             chains.append(ps)
             scale *= rng.uniform(0.0, 1.0)
-        if any(choose(base, base, chains, CPU)):
-            assert may_pay(base, base, cands, CPU), (base, cands, chains)
+        if any(choose(base, base, chains, cost)):
+            assert may_pay(base, base, cands, cost), (base, cands, chains)
 
 
 # ---------------------------------------------------------------------- tail text (unit)

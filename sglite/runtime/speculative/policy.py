@@ -230,6 +230,11 @@ def may_pay(base_tokens: int, base_rows: int, candidates: Sequence[tuple[float, 
             probability still), so False means :func:`choose` would draft none of them.
     Returns:
         False when no count of bounded tokens beats the plain step; True otherwise.
+
+    Cheap in the common "no" of open chat: first a bound on the gain of ``n`` tokens (at most
+    ``n`` times the best rate, at most the sum of every bounded token) against what ``n`` rows
+    cost, for the few ``n`` where those differ (``cost`` non-decreasing in rows, as the probe's
+    curve is); only when that cannot rule drafting out, :func:`choose` on the bounded chains.
     """
     best = max((q for q, n in candidates if n > 0), default=0.0)
     if best <= 0.0:
@@ -238,5 +243,18 @@ def may_pay(base_tokens: int, base_rows: int, candidates: Sequence[tuple[float, 
     # the cheapest test first: one token of the best candidate pays
     if (base_tokens + best) / (c0 + COST_MARGIN * (cost(base_rows + 1, True) - c0)) > base_tokens / c0:
         return True
+    # a quick no: ``n`` bounded tokens gain at most min(n * best, S) (S: every bounded token); when
+    # that never beats what the n rows cost (cost rises with rows), nothing can pay
+    s_all = sum(q * (1.0 - q ** n) / (1.0 - q) if q < 1.0 else float(n) for q, n in candidates if n > 0 and q > 0.0)
+    total = sum(n for q, n in candidates if n > 0 and q > 0.0)
+    need = base_tokens * COST_MARGIN / c0
+    for n in range(1, total + 1):
+        gain = min(n * best, s_all)
+        if gain > need * (cost(base_rows + n, True) - c0):
+            break  # this count might pay: decide on the bounded chains themselves
+        if gain >= s_all:
+            return False  # more rows only cost more
+    else:
+        return False
     chains = [[q ** d for d in range(1, n + 1)] for q, n in candidates if n > 0 and q > 0.0]
     return any(choose(base_tokens, base_rows, chains, cost))

@@ -16,11 +16,23 @@ the time after the first token: the part speculation can change; the prompt's pr
 same work in both engines), the mean accept length (tokens per verify step, bonus included) and
 how many outputs are token-identical (greedy; exact in fp32, bf16 rows may round differently
 when computed in a verify step).
+
+Noise (the machine is shared: other processes' load comes and goes within a run, and a stall of
+seconds happens): the ratio is total tokens over total time, so one slow burst during one
+engine's batch moves it (x0.2 or x7 have been seen). Each line therefore also reports
+``median x<r>``: the median of the per-batch ratios (each batch runs on both engines back to
+back, the order alternating, so half the pairs see drift one way and half the other), with their
+range (``[min-max]``, ``n`` pairs). A burst hits one pair, so the median barely moves; the
+``chat_batch16`` line (both engines run the same code there: drafting is off above
+``speculative_disable_by_batch_size``) shows the method's noise. More ``--rounds``: more pairs.
+These fields are appended after the original ones (``results[name]["speedup_median"]`` and
+``"pair_ratios"`` in ``--output-json``).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from typing import Optional, Sequence
 
@@ -100,6 +112,7 @@ def run(a: argparse.Namespace) -> dict:
             nb = ns = 0
             dec = {"base": [0, 0.0], "spec": [0, 0.0]}
             same, steps, verified = 0, 0, 0
+            pairs: list = []  # per batch: spec tok/s over base tok/s
             for j, i in enumerate(list(range(0, len(prompts), batch)) * a.rounds):
                 # alternate engines per batch in ABBA order, so linear drift of the machine cancels
                 first, second = (base, spec) if j % 2 == 0 else (spec, base)
@@ -107,6 +120,9 @@ def run(a: argparse.Namespace) -> dict:
                 o2, t2 = _run(second, prompts[i:i + batch], sps[i:i + batch], batch)
                 (ob, t_b), (os_, t_s) = ((o1, t1), (o2, t2)) if first is base else ((o2, t2), (o1, t1))
                 tb, ts = tb + t_b, ts + t_s
+                n_b, n_s = sum(len(o["output_ids"]) for o in ob), sum(len(o["output_ids"]) for o in os_)
+                if n_b and t_b > 0 and t_s > 0:
+                    pairs.append((n_s / t_s) / (n_b / t_b))
                 for key, o, t in (("base", ob, t_b), ("spec", os_, t_s)):
                     n_d, t_d = _decode_part(o, t)
                     dec[key][0] += n_d
@@ -123,9 +139,12 @@ def run(a: argparse.Namespace) -> dict:
                  "decode_speedup": (dec["spec"][0] / dec["spec"][1]) / max(dec["base"][0] / dec["base"][1], 1e-9),
                  "accept_length": verified / steps if steps else 0.0,
                  "identical": f"{same}/{len(prompts) * a.rounds}", "tokens": [nb, ns]}
+            r["pair_ratios"] = pairs
+            r["speedup_median"] = statistics.median(pairs) if pairs else r["speedup"]
             results[name] = r
             print(f"{name:14s} batch {batch:2d}: base {r['base_tok_s']:7.1f} tok/s  spec {r['spec_tok_s']:7.1f} "
-                  f"tok/s  x{r['speedup']:.2f}  decode x{r['decode_speedup']:.2f}  accept length {r['accept_length']:.2f}  identical {r['identical']}",
+                  f"tok/s  x{r['speedup']:.2f}  decode x{r['decode_speedup']:.2f}  accept length {r['accept_length']:.2f}  identical {r['identical']}"
+                  f"  median x{r['speedup_median']:.2f} [{min(pairs, default=0):.2f}-{max(pairs, default=0):.2f}, n={len(pairs)}]",
                   flush=True)
     finally:
         base.shutdown()

@@ -52,9 +52,9 @@ import torch
 
 from ..step_plan import SMALL_EXTEND, StepEntry, StepPlan
 from .ngram import NgramIndex
-from .policy import AcceptModel, StepCost, choose, probe_forward
+from .policy import AcceptModel, StepCost, choose, may_pay, probe_forward
 from .state import SpecState
-from .text_lookup import CONT_CHARS_PER_TOKEN, TextLookup
+from .text_lookup import CONT_CHARS_PER_TOKEN, TextLookup, TokenText
 from .tree import TreeDraft, tree_contexts, verify_tree
 from .verify import greedy_walk, row_logits, verify_chain
 
@@ -66,6 +66,7 @@ TREE_BRANCHES = 3  # most n-gram candidates (token-tree chains) verified per req
 TEXT_TAIL_TOKENS = 12  # output tokens decoded as the tail of a text-level lookup
 TEXT_MIN_CHARS = 3  # a text match shorter than this (and not word-aligned) is no draft
 TEXT_TRUST_CHARS = 8  # a text match this long drafts the full length, whatever the cap
+STRONG_NGRAM = 3  # an n-gram match this long looks for drafts whatever the request's backoff
 FORCED = "forced"  # draft source of jump-forward tokens (kept whenever the token before them is)
 CLOSE = "close"  # draft source of a `"` closing a copied JSON string value at a word boundary
 
@@ -115,9 +116,18 @@ class SpecDecoder:
         self.cost = cost if draft_model is None else None
         self.accept = AcceptModel()
         self._last_step: Optional[tuple] = None  # (start time, rows, drafted) of a decode-only step
-        self._starts_word: dict[int, bool] = {}  # token id -> its text starts with whitespace
         self._quote: Optional[int] = None  # token id of a lone `"` (-1: none), looked up once
+        self._tt: Optional[TokenText] = None  # per-token text (built on first use)
+        self._gate: Optional[tuple] = None  # this step's (decoding, rows, cost) for policy.may_pay
         self._close_merge: Optional[int] = None  # characters of the model's own string-closing token
+
+    @property
+    def token_text(self) -> TokenText:
+        """The tokenizer's per-token text (:class:`.TokenText`; the vocabulary's bytes are read
+        on first use, not at start-up)."""
+        if self._tt is None:
+            self._tt = TokenText(self.out.tokenizer)
+        return self._tt
 
     @property
     def stats(self) -> dict:
@@ -170,6 +180,15 @@ class SpecDecoder:
         self._free_rows = self._step_rows(entries) if self.cost is None else 1 << 30
         if not cands or self._free_rows < 1:
             return
+        self._gate = None
+        if self.cost is not None:  # may_pay's view of the step (see _ngram)
+            rows = sum(e.n for e in entries)
+            cost = self.cost
+            if rows > GEMM_ROWS:
+                cost = lambda rows, drafted=False: 1.0  # noqa: E731  (as _choose: rows are free)
+            elif len(decoding) > 1:  # the verify extra is paid once per step: not this request's alone
+                cost = lambda rows, drafted=False, c=self.cost: c(rows)  # noqa: E731
+            self._gate = (len(decoding), rows, cost)
         if self.draft_model is not None:
             share = max(1, self._free_rows // len(cands))
             found = self.draft_model.propose([e.req for e in cands], [min(share, self._room(e)) for e in cands])
@@ -190,9 +209,12 @@ class SpecDecoder:
                                                          sources=sources, limit=self._forced_room(e))
             proposals.append((e, chains, sources, chain_masks))
         if self.cost is not None:
-            lens = self._choose(proposals, entries)
+            lens = self._choose(proposals, entries) if any(p[1] for p in proposals) else [[] for _ in proposals]
             proposals = [(e, [c[:n] for c, n in zip(chains, ns)], src, m)
                          for (e, chains, src, m), ns in zip(proposals, lens)]
+            for e, chains, _, _ in proposals:  # a look that drafts nothing counts toward the backoff
+                if e.req.spec.looked and not any(chains):
+                    e.req.spec.missed()
         for e, chains, sources, chain_masks in proposals:
             r = e.req
             if self.cost is None:
@@ -296,9 +318,19 @@ class SpecDecoder:
     def _ngram(self, e: StepEntry) -> list[tuple[list[int], list[str]]]:
         """Draft chains of a request with their per-token sources (:class:`.policy.AcceptModel`): token
         n-gram continuations (``ngram<n>``) and text-level prompt matches (:mod:`.text_lookup`;
-        ``text`` / ``text_weak``), strongest match (in characters) first, distinct first tokens."""
+        ``text`` / ``text_weak``), strongest match (in characters) first, distinct first tokens.
+
+        With the measured-cost policy the lookups are gated, cheapest first: the n-gram lookup
+        (a few dict probes) runs every step; the text lookup follows the request's backoff
+        (:meth:`.SpecState.may_look`: after a run of fruitless looks, one look every 2, 4, 8
+        steps, unless an n-gram of ``STRONG_NGRAM`` tokens matches, grammar text was forced, or
+        the request has a grammar);
+        then :func:`.policy.may_pay` on the candidates' sources, before a text match is
+        re-encoded: where even the optimistic bound does not pay, no chain is built."""
         r, k = e.req, self._room(e)
         if k < 1:
+            if r.spec is not None:
+                r.spec.looked = False
             return []
         st = r.spec
         if st is None:
@@ -306,16 +338,28 @@ class SpecDecoder:
         elif st.index is None:
             st.index = NgramIndex()
         st.index.sync(r.seq_len, r.tokens)
+        tt = self.token_text
         width = self.tree_branches if self.tree_ok else 1
-        cands = []  # (matched chars, strong, chain, source)
         cap = k if self.cost is not None else min(k, st.cap)
         found = st.index.propose_with_match(cap, candidates=width)
+        gate = self._gate if self.cost is not None else None
+        st.looked = gate is not None
+        # the text lookup backs off after a run of fruitless looks (the n-gram one is cheap);
+        # not for grammar requests (JSON values are copied by text, right after the forced key)
+        strong = e.n > 1 or r.grammar is not None or (bool(found) and found[0][1] >= STRONG_NGRAM)
+        look_text = gate is None or st.may_look(strong)
+        texts = self._text_drafts(r, k, width) if look_text else []
+        if gate is not None and not self._may_pay_any(gate, r, found, texts, k):
+            return []
+        cands = []  # (matched chars, strong, chain or text to encode, source)
         if found:
-            tail_chars = len(self._decode(r.tokens(r.seq_len - found[0][1], r.seq_len)))
+            tail_chars = len(tt.text(r.tokens(r.seq_len - found[0][1], r.seq_len)))
             for cont, n in found:  # a short match predicts little: at most twice its length (no cost model)
                 cont = cont if self.cost is not None else cont[:2 * n]
                 cands.append((tail_chars if n == found[0][1] else 0, n >= 2, cont, f"ngram{n}"))
-        cands.extend(self._text_drafts(r, k, width))
+        for chars, trusted, cont, src in texts:
+            toks = tt.encode(cont)[:k if trusted or self.cost is not None else min(k, st.cap)]
+            cands.append((chars, trusted, toks, src))
         cands.sort(key=lambda c: -c[0])  # stable: token n-grams win ties
         # weak candidates (1-token n-gram matches, short text matches) only take the rows that
         # cost next to nothing (the first FREE_ROWS of the block); strong ones the whole block
@@ -336,39 +380,47 @@ class SpecDecoder:
             budget = max(0, budget - len(c))
         return chains
 
+    def _may_pay_any(self, gate: tuple, r, ngrams: list, texts: list, k: int) -> bool:
+        """:func:`.policy.may_pay` for a request's candidates before they are built: n-gram
+        continuations (``(tokens, n)``) with their own length, text matches with ``k`` tokens at
+        the best rate of their sources (``text``, ``text_word``, ``text_cont`` for a trusted match)."""
+        rate, own = self.accept.rate, r.spec.own
+        bounds = [(rate(f"ngram{n}", own), len(cont)) for cont, n in ngrams]
+        for _, trusted, _, src in texts:
+            q = max(rate("text", own), rate("text_word", own), rate("text_cont", own)) if trusted else rate(src, own)
+            bounds.append((q, k))
+        return may_pay(gate[0], gate[1], bounds, gate[2])
+
     def _token_sources(self, chain: list[int], src: str) -> list[str]:
         """Per-token sources of a chain: a trusted text draft's tokens after the first that start
-        a new word are ``text_word`` (copied JSON values end at such a token), the rest ``src``."""
+        a new word are ``text_word`` (copied JSON values end at such a token), the others
+        ``text_cont`` (a copy that started right goes on: kept more often than a first token)."""
         if src != "text":
             return [src] * len(chain)
-        out = [src]
-        for t in chain[1:]:
-            ws = self._starts_word.get(t)
-            if ws is None:
-                piece = self._decode([t])
-                ws = self._starts_word[t] = bool(piece) and piece[0].isspace()
-            out.append("text_word" if ws else "text_cont")
-        return out
+        starts = self.token_text.starts_word
+        return [src] + [("text_word" if starts(t) else "text_cont") for t in chain[1:]]
 
     def _decode(self, ids) -> str:
         return self.out.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def _text_drafts(self, r, k: int, width: int) -> list[tuple[int, bool, list[int], str]]:
-        """Text-level matches of the sequence's tail in the prompt, re-encoded: ``(matched chars,
-        trusted, tokens, source)``. A word-aligned match (a copied value starting) or one of at least
-        ``TEXT_TRUST_CHARS`` characters drafts up to ``k`` tokens, whatever the request's cap;
-        a weaker one at most the cap."""
-        st = r.spec
+    def _text_drafts(self, r, k: int, width: int) -> list[tuple[int, bool, str, str]]:
+        """Text-level matches of the sequence's tail in the prompt, not yet re-encoded:
+        ``(matched chars, trusted, continuation text, source)``. A word-aligned match (a copied
+        value starting) or one of at least ``TEXT_TRUST_CHARS`` characters drafts up to ``k``
+        tokens, whatever the request's cap; a weaker one (at least ``TEXT_MIN_CHARS``) at most the
+        cap. The tail is the last ``TEXT_TAIL_TOKENS`` tokens' text (:class:`.TokenText`: joined
+        cached bytes, no decode)."""
+        st, tt = r.spec, self.token_text
         if st.text is None:
             st.text = TextLookup(self._decode(r.input_ids))
-        tail = self._decode(r.tokens(max(len(r.input_ids), r.seq_len - TEXT_TAIL_TOKENS), r.seq_len))
+            tt.check(r.input_ids, st.text.source)
+        tail = tt.text(r.tokens(max(len(r.input_ids), r.seq_len - TEXT_TAIL_TOKENS), r.seq_len))
         out = []
-        for m in st.text.find(tail, k * CONT_CHARS_PER_TOKEN, width):
+        for m in st.text.find(tail, k * CONT_CHARS_PER_TOKEN, width, min_chars=TEXT_MIN_CHARS):
             trusted = m.aligned or m.chars >= TEXT_TRUST_CHARS
             if not trusted and m.chars < TEXT_MIN_CHARS:
                 continue
-            toks = self.out.tokenizer.encode(m.cont)[:k if trusted or self.cost is not None else min(k, st.cap)]
-            out.append((m.chars, trusted, toks, "text" if trusted else "text_weak"))
+            out.append((m.chars, trusted, m.cont, "text" if trusted else "text_weak"))
         return out
 
     def _forced_room(self, e: StepEntry) -> int:
@@ -387,11 +439,7 @@ class SpecDecoder:
         return self._quote if self._quote >= 0 else None
 
     def _word_start(self, t: int) -> bool:
-        ws = self._starts_word.get(t)
-        if ws is None:
-            piece = self._decode([t])
-            ws = self._starts_word[t] = bool(piece) and piece[0].isspace()
-        return ws
+        return self.token_text.starts_word(t)
 
     def _value_ends_before(self, chain: list[int], i: int) -> bool:
         """Whether a value copied from the prompt likely ends before ``chain[i]`` (``i > 0``):

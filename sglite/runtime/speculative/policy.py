@@ -14,7 +14,8 @@ request's drafts fared so far.
   drafts (drafting, verification), both learned online from the time between steps
   (:meth:`StepCost.observe`).
 * :class:`AcceptModel` — per draft source of a token (``ngram1`` .. ``ngram4``: n-gram match of
-  that many tokens; ``text``: a trusted text-level prompt match, ``text_word`` its tokens that
+  that many tokens; ``text``: a trusted text-level prompt match, ``text_cont`` its later tokens
+  that continue a word, ``text_word`` its tokens that
   start a new word (where a copied JSON value tends to end), ``text_weak``: a short one;
   ``model``: a draft model) the probability that a draft token is kept given the one before it
   was: a prior, moved by every verify step of every request (decayed counts), and per request by
@@ -26,6 +27,11 @@ request's drafts fared so far.
   tokens per second is kept, with what the drafts add to the step's cost counted
   ``COST_MARGIN`` times (a margin for the estimates); zero when no count beats the plain step.
   Where rows are free (a GEMM step) any token with a positive estimate is taken.
+* :func:`may_pay` — the same rule on an optimistic bound, before a request's candidates are
+  built: every token of a candidate gets ``rate ** depth`` (its source's conditional keep
+  probability, at least what :func:`choose` would see), so when even that draft does not pay,
+  the candidate is dropped before the expensive part (re-encoding a text match, walking a
+  grammar). Per request: in open chat most steps end here.
 
 This is the expected-throughput draft-length rule of the speculative-decoding literature (e.g.
 Leviathan et al. 2023 §3.3, optimal ``gamma`` for a cost ratio ``c``; SpecDec++ / "dynamic
@@ -41,6 +47,8 @@ import torch
 
 PROBE_ROWS = (1, 2, 4, 8, 16, 32)  # row counts timed at start-up (others interpolated)
 PROBE_REPS = 2  # interleaved passes; the fastest run of each row count is kept
+PROBE_SMALL_REPS = 5  # passes for the row counts a step usually carries (<= PROBE_SMALL_ROWS): cheap,
+PROBE_SMALL_ROWS = 8  # and where a noisy minimum (a shared machine) decides whether one draft pays
 PROBE_CONTEXT = 128  # tokens the probe rows attend to
 OVERHEAD_EMA = 0.1  # weight of the newest step in the per-step overhead average
 PRIORS = {"ngram1": 0.3, "ngram2": 0.5, "ngram3": 0.6, "ngram4": 0.7, "text": 0.6, "text_word": 0.5, "text_cont": 0.8,
@@ -99,7 +107,10 @@ def probe_forward(runner, kv, rows: Sequence[int] = PROBE_ROWS, reps: int = PROB
     """Time the runner's forward for steps of ``rows`` decode rows of one request (attending to
     ``PROBE_CONTEXT`` tokens): ``{rows: seconds}``, the fastest of ``reps`` interleaved runs. Runs
     at start-up, before any request: it borrows a slot-table row and writes K/V into free pool
-    slots (both unused then). None when the runner cannot be probed (no model, pool too small)."""
+    slots (both unused then). Row counts up to ``PROBE_SMALL_ROWS`` get ``PROBE_SMALL_REPS``
+    passes (cheap; a second row's price decides whether open-chat drafts pay), and the times are
+    made non-decreasing in rows (more rows never cost less: a lower time is noise). None when
+    the runner cannot be probed (no model, pool too small)."""
     from ..forward_batch import ForwardBatch
 
     pool = getattr(runner, "token_to_kv_pool", None)
@@ -114,8 +125,10 @@ def probe_forward(runner, kv, rows: Sequence[int] = PROBE_ROWS, reps: int = PROB
     try:
         table[row, :n_max] = torch.arange(1, n_max + 1, dtype=table.dtype)  # free slots (slot 0 is padding)
         t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
-        for rep in range(reps + 1):  # the first pass warms up
+        for rep in range(max(reps, PROBE_SMALL_REPS) + 1):  # the first pass warms up
             for m in rows:
+                if rep > reps and m > PROBE_SMALL_ROWS:
+                    continue
                 pos = list(range(PROBE_CONTEXT, PROBE_CONTEXT + m))
                 fb = ForwardBatch(input_ids=t([1] * m), positions=t(pos), out_cache_loc=t([p + 1 for p in pos]),
                                   req_to_token=table, ext_req_pool_indices=t([]), ext_prefix_lens=t([]),
@@ -129,6 +142,9 @@ def probe_forward(runner, kv, rows: Sequence[int] = PROBE_ROWS, reps: int = PROB
     finally:
         table[row].zero_()
         kv.req_pool.free(row)
+    low = 0.0
+    for m in sorted(best):
+        best[m] = low = max(best[m], low)
     return best
 
 
@@ -201,3 +217,45 @@ def choose(base_tokens: int, base_rows: int, chains: Sequence[Sequence[float]],
     for _, d, c in toks[:best_n]:
         out[c] = max(out[c], d + 1)
     return out
+
+
+def may_pay(base_tokens: int, base_rows: int, candidates: Sequence[tuple[float, int]],
+            cost: Callable[..., float]) -> bool:
+    """Whether some draft of these candidates could pay (:func:`choose` on an upper bound).
+
+    Args:
+        base_tokens, base_rows, cost: as for :func:`choose` (the step without drafts).
+        candidates: per candidate chain ``(rate, length)``: the highest conditional keep
+            probability any of its tokens can get and its most tokens. Each token at depth ``d``
+            is bounded by ``rate ** d`` (a later chain of a token tree has a smaller first
+            probability still), so False means :func:`choose` would draft none of them.
+    Returns:
+        False when no count of bounded tokens beats the plain step; True otherwise.
+
+    Cheap in the common "no" of open chat: first a bound on the gain of ``n`` tokens (at most
+    ``n`` times the best rate, at most the sum of every bounded token) against what ``n`` rows
+    cost, for the few ``n`` where those differ (``cost`` non-decreasing in rows, as the probe's
+    curve is); only when that cannot rule drafting out, :func:`choose` on the bounded chains.
+    """
+    best = max((q for q, n in candidates if n > 0), default=0.0)
+    if best <= 0.0:
+        return False
+    c0 = cost(base_rows)
+    # the cheapest test first: one token of the best candidate pays
+    if (base_tokens + best) / (c0 + COST_MARGIN * (cost(base_rows + 1, True) - c0)) > base_tokens / c0:
+        return True
+    # a quick no: ``n`` bounded tokens gain at most min(n * best, S) (S: every bounded token); when
+    # that never beats what the n rows cost (cost rises with rows), nothing can pay
+    s_all = sum(q * (1.0 - q ** n) / (1.0 - q) if q < 1.0 else float(n) for q, n in candidates if n > 0 and q > 0.0)
+    total = sum(n for q, n in candidates if n > 0 and q > 0.0)
+    need = base_tokens * COST_MARGIN / c0
+    for n in range(1, total + 1):
+        gain = min(n * best, s_all)
+        if gain > need * (cost(base_rows + n, True) - c0):
+            break  # this count might pay: decide on the bounded chains themselves
+        if gain >= s_all:
+            return False  # more rows only cost more
+    else:
+        return False
+    chains = [[q ** d for d in range(1, n + 1)] for q, n in candidates if n > 0 and q > 0.0]
+    return any(choose(base_tokens, base_rows, chains, cost))

@@ -10,6 +10,8 @@ EMA = 0.3  # weight of the newest step in the acceptance-rate average
 LOW_ACCEPTANCE = 0.15  # below this average acceptance rate, drafting pauses ...
 COOLDOWN_STEPS = 16  # ... for this many steps (then it is tried again)
 START_LEN = 4  # first draft length cap; doubled after a fully accepted draft, cut after a rejection
+BACKOFF_AFTER = 4  # consecutive fruitless looks before the lookups back off ...
+BACKOFF_MAX = 8  # ... to one look every 2, 4, .. up to this many steps (reset by a kept draft token)
 
 
 @dataclass
@@ -32,6 +34,10 @@ class SpecState:
         text: the text-level lookup of the request's prompt (``NGRAM``; :mod:`.text_lookup`).
         sources: the draft source of each chain being verified (:class:`.policy.AcceptModel`).
         own: this request's ``{source: [kept, tried]}`` draft tokens (:class:`.policy.AcceptModel`).
+        misses: consecutive fruitless looks for drafts (no draft chosen, or every token rejected).
+        wait: steps still skipped before the next look (the backoff, :meth:`may_look`).
+        looked: whether the current step looked for drafts (a miss is then counted if none is
+            chosen).
     """
 
     index: Optional[NgramIndex] = None
@@ -47,6 +53,9 @@ class SpecState:
     text: Any = None
     sources: list = field(default_factory=list)
     own: dict = field(default_factory=dict)
+    misses: int = 0
+    wait: int = 0
+    looked: bool = False
 
     def record(self, k: int, a: int, k_max: int = 64) -> None:
         """A verify step of ``k`` draft tokens kept ``a`` of them (``k_max``: the configured most)."""
@@ -58,6 +67,10 @@ class SpecState:
             self.histogram.extend([0] * (a + 1 - len(self.histogram)))
         self.histogram[a] += 1
         self.rate = (1 - EMA) * self.rate + EMA * (a / k if k else 0.0)
+        if a > 0:
+            self.hit()
+        else:
+            self.missed()
         if self.rate < LOW_ACCEPTANCE:
             self.cooldown, self.rate = COOLDOWN_STEPS, 0.5
 
@@ -67,6 +80,27 @@ class SpecState:
             self.cooldown -= 1
             return False
         return True
+
+    def may_look(self, force: bool = False) -> bool:
+        """Whether this step looks for drafts: always right after a kept draft token and for the
+        first ``BACKOFF_AFTER`` fruitless looks, then once every 2, 4, .. ``BACKOFF_MAX`` steps
+        (a skipped step counts the wait down); ``force`` (a strong signal: a long n-gram match,
+        forced grammar text) looks whatever the wait."""
+        if force or self.wait <= 0:
+            return True
+        self.wait -= 1
+        return False
+
+    def missed(self) -> None:
+        """A look found no draft worth verifying, or a verified draft kept no token: past
+        ``BACKOFF_AFTER`` such looks in a row the next look waits 2, 4, .. ``BACKOFF_MAX`` steps."""
+        self.misses += 1
+        over = self.misses - BACKOFF_AFTER
+        self.wait = min(BACKOFF_MAX, 1 << over) if over >= 1 else 0
+
+    def hit(self) -> None:
+        """A draft token was kept: look at every step again."""
+        self.misses = self.wait = 0
 
     def meta(self) -> dict:
         """``meta_info`` fields: ``spec_verify_ct`` (verify steps), ``spec_accept_length`` (mean

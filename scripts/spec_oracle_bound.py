@@ -51,7 +51,7 @@ def main() -> None:
         return [(c, ["text"] * len(c))] if c else []
 
     dec._ngram = oracle
-    dec._quote = -1  # no closing guesses: the oracle knows where values end
+    dec.grammar_walk.close_values = False  # no closing guesses: the oracle knows where values end
     dec._choose = lambda proposals, entries: [[len(c) for c in chains] for (_, chains, _, _) in proposals]
     tot = {n: [0, 0.0] for n in engines}
     same = {n: 0 for n in engines}

@@ -329,7 +329,7 @@ def test_grammar_forbidden_draft_token_ends_the_draft():
 
     dec = SpecDecoder(Cfg, None, Sampler(40, frozenset()), None)
     r = Req()
-    chains, masks = dec._walk_grammar(r, [[2, 3, 7, 1], [1, 1], [9]])
+    chains, masks = dec.grammar_walk.walk(r, [[2, 3, 7, 1], [1, 1], [9]])
     assert chains == [[2, 3], [1, 1], []]  # 7 and 9 are forbidden: each chain ends before them
     assert r.grammar.accepted == []  # rolled back
     assert [m.shape[0] for m in masks] == [1, 2, 2, 0] and int(masks[0][0, 0]) == 0b1110

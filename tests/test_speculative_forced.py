@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from sglite.runtime.speculative.decoder import CLOSE, FORCED, _whole_forced
+from sglite.runtime.speculative.grammar_walk import CLOSE, FORCED, whole_forced
 from sglite.runtime.speculative.tree import TreeDraft, verify_tree
 from sglite.runtime.speculative.verify import greedy_walk, verify_chain
 
@@ -76,9 +76,9 @@ def test_forced_nodes_in_a_token_tree_and_the_greedy_grammar_walk():
 
 def test_whole_forced_keeps_the_closing_token_with_its_text():
     srcs = ["text", "text", CLOSE, FORCED, FORCED]
-    assert [_whole_forced(srcs, n, up=True) for n in range(6)] == [0, 1, 2, 5, 5, 5]
-    assert [_whole_forced(srcs, n, up=False) for n in range(6)] == [0, 1, 2, 2, 2, 5]
-    assert _whole_forced(["text"] * 3, 2, up=True) == 2  # no forced tail: unchanged
+    assert [whole_forced(srcs, n, up=True) for n in range(6)] == [0, 1, 2, 5, 5, 5]
+    assert [whole_forced(srcs, n, up=False) for n in range(6)] == [0, 1, 2, 2, 2, 5]
+    assert whole_forced(["text"] * 3, 2, up=True) == 2  # no forced tail: unchanged
 
 
 # ---------------------------------------------------------------------- grammar walk
@@ -108,7 +108,7 @@ def test_walk_closes_a_copied_value_and_appends_the_forced_text(walker):
     before = r.grammar.num_accepted
     chain = tok.encode(" Becker lives in Hamburg")
     sources = [["text"] * len(chain)]
-    got, masks = dec._walk_grammar(r, [chain], need_masks=False, sources=sources, limit=64)
+    got, masks = dec.grammar_walk.walk(r, [chain], need_masks=False, sources=sources, limit=64)
     out = got[0]
     assert masks is None and r.grammar.num_accepted == before  # rolled back
     text = tok.decode(out)
@@ -122,7 +122,7 @@ def test_walk_closes_a_copied_value_and_appends_the_forced_text(walker):
         assert g.grammar.accept_token(t)
     assert out[2:] == dec.out.jump_tokens(g.grammar)
     # sampled requests get a mask row per node, the forced ones included
-    _, masks = dec._walk_grammar(at('{"name":"Tom'), [chain], need_masks=True, sources=[["text"] * len(chain)], limit=64)
+    _, masks = dec.grammar_walk.walk(at('{"name":"Tom'), [chain], need_masks=True, sources=[["text"] * len(chain)], limit=64)
     assert masks[1].shape[0] == len(out)
 
 
@@ -130,10 +130,10 @@ def test_walk_without_room_ends_before_the_closing_token(walker):
     dec, tok, at = walker
     chain = tok.encode(" Becker lives in Hamburg")
     sources = [["text"] * len(chain)]
-    got, _ = dec._walk_grammar(at('{"name":"Tom'), [chain], need_masks=False, sources=sources, limit=2)
+    got, _ = dec.grammar_walk.walk(at('{"name":"Tom'), [chain], need_masks=False, sources=sources, limit=2)
     assert got == [chain[:1]] and sources == [["text"] * len(chain)]
     # without sources (no labels) nothing is closed or appended: the old walk
-    got, _ = dec._walk_grammar(at('{"name":"Tom'), [chain], need_masks=False)
+    got, _ = dec.grammar_walk.walk(at('{"name":"Tom'), [chain], need_masks=False)
     assert got == [chain]
 
 

@@ -11,7 +11,9 @@ Per step (``Scheduler.schedule`` → :meth:`SpecDecoder.attach_drafts`, ``Schedu
    with a grammar walks the draft through its matcher: a token the grammar forbids ends the draft
    and the matcher is rolled back; sampled requests keep the mask of every position for
    verification, greedy ones need none (:func:`.verify.greedy_walk` checks the argmax against the
-   matcher instead). Its KV reservation grows by ``k`` slots (free pages only); its entry becomes
+   matcher instead; :mod:`.grammar_walk`: jump-forward text after a draft token is appended as
+   always-kept drafts, a copied JSON value is closed at a word boundary). Its KV reservation
+   grows by ``k`` slots (free pages only); its entry becomes
    an extend of ``pending + k`` tokens with a logits row at each of the last ``k + 1`` positions.
    Pending jump-forward tokens go first: the grammar's forced text (e.g. ``","city":"``) and the
    draft that continues after it are verified in the same forward, and the forced text is part
@@ -51,6 +53,7 @@ from typing import Callable, Optional
 import torch
 
 from ..step_plan import SMALL_EXTEND, StepEntry, StepPlan
+from .grammar_walk import FORCED, GrammarWalk, whole_forced
 from .ngram import NgramIndex
 from .policy import AcceptModel, StepCost, choose, may_pay, probe_forward
 from .state import SpecState
@@ -67,18 +70,6 @@ TEXT_TAIL_TOKENS = 12  # output tokens decoded as the tail of a text-level looku
 TEXT_MIN_CHARS = 3  # a text match shorter than this (and not word-aligned) is no draft
 TEXT_TRUST_CHARS = 8  # a text match this long drafts the full length, whatever the cap
 STRONG_NGRAM = 3  # an n-gram match this long looks for drafts whatever the request's backoff
-FORCED = "forced"  # draft source of jump-forward tokens (kept whenever the token before them is)
-CLOSE = "close"  # draft source of a `"` closing a copied JSON string value at a word boundary
-
-
-def _whole_forced(sources: list, n: int, up: bool) -> int:
-    """A chain's draft length ``n`` moved out of its jump-forward tail (``sources`` per token,
-    ``FORCED`` at the end): the token forcing the text and the text go together or not at all;
-    ``up``: the whole chain, else the part before that token."""
-    f = next((i for i, s in enumerate(sources) if s == FORCED), len(sources))
-    if f == len(sources) or n < f or n >= len(sources):
-        return n
-    return len(sources) if up else max(0, f - 1)
 
 
 class SpecDecoder:
@@ -116,10 +107,9 @@ class SpecDecoder:
         self.cost = cost if draft_model is None else None
         self.accept = AcceptModel()
         self._last_step: Optional[tuple] = None  # (start time, rows, drafted) of a decode-only step
-        self._quote: Optional[int] = None  # token id of a lone `"` (-1: none), looked up once
         self._tt: Optional[TokenText] = None  # per-token text (built on first use)
         self._gate: Optional[tuple] = None  # this step's (decoding, rows, cost) for policy.may_pay
-        self._close_merge: Optional[int] = None  # characters of the model's own string-closing token
+        self.grammar_walk = GrammarWalk(out, sampler, lambda t: self.token_text.starts_word(t))
 
     @property
     def token_text(self) -> TokenText:
@@ -205,7 +195,7 @@ class SpecDecoder:
             r.spec.masks = None
             chain_masks = None
             if chains and r.grammar is not None:
-                chains, chain_masks = self._walk_grammar(r, chains, need_masks=r.params.temperature > 1e-6,
+                chains, chain_masks = self.grammar_walk.walk(r, chains, need_masks=r.params.temperature > 1e-6,
                                                          sources=sources, limit=self._forced_room(e))
             proposals.append((e, chains, sources, chain_masks))
         if self.cost is not None:
@@ -267,7 +257,7 @@ class SpecDecoder:
             out[j].append(n)
         for (_, chains, sources, _), lens in zip(proposals, out):
             for b, (c, srcs) in enumerate(zip(chains, sources)):
-                lens[b] = _whole_forced(srcs[:len(c)], lens[b], up=True)
+                lens[b] = whole_forced(srcs[:len(c)], lens[b], up=True)
         return out
 
     @staticmethod
@@ -279,7 +269,7 @@ class SpecDecoder:
         for i, c in enumerate(chains):
             n = min(len(c), budget if i == 0 or not any(out) else budget // 2)
             if sources is not None:
-                n = _whole_forced(sources[i][:len(c)], n, up=False)
+                n = whole_forced(sources[i][:len(c)], n, up=False)
             out.append(c[:n])
             budget -= n
         return out
@@ -431,122 +421,6 @@ class SpecDecoder:
         left = r.params.max_new_tokens - len(r.output_ids) - 1
         return max(0, min(left, self.kv.req_pool.max_context - 8 - (e.start + e.n)))
 
-    def _quote_id(self) -> Optional[int]:
-        """The token of a lone ``"`` (None when the tokenizer has none)."""
-        if self._quote is None:
-            ids = self.out.tokenizer.encode('"')
-            self._quote = ids[0] if len(ids) == 1 else -1
-        return self._quote if self._quote >= 0 else None
-
-    def _word_start(self, t: int) -> bool:
-        return self.token_text.starts_word(t)
-
-    def _value_ends_before(self, chain: list[int], i: int) -> bool:
-        """Whether a value copied from the prompt likely ends before ``chain[i]`` (``i > 0``):
-        the token starts a new word, or is punctuation followed by one (a sentence's end; the
-        dot inside `example.org` is not)."""
-        if i == 0:
-            return False
-        if self._word_start(chain[i]):
-            return True
-        piece = self._decode([chain[i]])
-        return bool(piece) and piece[0] in ".,;:!?)" and i + 1 < len(chain) and self._word_start(chain[i + 1])
-
-    def _closing_token(self, g, quote: int) -> Optional[int]:
-        """The token that would close the grammar's current JSON string as the model writes it,
-        or None where ``"`` cannot close here. Candidates: the single tokens spelling ``"`` plus
-        a prefix of the text the grammar then forces (`"`, `",`, `","` before `"email":"`): the
-        one merging as many characters as the model did when it last refused a closing draft
-        (models differ in how they merge the boundary), else the canonical first token of the
-        whole. ``g`` is left where it was."""
-        if not g.accept_token(quote):
-            return None
-        try:
-            s = g.find_jump_forward_string() if hasattr(g, "find_jump_forward_string") else ""
-        finally:
-            g.rollback(1)
-        if not s:
-            return quote
-        enc = self.out.tokenizer.encode
-        if self._close_merge is not None and self._close_merge <= len(s) + 1:
-            ids = enc('"' + s[:self._close_merge - 1])
-            if len(ids) == 1:
-                return ids[0]
-        return enc('"' + s)[0]
-
-    def _walk_grammar(self, r, chains: list[list[int]], need_masks: bool = True,
-                      sources: Optional[list] = None, limit: int = 1 << 30
-                      ) -> tuple[list[list[int]], Optional[list[torch.Tensor]]]:
-        """The longest prefix of each chain the grammar allows, and (``need_masks``: sampled
-        requests) the bitmask rows of the verify step: ``[root mask [1, W]] + [one [len, W] per
-        chain]`` (the mask after each node). Greedy requests need no masks (None): verification
-        checks the argmax against the matcher and fills a mask only where it is refused
-        (:func:`.verify.greedy_walk`). The matcher is left where it was, also when it raises.
-
-        With ``sources`` (per chain, per token; updated in place) two more things happen:
-
-        * **Jump-forward text as free drafts** (when jump-forward is on): after a draft token
-          that makes the grammar force text, the plain run appends that text's tokens
-          (:meth:`OutputProcessor.jump_tokens`) without asking the model. The chain ends with
-          those tokens appended, source ``FORCED``: kept whenever the token before them is,
-          never checked against the model (the issue's "jump-forward strings act as free,
-          always-accepted drafts"), so the verify row after them predicts what the plain run's
-          next step predicts (e.g. the first token of the next JSON value). Without ``sources``
-          or room within ``limit`` tokens the chain ends *before* such a token instead (a verify
-          row after it would predict text the plain run never samples).
-        * **Closing a copied value**: where a prompt copy inside a JSON string reaches a word
-          boundary (:meth:`_value_ends_before`) and the grammar lets ``"`` close the string, the
-          chain takes the closing token there (:meth:`_closing_token`, source ``CLOSE``) and
-          ends after it and its forced text: extracted values end where the prompt's phrase
-          goes on (`Hamburg` + `",` + `"job":"` instead of `Hamburg` + ` and works`).
-        """
-        g, W = r.grammar, self.sampler.words
-        jump = bool(getattr(self.out, "enable_jump_forward", False)) and hasattr(g, "find_jump_forward_string")
-        quote = self._quote_id() if sources is not None else None
-        masks = None
-        if need_masks:
-            masks = [torch.full((1, W), -1, dtype=torch.int32)]
-            g.fill_next_token_bitmask(masks[0], 0)
-        kept_chains = []
-        for b, c in enumerate(chains):
-            rows: list[torch.Tensor] = []
-            out: list[int] = []
-            walked = 0
-            try:
-                for i, t in enumerate(c):
-                    closing = False
-                    if g.is_terminated():
-                        break
-                    close = self._closing_token(g, quote) if quote is not None and self._value_ends_before(c, i) else None
-                    if close is not None and close != t and g.accept_token(close):
-                        t, closing = close, True
-                    elif not g.accept_token(t):
-                        break
-                    walked += 1
-                    forced = self.out.jump_tokens(g) if jump and g.find_jump_forward_string() else []
-                    if forced and (sources is None or len(out) + 1 + len(forced) > limit):
-                        g.rollback(1)  # see above: the draft ends before a token that forces text
-                        walked -= 1
-                        break
-                    for j, tok in enumerate([t] + forced):
-                        if j and not g.accept_token(tok):  # jump_tokens checked them on a fork
-                            raise RuntimeError(f"grammar refused its own jump-forward token {tok}")
-                        walked += j > 0
-                        out.append(tok)
-                        if need_masks:
-                            rows.append(torch.full((1, W), -1, dtype=torch.int32))
-                            g.fill_next_token_bitmask(rows[-1], 0)
-                    if closing or forced:
-                        n = len(out) - len(forced)
-                        sources[b] = list(sources[b][:n - 1]) + [CLOSE if closing else sources[b][n - 1]] + [FORCED] * len(forced)
-                        break
-            finally:
-                g.rollback(walked)
-            kept_chains.append(out)
-            if masks is not None:
-                masks.append(torch.cat(rows) if rows else torch.empty((0, W), dtype=torch.int32))
-        return kept_chains, masks
-
     # ------------------------------------------------------------------ verify + commit
     def process(self, plan: StepPlan, logits: torch.Tensor, finish: Callable) -> int:
         """Verify and commit every drafted entry of ``plan`` (``logits``: [M, V] float32, the
@@ -589,7 +463,7 @@ class SpecDecoder:
             self.kv.trim(r)
             r.spec.record(k, a, self.k_max)
             # a closing draft refused only for how it merged the boundary closed at the right place
-            kept = a + self._learn_close(r.spec.sources[chain][:lens[chain]] if chain < len(lens) else [], a, tokens)
+            kept = a + self.grammar_walk.learn_close(r.spec.sources[chain][:lens[chain]] if chain < len(lens) else [], a, tokens)
             for b, (srcs, n) in enumerate(zip(r.spec.sources, lens)):
                 n = min(n, min(forced[b], default=n))  # forced tokens teach the acceptance model nothing
                 self.accept.record(srcs[:n], min(kept, n) if b == chain else 0, r.spec.own)
@@ -600,17 +474,6 @@ class SpecDecoder:
             if reason is not None:
                 finish(r, reason)
         return appended
-
-    def _learn_close(self, srcs: list, a: int, tokens: list[int]) -> bool:
-        """A closing draft (source ``CLOSE``) refused where the model closed the string with a
-        token of its own (`",` for our `"`): remember how many characters it merges, and return
-        True (the value did end there)."""
-        if a < len(srcs) and srcs[a] == CLOSE and a < len(tokens):
-            piece = self._decode([tokens[a]])
-            if piece.startswith('"') and len(piece) <= 3:
-                self._close_merge = len(piece)
-                return True
-        return False
 
     def _greedy_grammar(self, x: torch.Tensor, e: StepEntry, r, forced: list) -> tuple[list[int], int, int]:
         """Greedy verification of a grammar request's chain or tree without precomputed masks:

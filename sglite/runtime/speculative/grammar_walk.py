@@ -1,0 +1,176 @@
+"""The grammar walk of speculative drafts: which draft tokens a request's grammar allows, the
+jump-forward text that follows a token as always-kept drafts, and where a copied JSON string
+value closes (issue 17: "draft tokens are walked through the grammar matcher, a draft token the
+grammar forbids ends the draft, ... jump-forward strings act as free, always-accepted drafts").
+
+Owned by :class:`~.decoder.SpecDecoder` (one per scheduler): it walks each step's candidate
+chains before the policy cuts them; :func:`whole_forced` keeps a closing token and its forced text
+together through those cuts; :meth:`GrammarWalk.learn_close` learns from verification how the
+model merges a closing quote with the text after it.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+FORCED = "forced"  # draft source of jump-forward tokens (kept whenever the token before them is)
+CLOSE = "close"  # draft source of a `"` closing a copied JSON string value at a word boundary
+
+
+def whole_forced(sources: list, n: int, up: bool) -> int:
+    """A chain's draft length ``n`` moved out of its jump-forward tail (``sources`` per token,
+    ``FORCED`` at the end): the token forcing the text and the text go together or not at all;
+    ``up``: the whole chain, else the part before that token."""
+    f = next((i for i, s in enumerate(sources) if s == FORCED), len(sources))
+    if f == len(sources) or n < f or n >= len(sources):
+        return n
+    return len(sources) if up else max(0, f - 1)
+
+
+class GrammarWalk:
+    """Walks draft chains through a request's grammar matcher (the matcher is always left where
+    it was).
+
+    Args:
+        out: the scheduler's ``OutputProcessor`` (tokenizer, ``jump_tokens``, whether
+            jump-forward is on); None: no tokenizer (no jump-forward, no closing guesses).
+        sampler: the scheduler's ``Sampler`` (``words``: int32 words of a bitmask row).
+        starts_word: ``starts_word(token id)``: the token's text starts with whitespace.
+
+    Attributes:
+        close_values: propose closing tokens at word boundaries (on by default).
+    """
+
+    def __init__(self, out, sampler, starts_word: Callable[[int], bool]):
+        self.out, self.sampler, self.starts_word = out, sampler, starts_word
+        self.close_values = True
+        self._quote: Optional[int] = None  # token id of a lone `"` (-1: none), looked up once
+        self._close_merge: Optional[int] = None  # characters of the model's own string-closing token
+
+    def _decode(self, ids) -> str:
+        return self.out.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def quote_id(self) -> Optional[int]:
+        """The token of a lone ``"`` (None when the tokenizer has none)."""
+        if self._quote is None:
+            ids = self.out.tokenizer.encode('"')
+            self._quote = ids[0] if len(ids) == 1 else -1
+        return self._quote if self._quote >= 0 else None
+
+    def value_ends_before(self, chain: list[int], i: int) -> bool:
+        """Whether a value copied from the prompt likely ends before ``chain[i]`` (``i > 0``):
+        the token starts a new word, or is punctuation followed by one (a sentence's end; the
+        dot inside `example.org` is not)."""
+        if i == 0:
+            return False
+        if self.starts_word(chain[i]):
+            return True
+        piece = self._decode([chain[i]])
+        return bool(piece) and piece[0] in ".,;:!?)" and i + 1 < len(chain) and self.starts_word(chain[i + 1])
+
+    def closing_token(self, g, quote: int) -> Optional[int]:
+        """The token that would close the grammar's current JSON string as the model writes it,
+        or None where ``"`` cannot close here. Candidates: the single tokens spelling ``"`` plus
+        a prefix of the text the grammar then forces (`"`, `",`, `","` before `"email":"`): the
+        one merging as many characters as the model did when it last refused a closing draft
+        (models differ in how they merge the boundary), else the canonical first token of the
+        whole. ``g`` is left where it was."""
+        if not g.accept_token(quote):
+            return None
+        try:
+            s = g.find_jump_forward_string() if hasattr(g, "find_jump_forward_string") else ""
+        finally:
+            g.rollback(1)
+        if not s:
+            return quote
+        enc = self.out.tokenizer.encode
+        if self._close_merge is not None and self._close_merge <= len(s) + 1:
+            ids = enc('"' + s[:self._close_merge - 1])
+            if len(ids) == 1:
+                return ids[0]
+        return enc('"' + s)[0]
+
+    def walk(self, r, chains: list[list[int]], need_masks: bool = True,
+                      sources: Optional[list] = None, limit: int = 1 << 30
+                      ) -> tuple[list[list[int]], Optional[list[torch.Tensor]]]:
+        """The longest prefix of each chain the grammar allows, and (``need_masks``: sampled
+        requests) the bitmask rows of the verify step: ``[root mask [1, W]] + [one [len, W] per
+        chain]`` (the mask after each node). Greedy requests need no masks (None): verification
+        checks the argmax against the matcher and fills a mask only where it is refused
+        (:func:`.verify.greedy_walk`). The matcher is left where it was, also when it raises.
+
+        With ``sources`` (per chain, per token; updated in place) two more things happen:
+
+        * **Jump-forward text as free drafts** (when jump-forward is on): after a draft token
+          that makes the grammar force text, the plain run appends that text's tokens
+          (:meth:`OutputProcessor.jump_tokens`) without asking the model. The chain ends with
+          those tokens appended, source ``FORCED``: kept whenever the token before them is,
+          never checked against the model (the issue's "jump-forward strings act as free,
+          always-accepted drafts"), so the verify row after them predicts what the plain run's
+          next step predicts (e.g. the first token of the next JSON value). Without ``sources``
+          or room within ``limit`` tokens the chain ends *before* such a token instead (a verify
+          row after it would predict text the plain run never samples).
+        * **Closing a copied value**: where a prompt copy inside a JSON string reaches a word
+          boundary (:meth:`value_ends_before`) and the grammar lets ``"`` close the string, the
+          chain takes the closing token there (:meth:`closing_token`, source ``CLOSE``) and
+          ends after it and its forced text: extracted values end where the prompt's phrase
+          goes on (`Hamburg` + `",` + `"job":"` instead of `Hamburg` + ` and works`).
+        """
+        g, W = r.grammar, self.sampler.words
+        jump = bool(getattr(self.out, "enable_jump_forward", False)) and hasattr(g, "find_jump_forward_string")
+        quote = self.quote_id() if sources is not None and self.close_values else None
+        masks = None
+        if need_masks:
+            masks = [torch.full((1, W), -1, dtype=torch.int32)]
+            g.fill_next_token_bitmask(masks[0], 0)
+        kept_chains = []
+        for b, c in enumerate(chains):
+            rows: list[torch.Tensor] = []
+            out: list[int] = []
+            walked = 0
+            try:
+                for i, t in enumerate(c):
+                    closing = False
+                    if g.is_terminated():
+                        break
+                    close = self.closing_token(g, quote) if quote is not None and self.value_ends_before(c, i) else None
+                    if close is not None and close != t and g.accept_token(close):
+                        t, closing = close, True
+                    elif not g.accept_token(t):
+                        break
+                    walked += 1
+                    forced = self.out.jump_tokens(g) if jump and g.find_jump_forward_string() else []
+                    if forced and (sources is None or len(out) + 1 + len(forced) > limit):
+                        g.rollback(1)  # see above: the draft ends before a token that forces text
+                        walked -= 1
+                        break
+                    for j, tok in enumerate([t] + forced):
+                        if j and not g.accept_token(tok):  # jump_tokens checked them on a fork
+                            raise RuntimeError(f"grammar refused its own jump-forward token {tok}")
+                        walked += j > 0
+                        out.append(tok)
+                        if need_masks:
+                            rows.append(torch.full((1, W), -1, dtype=torch.int32))
+                            g.fill_next_token_bitmask(rows[-1], 0)
+                    if closing or forced:
+                        n = len(out) - len(forced)
+                        sources[b] = list(sources[b][:n - 1]) + [CLOSE if closing else sources[b][n - 1]] + [FORCED] * len(forced)
+                        break
+            finally:
+                g.rollback(walked)
+            kept_chains.append(out)
+            if masks is not None:
+                masks.append(torch.cat(rows) if rows else torch.empty((0, W), dtype=torch.int32))
+        return kept_chains, masks
+
+    def learn_close(self, srcs: list, a: int, tokens: list[int]) -> bool:
+        """A closing draft (source ``CLOSE``) refused where the model closed the string with a
+        token of its own (`",` for our `"`): remember how many characters it merges, and return
+        True (the value did end there)."""
+        if a < len(srcs) and srcs[a] == CLOSE and a < len(tokens):
+            piece = self._decode([tokens[a]])
+            if piece.startswith('"') and len(piece) <= 3:
+                self._close_merge = len(piece)
+                return True
+        return False

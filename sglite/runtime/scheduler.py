@@ -245,10 +245,12 @@ class Scheduler:
         """Next tokens of the plan's sampling entries (``logits``: [M, V] float32, rows as laid out
         by the plan; ``bitmask``: their grammar masks when computed already). None when no entry
         samples (a step of non-final prefill chunks)."""
-        sampling = plan.sampling
-        if not sampling:
+        idx = [e.sample_row for e in plan.sampling]
+        if not idx:
             return None
-        rows = logits[torch.tensor([e.sample_row for e in sampling])]  # [B, V]
+        # consecutive rows (the usual layout) as a view, not a copy (the sampler does not write them)
+        whole = idx == list(range(idx[0], idx[0] + len(idx)))
+        rows = logits[idx[0]:idx[0] + len(idx)] if whole else logits[torch.tensor(idx)]  # [B, V]
         return self.sampler.sample(rows, plan.sampling_reqs, bitmask)
 
     def process(self, plan: StepPlan, logits: torch.Tensor, sampled: Optional[SampleOutput]) -> None:

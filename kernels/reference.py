@@ -226,35 +226,30 @@ def greedy(logits: torch.Tensor, bitmask: Optional[torch.Tensor] = None) -> torc
     """The tokens :func:`sample` picks for greedy rows: the argmax of each row among its allowed
     tokens (first on ties).
 
-    The unmasked argmax is taken first: when the grammar allows it, it is also the masked one
-    (no allowed token before it equals it), so only the rows whose winner the grammar forbids are
-    masked, and on CPU by gathering the allowed tokens' logits (no [B, V] float mask).
+    On CPU (numpy, no [B, V] float mask): the unmasked argmax is taken first; when the grammar
+    allows it, it is also the masked one (no allowed token before it equals it), so only a row
+    whose winner the grammar forbids gathers its allowed tokens' logits for a second argmax.
 
     Args:
         logits: [B, V] float (not mutated).
-        bitmask: optional [B, ceil(V/32)] int32 grammar mask; bit ``t % 32`` of word ``t // 32``
-            set = token t allowed.
+        bitmask: optional [B, ceil(V/32)] int32 grammar mask on ``logits``' device; bit ``t % 32``
+            of word ``t // 32`` set = token t allowed.
     Returns:
         [B] int64 token ids.
     """
-    out = argmax_rows(logits)  # [B]
     if bitmask is None:
-        return out
-    bitmask = bitmask.to(logits.device)
-    words = bitmask.gather(1, (out >> 5)[:, None]).squeeze(1)  # [B] int32: the word of each winner
-    allowed = ((words.long() >> (out & 31)) & 1).bool()  # [B]
-    if bool(allowed.all()):
-        return out
+        return argmax_rows(logits)
     V = logits.shape[1]
-    for i in (~allowed).nonzero().squeeze(1).tolist():  # rows whose winner the grammar forbids
-        if logits.device.type == "cpu":
-            bits = np.unpackbits(bitmask[i].numpy().view(np.uint8), bitorder="little")[:V]  # [V] 0/1
-            ok = np.flatnonzero(bits)  # [k] allowed token ids, ascending
-            row = logits[i].float().numpy()
-            out[i] = int(ok[row[ok].argmax()]) if ok.size else 0  # all masked: argmax of -inf = 0
-        else:
-            out[i] = argmax_rows(logits[i:i + 1].float() + bitmask_to_additive(bitmask[i:i + 1], V))[0]
-    return out
+    if logits.device.type != "cpu":
+        return (logits.float() + bitmask_to_additive(bitmask, V)).argmax(dim=-1)
+    x = logits.detach().float().numpy()  # [B, V]
+    words = bitmask.numpy()  # [B, W] int32
+    out = x.argmax(axis=-1)  # [B] int64
+    for i, t in enumerate(out.tolist()):
+        if not (int(words[i, t >> 5]) >> (t & 31)) & 1:  # the grammar forbids this row's winner
+            ok = np.flatnonzero(np.unpackbits(words[i].view(np.uint8), bitorder="little")[:V])  # [k] allowed ids
+            out[i] = ok[x[i, ok].argmax()] if ok.size else 0  # nothing allowed: argmax of all -inf is 0
+    return torch.from_numpy(out)
 
 
 def _row_noise(seeds: torch.Tensor, positions: torch.Tensor, V: int, device) -> torch.Tensor:

@@ -99,3 +99,14 @@ def test_changes_logits_says_when_penalize_writes_a_row():
         y = x.clone()
         Sampler(50, frozenset({0}))._penalize(y, [r])
         assert torch.equal(x, y)
+
+
+def test_select_rows_views_consecutive_rows_and_copies_others():
+    from sglite.runtime.sampler import select_rows
+
+    x = torch.arange(20.0).view(5, 4)
+    assert select_rows(x, [0, 1, 2, 3, 4]) is x
+    view = select_rows(x, [1, 2])
+    assert torch.equal(view, x[1:3]) and view.data_ptr() == x[1].data_ptr()  # no copy
+    gathered = select_rows(x, [3, 0])
+    assert torch.equal(gathered, x[[3, 0]]) and gathered.data_ptr() != x.data_ptr()

@@ -75,7 +75,9 @@ class ForwardBatch:
         parts = (ids, pos, locs, ext_rows, ext_pre, ext_len, dec_rows, dec_lens, plan.logits_offsets())
         flat = torch.tensor(list(chain.from_iterable(parts)), dtype=torch.int64)
         ids_t, pos_t, locs_t, *rest = flat.split([len(part) for part in parts])
-        slots = torch.take(req_to_token, locs_t.to(req_to_token.device)).long()  # [N]
+        if req_to_token.device != flat.device:
+            locs_t = locs_t.to(req_to_token.device)
+        slots = torch.take(req_to_token, locs_t).long()  # [N] int64
         return cls(ids_t, pos_t, slots, req_to_token, *rest)
 
     @property

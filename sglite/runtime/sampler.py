@@ -26,6 +26,16 @@ class SampleOutput:
     logprobs: Optional[torch.Tensor]  # [B, V] float32 log-softmax, only when any row asked for it
 
 
+def select_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``logits[rows]`` ([M, V] -> [B, V]) without a copy when ``rows`` are consecutive (the usual
+    layout of a step's sampling rows): ``logits`` itself when they are all of its rows, else a view.
+    Callers must not write the result in place (it may be the step's logits)."""
+    first, b = rows[0], len(rows)
+    if rows != list(range(first, first + b)):
+        return logits[torch.tensor(rows)]  # a gathered copy
+    return logits if b == logits.shape[0] else logits[first:first + b]
+
+
 class Sampler:
     """Stateless per step; per-request state lives on :class:`Req`."""
 

@@ -243,7 +243,7 @@ def greedy(logits: torch.Tensor, bitmask: Optional[torch.Tensor] = None) -> torc
     if logits.device.type != "cpu":
         return (logits.float() + bitmask_to_additive(bitmask, V)).argmax(dim=-1)
     x = logits.detach().float().numpy()  # [B, V]
-    words = bitmask.numpy()  # [B, W] int32
+    words = bitmask.contiguous().numpy()  # [B, W] int32
     out = x.argmax(axis=-1)  # [B] int64
     for i, t in enumerate(out.tolist()):
         if not (int(words[i, t >> 5]) >> (t & 31)) & 1:  # the grammar forbids this row's winner

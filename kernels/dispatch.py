@@ -176,6 +176,12 @@ def apply_token_bitmask(logits, bitmask, indices=None, *, impl: Optional[str] = 
     return _op("apply_token_bitmask", resolve_impl(impl, logits))(logits, bitmask, indices)
 
 
+def greedy(logits, bitmask=None):
+    """See :func:`sglite.kernels.reference.greedy` (torch ops on any device; a greedy batch needs
+    no per-row parameter tensors)."""
+    return reference.greedy(logits, bitmask)
+
+
 def sample(logits, temperatures, top_ps, top_ks, min_ps, seeds, positions, bitmask=None,
            *, impl: Optional[str] = None):
     """See :func:`sglite.kernels.reference.sample`."""

@@ -239,6 +239,50 @@ def test_jump_forward_tokens_run_as_decode_rows_of_one_step():
     assert len(runner.batches) == 3  # prefill, jump step, last token: 6 tokens in 3 forwards
 
 
+def per_list_batch(plan, table):
+    """ForwardBatch.from_plan as first written (one tensor per index list, slots sliced per entry):
+    the reference the one-tensor build must equal."""
+    ids, pos, locs, ext, dec_rows, dec_lens = [], [], [], ([], [], []), [], []
+    for e in plan.entries:
+        r, start, n = e.req, e.start, e.n
+        ids.extend(r.tokens(start, start + n))
+        locs.append(table[r.kv.row, start:start + n])
+        pos.extend(range(start, start + n))
+        if e.decode_rows:
+            dec_rows.extend([r.kv.row] * n)
+            dec_lens.extend(range(start + 1, start + n + 1))
+        else:
+            for part, v in zip(ext, (r.kv.row, start, n)):
+                part.append(v)
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    return [t(ids), t(pos), torch.cat(locs).long(), *map(t, ext), t(dec_rows), t(dec_lens), t(plan.logits_offsets())]
+
+
+def test_forward_batch_from_plan_equals_the_per_list_build():
+    sched, runner = make(chunked_prefill_size=16, decode_steps_per_chunk=0)
+    reqs = [req("a", [5, 6, 7], 12, grammar=ForcingMatcher()), req("c", [9] * 5, 6), req("b", list(range(1, 27)), 3)]
+    kinds = set()
+    for step in range(100):
+        if step < 3:
+            sched.add_request(reqs[step])  # b (two chunks, extend rows) arrives while a and c decode
+        if not sched.has_work():
+            break
+        plan = sched.schedule()
+        fb = ForwardBatch.from_plan(plan, sched.kv.req_to_token)
+        names = ["input_ids", "positions", "out_cache_loc", "ext_req_pool_indices", "ext_prefix_lens",
+                 "ext_extend_lens", "dec_req_pool_indices", "dec_seq_lens", "logits_indices"]
+        for name, want in zip(names, per_list_batch(plan, sched.kv.req_to_token)):
+            got = getattr(fb, name)
+            assert got.dtype == torch.int64 and torch.equal(got, want), name
+        kinds.add((fb.num_extend_tokens > 0, fb.dec_req_pool_indices.numel() > 0,
+                   max(e.n for e in plan.entries if e.decode_rows) if any(e.decode_rows for e in plan.entries) else 0))
+        logits = runner.forward(fb)
+        sched.process(plan, logits, sched.sample(plan, logits))
+    assert (True, True, 1) in kinds  # a prefill chunk beside a decode row
+    assert any(k[2] > 1 for k in kinds)  # jump-forward tokens as several decode rows of one entry
+    assert reqs[1].output_ids == oracle([9] * 5, 6) and reqs[2].output_ids == oracle(list(range(1, 27)), 3)
+
+
 def test_deterministic_mode_runs_every_token_as_a_decode_row():
     work = workload(12, seed=3)
     outs = {}

@@ -102,3 +102,26 @@ def test_no_chat_template(real_checkpoint):
 def test_from_dir_without_tokenizer(tmp_path):
     with pytest.raises(InvalidRequestError, match="tokenizer"):
         Tokenizer.from_dir(tmp_path)
+
+
+def test_decode_calls_the_fast_backend_with_hf_decode_results(real_tokenizer):
+    import random
+
+    from sglite.runtime.tokenizer import _plain_fast_backend
+
+    tok = real_tokenizer
+    assert tok._backend is not None  # the default model's tokenizer is a plain fast one
+    rng = random.Random(0)
+    special = sorted(tok.special_token_ids)
+    for _ in range(300):  # random windows: special tokens, split UTF-8 bytes, leading spaces
+        ids = [rng.choice(special) if rng.random() < 0.1 else rng.randrange(len(tok.hf)) for _ in range(rng.randint(1, 6))]
+        for skip in (True, False):
+            assert tok.decode(ids, skip_special_tokens=skip) == tok.hf.decode(
+                ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+    class CustomDecode(type(tok.hf)):
+        def decode(self, *a, **k):
+            return "custom"
+
+    custom = object.__new__(CustomDecode)
+    assert _plain_fast_backend(custom) is None and _plain_fast_backend(SimpleNamespace()) is None

@@ -8,6 +8,7 @@ own causal length. All linear layers run once over the concatenation; attention 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import TYPE_CHECKING
 
 import torch
@@ -51,26 +52,33 @@ class ForwardBatch:
         KV manager for this step)."""
         ids, pos, locs = [], [], []
         ext_rows, ext_pre, ext_len, dec_rows, dec_lens = [], [], [], [], []
+        width = req_to_token.shape[1]
         for e in plan.entries:
             r, start, n = e.req, e.start, e.n
+            row = r.kv.row
             ids.extend(r.tokens(start, start + n - len(e.draft)))
             ids.extend(e.draft)  # speculative draft tokens (not in the sequence yet)
-            locs.append(req_to_token[r.kv.row, start:start + n])
+            base = row * width + start  # flat index of req_to_token[row, start]
+            locs.extend(range(base, base + n))
             if e.tree is not None:  # a speculative token tree: per-node positions and slot rows
-                p, rows, lens = e.tree.layout(r.kv.row, start, n)
+                p, rows, lens = e.tree.layout(row, start, n)
                 pos.extend(p); dec_rows.extend(rows); dec_lens.extend(lens)  # noqa: E702
                 continue
             pos.extend(range(start, start + n))
             if e.decode_rows:  # one decode-attention row per token, each seeing the tokens up to itself
-                dec_rows.extend([r.kv.row] * n)
+                dec_rows.extend([row] * n)
                 dec_lens.extend(range(start + 1, start + n + 1))
             else:
-                ext_rows.append(r.kv.row); ext_pre.append(start); ext_len.append(n)
-        t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
-        return cls(input_ids=t(ids), positions=t(pos), out_cache_loc=torch.cat(locs).long(),
-                   req_to_token=req_to_token, ext_req_pool_indices=t(ext_rows), ext_prefix_lens=t(ext_pre),
-                   ext_extend_lens=t(ext_len), dec_req_pool_indices=t(dec_rows), dec_seq_lens=t(dec_lens),
-                   logits_indices=t(plan.logits_offsets()))
+                ext_rows.append(row); ext_pre.append(start); ext_len.append(n)  # noqa: E702
+        # one host tensor for every index list (a torch.tensor call per list cost more than the
+        # lists themselves at batch 1), split into views
+        parts = (ids, pos, locs, ext_rows, ext_pre, ext_len, dec_rows, dec_lens, plan.logits_offsets())
+        flat = torch.tensor(list(chain.from_iterable(parts)), dtype=torch.int64)
+        ids_t, pos_t, locs_t, *rest = flat.split([len(part) for part in parts])
+        if req_to_token.device != flat.device:
+            locs_t = locs_t.to(req_to_token.device)
+        slots = torch.take(req_to_token, locs_t).long()  # [N] int64
+        return cls(ids_t, pos_t, slots, req_to_token, *rest)
 
     @property
     def num_extend_tokens(self) -> int:

@@ -108,13 +108,14 @@ class KVManager:
         """Reserve slots for ``n`` tokens past ``req.kv.kv_len`` (evicting unlocked tree KV when the
         pool is short). Returns False with nothing reserved when it cannot."""
         kv = req.kv
-        last = int(self.req_pool.req_to_token[kv.row, kv.kv_len - 1]) if kv.kv_len else None
+        # the last token's slot matters only when its page has room left (never with page_size 1)
+        last = int(self.req_pool.req_to_token[kv.row, kv.kv_len - 1]) if kv.kv_len % self.kv_pool.page_size else None
         if not self._ensure_free(self.kv_pool.tokens_needed(kv.kv_len, n)):
             return False
         slots = self.kv_pool.alloc_extend(last, kv.kv_len, n)
         if slots is None:
             return False
-        self.req_pool.req_to_token[kv.row, kv.kv_len:kv.kv_len + n] = slots.to(torch.int32)
+        self.req_pool.req_to_token[kv.row, kv.kv_len:kv.kv_len + n] = slots  # int64 -> int32 in the copy
         kv.alloc_len = kv.kv_len + n
         return True
 

@@ -26,6 +26,16 @@ class SampleOutput:
     logprobs: Optional[torch.Tensor]  # [B, V] float32 log-softmax, only when any row asked for it
 
 
+def select_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``logits[rows]`` ([M, V] -> [B, V]) without a copy when ``rows`` are consecutive (the usual
+    layout of a step's sampling rows): ``logits`` itself when they are all of its rows, else a view.
+    Callers must not write the result in place (it may be the step's logits)."""
+    first, b = rows[0], len(rows)
+    if rows != list(range(first, first + b)):
+        return logits[torch.tensor(rows)]  # a gathered copy
+    return logits if b == logits.shape[0] else logits[first:first + b]
+
+
 class Sampler:
     """Stateless per step; per-request state lives on :class:`Req`."""
 
@@ -34,6 +44,14 @@ class Sampler:
         self.words = (vocab_size + 31) // 32
         self.eos = sorted(i for i in eos_token_ids if i < vocab_size)
         self.device = device
+
+    @staticmethod
+    def changes_logits(r: Req) -> bool:
+        """Whether :meth:`_penalize` changes ``r``'s row: a logit bias, the min-new-tokens EOS
+        block, or a frequency / presence / repetition penalty once it has output."""
+        p = r.params
+        return bool(p.logit_bias or len(r.output_ids) < p.min_new_tokens or (r.output_ids and (
+            p.frequency_penalty != 0 or p.presence_penalty != 0 or p.repetition_penalty != 1)))
 
     def _penalize(self, logits: torch.Tensor, reqs: list[Req]) -> None:
         for i, r in enumerate(reqs):
@@ -74,15 +92,16 @@ class Sampler:
         """Pick the next token of each request.
 
         Args:
-            logits: [B, V] float32 next-token logits, row i for ``reqs[i]`` (mutated).
+            logits: [B, V] float32 next-token logits, row i for ``reqs[i]`` (not mutated).
             reqs: the requests, for their sampling params, output so far and grammar matchers.
             bitmask: ``grammar_bitmask(reqs)`` when already computed (e.g. overlapped with the
                 forward); computed here when None.
         Returns:
             SampleOutput with B token ids.
         """
-        B, V = logits.shape
-        self._penalize(logits, reqs)
+        if any(self.changes_logits(r) for r in reqs):
+            logits = logits.clone()  # the caller's rows (often a view of the step's logits) stay as they are
+            self._penalize(logits, reqs)
         ps = [r.params for r in reqs]
         want_lp = any(r.return_logprob for r in reqs)
         logprobs = None
@@ -93,6 +112,8 @@ class Sampler:
             bitmask = self.grammar_bitmask(reqs)
         if bitmask is not None:
             bitmask = bitmask.to(logits.device)
+        if all(p.temperature <= 1e-6 for p in ps):  # a greedy batch: argmax, no per-row tensors
+            return SampleOutput(kernels.greedy(logits, bitmask).tolist(), logprobs)
         dev = logits.device
         next_ids = kernels.sample(
             logits,

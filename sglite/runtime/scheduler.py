@@ -26,7 +26,7 @@ from .grammar_masks import MaskOverlap
 from .kv_manager import KVManager
 from .output import OutputProcessor
 from .req import FinishReason, Req
-from .sampler import SampleOutput, Sampler
+from .sampler import SampleOutput, Sampler, select_rows
 from .schedule_policy import order_waiting
 from .speculative.decoder import make_spec_decoder
 from .step_log import StepLogger
@@ -214,6 +214,8 @@ class Scheduler:
         return any(o.tokens(m, m + HOLD_BACK_TOKENS + 1) == head for o in prefilling)
 
     def _admit(self, entries: list[StepEntry]) -> None:
+        if not self.waiting:
+            return
         budget = self._budget() - sum(e.n for e in entries if e.n > 1)
         order = order_waiting(self.config.schedule_policy, list(self.waiting), self.kv.cache)
         prefilling = [r for r in self.running if r.prefilling]
@@ -245,11 +247,10 @@ class Scheduler:
         """Next tokens of the plan's sampling entries (``logits``: [M, V] float32, rows as laid out
         by the plan; ``bitmask``: their grammar masks when computed already). None when no entry
         samples (a step of non-final prefill chunks)."""
-        sampling = plan.sampling
-        if not sampling:
+        idx = [e.sample_row for e in plan.sampling]
+        if not idx:
             return None
-        rows = logits[torch.tensor([e.sample_row for e in sampling])]  # [B, V]
-        return self.sampler.sample(rows, plan.sampling_reqs, bitmask)
+        return self.sampler.sample(select_rows(logits, idx), plan.sampling_reqs, bitmask)
 
     def process(self, plan: StepPlan, logits: torch.Tensor, sampled: Optional[SampleOutput]) -> None:
         """Advance the plan's requests past this step: commit their KV, record input logprobs,

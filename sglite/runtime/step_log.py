@@ -29,22 +29,25 @@ class StepLogger:
     def log_step(self, plan: StepPlan, kv, running: int, waiting: int) -> None:
         """Log the step of ``plan`` (already laid out, not yet run). ``kv``: the KVManager;
         ``running``/``waiting``: queue lengths after scheduling."""
+        chunks = [e for e in plan.entries if e.req.prefilling]
+        decoding = len(plan.entries) - len(chunks)
+        if decoding:
+            self._decode_steps += 1
+            self._tokens += decoding
+        decode_line = decoding and self._decode_steps % self.interval == 0
+        prefill_line = chunks and log.isEnabledFor(logging.INFO)
+        if not (prefill_line or decode_line):  # most steps: no line, no pool usage to read
+            return
         cap = kv.kv_pool.capacity
         used = cap - kv.available_tokens()  # tokens neither free nor evictable (SGLang's num_used)
         usage = used / cap if cap else 0.0
-        chunks = [e for e in plan.entries if e.req.prefilling]
-        if chunks and log.isEnabledFor(logging.INFO):
+        if prefill_line:
             new_tokens = sum(e.n for e in chunks)
             cached = sum(e.req.cached_tokens for e in chunks if e.start == e.req.cached_tokens)
             log.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
                      "#running-req: %d, #queue-req: %d", len(chunks), new_tokens, cached, usage,
                      running - len(chunks), waiting)
-        decoding = len(plan.entries) - len(chunks)
-        if not decoding:
-            return
-        self._decode_steps += 1
-        self._tokens += decoding
-        if self._decode_steps % self.interval:
+        if not decode_line:
             return
         now = time.perf_counter()
         rate = self._tokens / max(now - self._since, 1e-9)

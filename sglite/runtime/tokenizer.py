@@ -48,6 +48,22 @@ def _as_id_set(value: Any) -> set[int]:
     return {int(v) for v in value if v is not None}
 
 
+def _plain_fast_backend(hf) -> Any:
+    """The ``tokenizers`` object behind ``hf`` when ``hf.decode(ids, skip_special_tokens=s,
+    clean_up_tokenization_spaces=False)`` is exactly ``backend.decode(ids, skip_special_tokens=s)``:
+    a transformers fast tokenizer whose class overrides neither ``decode`` nor ``_decode``. Else
+    None (slow tokenizers, custom decoders, test doubles)."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        return None
+    cls = type(hf)
+    if (not isinstance(hf, PreTrainedTokenizerFast) or cls.decode is not PreTrainedTokenizerFast.decode
+            or cls._decode is not PreTrainedTokenizerFast._decode):
+        return None
+    return getattr(hf, "backend_tokenizer", None)
+
+
 class Tokenizer:
     """A Hugging Face tokenizer plus the facts the runtime needs about it.
 
@@ -76,6 +92,7 @@ class Tokenizer:
         if eot is not None:
             eos.add(eot)
         self.eos_token_ids = frozenset(eos)
+        self._backend = _plain_fast_backend(hf)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, hf_config=None, tokenizer_path: str | Path | None = None,
@@ -121,6 +138,8 @@ class Tokenizer:
         """Text of ``ids``. No clean-up of spaces, so decoding is a pure function of the ids
         (what the incremental detokenizer relies on). ``spaces_between_special_tokens`` only
         matters for slow (Python) tokenizers."""
+        if self._backend is not None:  # what hf.decode runs, without its per-call Python layers
+            return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
         kwargs = {}
         if not getattr(self.hf, "is_fast", True):
             kwargs["spaces_between_special_tokens"] = spaces_between_special_tokens

@@ -24,6 +24,7 @@ from typing import Any, Callable, Collection, Optional, Sequence
 
 import torch
 
+from sglite import kernels
 from sglite.kernels.reference import bitmask_to_additive
 
 
@@ -62,7 +63,12 @@ def row_logits(sampler, logits: torch.Tensor, req, contexts: Sequence[Sequence[i
     ``logit_bias`` and the min-new-tokens block per row (row ``i`` sees the output plus
     ``contexts[i]``, the draft tokens before it: ``d_1 .. d_i`` for a chain), then the grammar
     rows of ``bitmask`` ([rows, W] int32 or None). ``logits``: [rows, V] float32 (not mutated).
-    Returns [rows, V] float32."""
+    Returns [rows, V] float32: ``logits`` itself when nothing applies (no penalty, bias or
+    min-new-tokens block, no mask; callers do not write to it)."""
+    p = req.params
+    if bitmask is None and not (p.logit_bias or len(req.output_ids) < p.min_new_tokens or p.frequency_penalty
+                                or p.presence_penalty or p.repetition_penalty != 1):
+        return logits
     x = logits.clone()
     views = [RowView(req.params, req.output_ids + list(c)) for c in contexts]
     sampler._penalize(x, views)
@@ -91,7 +97,7 @@ def verify_chain(x: torch.Tensor, draft: Sequence[int], params, generator: Optio
     """
     k = len(draft)
     if params.temperature <= 1e-6:
-        target = x.argmax(dim=-1).tolist()  # [k+1]
+        target = kernels.greedy(x).tolist()  # [k+1]
         a = 0
         while a < k and (a in forced or draft[a] == target[a]):
             a += 1
@@ -139,7 +145,7 @@ def greedy_walk(x: torch.Tensor, child: Callable[[int, int], Optional[int]], gra
     tokens: list[int] = []
     rows: list[int] = []
     walked, row = 0, 0
-    top = x.argmax(dim=-1).tolist()  # one pass over all rows
+    top = kernels.greedy(x).tolist()  # one pass over all rows
     try:
         while True:
             f = forced(row) if forced is not None else None

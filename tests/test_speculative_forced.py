@@ -169,11 +169,13 @@ def test_oracle_drafts_verify_forced_text_greedy_identical(ngram_pair):
 
 
 @pytest.mark.slow
-def test_sampled_outputs_distributed_as_without_speculation_with_forced_drafts(tiny_model_dir):
-    """Sampling (temperature 1, top-k) under a regex whose middle is forced text: drafts from a
-    prompt that spells the sentences (so chains carry a choice, then the forced text verified as
-    drafts) leave the distribution of whole outputs unchanged (homogeneity chi-square over many
-    seeded draws); forced drafts were really verified."""
+def test_sampled_requests_keep_their_distribution_without_forced_drafts(tiny_model_dir):
+    """Sampling (temperature 1, top-k) under a regex whose middle is forced text, drafts from a
+    prompt that spells the sentences: forced-text drafts are for greedy requests only (a sampled
+    JSON-enum test measured a bias with them: tests/test_speculative_forced_edges.py), so none is
+    verified, and whole outputs keep the plain run's distribution (homogeneity chi-square over
+    many seeded draws). Here every choice is one token followed by forced text, so the walk cuts
+    each draft before it: the guard is that the switch holds and the outputs agree."""
     import collections
 
     from sglite import Engine
@@ -189,7 +191,8 @@ def test_sampled_outputs_distributed_as_without_speculation_with_forced_drafts(t
                 "regex": r"(red|blue) fox jumps (high|low)\."} for i in range(n)]
         got = {name: collections.Counter(o["text"] for o in e.generate([prompt] * n, sps))
                for name, e in (("base", base), ("spec", spec))}
-        assert spec.scheduler.spec.stats["spec_forced_tokens"] > 0
+        st = spec.scheduler.spec.stats
+        assert st["spec_forced_tokens"] == 0
         assert len(got["base"]) >= 2 and homogeneity_p(got["base"], got["spec"]) > 1e-3, (got["base"], got["spec"])
     finally:
         base.shutdown()

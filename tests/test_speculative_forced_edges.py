@@ -192,13 +192,47 @@ def test_engine_options_greedy_identical(tiny_model_dir, opts):
     spec = Engine(str(tiny_model_dir), speculative_algorithm="NGRAM", speculative_num_draft_tokens=6, **KW, **opts)
     try:
         for g in sorted(GRAMMARS):
-            for extra in ({}, {"frequency_penalty": 0.5}, {"min_new_tokens": 10}):
+            for extra in ({}, {"frequency_penalty": 0.5}, {"min_new_tokens": 6}):
                 for mt in (7, 40):
                     sps = [dict(max_new_tokens=mt, temperature=0, **GRAMMARS[g], **extra)] * 2
                     _same(base, spec, PROMPTS, sps, oracle=True)
                     _same(base, spec, PROMPTS, sps, oracle=False)
         if opts.get("enable_jump_forward") is False:
             assert spec.scheduler.spec.stats["spec_forced_tokens"] == 0
+    finally:
+        base.shutdown()
+        spec.shutdown()
+
+
+# ---------------------------------------------------------------------- sampling
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "sampled JSON enums with forced drafts: P(size=small | color='dark red') ~0.62 with NGRAM vs ~0.50 "
+    "without (homogeneity p ~1e-5 over 1000 seeded requests); the bias vanishes (p 0.78) when "
+    "SpecDecoder.process seeds its verify generator at random instead of with "
+    "(r.seed * 1_000_003 + len(r.output_ids)), and is weak without forced drafts (p 0.10): the "
+    "per-step seeded verify draws are not independent of the draft/skip pattern forced text creates. "
+    "Root cause not pinned; not a small fix"))
+def test_sampled_json_enum_distribution_with_forced_drafts(tiny_model_dir):
+    import collections
+
+    from sglite.testing import homogeneity_p
+
+    schema = {"type": "object", "required": ["color", "size"], "additionalProperties": False,
+              "properties": {"color": {"enum": ["dark red", "light blue"]}, "size": {"enum": ["very big", "small"]}}}
+    prompt = ('{"color":"dark red","size":"small"} {"color":"light blue","size":"very big"} '
+              '{"color":"dark red","size":"very big"} ')
+    kw = dict(KW, max_total_tokens=8192)
+    base = Engine(str(tiny_model_dir), **kw)
+    spec = Engine(str(tiny_model_dir), speculative_algorithm="NGRAM", speculative_disable_by_batch_size=64, **kw)
+    try:
+        n = 1000
+        sps = [{"max_new_tokens": 30, "temperature": 1.0, "sampling_seed": 5 + i, "json_schema": json.dumps(schema)}
+               for i in range(n)]
+        got = {name: collections.Counter(o["text"] for o in e.generate([prompt] * n, sps))
+               for name, e in (("base", base), ("spec", spec))}
+        assert spec.scheduler.spec.stats["spec_forced_tokens"] > 0
+        assert homogeneity_p(got["base"], got["spec"]) > 1e-3, got
     finally:
         base.shutdown()
         spec.shutdown()

@@ -212,7 +212,8 @@ def test_engine_options_greedy_identical(tiny_model_dir, opts):
     "SpecDecoder.process seeds its verify generator at random instead of with "
     "(r.seed * 1_000_003 + len(r.output_ids)), and is weak without forced drafts (p 0.10): the "
     "per-step seeded verify draws are not independent of the draft/skip pattern forced text creates. "
-    "Root cause not pinned; not a small fix"))
+    "A splitmix64 hash of (seed, position) as the verify seed makes this test pass (p > 1e-3) but "
+    "the mechanism is not pinned, so it is not applied"))
 def test_sampled_json_enum_distribution_with_forced_drafts(tiny_model_dir):
     import collections
 

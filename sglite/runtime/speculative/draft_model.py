@@ -107,8 +107,11 @@ class DraftModel:
                 del self.states[key]
 
     def _rewind(self, st: _DraftKV, r) -> None:
-        """Keep the longest computed prefix equal to ``r``'s sequence; free the slots after it."""
-        m = min(st.kv_len, r.seq_len)
+        """Keep the longest computed prefix equal to ``r``'s sequence, short of its last token (the
+        next draft forward needs that token's logits: a draft the target cut short, e.g. by the
+        grammar walk ending a chain before a closing or forcing token, can leave the draft's KV
+        covering the target's correction token too); free the slots after it."""
+        m = min(st.kv_len, r.seq_len - 1)
         seq_tail = r.tokens(0, m)
         same = 0
         while same < m and st.tokens[same] == seq_tail[same]:

@@ -1,0 +1,239 @@
+"""Edge cases of speculative decoding with grammar-forced drafts (issue 17 follow-up: jump-forward
+text appended to draft chains as ``FORCED`` tokens, copied JSON values closed with ``CLOSE``).
+
+Invariant pinned here: greedy output with speculation is token for token (and text and finish
+reason) what the engine without it gives in float32, for request shapes that put forced text in
+awkward places: at the very end of the output, inside a stop string, cut by ``max_new_tokens``,
+under penalties / ``logit_bias`` / ``min_new_tokens`` / ``ignore_eos``, in batches mixed with plain
+and logprob requests, streamed, aborted; and with ``STANDALONE`` draft models (whose chains the
+walk cuts or closes: regression of a crash, see ``test_standalone_json_requests_greedy_identical``).
+
+Drafts come from an oracle (the plain run's own next tokens, so every forced and closing token is
+verified inside the chains) and from the real n-gram drafter.
+"""
+import json
+
+import pytest
+
+from sglite import Engine
+
+S1 = {"type": "object", "additionalProperties": False, "required": ["name", "city"],
+      "properties": {"name": {"type": "string", "maxLength": 20}, "city": {"type": "string", "maxLength": 20}}}
+NEST = {"type": "object", "required": ["p", "tags", "kind", "v"], "additionalProperties": False,
+        "properties": {"p": {"type": "object", "required": ["a", "b"], "additionalProperties": False,
+                             "properties": {"a": {"type": "string", "maxLength": 8}, "b": {"type": "integer"}}},
+                       "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+                       "kind": {"enum": ["alpha beta", "gamma", "delta epsilon zeta"]},
+                       "v": {"const": "fixed value here"},
+                       "opt": {"type": "string", "maxLength": 5}}}
+OPEN = {"type": "object", "required": ["name"], "properties": {"name": {"type": "string", "maxLength": 10}}}
+GRAMMARS = {
+    "schema": {"json_schema": json.dumps(S1)},
+    "nested": {"json_schema": json.dumps(NEST)},  # nested object, array of strings, enum, const, optional
+    "open": {"json_schema": json.dumps(OPEN)},  # additionalProperties open
+    "ends_forced": {"regex": r"(yes|no)! (red|blue) and that is the end of the story\."},  # terminates right after forced text
+    "ebnf": {"ebnf": 'root ::= "Answer: " ("red" | "blue") " fox jumps over the lazy dog " [a-z]{1,4} " end"'},
+}
+PROMPTS = ["Tom Becker lives in Hamburg. JSON:", "Maria Gonzalez lives in Seville. JSON:"]
+KW = dict(dtype="float32", device="cpu", max_total_tokens=4096, check_invariants=True)
+
+
+def _summary(outs):
+    return [(o["output_ids"], o["text"], o["meta_info"]["finish_reason"]) for o in outs]
+
+
+def _same(base, spec, prompts, sps, oracle=True, **gen_kw):
+    """Generate on both engines (``spec`` with oracle drafts when ``oracle``) and assert the same
+    ids, text and finish reason; returns the plain outputs."""
+    want = base.generate(prompts, sps, **gen_kw)
+    by_prompt = {tuple(spec.tokenizer.encode(p)): o["output_ids"] for p, o in zip(prompts, want)}
+    dec = spec.scheduler.spec
+
+    def drafts(e):
+        r = e.req
+        w = next((v for k, v in by_prompt.items() if tuple(r.input_ids[-len(k):]) == k), None)
+        chain = list(w[len(r.output_ids):len(r.output_ids) + 6]) if w else []
+        return [(chain, ["text"] * len(chain))] if chain else []
+
+    orig = dec._ngram
+    if oracle:
+        dec._ngram = drafts
+    try:
+        got = spec.generate(prompts, sps, **gen_kw)
+    finally:
+        dec._ngram = orig
+    assert _summary(got) == _summary(want)
+    spec.check_invariants()
+    return want
+
+
+# ---------------------------------------------------------------------- grammar shapes x params
+@pytest.mark.parametrize("grammar", sorted(GRAMMARS))
+@pytest.mark.parametrize("extra", [{}, {"frequency_penalty": 0.5, "presence_penalty": 0.3},
+                                   {"repetition_penalty": 1.3}, {"min_new_tokens": 12},
+                                   {"ignore_eos": True}, {"logit_bias": {"90": 5.0, "28": -3.0}}],
+                         ids=["plain", "freq_pres", "rep", "min_new", "ignore_eos", "bias"])
+def test_grammar_shapes_and_params_greedy_identical(ngram_pair, grammar, extra):
+    base, spec = ngram_pair
+    for mt in (13, 40):
+        sps = [dict(max_new_tokens=mt, temperature=0, **GRAMMARS[grammar], **extra)] * 2
+        _same(base, spec, PROMPTS, sps, oracle=True)
+        _same(base, spec, PROMPTS, sps, oracle=False)
+
+
+def test_forced_text_is_verified_at_the_end_of_the_output(ngram_pair):
+    """The regex terminates right after the forced sentence: the forced tail is kept as drafts,
+    the request stops on grammar termination (no bonus token past the end)."""
+    base, spec = ngram_pair
+    before = spec.scheduler.spec.stats["spec_forced_tokens"]
+    want = _same(base, spec, PROMPTS, [dict(max_new_tokens=40, temperature=0, **GRAMMARS["ends_forced"])] * 2)
+    assert all(o["text"].endswith("end of the story.") and o["meta_info"]["finish_reason"]["type"] == "stop"
+               for o in want)
+    assert spec.scheduler.spec.stats["spec_forced_tokens"] > before
+
+
+@pytest.mark.parametrize("oracle", [True, False], ids=["oracle", "ngram"])
+def test_max_new_tokens_ending_inside_or_right_after_forced_text(ngram_pair, oracle):
+    base, spec = ngram_pair
+    for mt in range(2, 24):
+        _same(base, spec, PROMPTS, [dict(max_new_tokens=mt, temperature=0, **GRAMMARS["nested"])] * 2, oracle)
+
+
+@pytest.mark.parametrize("stop", ['"city', 'city":', '":"', ',"', "ity"])
+def test_stop_strings_inside_forced_text(ngram_pair, stop):
+    base, spec = ngram_pair
+    for no_trim in (False, True):
+        sps = [dict(max_new_tokens=40, temperature=0, stop=[stop], no_stop_trim=no_trim, **GRAMMARS["schema"])] * 2
+        want = _same(base, spec, PROMPTS, sps)
+        assert all(o["meta_info"]["finish_reason"].get("matched") == stop for o in want)
+
+
+def test_mixed_batch_grammar_plain_and_logprob(ngram_pair):
+    base, spec = ngram_pair
+    prompts = PROMPTS + ["hello there, tell a story"]
+    sps = [dict(max_new_tokens=30, temperature=0, **GRAMMARS["schema"]), dict(max_new_tokens=30, temperature=0),
+           dict(max_new_tokens=30, temperature=0, **GRAMMARS["nested"])]
+    _same(base, spec, prompts, sps)
+    _same(base, spec, prompts, sps, oracle=False)
+    # logprob requests are never drafted and take no jump-forward: same output, logprobs included
+    want = base.generate(prompts, sps, return_logprob=True)
+    got = spec.generate(prompts, sps, return_logprob=True)
+    assert _summary(got) == _summary(want)
+    for g, w in zip(got, want):
+        gl, wl = g["meta_info"]["output_token_logprobs"], w["meta_info"]["output_token_logprobs"]
+        assert [x[1] for x in gl] == [x[1] for x in wl]
+        assert [x[0] for x in gl] == pytest.approx([x[0] for x in wl], abs=1e-4)
+
+
+def test_streaming_forced_drafts_end_where_the_plain_run_ends(ngram_pair):
+    base, spec = ngram_pair
+    sps = [dict(max_new_tokens=40, temperature=0, **GRAMMARS["nested"])] * 2
+    want = [o["output_ids"] for o in base.generate(PROMPTS, sps)]
+    last = {}
+    for chunk in spec.generate(PROMPTS, sps, stream=True):
+        last[chunk.get("index", 0)] = chunk
+    assert sorted(c["output_ids"] for c in last.values()) == sorted(want)
+    spec.check_invariants()
+
+
+def test_abort_mid_request_frees_everything_and_keeps_serving(ngram_pair):
+    base, spec = ngram_pair
+    sp = dict(max_new_tokens=60, temperature=0, ignore_eos=True, **GRAMMARS["nested"])
+    n = 0
+    for chunk in spec.generate(PROMPTS[0], sp, stream=True, rid="brk-abort"):
+        n += 1
+        if n == 3:
+            spec.abort("brk-abort")
+    assert chunk["meta_info"]["finish_reason"]["type"] in ("abort", "stop", "length")
+    spec.check_invariants()
+    _same(base, spec, PROMPTS, [dict(max_new_tokens=30, temperature=0, **GRAMMARS["schema"])] * 2)
+
+
+def test_bad_grammar_input_then_keeps_serving(ngram_pair):
+    from sglite.errors import SgliteError
+
+    base, spec = ngram_pair
+    with pytest.raises(SgliteError):
+        spec.generate(PROMPTS[0], dict(max_new_tokens=8, json_schema="{not json"))
+    _same(base, spec, PROMPTS, [dict(max_new_tokens=24, temperature=0, **GRAMMARS["schema"])] * 2)
+
+
+# ---------------------------------------------------------------------- STANDALONE draft model
+def test_standalone_json_requests_greedy_identical(ngram_pair, tiny_model_dir):
+    """Regression: a STANDALONE draft whose chain the grammar walk cut short (closed a copied
+    value with ``"`` at a word boundary, or ended before a token that forces text) left the draft
+    model's KV covering the token the target then chose (its own draft token, refused only because
+    the chain had been changed): the next draft forward had no token to compute and the step
+    raised (``torch.cat(): expected a non-empty list``), aborting every request of the batch.
+    Fixed in ``DraftModel._rewind`` (the last token of the sequence is always recomputed)."""
+    base, _ = ngram_pair
+    e = Engine(str(tiny_model_dir), speculative_algorithm="STANDALONE", speculative_draft_model_path=str(tiny_model_dir),
+               speculative_num_steps=4, **KW)
+    try:
+        for g in ("schema", "nested"):
+            sps = [dict(max_new_tokens=40, temperature=0, **GRAMMARS[g])] * 2
+            want = base.generate(PROMPTS, sps)
+            got = e.generate(PROMPTS, sps)
+            assert _summary(got) == _summary(want)
+            got = [e.generate(p, s) for p, s in zip(PROMPTS, sps)]
+            assert _summary(got) == _summary(want)
+        assert e.scheduler.spec.stats["spec_forced_tokens"] > 0
+        e.check_invariants()
+    finally:
+        e.shutdown()
+
+
+# ---------------------------------------------------------------------- engine options
+@pytest.mark.slow
+@pytest.mark.parametrize("opts", [{"enable_jump_forward": False}, {"page_size": 4}, {"chunked_prefill_size": 8}],
+                         ids=["no_jump_forward", "page4", "chunked8"])
+def test_engine_options_greedy_identical(tiny_model_dir, opts):
+    base = Engine(str(tiny_model_dir), **KW, **opts)
+    spec = Engine(str(tiny_model_dir), speculative_algorithm="NGRAM", speculative_num_draft_tokens=6, **KW, **opts)
+    try:
+        for g in sorted(GRAMMARS):
+            for extra in ({}, {"frequency_penalty": 0.5}, {"min_new_tokens": 6}):
+                for mt in (7, 40):
+                    sps = [dict(max_new_tokens=mt, temperature=0, **GRAMMARS[g], **extra)] * 2
+                    _same(base, spec, PROMPTS, sps, oracle=True)
+                    _same(base, spec, PROMPTS, sps, oracle=False)
+        if opts.get("enable_jump_forward") is False:
+            assert spec.scheduler.spec.stats["spec_forced_tokens"] == 0
+    finally:
+        base.shutdown()
+        spec.shutdown()
+
+
+# ---------------------------------------------------------------------- sampling
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "sampled JSON enums with forced drafts: P(size=small | color='dark red') ~0.62 with NGRAM vs ~0.50 "
+    "without (homogeneity p ~1e-5 over 1000 seeded requests); the bias vanishes (p 0.78) when "
+    "SpecDecoder.process seeds its verify generator at random instead of with "
+    "(r.seed * 1_000_003 + len(r.output_ids)), and is weak without forced drafts (p 0.10): the "
+    "per-step seeded verify draws are not independent of the draft/skip pattern forced text creates. "
+    "A splitmix64 hash of (seed, position) as the verify seed makes this test pass (p > 1e-3) but "
+    "the mechanism is not pinned, so it is not applied"))
+def test_sampled_json_enum_distribution_with_forced_drafts(tiny_model_dir):
+    import collections
+
+    from sglite.testing import homogeneity_p
+
+    schema = {"type": "object", "required": ["color", "size"], "additionalProperties": False,
+              "properties": {"color": {"enum": ["dark red", "light blue"]}, "size": {"enum": ["very big", "small"]}}}
+    prompt = ('{"color":"dark red","size":"small"} {"color":"light blue","size":"very big"} '
+              '{"color":"dark red","size":"very big"} ')
+    kw = dict(KW, max_total_tokens=8192)
+    base = Engine(str(tiny_model_dir), **kw)
+    spec = Engine(str(tiny_model_dir), speculative_algorithm="NGRAM", speculative_disable_by_batch_size=64, **kw)
+    try:
+        n = 1000
+        sps = [{"max_new_tokens": 30, "temperature": 1.0, "sampling_seed": 5 + i, "json_schema": json.dumps(schema)}
+               for i in range(n)]
+        got = {name: collections.Counter(o["text"] for o in e.generate([prompt] * n, sps))
+               for name, e in (("base", base), ("spec", spec))}
+        assert spec.scheduler.spec.stats["spec_forced_tokens"] > 0
+        assert homogeneity_p(got["base"], got["spec"]) > 1e-3, got
+    finally:
+        base.shutdown()
+        spec.shutdown()

@@ -69,10 +69,11 @@ def _same(base, spec, prompts, sps, oracle=True, **gen_kw):
 
 # ---------------------------------------------------------------------- grammar shapes x params
 @pytest.mark.parametrize("grammar", sorted(GRAMMARS))
-@pytest.mark.parametrize("extra", [{}, {"frequency_penalty": 0.5, "presence_penalty": 0.3},
-                                   {"repetition_penalty": 1.3}, {"min_new_tokens": 12},
-                                   {"ignore_eos": True}, {"logit_bias": {"90": 5.0, "28": -3.0}}],
-                         ids=["plain", "freq_pres", "rep", "min_new", "ignore_eos", "bias"])
+@pytest.mark.parametrize("extra", [pytest.param({}, id="plain")] + [  # the sampling params: slow tier
+    pytest.param(x, id=i, marks=pytest.mark.slow) for x, i in (
+        ({"frequency_penalty": 0.5, "presence_penalty": 0.3}, "freq_pres"), ({"repetition_penalty": 1.3}, "rep"),
+        ({"min_new_tokens": 12}, "min_new"), ({"ignore_eos": True}, "ignore_eos"),
+        ({"logit_bias": {"90": 5.0, "28": -3.0}}, "bias"))])
 def test_grammar_shapes_and_params_greedy_identical(ngram_pair, grammar, extra):
     base, spec = ngram_pair
     for mt in (13, 40):

@@ -21,6 +21,7 @@ import time
 
 from sglite import Engine
 from sglite.bench.spec import _decode_part, workloads
+from sglite.testing import oracle_drafter
 
 
 def main() -> None:
@@ -43,14 +44,7 @@ def main() -> None:
         want.append((tuple(base.tokenizer.encode(p)), base.generate(p, s)["output_ids"]))
 
     dec = engines["oracle"].scheduler.spec
-
-    def oracle(e):
-        r = e.req
-        w = next((v for k, v in want if tuple(r.input_ids[-len(k):]) == k), None)
-        c = list(w[len(r.output_ids):len(r.output_ids) + a.draft_tokens]) if w else []
-        return [(c, ["text"] * len(c))] if c else []
-
-    dec._ngram = oracle
+    dec._ngram = oracle_drafter(dict(want), a.draft_tokens)
     dec.grammar_walk.close_values = False  # no closing guesses: the oracle knows where values end
     dec._choose = lambda proposals, entries: [[len(c) for c in chains] for (_, chains, _, _) in proposals]
     tot = {n: [0, 0.0] for n in engines}

@@ -234,3 +234,24 @@ def homogeneity_p(a: dict, b: dict) -> float:
 
     return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64),
                                          torch.tensor(stat / 2.0, dtype=torch.float64))) if df > 0 else 1.0
+
+
+def oracle_drafter(want: dict, k: int):
+    """A replacement for ``SpecDecoder._ngram`` that drafts the plain run's own next tokens: for
+    tests and bounds of speculative decoding (every draft token the target agrees with).
+
+    Args:
+        want: ``{prompt token ids (tuple): the plain run's output ids}``; a request matches the
+            entry whose ids end its own input ids (a BOS the engine adds is ignored).
+        k: draft tokens per step.
+    Returns:
+        ``drafts(entry) -> [(chain, sources)]``: one chain of up to ``k`` tokens after the
+        request's output so far (source ``"text"``), or ``[]`` for an unknown prompt or the end.
+    """
+    def drafts(e):
+        r = e.req
+        w = next((v for ids, v in want.items() if tuple(r.input_ids[-len(ids):]) == ids), None)
+        chain = list(w[len(r.output_ids):len(r.output_ids) + k]) if w else []
+        return [(chain, ["text"] * len(chain))] if chain else []
+
+    return drafts

@@ -15,6 +15,7 @@ import torch
 from sglite.runtime.speculative.grammar_walk import CLOSE, FORCED, whole_forced
 from sglite.runtime.speculative.tree import TreeDraft, verify_tree
 from sglite.runtime.speculative.verify import greedy_walk, verify_chain
+from sglite.testing import oracle_drafter
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "city"],
           "properties": {"name": {"type": "string", "maxLength": 40}, "city": {"type": "string", "maxLength": 40}}}
@@ -150,14 +151,8 @@ def test_oracle_drafts_verify_forced_text_greedy_identical(ngram_pair):
     want = [o["output_ids"] for o in base.generate(prompts, sps)]
     by_prompt = {tuple(spec.tokenizer.encode(p)): w for p, w in zip(prompts, want)}
 
-    def oracle(e):
-        r = e.req
-        w = next((v for k, v in by_prompt.items() if tuple(r.input_ids[-len(k):]) == k), None)
-        chain = list(w[len(r.output_ids):len(r.output_ids) + 6]) if w else []
-        return [(chain, ["text"] * len(chain))] if chain else []
-
     orig = dec._ngram
-    dec._ngram = oracle
+    dec._ngram = oracle_drafter(by_prompt, 6)
     try:
         before = dec.stats["spec_forced_tokens"]
         assert [o["output_ids"] for o in spec.generate(prompts, sps)] == want

@@ -16,6 +16,7 @@ import json
 import pytest
 
 from sglite import Engine
+from sglite.testing import oracle_drafter
 
 S1 = {"type": "object", "additionalProperties": False, "required": ["name", "city"],
       "properties": {"name": {"type": "string", "maxLength": 20}, "city": {"type": "string", "maxLength": 20}}}
@@ -49,15 +50,9 @@ def _same(base, spec, prompts, sps, oracle=True, **gen_kw):
     by_prompt = {tuple(spec.tokenizer.encode(p)): o["output_ids"] for p, o in zip(prompts, want)}
     dec = spec.scheduler.spec
 
-    def drafts(e):
-        r = e.req
-        w = next((v for k, v in by_prompt.items() if tuple(r.input_ids[-len(k):]) == k), None)
-        chain = list(w[len(r.output_ids):len(r.output_ids) + 6]) if w else []
-        return [(chain, ["text"] * len(chain))] if chain else []
-
     orig = dec._ngram
     if oracle:
-        dec._ngram = drafts
+        dec._ngram = oracle_drafter(by_prompt, 6)
     try:
         got = spec.generate(prompts, sps, **gen_kw)
     finally:

@@ -164,26 +164,23 @@ class CompiledGrammar(CompiledGrammarProtocol):
     def forced_bytes(self, state) -> bytes:
         """Bytes every continuation of ``state`` must start with (stops at an accepting state);
         cached per state (jump-forward and speculative drafts ask after every token)."""
-        out = self._forced.get(state)
-        if out is None:
-            out = self._forced_bytes(state)
-            with self._lock:
-                if len(self._forced) >= MAX_STATE_MASKS:
-                    self._forced.pop(next(iter(self._forced)))  # oldest
-                self._forced[state] = out
-        return out
+        return self._memo(self._forced, state, self._forced_bytes, state)
 
     def forces_token_text(self, state, token_id: int) -> bool:
         """Whether every token allowed at ``state`` is a prefix of ``token_id``'s bytes (False
         when ``token_id`` is special or not allowed); cached per (state, token)."""
-        key = (state, token_id)
-        out = self._forces.get(key)
+        return self._memo(self._forces, (state, token_id), self._forces_token_text, state, token_id)
+
+    def _memo(self, cache: dict, key, compute, *args):
+        """``cache[key]``, computed as ``compute(*args)`` on a miss; at most ``MAX_STATE_MASKS``
+        entries (the oldest goes first)."""
+        out = cache.get(key)
         if out is None:
-            out = self._forces_token_text(state, token_id)
+            out = compute(*args)
             with self._lock:
-                if len(self._forces) >= MAX_STATE_MASKS:
-                    self._forces.pop(next(iter(self._forces)))  # oldest
-                self._forces[key] = out
+                if len(cache) >= MAX_STATE_MASKS:
+                    cache.pop(next(iter(cache)))
+                cache[key] = out
         return out
 
     def _forces_token_text(self, state, token_id: int) -> bool:

@@ -107,20 +107,13 @@ class SpecDecoder:
         self.cost = cost if draft_model is None else None
         self.accept = AcceptModel()
         self._last_step: Optional[tuple] = None  # (start time, rows, drafted) of a decode-only step
-        self._tt: Optional[TokenText] = None  # per-token text (built on first use)
+        # per-token text for the lookups (its byte cache fills as tokens are seen)
+        self.token_text = TokenText(out.tokenizer) if out is not None else None
         self._gate: Optional[tuple] = None  # this step's (decoding, rows, cost) for policy.may_pay
-        self.grammar_walk = GrammarWalk(out, sampler, lambda t: self.token_text.starts_word(t))
+        self.grammar_walk = GrammarWalk(out, sampler, self.token_text)
         # forced-text drafts for sampled requests too: off, their output distribution measured
         # biased (cause not pinned; the strict-xfail test turns this on)
         self.forced_drafts_sampled = False
-
-    @property
-    def token_text(self) -> TokenText:
-        """The tokenizer's per-token text (:class:`.TokenText`; the vocabulary's bytes are read
-        on first use, not at start-up)."""
-        if self._tt is None:
-            self._tt = TokenText(self.out.tokenizer)
-        return self._tt
 
     @property
     def stats(self) -> dict:

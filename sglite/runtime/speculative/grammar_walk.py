@@ -10,7 +10,7 @@ model merges a closing quote with the text after it.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -36,25 +36,23 @@ class GrammarWalk:
         out: the scheduler's ``OutputProcessor`` (tokenizer, ``jump_tokens``, whether
             jump-forward is on); None: no tokenizer (no jump-forward, no closing guesses).
         sampler: the scheduler's ``Sampler`` (``words``: int32 words of a bitmask row).
-        starts_word: ``starts_word(token id)``: the token's text starts with whitespace.
+        token_text: the decoder's :class:`~.text_lookup.TokenText` (cached per-token text,
+            ``starts_word``, the fast ``encode``); None with ``out``.
 
     Attributes:
         close_values: propose closing tokens at word boundaries (on by default).
     """
 
-    def __init__(self, out, sampler, starts_word: Callable[[int], bool]):
-        self.out, self.sampler, self.starts_word = out, sampler, starts_word
+    def __init__(self, out, sampler, token_text):
+        self.out, self.sampler, self.text = out, sampler, token_text
         self.close_values = True
         self._quote: Optional[int] = None  # token id of a lone `"` (-1: none), looked up once
         self._close_merge: Optional[int] = None  # characters of the model's own string-closing token
 
-    def _decode(self, ids) -> str:
-        return self.out.tokenizer.decode(ids, skip_special_tokens=False)
-
     def quote_id(self) -> Optional[int]:
         """The token of a lone ``"`` (None when the tokenizer has none)."""
         if self._quote is None:
-            ids = self.out.tokenizer.encode('"')
+            ids = self.text.encode('"')
             self._quote = ids[0] if len(ids) == 1 else -1
         return self._quote if self._quote >= 0 else None
 
@@ -64,10 +62,10 @@ class GrammarWalk:
         dot inside `example.org` is not)."""
         if i == 0:
             return False
-        if self.starts_word(chain[i]):
+        if self.text.starts_word(chain[i]):
             return True
-        piece = self._decode([chain[i]])
-        return bool(piece) and piece[0] in ".,;:!?)" and i + 1 < len(chain) and self.starts_word(chain[i + 1])
+        piece = self.text.text([chain[i]])
+        return bool(piece) and piece[0] in ".,;:!?)" and i + 1 < len(chain) and self.text.starts_word(chain[i + 1])
 
     def closing_token(self, g, quote: int) -> Optional[int]:
         """The token that would close the grammar's current JSON string as the model writes it,
@@ -84,7 +82,7 @@ class GrammarWalk:
             g.rollback(1)
         if not s:
             return quote
-        enc = self.out.tokenizer.encode
+        enc = self.text.encode
         if self._close_merge is not None and self._close_merge <= len(s) + 1:
             ids = enc('"' + s[:self._close_merge - 1])
             if len(ids) == 1:
@@ -169,7 +167,7 @@ class GrammarWalk:
         token of its own (`",` for our `"`): remember how many characters it merges, and return
         True (the value did end there)."""
         if a < len(srcs) and srcs[a] == CLOSE and a < len(tokens):
-            piece = self._decode([tokens[a]])
+            piece = self.text.text([tokens[a]])
             if piece.startswith('"') and len(piece) <= 3:
                 self._close_merge = len(piece)
                 return True

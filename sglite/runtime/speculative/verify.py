@@ -65,12 +65,10 @@ def row_logits(sampler, logits: torch.Tensor, req, contexts: Sequence[Sequence[i
     rows of ``bitmask`` ([rows, W] int32 or None). ``logits``: [rows, V] float32 (not mutated).
     Returns [rows, V] float32: ``logits`` itself when nothing applies (no penalty, bias or
     min-new-tokens block, no mask; callers do not write to it)."""
-    p = req.params
-    if bitmask is None and not (p.logit_bias or len(req.output_ids) < p.min_new_tokens or p.frequency_penalty
-                                or p.presence_penalty or p.repetition_penalty != 1):
+    views = [RowView(req.params, req.output_ids + list(c)) for c in contexts]
+    if bitmask is None and not any(sampler.changes_logits(v) for v in views):
         return logits
     x = logits.clone()
-    views = [RowView(req.params, req.output_ids + list(c)) for c in contexts]
     sampler._penalize(x, views)
     if bitmask is not None:
         x = x + bitmask_to_additive(bitmask, x.shape[1])

@@ -17,8 +17,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import threading
-import time
 from dataclasses import replace
 from typing import Optional
 
@@ -264,36 +262,23 @@ class RouterThread:
     """The router app under uvicorn in a daemon thread (tests, benchmarks); ``port=0`` = free port."""
 
     def __init__(self, config: RouterConfig, startup_timeout: float = 30.0):
-        import uvicorn
+        from ..server.runner import UvicornThread
 
-        from ..server.runner import free_port
-
-        if config.port == 0:
-            config = replace(config, port=free_port(config.host))
-        self.config = config
         self.app = create_router_app(config)
-        self._server = uvicorn.Server(uvicorn.Config(self.app, host=config.host, port=config.port,
-                                                     log_level="warning", timeout_graceful_shutdown=2))
-        self._thread = threading.Thread(target=self._server.run, name="sglite-router", daemon=True)
-        self.startup_timeout = startup_timeout
+        self._uv = UvicornThread(self.app, config.host, config.port, "sglite router", startup_timeout)
+        self.config = replace(config, port=self._uv.port)
 
     @property
     def url(self) -> str:
-        return f"http://{self.config.host}:{self.config.port}"
+        return self._uv.url
 
     @property
     def router(self) -> Router:
         return self.app.state.router
 
     def __enter__(self) -> "RouterThread":
-        self._thread.start()
-        deadline = time.monotonic() + self.startup_timeout
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"sglite router did not start on {self.url}")
-            time.sleep(0.01)
+        self._uv.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
+        self._uv.stop()

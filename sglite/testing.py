@@ -1,5 +1,6 @@
-"""Helpers for tests: tiny random-weight Llama-family checkpoints with the real tokenizer, and
-the chi-square homogeneity test of the speculative-sampling distribution tests."""
+"""Helpers for tests: tiny random-weight Llama-family checkpoints with the real tokenizer, the
+chi-square homogeneity test, and the decision z-test of the speculative-sampling distribution
+tests (:func:`decision_z`)."""
 from __future__ import annotations
 
 import math
@@ -234,6 +235,77 @@ def homogeneity_p(a: dict, b: dict) -> float:
 
     return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64),
                                          torch.tensor(stat / 2.0, dtype=torch.float64))) if df > 0 else 1.0
+
+
+def decision_z(model_dir, tokenizer, prompt_ids, outputs, decisions, grammar=None, *, temperature: float = 1.0,
+               top_k: int = -1, top_p: float = 1.0) -> dict:
+    """Per decision, the z-score of the sampled outputs against the model's own probabilities.
+
+    A decision is ``(before, letter)``: at the token that starts right after the text ``before``
+    (context: the prompt and the output ids before it), the HF transformers model in float32 (the
+    independent oracle) with ``grammar``'s mask there, then temperature, top-k, top-p (the
+    sampler's order) gives ``p`` = P(that token's text starts with ``letter``); ``x`` = 1 when
+    the output's text there does. However the context came about (plain sampling, an accepted
+    draft, a resample, a bonus token), an exact sampler makes ``x - p`` martingale differences, so
+    ``sum(x - p) / sqrt(sum p (1 - p))`` is ~N(0, 1) (Lindeberg CLT); a biased sampler drifts like
+    sqrt(n). Samples must be independent draws (distinct seeds); two engines' outputs for the same
+    seeds are not independent of each other, which is why this tests each against the model
+    rather than one against the other.
+
+    Args:
+        model_dir: the HF checkpoint the engine serves.
+        tokenizer: ``encode`` / ``decode`` of the engine (:class:`sglite.runtime.tokenizer.Tokenizer`).
+        prompt_ids: the prompt's token ids as the engine saw them.
+        outputs: generate results (dicts with ``output_ids`` and ``text``).
+        grammar: a compiled grammar (``.matcher()``) or None.
+    Returns:
+        ``{before: z}``.
+    Raises:
+        AssertionError: an output has no token starting exactly after ``before`` (the test would
+            otherwise leave it out, biasing the sample).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .kernels.reference import bitmask_to_additive
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    V = hf.config.vocab_size
+    cache: dict = {}
+
+    def dist(ctx: tuple) -> torch.Tensor:
+        if ctx not in cache:
+            with torch.no_grad():
+                x = hf(torch.tensor([list(prompt_ids) + list(ctx)])).logits[0, -1].double()
+            if grammar is not None:
+                m = grammar.matcher()
+                assert all(m.accept_token(t) for t in ctx), "an output the grammar refuses"
+                mask = torch.full((1, (V + 31) // 32), -1, dtype=torch.int32)
+                m.fill_next_token_bitmask(mask, 0)
+                x = x + bitmask_to_additive(mask, V)[0].double()
+            p = torch.softmax(x / temperature, -1)
+            if 0 < top_k < V:
+                p[p < p.topk(top_k).values[-1]] = 0
+            srt = p.sort(descending=True).values
+            p[p < srt[(srt.cumsum(0) - srt) < top_p].min()] = 0  # keep while the mass above is < top_p
+            cache[ctx] = p / p.sum()
+        return cache[ctx]
+
+    z = {}
+    for before, letter in decisions:
+        dx = var = 0.0
+        for o in outputs:
+            ids = o["output_ids"]
+            j = next((j for j in range(len(ids) + 1) if before in tokenizer.decode(ids[:j])), None)
+            assert j is not None and tokenizer.decode(ids[:j]).endswith(before), (before, o["text"])
+            p = dist(tuple(ids[:j]))
+            q = sum(float(p[t]) for t in p.nonzero().squeeze(1).tolist() if tokenizer.decode([t]).startswith(letter))
+            at = o["text"].index(before) + len(before)
+            dx += o["text"][at:at + len(letter)] == letter
+            dx -= q
+            var += q * (1 - q)
+        z[before] = dx / var ** 0.5
+    return z
 
 
 def oracle_drafter(want: dict, k: int):

@@ -164,31 +164,28 @@ def test_oracle_drafts_verify_forced_text_greedy_identical(ngram_pair):
 
 
 @pytest.mark.slow
-def test_sampled_requests_keep_their_distribution_without_forced_drafts(tiny_model_dir):
-    """Sampling (temperature 1, top-k) under a regex whose middle is forced text, drafts from a
-    prompt that spells the sentences: forced-text drafts are for greedy requests only (a sampled
-    JSON-enum test measured a bias with them: tests/test_speculative_forced_edges.py), so none is
-    verified, and whole outputs keep the plain run's distribution (homogeneity chi-square over
-    many seeded draws). Here every choice is one token followed by forced text, so the walk cuts
-    each draft before it: the guard is that the switch holds and the outputs agree."""
-    import collections
-
+def test_sampled_requests_with_forced_drafts_keep_the_model_distribution(tiny_model_dir):
+    """Sampling (temperature 1, top-k 20) under a regex whose middle is forced text, drafts from a
+    prompt that spells the sentences: a draft runs through the first choice and the forced
+    ``" fox jumps "`` (verified as forced tokens), and both choices are distributed as the model
+    says given the tokens before them (:func:`sglite.testing.decision_z`, |z| < 4.5)."""
     from sglite import Engine
-    from sglite.testing import homogeneity_p
+    from sglite.testing import decision_z
 
-    kw = dict(dtype="float32", device="cpu", max_total_tokens=8192)
-    base = Engine(str(tiny_model_dir), **kw)
-    spec = Engine(str(tiny_model_dir), speculative_algorithm="NGRAM", speculative_disable_by_batch_size=64, **kw)
+    regex = r"(red|blue) fox jumps (high|low)\."
+    spec = Engine(str(tiny_model_dir), speculative_algorithm="NGRAM", speculative_disable_by_batch_size=64,
+                  dtype="float32", device="cpu", max_total_tokens=8192)
     try:
         prompt = "red fox jumps high. blue fox jumps low. red fox jumps low. blue fox jumps high. "
-        n = 300
-        sps = [{"max_new_tokens": 12, "temperature": 1.0, "top_k": 20, "sampling_seed": 11 + i,
-                "regex": r"(red|blue) fox jumps (high|low)\."} for i in range(n)]
-        got = {name: collections.Counter(o["text"] for o in e.generate([prompt] * n, sps))
-               for name, e in (("base", base), ("spec", spec))}
-        st = spec.scheduler.spec.stats
-        assert st["spec_forced_tokens"] == 0
-        assert len(got["base"]) >= 2 and homogeneity_p(got["base"], got["spec"]) > 1e-3, (got["base"], got["spec"])
+        n = 600
+        sps = [{"max_new_tokens": 12, "temperature": 1.0, "top_k": 20, "sampling_seed": 31_337 + i, "regex": regex}
+               for i in range(n)]
+        outs = spec.generate([prompt] * n, sps)
+        assert spec.scheduler.spec.stats["spec_forced_tokens"] > 0
+        grammar = spec.requests.grammar_backend.compile("regex", regex)
+        z = decision_z(tiny_model_dir, spec.tokenizer, spec.tokenizer.encode(prompt), outs,
+                       [("", "r"), ("jumps", " h")], grammar, top_k=20)
+        assert all(abs(v) < 4.5 for v in z.values()), z
+        assert len({o["text"] for o in outs}) == 4
     finally:
-        base.shutdown()
         spec.shutdown()

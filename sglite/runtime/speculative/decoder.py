@@ -59,7 +59,7 @@ from .policy import AcceptModel, StepCost, choose, may_pay, probe_forward
 from .state import SpecState
 from .text_lookup import CONT_CHARS_PER_TOKEN, TextLookup, TokenText
 from .tree import TreeDraft, tree_contexts, verify_tree
-from .verify import greedy_walk, row_logits, verify_chain
+from .verify import greedy_walk, row_logits, verify_chain, verify_seed
 
 log = logging.getLogger("sglite.speculative")
 
@@ -111,9 +111,6 @@ class SpecDecoder:
         self.token_text = TokenText(out.tokenizer) if out is not None else None
         self._gate: Optional[tuple] = None  # this step's (decoding, rows, cost) for policy.may_pay
         self.grammar_walk = GrammarWalk(out, sampler, self.token_text)
-        # forced-text drafts for sampled requests too: off, their output distribution measured
-        # biased (cause not pinned; the strict-xfail test turns this on)
-        self.forced_drafts_sampled = False
 
     @property
     def stats(self) -> dict:
@@ -191,12 +188,8 @@ class SpecDecoder:
             r.spec.masks = None
             chain_masks = None
             if chains and r.grammar is not None:
-                # forced-text and closing drafts for greedy requests only (unless
-                # ``forced_drafts_sampled``): with sampling, a JSON-enum test measured a biased
-                # output distribution (tests/test_speculative_forced_edges.py)
                 sampled = r.params.temperature > 1e-6
-                labels = None if sampled and not self.forced_drafts_sampled else sources
-                chains, chain_masks = self.grammar_walk.walk(r, chains, need_masks=sampled, sources=labels,
+                chains, chain_masks = self.grammar_walk.walk(r, chains, need_masks=sampled, sources=sources,
                                                              limit=self._forced_room(e))
             proposals.append((e, chains, sources, chain_masks))
         if self.cost is not None:
@@ -436,7 +429,7 @@ class SpecDecoder:
             lens = [len(c) for c in tree.chains] if tree is not None else [nodes]
             forced = [{d for d, src in enumerate(srcs[:n]) if src == FORCED} for srcs, n in zip(r.spec.sources, lens)]
             if r.params.temperature > 1e-6:
-                gen = torch.Generator().manual_seed((r.seed * 1_000_003 + len(r.output_ids)) % (1 << 62))
+                gen = torch.Generator().manual_seed(verify_seed(r.seed, len(r.output_ids)))
             if r.grammar is not None and gen is None and r.spec.masks is None:
                 tokens, a, chain = self._greedy_grammar(x, e, r, forced)
                 if tree is not None:

@@ -36,6 +36,23 @@ class RowView:
     output_ids: list
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def verify_seed(seed: int, n_output: int) -> int:
+    """Seed of the random draws of a verify step of a seeded request (``seed``: the request's
+    sample seed; ``n_output``: tokens generated before the step). A splitmix64 finalizer (Steele
+    et al. 2014, "Fast splittable pseudorandom number generators") of both, with a tag of its own:
+    torch's CPU generator keeps only the low 32 bits of a seed, and a linear formula can meet
+    the plain sampler's ``(seed, position)`` seeds (``kernels.reference._row_noise``) at some
+    output length, which would reuse one draw stream for two decisions of one request. Returns
+    an int in [0, 2**62)."""
+    x = (seed * 0x9E3779B97F4A7C15 + n_output + 0x5E1EC7) & _MASK64  # golden-ratio stride, tag
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 2
+
+
 def target_probs(x: torch.Tensor, params) -> torch.Tensor:
     """The sampling distribution of logits rows ``x`` ([n, V] float32, penalties and grammar mask
     applied already) under ``params`` (temperature > 0): softmax(x / T) restricted to the tokens

@@ -10,6 +10,9 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/BFloat16.h>
 #include "quant_rows.h"
+#ifdef SGQ_AVX512
+#include "avx512_math.h"
+#endif
 
 namespace {
 
@@ -24,6 +27,25 @@ void rms_norm(const float* x, const float* w, int64_t M, int64_t H, float eps, f
     const float r = 1.f / std::sqrt(ss / (float)H + eps);
     for (int64_t i = 0; i < H; ++i) y[m * H + i] = xr[i] * r * w[i];
   }
+}
+
+// act[i] = silu(g[i]) * u[i] = g / (1 + e^-g) * u for i < n. The AVX-512 build computes the
+// sigmoid from e^-|g| (exp_nonpos, rel. error ~2e-7): e^-|g| / (1 + e^-|g|) for g < 0, else
+// 1 / (1 + e^-|g|); one vector per 16 values instead of a libm call per value (~0.2 ms a step of
+// the default model per row).
+void silu_mul(const float* g, const float* u, int64_t n, float* act) {
+  int64_t i = 0;
+#ifdef SGQ_AVX512
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(g + i);
+    const __m512 e = sglite_simd::exp_nonpos(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+    const __m512 inv = _mm512_div_ps(one, _mm512_add_ps(one, e));
+    const __m512 sig = _mm512_mask_mul_ps(inv, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), e, inv);
+    _mm512_storeu_ps(act + i, _mm512_mul_ps(_mm512_mul_ps(x, sig), _mm512_loadu_ps(u + i)));
+  }
+#endif
+  for (; i < n; ++i) act[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
 }
 
 QW weight(const std::vector<at::Tensor>& t, size_t i, int64_t bits, bool tiled) {  // t[i..i+2] = codes, scales, mins
@@ -134,11 +156,7 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
     gu.resize(M * 2 * I);
     act.resize(M * I);
     gemv(wgu, h.data(), M, gu.data(), q8);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t i = 0; i < I; ++i) {
-        const float g = gu[m * 2 * I + i], u = gu[m * 2 * I + I + i];
-        act[m * I + i] = g / (1.f + std::exp(-g)) * u;
-      }
+    for (int64_t m = 0; m < M; ++m) silu_mul(gu.data() + m * 2 * I, gu.data() + m * 2 * I + I, I, act.data() + m * I);
     gemv(wd, act.data(), M, tmp.data(), q8);
     for (int64_t i = 0; i < M * H; ++i) xr[i] += tmp[i];
   }

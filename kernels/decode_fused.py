@@ -119,8 +119,11 @@ class FusedDecode:
             fb.dec_seq_lens.contiguous(), Hq, Hkv, D, eps, sm, self.q8, self.tiled)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """LM head of final-normed rows h [M, H] float32 -> [M, V] float32 logits."""
+        """LM head of final-normed rows h [M, H] float32 -> [M, V] float32 logits (M may be 0: a
+        step whose rows only fill the cache, e.g. ``max_new_tokens=0`` on a short prompt)."""
         w = self.model.lm_head
+        if h.shape[0] == 0:
+            return h.new_zeros((0, w.shape[0]))
         if self.head_kind == "q8":
             return quant_cpu.gemv_q8(h, w, self.portable)
         if self.head_kind == "quant":

@@ -128,6 +128,26 @@ def test_fused_float32_matches_per_op(quantized_tiny, bits):
         e.shutdown()
 
 
+def test_prefill_only_short_prompt(real_engine):
+    """Regression (fresh-user report): ``max_new_tokens=0`` on a prompt of <= 8 new tokens runs
+    them as decode rows through the fused path with no logits row wanted; the bf16 model's int8
+    LM head got 0 rows and the step aborted ("quant_gemv_q8: x must be float32 [M <= 32, K]")."""
+    import torch
+
+    from sglite.kernels.decode_fused import FusedDecode
+
+    model = real_engine.runner.model
+    for q8 in (True, False):  # the bf16 models' int8 head and the float32 models' float-exact one
+        f = FusedDecode(model, q8=q8)
+        assert f.head_kind == ("q8" if q8 else "quant")
+        assert f.head(torch.zeros(0, model.arch.hidden_size)).shape == (0, model.lm_head.shape[0])
+    e = real_engine
+    for text in ("Hello", "Hello there, how", "Hello there, how are you"):  # 1 new token; 4 new after 1 cached; ...
+        o = e.generate(text, {"max_new_tokens": 0})
+        assert o["meta_info"]["finish_reason"] == {"type": "length", "length": 0} and o["output_ids"] == []
+    e.check_invariants()
+
+
 def test_fused_bf16_int8_path_is_close(quantized_tiny):
     seen = []
     e, _ = _checked_engine(quantized_tiny[4], "bfloat16", 0.1, seen)

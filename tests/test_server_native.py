@@ -174,3 +174,14 @@ def test_abort_one_batch_item_by_engine_rid(server):
                         httpx.post(server.url + "/abort_request", json={"rid": "bt"})
     assert finals == {0: "abort", 1: "abort"}
     assert "bt-1" in server.engine.aborted and server.engine.aborted[-1] == "bt"
+
+
+def test_non_json_content_type_is_named_in_the_error(server):
+    """``curl -d`` without ``-H 'Content-Type: application/json'`` sends a form: the 400 says what
+    to send instead of pydantic's "Input should be a valid dictionary"."""
+    body = '{"text": "a", "sampling_params": {"max_new_tokens": 2}}'
+    for ctype in ("application/x-www-form-urlencoded", "text/plain"):
+        r = httpx.post(server.url + "/generate", content=body, headers={"Content-Type": ctype})
+        assert r.status_code == 400 and r.json()["param"] == "body"
+        assert "Content-Type: application/json" in r.json()["message"] and ctype in r.json()["message"]
+    assert httpx.post(server.url + "/generate", content=body, headers={"Content-Type": "application/json"}).status_code == 200

@@ -117,8 +117,14 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.message, exc.status, exc.param, exc.code)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         msg, param = _validation_message(exc)
+        ctype = request.headers.get("content-type", "")
+        if "json" not in ctype.lower() and any(tuple(e.get("loc", ()))[:1] == ("body",) for e in exc.errors()):
+            # curl -d without -H 'Content-Type: application/json' sends a form: FastAPI never parses it as JSON
+            msg = (f"body: expected a JSON object with Content-Type: application/json, got content type "
+                   f"{ctype or 'none'} ({msg})")
+            param = param or "body"
         return error_response(msg, 400, param)
 
     @app.exception_handler(SgliteError)

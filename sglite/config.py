@@ -288,6 +288,9 @@ class EngineConfig:
 
     def _check_speculative(self, bad) -> None:
         alg = self.speculative_algorithm
+        if isinstance(alg, str) and alg.upper() in SPECULATIVE_ALGORITHMS:  # "ngram" as SGLang's NGRAM
+            alg = alg.upper()
+            object.__setattr__(self, "speculative_algorithm", alg)
         if alg is not None and alg not in SPECULATIVE_ALGORITHMS:
             bad("speculative_algorithm", f"must be one of {SPECULATIVE_ALGORITHMS} (or None), got {alg!r}")
         if alg == "STANDALONE":

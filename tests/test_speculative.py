@@ -548,3 +548,18 @@ def test_greedy_identical_bf16_deterministic(tiny_model_dir):
         assert spec.get_server_info()["spec_accepted_tokens"] > 0
     finally:
         spec.shutdown()
+
+
+def test_speculative_algorithm_is_case_insensitive():
+    """``ngram`` / ``--speculative-algorithm standalone`` are SGLang's NGRAM / STANDALONE; unknown
+    names are still refused naming the field."""
+    import argparse
+
+    from sglite.config import EngineConfig
+    from sglite.server.flags import add_engine_args
+
+    assert EngineConfig(speculative_algorithm="ngram").speculative_algorithm == "NGRAM"
+    p = add_engine_args(argparse.ArgumentParser())
+    assert p.parse_args(["--speculative-algorithm", "Ngram"]).speculative_algorithm == "NGRAM"
+    with pytest.raises(ValueError, match="speculative_algorithm"):
+        EngineConfig(speculative_algorithm="eagle")

@@ -30,6 +30,8 @@ CHOICES = {"dtype": DTYPES, "schedule_policy": SCHEDULE_POLICIES, "grammar_backe
            "cpu_decode_gemv": ("auto", "cpp", "fp16", "off"), "device": None,
            "log_level": ("debug", "info", "warning", "error", "critical"),
            "speculative_algorithm": SPECULATIVE_ALGORITHMS}
+# Values matched case-insensitively (``--speculative-algorithm ngram``).
+NORMALIZE = {"speculative_algorithm": str.upper}
 # Extra spellings people type (SGLang's or vLLM's names of the same option).
 ALIASES = {"context_length": ("--max-model-len",)}
 # Default-True booleans: the flags that switch them off (SGLang's names where it has one).
@@ -200,7 +202,7 @@ def add_config_args(parser, cls, skip: Iterable[str] = (), title: Optional[str] 
                 target.add_argument(*flags, dest=f.name, action="store_true",
                                     default=None if defaults_none else False, help=hlp)
         else:
-            target.add_argument(*flags, dest=f.name, type=typ, default=None if defaults_none else default,
+            target.add_argument(*flags, dest=f.name, type=NORMALIZE.get(f.name, typ), default=None if defaults_none else default,
                                 choices=CHOICES.get(f.name), help=hlp, metavar=f.name.upper())
         added.append(f.name)
     return added

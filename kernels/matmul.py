@@ -244,6 +244,8 @@ def choose_gemv(mode: str, dtype: torch.dtype, device: str, probe_weights: list[
                         "compiler); using oneDNN bf16")
             return "off"
         return "cpp"
+    if not probe_weights:  # every matmul quantized (a GGUF model's blocks): nothing to time or choose
+        return "off"
     t = probe_times(probe_weights)
     log.info("one-row matmul probe over %d matrices: %s", len(probe_weights),
              ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.items()))

@@ -185,3 +185,12 @@ def test_non_json_content_type_is_named_in_the_error(server):
         assert r.status_code == 400 and r.json()["param"] == "body"
         assert "Content-Type: application/json" in r.json()["message"] and ctype in r.json()["message"]
     assert httpx.post(server.url + "/generate", content=body, headers={"Content-Type": "application/json"}).status_code == 200
+
+
+def test_error_param_names_the_field_not_pydantic_union_tags(server):
+    """A schema given as a list is refused naming ``response_format.json_schema.schema``, without
+    pydantic's union-member tags (``dict[str,any]``) in ``param``."""
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"model": "default", "messages": [{"role": "user", "content": "hi"}],
+                         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1, 2]}}})
+    assert r.status_code == 400 and r.json()["param"] == "response_format.json_schema.schema", r.json()

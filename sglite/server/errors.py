@@ -89,8 +89,14 @@ def from_value_error(exc: ValueError, rename: Optional[dict] = None, prefix: str
     return ApiError(msg, 400, param=field, code=code)
 
 
+_UNION_TAGS = ("str", "int", "float", "bool", "list", "dict", "none", "json-or-python", "literal")
+
+
 def _loc_to_param(loc: tuple) -> Optional[str]:
+    """A request field's dotted path from pydantic's ``loc``, without the union-member tags pydantic
+    inserts (``dict[str,any]``, ``function-after[...]``, ``str``) that name no field."""
     parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    parts = [p for p in parts if not ("[" in p or p.lower() in _UNION_TAGS)]
     return ".".join(parts) if parts else None
 
 

@@ -12,6 +12,7 @@ Drafts come from an oracle (the plain run's own next tokens, so every forced and
 verified inside the chains) and from the real n-gram drafter.
 """
 import json
+import re
 
 import pytest
 
@@ -275,3 +276,46 @@ def test_enum_decision_test_catches_a_biased_verifier(tiny_model_dir, monkeypatc
         assert max(abs(v) for v in z.values()) > 4.5, z
     finally:
         e.shutdown()
+
+
+# ---------------------------------------------------------------------- sampled sweep
+VALID = {
+    "schema": lambda t: set(json.loads(t)) == {"name", "city"},
+    "nested": lambda t: (lambda d: d["v"] == "fixed value here" and d["kind"] in NEST["properties"]["kind"]["enum"]
+                         and isinstance(d["p"]["b"], int) and len(d["tags"]) <= 3)(json.loads(t)),
+    "open": lambda t: "name" in json.loads(t),
+    "ends_forced": lambda t: re.fullmatch(GRAMMARS["ends_forced"]["regex"], t) is not None,
+    "ebnf": lambda t: re.fullmatch(r"Answer: (red|blue) fox jumps over the lazy dog [a-z]{1,4} end", t) is not None,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [{}, {"frequency_penalty": 0.5, "presence_penalty": 0.3}, {"repetition_penalty": 1.3},
+                                   {"min_new_tokens": 12, "top_p": 0.9}, {"top_k": 5, "logit_bias": {"90": 5.0}}],
+                         ids=["plain", "freq_pres", "rep", "min_new_top_p", "top_k_bias"])
+def test_sampled_grammar_requests_with_forced_drafts_stay_valid(ngram_pair, extra):
+    """Sampled requests (temperature 0.3, seeded) under every grammar shape and sampling option,
+    with forced-text drafts (drafts: the plain run's greedy output, often kept at this
+    temperature, then the real NGRAM lookup): no step fails, every finished output is valid under
+    its grammar, the pool checks hold after each batch, and forced tokens were verified."""
+    base, spec = ngram_pair
+    dec = spec.scheduler.spec
+    before = dec.stats["spec_forced_tokens"]
+    for g in sorted(GRAMMARS):
+        greedy = base.generate(PROMPTS, [dict(max_new_tokens=80, temperature=0, **GRAMMARS[g], **extra)] * 2)
+        sps = [dict(max_new_tokens=80, temperature=0.3, sampling_seed=100 + i, **GRAMMARS[g], **extra) for i in range(6)]
+        for oracle in (True, False):
+            orig = dec._ngram
+            if oracle:
+                dec._ngram = oracle_drafter({tuple(spec.tokenizer.encode(p)): o["output_ids"]
+                                             for p, o in zip(PROMPTS, greedy)}, 6)
+            try:
+                outs = spec.generate(PROMPTS * 3, sps)
+            finally:
+                dec._ngram = orig
+            reasons = [o["meta_info"]["finish_reason"]["type"] for o in outs]
+            assert "abort" not in reasons, [o["meta_info"]["finish_reason"] for o in outs]
+            done = [o["text"] for o, r in zip(outs, reasons) if r == "stop"]
+            assert done and all(VALID[g](t) for t in done), (g, done)
+            spec.check_invariants()
+    assert dec.stats["spec_forced_tokens"] > before

@@ -194,3 +194,13 @@ def test_error_param_names_the_field_not_pydantic_union_tags(server):
                    json={"model": "default", "messages": [{"role": "user", "content": "hi"}],
                          "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1, 2]}}})
     assert r.status_code == 400 and r.json()["param"] == "response_format.json_schema.schema", r.json()
+
+
+def test_openai_error_message_names_the_top_level_field(server):
+    """OpenAI routes name their own fields: ``n``, not the engine's ``sampling_params.n``; the
+    native route keeps ``sampling_params.n``."""
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"model": "default", "messages": [{"role": "user", "content": "hi"}], "n": 0})
+    assert r.status_code == 400 and r.json()["param"] == "n" and r.json()["message"].startswith("n: "), r.json()
+    r = httpx.post(server.url + "/generate", json={"text": "hi", "sampling_params": {"n": 0}})
+    assert r.status_code == 400 and r.json()["message"].startswith("sampling_params.n: "), r.json()

@@ -63,12 +63,15 @@ def error_response(message: str, status: int = 400, param: Optional[str] = None,
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
-def from_value_error(exc: ValueError, rename: Optional[dict] = None, prefix: str = "") -> ApiError:
+def from_value_error(exc: ValueError, rename: Optional[dict] = None, prefix: str = "",
+                     top_level: bool = False) -> ApiError:
     """Turn an engine/validation ``ValueError`` into a 400 :class:`ApiError`.
 
     ``InvalidRequestError.field`` becomes ``param``; ``rename`` maps engine field names to the
     API's names (e.g. ``max_new_tokens`` -> ``max_tokens``) in both the param and the message;
     its ``"grammar"`` entry names the request's constraint field for a ``GrammarError``.
+    ``top_level`` (OpenAI routes): sampling fields are top-level request fields, so the message
+    says ``n`` where the engine said ``sampling_params.n``.
     """
     field = getattr(exc, "field", None)
     msg = str(exc) or exc.__class__.__name__
@@ -77,6 +80,8 @@ def from_value_error(exc: ValueError, rename: Optional[dict] = None, prefix: str
         msg = msg.replace(f"sampling_params.{field}", api).replace(field, api)
         field = api
     elif field:
+        if top_level:  # an OpenAI route: its sampling fields are top-level (``n``, not ``sampling_params.n``)
+            msg = msg.replace(f"sampling_params.{field}", field)
         field = f"{prefix}{field}" if field in _SAMPLING_FIELDS else field
     if field is None and isinstance(exc, GrammarError):
         head = msg.split(":", 1)[0].strip()

@@ -52,7 +52,7 @@ async def run_call(ctx: OpenAIContext, request: Request, call: GenCall, rename: 
     try:
         return await until_disconnect(request.receive, ctx.client.run(call))
     except ValueError as e:
-        raise from_value_error(e, rename) from e
+        raise from_value_error(e, rename, top_level=True) from e
 
 
 async def open_call(ctx: OpenAIContext, call: GenCall, rename: dict) -> EngineStream:
@@ -60,4 +60,4 @@ async def open_call(ctx: OpenAIContext, call: GenCall, rename: dict) -> EngineSt
     try:
         return await ctx.client.open(call, incremental=True)
     except ValueError as e:
-        raise from_value_error(e, rename) from e
+        raise from_value_error(e, rename, top_level=True) from e

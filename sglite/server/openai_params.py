@@ -102,7 +102,7 @@ def sampling_params(req, max_tokens: Optional[int], max_field: str, client: Engi
     try:
         client.validate({**sp, "n": req.n})
     except ValueError as e:
-        raise from_value_error(e, rename) from e
+        raise from_value_error(e, rename, top_level=True) from e
     return sp, rename
 
 

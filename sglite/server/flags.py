@@ -30,6 +30,8 @@ CHOICES = {"dtype": DTYPES, "schedule_policy": SCHEDULE_POLICIES, "grammar_backe
            "cpu_decode_gemv": ("auto", "cpp", "fp16", "off"), "device": None,
            "log_level": ("debug", "info", "warning", "error", "critical"),
            "speculative_algorithm": SPECULATIVE_ALGORITHMS}
+# Defaults resolved at start-up, shown in --help as what they become rather than "None".
+SHOWN_DEFAULTS = {"num_threads": "CPU cores - 1, at least 1"}
 # Values matched case-insensitively (``--speculative-algorithm ngram``).
 NORMALIZE = {"speculative_algorithm": str.upper}
 # Extra spellings people type (SGLang's or vLLM's names of the same option).
@@ -187,7 +189,7 @@ def add_config_args(parser, cls, skip: Iterable[str] = (), title: Optional[str] 
             raise ValueError(f"{cls.__name__}.{f.name}: no docstring entry (the flag help is read from it)")
         typ = _scalar_type(f.type)
         default = f.default
-        hlp = help_text(docs[f.name], default)
+        hlp = help_text(docs[f.name], SHOWN_DEFAULTS.get(f.name, default))
         flags = (flag_name(f.name),) + ALIASES.get(f.name, ())
         if typ is bool:
             if default is True:

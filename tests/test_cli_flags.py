@@ -11,7 +11,7 @@ import pytest
 from sglite import __version__
 from sglite.cli import build_parser as cli_parsers
 from sglite.config import EngineConfig
-from sglite.server.flags import field_docs, first_sentence
+from sglite.server.flags import SHOWN_DEFAULTS, field_docs, first_sentence
 from sglite.server.launch import build_parser, engine_kwargs, server_config
 from sglite.server.settings import ServerConfig
 
@@ -60,7 +60,7 @@ def test_help_comes_from_the_config_docstrings():
         a = next(x for x in actions if x.dest == f.name)
         sentence = first_sentence(docs[f.name]).rstrip(".").replace("%", "%%")
         assert a.help.replace("turn off: ", "").startswith(sentence), (f.name, a.help)
-        shown = "off" if f.default is False else "on" if f.default is True else f.default
+        shown = "off" if f.default is False else "on" if f.default is True else SHOWN_DEFAULTS.get(f.name, f.default)
         assert a.help.endswith(f"(default: {shown})"), (f.name, a.help)
     # a multi-line docstring entry is read whole (continuation lines joined)
     assert docs["constrained_json_whitespace_pattern"].endswith("allows one-line indentation.")

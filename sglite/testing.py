@@ -3,6 +3,7 @@ chi-square homogeneity test, and the decision z-test of the speculative-sampling
 tests (:func:`decision_z`)."""
 from __future__ import annotations
 
+import contextlib
 import math
 import shutil
 from pathlib import Path
@@ -237,32 +238,20 @@ def homogeneity_p(a: dict, b: dict) -> float:
                                          torch.tensor(stat / 2.0, dtype=torch.float64))) if df > 0 else 1.0
 
 
-def decision_z(model_dir, tokenizer, prompt_ids, outputs, decisions, grammar=None, *, temperature: float = 1.0,
-               top_k: int = -1, top_p: float = 1.0) -> dict:
-    """Per decision, the z-score of the sampled outputs against the model's own probabilities.
-
-    A decision is ``(before, letter)``: at the token that starts right after the text ``before``
-    (context: the prompt and the output ids before it), the HF transformers model in float32 (the
-    independent oracle) with ``grammar``'s mask there, then temperature, top-k, top-p (the
-    sampler's order) gives ``p`` = P(that token's text starts with ``letter``); ``x`` = 1 when
-    the output's text there does. However the context came about (plain sampling, an accepted
-    draft, a resample, a bonus token), an exact sampler makes ``x - p`` martingale differences, so
-    ``sum(x - p) / sqrt(sum p (1 - p))`` is ~N(0, 1) (Lindeberg CLT); a biased sampler drifts like
-    sqrt(n). Samples must be independent draws (distinct seeds); two engines' outputs for the same
-    seeds are not independent of each other, which is why this tests each against the model
-    rather than one against the other.
+def sampling_oracle(model_dir, prompt_ids, grammar=None, *, temperature: float = 1.0, top_k: int = -1,
+                    top_p: float = 1.0):
+    """The model's own sampling distribution after ``prompt_ids`` + a context, from HF
+    transformers in float32 (the independent oracle of the speculative-sampling tests): the
+    grammar's mask at the context, then temperature, top-k, top-p, in the sampler's order
+    (``kernels.reference.sample``).
 
     Args:
         model_dir: the HF checkpoint the engine serves.
-        tokenizer: ``encode`` / ``decode`` of the engine (:class:`sglite.runtime.tokenizer.Tokenizer`).
         prompt_ids: the prompt's token ids as the engine saw them.
-        outputs: generate results (dicts with ``output_ids`` and ``text``).
         grammar: a compiled grammar (``.matcher()``) or None.
     Returns:
-        ``{before: z}``.
-    Raises:
-        AssertionError: an output has no token starting exactly after ``before`` (the test would
-            otherwise leave it out, biasing the sample).
+        ``probs(ctx)``: ctx a tuple of output ids -> [V] float64 probabilities summing to 1, cached
+        per context. Raises AssertionError when the grammar refuses ``ctx``.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -273,10 +262,10 @@ def decision_z(model_dir, tokenizer, prompt_ids, outputs, decisions, grammar=Non
     V = hf.config.vocab_size
     cache: dict = {}
 
-    def dist(ctx: tuple) -> torch.Tensor:
+    def probs(ctx: tuple) -> "torch.Tensor":
         if ctx not in cache:
             with torch.no_grad():
-                x = hf(torch.tensor([list(prompt_ids) + list(ctx)])).logits[0, -1].double()
+                x = hf(torch.tensor([list(prompt_ids) + list(ctx)])).logits[0, -1].double()  # [V]
             if grammar is not None:
                 m = grammar.matcher()
                 assert all(m.accept_token(t) for t in ctx), "an output the grammar refuses"
@@ -291,21 +280,70 @@ def decision_z(model_dir, tokenizer, prompt_ids, outputs, decisions, grammar=Non
             cache[ctx] = p / p.sum()
         return cache[ctx]
 
-    z = {}
-    for before, letter in decisions:
-        dx = var = 0.0
-        for o in outputs:
-            ids = o["output_ids"]
-            j = next((j for j in range(len(ids) + 1) if before in tokenizer.decode(ids[:j])), None)
-            assert j is not None and tokenizer.decode(ids[:j]).endswith(before), (before, o["text"])
-            p = dist(tuple(ids[:j]))
-            q = sum(float(p[t]) for t in p.nonzero().squeeze(1).tolist() if tokenizer.decode([t]).startswith(letter))
-            at = o["text"].index(before) + len(before)
-            dx += o["text"][at:at + len(letter)] == letter
-            dx -= q
-            var += q * (1 - q)
-        z[before] = dx / var ** 0.5
-    return z
+    return probs
+
+
+def martingale_z(events) -> float:
+    """``sum(x - p) / sqrt(sum p (1 - p))`` over ``events`` = (x: bool, p: float) pairs, where
+    ``p`` is P(x) given everything before it: ~N(0, 1) for an exact sampler (martingale
+    differences, Lindeberg CLT), drifting like sqrt(n) for a biased one."""
+    dx = var = 0.0
+    for x, p in events:
+        dx += x - p
+        var += p * (1 - p)
+    return dx / var ** 0.5
+
+
+def decision_z(model_dir, tokenizer, prompt_ids, outputs, decisions, grammar=None, **sampling) -> dict:
+    """Per decision, the z-score (:func:`martingale_z`) of the sampled outputs against the model's
+    own probabilities (:func:`sampling_oracle`; ``sampling``: its temperature, top_k, top_p).
+
+    A decision is ``(before, letter)``: at the token that starts right after the text ``before``
+    (context: the prompt and the output ids before it), ``p`` = P(that token's text starts with
+    ``letter``); ``x`` = the output's text there does. However the context came about (plain
+    sampling, an accepted draft, a resample, a bonus token), ``x - p`` are martingale
+    differences. Samples must be independent draws (distinct seeds); two engines' outputs for the
+    same seeds are not independent of each other, which is why this tests each against the model
+    rather than one against the other.
+
+    Args:
+        tokenizer: ``encode`` / ``decode`` of the engine (:class:`sglite.runtime.tokenizer.Tokenizer`).
+        outputs: generate results (dicts with ``output_ids`` and ``text``).
+    Returns:
+        ``{before: z}``.
+    Raises:
+        AssertionError: an output has no token starting exactly after ``before`` (the test would
+            otherwise leave it out, biasing the sample).
+    """
+    probs = sampling_oracle(model_dir, prompt_ids, grammar, **sampling)
+    p_letter: dict = {}  # (context, letter) -> P(the next token's text starts with letter)
+
+    def event(o, before, letter):
+        ids = o["output_ids"]
+        j = next((j for j in range(len(ids) + 1) if before in tokenizer.decode(ids[:j])), None)
+        assert j is not None and tokenizer.decode(ids[:j]).endswith(before), (before, o["text"])
+        key = (tuple(ids[:j]), letter)
+        if key not in p_letter:
+            p = probs(key[0])
+            p_letter[key] = sum(float(p[t]) for t in p.nonzero().squeeze(1).tolist()
+                                if tokenizer.decode([t]).startswith(letter))
+        at = o["text"].index(before) + len(before)
+        return o["text"][at:at + len(letter)] == letter, p_letter[key]
+
+    return {before: martingale_z(event(o, before, letter) for o in outputs) for before, letter in decisions}
+
+
+@contextlib.contextmanager
+def oracle_drafts(engine, want: dict, k: int):
+    """Within the block, ``engine``'s NGRAM decoder drafts with :func:`oracle_drafter` (``want``,
+    ``k``: its arguments); its own lookup comes back after, also on an error."""
+    dec = engine.scheduler.spec
+    orig = dec._ngram
+    dec._ngram = oracle_drafter(want, k)
+    try:
+        yield dec
+    finally:
+        dec._ngram = orig
 
 
 def oracle_drafter(want: dict, k: int):

@@ -349,10 +349,7 @@ def test_engine_sampling_distribution_unchanged_by_speculation(tiny_model_dir, t
     (Before session 5 this compared against a plain engine's outputs for the same seeds with a
     chi-square homogeneity test; samples drawn with shared seeds are not independent, and only 1 of
     ~330 drafts was kept, so it tested little.)"""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from sglite.testing import oracle_drafter
+    from sglite.testing import martingale_z, oracle_drafter, sampling_oracle
 
     kw = dict(dtype="float32", device="cpu", max_total_tokens=8192)
     base = Engine(str(tiny_model_dir), **kw)
@@ -370,30 +367,17 @@ def test_engine_sampling_distribution_unchanged_by_speculation(tiny_model_dir, t
     finally:
         base.shutdown()
         spec.shutdown()
-    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
-    cache: dict = {}
+    probs = sampling_oracle(tiny_model_dir, ids, temperature=temp, top_k=top_k, top_p=top_p)
 
-    def probs(ctx: tuple) -> torch.Tensor:  # the sampling distribution: temperature, top-k, top-p
-        if ctx not in cache:
-            with torch.no_grad():
-                p = torch.softmax(hf(torch.tensor([ids + list(ctx)])).logits[0, -1].double() / temp, -1)
-            if top_k > 0:
-                p[p < p.topk(top_k).values[-1]] = 0
-            srt = p.sort(descending=True).values
-            before = srt.cumsum(0) - srt  # mass of the tokens ranked above each
-            p[p < srt[before < top_p].min()] = 0  # top-p: keep while the mass above is < top_p
-            cache[ctx] = p / p.sum()
-        return cache[ctx]
+    def event(o, pos, rank):  # (the drawn token has the rank-r probability, that probability)
+        p = probs(tuple(o[:pos]))
+        q = float(p.sort(descending=True).values[rank])
+        return float(p[o[pos]]) == q, q
 
     for pos in range(4):
         for rank in (0, 1):
-            dx = var = 0.0
-            for o in outs:
-                p = probs(tuple(o[:pos]))
-                q = float(p[p.argsort(descending=True)[rank]])
-                dx += (float(p[o[pos]]) == q) - q  # the drawn token has the rank-r probability
-                var += q * (1 - q)
-            assert abs(dx / var ** 0.5) < 4.5, (pos, rank, dx / var ** 0.5)
+            z = martingale_z(event(o, pos, rank) for o in outs)
+            assert abs(z) < 4.5, (pos, rank, z)
 
 
 def test_homogeneity_test_detects_different_samples():

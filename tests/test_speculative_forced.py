@@ -15,7 +15,7 @@ import torch
 from sglite.runtime.speculative.grammar_walk import CLOSE, FORCED, whole_forced
 from sglite.runtime.speculative.tree import TreeDraft, verify_tree
 from sglite.runtime.speculative.verify import greedy_walk, verify_chain
-from sglite.testing import oracle_drafter
+from sglite.testing import oracle_drafts
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "city"],
           "properties": {"name": {"type": "string", "maxLength": 40}, "city": {"type": "string", "maxLength": 40}}}
@@ -149,17 +149,11 @@ def test_oracle_drafts_verify_forced_text_greedy_identical(ngram_pair):
     sps = [{"max_new_tokens": 48, "temperature": 0, "json_schema": json.dumps(SCHEMA)},
            {"max_new_tokens": 48, "temperature": 0, "json_schema": json.dumps(SCHEMA), "frequency_penalty": 0.3}]
     want = [o["output_ids"] for o in base.generate(prompts, sps)]
-    by_prompt = {tuple(spec.tokenizer.encode(p)): w for p, w in zip(prompts, want)}
-
-    orig = dec._ngram
-    dec._ngram = oracle_drafter(by_prompt, 6)
-    try:
+    with oracle_drafts(spec, {tuple(spec.tokenizer.encode(p)): w for p, w in zip(prompts, want)}, 6):
         before = dec.stats["spec_forced_tokens"]
         assert [o["output_ids"] for o in spec.generate(prompts, sps)] == want
         assert [spec.generate(p, s)["output_ids"] for p, s in zip(prompts, sps)] == want
         assert dec.stats["spec_forced_tokens"] > before
-    finally:
-        dec._ngram = orig
     spec.check_invariants()
 
 

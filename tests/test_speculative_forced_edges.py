@@ -11,13 +11,14 @@ walk cuts or closes: regression of a crash, see ``test_standalone_json_requests_
 Drafts come from an oracle (the plain run's own next tokens, so every forced and closing token is
 verified inside the chains) and from the real n-gram drafter.
 """
+import contextlib
 import json
 import re
 
 import pytest
 
 from sglite import Engine
-from sglite.testing import oracle_drafter
+from sglite.testing import oracle_drafts
 
 S1 = {"type": "object", "additionalProperties": False, "required": ["name", "city"],
       "properties": {"name": {"type": "string", "maxLength": 20}, "city": {"type": "string", "maxLength": 20}}}
@@ -44,20 +45,20 @@ def _summary(outs):
     return [(o["output_ids"], o["text"], o["meta_info"]["finish_reason"]) for o in outs]
 
 
+def _by_prompt(engine, prompts, outs) -> dict:
+    """``{prompt ids: output ids}`` of plain-run outputs, for :func:`sglite.testing.oracle_drafts`."""
+    return {tuple(engine.tokenizer.encode(p)): o["output_ids"] for p, o in zip(prompts, outs)}
+
+
 def _same(base, spec, prompts, sps, oracle=True, **gen_kw):
     """Generate on both engines (``spec`` with oracle drafts when ``oracle``) and assert the same
     ids, text and finish reason; returns the plain outputs."""
     want = base.generate(prompts, sps, **gen_kw)
-    by_prompt = {tuple(spec.tokenizer.encode(p)): o["output_ids"] for p, o in zip(prompts, want)}
-    dec = spec.scheduler.spec
-
-    orig = dec._ngram
     if oracle:
-        dec._ngram = oracle_drafter(by_prompt, 6)
-    try:
+        with oracle_drafts(spec, _by_prompt(spec, prompts, want), 6):
+            got = spec.generate(prompts, sps, **gen_kw)
+    else:
         got = spec.generate(prompts, sps, **gen_kw)
-    finally:
-        dec._ngram = orig
     assert _summary(got) == _summary(want)
     spec.check_invariants()
     return want
@@ -304,15 +305,9 @@ def test_sampled_grammar_requests_with_forced_drafts_stay_valid(ngram_pair, extr
     for g in sorted(GRAMMARS):
         greedy = base.generate(PROMPTS, [dict(max_new_tokens=80, temperature=0, **GRAMMARS[g], **extra)] * 2)
         sps = [dict(max_new_tokens=80, temperature=0.3, sampling_seed=100 + i, **GRAMMARS[g], **extra) for i in range(6)]
-        for oracle in (True, False):
-            orig = dec._ngram
-            if oracle:
-                dec._ngram = oracle_drafter({tuple(spec.tokenizer.encode(p)): o["output_ids"]
-                                             for p, o in zip(PROMPTS, greedy)}, 6)
-            try:
+        for drafts in (oracle_drafts(spec, _by_prompt(spec, PROMPTS, greedy), 6), contextlib.nullcontext()):
+            with drafts:
                 outs = spec.generate(PROMPTS * 3, sps)
-            finally:
-                dec._ngram = orig
             reasons = [o["meta_info"]["finish_reason"]["type"] for o in outs]
             assert "abort" not in reasons, [o["meta_info"]["finish_reason"] for o in outs]
             done = [o["text"] for o, r in zip(outs, reasons) if r == "stop"]

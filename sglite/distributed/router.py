@@ -24,6 +24,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..server.runner import UvicornThread, bind_listener
 from .pd_router import ClientGone
 from .router_policy import Policy, RouterConfig
 
@@ -258,27 +259,15 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     return app
 
 
-class RouterThread:
-    """The router app under uvicorn in a daemon thread (tests, benchmarks); ``port=0`` = free port."""
+class RouterThread(UvicornThread):
+    """The router app under uvicorn in a daemon thread (tests, benchmarks); ``port=0`` = free
+    port (``self.config.port`` is the one bound). Raises OSError when the address cannot be bound."""
 
     def __init__(self, config: RouterConfig, startup_timeout: float = 30.0):
-        from ..server.runner import UvicornThread
-
-        self.app = create_router_app(config)
-        self._uv = UvicornThread(self.app, config.host, config.port, "sglite router", startup_timeout)
-        self.config = replace(config, port=self._uv.port)
-
-    @property
-    def url(self) -> str:
-        return self._uv.url
+        sock = bind_listener(config.host, config.port)
+        self.config = replace(config, port=sock.getsockname()[1])
+        super().__init__(create_router_app(config), sock, "sglite router", startup_timeout)
 
     @property
     def router(self) -> Router:
         return self.app.state.router
-
-    def __enter__(self) -> "RouterThread":
-        self._uv.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._uv.stop()

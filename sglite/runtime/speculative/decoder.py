@@ -188,9 +188,8 @@ class SpecDecoder:
             r.spec.masks = None
             chain_masks = None
             if chains and r.grammar is not None:
-                sampled = r.params.temperature > 1e-6
-                chains, chain_masks = self.grammar_walk.walk(r, chains, need_masks=sampled, sources=sources,
-                                                             limit=self._forced_room(e))
+                chains, chain_masks = self.grammar_walk.walk(r, chains, need_masks=r.params.temperature > 1e-6,
+                                                             sources=sources, limit=self._forced_room(e))
             proposals.append((e, chains, sources, chain_masks))
         if self.cost is not None:
             lens = self._choose(proposals, entries) if any(p[1] for p in proposals) else [[] for _ in proposals]

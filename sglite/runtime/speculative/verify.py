@@ -82,11 +82,14 @@ def row_logits(sampler, logits: torch.Tensor, req, contexts: Sequence[Sequence[i
     rows of ``bitmask`` ([rows, W] int32 or None). ``logits``: [rows, V] float32 (not mutated).
     Returns [rows, V] float32: ``logits`` itself when nothing applies (no penalty, bias or
     min-new-tokens block, no mask; callers do not write to it)."""
-    views = [RowView(req.params, req.output_ids + list(c)) for c in contexts]
-    if bitmask is None and not any(sampler.changes_logits(v) for v in views):
+    if bitmask is None and not any(sampler.changes_logits(RowView(req.params, req.output_ids + list(c)))
+                                   for c in (min(contexts, key=len), max(contexts, key=len))):
+        # the rule is monotone in the context: the shortest row is the last one the min-new-tokens
+        # block can reach, the longest the first a penalty can (one needs some output); testing
+        # the two copies the output twice per step, not once per row
         return logits
     x = logits.clone()
-    sampler._penalize(x, views)
+    sampler._penalize(x, [RowView(req.params, req.output_ids + list(c)) for c in contexts])
     if bitmask is not None:
         x = x + bitmask_to_additive(bitmask, x.shape[1])
     return x

@@ -76,7 +76,7 @@ def test_smooth_scales_balance_activation_and_weight_ranges():
 def test_w8_kernels_match_reference(dtype, m):
     from sglite import kernels
     from sglite.kernels import Fp8LinearWeight, Int8LinearWeight
-    from kernels import w8_linear
+    from sglite.kernels import w8_linear
 
     g = torch.Generator().manual_seed(m)
     w = torch.randn(48, 96, generator=g) * 0.1
@@ -97,7 +97,7 @@ def test_w8_kernels_match_reference(dtype, m):
 
 
 def test_w8a8_int_mm_is_exact_and_batch_invariant():
-    from kernels import w8_linear
+    from sglite.kernels import w8_linear
     from sglite.kernels import Int8LinearWeight
 
     g = torch.Generator().manual_seed(0)

@@ -444,7 +444,7 @@ def test_meta_info_and_metrics_report_acceptance(tiny_model_dir):
 def test_real_model_greedy_identical(real_engine):
     """SmolLM2-135M in float32: copy-heavy, regex and JSON-schema requests, batched, give the
     same tokens with NGRAM speculation as without; drafts are really kept."""
-    from sglite.bench.spec import PARAGRAPH, PERSON_SCHEMA
+    from sglite.bench.spec import PARAGRAPH, PERSON_SCHEMA, SENTENCES_SCHEMA, TEXTS
 
     spec = Engine(dtype="float32", max_total_tokens=16384, speculative_algorithm="NGRAM", check_invariants=True)
     try:
@@ -453,17 +453,22 @@ def test_real_model_greedy_identical(real_engine):
                    chat("Tom Becker lives in Hamburg and works as a bus driver. Reach him at t.becker@example.org. "
                         "Extract his name, email, city and job as JSON."),
                    chat("Give the date of the meeting in the form YYYY-MM-DD: the meeting is on 2024-03-15."),
-                   chat("Why is the sky blue?")]
+                   chat("Why is the sky blue?"),
+                   chat(TEXTS[1] + "\n\nCopy the first sentence and the last sentence of this text, word for word, "
+                        "into JSON.")]
         sps = [{"max_new_tokens": 64, "temperature": 0},
                {"max_new_tokens": 64, "temperature": 0, "json_schema": json.dumps(PERSON_SCHEMA)},
                {"max_new_tokens": 16, "temperature": 0, "regex": r"\d{4}-\d{2}-\d{2}"},
-               {"max_new_tokens": 48, "temperature": 0}]
+               {"max_new_tokens": 48, "temperature": 0},
+               {"max_new_tokens": 80, "temperature": 0, "json_schema": json.dumps(SENTENCES_SCHEMA)}]
         want = real_engine.generate(prompts, sps)
         got = spec.generate(prompts, sps)
         assert _ids(got) == _ids(want)
         assert got[0]["meta_info"]["spec_accept_length"] > 2.0  # copying is drafted well
         assert got[1]["meta_info"]["spec_accepted_tokens"] > 0  # grammar-walked drafts kept
         json.loads(got[1]["text"])
+        # copied sentences: after a refused close the copy goes on past word boundaries
+        assert got[4]["meta_info"]["spec_accept_length"] > 2.5, got[4]["meta_info"]
         one = [spec.generate(p, s) for p, s in zip(prompts[:2], sps[:2])]  # batch 1 too
         assert _ids(one) == _ids(want[:2])
     finally:

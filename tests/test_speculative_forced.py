@@ -138,7 +138,69 @@ def test_walk_without_room_ends_before_the_closing_token(walker):
     assert got == [chain]
 
 
+def test_walk_without_closes_goes_on_and_marks_the_boundaries(walker):
+    """``close=False`` (a request whose values go on past word boundaries, as copied sentences):
+    the copy is walked whole, no closing token is put in, the grammar is left where it was, and
+    the positions where a close would have gone are reported for verification to learn from."""
+    dec, tok, at = walker
+    gw = dec.grammar_walk
+    chain = tok.encode(" Becker lives in Hamburg")
+    r = at('{"name":"Tom')
+    before = r.grammar.num_accepted
+    sources, points = [["text"] * len(chain)], []
+    got, masks = gw.walk(r, [chain], need_masks=True, sources=sources, limit=64, close=False, close_points=points)
+    assert got == [chain] and sources == [["text"] * len(chain)] and r.grammar.num_accepted == before
+    want_points = [i for i in range(1, len(chain)) if gw.value_ends_before(chain, i)]
+    assert points == [want_points] and len(want_points) == 3  # before " lives", " in", " Hamburg"
+    # the mask rows are the grammar's own after each token (the matcher really walked the chain)
+    g = at('{"name":"Tom').grammar
+    for i, t in enumerate(chain):
+        assert g.accept_token(t)
+        row = torch.full((1, masks[1].shape[1]), -1, dtype=torch.int32)
+        g.fill_next_token_bitmask(row, 0)
+        assert torch.equal(masks[1][i:i + 1], row)
+    # with closes on, the same chain still closes at the first boundary (the default)
+    got, _ = gw.walk(at('{"name":"Tom'), [chain], need_masks=False, sources=[["text"] * len(chain)], limit=64)
+    assert 'lives' not in tok.decode(got[0])
+
+
+def test_close_outcomes_count_the_boundaries_the_model_passed_or_closed_at(walker):
+    dec, tok, _ = walker
+    gw = dec.grammar_walk
+    chain = tok.encode(" Becker lives in Hamburg")
+    points = [i for i in range(1, len(chain)) if gw.value_ends_before(chain, i)]  # " lives", " in", " Hamburg"
+    quote, word = tok.encode('"')[0], tok.encode(" and")[0]
+    # the model went on through two boundaries, then closed at the third: 1 kept of 3 tried
+    assert gw.close_outcomes(points, points[2], chain[:points[2]] + [quote]) == (1, 3)
+    # ... or wrote another word there: 0 of 3
+    assert gw.close_outcomes(points, points[2], chain[:points[2]] + [word]) == (0, 3)
+    # kept the whole chain, the bonus after it: the boundaries passed count, the bonus is no boundary
+    assert gw.close_outcomes(points, len(chain), chain + [quote]) == (0, 3)
+    # refused the first token: nothing learned
+    assert gw.close_outcomes(points, 0, [word]) == (0, 0)
+
+
 # ---------------------------------------------------------------------- engine
+def test_copies_without_closing_drafts_stay_greedy_identical_and_teach_the_gate(ngram_pair, monkeypatch):
+    """With the close gate shut (``CLOSE_MIN_RATE`` above 1: never a closing draft) oracle drafts
+    run through string values past word boundaries: same tokens as without speculation, and the
+    boundaries the model passed or closed at are counted for the ``close`` source."""
+    from sglite.runtime.speculative import decoder as decoder_mod
+
+    base, spec = ngram_pair
+    dec = spec.scheduler.spec
+    monkeypatch.setattr(decoder_mod, "CLOSE_MIN_RATE", 1.01)
+    prompts = ["Tom Becker lives in Hamburg. " * 3 + "JSON:", "Maria Gonzalez lives in Seville and works. JSON:"]
+    sps = [{"max_new_tokens": 48, "temperature": 0, "json_schema": json.dumps(SCHEMA)}] * 2
+    want = [o["output_ids"] for o in base.generate(prompts, sps)]
+    tried = dec.accept.counts.get(CLOSE, [0.0, 0.0])[1]
+    with oracle_drafts(spec, {tuple(spec.tokenizer.encode(p)): w for p, w in zip(prompts, want)}, 6):
+        assert [o["output_ids"] for o in spec.generate(prompts, sps)] == want
+        assert [spec.generate(p, s)["output_ids"] for p, s in zip(prompts, sps)] == want
+    assert dec.accept.counts[CLOSE][1] > tried  # learned without drafting a single close
+    spec.check_invariants()
+
+
 def test_oracle_drafts_verify_forced_text_greedy_identical(ngram_pair):
     """Drafts taken from the plain run's own output (so every closing token and the key text
     after it are in the chains): same tokens as without speculation, alone and batched, greedy

@@ -7,6 +7,8 @@ every request runs on both, alternating, so machine drift hits both alike. Workl
   prompt), batch 1;
 * ``extract_json`` — extract fields of a given text into JSON under a JSON Schema (copy-heavy and
   grammar-constrained), batch 1;
+* ``extract_sentences`` — copy the first and last sentence of a given text, word for word, into
+  JSON under a JSON Schema (copy-heavy, grammar-constrained, long values), batch 1;
 * ``chat`` — open questions (little to copy), batch 1;
 * ``chat_batch16`` — 16 open questions in one batch (``--batch-sizes`` adds ``chat_batch<B>``
   workloads: the batch sweep).
@@ -46,6 +48,18 @@ PEOPLE = [("Maria Gonzalez", "maria.gonzalez@example.com", "Seville", "veterinar
           ("Samuel Okoro", "sam.okoro@example.com", "Lagos", "accountant")]
 PERSON_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "email", "city", "job"],
                  "properties": {k: {"type": "string", "maxLength": 60} for k in ("name", "email", "city", "job")}}
+TEXTS = [PARAGRAPH,
+         "The museum will reopen its east wing on the first of June after a year of repairs. Visitors will be able to "
+         "see the restored ceiling paintings and a new gallery of local photographs. Tickets can be booked online from "
+         "next Monday, and entry stays free for children under twelve.",
+         "Our team released version two of the mobile app last night. The update adds an offline mode, fixes the crash "
+         "on older phones, and makes the search bar faster. Please report any new problems through the feedback form "
+         "in the settings menu.",
+         "Heavy rain is expected across the northern valleys from Thursday afternoon. Rivers may rise quickly, so "
+         "campers should move away from the banks. The weather service will publish an update every six hours until "
+         "the storm has passed."]
+SENTENCES_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["first_sentence", "last_sentence"],
+                    "properties": {k: {"type": "string", "maxLength": 300} for k in ("first_sentence", "last_sentence")}}
 CHAT = ["What are three good habits for staying healthy?", "Tell me a short story about a dragon.",
         "Why is the sky blue?", "Give me some tips for learning to cook.", "What is a black hole?",
         "How do plants make food?", "Suggest a name for a coffee shop and explain it.",
@@ -63,6 +77,8 @@ def workloads(n: int, batches: Sequence[int] = ()) -> dict:
     return {
         "copy_edit": ([(e, {}) for e in edits][:n], 1),
         "extract_json": ([(p, {"json_schema": schema}) for p in people][:n], 1),
+        "extract_sentences": ([(f"{t}\n\nCopy the first sentence and the last sentence of this text, word for word, "
+                                f"into JSON.", {"json_schema": json.dumps(SENTENCES_SCHEMA)}) for t in TEXTS][:n], 1),
         "chat": ([(c, {}) for c in CHAT][:n], 1),
         "chat_batch16": ([(CHAT[i % len(CHAT)], {}) for i in range(16)], 16),
         **{f"chat_batch{b}": ([(CHAT[i % len(CHAT)], {}) for i in range(max(b, 4))], b) for b in batches if b != 16},
@@ -167,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
                    help="the spec engine's batch limit for drafting (default: the engine's)")
     p.add_argument("--workloads", nargs="*", default=None,
-                   help="subset of copy_edit extract_json chat chat_batch16 (default: all)")
+                   help="subset of copy_edit extract_json extract_sentences chat chat_batch16 (default: all)")
     p.add_argument("--batch-sizes", nargs="*", type=int, default=None,
                    help="add a chat_batch<B> workload per size (max(B, 4) open questions in batches of B: the batch sweep; default: none)")
     p.add_argument("--output-json", default=None, help="write the results here")

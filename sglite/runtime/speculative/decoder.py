@@ -53,7 +53,7 @@ from typing import Callable, Optional
 import torch
 
 from ..step_plan import SMALL_EXTEND, StepEntry, StepPlan
-from .grammar_walk import FORCED, GrammarWalk, whole_forced
+from .grammar_walk import CLOSE, CLOSE_MIN_RATE, FORCED, GrammarWalk, whole_forced
 from .ngram import NgramIndex
 from .policy import AcceptModel, StepCost, choose, may_pay, probe_forward
 from .state import SpecState
@@ -187,9 +187,13 @@ class SpecDecoder:
                 r.spec = SpecState()
             r.spec.masks = None
             chain_masks = None
+            r.spec.close_points = None
             if chains and r.grammar is not None:
+                close = self.accept.rate(CLOSE, r.spec.own) >= CLOSE_MIN_RATE
+                r.spec.close_points = None if close else []
                 chains, chain_masks = self.grammar_walk.walk(r, chains, need_masks=r.params.temperature > 1e-6,
-                                                             sources=sources, limit=self._forced_room(e))
+                                                             sources=sources, limit=self._forced_room(e), close=close,
+                                                             close_points=r.spec.close_points)
             proposals.append((e, chains, sources, chain_masks))
         if self.cost is not None:
             lens = self._choose(proposals, entries) if any(p[1] for p in proposals) else [[] for _ in proposals]
@@ -212,6 +216,8 @@ class SpecDecoder:
                 continue
             self._free_rows -= n_nodes
             r.spec.sources = [sources[i] for i in keep]
+            if r.spec.close_points is not None:
+                r.spec.close_points = [r.spec.close_points[i] for i in keep]
             if chain_masks is not None:
                 r.spec.masks = torch.cat([chain_masks[0]] + [chain_masks[1 + i][:len(chains[j])]
                                                              for j, i in enumerate(keep)])
@@ -460,6 +466,11 @@ class SpecDecoder:
             for b, (srcs, n) in enumerate(zip(r.spec.sources, lens)):
                 n = min(n, min(forced[b], default=n))  # forced tokens teach the acceptance model nothing
                 self.accept.record(srcs[:n], min(kept, n) if b == chain else 0, r.spec.own)
+            if r.spec.close_points and chain < len(r.spec.close_points):  # closes not drafted: learn them anyway
+                ended, tried = self.grammar_walk.close_outcomes(r.spec.close_points[chain], a, tokens)
+                for i in range(tried):
+                    self.accept.record([CLOSE], int(i < ended), r.spec.own)
+            r.spec.close_points = None
             self.counters["spec_verify_steps"] += 1
             self.counters["spec_draft_tokens"] += nodes
             self.counters["spec_accepted_tokens"] += a

@@ -16,6 +16,7 @@ import torch
 
 FORCED = "forced"  # draft source of jump-forward tokens (kept whenever the token before them is)
 CLOSE = "close"  # draft source of a `"` closing a copied JSON string value at a word boundary
+CLOSE_MIN_RATE = 0.5  # close copied values at word boundaries only while P(a value ends there) >= this
 
 
 def whole_forced(sources: list, n: int, up: bool) -> int:
@@ -90,7 +91,8 @@ class GrammarWalk:
         return enc('"' + s)[0]
 
     def walk(self, r, chains: list[list[int]], need_masks: bool = True,
-                      sources: Optional[list] = None, limit: int = 1 << 30
+                      sources: Optional[list] = None, limit: int = 1 << 30, close: bool = True,
+                      close_points: Optional[list] = None
                       ) -> tuple[list[list[int]], Optional[list[torch.Tensor]]]:
         """The longest prefix of each chain the grammar allows, and (``need_masks``: sampled
         requests) the bitmask rows of the verify step: ``[root mask [1, W]] + [one [len, W] per
@@ -114,6 +116,10 @@ class GrammarWalk:
           chain takes the closing token there (:meth:`closing_token`, source ``CLOSE``) and
           ends after it and its forced text: extracted values end where the prompt's phrase
           goes on (`Hamburg` + `",` + `"job":"` instead of `Hamburg` + ` and works`).
+          With ``close`` False (values of this request tend to go on past word boundaries:
+          copied sentences) the copy goes on instead, and ``close_points`` (a list, filled with
+          one list per chain) gets the chain positions where a closing token would have gone, so
+          that verification can learn whether the model closed there (:meth:`close_outcomes`).
         """
         g, W = r.grammar, self.sampler.words
         jump = bool(getattr(self.out, "enable_jump_forward", False)) and hasattr(g, "find_jump_forward_string")
@@ -126,15 +132,21 @@ class GrammarWalk:
         for b, c in enumerate(chains):
             rows: list[torch.Tensor] = []
             out: list[int] = []
+            points: list[int] = []
+            if close_points is not None:
+                close_points.append(points)
             walked = 0
             try:
                 for i, t in enumerate(c):
                     closing = False
                     if g.is_terminated():
                         break
-                    close = self.closing_token(g, quote) if quote is not None and self.value_ends_before(c, i) else None
-                    if close is not None and close != t and g.accept_token(close):
-                        t, closing = close, True
+                    tok = self.closing_token(g, quote) if quote is not None and self.value_ends_before(c, i) else None
+                    if tok is not None and not close:
+                        points.append(len(out))
+                        tok = None
+                    if tok is not None and tok != t and g.accept_token(tok):
+                        t, closing = tok, True
                     elif not g.accept_token(t):
                         break
                     walked += 1
@@ -161,6 +173,19 @@ class GrammarWalk:
             if masks is not None:
                 masks.append(torch.cat(rows) if rows else torch.empty((0, W), dtype=torch.int32))
         return kept_chains, masks
+
+    def close_outcomes(self, points: list[int], a: int, tokens: list[int]) -> tuple[int, int]:
+        """(closes that would have been kept, closes tried) at the word boundaries ``points`` of a
+        chain verified without closing drafts (:meth:`walk` with ``close`` False) that kept ``a``
+        draft tokens and appended ``tokens``: a boundary before ``a`` is a close the model
+        refused (the value went on); at a boundary at ``a`` the model's own token decides: a
+        close kept when it starts with ``"`` (it closed the string there, in whatever merge),
+        else refused. Boundaries after ``a`` teach nothing."""
+        refused = sum(1 for i in points if i < a)
+        if a not in points or a >= len(tokens):
+            return 0, refused
+        ended = self.text.text([tokens[a]]).startswith('"')
+        return int(ended), refused + 1
 
     def learn_close(self, srcs: list, a: int, tokens: list[int]) -> bool:
         """A closing draft (source ``CLOSE``) refused where the model closed the string with a

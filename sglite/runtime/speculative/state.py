@@ -33,6 +33,8 @@ class SpecState:
         draft_kv: the draft model's KV state of this request (``STANDALONE``).
         text: the text-level lookup of the request's prompt (``NGRAM``; :mod:`.text_lookup`).
         sources: the draft source of each chain being verified (:class:`.policy.AcceptModel`).
+        close_points: per chain being verified, the positions where a closing draft was left out
+            (:meth:`.grammar_walk.GrammarWalk.walk` with ``close`` False), or None.
         own: this request's ``{source: [kept, tried]}`` draft tokens (:class:`.policy.AcceptModel`).
         misses: consecutive fruitless looks for drafts (no draft chosen, or every token rejected).
         wait: steps still skipped before the next look (the backoff, :meth:`may_look`).
@@ -52,6 +54,7 @@ class SpecState:
     draft_kv: Any = None
     text: Any = None
     sources: list = field(default_factory=list)
+    close_points: Optional[list] = None
     own: dict = field(default_factory=dict)
     misses: int = 0
     wait: int = 0

@@ -12,7 +12,8 @@ Per step (``Scheduler.schedule`` → :meth:`SpecDecoder.attach_drafts`, ``Schedu
    and the matcher is rolled back; sampled requests keep the mask of every position for
    verification, greedy ones need none (:func:`.verify.greedy_walk` checks the argmax against the
    matcher instead; :mod:`.grammar_walk`: jump-forward text after a draft token is appended as
-   always-kept drafts, a copied JSON value is closed at a word boundary). Its KV reservation
+   always-kept drafts, a copied JSON value is closed at a word boundary while the request's
+   values tend to end at one: ``CLOSE_MIN_RATE``). Its KV reservation
    grows by ``k`` slots (free pages only); its entry becomes
    an extend of ``pending + k`` tokens with a logits row at each of the last ``k + 1`` positions.
    Pending jump-forward tokens go first: the grammar's forced text (e.g. ``","city":"``) and the

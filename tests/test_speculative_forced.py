@@ -82,6 +82,22 @@ def test_whole_forced_keeps_the_closing_token_with_its_text():
     assert whole_forced(["text"] * 3, 2, up=True) == 2  # no forced tail: unchanged
 
 
+def test_rows_before_forced_text_skip_the_lm_head():
+    from sglite.runtime.speculative.decoder import _rows_before_forced
+    from sglite.runtime.step_plan import StepEntry
+
+    # one chain: rows 0 (root), 1 text, 2 close, 3 and 4 forced; rows 2 and 3 only precede forced text
+    assert _rows_before_forced([[5, 6, 7, 8]], [["text", CLOSE, FORCED, FORCED]]) == {2, 3}
+    # a tree: chain 0 = rows 1, 2; chain 1 = rows 3, 4, 5 (in layout order)
+    assert _rows_before_forced([[5, 6], [7, 8, 9]], [["text", FORCED], ["text", "text", FORCED]]) == {1, 4}
+    assert _rows_before_forced([[5, 6]], [["text", "text"]]) == frozenset()
+    e = StepEntry(req=None, n=5, start=0, draft=(5, 6, 7, 8), skip_rows=frozenset({2, 3}))
+    e.sample_row = 1
+    logits = torch.arange(12, dtype=torch.float32).reshape(4, 3)  # row 0 belongs to another entry
+    rows = e.verify_rows(logits)
+    assert rows.shape == (5, 3) and torch.equal(rows[[0, 1, 4]], logits[1:4]) and not rows[[2, 3]].any()
+
+
 # ---------------------------------------------------------------------- grammar walk
 @pytest.fixture
 def walker(ngram_pair):
@@ -212,10 +228,11 @@ def test_oracle_drafts_verify_forced_text_greedy_identical(ngram_pair):
            {"max_new_tokens": 48, "temperature": 0, "json_schema": json.dumps(SCHEMA), "frequency_penalty": 0.3}]
     want = [o["output_ids"] for o in base.generate(prompts, sps)]
     with oracle_drafts(spec, {tuple(spec.tokenizer.encode(p)): w for p, w in zip(prompts, want)}, 6):
-        before = dec.stats["spec_forced_tokens"]
+        before, skipped = dec.stats["spec_forced_tokens"], dec.stats["spec_head_rows_skipped"]
         assert [o["output_ids"] for o in spec.generate(prompts, sps)] == want
         assert [spec.generate(p, s)["output_ids"] for p, s in zip(prompts, sps)] == want
         assert dec.stats["spec_forced_tokens"] > before
+        assert dec.stats["spec_head_rows_skipped"] > skipped  # rows before forced text left out of the LM head
     spec.check_invariants()
 
 

@@ -11,9 +11,12 @@ with its sequence and still generates).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from .req import Req
+
+if TYPE_CHECKING:
+    import torch
 
 SMALL_EXTEND = 8  # extends of at most this many tokens (jump-forward, cached prompts) run as decode rows
 
@@ -34,6 +37,10 @@ class StepEntry:
             ``sample_row`` on, one per position from its last pending token (a verify step).
         tree: a ``speculative.tree.TreeDraft`` when the draft tokens form a token tree (their
             positions and attention rows then come from it; always decode rows), else None.
+        skip_rows: of the ``len(draft) + 1`` verify rows (0: the last pending token, then the
+            draft tokens in layout order), those whose logits nobody reads (the row before a
+            draft token that is forced text): left out of the step's logits rows, so the LM head
+            does not compute them; :meth:`verify_rows` puts zero rows in their place.
     """
 
     req: Req
@@ -44,6 +51,18 @@ class StepEntry:
     input_rows: list[tuple[int, int]] = field(default_factory=list)
     draft: tuple = ()
     tree: Optional[object] = None
+    skip_rows: frozenset = frozenset()
+
+    def verify_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """This verify entry's ``len(draft) + 1`` logits rows out of the step's ``logits``
+        ([M, V] float32, rows from :attr:`sample_row` on), zeros at :attr:`skip_rows`."""
+        n = len(self.draft) + 1
+        got = logits[self.sample_row:self.sample_row + n - len(self.skip_rows)]
+        if not self.skip_rows:
+            return got
+        full = got.new_zeros((n, got.shape[1]))
+        full[[j for j in range(n) if j not in self.skip_rows]] = got
+        return full
 
     @property
     def ends_sequence(self) -> bool:
@@ -98,7 +117,7 @@ class StepPlan:
             e.sample_row = None
             if e.ends_sequence and r.params.max_new_tokens > 0 and r.finished is None:
                 e.sample_row = row
-                row += 1 + len(e.draft)
+                row += 1 + len(e.draft) - len(e.skip_rows)
         self.sampling = [e for e in self.entries if e.sample_row is not None and not e.draft]
         self.verifying = [e for e in self.entries if e.sample_row is not None and e.draft]
         self.sampling_reqs = [e.req for e in self.sampling]
@@ -110,6 +129,7 @@ class StepPlan:
         for e in self.entries:
             out.extend(offset + p - 1 - e.start for p, _ in e.input_rows)
             if e.sample_row is not None:
-                out.extend(range(offset + e.n - 1 - len(e.draft), offset + e.n))
+                first = offset + e.n - 1 - len(e.draft)
+                out.extend(first + j for j in range(len(e.draft) + 1) if j not in e.skip_rows)
             offset += e.n
         return out

@@ -95,7 +95,7 @@ class SpecDecoder:
         self.kv, self.sampler, self.out = kv, sampler, out
         self.draft_model = draft_model
         self.counters = {"spec_verify_steps": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
-                         "spec_tree_steps": 0, "spec_forced_tokens": 0}
+                         "spec_tree_steps": 0, "spec_forced_tokens": 0, "spec_head_rows_skipped": 0}
         # token trees (several n-gram candidates per step) need a slot per position: page size 1
         self.tree_ok = self.draft_model is None and config.page_size == 1
         self.tree_branches = TREE_BRANCHES
@@ -227,6 +227,8 @@ class SpecDecoder:
                 e.tree = TreeDraft(chains, [r.kv.row] + rows, rows)
                 e.tree.fill_rows(self.kv.req_to_token, r.kv.row, root_pos)
             e.draft = tuple(t for c in chains for t in c)
+            e.skip_rows = _rows_before_forced(chains, r.spec.sources)
+            self.counters["spec_head_rows_skipped"] += len(e.skip_rows)
             e.n += n_nodes
 
     def _choose(self, proposals: list, entries: list[StepEntry]) -> list[list[int]]:
@@ -430,7 +432,7 @@ class SpecDecoder:
             r, nodes, tree = e.req, len(e.draft), e.tree
             pending = e.n - nodes
             contexts = tree_contexts(tree) if tree is not None else [e.draft[:i] for i in range(nodes + 1)]
-            x = row_logits(self.sampler, logits[e.sample_row:e.sample_row + nodes + 1], r, contexts, r.spec.masks)
+            x = row_logits(self.sampler, e.verify_rows(logits), r, contexts, r.spec.masks)
             gen, chain = None, 0
             lens = [len(c) for c in tree.chains] if tree is not None else [nodes]
             forced = [{d for d, src in enumerate(srcs[:n]) if src == FORCED} for srcs, n in zip(r.spec.sources, lens)]
@@ -526,6 +528,17 @@ class SpecDecoder:
         table[r.kv.row, root_pos + 1:root_pos + 1 + n] = seg[torch.tensor(tree.accepted_order(chain, a))]
         self.release_scratch(tree.scratch)
         tree.scratch = []
+
+
+def _rows_before_forced(chains: list[list[int]], sources: list) -> frozenset:
+    """Verify rows (0: the root, then each chain's nodes in layout order) whose logits nobody
+    reads: a node followed in its chain by a ``FORCED`` token (kept without a look at the row).
+    The root row is always read (it checks every chain's first token)."""
+    skip, row = set(), 1
+    for c, srcs in zip(chains, sources):
+        skip.update(row + d for d in range(len(c) - 1) if d + 1 < len(srcs) and srcs[d + 1] == FORCED)
+        row += len(c)
+    return frozenset(skip)
 
 
 def make_spec_decoder(config, runner, kv, sampler, out) -> Optional[SpecDecoder]:

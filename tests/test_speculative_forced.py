@@ -180,6 +180,20 @@ def test_walk_without_closes_goes_on_and_marks_the_boundaries(walker):
     assert 'lives' not in tok.decode(got[0])
 
 
+def test_the_mask_row_after_the_grammar_ends_allows_everything(walker):
+    """A chain whose last token ends the grammar: the request ends at that token, so the bonus
+    row after it is drawn and dropped; its mask must leave some token (a terminated matcher
+    allows only EOS, which min_new_tokens blocks: a row with no mass failed the sampled step)."""
+    dec, tok, at = walker
+    r = at('{"name":"Tom","city":"Ham')
+    chain = tok.encode('burg"}')
+    got, masks = dec.grammar_walk.walk(r, [chain], need_masks=True, sources=[["text"] * len(chain)], limit=64,
+                                       close=False, close_points=[])
+    assert got == [chain] and masks[1].shape[0] == len(chain)
+    assert bool((masks[1][-1] == -1).all())  # after the closing brace: no constraint
+    assert not bool((masks[1][0] == -1).all())  # inside the string: the grammar's own row
+
+
 def test_close_outcomes_count_the_boundaries_the_model_passed_or_closed_at(walker):
     dec, tok, _ = walker
     gw = dec.grammar_walk

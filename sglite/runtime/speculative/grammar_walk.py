@@ -162,7 +162,9 @@ class GrammarWalk:
                         out.append(tok)
                         if need_masks:
                             rows.append(torch.full((1, W), -1, dtype=torch.int32))
-                            g.fill_next_token_bitmask(rows[-1], 0)
+                            if not g.is_terminated():  # else the request ends at this token: the row
+                                g.fill_next_token_bitmask(rows[-1], 0)  # after it is drawn from, never used
+                                # (a terminated matcher's EOS-only row under min_new_tokens has no mass)
                     if closing or forced:
                         n = len(out) - len(forced)
                         sources[b] = list(sources[b][:n - 1]) + [CLOSE if closing else sources[b][n - 1]] + [FORCED] * len(forced)

@@ -188,10 +188,11 @@ class SpecDecoder:
                 r.spec = SpecState()
             r.spec.masks = None
             chain_masks = None
-            r.spec.close_points = None
+            r.spec.close_points = None  # filled by the walk where closes are not drafted
             if chains and r.grammar is not None:
                 close = self.accept.rate(CLOSE, r.spec.own) >= CLOSE_MIN_RATE
-                r.spec.close_points = None if close else []
+                if not close:
+                    r.spec.close_points = []
                 chains, chain_masks = self.grammar_walk.walk(r, chains, need_masks=r.params.temperature > 1e-6,
                                                              sources=sources, limit=self._forced_room(e), close=close,
                                                              close_points=r.spec.close_points)
@@ -469,10 +470,9 @@ class SpecDecoder:
             for b, (srcs, n) in enumerate(zip(r.spec.sources, lens)):
                 n = min(n, min(forced[b], default=n))  # forced tokens teach the acceptance model nothing
                 self.accept.record(srcs[:n], min(kept, n) if b == chain else 0, r.spec.own)
-            if r.spec.close_points and chain < len(r.spec.close_points):  # closes not drafted: learn them anyway
-                ended, tried = self.grammar_walk.close_outcomes(r.spec.close_points[chain], a, tokens)
-                for i in range(tried):
-                    self.accept.record([CLOSE], int(i < ended), r.spec.own)
+            if r.spec.close_points:  # closes not drafted: learn them anyway
+                self.accept.add(CLOSE, *self.grammar_walk.close_outcomes(r.spec.close_points[chain], a, tokens),
+                                own=r.spec.own)
             r.spec.close_points = None
             self.counters["spec_verify_steps"] += 1
             self.counters["spec_draft_tokens"] += nodes

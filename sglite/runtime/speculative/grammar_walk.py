@@ -141,10 +141,13 @@ class GrammarWalk:
                     closing = False
                     if g.is_terminated():
                         break
-                    tok = self.closing_token(g, quote) if quote is not None and self.value_ends_before(c, i) else None
-                    if tok is not None and not close:
-                        points.append(len(out))
-                        tok = None
+                    tok = None
+                    if quote is not None and self.value_ends_before(c, i):
+                        if close:
+                            tok = self.closing_token(g, quote)
+                        elif g.accept_token(quote):  # a close could go here (which merge does not matter)
+                            g.rollback(1)
+                            points.append(len(out))
                     if tok is not None and tok != t and g.accept_token(tok):
                         t, closing = tok, True
                     elif not g.accept_token(t):
@@ -162,9 +165,11 @@ class GrammarWalk:
                         out.append(tok)
                         if need_masks:
                             rows.append(torch.full((1, W), -1, dtype=torch.int32))
-                            if not g.is_terminated():  # else the request ends at this token: the row
-                                g.fill_next_token_bitmask(rows[-1], 0)  # after it is drawn from, never used
-                                # (a terminated matcher's EOS-only row under min_new_tokens has no mass)
+                            # after the grammar's end the request ends at this token: the row after it
+                            # is drawn from and dropped, so it stays unconstrained (a terminated
+                            # matcher's EOS-only row has no mass under min_new_tokens)
+                            if not g.is_terminated():
+                                g.fill_next_token_bitmask(rows[-1], 0)
                     if closing or forced:
                         n = len(out) - len(forced)
                         sources[b] = list(sources[b][:n - 1]) + [CLOSE if closing else sources[b][n - 1]] + [FORCED] * len(forced)

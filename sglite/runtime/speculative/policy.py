@@ -180,14 +180,19 @@ class AcceptModel:
             c[0] *= DECAY
             c[1] *= DECAY
         for i, src in enumerate(sources[:accepted + 1]):
-            kept = 1 if i < accepted else 0
-            c = self.counts.setdefault(src, [0.0, 0.0])
-            c[0] += kept
-            c[1] += 1
-            if own is not None:
-                o = own.setdefault(src, [0, 0])
-                o[0] += kept
-                o[1] += 1
+            self.add(src, int(i < accepted), 1, own)
+
+    def add(self, source: str, kept: int, tried: int, own: Optional[dict] = None) -> None:
+        """``tried`` draft tokens of ``source``, ``kept`` of them kept, counted without a decay
+        step (outcomes learned beside a verify step's own :meth:`record`, e.g. closes that were
+        not drafted); ``own`` (a request's counts) is updated too."""
+        c = self.counts.setdefault(source, [0.0, 0.0])
+        c[0] += kept
+        c[1] += tried
+        if own is not None:
+            o = own.setdefault(source, [0, 0])
+            o[0] += kept
+            o[1] += tried
 
 
 def choose(base_tokens: int, base_rows: int, chains: Sequence[Sequence[float]],

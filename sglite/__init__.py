@@ -9,33 +9,9 @@ by name.
 from __future__ import annotations
 
 import importlib
-import os
-import sys
 
 __version__ = "0.1.0"
 
-
-def _demote_checkout_root(path: list[str]) -> None:
-    """Move the source checkout's root to the end of ``path`` (``sys.path``), in place.
-
-    The checkout keeps ``sglite.kernels`` in a top-level ``kernels/`` folder. When the checkout root
-    is on ``sys.path`` (``python -m ...`` or ``python -c`` run from it), that folder shadows the
-    Hugging Face ``kernels`` distribution, which transformers >= 5.25 requires and imports: the
-    import then fails with ``cannot import name 'CUDAProperties' from 'kernels'``. Demoted to the
-    end, the root still serves its other modules, but an installed ``kernels`` wins. Only the folder
-    holding this very checkout (``kernels/cpu_build.py`` beside ``sglite/``) is moved; an installed
-    sglite lives in ``site-packages/sglite/`` and needs nothing."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if not os.path.isfile(os.path.join(root, "kernels", "cpu_build.py")):
-        return
-    cwd = os.getcwd()
-    hits = [e for e in path if os.path.abspath(e or cwd) == root]
-    for e in hits:
-        path.remove(e)
-    path.extend(hits[:1])
-
-
-_demote_checkout_root(sys.path)
 
 _LAZY = {
     "Engine": ("sglite.runtime.engine", "Engine"),

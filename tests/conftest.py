@@ -2,8 +2,6 @@
 tiny random-weight checkpoints that share its tokenizer."""
 import pytest
 
-import sglite  # noqa: F401  (first: moves the checkout root behind the Hugging Face `kernels` package)
-
 
 @pytest.fixture(scope="session")
 def real_checkpoint():

@@ -3,7 +3,7 @@
 On CPU the kernels run in Triton's interpreter: ``TRITON_INTERPRET=1`` is set here before triton
 is imported. If another module of this pytest process imported triton first (kernels compiled for
 the GPU), this file re-runs itself in a fresh subprocess instead. ``SGLITE_TEST_DEVICE=cuda`` runs
-the same checks compiled on a GPU (see ``kernels/device_check.sh``).
+the same checks compiled on a GPU (see ``sglite/kernels/device_check.sh``).
 """
 import os
 

@@ -1,4 +1,4 @@
-"""C++ CPU decode attention (kernels/cpu_attention.py): numerics against the torch reference and a
+"""C++ CPU decode attention (sglite/kernels/cpu_attention.py): numerics against the torch reference and a
 float64 oracle, pool layouts, input errors, dispatcher default and overrides, build-failure fallback."""
 import logging
 import shutil

@@ -111,7 +111,7 @@ def test_gemv_falls_back_without_kernel(monkeypatch):
 
 
 def test_cpp_sources_are_package_data_files():
-    """The C++ sources live in kernels/csrc/*.cpp (shipped as package data), not in Python strings."""
+    """The C++ sources live in sglite/kernels/csrc/*.cpp (shipped as package data), not in Python strings."""
     from pathlib import Path
 
     names = sorted(p.name for p in cpu_build.CSRC.glob("*.cpp"))

@@ -101,7 +101,7 @@ class StepPlan:
         for e in self.entries:
             # a verify step (draft tokens after at most ``small_extend`` pending ones) is decode rows
             # too: each row attends to the rows before it, as an extend would, and a CPU step of
-            # only decode rows takes the fused decode (kernels/decode_fused.py), whose rows are
+            # only decode rows takes the fused decode (sglite/kernels/decode_fused.py), whose rows are
             # computed as the plain run's decode rows are
             e.decode_rows = small_extend is None or e.n <= small_extend or e.tree is not None or bool(e.draft)
         self.entries.sort(key=lambda e: e.decode_rows)

@@ -1,7 +1,7 @@
 """Compile small C++ CPU kernels on first use and reuse the build in later processes.
 
 :func:`load_cpp` wraps ``torch.utils.cpp_extension.load_inline``; the sources live in
-``kernels/csrc/*.cpp`` (package data, read by :func:`read_source`). The build directory is
+``sglite/kernels/csrc/*.cpp`` (package data, read by :func:`read_source`). The build directory is
 ``<cache>/torch_extensions/<name>_<tag>`` where ``<cache>`` is ``$SGLITE_CACHE_DIR`` or
 ``~/.cache/sglite`` (the same root as ``sglite.runtime.model_loader.default_cache_dir``; kernels
 import nothing of the runtime, so the rule is repeated here) and ``<tag>`` hashes the source, the

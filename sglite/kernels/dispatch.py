@@ -33,7 +33,7 @@ from .matmul import LinearWeight, linear  # noqa: F401  (re-exported: the op of 
 
 IMPLS = ("torch", "triton", "cpp")
 OPS = ("store_kv", "decode_attention", "extend_attention", "apply_token_bitmask", "sample")
-CPP_OPS = ("decode_attention",)  # ops with a C++ CPU kernel (kernels/cpu_attention.py)
+CPP_OPS = ("decode_attention",)  # ops with a C++ CPU kernel (sglite/kernels/cpu_attention.py)
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One short GPU check for sglite's Triton kernels (run from anywhere; ~2-4 min on an H200):
 #   1. the kernel tests compiled for CUDA (SGLITE_TEST_DEVICE=cuda; same files CI interprets on CPU),
-#   2. kernels/bench.py: per-op bandwidth vs copy bandwidth, decode 64 x 4k and masked sampling 64 x 49k.
-# Works without installing sglite: a temporary package shim maps sglite.kernels -> kernels/.
+#   2. sglite/kernels/bench.py: per-op bandwidth vs copy bandwidth, decode 64 x 4k and masked sampling 64 x 49k.
+# Works without installing sglite: the checkout root goes on PYTHONPATH.
 # Results go to $OUT (the device tool's folder) or /tmp/sglite_device_check: tests.log, bench.md, bench.json.
 set -uo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 OUT="${OUT:-/tmp/sglite_device_check}"
 mkdir -p "$OUT"
@@ -13,11 +13,7 @@ PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 
 if ! "$PY" -c "import sglite.kernels" >/dev/null 2>&1; then
-  SHIM="$(mktemp -d)"
-  mkdir -p "$SHIM/sglite"
-  for f in "$ROOT"/sglite/*; do ln -s "$f" "$SHIM/sglite/$(basename "$f")"; done
-  ln -s "$ROOT/kernels" "$SHIM/sglite/kernels"
-  export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
 {

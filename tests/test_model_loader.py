@@ -145,11 +145,25 @@ def _fake_converter(tiny_model_dir, calls, fail=False):
     return convert
 
 
+def _write_gguf(path, arch="llama", value=1):
+    """A small valid GGUF file (header, metadata, one tensor) made with the ``gguf`` writer."""
+    import gguf as gguf_lib
+    import numpy as np
+
+    w = gguf_lib.GGUFWriter(str(path), arch)
+    w.add_uint32("test.value", value)
+    w.add_tensor("t", np.zeros((2, 3), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def test_gguf_converted_once_and_keyed_by_content(tmp_path, tiny_model_dir, monkeypatch):
     calls = []
     monkeypatch.setattr(model_loader, "_convert_gguf", _fake_converter(tiny_model_dir, calls))
-    gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(b"GGUF")
+    gguf = _write_gguf(tmp_path / "m.gguf")
     cache = tmp_path / "cache"
     first = load_checkpoint(str(gguf), cache_dir=str(cache))
     second = load_checkpoint(str(gguf), cache_dir=str(cache))
@@ -161,7 +175,7 @@ def test_gguf_converted_once_and_keyed_by_content(tmp_path, tiny_model_dir, monk
     copy.parent.mkdir()
     shutil.copyfile(gguf, copy)
     assert load_checkpoint(str(copy), cache_dir=str(cache)).model_dir == first.model_dir  # another clone
-    gguf.write_bytes(b"GGUF2")
+    _write_gguf(gguf, value=2)  # same size, other content
     third = load_checkpoint(str(gguf), cache_dir=str(cache))
     assert len(calls) == 2 and third.model_dir != first.model_dir
 
@@ -170,20 +184,18 @@ def test_env_cache_dir(tmp_path, tiny_model_dir, monkeypatch):
     calls = []
     monkeypatch.setattr(model_loader, "_convert_gguf", _fake_converter(tiny_model_dir, calls))
     monkeypatch.setenv("SGLITE_CACHE_DIR", str(tmp_path / "envcache"))
-    gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(b"GGUF")
+    gguf = _write_gguf(tmp_path / "m.gguf")
     assert load_checkpoint(str(gguf)).model_dir.parent == tmp_path / "envcache"
 
 
 def test_crash_leaves_no_half_cache(tmp_path, tiny_model_dir, monkeypatch):
     calls = []
     monkeypatch.setattr(model_loader, "_convert_gguf", _fake_converter(tiny_model_dir, calls, fail=True))
-    gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(b"GGUF")
+    gguf = _write_gguf(tmp_path / "m.gguf")
     cache = tmp_path / "cache"
     with pytest.raises(RuntimeError):
         load_checkpoint(str(gguf), cache_dir=str(cache))
-    assert list(cache.iterdir()) == []
+    assert [p.name for p in cache.iterdir()] == ["gguf-hashes.json"]  # no half-written folder
     monkeypatch.setattr(model_loader, "_convert_gguf", _fake_converter(tiny_model_dir, calls))
     assert load_checkpoint(str(gguf), cache_dir=str(cache)).architecture == "LlamaForCausalLM"
     assert len(calls) == 2

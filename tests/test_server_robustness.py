@@ -190,7 +190,9 @@ def test_engine_crash_is_500_and_connection_survives():
     eng.async_generate = boom
     with ServerThread(eng, ServerConfig(port=0, enable_metrics=True)) as srv, httpx.Client(base_url=srv.url) as c:
         r = c.post(GEN, json={"text": "x"})
-        assert r.status_code == 500 and "RuntimeError" in r.json()["error"]["message"]
+        body = r.json()
+        assert r.status_code == 500 and len(body["error_id"]) == 16 and body["error_id"] in body["error"]["message"]
+        assert "kaput" not in r.text and "RuntimeError" not in r.text  # the details stay in the log
         assert c.get("/health").status_code == 200  # same keep-alive connection
         assert 'status="500"' in c.get("/metrics").text
 

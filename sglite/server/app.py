@@ -14,7 +14,7 @@ from .engine_client import EngineClient
 from .errors import install_error_handlers
 from .metrics import ServerMetrics
 from .middleware import (ApiKeyMiddleware, BodyLimitMiddleware, ClientErrorLogMiddleware, HttpMetricsMiddleware,
-                         InternalErrorMiddleware)
+                         InternalErrorMiddleware, Keys)
 from .native_api import build_native_router, public_server_info
 from .openai_api import build_openai_router
 from .openai_common import OpenAIContext
@@ -36,7 +36,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
 
     Middleware, outermost first: 500 on unexpected errors, HTTP metrics, the 4xx log (one info
     line per client error: method, path, status, field, message), API key (when
-    ``config.api_key``), body cap. ``/metrics`` only with ``config.enable_metrics``; request
+    ``config.api_key`` or ``config.admin_api_key``), body cap. ``/metrics`` only with ``config.enable_metrics``; request
     summaries logged with ``config.log_requests``.
     """
     config = config or ServerConfig()
@@ -49,6 +49,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     app = FastAPI(title="sglite", version=__version__,
                   description="SGLang-compatible native API and OpenAI-compatible API")
     app.state.client, app.state.metrics, app.state.config = client, metrics, config
+    app.state.keys = keys = Keys(config.api_key, config.admin_api_key)
     install_error_handlers(app)
     app.include_router(build_native_router(client, metrics, {**public_server_info(config),
                                                              "served_model_name": name},
@@ -59,8 +60,8 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         from ..distributed.disaggregation import disaggregation_routes
         app.include_router(disaggregation_routes(engine, ecfg.disaggregation_mode, ecfg.disaggregation_bootstrap_port))
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
-    if config.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    if config.api_key or config.admin_api_key:
+        app.add_middleware(ApiKeyMiddleware, keys=keys)
     app.add_middleware(ClientErrorLogMiddleware)
     app.add_middleware(HttpMetricsMiddleware, metrics=metrics)
     app.add_middleware(InternalErrorMiddleware)

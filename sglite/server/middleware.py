@@ -1,4 +1,4 @@
-"""Pure-ASGI middleware: API key, request-body cap, HTTP request counting.
+"""Pure-ASGI middleware: API keys, request-body cap, HTTP request counting, 500s with an error id.
 
 Pure ASGI (not Starlette's ``BaseHTTPMiddleware``) so that streaming responses and client
 disconnects pass through untouched.
@@ -8,11 +8,21 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import uuid
 from typing import Optional
 
 from .errors import error_body
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
+#: operator routes: with an admin key configured, only that key opens them (``/abort_request`` is an
+#: operator route only with ``abort_all``: its route checks :meth:`Keys.admits_admin` itself)
+ADMIN_PATHS = frozenset({"/flush_cache"})
+#: exceptions that mean the client went away, not that the server failed
+try:
+    from starlette.requests import ClientDisconnect as _ClientDisconnect
+except ImportError:  # pragma: no cover
+    _ClientDisconnect = ConnectionResetError
+DISCONNECTS = (_ClientDisconnect, ConnectionResetError, BrokenPipeError)
 logger = logging.getLogger("sglite.server")
 
 
@@ -25,18 +35,67 @@ async def _send_error(send, status: int, message: str, param: Optional[str] = No
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-class ApiKeyMiddleware:
-    """Require ``Authorization: Bearer <api_key>`` on every route except ``/health`` and ``/metrics``."""
+class Keys:
+    """The server's API keys and who they admit (constant-time comparisons).
 
-    def __init__(self, app, api_key: str):
-        self.app, self._key = app, api_key.encode()
+    Args:
+        api_key: the key of every route but ``/health`` and ``/metrics``; None = open.
+        admin_api_key: the key of the operator routes; None = they take ``api_key`` like the rest.
+            When set, it also opens the ordinary routes.
+    """
+
+    def __init__(self, api_key: Optional[str] = None, admin_api_key: Optional[str] = None):
+        self._key = api_key.encode() if api_key else None
+        self._admin = admin_api_key.encode() if admin_api_key else None
+
+    @staticmethod
+    def _token(headers) -> Optional[bytes]:
+        auth = dict(headers or []).get(b"authorization", b"")
+        scheme, _, token = auth.partition(b" ")
+        return token.strip() if scheme.lower() == b"bearer" else None
+
+    def _matches(self, token: Optional[bytes], key: Optional[bytes]) -> bool:
+        return token is not None and key is not None and hmac.compare_digest(token, key)
+
+    def admits(self, headers) -> bool:
+        """May a request with these ASGI headers use an ordinary route?"""
+        if self._key is None:
+            return True
+        token = self._token(headers)
+        return self._matches(token, self._key) or self._matches(token, self._admin)
+
+    def admits_admin(self, headers) -> bool:
+        """May a request with these ASGI headers use an operator route?"""
+        if self._admin is None:
+            return self.admits(headers)
+        return self._matches(self._token(headers), self._admin)
+
+
+async def _send_error_id(send, error_id: str) -> None:
+    body = error_body(f"internal server error (error id {error_id}; the server log has the details)", 500)
+    body["error_id"] = body["error"]["error_id"] = error_id
+    raw = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": 500,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]})
+    await send({"type": "http.response.body", "body": raw, "more_body": False})
+
+
+class ApiKeyMiddleware:
+    """Require ``Authorization: Bearer <key>`` (:class:`Keys`) on every route except ``/health`` and
+    ``/metrics``; the admin key on :data:`ADMIN_PATHS` when one is configured."""
+
+    def __init__(self, app, keys: Keys):
+        self.app, self.keys = app, keys
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope.get("path") in OPEN_PATHS or scope.get("method") == "OPTIONS":
             return await self.app(scope, receive, send)
-        auth = dict(scope.get("headers") or []).get(b"authorization", b"")
-        scheme, _, token = auth.partition(b" ")
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
+        headers = scope.get("headers")
+        if scope.get("path") in ADMIN_PATHS:
+            if not self.keys.admits_admin(headers):
+                return await _send_error(send, 401, "missing or invalid admin API key (Authorization: Bearer "
+                                         "<admin key>, set with --admin-api-key)", "authorization")
+        elif not self.keys.admits(headers):
             return await _send_error(send, 401, "missing or invalid API key (Authorization: Bearer <key>)",
                                      "authorization")
         return await self.app(scope, receive, send)
@@ -107,8 +166,10 @@ class HttpMetricsMiddleware:
 class InternalErrorMiddleware:
     """Turn an unexpected exception into a 500 error body, without re-raising.
 
-    (Starlette's own handler re-raises after answering, which makes uvicorn drop the
-    keep-alive connection.) If the response has already started, the error is only logged.
+    The body names an error id and nothing else of the failure (no exception text, no path); the
+    log line carries the same id with the traceback. A client that disconnected is not a server
+    error: one info line. (Starlette's own handler re-raises after answering, which makes uvicorn
+    drop the keep-alive connection.) If the response has already started, the error is only logged.
     """
 
     def __init__(self, app):
@@ -127,10 +188,13 @@ class InternalErrorMiddleware:
 
         try:
             await self.app(scope, receive, send_wrapper)
-        except Exception as exc:  # noqa: BLE001 - the server must keep serving
-            logger.exception("internal error on %s: %s", scope.get("path"), exc)
+        except DISCONNECTS:
+            logger.info("client disconnected on %s %s", scope.get("method"), scope.get("path"))
+        except Exception:  # noqa: BLE001 - the server must keep serving
+            error_id = uuid.uuid4().hex[:16]
+            logger.exception("internal error %s on %s %s", error_id, scope.get("method"), scope.get("path"))
             if not started:
-                await _send_error(send, 500, f"internal server error: {type(exc).__name__}: {exc}")
+                await _send_error_id(send, error_id)
 
 
 class ClientErrorLogMiddleware:

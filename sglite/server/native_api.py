@@ -149,8 +149,7 @@ def build_native_router(client: EngineClient, metrics, server_info: dict, enable
         info["version"] = __version__
         return info
 
-    @router.get("/flush_cache", operation_id="flush_cache_get")
-    @router.post("/flush_cache", operation_id="flush_cache_post")
+    @router.post("/flush_cache")  # state-changing: POST only (a GET is reachable cross-site)
     async def flush_cache():
         ok = await asyncio.to_thread(client.engine.flush_cache)
         if not ok:
@@ -158,8 +157,11 @@ def build_native_router(client: EngineClient, metrics, server_info: dict, enable
         return {"success": True, "message": "Cache flushed."}
 
     @router.post("/abort_request")
-    async def abort_request(req: AbortRequest):
+    async def abort_request(req: AbortRequest, request: Request):
         if req.abort_all:
+            if not request.app.state.keys.admits_admin(request.scope.get("headers")):
+                raise ApiError("abort_all: requires the admin API key (Authorization: Bearer <admin key>, "
+                               "set with --admin-api-key)", status=401, param="abort_all")
             return {"success": True, "aborted": client.abort_all()}
         if not req.rid:
             raise ApiError("give rid or abort_all", param="rid")
@@ -174,8 +176,9 @@ def build_native_router(client: EngineClient, metrics, server_info: dict, enable
 
 
 def public_server_info(cfg) -> dict:
-    """Server options safe to show in ``/get_server_info`` (the API key is hidden)."""
+    """Server options safe to show in ``/get_server_info`` (the API keys are hidden)."""
     d = dataclasses.asdict(cfg)
-    d["api_key"] = "***" if d.get("api_key") else None
+    for key in ("api_key", "admin_api_key"):
+        d[key] = "***" if d.get(key) else None
     return d
 

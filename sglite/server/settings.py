@@ -16,6 +16,10 @@ class ServerConfig:
         port: TCP port.
         api_key: require ``Authorization: Bearer <api_key>`` on every route but ``/health`` and
             ``/metrics``; None = no key.
+        admin_api_key: the key of the operator routes (``/flush_cache``, ``/abort_request`` with
+            ``abort_all``): when set, they require ``Authorization: Bearer <admin_api_key>`` and the
+            ordinary ``api_key`` does not open them; unset, they are guarded like every other
+            route (by ``api_key`` when that is set).
         served_model_name: the model id of ``/v1/models``; None = the model path's base name.
         max_request_bytes: request bodies above this many bytes get 413.
         log_level: uvicorn/sglite log level.
@@ -31,6 +35,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: Optional[str] = None
+    admin_api_key: Optional[str] = None
     served_model_name: Optional[str] = None
     max_request_bytes: int = 8 * 1024 * 1024
     log_level: str = "info"

@@ -45,6 +45,12 @@ class EngineConfig:
         mem_fraction_static: fraction of free device/host memory for weights + KV when
             ``max_total_tokens`` is None.
         max_running_requests: most requests decoding at once.
+        max_queued_requests: most requests waiting to run (in flight but not yet running); while
+            that many wait, a new call is refused at once (HTTP 503 with ``Retry-After``).
+        max_sequences_per_request: most sequences one call may start: prompts x ``n`` (the
+            ``text``/``input_ids`` list times each prompt's samples); checked before tokenizing.
+        max_stop_strings: most ``stop`` strings, and most ``stop_regex`` patterns, per request.
+        max_stop_string_length: longest ``stop`` string or ``stop_regex`` pattern, in characters.
         max_prefill_tokens: most new tokens admitted into one prefill step.
         chunked_prefill_size: prompts longer than this are prefilled in chunks (-1 / None: off).
         decode_steps_per_chunk: decode-only steps run after each step that carried a prefill chunk
@@ -155,6 +161,10 @@ class EngineConfig:
     max_total_tokens: Optional[int] = None
     mem_fraction_static: float = 0.2
     max_running_requests: int = 64
+    max_queued_requests: int = 1024
+    max_sequences_per_request: int = 1024
+    max_stop_strings: int = 64
+    max_stop_string_length: int = 256
     max_prefill_tokens: int = 8192
     chunked_prefill_size: Optional[int] = 512
     decode_steps_per_chunk: int = 2
@@ -204,6 +214,10 @@ class EngineConfig:
             bad("mem_fraction_static", f"must be in (0, 1], got {self.mem_fraction_static}")
         if self.max_running_requests < 1:
             bad("max_running_requests", f"must be >= 1, got {self.max_running_requests}")
+        for name in ("max_queued_requests", "max_sequences_per_request", "max_stop_strings",
+                     "max_stop_string_length"):
+            if getattr(self, name) < 1:
+                bad(name, f"must be >= 1, got {getattr(self, name)}")
         if self.max_prefill_tokens < 1:
             bad("max_prefill_tokens", f"must be >= 1, got {self.max_prefill_tokens}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:

@@ -30,6 +30,20 @@ class CapacityError(InvalidRequestError):
     """A request can never fit: prompt + max_new_tokens exceed the context or the KV pool."""
 
 
+class QueueFullError(SgliteError):
+    """The waiting queue is full (``max_queued_requests``): try again later (HTTP 503 with
+    ``Retry-After``). Nothing of the request was scheduled.
+
+    Args:
+        message: names the limit and its flag.
+        retry_after: seconds a client should wait before retrying.
+    """
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 CONTEXT_LENGTH_PREFIX = "this model's maximum context length is"
 
 

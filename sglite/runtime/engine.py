@@ -107,7 +107,7 @@ class Engine:
         with timer.phase("scheduler"):
             self.scheduler = Scheduler(cfg, self.runner, self.tokenizer)
             self.requests = RequestBuilder(cfg, self.tokenizer, self.runner, random.Random(cfg.random_seed))
-            self._loop = EngineLoop(self.scheduler, cfg.check_invariants)
+            self._loop = EngineLoop(self.scheduler, cfg.check_invariants, cfg.max_queued_requests)
         # Stops the loop thread when the engine is collected or at interpreter exit (atexit runs
         # before daemon threads are frozen and torch's thread pools torn down), so a script that
         # never calls shutdown() exits cleanly. Holds the loop, not the engine.

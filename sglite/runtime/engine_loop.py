@@ -11,8 +11,9 @@ import logging
 import queue
 import threading
 from concurrent.futures import Future
+from typing import Optional
 
-from ..errors import InvalidRequestError
+from ..errors import InvalidRequestError, QueueFullError
 from .engine_messages import Abort, Call, Message, Stop, SubmitReqs
 from .req import FinishReason
 
@@ -27,9 +28,10 @@ class EngineLoop:
         check_invariants: assert pool/tree invariants after every step (tests).
     """
 
-    def __init__(self, scheduler, check_invariants: bool = False):
+    def __init__(self, scheduler, check_invariants: bool = False, max_queued_requests: Optional[int] = None):
         self.scheduler = scheduler
         self.check_invariants = check_invariants
+        self.max_queued_requests = max_queued_requests
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # C queue: a cheap empty() between steps
         self._active: set[str] = set()  # rids in flight (duplicates are refused)
         self._active_lock = threading.Lock()
@@ -47,6 +49,7 @@ class EngineLoop:
 
         Raises:
             InvalidRequestError: a rid is already in flight or repeated (field ``rid``).
+            QueueFullError: ``max_queued_requests`` requests already wait (in flight, not running).
             RuntimeError: the engine is shut down.
         """
         if self.stopped or not self.alive:
@@ -56,6 +59,13 @@ class EngineLoop:
             dup = sorted((set(rids) & self._active) | {x for x in rids if rids.count(x) > 1})
             if dup:
                 raise InvalidRequestError(f"rid: request id(s) {dup[:3]} already in flight", field="rid")
+            cap = self.max_queued_requests
+            if cap is not None:
+                queued = len(self._active) - len(getattr(self.scheduler, "running", ()))
+                if queued >= cap:
+                    raise QueueFullError(f"server busy: {queued} requests are waiting, the limit is "
+                                         f"max_queued_requests={cap} (--max-queued-requests); retry later",
+                                         retry_after=1)
             self._active.update(rids)
         for r in reqs:
             r.sink = self._releasing(r.rid, r.sink)

@@ -127,6 +127,37 @@ class RequestBuilder:
                 raise InvalidRequestError(f"input_ids: entries must be token ids in [0, {V})", field="input_ids")
         return [list(x) for x in items], is_list
 
+    def _check_prompt_count(self, prompt, input_ids) -> None:
+        """Refuse a prompt list longer than ``max_sequences_per_request`` before tokenizing it."""
+        cap = self.config.max_sequences_per_request
+        if isinstance(prompt, list) and len(prompt) > cap:
+            raise InvalidRequestError(f"text: {len(prompt)} prompts exceed max_sequences_per_request={cap} "
+                                      "(--max-sequences-per-request)", field="text")
+        if isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list) and len(input_ids) > cap:
+            raise InvalidRequestError(f"input_ids: {len(input_ids)} prompts exceed max_sequences_per_request={cap} "
+                                      "(--max-sequences-per-request)", field="input_ids")
+
+    def _check_fanout_and_stops(self, sps: list[SamplingParams]) -> None:
+        """Prompts x ``n`` within ``max_sequences_per_request``; ``stop`` / ``stop_regex`` within
+        ``max_stop_strings`` entries of at most ``max_stop_string_length`` characters."""
+        c = self.config
+        total = sum(sp.n for sp in sps)
+        if total > c.max_sequences_per_request:
+            raise InvalidRequestError(f"n: {len(sps)} prompt(s) x n make {total} sequences, over "
+                                      f"max_sequences_per_request={c.max_sequences_per_request} "
+                                      "(--max-sequences-per-request)", field="n")
+        for sp in sps:
+            for name in ("stop", "stop_regex"):
+                entries = getattr(sp, name) or ()
+                if len(entries) > c.max_stop_strings:
+                    raise InvalidRequestError(f"{name}: {len(entries)} entries exceed max_stop_strings="
+                                              f"{c.max_stop_strings} (--max-stop-strings)", field=name)
+                longest = max((len(e) for e in entries), default=0)
+                if longest > c.max_stop_string_length:
+                    raise InvalidRequestError(f"{name}: an entry of {longest} characters exceeds "
+                                              f"max_stop_string_length={c.max_stop_string_length} "
+                                              "(--max-stop-string-length)", field=name)
+
     def _check_len(self, ids: list[int], sp: SamplingParams) -> None:
         ctx, cap = self.runner.context_length, self.runner.max_total_tokens
         if not ids:
@@ -181,12 +212,14 @@ class RequestBuilder:
         Raises:
             InvalidRequestError, GrammarError, CapacityError.
         """
+        self._check_prompt_count(prompt, input_ids)
         all_ids, is_list = self._ids(prompt, input_ids)
         n_in = len(all_ids)
         sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n_in
         if len(sps) != n_in:
             raise InvalidRequestError(f"sampling_params: {len(sps)} given for {n_in} prompts", field="sampling_params")
         sps = [SamplingParams.from_dict(d, self.runner.vocab_size) for d in sps]
+        self._check_fanout_and_stops(sps)
         starts = logprob_start_len if logprob_start_len is not None else logprobs.logprob_start_len
         starts = starts if isinstance(starts, list) else [starts] * n_in
         if len(starts) != n_in:

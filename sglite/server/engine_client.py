@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
-from ..errors import InvalidRequestError
+from ..errors import InvalidRequestError, QueueFullError
 from ..runtime.engine_protocol import EngineProtocol, matches_rid
 from ..runtime.logprob_options import NO_LOGPROBS, LogprobOptions
 from ..sampling_params import SamplingParams
@@ -198,7 +198,7 @@ class EngineClient:
             self.request_log.received(call)
         try:
             out = await self.engine.async_generate(**call.kwargs(stream=False))
-        except ValueError:
+        except (ValueError, QueueFullError):  # refused before scheduling: nothing to abort
             if fresh:
                 self.release(call.rid)
             raise
@@ -220,7 +220,7 @@ class EngineClient:
         try:
             it = (await self.engine.async_generate(**call.kwargs(stream=True, incremental=incremental))).__aiter__()
             first = await it.__anext__()
-        except ValueError:  # refused before scheduling: nothing to abort
+        except (ValueError, QueueFullError):  # refused before scheduling: nothing to abort
             if fresh:
                 self.release(call.rid)
             raise

@@ -3,7 +3,8 @@
 Every error body has OpenAI's nested form ``{"error": {"message", "type", "param", "code"}}``
 and, for SGLang clients, the same keys flat at the top level plus ``"object": "error"``.
 Bad input is 400 (FastAPI's own validation errors are also mapped to 400, as SGLang does),
-a missing or wrong API key 401, an unknown route 404, a body over the cap 413; anything
+a missing or wrong API key 401, an unknown route 404, a body over the cap 413, a full waiting queue
+503 with ``Retry-After`` (``--max-queued-requests``); anything
 unexpected is 500 with a generic message (the traceback goes to the log only).
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..sampling_params import SamplingParams
-from ..errors import CONTEXT_LENGTH_PREFIX, GrammarError, SgliteError
+from ..errors import CONTEXT_LENGTH_PREFIX, GrammarError, QueueFullError, SgliteError
 
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -137,6 +138,12 @@ def install_error_handlers(app: FastAPI) -> None:
                    f"{ctype or 'none'} ({msg})")
             param = param or "body"
         return error_response(msg, 400, param)
+
+    @app.exception_handler(QueueFullError)
+    async def _queue_full(_: Request, exc: QueueFullError) -> JSONResponse:
+        resp = error_response(str(exc), 503, None, "queue_full")
+        resp.headers["Retry-After"] = str(exc.retry_after)
+        return resp
 
     @app.exception_handler(SgliteError)
     async def _sglite(_: Request, exc: SgliteError) -> JSONResponse:

@@ -87,3 +87,20 @@ def test_client_disconnect_is_an_info_line(caplog):
     mine = [r for r in caplog.records if r.name == "sglite.server"]
     assert any("client disconnected" in r.getMessage() and r.levelno == logging.INFO for r in mine)
     assert not any(r.levelno >= logging.ERROR for r in mine)
+
+
+@pytest.mark.parametrize("route,body", [("/generate", {"text": "x"}),
+                                        ("/v1/completions", {"model": "fake-model", "prompt": "x", "max_tokens": 1})])
+def test_full_queue_is_503_with_retry_after(route, body):
+    from sglite.errors import QueueFullError
+
+    eng = FakeEngine()
+
+    async def busy(*a, **k):
+        raise QueueFullError("server busy: 4 requests are waiting, the limit is max_queued_requests=4", retry_after=2)
+    eng.async_generate = busy
+    with TestClient(create_app(eng, ServerConfig())) as c:
+        r = c.post(route, json=body)
+        assert r.status_code == 503 and r.headers["retry-after"] == "2"
+        assert "max_queued_requests=4" in r.json()["error"]["message"]
+        assert c.get("/health").status_code == 200

@@ -56,7 +56,7 @@ def test_import_works_without_triton():
         import sglite, sglite.kernels as k
         import torch
         assert k.resolve_impl(None, torch.zeros(1)) == "torch"
-        assert not k.dispatch._triton_available()
+        assert not k.device.triton_available()
         x = torch.randn(2, 40)
         args = (torch.zeros(2), torch.ones(2), torch.zeros(2, dtype=torch.long), torch.zeros(2),
                 torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long))

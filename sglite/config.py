@@ -51,6 +51,9 @@ class EngineConfig:
             ``text``/``input_ids`` list times each prompt's samples); checked before tokenizing.
         max_stop_strings: most ``stop`` strings, and most ``stop_regex`` patterns, per request.
         max_stop_string_length: longest ``stop`` string or ``stop_regex`` pattern, in characters.
+        request_prep_timeout: seconds a request may spend being prepared (tokenizing, chat template,
+            grammar and stop-regex compilation, on a worker pool, never on the event loop) before
+            it is refused with a 400 naming the slow field and this budget.
         max_prefill_tokens: most new tokens admitted into one prefill step.
         chunked_prefill_size: prompts longer than this are prefilled in chunks (-1 / None: off).
         decode_steps_per_chunk: decode-only steps run after each step that carried a prefill chunk
@@ -165,6 +168,7 @@ class EngineConfig:
     max_sequences_per_request: int = 1024
     max_stop_strings: int = 64
     max_stop_string_length: int = 256
+    request_prep_timeout: float = 20.0
     max_prefill_tokens: int = 8192
     chunked_prefill_size: Optional[int] = 512
     decode_steps_per_chunk: int = 2
@@ -215,9 +219,9 @@ class EngineConfig:
         if self.max_running_requests < 1:
             bad("max_running_requests", f"must be >= 1, got {self.max_running_requests}")
         for name in ("max_queued_requests", "max_sequences_per_request", "max_stop_strings",
-                     "max_stop_string_length"):
-            if getattr(self, name) < 1:
-                bad(name, f"must be >= 1, got {getattr(self, name)}")
+                     "max_stop_string_length", "request_prep_timeout"):
+            if not getattr(self, name) > 0:
+                bad(name, f"must be > 0, got {getattr(self, name)}")
         if self.max_prefill_tokens < 1:
             bad("max_prefill_tokens", f"must be >= 1, got {self.max_prefill_tokens}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:

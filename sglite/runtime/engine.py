@@ -46,15 +46,17 @@ import queue
 import random
 import threading
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Union
 
 import torch
 
 from ..config import EngineConfig
+from ..errors import InvalidRequestError
 from ..logging_setup import PhaseTimer, configure_if_unset
 from .engine_info import model_info, server_info
 from .engine_loop import EngineLoop
-from .engine_requests import RequestBuilder
+from .engine_requests import RequestBuilder, prep_field
 from .engine_stream import BatchView, OutputAccumulator, sync_stream
 from .logprob_options import LogprobOptions
 from .kv_quant import check_kv_cache_dtype
@@ -112,6 +114,9 @@ class Engine:
             self.scheduler = Scheduler(cfg, self.runner, self.tokenizer)
             self.requests = RequestBuilder(cfg, self.tokenizer, self.runner, random.Random(cfg.random_seed))
             self._loop = EngineLoop(self.scheduler, cfg.check_invariants, cfg.max_queued_requests)
+            # async callers build requests here (tokenize, compile grammars, stop-regex checkers):
+            # the caller's event loop never computes
+            self._prep = ThreadPoolExecutor(max_workers=4, thread_name_prefix="sglite-prep")
         # Stops the loop thread when the engine is collected or at interpreter exit (atexit runs
         # before daemon threads are frozen and torch's thread pools torn down), so a script that
         # never calls shutdown() exits cleanly. Holds the loop, not the engine.
@@ -121,6 +126,22 @@ class Engine:
         log.info("Engine ready in %.2f s (%s)", timer.elapsed, timer.summary())
 
     # ------------------------------------------------------------------ plumbing
+    async def _prepare(self, build, sink_factory, field: str):
+        """``build(sink_factory)`` on the preparation pool, within ``request_prep_timeout`` seconds.
+
+        Raises:
+            InvalidRequestError: over the budget (naming ``field`` and the budget); nothing was
+                scheduled (the abandoned build finishes in the pool and is dropped).
+        """
+        budget = self.config.request_prep_timeout
+        fut = asyncio.get_running_loop().run_in_executor(self._prep, build, sink_factory)
+        try:
+            return await asyncio.wait_for(fut, timeout=budget)
+        except asyncio.TimeoutError:
+            raise InvalidRequestError(f"{field}: preparing the request (tokenizing, compiling its grammar) took "
+                                      f"over request_prep_timeout={budget} s (--request-prep-timeout)",
+                                      field=field) from None
+
     def _run_to_completion(self, build):
         """Build a batch with ``build(sink_factory)``, submit it and wait for every final event.
 
@@ -185,7 +206,8 @@ class Engine:
         q: asyncio.Queue = asyncio.Queue()
         build = self._builder(prompt, sampling_params, input_ids, rid, return_logprob, logprob_start_len,
                               top_logprobs_num, token_ids_logprob, stream)
-        batch = build(lambda i: (lambda ev: loop.call_soon_threadsafe(q.put_nowait, (i, ev))))
+        batch = await self._prepare(build, lambda i: (lambda ev: loop.call_soon_threadsafe(q.put_nowait, (i, ev))),
+                                    prep_field(prompt, input_ids, sampling_params))
         self._loop.submit(batch.all_reqs)
         view = BatchView(batch.num_outputs, incremental and stream)
 
@@ -324,6 +346,8 @@ class Engine:
         Called by ``with Engine() as e:``, when the engine is garbage-collected, and at interpreter
         exit for engines still alive then."""
         fin = getattr(self, "_finalizer", None)  # absent when __init__ failed
+        if getattr(self, "_prep", None) is not None:
+            self._prep.shutdown(wait=False, cancel_futures=True)
         if fin is not None:
             fin()
         elif getattr(self, "_loop", None) is not None:

@@ -6,6 +6,7 @@ here, off the scheduler thread, and cached by the grammar backend).
 """
 from __future__ import annotations
 
+import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -59,6 +60,21 @@ class ScoreSpec:
         return res
 
 
+CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "lark", "structural_tag", "stop_regex")
+
+
+def prep_field(prompt, input_ids, sampling_params) -> str:
+    """The request field a slow preparation is blamed on: the first constraint field given (its
+    grammar or regex is what can take long), else the prompt field."""
+    sps = sampling_params if isinstance(sampling_params, list) else [sampling_params]
+    for sp in sps:
+        if isinstance(sp, dict):
+            for name in CONSTRAINT_FIELDS:
+                if sp.get(name) is not None:
+                    return name
+    return "input_ids" if prompt is None and input_ids is not None else "text"
+
+
 class RequestBuilder:
     """Turns ``generate`` arguments into validated :class:`Req` objects."""
 
@@ -68,6 +84,7 @@ class RequestBuilder:
         self.runner = runner
         self.rng = rng
         self._grammar = None
+        self._grammar_lock = threading.Lock()  # requests are built on several preparation threads
 
     # ------------------------------------------------------------------ grammar
     @property
@@ -77,19 +94,21 @@ class RequestBuilder:
         ``sglite`` (ours); ``llguidance`` / ``xgrammar`` for comparison when installed (ValueError
         naming the pip package otherwise).
         """
-        if self._grammar is None:
-            name = self.config.grammar_backend
-            eos = set(self.tokenizer.eos_token_ids)
-            if name == "sglite":
-                from ..constrained import GrammarBackend, TokenizerInfo
-                info = TokenizerInfo.from_hf(self.tokenizer.hf, self.runner.vocab_size, eos)
-                self._grammar = GrammarBackend(
-                    info, whitespace_pattern=self.config.constrained_json_whitespace_pattern,
-                    json_schema_strict=self.config.json_schema_strict)
-            else:
-                from ..constrained.external import make_backend
-                self._grammar = make_backend(name, self.tokenizer.hf, self.runner.vocab_size, eos)
+        with self._grammar_lock:
+            if self._grammar is None:
+                self._grammar = self._make_grammar_backend()
         return self._grammar
+
+    def _make_grammar_backend(self):
+        name = self.config.grammar_backend
+        eos = set(self.tokenizer.eos_token_ids)
+        if name == "sglite":
+            from ..constrained import GrammarBackend, TokenizerInfo
+            info = TokenizerInfo.from_hf(self.tokenizer.hf, self.runner.vocab_size, eos)
+            return GrammarBackend(info, whitespace_pattern=self.config.constrained_json_whitespace_pattern,
+                                  json_schema_strict=self.config.json_schema_strict)
+        from ..constrained.external import make_backend
+        return make_backend(name, self.tokenizer.hf, self.runner.vocab_size, eos)
 
     def compile_grammar(self, sp: SamplingParams):
         """Compiled grammar of ``sp``'s constraint, or None. Raises GrammarError."""

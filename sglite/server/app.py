@@ -42,7 +42,9 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     metrics = ServerMetrics(engine.get_server_info)
     request_log = RequestLog(config.log_requests_max_chars) if config.log_requests else None
-    client = EngineClient(engine, metrics, request_log=request_log)
+    ecfg = getattr(engine, "config", None)  # the fake engines of tests have none
+    client = EngineClient(engine, metrics, request_log=request_log,
+                          prep_timeout=getattr(ecfg, "request_prep_timeout", 20.0))
     name = served_model_name(client.model_info, config)
     path = str(client.model_info.get("model_path") or name)
     names = {name, path, os.path.basename(path.rstrip("/")), "default"}  # "default": SGLang clients' habit
@@ -55,7 +57,6 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
                                                              "served_model_name": name},
                                            enable_metrics=config.enable_metrics))
     app.include_router(build_openai_router(OpenAIContext(client, name, names)))
-    ecfg = getattr(engine, "config", None)
     if getattr(ecfg, "disaggregation_mode", "null") != "null":  # prefill/decode half (sglite.distributed)
         from ..distributed.disaggregation import disaggregation_routes
         app.include_router(disaggregation_routes(engine, ecfg.disaggregation_mode, ecfg.disaggregation_bootstrap_port))

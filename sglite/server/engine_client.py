@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
@@ -105,16 +106,34 @@ class EngineClient:
         request_log: a :class:`sglite.server.request_log.RequestLog` (``--log-requests``) or None.
     """
 
-    def __init__(self, engine: EngineProtocol, metrics=None, request_log=None):
+    def __init__(self, engine: EngineProtocol, metrics=None, request_log=None, prep_timeout: float = 20.0):
         self.engine = engine
         self.metrics = metrics
         self.request_log = request_log
+        self.prep_timeout = prep_timeout
+        self._prep = ThreadPoolExecutor(max_workers=4, thread_name_prefix="sglite-http-prep")
         self.active: set[str] = set()  # rids of the calls in flight
         self.model_info = dict(engine.model_info())
         self.context_length = int(self.model_info["context_length"])
         self.vocab_size = int(self.model_info["vocab_size"])
 
     # ---------------------------------------------------------------- helpers
+    async def prepare(self, fn, *args, field: str):
+        """``fn(*args)`` (chat template, tokenizing, request planning) on the preparation pool, so
+        the event loop never computes; within ``prep_timeout`` seconds.
+
+        Raises:
+            InvalidRequestError: over the budget (naming ``field`` and the budget; HTTP 400).
+            Whatever ``fn`` raises.
+        """
+        fut = asyncio.get_running_loop().run_in_executor(self._prep, lambda: fn(*args))
+        try:
+            return await asyncio.wait_for(fut, timeout=self.prep_timeout)
+        except asyncio.TimeoutError:
+            raise InvalidRequestError(f"{field}: preparing the request (chat template, tokenizing) took over "
+                                      f"request_prep_timeout={self.prep_timeout} s (--request-prep-timeout)",
+                                      field=field) from None
+
     def validate(self, sampling_params: dict) -> None:
         """Check a sampling-params dict with ``SamplingParams.from_dict`` (nothing is scheduled).
 

@@ -135,7 +135,7 @@ def build_openai_router(ctx: OpenAIContext) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        call, echoes, k, rename = _prepare(ctx, req)
+        call, echoes, k, rename = await ctx.client.prepare(_prepare, ctx, req, field="prompt")
         if req.stream:
             stream = await open_call(ctx, call, rename)
             return sse_response(_completion_events(ctx, req, stream, echoes, k))

@@ -144,7 +144,7 @@ def add_chat_route(router: APIRouter, ctx) -> None:
     """Register ``POST /v1/chat/completions`` on ``router``, bound to ``ctx`` (an OpenAIContext)."""
     @router.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        call, plan, k, rename = _prepare(ctx, req)
+        call, plan, k, rename = await ctx.client.prepare(_prepare, ctx, req, field="messages")
         if req.stream:
             stream = await open_call(ctx, call, rename)
             return sse_response(_chat_events(ctx, req, stream, plan, k))

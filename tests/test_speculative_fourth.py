@@ -133,8 +133,8 @@ def _decoder(tok):
 
 def _chains(dec, req):
     e = StepEntry(req, 1, req.seq_len - 1)
-    dec._gate = (1, 1, CPU)  # what _attach sets for a one-request decode step
-    found = dec._ngram(e)
+    assert dec.budget.open_step([e], 1)  # a one-request decode step: the may_pay gate at (1, 1, CPU)
+    found = dec.proposer.lookup(e, dec._room(e), dec.budget)
     lens = choose(1, 1, [[_prod(dec, req, src[:i + 1]) for i in range(len(c))] for c, src in found], CPU)
     return found, lens
 
@@ -167,7 +167,8 @@ def test_a_copy_still_drafts_after_a_run_of_failures(real_tokenizer):
     # in backoff, a step without a strong match skips the text lookup (and weak n-grams do not pay)
     req2 = _Req(prompt, tok.encode("Sure! Here is a different version"))
     req2.spec = SpecState(misses=BACKOFF_AFTER + 3, wait=BACKOFF_MAX)
-    assert dec._ngram(StepEntry(req2, 1, req2.seq_len - 1)) == [] and req2.spec.wait == BACKOFF_MAX - 1
+    e2 = StepEntry(req2, 1, req2.seq_len - 1)
+    assert dec.proposer.lookup(e2, dec._room(e2), dec.budget) == [] and req2.spec.wait == BACKOFF_MAX - 1
 
 
 def test_engine_copy_drafts_after_failures_and_stays_greedy_identical(ngram_pair, monkeypatch):

@@ -104,7 +104,8 @@ class SpecDecoder:
         self.token_text = TokenText(out.tokenizer) if out is not None else None
         self.grammar_walk = GrammarWalk(out, sampler, self.token_text)
         self.cost = cost if draft_model is None else None
-        self.budget: DraftBudget = MeasuredCost(self.cost, self.accept) if self.cost is not None else RowBlock(row_block)
+        self.budget: DraftBudget = (MeasuredCost(self.cost, self.accept) if self.cost is not None
+                                    else RowBlock(row_block))
         # token trees (several n-gram candidates per step) need a slot per position: page size 1
         self.proposer: Proposer = (DraftModelProposer(draft_model) if draft_model is not None else
                                    LookupProposer(self.token_text, out, TREE_BRANCHES if config.page_size == 1 else 1))

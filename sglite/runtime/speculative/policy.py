@@ -109,8 +109,8 @@ def probe_forward(runner, kv, rows: Sequence[int] = PROBE_ROWS, reps: int = PROB
     at start-up, before any request: it borrows a slot-table row (``KVManager.probe_row``) and
     writes K/V into free pool slots (both unused then). Row counts up to ``PROBE_SMALL_ROWS``
     get ``PROBE_SMALL_REPS`` passes (cheap; a second row's price decides whether open-chat
-    drafts pay), and the times are made non-decreasing in rows (more rows never cost less: a lower time is noise). None when
-    the runner cannot be probed (no model, pool too small)."""
+    drafts pay), and the times are made non-decreasing in rows (more rows never cost less: a
+    lower time is noise). None when the runner cannot be probed (no model, pool too small)."""
     from ..forward_batch import ForwardBatch
 
     pool = getattr(runner, "token_to_kv_pool", None)

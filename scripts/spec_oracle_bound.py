@@ -21,6 +21,7 @@ import time
 
 from sglite import Engine
 from sglite.bench.spec import _decode_part, workloads
+from sglite.runtime.speculative.proposer import EntryProposer
 from sglite.testing import oracle_drafter
 
 
@@ -44,9 +45,9 @@ def main() -> None:
         want.append((tuple(base.tokenizer.encode(p)), base.generate(p, s)["output_ids"]))
 
     dec = engines["oracle"].scheduler.spec
-    dec._ngram = oracle_drafter(dict(want), a.draft_tokens)
+    dec.proposer = EntryProposer(oracle_drafter(dict(want), a.draft_tokens))
     dec.grammar_walk.close_values = False  # no closing guesses: the oracle knows where values end
-    dec._choose = lambda proposals, entries: [[len(c) for c in chains] for (_, chains, _, _) in proposals]
+    dec.budget._lengths = lambda proposals, entries: [[len(c) for c in chains] for (_, chains, _, _) in proposals]
     tot = {n: [0, 0.0] for n in engines}
     e2e = {n: [0, 0.0] for n in engines}  # whole requests, prefill included (what `sglite bench spec` calls the ratio)
     same = {n: 0 for n in engines}

@@ -336,19 +336,23 @@ def decision_z(model_dir, tokenizer, prompt_ids, outputs, decisions, grammar=Non
 @contextlib.contextmanager
 def oracle_drafts(engine, want: dict, k: int):
     """Within the block, ``engine``'s NGRAM decoder drafts with :func:`oracle_drafter` (``want``,
-    ``k``: its arguments); its own lookup comes back after, also on an error."""
+    ``k``: its arguments) as its proposer; its own proposer comes back after, also on an error."""
+    from sglite.runtime.speculative.proposer import EntryProposer
+
     dec = engine.scheduler.spec
-    orig = dec._ngram
-    dec._ngram = oracle_drafter(want, k)
+    orig = dec.proposer
+    dec.proposer = EntryProposer(oracle_drafter(want, k))
     try:
         yield dec
     finally:
-        dec._ngram = orig
+        dec.proposer = orig
 
 
 def oracle_drafter(want: dict, k: int):
-    """A replacement for ``SpecDecoder._ngram`` that drafts the plain run's own next tokens: for
-    tests and bounds of speculative decoding (every draft token the target agrees with).
+    """A per-entry draft function that drafts the plain run's own next tokens (a proposer once
+    wrapped in :class:`sglite.runtime.speculative.proposer.EntryProposer`, as
+    :func:`oracle_drafts` does): for tests and bounds of speculative decoding (every draft token
+    the target agrees with).
 
     Args:
         want: ``{prompt token ids (tuple): the plain run's output ids}``; a request matches the

@@ -131,7 +131,6 @@ def test_no_cycle_inside_kernels():
     assert not cycles, f"import cycles inside sglite.kernels: {cycles}"
 
 
-@HOUSE_MOVE
 def test_no_product_module_over_450_lines():
     long = sorted(f"{p.relative_to(ROOT)} ({n})" for p in PKG.rglob("*.py")
                   if (n := len(p.read_text().splitlines())) > 450)

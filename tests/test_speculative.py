@@ -349,6 +349,7 @@ def test_engine_sampling_distribution_unchanged_by_speculation(tiny_model_dir, t
     (Before session 5 this compared against a plain engine's outputs for the same seeds with a
     chi-square homogeneity test; samples drawn with shared seeds are not independent, and only 1 of
     ~330 drafts was kept, so it tested little.)"""
+    from sglite.runtime.speculative.proposer import EntryProposer
     from sglite.testing import martingale_z, oracle_drafter, sampling_oracle
 
     kw = dict(dtype="float32", device="cpu", max_total_tokens=8192)
@@ -357,7 +358,7 @@ def test_engine_sampling_distribution_unchanged_by_speculation(tiny_model_dir, t
     try:
         ids = base.tokenizer.encode("alpha beta gamma delta alpha beta")
         greedy = base.generate(input_ids=ids, sampling_params={"max_new_tokens": 4, "temperature": 0})["output_ids"]
-        spec.scheduler.spec._ngram = oracle_drafter({tuple(ids): greedy}, 4)
+        spec.scheduler.spec.proposer = EntryProposer(oracle_drafter({tuple(ids): greedy}, 4))
         n = 500
         sps = [{"max_new_tokens": 4, "temperature": temp, "top_k": top_k, "top_p": top_p,
                 "sampling_seed": 9_001 + i} for i in range(n)]

@@ -271,7 +271,7 @@ def test_enum_decision_test_catches_a_biased_verifier(tiny_model_dir, monkeypatc
     monkeypatch.setattr(decoder, "verify_chain", biased_chain)
     e = Engine(str(tiny_model_dir), speculative_algorithm="NGRAM", speculative_disable_by_batch_size=64,
                **dict(KW, max_total_tokens=8192))
-    e.scheduler.spec._scratch_rows = lambda n: []  # chains only: every draft goes through biased_chain
+    e.scheduler.kv.borrow_rows = lambda n: []  # chains only: every draft goes through biased_chain
     try:
         z = _decision_z(tiny_model_dir, e, _enum_outputs(e, 800, seed0=70_001))
         assert max(abs(v) for v in z.values()) > 4.5, z

@@ -133,8 +133,8 @@ def _decoder(tok):
 
 def _chains(dec, req):
     e = StepEntry(req, 1, req.seq_len - 1)
-    dec._gate = (1, 1, CPU)  # what _attach sets for a one-request decode step
-    found = dec._ngram(e)
+    assert dec.budget.open_step([e], 1)  # a one-request decode step: the may_pay gate at (1, 1, CPU)
+    found = dec.proposer.lookup(e, dec._room(e), dec.budget)
     lens = choose(1, 1, [[_prod(dec, req, src[:i + 1]) for i in range(len(c))] for c, src in found], CPU)
     return found, lens
 
@@ -167,7 +167,8 @@ def test_a_copy_still_drafts_after_a_run_of_failures(real_tokenizer):
     # in backoff, a step without a strong match skips the text lookup (and weak n-grams do not pay)
     req2 = _Req(prompt, tok.encode("Sure! Here is a different version"))
     req2.spec = SpecState(misses=BACKOFF_AFTER + 3, wait=BACKOFF_MAX)
-    assert dec._ngram(StepEntry(req2, 1, req2.seq_len - 1)) == [] and req2.spec.wait == BACKOFF_MAX - 1
+    e2 = StepEntry(req2, 1, req2.seq_len - 1)
+    assert dec.proposer.lookup(e2, dec._room(e2), dec.budget) == [] and req2.spec.wait == BACKOFF_MAX - 1
 
 
 def test_engine_copy_drafts_after_failures_and_stays_greedy_identical(ngram_pair, monkeypatch):
@@ -195,3 +196,45 @@ def test_engine_copy_drafts_after_failures_and_stays_greedy_identical(ngram_pair
     finally:
         for k, v in saved.items():
             dec.accept.counts[k] = v
+
+
+# ---------------------------------------------------------------------- owners: budget, proposer, scratch rows
+def test_both_draft_budgets_implement_the_protocol():
+    from sglite.runtime.speculative.budget import UNLIMITED, DraftBudget, MeasuredCost, RowBlock
+
+    members = [m for m in vars(DraftBudget) if not m.startswith("_")] + list(DraftBudget.__annotations__)
+    for budget in (RowBlock(8), MeasuredCost(CPU, AcceptModel())):
+        assert not [m for m in members if not hasattr(budget, m)], type(budget).__name__
+    st = SpecState(cap=2)
+    rb, mc = RowBlock(8), MeasuredCost(CPU, AcceptModel())
+    assert (rb.cap(st, 6), rb.cap(st, 6, trusted=True), rb.match_cap(2)) == (2, 6, 4)  # capped at build time
+    assert (mc.cap(st, 6), mc.match_cap(2), mc.weak_rows(6)) == (6, UNLIMITED, 6)  # cut later, by choose
+    assert rb.open_step([StepEntry(req=None, n=1, start=0)], 1) and rb.weak_rows(8) == 3  # 7 left, 4 cheap
+
+
+def test_kv_manager_scratch_rows_copy_reorder_and_account():
+    import torch
+
+    from sglite.runtime.kv_manager import KVManager
+    from sglite.runtime.kv_pool import ReqToTokenPool, TokenToKVPool
+
+    kvm = KVManager(ReqToTokenPool(4, 16), TokenToKVPool(32, 1, 1, 1, 4, torch.float32), 1)
+    table = kvm.req_to_token
+    table[0, :6] = torch.tensor([5, 6, 7, 8, 9, 10], dtype=torch.int32)
+    assert kvm.req_pool.alloc() == 0
+    rows = kvm.borrow_rows(5)  # 3 rows left in the table: fewer than asked
+    assert len(rows) == 3 and kvm.borrowed_rows == rows
+    kvm.fill_scratch_row(rows[0], 0, 3, 4, 2)  # prefix 5, 6, 7, then slots at positions 4, 5
+    assert table[rows[0], :5].tolist() == [5, 6, 7, 9, 10]
+    kvm.reorder_slots(0, 3, [2, 0, 1])
+    assert table[0, :6].tolist() == [5, 6, 7, 10, 8, 9]
+    with pytest.raises(AssertionError, match="still borrowed"):
+        kvm.check_rows([])
+    kvm.return_rows(rows[:1] + [99])  # a row not borrowed is ignored
+    assert kvm.borrowed_rows == rows[1:]
+    kvm.return_rows()
+    kvm.req_pool.free(0)
+    kvm.check_rows([])
+    with kvm.probe_row(4) as row:
+        assert table[row, :4].tolist() == [1, 2, 3, 4]
+    assert not table[row].any() and kvm.req_pool.available() == 4

@@ -139,8 +139,8 @@ def test_failed_verify_step_returns_tree_rows_and_kv(ngram_pair):
     fired = []
 
     def forward(batch):
-        if sched.spec._borrowed and not fired:
-            fired.append(len(sched.spec._borrowed))
+        if sched.kv.borrowed_rows and not fired:
+            fired.append(len(sched.kv.borrowed_rows))
             raise RuntimeError("injected failure mid-verify")
         return orig(batch)
 
@@ -164,8 +164,8 @@ def test_failed_verify_step_returns_tree_rows_and_kv(ngram_pair):
 def test_scratch_row_accounting_detects_a_leak(ngram_pair):
     _, spec = ngram_pair
     dec = spec.scheduler.spec
-    row = dec._scratch_rows(1)
-    assert row and dec._borrowed == row
+    row = dec.kv.borrow_rows(1)
+    assert row and dec.kv.borrowed_rows == row
     with pytest.raises(AssertionError, match="still borrowed"):
         dec.check_invariants([])
     dec.release_scratch()
@@ -177,6 +177,7 @@ def test_scratch_row_accounting_detects_a_leak(ngram_pair):
 
 
 def test_row_budget_keeps_drafts_in_the_gemv_block():
+    from sglite.runtime.speculative.budget import RowBlock, fit_chains
     from sglite.runtime.speculative.decoder import SpecDecoder
     from sglite.runtime.step_plan import StepEntry
 
@@ -184,15 +185,20 @@ def test_row_budget_keeps_drafts_in_the_gemv_block():
         speculative_algorithm, speculative_num_draft_tokens, speculative_disable_by_batch_size = "NGRAM", 8, 8
         page_size = 1
 
-    dec = SpecDecoder(Cfg, None, None, None, row_block=8)
+    budget = SpecDecoder(Cfg, None, None, None, row_block=8).budget
+    assert isinstance(budget, RowBlock)  # no measured cost: the row-block policy
     mk = lambda n: StepEntry(req=None, n=n, start=0)  # noqa: E731
-    assert dec._step_rows([mk(1)]) == 7  # one decode row: 7 draft rows fit the block
-    assert dec._step_rows([mk(4)]) == 4  # jump-forward pending tokens take their rows first
-    assert dec._step_rows([mk(1)] * 8) == 0  # a full block: drafting would start a new one
-    assert dec._step_rows([mk(40)]) > 8  # a GEMM step: rows are cheap
-    assert SpecDecoder(Cfg, None, None, None)._step_rows([mk(1)] * 8) > 8  # no block (GPU)
-    assert SpecDecoder._fit([[1, 2, 3, 4, 5], [6, 7, 8], [9]], 6) == [[1, 2, 3, 4, 5], [], []]
-    assert SpecDecoder._fit([[1, 2], [6, 7, 8], [9]], 6) == [[1, 2], [6, 7], [9]]  # later: half of what is left
+    assert budget.step_rows([mk(1)]) == 7  # one decode row: 7 draft rows fit the block
+    assert budget.step_rows([mk(4)]) == 4  # jump-forward pending tokens take their rows first
+    assert budget.step_rows([mk(1)] * 8) == 0  # a full block: drafting would start a new one
+    assert not budget.open_step([mk(1)] * 8, 8)  # ... so the step drafts nothing
+    assert budget.step_rows([mk(40)]) > 8  # a GEMM step: rows are cheap
+    assert SpecDecoder(Cfg, None, None, None).budget.step_rows([mk(1)] * 8) > 8  # no block (GPU)
+    assert fit_chains([[1, 2, 3, 4, 5], [6, 7, 8], [9]], 6) == [[1, 2, 3, 4, 5], [], []]
+    assert fit_chains([[1, 2], [6, 7, 8], [9]], 6) == [[1, 2], [6, 7], [9]]  # later: half of what is left
+    assert budget.open_step([mk(1)], 1) and budget.fit([[1, 2, 3, 4, 5, 6, 7, 8]], [["text"] * 8]) == [[1, 2, 3, 4, 5, 6, 7]]
+    budget.spend(7)
+    assert budget.rows_left == 0
 
 
 @pytest.mark.slow

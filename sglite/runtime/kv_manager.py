@@ -19,11 +19,24 @@ are reserved (``alloc_len - kv_len`` of them for the step being run). Only this 
 Prefix transfer (prefill/decode disaggregation, through ``Engine.export_prefix/import_prefix``):
 :meth:`KVManager.read_prefix` copies a cached prefix's K/V out, :meth:`KVManager.write_prefix`
 writes received K/V into free pages and inserts them into the tree.
+
+Speculative decoding borrows whole rows of the slot table for a step (token-tree chains, the
+start-up cost probe) and moves slots inside a request's row; those writes live here too, so every
+write to the slot table is in this file:
+
+    borrow_rows(n)         up to n free rows, lent until return_rows (scratch rows of a token tree)
+    return_rows(rows)      give borrowed rows back (None: every row still borrowed)
+    fill_scratch_row(...)  a scratch row = a request's slots up to a position, then a span of them
+    reorder_slots(...)     permute a span of a request's row (the accepted tree chain first)
+    write_slots(row, ...)  set a span of a row (a draft model's own table, ``STANDALONE``)
+    probe_row(n)           a row over slots 1..n for a timing forward, zeroed and freed after
+    check_rows(reqs)       every row free, held by a running request, or borrowed (none between steps)
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -57,6 +70,7 @@ class KVManager:
         self.req_pool, self.kv_pool, self.page_size = req_pool, kv_pool, page_size
         self.cache = RadixCache(kv_pool, page_size, disabled=disable_radix_cache)
         self.evicted_tokens = 0
+        self._borrowed: list[int] = []  # scratch rows lent to the step in flight (borrow_rows)
 
     @property
     def req_to_token(self) -> torch.Tensor:
@@ -285,3 +299,75 @@ class KVManager:
             owned |= pages
         total = len(free) + len(tree_pages) + len(owned)
         assert total == self.kv_pool.num_pages, f"pages lost: {total} accounted of {self.kv_pool.num_pages}"
+
+    # ------------------------------------------------------------------ scratch rows (speculative decoding)
+    @property
+    def borrowed_rows(self) -> list[int]:
+        """Rows lent by :meth:`borrow_rows` and not yet returned (a copy)."""
+        return list(self._borrowed)
+
+    def borrow_rows(self, n: int) -> list[int]:
+        """Up to ``n`` free slot-table rows (fewer when the table is short), lent until
+        :meth:`return_rows` gives them back; :meth:`check_rows` fails while any is out."""
+        out = []
+        while len(out) < n:
+            row = self.req_pool.alloc()
+            if row is None:
+                break
+            out.append(row)
+        self._borrowed.extend(out)
+        return out
+
+    def return_rows(self, rows: Optional[Sequence[int]] = None) -> None:
+        """Give back borrowed rows: ``rows`` (rows not borrowed are ignored), or (None) every row
+        still borrowed (a step that raised between drafting and verification left them)."""
+        rows = list(self._borrowed) if rows is None else rows
+        for row in rows:
+            if row in self._borrowed:
+                self._borrowed.remove(row)
+                self.req_pool.free(row)
+
+    def fill_scratch_row(self, dst: int, src: int, prefix: int, start: int, n: int) -> None:
+        """Write scratch row ``dst``: row ``src``'s first ``prefix`` slots, then its ``n`` slots
+        from position ``start`` (a token-tree chain's slots, after the root at ``prefix - 1``)."""
+        table = self.req_pool.req_to_token
+        table[dst, :prefix] = table[src, :prefix]
+        table[dst, prefix:prefix + n] = table[src, start:start + n]
+
+    def reorder_slots(self, row: int, start: int, order: Sequence[int]) -> None:
+        """Permute the ``len(order)`` slots of ``row`` from ``start``: slot ``i`` of the span
+        becomes the old slot ``order[i]`` (the accepted tree chain's slots moved first)."""
+        table = self.req_pool.req_to_token
+        n = len(order)
+        seg = table[row, start:start + n].clone()
+        table[row, start:start + n] = seg[torch.tensor(order)]
+
+    def write_slots(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """Set ``row``'s slots from ``start`` to ``slots`` ([n] int64, stored as int32)."""
+        self.req_pool.req_to_token[row, start:start + len(slots)] = slots.to(torch.int32)
+
+    @contextlib.contextmanager
+    def probe_row(self, n: int) -> Iterator[Optional[int]]:
+        """A row whose first ``n`` positions hold slots 1..n (free pool slots while nothing runs:
+        slot 0 is padding), for a timing forward at start-up; zeroed and freed on exit. Yields
+        None when no row is free."""
+        row = self.req_pool.alloc()
+        if row is None:
+            yield None
+            return
+        table = self.req_pool.req_to_token
+        try:
+            table[row, :n] = torch.arange(1, n + 1, dtype=table.dtype)
+            yield row
+        finally:
+            table[row].zero_()
+            self.req_pool.free(row)
+
+    def check_rows(self, running: Iterable) -> None:
+        """Assert the slot-table rows are accounted for: free, held by a running request, or
+        borrowed by the step in flight (none between steps)."""
+        pool = self.req_pool
+        held = {r.kv.row for r in running if r.kv is not None and r.kv.row is not None}
+        assert not self._borrowed, f"scratch rows {self._borrowed} still borrowed between steps"
+        assert len(held) + pool.available() == pool.req_to_token.shape[0], (
+            f"slot-table rows lost: {len(held)} held + {pool.available()} free of {pool.req_to_token.shape[0]}")

@@ -18,6 +18,7 @@ import torch
 
 from ...errors import InvalidRequestError
 from ..forward_batch import ForwardBatch
+from ..kv_manager import KVManager
 from ..step_plan import StepEntry, StepPlan
 
 log = logging.getLogger("sglite.speculative")
@@ -65,6 +66,8 @@ class DraftModel:
     def __init__(self, runner, num_steps: int):
         self.runner, self.num_steps = runner, num_steps
         self.states: dict = {}  # id(req) -> (req, _DraftKV)
+        # the draft's own slot table is written through a KVManager (no radix cache: page size 1)
+        self.kv = KVManager(runner.req_to_token_pool, runner.token_to_kv_pool, 1, disable_radix_cache=True)
 
     @classmethod
     def load(cls, config, target_runner) -> "DraftModel":
@@ -130,8 +133,7 @@ class DraftModel:
         got = pool.alloc_extend(last, len(st.slots), n)
         if got is None:
             return False
-        table = self.runner.req_to_token_pool.req_to_token
-        table[st.row, len(st.slots):len(st.slots) + n] = got.to(torch.int32)
+        self.kv.write_slots(st.row, len(st.slots), got)
         st.slots.extend(got.tolist())
         return True
 

@@ -106,25 +106,23 @@ class StepCost:
 def probe_forward(runner, kv, rows: Sequence[int] = PROBE_ROWS, reps: int = PROBE_REPS) -> Optional[dict]:
     """Time the runner's forward for steps of ``rows`` decode rows of one request (attending to
     ``PROBE_CONTEXT`` tokens): ``{rows: seconds}``, the fastest of ``reps`` interleaved runs. Runs
-    at start-up, before any request: it borrows a slot-table row and writes K/V into free pool
-    slots (both unused then). Row counts up to ``PROBE_SMALL_ROWS`` get ``PROBE_SMALL_REPS``
-    passes (cheap; a second row's price decides whether open-chat drafts pay), and the times are
-    made non-decreasing in rows (more rows never cost less: a lower time is noise). None when
-    the pool or the slot table is too small for the probe, or no slot-table row is free. ``runner``
-    is a :class:`~sglite.runtime.runner_protocol.RunnerProtocol` (``measure_forward`` True),
-    ``kv`` its scheduler's :class:`~sglite.runtime.kv_manager.KVManager`."""
+    at start-up, before any request: it borrows a slot-table row (``KVManager.probe_row``) and
+    writes K/V into free pool slots (both unused then). Row counts up to ``PROBE_SMALL_ROWS``
+    get ``PROBE_SMALL_REPS`` passes (cheap; a second row's price decides whether open-chat
+    drafts pay), and the times are made non-decreasing in rows (more rows never cost less: a
+    lower time is noise). None when the pool or the slot table is too small for the probe, or no
+    slot-table row is free. ``runner`` is a :class:`~sglite.runtime.runner_protocol.RunnerProtocol`
+    (``measure_forward`` True), ``kv`` its scheduler's :class:`~sglite.runtime.kv_manager.KVManager`."""
     from ..forward_batch import ForwardBatch
 
     pool, table = runner.token_to_kv_pool, kv.req_to_token
     n_max = PROBE_CONTEXT + max(rows)
     if pool.capacity < n_max + 8 or table.shape[1] < n_max + 8:
         return None
-    row = kv.req_pool.alloc()
-    if row is None:
-        return None
     best: dict = {}
-    try:
-        table[row, :n_max] = torch.arange(1, n_max + 1, dtype=table.dtype)  # free slots (slot 0 is padding)
+    with kv.probe_row(n_max) as row:  # slots 1..n_max (free now: slot 0 is padding), zeroed after
+        if row is None:
+            return None
         t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
         for rep in range(max(reps, PROBE_SMALL_REPS) + 1):  # the first pass warms up
             for m in rows:
@@ -140,9 +138,6 @@ def probe_forward(runner, kv, rows: Sequence[int] = PROBE_ROWS, reps: int = PROB
                 dt = time.perf_counter() - t0
                 if rep:
                     best[m] = min(best.get(m, dt), dt)
-    finally:
-        table[row].zero_()
-        kv.req_pool.free(row)
     low = 0.0
     for m in sorted(best):
         best[m] = low = max(best[m], low)

@@ -1,8 +1,13 @@
-"""Per-request speculation state: the n-gram index, the adaptive draft length, acceptance counts."""
+"""Per-request speculation state: the n-gram index, the adaptive draft length, acceptance counts.
+
+:class:`SpecState` is changed only through its methods (the decoder and the proposers read its
+fields): a step's draft is set up with :meth:`~SpecState.begin_draft` and
+:meth:`~SpecState.set_draft`, and cleared after verification with :meth:`~SpecState.end_verify`.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from .ngram import NgramIndex
 
@@ -59,6 +64,49 @@ class SpecState:
     misses: int = 0
     wait: int = 0
     looked: bool = False
+
+    def ensure_index(self) -> NgramIndex:
+        """The request's n-gram index (``NGRAM``), created empty on first use."""
+        if self.index is None:
+            self.index = NgramIndex()
+        return self.index
+
+    def text_lookup(self, make: Callable[[], Any]) -> Any:
+        """The text-level lookup of the prompt (:class:`.text_lookup.TextLookup`): ``make()`` on
+        first use, kept after."""
+        if self.text is None:
+            self.text = make()
+        return self.text
+
+    def mark_look(self, counted: bool) -> None:
+        """This step looked for drafts (``counted``: a look that chooses none counts as a miss,
+        the measured-cost policy), or did not (False)."""
+        self.looked = counted
+
+    def begin_draft(self, track_closes: bool) -> None:
+        """A new step's draft: no masks yet; ``close_points`` an empty list to be filled by the
+        grammar walk where closing drafts are left out (``track_closes``), else None."""
+        self.masks = None
+        self.close_points = [] if track_closes else None
+
+    def set_draft(self, sources: Sequence[list], keep: Sequence[int], masks: Any = None) -> None:
+        """The draft attached to the step: chains ``keep`` of the proposed ones, with their
+        per-token ``sources`` (all proposed chains'; ``close_points`` is cut to ``keep`` too) and
+        the grammar bitmask rows (``masks`` [rows, W] int32, None: unchanged)."""
+        self.sources = [sources[i] for i in keep]
+        if self.close_points is not None:
+            self.close_points = [self.close_points[i] for i in keep]
+        if masks is not None:
+            self.masks = masks
+
+    def drop_masks(self) -> None:
+        """The draft's grammar masks were used (verification done)."""
+        self.masks = None
+
+    def end_verify(self) -> None:
+        """The verify step is committed and learned from: no draft masks or close points remain."""
+        self.masks = None
+        self.close_points = None
 
     def record(self, k: int, a: int, k_max: int = 64) -> None:
         """A verify step of ``k`` draft tokens kept ``a`` of them (``k_max``: the configured most)."""

@@ -51,15 +51,17 @@ class TreeDraft:
             out.extend(c[:j + 1] for j in range(len(c)))
         return out
 
-    def fill_rows(self, table: torch.Tensor, row: int, root_pos: int) -> None:
-        """Write each scratch chain row: the request's slots up to the root, then its chain's
-        slots (which the request's row holds at the positions after the root, in layout order)."""
-        off = root_pos + 1 + len(self.chains[0])
+    def scratch_spans(self, root_pos: int) -> list[tuple[int, int, int]]:
+        """What each scratch chain row holds: ``(row, start, n)``: the request's slots up to the
+        root (position ``root_pos``), then its ``n`` chain slots, which the request's row holds
+        from position ``start`` (after the root, in layout order); written by
+        ``KVManager.fill_scratch_row``."""
+        out, off = [], root_pos + 1 + len(self.chains[0])
         for b in range(1, len(self.chains)):
-            rb, n = self.rows[b], len(self.chains[b])
-            table[rb, :root_pos + 1] = table[row, :root_pos + 1]
-            table[rb, root_pos + 1:root_pos + 1 + n] = table[row, off:off + n]
+            n = len(self.chains[b])
+            out.append((self.rows[b], off, n))
             off += n
+        return out
 
     def layout(self, row: int, start: int, n: int) -> tuple[list[int], list[int], list[int]]:
         """Positions, decode rows and attention lengths of an entry's ``n`` tokens (pending tokens,

@@ -11,8 +11,8 @@ import pytest
 from sglite import __version__
 from sglite.cli import build_parser as cli_parsers
 from sglite.config import EngineConfig
-from sglite.server.flags import SHOWN_DEFAULTS, field_docs, first_sentence
-from sglite.server.launch import build_parser, engine_kwargs, server_config
+from sglite.flags import SHOWN_DEFAULTS, field_docs, first_sentence
+from sglite.launch_server import build_parser, engine_kwargs, server_config
 from sglite.server.settings import ServerConfig
 
 LISTED = ("--tokenizer-path", "--chat-template", "--max-model-len", "--context-length", "--enable-metrics",

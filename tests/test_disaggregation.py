@@ -7,9 +7,9 @@ import httpx
 import pytest
 import torch
 
-from sglite.distributed.pd_router import prefill_body
-from sglite.distributed.router import RouterThread
-from sglite.distributed.router_policy import RouterConfig
+from sglite.router.pd import prefill_body
+from sglite.router.app import RouterThread
+from sglite.router.policy import RouterConfig
 from sglite.errors import InvalidRequestError
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village,"]
@@ -36,7 +36,7 @@ def test_kv_export_import_round_trip(tiny_model_dir):
     """The KV a decode engine imports is the prefill engine's, slot for slot, and its radix cache
     then serves the prompt."""
     from sglite import Engine
-    from sglite.distributed.disaggregation import export_prefix, import_prefix
+    from sglite.server.disaggregation import export_prefix, import_prefix
 
     kw = dict(dtype="float32", max_total_tokens=1024, log_level="warning")
     with Engine(str(tiny_model_dir), **kw) as pre, Engine(str(tiny_model_dir), **kw) as dec:

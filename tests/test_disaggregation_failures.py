@@ -8,9 +8,9 @@ import time
 import httpx
 import pytest
 
-from sglite.distributed import disaggregation
-from sglite.distributed.router import RouterThread
-from sglite.distributed.router_policy import RouterConfig
+from sglite.server import disaggregation
+from sglite.router.app import RouterThread
+from sglite.router.policy import RouterConfig
 
 pytestmark = pytest.mark.slow
 SP = {"max_new_tokens": 6, "temperature": 0}

@@ -8,7 +8,7 @@ import time
 import httpx
 
 from sglite.config import EngineConfig
-from sglite.server.launch import build_parser, engine_kwargs, server_config
+from sglite.launch_server import build_parser, engine_kwargs, server_config
 from sglite.server.runner import free_port
 
 

@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from sglite.distributed.parallel_state import TPComm, TPLayout, load_shard, make_tp_group
+from sglite.runtime.parallel.parallel_state import TPComm, TPLayout, load_shard, make_tp_group
 from sglite.errors import InvalidRequestError
 from sglite.runtime.forward_batch import ForwardBatch
 from sglite.runtime.kv_pool import TokenToKVPool

@@ -112,7 +112,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
             or the option whose value the engine config rejects.
     """
     from sglite.config import EngineConfig
-    from sglite.server.launch import build_parser as server_parser, engine_kwargs as server_engine_kwargs
+    from sglite.launch_server import build_parser as server_parser, engine_kwargs as server_engine_kwargs
 
     try:
         kw = server_engine_kwargs(server_parser().parse_args(shlex.split(a.engine_args)))

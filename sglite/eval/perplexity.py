@@ -143,7 +143,7 @@ def perplexity(engine, ids: list[int], context_length: int = DEFAULT_CONTEXT_LEN
 
 def build_parser():
     """``sglite eval perplexity`` flags: the text slice and windows, plus every engine flag."""
-    from ..server.flags import FlagParser, add_engine_args
+    from ..flags import FlagParser, add_engine_args
 
     p = FlagParser(prog="sglite eval perplexity",
                    description="Perplexity over the first --max-tokens tokens of CPython's pydoc_data "
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     import json
 
     from ..config import EngineConfig
-    from ..server.flags import engine_kwargs, fail
+    from ..flags import engine_kwargs, fail
 
     p = build_parser()
     args = p.parse_args(argv)

@@ -92,8 +92,8 @@ class Engine:
         if device == "cpu":
             torch.set_num_threads(cfg.num_threads or max(1, (os.cpu_count() or 2) - 1))
         check_kv_cache_dtype(cfg.kv_cache_dtype, ckpt.hf_config, device)  # before the weights load
-        if cfg.tp_size > 1:  # the model lives in tp_size worker processes (sglite.distributed)
-            from ..distributed.tp_client import TPRunnerClient
+        if cfg.tp_size > 1:  # the model lives in tp_size worker processes (sglite.runtime.parallel)
+            from .parallel.tp_client import TPRunnerClient
             with timer.phase("tensor-parallel workers"):
                 self.runner = TPRunnerClient(cfg, ckpt)
         else:

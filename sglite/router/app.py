@@ -25,8 +25,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..server.runner import UvicornThread, bind_listener
-from .pd_router import ClientGone
-from .router_policy import Policy, RouterConfig
+from .pd import ClientGone
+from .policy import Policy, RouterConfig
 
 log = logging.getLogger("sglite.router")
 
@@ -158,10 +158,10 @@ class Router:
 
 def create_router_app(config: RouterConfig) -> FastAPI:
     """The router's FastAPI app (``app.state.router`` is its :class:`Router`; over the decode
-    servers with ``pd_disaggregation``, see :mod:`~sglite.distributed.pd_router`)."""
+    servers with ``pd_disaggregation``, see :mod:`~sglite.router.pd`)."""
     before = pairing = None
     if config.pd_disaggregation:
-        from .pd_router import PrefillPairing
+        from .pd import PrefillPairing
 
         pairing = PrefillPairing(config)
         router = Router(replace(config, worker_urls=config.decode_urls))

@@ -19,11 +19,11 @@ import weakref
 
 import torch
 
-from ..config import EngineConfig
-from ..errors import InvalidRequestError
-from ..runtime.kv_pool import ReqToTokenPool, TokenToKVPool
-from ..runtime.models.llama import LlamaArch
-from ..runtime.quant_loader import resolve_quantization as _resolve_q
+from ...config import EngineConfig
+from ...errors import InvalidRequestError
+from ..kv_pool import ReqToTokenPool, TokenToKVPool
+from ..models.llama import LlamaArch
+from ..quant_loader import resolve_quantization as _resolve_q
 from .parallel_state import TPLayout
 from .tp_worker import BIG, compact_batch, worker_main
 
@@ -101,7 +101,7 @@ class TPRunnerClient:
         self.arch = arch = LlamaArch.from_hf_config(hf)
         self.tp_size = tp = config.tp_size
         layout = TPLayout.make(hf, 0, tp)  # checks the split before anything starts
-        from ..runtime.model_runner import resolve_device, resolve_dtype
+        from ..model_runner import resolve_device, resolve_dtype
 
         self.worker_device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.worker_device)

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from .calibrate import METHODS, QuantOptions, calibration_ids, quantize_model
-from .hf_formats import GroupQuant, pack_awq, pack_gptq, quantization_config
+from .quant.calibrate import METHODS, QuantOptions, calibration_ids, quantize_model
+from .quant.hf_formats import GroupQuant, pack_awq, pack_gptq, quantization_config
 
 log = logging.getLogger("sglite.quant")
 
@@ -143,8 +143,8 @@ def quantize(model_path, out_dir, opts: QuantOptions, n_samples: int = 32, seq_l
         ValueError: bad options (see :func:`check_options`) or too short a calibration text."""
     from transformers import AutoModelForCausalLM
 
-    from ..runtime.model_loader import load_checkpoint
-    from ..runtime.tokenizer import Tokenizer
+    from .runtime.model_loader import load_checkpoint
+    from .runtime.tokenizer import Tokenizer
 
     ckpt = load_checkpoint(model_path)
     check_options(opts, ckpt.hf_config)
@@ -158,7 +158,7 @@ def quantize(model_path, out_dir, opts: QuantOptions, n_samples: int = 32, seq_l
 
 
 def build_parser():
-    from ..server.flags import FlagParser
+    from .flags import FlagParser
 
     p = FlagParser(prog="sglite quantize",
                    description="Write an HF-format quantized checkpoint (GPTQ / AWQ / RTN in AutoGPTQ / "
@@ -185,8 +185,8 @@ def build_parser():
 
 
 def main(argv=None) -> int:
-    from ..logging_setup import configure
-    from ..runtime.model_loader import load_checkpoint
+    from .logging_setup import configure
+    from .runtime.model_loader import load_checkpoint
 
     p = build_parser()
     a = p.parse_args(argv)

@@ -23,7 +23,7 @@ import re
 import sys
 from typing import Any, Iterable, Optional, Sequence
 
-from ..config import DTYPES, GRAMMAR_BACKENDS, KV_CACHE_DTYPES, SCHEDULE_POLICIES, SPECULATIVE_ALGORITHMS, EngineConfig
+from .config import DTYPES, GRAMMAR_BACKENDS, KV_CACHE_DTYPES, SCHEDULE_POLICIES, SPECULATIVE_ALGORITHMS, EngineConfig
 
 CHOICES = {"dtype": DTYPES, "schedule_policy": SCHEDULE_POLICIES, "grammar_backend": GRAMMAR_BACKENDS,
            "kv_cache_dtype": KV_CACHE_DTYPES,

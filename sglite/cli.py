@@ -49,14 +49,14 @@ def _generate_params(args) -> dict:
 
 
 def _cmd_generate(args, parser) -> int:
-    from .config import EngineConfig
     from .flags import engine_kwargs, fail
+    from .runtime.engine_config import engine_config
 
     kwargs = engine_kwargs(args)
     # one request: a pool for one full context, not the server's 64 (unless the flags say otherwise)
     kwargs.setdefault("max_running_requests", 1)
     try:  # every flag and the request are checked before the model is loaded
-        EngineConfig.from_kwargs(**kwargs)
+        engine_config(**kwargs)
         params = _generate_params(args)
     except ValueError as exc:
         fail(parser, exc)

@@ -19,6 +19,7 @@ from typing import Sequence, Union
 from .config import EngineConfig
 from .flags import engine_kwargs, fail
 from .logging_setup import configure as configure_logging
+from .runtime.engine_config import engine_config
 from .server.settings import ServerConfig, add_server_args, build_parser, server_config
 
 __all__ = ["add_server_args", "build_parser", "engine_kwargs", "server_config", "main"]
@@ -46,7 +47,7 @@ def main(args_or_argv: Union[argparse.Namespace, Sequence[str], None] = None, en
     try:
         cfg = server_config(args)
         kwargs = engine_kwargs(args)
-        EngineConfig.from_kwargs(**kwargs)  # validation only: fails before anything is loaded
+        engine_config(**kwargs)  # validation only: fails before anything is loaded
     except ValueError as exc:
         fail(parser, exc)
     configure_logging(cfg.log_level)

@@ -164,14 +164,14 @@ def main(argv=None) -> int:
     """``sglite eval perplexity``: prints perplexity (or the JSON of :class:`PerplexityResult`)."""
     import json
 
-    from ..config import EngineConfig
     from ..flags import engine_kwargs, fail
+    from ..runtime.engine_config import engine_config
 
     p = build_parser()
     args = p.parse_args(argv)
     kwargs = engine_kwargs(args)
     try:
-        EngineConfig.from_kwargs(**kwargs)
+        engine_config(**kwargs)
         windows(args.max_tokens, args.window_length, args.stride)
         if args.max_tokens < 2:
             raise ValueError(f"max_tokens: must be >= 2, got {args.max_tokens}")

@@ -48,8 +48,8 @@ from typing import Optional, Union
 
 import torch
 
-from ..config import EngineConfig
 from ..logging_setup import PhaseTimer, configure_if_unset
+from .engine_config import engine_config
 from .engine_info import model_info, server_info
 from .engine_loop import EngineLoop
 from .engine_requests import RequestBuilder
@@ -78,7 +78,7 @@ class Engine:
     """
 
     def __init__(self, model_path: Optional[str] = None, **kwargs):
-        self.config = EngineConfig.from_kwargs(model_path=model_path, **kwargs)
+        self.config = engine_config(model_path=model_path, **kwargs)
         configure_if_unset(self.config.log_level)
         timer = PhaseTimer(log)
         cfg = self.config

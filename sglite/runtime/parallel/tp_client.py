@@ -21,7 +21,7 @@ import torch
 
 from ...config import EngineConfig
 from ...errors import InvalidRequestError
-from ..kv_pool import ReqToTokenPool, TokenToKVPool
+from ..kv_pool import ReqToTokenPool, TokenToKVPool, kv_bytes_per_token
 from ..models.llama import LlamaArch
 from ..quant_loader import resolve_quantization as _resolve_q
 from .parallel_state import TPLayout
@@ -146,7 +146,7 @@ class TPRunnerClient:
             self.close()
             raise RuntimeError("a tensor-parallel worker failed to load the model (see its log above)")
         kv_bytes = torch.finfo(self.dtype).bits // 8
-        self.bytes_per_token = 2 * arch.num_layers * layout.num_kv_heads * tp * arch.head_dim * kv_bytes
+        self.bytes_per_token = kv_bytes_per_token("auto", arch.num_layers, layout.num_kv_heads * tp, arch.head_dim, kv_bytes)
         self.token_to_kv_pool = TokenToKVPool(tokens, config.page_size, 0, layout.num_kv_heads, arch.head_dim,
                                               self.dtype, "cpu")  # no layers: pages only
         self.token_to_kv_pool.bytes_per_token = self.bytes_per_token

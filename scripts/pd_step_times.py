@@ -14,7 +14,7 @@ def transfer_time(e, n: int, repeats: int = 3) -> float:
     import torch
     import torch.distributed as dist
     from sglite.server.disaggregation import recv_kv, send_kv
-    from sglite.server.runner import free_port
+    from sglite.runtime.parallel.ports import free_port
 
     pool = e.runner.token_to_kv_pool
     L, (H, D), dt = len(pool.k_buffers), pool.k_buffers[0].shape[1:], pool.k_buffers[0].dtype

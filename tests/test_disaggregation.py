@@ -56,7 +56,8 @@ def test_kv_export_import_round_trip(tiny_model_dir):
 @pytest.mark.slow
 def test_pd_router_output_equals_colocated(tiny_model_dir):
     from sglite import Engine
-    from sglite.server.runner import ServerThread, free_port
+    from sglite.runtime.parallel.ports import free_port
+    from sglite.server.runner import ServerThread
 
     kw = dict(dtype="float32", max_total_tokens=4096, log_level="warning")
     bport = free_port()

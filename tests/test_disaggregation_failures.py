@@ -32,7 +32,8 @@ class PD:
 
     def __init__(self, prefill_model, decode_model):
         from sglite import Engine
-        from sglite.server.runner import ServerThread, free_port
+        from sglite.runtime.parallel.ports import free_port
+        from sglite.server.runner import ServerThread
 
         self.bport = free_port()
         self.pre_e = Engine(str(prefill_model), disaggregation_mode="prefill",

@@ -182,7 +182,7 @@ def test_serve_dp_size_starts_workers_behind_the_router(tiny_model_dir, tmp_path
     import sys
     import time
 
-    from sglite.server.runner import free_port
+    from sglite.runtime.parallel.ports import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "sglite.launch_server", "--model-path", str(tiny_model_dir),

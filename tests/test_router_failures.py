@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from sglite.router.app import RouterThread
 from sglite.router.policy import Policy, RouterConfig
-from sglite.server.runner import free_port
+from sglite.runtime.parallel.ports import free_port
 
 GAP = 0.4  # seconds between a slow worker's frames
 

@@ -9,7 +9,7 @@ import httpx
 
 from sglite.config import EngineConfig
 from sglite.launch_server import build_parser, engine_kwargs, server_config
-from sglite.server.runner import free_port
+from sglite.runtime.parallel.ports import free_port
 
 
 def test_flags_map_to_engine_config_and_server_config():

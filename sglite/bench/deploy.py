@@ -114,7 +114,7 @@ class Deployment:
         self.stop()
 
     def _start_pd(self) -> None:
-        from sglite.server.runner import free_port
+        from sglite.runtime.parallel.ports import free_port
 
         bport = free_port()
         halves = [LaunchedServer([*self.server_args, "--disaggregation-mode", "prefill",

@@ -123,7 +123,7 @@ def serve_data_parallel(argv: Sequence[str], dp_size: int, host: str, port: int,
     the cache-aware router in front of them on ``host:port``."""
     import uvicorn
 
-    from ..server.runner import free_port
+    from ..runtime.parallel.ports import free_port
     from .app import create_router_app
 
     import signal

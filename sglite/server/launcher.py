@@ -73,7 +73,7 @@ class LaunchedServer:
         self.url = self._thread.url
 
     def _start_subprocess(self) -> None:
-        from sglite.server.runner import free_port
+        from sglite.runtime.parallel.ports import free_port
 
         port = self.port or free_port()
         self.url = f"http://127.0.0.1:{port}"

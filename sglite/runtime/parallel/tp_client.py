@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing as mp
-import socket
 import threading
 import weakref
 
@@ -25,15 +24,10 @@ from ..kv_pool import ReqToTokenPool, TokenToKVPool, kv_bytes_per_token
 from ..models.llama import LlamaArch
 from ..quant_loader import resolve_quantization as _resolve_q
 from .parallel_state import TPLayout
+from .ports import free_port
 from .tp_worker import BIG, compact_batch, worker_main
 
 log = logging.getLogger("sglite.tp")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def start_workers(config: EngineConfig, addr: str, ranks) -> list:

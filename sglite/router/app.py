@@ -3,7 +3,7 @@
     sglite router --worker-urls http://127.0.0.1:30001 http://127.0.0.1:30002 --port 30000
 
 Generation routes (``/generate``, ``/v1/completions``, ``/v1/chat/completions``) go to the worker a
-:class:`~.router_policy.Policy` picks (cache-aware by default); streamed responses are passed
+:class:`~sglite.router.policy.Policy` picks (cache-aware by default); streamed responses are passed
 through chunk by chunk. A worker that cannot be reached (connection error, or 502/503/504 before
 any byte was sent) is marked unhealthy and the request is retried on another (``max_retries``);
 a background task probes every worker's ``/health`` every ``health_check_interval_secs`` and

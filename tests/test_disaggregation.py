@@ -36,16 +36,15 @@ def test_kv_export_import_round_trip(tiny_model_dir):
     """The KV a decode engine imports is the prefill engine's, slot for slot, and its radix cache
     then serves the prompt."""
     from sglite import Engine
-    from sglite.server.disaggregation import export_prefix, import_prefix
 
     kw = dict(dtype="float32", max_total_tokens=1024, log_level="warning")
     with Engine(str(tiny_model_dir), **kw) as pre, Engine(str(tiny_model_dir), **kw) as dec:
         ids = pre.tokenizer.encode(PROMPTS[2])
         pre.cache_prefix(input_ids=ids)
-        got, k, v = export_prefix(pre, ids)
+        got, k, v = pre.export_prefix(ids)
         assert got == ids and k.shape[:2] == (2, len(ids))
-        assert import_prefix(dec, got, k, v) == len(ids)
-        got2, k2, v2 = export_prefix(dec, ids)
+        assert dec.import_prefix(got, k, v) == len(ids)
+        got2, k2, v2 = dec.export_prefix(ids)
         assert got2 == ids and torch.equal(k2, k) and torch.equal(v2, v)
         out = dec.generate(input_ids=ids, sampling_params={"max_new_tokens": 4, "temperature": 0})
         assert out["meta_info"]["cached_tokens"] == len(ids) - 1

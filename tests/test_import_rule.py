@@ -121,7 +121,6 @@ def test_no_cycle_between_top_level_packages():
     assert not cycles, f"cycles between top-level packages: {cycles}"
 
 
-@HOUSE_MOVE
 def test_no_cycle_inside_kernels():
     g = nx.DiGraph((a, b) for a, b, ua, ub in edges() if ua == ub == "kernels" and a != b
                    and a != "sglite.kernels" and b != "sglite.kernels")

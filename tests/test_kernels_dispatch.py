@@ -56,7 +56,7 @@ def test_import_works_without_triton():
         import sglite, sglite.kernels as k
         import torch
         assert k.resolve_impl(None, torch.zeros(1)) == "torch"
-        assert not k.dispatch._triton_available()
+        assert not k.device.triton_available()
         x = torch.randn(2, 40)
         args = (torch.zeros(2), torch.ones(2), torch.zeros(2, dtype=torch.long), torch.zeros(2),
                 torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long))
@@ -70,3 +70,23 @@ def test_import_works_without_triton():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "ok"
+
+
+def test_matmul_is_the_one_registry_of_linear_impls():
+    """Every implementation name a weight can carry is registered in matmul.IMPLS, and nowhere else:
+    the weight modules hold no registry (the kernels' imports run one way)."""
+    from sglite.kernels import matmul, quant_linear, w8_linear
+
+    assert set(quant_linear.QUANT_IMPLS) <= set(matmul.IMPLS)
+    assert not hasattr(quant_linear, "IMPLS") and not hasattr(w8_linear, "IMPLS")
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(32, 64, generator=g), torch.randn(3, 64, generator=g)
+    weights = {"fp8_ref": w8_linear.Fp8LinearWeight.quantize(w), "w8a8_ref": w8_linear.Int8LinearWeight.quantize(w),
+               "fp8_block_ref": w8_linear.Fp8BlockLinearWeight.from_tiles(
+                   w.to(torch.float8_e4m3fn), torch.full((1, 2), 0.5), (32, 32))}
+    for ref_name, q in weights.items():
+        ref = kernels.linear(x, q.use(ref_name))
+        for name in ("torch", "invariant"):  # the float names a model runner picks, mapped by use()
+            q.use(name)
+            assert q.impl in matmul.IMPLS and q.impl != ref_name
+            assert torch.allclose(kernels.linear(x, q), ref, rtol=1e-4, atol=1e-4), (ref_name, q.impl)

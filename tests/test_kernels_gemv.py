@@ -128,6 +128,14 @@ def test_cpp_sources_are_package_data_files():
         assert '#include "' not in src
         uses_math = '#include "avx512_math.h"' in (cpu_build.CSRC / n).read_text()
         assert src.count("inline __m512 exp_nonpos(") == int(uses_math), n
+        uses_scalar = '#include "scalar_math.h"' in (cpu_build.CSRC / n).read_text()
+        assert src.count("namespace sglite_scalar {") == int(uses_scalar), n
+    # the scalar dot / axpy fallbacks are written once, in the shared header
+    users = [n for n in names if '#include "scalar_math.h"' in (cpu_build.CSRC / n).read_text()]
+    assert {"cpu_attention.cpp", "kv_quant_attention.cpp"} <= set(users), users
+    for n in users:
+        raw = (cpu_build.CSRC / n).read_text()
+        assert "float s[8]" not in raw and "float part[8]" not in raw and "inline float widen(" not in raw, n
     with pytest.raises(FileNotFoundError):
         cpu_build.read_source("missing.cpp")
 

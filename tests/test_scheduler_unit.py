@@ -43,16 +43,26 @@ def predict(visible: list[int]) -> int:
 
 
 class FakeRunner:
-    """Implements the runner contract of :class:`Scheduler` over a one-number-per-slot 'KV'."""
+    """Implements :class:`~sglite.runtime.runner_protocol.RunnerProtocol` over a one-number-per-slot
+    'KV' (tests/test_runner_contract.py checks it against the real runners' contract)."""
 
     device = "cpu"
+    dtype = torch.float32
     vocab_size = V
+    measure_forward = False  # its time says nothing about a model
 
     def __init__(self, tokens: int, page_size: int = 1, max_reqs: int = 16, context: int = 512):
         self.req_to_token_pool = ReqToTokenPool(max_reqs, context)
         self.token_to_kv_pool = TokenToKVPool(tokens, page_size, 1, 1, 1, torch.float32)
+        self.context_length = context
+        self.max_total_tokens = self.token_to_kv_pool.capacity
+        self.bytes_per_token = self.token_to_kv_pool.bytes_per_token
         self.store = torch.full(((self.token_to_kv_pool.num_pages + 1) * page_size,), -1, dtype=torch.int64)
         self.batches = []
+        self.closed = False
+
+    def close(self):
+        self.closed = True
 
     def forward(self, fb):
         self.batches.append(fb)

@@ -49,7 +49,7 @@ class TableDFA:
 def from_node(node, what: str, max_states: int = MAX_STATES) -> TableDFA:
     """Explicit DFA of a rule-free AST node. Raises GrammarError above ``max_states`` states."""
     from .dfa import LazyDFA
-    from .grammar import _coreachable
+    from .grammar import coreachable
     from .nfa import NFA
 
     nfa = NFA(max_states * 4)
@@ -57,7 +57,7 @@ def from_node(node, what: str, max_states: int = MAX_STATES) -> TableDFA:
     start = nfa.build(node, final)
     if any(nfa.calls):
         raise GrammarError(f"{what}: a rule reference cannot be intersected")
-    dfa = LazyDFA(nfa, start, final, _coreachable(nfa, final))
+    dfa = LazyDFA(nfa, start, final, coreachable(nfa, final))
     seen, todo = {dfa.start}, [dfa.start]
     while todo:
         s = todo.pop()

@@ -44,7 +44,7 @@ class Automaton:
             if name in productive:
                 for calls in nfa.calls:
                     calls[:] = [c for c in calls if c[0] in productive]
-                self.dfas[name] = LazyDFA(nfa, start, final, _coreachable(nfa, final))
+                self.dfas[name] = LazyDFA(nfa, start, final, coreachable(nfa, final))
         self.has_calls = len(self.dfas) > 1
         self._check_left_recursion()
 
@@ -164,7 +164,7 @@ def _productive(nfas: dict) -> set:
     return ok
 
 
-def _coreachable(nfa: NFA, final: int) -> set:
+def coreachable(nfa: NFA, final: int) -> set:
     rev: list[list[int]] = [[] for _ in nfa.eps]
     for s in range(len(nfa.eps)):
         for t in nfa.eps[s]:

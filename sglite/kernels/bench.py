@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from . import dispatch
+from . import device, dispatch
 
 
 @dataclass
@@ -186,7 +186,7 @@ def build_cases(cfg: BenchConfig, impls: List[str]) -> List[Case]:
 
 def run(cfg: BenchConfig) -> dict:
     """Run every case; returns ``{"device", "copy_GBps", "rows": [...]}`` (also printed as a table)."""
-    triton_ok = cfg.device.startswith("cuda") and dispatch._triton_available()
+    triton_ok = cfg.device.startswith("cuda") and device.triton_available()
     impls = cfg.impls or (["triton", "torch"] if triton_ok else ["torch"])
     name = torch.cuda.get_device_name() if cfg.device.startswith("cuda") else "cpu"
     copy_bytes = (64 << 20) if cfg.quick else (1 << 30 if cfg.device.startswith("cuda") else 256 << 20)

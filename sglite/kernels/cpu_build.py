@@ -24,6 +24,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from .device import cpu_flags  # noqa: F401  (hashed into build_tag; the probe lives in .device)
+
 log = logging.getLogger(__name__)
 
 
@@ -54,19 +56,6 @@ def cache_root() -> Path:
     """``$SGLITE_CACHE_DIR`` if set, else ``~/.cache/sglite`` (as the model loader's cache)."""
     env = os.environ.get("SGLITE_CACHE_DIR")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "sglite"
-
-
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from ``/proc/cpuinfo`` (``flags`` on x86, ``Features`` on Arm);
-    empty when the file is unreadable (non-Linux)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def build_tag(*parts: str) -> str:

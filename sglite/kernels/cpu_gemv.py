@@ -64,7 +64,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .cpu_build import cpu_flags, load_cpp, read_source
+from .cpu_build import load_cpp, read_source
+from .device import cpu_flags
 
 MAX_ROWS = 8  # rows of x the kernel takes (register budget: two float32 accumulators per row)
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")

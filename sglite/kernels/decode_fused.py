@@ -23,10 +23,10 @@ float GEMV): faster, not bf16-exact
 (its greedy agreement with the per-op path is measured in docs/benchmarks.md).
 
 bf16 models also get their weights' scales and mins stored as float16 where that is exact
-(:func:`.quant_linear.compact_scales`; GGUF's are float16 in the file): the default model's
+(:func:`.quant_layout.compact_scales`; GGUF's are float16 in the file): the default model's
 resident weights go from 115 MB to 98 MB, the bytes every decode step streams. On VNNI CPUs their
 group-32 weights (the LM head / tied embedding too) are then interleaved in 16-row tiles
-(:func:`.quant_linear.tile_rows`, ``csrc/quant_tiles.h``): same bytes, about 4x fewer vector
+(:func:`.quant_layout.tile_rows`, ``csrc/quant_tiles.h``): same bytes, about 4x fewer vector
 instructions per weight byte than the row layout's GEMV, so the step becomes memory-bound.
 
 Used only when the preconditions hold (:func:`prepare`, static; :meth:`FusedDecode.forward`, per
@@ -44,8 +44,10 @@ from typing import Optional
 
 import torch
 
-from .cpu_build import cpu_flags, load_cpp, read_source
-from .quant_linear import QuantLinearWeight, compact_scales, tile_rows
+from .cpu_build import load_cpp, read_source
+from .device import cpu_flags
+from .quant_layout import compact_scales, tile_rows
+from .quant_linear import QuantLinearWeight
 from . import cpu_attention, quant_cpu
 
 MAX_ROWS = 32  # more decode rows: the per-op path (its GEMM on dequantized weights wins there)

@@ -4,7 +4,8 @@
 ``SGLITE_KERNEL=torch|triton|cpp`` (environment) and the ``impl=`` argument of each op override the
 choice. Unknown names raise ``ValueError`` listing the known ones. ``cpp`` serves only the ops its
 module defines (``CPP_OPS``); the others, and every op when the build failed, run the reference.
-Only ``triton_*.py`` modules import triton, lazily, so ``import sglite`` works where triton is absent.
+Only ``triton_*.py`` modules import triton, lazily, so ``import sglite`` works where triton is absent
+(:func:`.device.triton_available` probes it once per process).
 
 Quantized KV pools (:class:`.kv_quant.QuantKVLayer`, passed as ``k_buffer`` and ``v_buffer``)
 route ``store_kv``, ``decode_attention`` and ``extend_attention`` to :mod:`.kv_quant` (the torch
@@ -21,7 +22,6 @@ not: its batched path pads to the longest row), Triton runs a fixed number of KV
 """
 from __future__ import annotations
 
-import functools
 import importlib
 import os
 from typing import Optional
@@ -29,21 +29,12 @@ from typing import Optional
 import torch
 
 from . import cpu_gemv, kv_quant, reference
+from .device import triton_available
 from .matmul import LinearWeight, linear  # noqa: F401  (re-exported: the op of every matmul)
 
 IMPLS = ("torch", "triton", "cpp")
 OPS = ("store_kv", "decode_attention", "extend_attention", "apply_token_bitmask", "sample")
 CPP_OPS = ("decode_attention",)  # ops with a C++ CPU kernel (sglite/kernels/cpu_attention.py)
-
-
-@functools.lru_cache(maxsize=1)
-def _triton_available() -> bool:
-    """Whether triton imports here (asked once per process: ops consult it on every CUDA call)."""
-    try:
-        importlib.import_module("triton")
-        return True
-    except Exception:
-        return False
 
 
 def _cpp_available() -> bool:
@@ -66,7 +57,7 @@ def resolve_impl(impl: Optional[str], example: Optional[torch.Tensor], op: Optio
         if name not in IMPLS:
             raise ValueError(f"unknown kernel implementation {name!r}; known: {list(IMPLS)}")
         return name
-    if example is not None and example.is_cuda and _triton_available():
+    if example is not None and example.is_cuda and triton_available():
         return "triton"
     if (op in CPP_OPS and example is not None and example.device.type == "cpu"
             and _cpp_available()):
@@ -152,7 +143,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, batch_invaria
     :func:`.triton_norm.rms_norm` (one program per row), since torch's CUDA reductions choose their
     launch configuration from the number of rows too.
     """
-    if batch_invariant and x.is_cuda and _triton_available():
+    if batch_invariant and x.is_cuda and triton_available():
         from . import triton_norm
 
         return triton_norm.rms_norm(x, weight, eps)

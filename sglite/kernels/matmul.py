@@ -8,14 +8,16 @@ Implementations (``LinearWeight.impl``):
                    the output rounded back to bf16; other row counts: ``torch``.
     ``cpp``        1 <= rows <= 8: the C++ AVX-512-BF16 GEMV (:mod:`.cpu_gemv`); others: ``torch``.
     ``invariant``  batch-invariant (deterministic inference): row i of the result depends only on
-                   ``x[i]`` and the weight, whatever the row count: on CPU the C++ kernel
-                   :func:`.cpu_gemv.linear_invariant` (bf16 and fp32), on CUDA the Triton kernel
-                   :func:`.triton_matmul.linear_invariant` (fixed tiles, no split-K); without
-                   either, one ``F.linear`` per row.
+                   ``x[i]`` and the weight, whatever the row count (:mod:`.linear_invariant`): on
+                   CPU the C++ kernel :func:`.cpu_gemv.linear_invariant` (bf16 and fp32), on CUDA
+                   the Triton kernel :func:`.triton_matmul.linear_invariant` (fixed tiles, no
+                   split-K); without either, one ``F.linear`` per row.
 Quantized weights plug in as more implementations: a :class:`.quant_linear.QuantLinearWeight`
 (group-quantized integer codes: GGUF Q4_0/Q4_1/Q8_0, GPTQ, AWQ) carries one of the ``quant_*``
-names of :data:`IMPLS` (see :mod:`.quant_linear`); :func:`make_linear` builds either kind from a
-model's (possibly fused) parts.
+names of :data:`IMPLS` (see :mod:`.quant_linear`), an 8-bit weight of :mod:`.w8_linear` one of the
+``fp8*`` / ``w8a8*`` names; :func:`make_linear` builds any kind from a model's (possibly fused)
+parts. :data:`IMPLS` is the one registry: the implementation modules know no registry and import
+weight types only for typing, so the kernels' imports run one way (registry -> implementations).
 
 Why the choice exists (CPU bf16 models, one-row products of batch-1 decoding): on AVX-512-BF16 CPUs
 without AVX-512-FP16 (e.g. AMD Zen 4), oneDNN's one-row bf16 GEMV reads weights at about a quarter
@@ -45,13 +47,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
 
-from . import cpu_gemv, quant_linear, w8_linear
-from .quant_linear import QuantLinearWeight
+from . import cpu_gemv, quant_cpu, quant_linear, w8_linear
+from .linear_invariant import linear_invariant
+from .quant_layout import BLOCK
+from .quant_linear import QuantLinearWeight, reference_linear
 
 log = logging.getLogger("sglite.kernels.matmul")
 
@@ -119,19 +123,38 @@ def _cpp(x: torch.Tensor, lw: LinearWeight) -> torch.Tensor:
 
 
 def _invariant(x: torch.Tensor, lw: LinearWeight) -> torch.Tensor:
-    if x.is_cuda:
-        from .dispatch import _triton_available  # the dispatcher's (cached) answer; no import cycle
-
-        if _triton_available():
-            from . import triton_matmul
-
-            return triton_matmul.linear_invariant(x, lw.weight, lw.bias)
-    return cpu_gemv.linear_invariant(x, lw.weight, lw.bias)
+    return linear_invariant(x, lw.weight, lw.bias)
 
 
-IMPLS: dict[str, Callable[[torch.Tensor, LinearWeight], torch.Tensor]] = {
-    "torch": _torch, "fp16": _fp16, "cpp": _cpp, "invariant": _invariant, **quant_linear.IMPLS,
-    **w8_linear.IMPLS}
+def _quant_cpp(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
+    return quant_cpu.linear(x, w)  # only chosen (quant_linear.best_impl) where the kernel loaded
+
+
+def _quant_invariant(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
+    if quant_cpu.available() and x.device.type == "cpu" and w.group_size % BLOCK == 0:
+        return quant_cpu.linear(x, w, invariant=True)
+    if x.shape[0] == 0:
+        return reference_linear(x, w)
+    return torch.cat([reference_linear(x[i:i + 1], w) for i in range(x.shape[0])])  # one row at a time
+
+
+def _quant_triton(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
+    from . import triton_quant  # imports triton: only on the CUDA path
+
+    return triton_quant.linear(x, w)
+
+
+IMPLS: dict[str, Callable[[torch.Tensor, Any], torch.Tensor]] = {
+    # float weights (LinearWeight)
+    "torch": _torch, "fp16": _fp16, "cpp": _cpp, "invariant": _invariant,
+    # group-quantized integer weights (QuantLinearWeight; the names of quant_linear.QUANT_IMPLS)
+    "quant_ref": reference_linear, "quant_cpp": _quant_cpp, "quant_invariant": _quant_invariant,
+    "quant_triton": _quant_triton,
+    # 8-bit weights with per-channel or block scales (w8_linear)
+    "fp8": w8_linear.fp8_linear, "fp8_ref": w8_linear.fp8_reference, "fp8_invariant": w8_linear.fp8_invariant,
+    "fp8_block": w8_linear.fp8_block_linear, "fp8_block_ref": w8_linear.fp8_block_reference,
+    "fp8_block_invariant": w8_linear.fp8_block_invariant,
+    "w8a8": w8_linear.w8a8_linear, "w8a8_ref": w8_linear.w8a8_reference}
 
 AnyLinearWeight = Union[LinearWeight, QuantLinearWeight]
 

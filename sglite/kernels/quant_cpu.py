@@ -35,12 +35,17 @@ Build: :func:`.cpu_build.load_cpp`, with ``-mavx512f -mavx512bw -mavx512vl -mavx
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from .cpu_build import cpu_flags, load_cpp, read_source
-from .quant_linear import QuantLinearWeight, gather_input
+from .cpu_build import load_cpp, read_source
+from .device import cpu_flags
+from .quant_layout import gather_input
+
+if TYPE_CHECKING:
+    from .quant_linear import QuantLinearWeight
 
 MAX_ROWS = 8  # rows of x per kernel call (register budget)
 GEMV_MAX_ROWS = 32  # up to this many rows: GEMV calls in blocks of 8; more: dequantize + GEMM

@@ -19,16 +19,15 @@ input channel ``perm[j]``: ``W[:, perm] = W_stored``, so ``y = x @ W.T = x[:, pe
 Fields:
     qweight: uint8, CPU or CUDA, contiguous.
         ``bits == 8``: [N, K], one code per byte.
-        ``bits == 4``: [N, K // 2]. Codes are packed per block of 32 stored channels, GGUF's Q4
-        order: byte ``j`` (0..15) of block ``b`` holds channel ``32 b + j`` in its low nibble and
-        channel ``32 b + j + 16`` in its high nibble (a Q4_0/Q4_1 block's ``qs`` bytes verbatim).
+        ``bits == 4``: [N, K // 2], packed per block of 32 stored channels in GGUF's Q4 order
+        (:mod:`.quant_layout`).
     scales: float32 [N, K // group_size] (float16 after :func:`compact_scales`, see below).
     mins: float32 [N, K // group_size] or None (symmetric formats may still use it, see below).
     bits: 4 or 8.  group_size: a multiple of 32 dividing K (so K % 32 == 0), or 16 (GGUF Q6_K's
     sub-blocks; K % 32 == 0 still): such weights run on ``quant_ref`` only (the kernels read one
     scale per 32 channels).
     perm: int64 [K] (a permutation of range(K)) or None.   bias: [N] (activation dtype) or None.
-    tiled: bool, the 16-row tile layout (below); False for every weight until :func:`tile_rows`.
+    tiled: bool, the 16-row tile layout (:mod:`.quant_layout`); False until :func:`tile_rows`.
 
 How the formats map (all exact in float32, because a float16 scale times an integer of <= 8 bits
 has <= 19 significant bits):
@@ -41,29 +40,17 @@ has <= 19 significant bits):
     act-order ``g_idx``: ``perm = argsort(g_idx, stable)`` so each group's channels are contiguous,
     codes and columns taken in ``perm`` order. (AWQ's interleaved nibble order is undone at load.)
 
-Compact scales: :func:`compact_scales` stores scales and mins as float16 when that is exact (GGUF's
-are float16 in the file), 4 bytes less per group for the fused decode's int8-activation GEMV,
-which reads them as they are; every other consumer widens them to float32 first (exact).
-
-16-row tiles: :func:`tile_rows` interleaves a group-32 weight's codes, scales and mins in tiles of
-16 rows (``tiled=True``; N % 16 == 0), the layout of the int8-activation GEMV of the fused CPU decode
-(``csrc/quant_tiles.h``: one ``VPDPBUSD`` covers 4 channels of 16 rows, no per-row horizontal sum,
-every array streams in order). Same bytes, same meaning; ``qweight`` / ``scales`` / ``mins`` keep
-their shapes but hold the tiled order::
-
-    row-layout qweight.view(N // 16, 16, K // 32, C, 4).permute(0, 2, 3, 1, 4)   (C = bits: groups of 4
-        code bytes per row and block -- 8 at 8 bits, 4 at 4 bits)
-    row-layout scales / mins.view(N // 16, 16, K // 32).permute(0, 2, 1)
-
-:meth:`QuantLinearWeight.untiled` gives the row layout back (a copy); every consumer that does
-not read tiles (the float GEMV, the dequantizer, Triton, the reference) goes through it.
+Layout transforms (the 4-bit packing, float16 scales, 16-row tiles) live in :mod:`.quant_layout`
+(:func:`compact_scales`, :func:`tile_rows`, re-exported here); :meth:`QuantLinearWeight.untiled`
+gives the row layout back (a copy): every consumer that does not read tiles (the float GEMV, the
+dequantizer, Triton, the reference) goes through it.
 
 Build one with :meth:`QuantLinearWeight.from_codes` (unpacked codes [N, K] uint8 in stored order),
 concatenate along N with :func:`cat_rows` (fused QKV / gate-up), reorder rows with
 :meth:`QuantLinearWeight.permute_rows`.
 
-Implementations (``QuantLinearWeight.impl``; :meth:`QuantLinearWeight.use` maps the float names the
-model runner picks -- ``torch`` / ``fp16`` / ``cpp`` -> the best available quantized path,
+Implementations (``QuantLinearWeight.impl``, registered in :data:`sglite.kernels.matmul.IMPLS`;
+:meth:`QuantLinearWeight.use` maps the float names the model runner picks -- ``torch`` / ``fp16`` / ``cpp`` -> the best available quantized path,
 ``invariant`` -> ``quant_invariant``):
     ``quant_ref``        :func:`reference_linear`: dequantize to float32, ``F.linear`` in float32,
                          round to x's dtype (the spec; also the fallback everywhere).
@@ -80,45 +67,11 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-BLOCK = 32  # channels per packing block (GGUF's QK4_0/QK4_1/QK8_0); group_size is a multiple
-SUB_BLOCK = 16  # smallest group: GGUF Q6_K's 16-weight sub-blocks (such weights run on quant_ref only)
-BITS = (4, 8)
-TILE = 16  # rows per tile of the tiled layout (tile_rows)
+from .device import triton_available
+from .quant_layout import (BITS, BLOCK, SUB_BLOCK, TILE, check_bits, compact_scales,  # noqa: F401  (re-exported)
+                           gather_input, pack_codes, tile_rows, tile_views, unpack_codes)
+
 QUANT_IMPLS = ("quant_ref", "quant_cpp", "quant_invariant", "quant_triton")
-
-
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack unpacked codes [N, K] uint8 (values < 2**bits, K % 32 == 0) into the stored layout
-    (see the module docstring): bits 8 -> the same [N, K]; bits 4 -> [N, K // 2].
-
-    Raises:
-        ValueError: bits not 4/8, K not a multiple of 32, or a code out of range."""
-    _check_bits(bits)
-    if codes.dim() != 2 or codes.shape[1] % BLOCK:
-        raise ValueError(f"quantized weight: codes must be [N, K] with K % {BLOCK} == 0, got {tuple(codes.shape)}")
-    codes = codes.to(torch.uint8)
-    if bits == 8:
-        return codes.contiguous()
-    if codes.numel() and int(codes.max()) >= 16:
-        raise ValueError(f"quantized weight: a 4-bit code is {int(codes.max())} (must be < 16)")
-    n, k = codes.shape
-    b = codes.view(n, k // BLOCK, 2, BLOCK // 2)  # [N, blocks, lo/hi half, 16]
-    return (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-
-
-def unpack_codes(qweight: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`pack_codes`: [N, K] uint8 codes in stored channel order."""
-    _check_bits(bits)
-    if bits == 8:
-        return qweight
-    n, kb = qweight.shape
-    b = qweight.view(n, kb // (BLOCK // 2), BLOCK // 2)
-    return torch.stack((b & 0xF, b >> 4), dim=2).reshape(n, kb * 2)
-
-
-def _check_bits(bits: int) -> None:
-    if bits not in BITS:
-        raise ValueError(f"quantized weight: bits must be one of {BITS}, got {bits}")
 
 
 @dataclass(eq=False)
@@ -168,7 +121,7 @@ class QuantLinearWeight:
 
     def validate(self) -> None:
         """Check shapes and dtypes against each other. Raises ValueError naming the field."""
-        _check_bits(self.bits)
+        check_bits(self.bits)
         k, gs = self.in_features, self.group_size
         if gs <= 0 or gs % SUB_BLOCK or k % gs or k % BLOCK:
             raise ValueError(f"quantized weight: group_size must be a multiple of {SUB_BLOCK} dividing "
@@ -236,13 +189,9 @@ class QuantLinearWeight:
 
     # -- reference ----------------------------------------------------------------------------------
     def _tile_views(self) -> tuple:
-        """Views of a tiled weight's (codes, scales, mins) indexed ``[tile, lane]`` like the row
-        layout's rows (``row = 16 * tile + lane``): codes [N/16, 16, K/32, C, 4] uint8 (C = bits groups
-        of 4 bytes per block), scales / mins [N/16, 16, K/32] (mins None when absent). No copy."""
-        n, nb = self.shape[0], self.in_features // BLOCK
-        lanes = lambda t: None if t is None else t.view(n // TILE, nb, TILE).permute(0, 2, 1)  # noqa: E731
-        q = self.qweight.view(n // TILE, nb, -1, TILE, 4).permute(0, 3, 1, 2, 4)
-        return q, lanes(self.scales), lanes(self.mins)
+        """:func:`.quant_layout.tile_views` of this (tiled) weight: (codes, scales, mins) indexed
+        ``[tile, lane]``. No copy."""
+        return tile_views(self.qweight, self.scales, self.mins, self.in_features)
 
     def untiled(self) -> "QuantLinearWeight":
         """This weight in the row layout: self when not tiled, else a copy with ``tiled=False``."""
@@ -319,50 +268,12 @@ def cat_rows(ws: Sequence[QuantLinearWeight], bias: Optional[torch.Tensor] = Non
                              a.bits, a.group_size, a.in_features, a.perm, bias, impl=a.impl, fmt="+".join(fmts))
 
 
-def compact_scales(w: QuantLinearWeight) -> bool:
-    """Store ``w``'s scales and mins as float16 when every value survives the round trip exactly;
-    returns whether it did (False: left float32). In place; the weight means the same."""
-    parts = [t for t in (w.scales, w.mins) if t is not None]
-    if any(t.dtype != torch.float32 for t in parts):
-        return all(t.dtype == torch.float16 for t in parts)
-    halves = [t.half() for t in parts]
-    if not all(torch.equal(h.float(), t) for h, t in zip(halves, parts)):
-        return False
-    w.scales = halves[0]
-    if w.mins is not None:
-        w.mins = halves[1]
-    return True
-
-
-def tile_rows(w: QuantLinearWeight) -> bool:
-    """Interleave ``w``'s codes, scales and mins in 16-row tiles (module docstring) when it is in
-    the row layout with group size 32 and N % 16 == 0; returns whether ``w`` is tiled now. In
-    place (one copy of each array); the weight means the same."""
-    if w.tiled:
-        return True
-    n, nb = w.shape[0], w.in_features // BLOCK
-    if n % TILE or w.group_size != BLOCK:
-        return False
-    tile = lambda t: t.view(n // TILE, TILE, nb).permute(0, 2, 1).reshape(n, nb).contiguous()  # noqa: E731
-    w.qweight = w.qweight.view(n // TILE, TILE, nb, -1, 4).permute(0, 2, 3, 1, 4).reshape(n, -1).contiguous()
-    w.scales = tile(w.scales)
-    if w.mins is not None:
-        w.mins = tile(w.mins)
-    w.tiled = True
-    return True
-
-
 def reference_linear(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
     """The spec of every quantized linear: ``F.linear(x, w.dequantize(), bias)`` in float32, then
     x's dtype. x [M, K] -> [M, N]."""
     y = F.linear(x.to(torch.float32), w.dequantize(torch.float32))
     y = y.to(x.dtype)
     return y if w.bias is None else y + w.bias.to(x.dtype)
-
-
-def gather_input(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
-    """x [M, K] with its columns in the weight's stored order (``x[:, perm]``), contiguous."""
-    return (x if w.perm is None else x[:, w.perm]).contiguous()
 
 
 def best_impl(w: QuantLinearWeight) -> str:
@@ -378,33 +289,6 @@ def best_impl(w: QuantLinearWeight) -> str:
         if quant_cpu.available():
             return "quant_cpp"
     elif w.device.type == "cuda":
-        from .dispatch import _triton_available  # the dispatcher's cached answer
-
-        if _triton_available():
+        if triton_available():
             return "quant_triton"
     return "quant_ref"
-
-
-def _cpp(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
-    from . import quant_cpu  # only chosen (best_impl) where the kernel loaded
-
-    return quant_cpu.linear(x, w)
-
-
-def _invariant(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
-    from . import quant_cpu
-
-    if quant_cpu.available() and x.device.type == "cpu" and w.group_size % BLOCK == 0:
-        return quant_cpu.linear(x, w, invariant=True)
-    if x.shape[0] == 0:
-        return reference_linear(x, w)
-    return torch.cat([reference_linear(x[i:i + 1], w) for i in range(x.shape[0])])  # one row at a time
-
-
-def _triton(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
-    from . import triton_quant  # imports triton: only on the CUDA path
-
-    return triton_quant.linear(x, w)
-
-
-IMPLS = {"quant_ref": reference_linear, "quant_cpp": _cpp, "quant_invariant": _invariant, "quant_triton": _triton}

@@ -16,12 +16,17 @@ interpreter's bf16 dot is wrong), as in :mod:`.triton_matmul`; on the GPU float3
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
-from .quant_linear import QuantLinearWeight, gather_input
+from .quant_layout import gather_input
 from .triton_utils import check_device, is_interpreted
+
+if TYPE_CHECKING:
+    from .quant_linear import QuantLinearWeight
 
 BM, BN = 16, 64
 

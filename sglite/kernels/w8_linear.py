@@ -1,5 +1,5 @@
 """8-bit matmul weights with one float32 scale per output channel, served by ``kernels.linear`` as
-more implementations of :data:`sglite.kernels.matmul.IMPLS`:
+more implementations (registered in :data:`sglite.kernels.matmul.IMPLS`, the one registry):
 
 :class:`Fp8LinearWeight` (``--quantization fp8``): weight-only FP8 E4M3 (``torch.float8_e4m3fn``,
     max 448), ``W[n, k] = scale[n] * w8[n, k]``; when quantized here (at load, or by ``sglite quantize
@@ -34,6 +34,8 @@ from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from .linear_invariant import linear_invariant
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 INT8_MAX = 127
@@ -295,11 +297,9 @@ def fp8_linear(x: torch.Tensor, w: Fp8LinearWeight) -> torch.Tensor:
 
 
 def fp8_invariant(x: torch.Tensor, w: Fp8LinearWeight) -> torch.Tensor:
-    """Batch-invariant ``fp8``: :func:`sglite.kernels.matmul`'s ``invariant`` product on the
-    converted weight, then the per-channel scale (row-local)."""
-    from .matmul import IMPLS as FLOAT_IMPLS, LinearWeight
-
-    return _finish(FLOAT_IMPLS["invariant"](x, LinearWeight(w.weight.to(x.dtype))).float() * w.scale, x, w.bias)
+    """Batch-invariant ``fp8``: :func:`.linear_invariant.linear_invariant` (the float ``invariant``
+    product) on the converted weight, then the per-channel scale (row-local)."""
+    return _finish(linear_invariant(x, w.weight.to(x.dtype)).float() * w.scale, x, w.bias)
 
 
 def fp8_reference(x: torch.Tensor, w: Fp8LinearWeight) -> torch.Tensor:
@@ -329,14 +329,12 @@ def w8a8_linear(x: torch.Tensor, w: Int8LinearWeight) -> torch.Tensor:
 def fp8_block_linear(x: torch.Tensor, w: Fp8BlockLinearWeight, invariant: bool = False) -> torch.Tensor:
     """x [M, K] -> [M, N]: sum over K tiles of ``F.linear(x_t, w8_t.to(x.dtype))`` (float32) times
     the tile's per-row scale; then x's dtype (+ bias). ``invariant``: each tile's product through
-    :data:`sglite.kernels.matmul.IMPLS` ``invariant`` (batch-invariant)."""
-    from .matmul import IMPLS as FLOAT_IMPLS, LinearWeight
-
+    :func:`.linear_invariant.linear_invariant` (batch-invariant)."""
     bk, k = w.block_k, w.weight.shape[1]
     y = None
     for t in range(w.scale.shape[1]):
         xt, wt = x[:, t * bk:min(k, (t + 1) * bk)], w.weight[:, t * bk:min(k, (t + 1) * bk)].to(x.dtype)
-        part = FLOAT_IMPLS["invariant"](xt.contiguous(), LinearWeight(wt.contiguous())) if invariant else F.linear(xt, wt)
+        part = linear_invariant(xt.contiguous(), wt.contiguous()) if invariant else F.linear(xt, wt)
         part = part.float() * w.scale[:, t]
         y = part if y is None else y + part
     return _finish(y, x, w.bias)
@@ -351,6 +349,3 @@ def fp8_block_reference(x: torch.Tensor, w: Fp8BlockLinearWeight) -> torch.Tenso
     """The spec: float32 ``F.linear(x, dequantize())``, rounded to x's dtype, + bias."""
     return _finish(F.linear(x.float(), w.dequantize(torch.float32)), x, w.bias)
 
-
-IMPLS = {"fp8_block": fp8_block_linear, "fp8_block_ref": fp8_block_reference,
-         "fp8_block_invariant": fp8_block_invariant, "fp8": fp8_linear, "fp8_ref": fp8_reference, "fp8_invariant": fp8_invariant, "w8a8": w8a8_linear, "w8a8_ref": w8a8_reference}

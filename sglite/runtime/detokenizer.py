@@ -12,58 +12,10 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
-from ..errors import InvalidRequestError
+from ..constrained.regex_prefix import RegexPrefix
+from ..errors import GrammarError, InvalidRequestError
 
 _REPLACEMENT = "\ufffd"
-
-
-class _RegexPrefixChecker:
-    """Tells whether a string could still grow into a match of a regex (an interegular FSM).
-
-    ``None`` pattern support (lookarounds, anchors, backrefs...) makes :meth:`could_start`
-    always False: such regexes are only matched, never held back for.
-    """
-
-    def __init__(self, pattern: str):
-        self.fsm = None
-        try:
-            import interegular
-
-            fsm = interegular.parse_pattern(pattern).to_fsm()
-        except Exception:  # interegular.Unsupported and parse errors: no hold-back
-            return
-        self.fsm = fsm
-        self.live = self._live_states(fsm)
-        from interegular.fsm import anything_else
-
-        self.other = fsm.alphabet[anything_else] if anything_else in fsm.alphabet else None
-
-    @staticmethod
-    def _live_states(fsm) -> set:
-        reverse: dict = {}
-        for src, moves in fsm.map.items():
-            for dst in moves.values():
-                reverse.setdefault(dst, set()).add(src)
-        live, todo = set(fsm.finals), list(fsm.finals)
-        while todo:
-            for src in reverse.get(todo.pop(), ()):
-                if src not in live:
-                    live.add(src)
-                    todo.append(src)
-        return live
-
-    def could_start(self, text: str) -> bool:
-        """True if ``text`` is a prefix of some string the regex matches (FSM still live)."""
-        if self.fsm is None:
-            return False
-        state = self.fsm.initial
-        alphabet, fsm_map = self.fsm.alphabet, self.fsm.map
-        for ch in text:
-            symbol = alphabet[ch] if ch in alphabet else self.other
-            state = fsm_map.get(state, {}).get(symbol)
-            if state is None or state not in self.live:
-                return False
-        return state in self.live
 
 
 class IncrementalDetokenizer:
@@ -73,8 +25,9 @@ class IncrementalDetokenizer:
         tokenizer: a :class:`sglite.runtime.tokenizer.Tokenizer` (needs ``decode``).
         skip_special_tokens / spaces_between_special_tokens: passed to ``tokenizer.decode``.
         stop: stop strings (a str or a sequence); empty strings are ignored.
-        stop_regex: Python regexes; a match anywhere in the output stops it. Hold-back uses an
-            interegular FSM; regexes it cannot parse (lookarounds, anchors) are matched only
+        stop_regex: Python regexes; a match anywhere in the output stops it. Hold-back uses a lazy
+            byte DFA with a state budget (:class:`~sglite.constrained.regex_prefix.RegexPrefix`);
+            regexes it cannot parse (lookarounds, anchors) are matched only
             within the not-yet-released tail.
         no_stop_trim: keep the matched stop text in the output.
 
@@ -106,7 +59,12 @@ class IncrementalDetokenizer:
             if self.stop_regex[-1].fullmatch("") is not None:
                 raise InvalidRequestError(f"stop_regex: {pattern!r} matches the empty string",
                                           field="stop_regex")
-        self._regex_prefix = [_RegexPrefixChecker(p) for p in patterns]
+        self._regex_prefix = []
+        for pattern in patterns:
+            try:
+                self._regex_prefix.append(RegexPrefix(pattern))
+            except GrammarError as exc:
+                raise InvalidRequestError(f"stop_regex: {pattern!r}: {exc}", field="stop_regex") from None
         self.no_stop_trim = no_stop_trim
         self.token_ids: list[int] = []
         self.text = ""
@@ -202,7 +160,7 @@ class IncrementalDetokenizer:
                     hold = k
                     break
         for checker in self._regex_prefix:
-            if checker.fsm is None:
+            if not checker.supported:
                 continue
             for start in range(0, len(text) - hold):
                 if checker.could_start(text[start:]):

@@ -30,6 +30,8 @@
         prefix into the radix cache (what n > 1 and score do internally before fanning out).
     engine.score(prompt, continuations, unconditional=False) -> list of
         {"text", "token_ids", "logprobs", "unconditional_logprobs" (when asked)}.
+    engine.export_prefix(ids) -> (ids[:n], K, V); engine.import_prefix(ids, K, V) -> int: a cached
+        prefix's KV out of / into the radix cache (prefill/decode disaggregation); engine.kv_layout().
     engine.abort(rid); engine.flush_cache() -> bool; engine.get_server_info() -> dict;
     engine.tokenizer; engine.apply_chat_template(...); engine.model_info(); engine.shutdown().
 Errors: InvalidRequestError (ValueError) naming the field, raised before anything is scheduled;
@@ -59,6 +61,7 @@ from .kv_quant import check_kv_cache_dtype
 from .model_loader import load_checkpoint
 from .model_runner import ModelRunner, resolve_device, resolve_dtype
 from .quant_loader import load_weights
+from .runner_protocol import RunnerProtocol
 from .scheduler import Scheduler
 from .tokenizer import Tokenizer
 
@@ -92,6 +95,7 @@ class Engine:
         if device == "cpu":
             torch.set_num_threads(cfg.num_threads or max(1, (os.cpu_count() or 2) - 1))
         check_kv_cache_dtype(cfg.kv_cache_dtype, ckpt.hf_config, device)  # before the weights load
+        self.runner: RunnerProtocol
         if cfg.tp_size > 1:  # the model lives in tp_size worker processes (sglite.runtime.parallel)
             from .parallel.tp_client import TPRunnerClient
             with timer.phase("tensor-parallel workers"):
@@ -228,6 +232,45 @@ class Engine:
         self._loop.submit([req])
         self._loop.wait(done)
         return {"prompt_tokens": box["meta"]["prompt_tokens"], "cached_tokens": box["meta"]["cached_tokens"]}
+
+    # ------------------------------------------------------------------ prefix transfer (P/D)
+    def export_prefix(self, ids: list[int]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """The longest cached prefix of ``ids`` (token ids) and its K/V, copied on the loop thread
+        between steps (nothing is locked or changed; prefill it first with :meth:`cache_prefix`).
+
+        Returns ``(prefix_ids, k, v)``: ``prefix_ids`` the first ``n`` of ``ids`` (whole pages),
+        ``k`` and ``v`` CPU tensors ``[L, n, Hkv, D]`` (layers, tokens, KV heads, head dim) in the
+        pool's dtype (the model dtype, or bfloat16 with ``kv_cache_dtype=bfloat16``).
+
+        Raises:
+            ValueError: the engine's K/V is quantized (``kv_cache_dtype`` int8/int4/fp8_e4m3) or
+                lives in tensor-parallel workers (``tp_size > 1``).
+            RuntimeError: the engine is shut down.
+        """
+        return self._loop.call(lambda: self.scheduler.kv.read_prefix(list(ids)))
+
+    def kv_layout(self) -> tuple[torch.dtype, tuple[int, int, int]]:
+        """``(dtype, (L, Hkv, D))`` of the K/V that :meth:`export_prefix` returns and
+        :meth:`import_prefix` takes (a receiver sizes its buffers from it). Raises ValueError as
+        :meth:`export_prefix`."""
+        return self.scheduler.kv.kv_layout()  # fixed at start-up: no need for the loop thread
+
+    def import_prefix(self, ids: list[int], k: torch.Tensor, v: torch.Tensor) -> int:
+        """Write the K/V of ``ids`` (token ids; ``k``, ``v``: ``[L, len(ids), Hkv, D]`` of this
+        model, any float dtype, cast to the pool's) into free slots and insert them into the radix
+        cache, on the loop thread between steps: a later request starting with ``ids`` reuses them
+        as if this engine had prefilled them. Whole pages only; least-recently-used cache entries
+        are evicted when the pool is short; a part already cached is kept.
+
+        Returns the tokens of ``ids`` the cache holds afterwards (0 when the radix cache is disabled
+        or ``ids`` is shorter than a page; the cached part when the pool cannot take the rest).
+
+        Raises:
+            ValueError: ``k``/``v`` are not ``[L, len(ids), Hkv, D]`` of this model, or the engine's
+                K/V is quantized or tensor-parallel (as :meth:`export_prefix`).
+            RuntimeError: the engine is shut down.
+        """
+        return self._loop.call(lambda: self.scheduler.kv.write_prefix(list(ids), k, v))
 
     # ------------------------------------------------------------------ scoring
     def score(self, prompt: str, continuations: list[str], unconditional: bool = False) -> list[dict]:

@@ -15,6 +15,10 @@ are reserved (``alloc_len - kv_len`` of them for the step being run). Only this 
                            row returned, state reset in one assignment
     cache_unfinished(req)  insert a running request's computed prefix into the tree and lock it
     check_invariants(reqs) every page free, in the tree, or owned by exactly one running request
+
+Prefix transfer (prefill/decode disaggregation, through ``Engine.export_prefix/import_prefix``):
+:meth:`KVManager.read_prefix` copies a cached prefix's K/V out, :meth:`KVManager.write_prefix`
+writes received K/V into free pages and inserts them into the tree.
 """
 from __future__ import annotations
 
@@ -193,6 +197,66 @@ class KVManager:
         self.cache.inc_lock_ref(node)
         self.cache.dec_lock_ref(kv.last_node)
         kv.last_node, kv.prefix_len = node, aligned
+
+    # ------------------------------------------------------------------ prefix transfer (P/D)
+    def kv_layout(self) -> tuple[torch.dtype, tuple[int, int, int]]:
+        """(dtype, (layers L, KV heads Hkv, head dim D)) of the pool's K/V buffers (fixed at start).
+        Raises ValueError when the pool holds no plain K/V tensors in this process (a quantized
+        pool; a tensor-parallel allocator)."""
+        kb = self.kv_pool.k_buffers
+        if not kb or not isinstance(kb[0], torch.Tensor):
+            raise ValueError("prefix export/import needs this process's K/V in the model dtype "
+                             "(kv_cache_dtype auto or bfloat16, tp_size 1)")
+        return kb[0].dtype, (len(kb), int(kb[0].shape[1]), int(kb[0].shape[2]))
+
+    def read_prefix(self, ids: list[int]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """The cached prefix of ``ids`` and its K/V copied to the CPU: (ids [n], K [L, n, Hkv, D],
+        V [L, n, Hkv, D]) in the pool dtype (``n``: whole pages). Nothing is locked or changed.
+        Raises ValueError as :meth:`kv_layout`."""
+        self.kv_layout()
+        slots, _ = self.match_prefix(ids)
+        pool = self.kv_pool
+        k = torch.stack([b[slots.to(b.device)] for b in pool.k_buffers]).cpu()
+        v = torch.stack([b[slots.to(b.device)] for b in pool.v_buffers]).cpu()
+        return list(ids[:len(slots)]), k, v
+
+    def write_prefix(self, ids: list[int], k: torch.Tensor, v: torch.Tensor) -> int:
+        """Write ``ids``' K/V (``[L, n, Hkv, D]``, any float dtype, cast to the pool's) into free
+        slots and insert the whole pages into the radix tree (evicting unlocked entries when the
+        pool is short); the part already cached is kept, not rewritten. Returns the tokens of
+        ``ids`` the tree holds afterwards: 0 when the cache is disabled or ``ids`` is shorter than a
+        page, the cached part when the pool cannot take the rest. Raises ValueError when ``k`` /
+        ``v`` are not ``[L, len(ids), Hkv, D]`` of this pool (or as :meth:`kv_layout`)."""
+        _, (L, H, D) = self.kv_layout()
+        for name, t in (("k", k), ("v", v)):
+            if tuple(t.shape) != (L, len(ids), H, D):
+                raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {(L, len(ids), H, D)} "
+                                 "[layers, tokens, KV heads, head dim] of this pool")
+        pool, cache, ps = self.kv_pool, self.cache, self.page_size
+        n = len(ids) - len(ids) % ps
+        if n == 0 or cache.disabled:
+            return 0
+        prefix, node = self.match_prefix(ids[:n])
+        m = len(prefix)
+        if m >= n:
+            return m
+        cache.inc_lock_ref(node)  # keep the matched part while evicting for the rest
+        try:
+            need = pool.tokens_needed(m, n - m)
+            if pool.free_tokens() < need:
+                self.evicted_tokens += cache.evict(need - pool.free_tokens())
+            slots = pool.alloc_extend(int(prefix[-1]) if m else None, m, n - m)
+        finally:
+            cache.dec_lock_ref(node)
+        if slots is None:
+            return m
+        dev = pool.k_buffers[0].device
+        for layer, (kb, vb) in enumerate(zip(pool.k_buffers, pool.v_buffers)):
+            kb[slots.to(dev)] = k[layer, m:n].to(dev, kb.dtype)
+            vb[slots.to(dev)] = v[layer, m:n].to(dev, vb.dtype)
+        dup = cache.insert(list(ids[:n]), torch.cat([prefix, slots]))
+        assert dup == m, "radix cache changed during import"
+        return n
 
     # ------------------------------------------------------------------ maintenance
     def flush(self) -> None:

@@ -81,6 +81,8 @@ class TokenToKVPool:
     ``num_pages * page_size``. Allocation never splits a page between owners.
     """
 
+    residual_bytes = 0  # fixed bytes beside the pages (a quantized pool's residual windows)
+
     def __init__(self, num_tokens: int, page_size: int, num_layers: int, n_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device="cpu"):
         self.page_size = page_size
@@ -102,6 +104,11 @@ class TokenToKVPool:
         self.bytes_per_token = kv_bytes_per_token("auto", num_layers, n_kv_heads, head_dim, torch.finfo(dtype).bits // 8)
         self.device = device
         self._free_pages = list(range(self.num_pages, 0, -1))  # stack; pop() gives low pages first
+
+    def begin_step(self, fb) -> None:
+        """Per-step hook the runner calls before each forward with the step's
+        :class:`~sglite.runtime.forward_batch.ForwardBatch`: a no-op here (the plain pool keeps no
+        per-step state); a quantized pool records the step's token rows and positions."""
 
     # ------------------------------------------------------------------ allocation
     def free_tokens(self) -> int:

@@ -76,12 +76,14 @@ def pool_tokens(config: EngineConfig, context_length: int, bytes_per_token: int,
 
 
 class ModelRunner:
-    """Model + KV pools of one engine.
+    """Model + KV pools of one engine; implements :class:`~sglite.runtime.runner_protocol.RunnerProtocol`.
 
     Attributes:
         req_to_token_pool: ReqToTokenPool with ``max_running_requests + 8`` rows × context length.
         token_to_kv_pool: TokenToKVPool sized from ``max_total_tokens`` or the memory budget.
     """
+
+    measure_forward = True  # the model runs here: the speculative draft policy may time it
 
     def __init__(self, config: EngineConfig, hf_config, state_dict: dict):
         self.device = resolve_device(config.device)
@@ -117,7 +119,7 @@ class ModelRunner:
                  self.max_total_tokens, self.bytes_per_token,
                  self.max_total_tokens * self.bytes_per_token / 2**20, self.dtype, self.device)
         log.info("KV cache dtype %s", kv_quant.describe(kvd, self.bytes_per_token,
-                                                         getattr(self.token_to_kv_pool, "residual_bytes", 0)))
+                                                         self.token_to_kv_pool.residual_bytes))
 
     def _choose_linear_impl(self, config: EngineConfig) -> str:
         """Pick every matmul's implementation once (:func:`sglite.kernels.choose_impl`: the
@@ -141,7 +143,9 @@ class ModelRunner:
         if self.device != "cpu":
             fb = fb.to(self.device)
         pool = self.token_to_kv_pool
-        if hasattr(pool, "begin_step"):  # quantized pool: token rows / positions of this step
-            pool.begin_step(fb)
+        pool.begin_step(fb)  # quantized pool: token rows / positions of this step (plain pool: no-op)
         logits = self.model.forward(fb, pool.k_buffers, pool.v_buffers)
         return logits.cpu() if self.device != "cpu" else logits
+
+    def close(self) -> None:
+        """Nothing to release (the model and pools are freed with the runner); the protocol's hook."""

@@ -27,6 +27,7 @@ from .grammar_masks import MaskOverlap
 from .kv_manager import KVManager
 from .output import OutputProcessor
 from .req import FinishReason, Req
+from .runner_protocol import RunnerProtocol
 from .sampler import SampleOutput, Sampler, select_rows
 from .schedule_policy import order_waiting
 from .speculative.decoder import make_spec_decoder
@@ -43,12 +44,13 @@ class Scheduler:
 
     Args:
         config: engine options (chunking, admission limits, policy, page size, determinism).
-        runner: has ``req_to_token_pool``, ``token_to_kv_pool``, ``vocab_size``, ``device`` and
-            ``forward(ForwardBatch) -> [M, V] float32 logits`` (a fake one in unit tests).
+        runner: a :class:`~sglite.runtime.runner_protocol.RunnerProtocol` (pools, ``vocab_size``,
+            ``device``, ``forward(ForwardBatch) -> [M, V] float32 logits``, ``close``; a fake one in
+            unit tests).
         tokenizer: EOS ids, ``id_to_text``, ``encode`` (jump-forward).
     """
 
-    def __init__(self, config: EngineConfig, runner, tokenizer):
+    def __init__(self, config: EngineConfig, runner: RunnerProtocol, tokenizer):
         self.config = config
         self.runner = runner
         self.kv = KVManager(runner.req_to_token_pool, runner.token_to_kv_pool, config.page_size,
@@ -293,5 +295,5 @@ class Scheduler:
         """Stop the grammar-mask thread and the runner's worker processes, if it has any (the
         engine calls this when its loop ends)."""
         self.masks.close()
-        getattr(self.runner, "close", lambda: None)()
+        self.runner.close()
 

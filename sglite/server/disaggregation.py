@@ -6,10 +6,12 @@ neither phase stalls the other. Here (``disaggregation_mode``):
 * the **prefill** server (``prefill``) hosts a bootstrap ``TCPStore`` on
   ``disaggregation_bootstrap_port``; ``POST /disagg/prefill {"text" | "input_ids",
   "bootstrap_room"}`` prefills the prompt into its radix cache, reads the prompt's K/V out of its
-  pool and sends token ids and K/V to the decode server of that room;
+  pool (:meth:`~sglite.runtime.engine.Engine.export_prefix`) and sends token ids and K/V to the
+  decode server of that room;
 * the **decode** server (``decode``) answers ``POST /disagg/receive {"bootstrap_host",
   "bootstrap_port", "bootstrap_room"}``: it joins the room, receives the ids and K/V, writes them
-  into free slots of its own pool and inserts them into its radix cache;
+  into free slots of its own pool and inserts them into its radix cache
+  (:meth:`~sglite.runtime.engine.Engine.import_prefix`);
 * the router (``sglite router --pd-disaggregation``) sends both at once, then the original request
   to the decode server, whose radix cache now holds the prompt: it computes the last prompt token
   and decodes. Greedy output is the colocated server's.
@@ -42,52 +44,6 @@ def _room_group(store, room: int, rank: int):
     import torch.distributed as dist
 
     return dist.ProcessGroupGloo(dist.PrefixStore(f"sglite/pd/{int(room)}", store), rank, 2, TRANSFER_TIMEOUT)
-
-
-def export_prefix(engine, ids: list[int]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-    """The cached prefix of ``ids`` in ``engine``'s radix cache and its K/V, copied on the engine's
-    loop thread between steps: (ids [n], K [L, n, Hkv, D], V [L, n, Hkv, D])."""
-    def fn():
-        slots, _ = engine.scheduler.kv.match_prefix(ids)
-        pool = engine.runner.token_to_kv_pool
-        k = torch.stack([b[slots] for b in pool.k_buffers]).cpu()
-        v = torch.stack([b[slots] for b in pool.v_buffers]).cpu()
-        return ids[:len(slots)], k, v
-    return engine._loop.call(fn)  # noqa: SLF001 (the loop's between-steps call is the safe place)
-
-
-def import_prefix(engine, ids: list[int], k: torch.Tensor, v: torch.Tensor) -> int:
-    """Write ``ids``' K/V ([L, n, Hkv, D]) into free slots of ``engine``'s pool and insert them into
-    its radix cache (whole pages; evicting LRU entries when short). Returns the tokens of ``ids``
-    the cache holds afterwards (0 when the pool could not take them)."""
-    def fn():
-        kvm = engine.scheduler.kv
-        pool, cache, ps = kvm.kv_pool, kvm.cache, kvm.page_size
-        n = len(ids) - len(ids) % ps
-        if n == 0 or cache.disabled:
-            return 0
-        prefix, node = kvm.match_prefix(ids[:n])
-        m = len(prefix)
-        if m >= n:
-            return m
-        cache.inc_lock_ref(node)  # keep the matched part while evicting for the rest
-        try:
-            need = pool.tokens_needed(m, n - m)
-            if pool.free_tokens() < need:
-                kvm.evicted_tokens += cache.evict(need - pool.free_tokens())
-            slots = pool.alloc_extend(int(prefix[-1]) if m else None, m, n - m)
-        finally:
-            cache.dec_lock_ref(node)
-        if slots is None:
-            return m
-        dev = pool.k_buffers[0].device
-        for layer, (kb, vb) in enumerate(zip(pool.k_buffers, pool.v_buffers)):
-            kb[slots.to(dev)] = k[layer, m:n].to(dev, kb.dtype)
-            vb[slots.to(dev)] = v[layer, m:n].to(dev, vb.dtype)
-        dup = cache.insert(ids[:n], torch.cat([prefix, slots]))
-        assert dup == m, "radix cache changed during import"
-        return n
-    return engine._loop.call(fn)  # noqa: SLF001
 
 
 class TransferError(RuntimeError):
@@ -202,7 +158,7 @@ def disaggregation_routes(engine, mode: str, bootstrap_port: int):
             def work():
                 try:
                     info = engine.cache_prefix(input_ids=ids)
-                    got, k, v = export_prefix(engine, ids)
+                    got, k, v = engine.export_prefix(ids)
                 except Exception:
                     send_failure(boot.connect(), room)  # the decode server of this room stops waiting
                     raise
@@ -226,12 +182,11 @@ def disaggregation_routes(engine, mode: str, bootstrap_port: int):
                 return bad("bootstrap_room: a non-negative integer is required")
             if not isinstance(host, str) or not isinstance(port, int) or not 0 < port < 65536:
                 return bad("bootstrap_host/bootstrap_port: the prefill server's host and bootstrap port are required")
-            pool = engine.runner.token_to_kv_pool
-            shape = (len(pool.k_buffers), *pool.k_buffers[0].shape[1:])
+            dtype, shape = engine.kv_layout()
 
             def work():
-                ids, k, v = recv_kv(boot.connect(host, port), room, pool.k_buffers[0].dtype, shape)
-                cached = import_prefix(engine, ids, k, v) if ids else 0
+                ids, k, v = recv_kv(boot.connect(host, port), room, dtype, shape)
+                cached = engine.import_prefix(ids, k, v) if ids else 0
                 count("received")
                 count("received_tokens", len(ids))
                 return {"cached_tokens": cached, "received_tokens": len(ids)}

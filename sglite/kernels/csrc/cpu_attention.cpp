@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#include "scalar_math.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #include "avx512_math.h"
@@ -21,8 +22,7 @@ namespace {
 
 constexpr int kMaxD = 256, kPrefetch = 16;
 
-inline float widen(float x) { return x; }
-inline float widen(uint16_t x) { uint32_t u = uint32_t(x) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+using sglite_scalar::widen;
 
 // Everything one (request, KV head) task reads; strides in elements.
 template <typename T> struct Job {
@@ -159,17 +159,7 @@ void scores(const Job<T>& j, const int32_t* slots, int64_t L, int h, const float
 #else
     float kf[kMaxD];
     for (int d = 0; d < D; ++d) kf[d] = widen(kr[d]);
-    for (int g = 0; g < G; ++g) {
-      const float* qg = qf + g * j.Dp;
-      float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      int d = 0;
-      for (; d + 8 <= D; d += 8)
-        for (int i = 0; i < 8; ++i) part[i] += qg[d + i] * kf[d + i];
-      for (; d < D; ++d) part[0] += qg[d] * kf[d];
-      float s = 0;
-      for (float x : part) s += x;
-      sc[g * L + t] = s;
-    }
+    for (int g = 0; g < G; ++g) sc[g * L + t] = sglite_scalar::dot(qf + g * j.Dp, kf, D);
 #endif
   }
 }
@@ -216,11 +206,7 @@ void weighted_values(const Job<T>& j, const int32_t* slots, int64_t L, int h, co
 #else
     float vf[kMaxD];
     for (int d = 0; d < D; ++d) vf[d] = widen(vr[d]);
-    for (int g = 0; g < G; ++g) {
-      float w = p[g * L + t];
-      float* ag = acc + g * Dp;
-      for (int d = 0; d < D; ++d) ag[d] += w * vf[d];
-    }
+    for (int g = 0; g < G; ++g) sglite_scalar::axpy(p[g * L + t], vf, acc + g * Dp, D);
 #endif
   }
 }

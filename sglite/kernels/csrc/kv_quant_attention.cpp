@@ -13,6 +13,7 @@
 #include <cstring>
 #include <utility>
 #include <vector>
+#include "scalar_math.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #include "avx512_math.h"
@@ -23,8 +24,7 @@ namespace {
 
 constexpr int kMaxD = 256;
 
-inline float widen(float x) { return x; }
-inline float widen(uint16_t x) { uint32_t u = uint32_t(x) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+using sglite_scalar::widen;
 #if defined(__F16C__)
 }  // namespace
 #include <immintrin.h>
@@ -81,14 +81,7 @@ inline float dot(const float* a, const float* b, int D) {
     return _mm512_reduce_add_ps(acc);
   }
 #endif
-  float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int d = 0;
-  for (; d + 8 <= D; d += 8)
-    for (int i = 0; i < 8; ++i) s[i] += a[d + i] * b[d + i];
-  for (; d < D; ++d) s[0] += a[d] * b[d];
-  float t = 0;
-  for (float x : s) t += x;
-  return t;
+  return sglite_scalar::dot(a, b, D);
 }
 
 inline void axpy(float w, const float* x, float* y, int D) {
@@ -99,7 +92,7 @@ inline void axpy(float w, const float* x, float* y, int D) {
     return;
   }
 #endif
-  for (int d = 0; d < D; ++d) y[d] += w * x[d];
+  sglite_scalar::axpy(w, x, y, D);
 }
 
 inline void load_res(const Job& j, const void* base, int64_t row, int64_t t, int h, float* x) {

@@ -1,3 +1,3 @@
-"""Tensor parallelism (``tp_size > 1``): the scheduler's runner client, the worker processes, the
-shard layout and collectives, and the control channel between them. Submodules import torch
-lazily; import them directly."""
+"""Tensor parallelism (``tp_size > 1``): the scheduler's runner client, the worker processes, their
+parallel state, the control channel and its commands. Submodules import torch.distributed lazily;
+import them directly."""

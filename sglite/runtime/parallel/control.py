@@ -3,16 +3,19 @@
 Rank 0 is the scheduler, rank ``1 + r`` the model worker of tensor-parallel rank ``r``. The group is
 built directly on a ``TCPStore`` (``dist.ProcessGroupGloo``), not as the process's default group, so
 an engine process can hold several (one per engine) and the workers' default group stays free for
-their tensor-parallel collectives. Python objects travel as pickled byte tensors (length first).
+their tensor-parallel collectives. Messages are the typed records of
+:mod:`sglite.runtime.parallel.commands` (a JSON header and raw tensor bytes, length first): nothing
+received is unpickled.
 """
 from __future__ import annotations
 
-import pickle
 from datetime import timedelta
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from sglite.runtime.parallel.commands import Message, decode, encode
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
@@ -43,10 +46,12 @@ class ControlChannel:
             alive()
         work.wait()
 
-    def broadcast_obj(self, obj=None, alive=None):
-        """Rank 0's ``obj`` on every rank (others pass None)."""
+    def broadcast_msg(self, msg: Optional[Message] = None, alive=None) -> Message:
+        """Rank 0's ``msg`` (a :mod:`~sglite.runtime.parallel.commands` record) on every rank (others
+        pass None): its byte length (int64 [1]), then its bytes (uint8). Raises ValueError on a
+        worker when the bytes are not a valid message."""
         if self.rank == 0:
-            data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+            data = encode(msg)
             n = torch.tensor([data.numel()], dtype=torch.int64)
         else:
             n = torch.zeros(1, dtype=torch.int64)
@@ -54,7 +59,7 @@ class ControlChannel:
         if self.rank != 0:
             data = torch.empty(int(n.item()), dtype=torch.uint8)
         self.wait(self.pg.broadcast(data, 0), alive)
-        return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
+        return msg if self.rank == 0 else decode(data)
 
     def all_reduce_int(self, value: int, op, alive=None) -> int:
         """``op`` (``dist.ReduceOp.MIN``/``MAX``/``SUM``) of one int over every rank."""
@@ -73,14 +78,15 @@ class ControlChannel:
         self.wait(self.pg.recv([t], src, 0), alive)
         return t
 
-    def send_obj(self, obj, dst: int) -> None:
-        """Send a picklable ``obj`` to rank ``dst``: its byte length (int64 [1]) then the bytes (uint8)."""
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    def send_msg(self, msg: Message, dst: int) -> None:
+        """Send ``msg`` (a :mod:`~sglite.runtime.parallel.commands` record) to rank ``dst``: its byte
+        length (int64 [1]) then its bytes (uint8)."""
+        data = encode(msg)
         self.send(torch.tensor([data.numel()], dtype=torch.int64), dst)
         self.send(data, dst)
 
-    def recv_obj(self, src: int, alive=None):
-        """The object :meth:`send_obj` sent from rank ``src``; ``alive`` (optional) is called first
-        and raises when the peer has died."""
+    def recv_msg(self, src: int, alive=None) -> Message:
+        """The message :meth:`send_msg` sent from rank ``src``; ``alive`` (optional) is called first
+        and raises when the peer has died. Raises ValueError when the bytes are not a valid message."""
         n = self.recv(torch.zeros(1, dtype=torch.int64), src, alive)
-        return pickle.loads(self.recv(torch.empty(int(n.item()), dtype=torch.uint8), src, alive).numpy().tobytes())
+        return decode(self.recv(torch.empty(int(n.item()), dtype=torch.uint8), src, alive))

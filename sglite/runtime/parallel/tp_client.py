@@ -23,6 +23,7 @@ from ...errors import InvalidRequestError
 from ..kv_pool import ReqToTokenPool, TokenToKVPool, kv_bytes_per_token
 from ..models.llama import LlamaArch
 from ..quant_loader import resolve_quantization as _resolve_q
+from .commands import Forward, StepDone, Stop
 from .parallel_state import TPLayout
 from .ports import free_port
 from .tp_worker import BIG, compact_batch, worker_main
@@ -58,7 +59,7 @@ def _stop(ctrl, procs, lock) -> None:
         if ctrl[0] is not None:
             try:
                 if all(p.is_alive() for p in procs):
-                    ctrl[0].broadcast_obj(("stop",))
+                    ctrl[0].broadcast_msg(Stop())
             except Exception:  # a worker is gone: terminate below
                 log.warning("could not send stop to the tensor-parallel workers")
             ctrl[0] = None
@@ -69,18 +70,21 @@ def _stop(ctrl, procs, lock) -> None:
 
 
 class TPRunnerClient:
-    """Runner of a tensor-parallel engine (``tp_size > 1``), the scheduler's side.
+    """Runner of a tensor-parallel engine (``tp_size > 1``), the scheduler's side; implements
+    :class:`~sglite.runtime.runner_protocol.RunnerProtocol`.
 
-    Same attributes as ModelRunner that the scheduler and engine read: ``req_to_token_pool``,
-    ``token_to_kv_pool`` (allocator only: its K/V buffers live in the workers), ``vocab_size``,
-    ``device`` (``cpu``: logits arrive on the host), ``dtype``, ``context_length``,
-    ``max_total_tokens``, ``bytes_per_token`` (all ranks together), plus ``tp_size``.
+    Attributes: the protocol's ``req_to_token_pool``, ``token_to_kv_pool`` (allocator only: its K/V
+    buffers live in the workers), ``vocab_size``, ``device`` (``cpu``: logits arrive on the host),
+    ``dtype``, ``context_length``, ``max_total_tokens``, ``bytes_per_token`` (all ranks together),
+    ``measure_forward`` (False), plus ``tp_size`` and ``worker_device``.
 
     Raises:
         InvalidRequestError: the heads / MLP width do not split over ``tp_size`` (field tp_size),
             or the context is longer than the model's.
         RuntimeError: a worker failed to start or load (its log has the cause).
     """
+
+    measure_forward = False  # speculative decoding is refused with tp_size > 1: nothing to measure for
 
     def __init__(self, config: EngineConfig, checkpoint):
         if config.node_rank != 0:
@@ -162,10 +166,12 @@ class TPRunnerClient:
         if ctrl is None:
             raise RuntimeError("tensor-parallel workers are stopped")
         with self._lock:
-            ctrl.broadcast_obj(("forward", compact_batch(fb)), self._alive)
-            err = ctrl.recv_obj(1, self._alive)
-            if err is not None:
-                raise RuntimeError(f"tensor-parallel step failed on rank 0: {err}")
+            ctrl.broadcast_msg(Forward(compact_batch(fb)), self._alive)
+            done = ctrl.recv_msg(1, self._alive)
+            if not isinstance(done, StepDone):
+                raise RuntimeError(f"tensor-parallel rank 0 answered {type(done).__name__}, not StepDone")
+            if done.error is not None:
+                raise RuntimeError(f"tensor-parallel step failed on rank 0: {done.error}")
             out = torch.empty(fb.logits_indices.shape[0], self.vocab_size, dtype=torch.float32)
             return ctrl.recv(out, 1, self._alive)
 

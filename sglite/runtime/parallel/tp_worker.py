@@ -7,8 +7,10 @@ control channel (:class:`~sglite.runtime.parallel.control.ControlChannel`), run 
 forward run on the tensor-parallel group: gloo on CPU, NCCL on CUDA), and on
 rank 0 send the step's logits back to the scheduler.
 
-Commands (pickled tuples): ``("forward", fields)`` with ForwardBatch fields (``req_to_token``
-compacted to the step's rows, see :func:`compact_batch`); ``("stop",)``.
+Commands (:mod:`sglite.runtime.parallel.commands`, typed records: a JSON header and raw tensors):
+:class:`~sglite.runtime.parallel.commands.Forward` with the step's ForwardBatch (``req_to_token``
+compacted to the step's rows, see :func:`compact_batch`), answered by rank 0 with
+:class:`~sglite.runtime.parallel.commands.StepDone` (then the logits); ``Stop``.
 """
 from __future__ import annotations
 
@@ -23,9 +25,12 @@ log = logging.getLogger("sglite.tp_worker")
 BIG = 1 << 62
 
 
-def compact_batch(fb) -> dict:
-    """ForwardBatch fields with the slot table cut to the step's rows and longest sequence
-    (``[B, Lmax_step]`` int32, row indices remapped), so a step ships kilobytes, not the table."""
+def compact_batch(fb):
+    """The :class:`~sglite.runtime.forward_batch.ForwardBatch` ``fb`` with its slot table cut to the
+    step's rows and longest sequence (``[B, Lmax_step]`` int32, row indices remapped), so a step
+    ships kilobytes, not the table. Returns a new ForwardBatch (``fb`` is not changed)."""
+    from sglite.runtime.forward_batch import ForwardBatch
+
     rows = torch.cat([fb.ext_req_pool_indices, fb.dec_req_pool_indices])
     uniq, inv = torch.unique(rows, return_inverse=True)
     need = torch.cat([fb.ext_prefix_lens + fb.ext_extend_lens, fb.dec_seq_lens])
@@ -34,7 +39,7 @@ def compact_batch(fb) -> dict:
     out = {k: v for k, v in fb.__dict__.items()}
     out["req_to_token"] = fb.req_to_token[uniq, :width].contiguous()
     out["ext_req_pool_indices"], out["dec_req_pool_indices"] = inv[:ne].long(), inv[ne:].long()
-    return out
+    return ForwardBatch(**out)
 
 
 def worker_main(config_dict: dict, tp_rank: int, addr: str, log_level: str = "info") -> None:
@@ -48,6 +53,7 @@ def worker_main(config_dict: dict, tp_rank: int, addr: str, log_level: str = "in
     from ..forward_batch import ForwardBatch
     from ..model_loader import load_checkpoint
     from ..model_runner import ModelRunner, available_memory_bytes, pool_tokens, resolve_device, resolve_dtype
+    from .commands import Forward, StepDone, Stop
     from .control import DEFAULT_TIMEOUT, ControlChannel, parse_addr
     from .parallel_state import TPComm, TPLayout, load_shard, make_tp_group
 
@@ -95,17 +101,20 @@ def worker_main(config_dict: dict, tp_rank: int, addr: str, log_level: str = "in
     log.info("tensor-parallel rank %d/%d ready on %s (%d KV tokens)", tp_rank, tp, device, runner.max_total_tokens)
     pool = runner.token_to_kv_pool
     while True:
-        cmd = ctrl.broadcast_obj()
-        if cmd[0] == "stop":
+        cmd = ctrl.broadcast_msg()
+        if isinstance(cmd, Stop):
             break
+        if not isinstance(cmd, Forward):
+            raise RuntimeError(f"tensor-parallel rank {tp_rank}: unexpected command {type(cmd).__name__}")
         try:
-            fb = ForwardBatch(**{k: v.to(device) for k, v in cmd[1].items()})
+            fb = ForwardBatch(**{k: v.to(device) for k, v in cmd.batch.__dict__.items()})
+            pool.begin_step(fb)  # a no-op on the plain pool (the only kind tensor parallelism runs)
             logits = runner.model.forward(fb, pool.k_buffers, pool.v_buffers)  # [M, V] float32
             err = None
         except Exception as exc:  # report, keep serving
             log.exception("tensor-parallel rank %d: step failed", tp_rank)
             err = f"{type(exc).__name__}: {exc}"
         if tp_rank == 0:
-            ctrl.send_obj(err, 0)
+            ctrl.send_msg(StepDone(err), 0)
             if err is None:
                 ctrl.send(logits.cpu(), 0)

@@ -53,6 +53,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..runner_protocol import RunnerProtocol
 from ..step_plan import SMALL_EXTEND, StepEntry, StepPlan
 from .grammar_walk import CLOSE, CLOSE_MIN_RATE, FORCED, GrammarWalk, whole_forced
 from .ngram import NgramIndex
@@ -541,7 +542,7 @@ def _rows_before_forced(chains: list[list[int]], sources: list) -> frozenset:
     return frozenset(skip)
 
 
-def make_spec_decoder(config, runner, kv, sampler, out) -> Optional[SpecDecoder]:
+def make_spec_decoder(config, runner: RunnerProtocol, kv, sampler, out) -> Optional[SpecDecoder]:
     """The scheduler's speculative decoder, or None when ``config.speculative_algorithm`` is None.
     ``STANDALONE`` loads the draft model here (its own small KV pool, on the target's device)."""
     if config.speculative_algorithm is None:
@@ -550,13 +551,13 @@ def make_spec_decoder(config, runner, kv, sampler, out) -> Optional[SpecDecoder]
     if config.speculative_algorithm == "STANDALONE":
         from .draft_model import DraftModel
         draft = DraftModel.load(config, runner)
+    on_cpu = torch.device(runner.device).type == "cpu"
     row_block = None  # GPU, or float32 on CPU (oneDNN GEMMs: a few more rows cost little)
-    if torch.device(getattr(runner, "device", "cpu")).type == "cpu" and getattr(runner, "dtype", None) in (
-            torch.bfloat16, torch.float16):
+    if on_cpu and runner.dtype in (torch.bfloat16, torch.float16):
         from sglite.kernels.cpu_gemv import MAX_ROWS  # the bf16 / quantized GEMV kernels' row block
         row_block = MAX_ROWS
     cost = None
-    if draft is None and torch.device(getattr(runner, "device", "cpu")).type == "cpu" and hasattr(runner, "model"):
+    if draft is None and on_cpu and runner.measure_forward:
         fwd = probe_forward(runner, kv)  # CPU: rows are not free; what they cost is measured
         if fwd:
             cost = StepCost(fwd, overhead=0.2 * fwd[min(fwd)])

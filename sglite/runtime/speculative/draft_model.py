@@ -83,7 +83,7 @@ class DraftModel:
         dtype = str(target_runner.dtype).replace("torch.", "")
         cfg = dataclasses.replace(config, model_path=path, dtype=dtype, page_size=1, speculative_algorithm=None,
                                   quantization="auto",
-                                  max_total_tokens=getattr(target_runner, "max_total_tokens", None) or 8192,
+                                  max_total_tokens=target_runner.max_total_tokens,
                                   context_length=target_runner.context_length)
         runner = ModelRunner(cfg, ckpt.hf_config, load_weights(ckpt, "auto", target_runner.dtype, target_runner.device))
         if runner.vocab_size != target_runner.vocab_size:

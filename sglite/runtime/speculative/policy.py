@@ -110,13 +110,14 @@ def probe_forward(runner, kv, rows: Sequence[int] = PROBE_ROWS, reps: int = PROB
     slots (both unused then). Row counts up to ``PROBE_SMALL_ROWS`` get ``PROBE_SMALL_REPS``
     passes (cheap; a second row's price decides whether open-chat drafts pay), and the times are
     made non-decreasing in rows (more rows never cost less: a lower time is noise). None when
-    the runner cannot be probed (no model, pool too small)."""
+    the pool or the slot table is too small for the probe, or no slot-table row is free. ``runner``
+    is a :class:`~sglite.runtime.runner_protocol.RunnerProtocol` (``measure_forward`` True),
+    ``kv`` its scheduler's :class:`~sglite.runtime.kv_manager.KVManager`."""
     from ..forward_batch import ForwardBatch
 
-    pool = getattr(runner, "token_to_kv_pool", None)
-    table = getattr(kv, "req_to_token", None)
+    pool, table = runner.token_to_kv_pool, kv.req_to_token
     n_max = PROBE_CONTEXT + max(rows)
-    if pool is None or table is None or getattr(pool, "capacity", 0) < n_max + 8 or table.shape[1] < n_max + 8:
+    if pool.capacity < n_max + 8 or table.shape[1] < n_max + 8:
         return None
     row = kv.req_pool.alloc()
     if row is None:

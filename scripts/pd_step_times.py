@@ -1,6 +1,6 @@
 """Prefill / decode step times of the default model for docs/scaling.md: python scripts/pd_step_times.py
 
-Also the P/D KV transfer time of a prompt's K/V (sglite.distributed.disaggregation.send_kv /
+Also the P/D KV transfer time of a prompt's K/V (sglite.server.disaggregation.send_kv /
 recv_kv over gloo on 127.0.0.1, the pool's shape and dtype, through a TCPStore as the servers do).
 """
 import json, statistics, threading, time
@@ -13,8 +13,8 @@ def transfer_time(e, n: int, repeats: int = 3) -> float:
     """Seconds to send the K/V of ``n`` tokens of ``e``'s pool shape from one thread to another."""
     import torch
     import torch.distributed as dist
-    from sglite.distributed.disaggregation import recv_kv, send_kv
-    from sglite.server.runner import free_port
+    from sglite.server.disaggregation import recv_kv, send_kv
+    from sglite.runtime.parallel.ports import free_port
 
     pool = e.runner.token_to_kv_pool
     L, (H, D), dt = len(pool.k_buffers), pool.k_buffers[0].shape[1:], pool.k_buffers[0].dtype

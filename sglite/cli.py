@@ -7,7 +7,7 @@ import runpy
 import sys
 
 from . import __version__
-from .server.flags import FlagParser, add_engine_args
+from .flags import FlagParser, add_engine_args
 
 
 def _cmd_kv_estimate(args) -> int:
@@ -49,14 +49,14 @@ def _generate_params(args) -> dict:
 
 
 def _cmd_generate(args, parser) -> int:
-    from .config import EngineConfig
-    from .server.flags import engine_kwargs, fail
+    from .flags import engine_kwargs, fail
+    from .runtime.engine_config import engine_config
 
     kwargs = engine_kwargs(args)
     # one request: a pool for one full context, not the server's 64 (unless the flags say otherwise)
     kwargs.setdefault("max_running_requests", 1)
     try:  # every flag and the request are checked before the model is loaded
-        EngineConfig.from_kwargs(**kwargs)
+        engine_config(**kwargs)
         params = _generate_params(args)
     except ValueError as exc:
         fail(parser, exc)
@@ -78,7 +78,7 @@ def _cmd_generate(args, parser) -> int:
 
 
 def _cmd_serve(argv) -> int:
-    from .server.launch import main as serve_main
+    from .launch_server import main as serve_main
 
     serve_main(argv)
     return 0
@@ -96,7 +96,7 @@ BENCHES = {
     "sweep": "sglite.bench.sweep",
     "grammar": "sglite.bench.grammar",
     "startup": "sglite.bench.startup",
-    "router": "sglite.distributed.bench_router",
+    "router": "sglite.bench.router",
     "spec": "sglite.bench.spec",
     "quant": "sglite.bench.quant",
 }
@@ -126,7 +126,7 @@ def _cmd_bench(argv) -> int:
 
 def build_parser() -> tuple[FlagParser, FlagParser]:
     """The ``sglite`` parser and its ``generate`` sub-parser (``serve`` and ``bench`` parse their
-    own flags: :func:`sglite.server.launch.build_parser`, the bench modules)."""
+    own flags: :func:`sglite.launch_server.build_parser`, the bench modules)."""
     p = FlagParser(prog="sglite", description="sglite: structured generation runtime",
                    usage="%(prog)s {serve,router,generate,run,bench,eval,quantize,kv-estimate} ...  (see --help)")
     p.add_argument("--version", action="version", version=f"sglite {__version__}")
@@ -172,12 +172,12 @@ def main(argv=None) -> int:
     if argv and argv[0] == "bench":
         return _cmd_bench(argv[1:])
     if argv and argv[0] == "router":
-        from .distributed.router_cli import main as router_main
+        from .router.cli import main as router_main
         return router_main(argv[1:])
     if argv and argv[0] == "eval":
         return _cmd_eval(argv[1:])
     if argv and argv[0] == "quantize":
-        from .quant.quantize_cli import main as quantize_main
+        from .quantize import main as quantize_main
 
         return quantize_main(argv[1:]) or 0
     p, g = build_parser()

@@ -230,13 +230,6 @@ class EngineConfig:
             bad("log_level", f"must be debug, info, warning, error or critical, got {self.log_level!r}")
         if self.grammar_backend not in GRAMMAR_BACKENDS:
             bad("grammar_backend", f"must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}")
-        if self.constrained_json_whitespace_pattern is not None:
-            from .constrained.regex_parse import parse_regex
-            from .errors import GrammarError
-            try:
-                parse_regex(self.constrained_json_whitespace_pattern)
-            except GrammarError as e:
-                bad("constrained_json_whitespace_pattern", f"invalid regex: {e}")
         if isinstance(self.quantization, str) and self.quantization.lower() == "none":
             object.__setattr__(self, "quantization", None)
         if self.quantization is not None and self.quantization not in ("auto",) + QUANTIZATIONS:

@@ -4,7 +4,8 @@ bytes/token = 2 (K and V) × layers × KV heads × head dim × bytes per element
 (32 layers, 32 KV heads, head dim 128, fp16) that is 512 KiB; LLaMA-2-70B (80 layers, 8 KV heads)
 320 KiB; Mistral-7B (32 layers, 8 KV heads) 128 KiB.
 
-Quantized pools (``--kv-cache-dtype``, :func:`kv_bytes_per_token`) count their scales: int8 / int4
+Quantized pools (``--kv-cache-dtype``) count their scales (the runtime's own formula,
+:func:`sglite.runtime.kv_pool.kv_bytes_per_token`): int8 / int4
 (KIVI layout, ``sglite/runtime/kv_quant.py``) store codes plus a float16 scale and minimum per
 token and head (values) and per channel, head and group of G tokens (keys); fp8_e4m3 one byte per
 element (its per-head scales are per layer, not per token).
@@ -15,9 +16,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from .config import KV_CACHE_DTYPES
 from .errors import InvalidRequestError
-
-KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3", "int8", "int4")
+from .runtime.kv_pool import kv_bytes_per_token
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "float8": 1}
 
 
@@ -46,31 +47,6 @@ class KVEstimate:
     @property
     def total_bytes(self) -> int:
         return self.bytes_per_sequence * self.batch
-
-
-def kv_bytes_per_token(kv_cache_dtype: str, num_layers: int, num_kv_heads: int, head_dim: int,
-                       model_dtype_bytes: int = 2, group: int = 128) -> int:
-    """Pool bytes per token over every layer, K and V, scales included (rounded down).
-
-    ``auto`` = the model dtype (``model_dtype_bytes`` per element); ``bfloat16`` 2; ``fp8_e4m3`` 1;
-    ``int8`` / ``int4``: codes (D or D/2 bytes per head), 4 bytes of value scale + min per head, and
-    each key group's ``2 x 2 x D`` bytes per head shared by its ``group`` tokens.
-
-    Raises:
-        InvalidRequestError: an unknown ``kv_cache_dtype``.
-    """
-    hd = num_layers * num_kv_heads
-    if kv_cache_dtype == "auto":
-        return 2 * hd * head_dim * model_dtype_bytes
-    if kv_cache_dtype == "bfloat16":
-        return 2 * hd * head_dim * 2
-    if kv_cache_dtype == "fp8_e4m3":
-        return 2 * hd * head_dim
-    if kv_cache_dtype not in ("int8", "int4"):
-        raise InvalidRequestError(f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}",
-                                  field="kv_cache_dtype")
-    codes = head_dim if kv_cache_dtype == "int8" else head_dim // 2
-    return (hd * (2 * codes + 4) * group + hd * 4 * head_dim) // group
 
 
 def estimate(config: dict, seq_len: int = 4096, batch: int = 16, dtype: str = "float16",

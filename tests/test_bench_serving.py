@@ -5,7 +5,7 @@ import math
 import pytest
 
 from sglite.bench import serving, sweep
-from sglite.bench.launcher import LaunchedServer
+from sglite.server.launcher import LaunchedServer
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -11,8 +11,8 @@ import pytest
 from sglite import __version__
 from sglite.cli import build_parser as cli_parsers
 from sglite.config import EngineConfig
-from sglite.server.flags import SHOWN_DEFAULTS, field_docs, first_sentence
-from sglite.server.launch import build_parser, engine_kwargs, server_config
+from sglite.flags import SHOWN_DEFAULTS, field_docs, first_sentence
+from sglite.launch_server import build_parser, engine_kwargs, server_config
 from sglite.server.settings import ServerConfig
 
 LISTED = ("--tokenizer-path", "--chat-template", "--max-model-len", "--context-length", "--enable-metrics",
@@ -178,13 +178,16 @@ print(json.dumps({"rc": rc, "engine": "sglite.runtime.engine" in sys.modules, "t
     (["serve", "--port", "70000"], "--port"),
     (["serve", "--page-size", "0"], "--page-size"),
     (["serve", "--schedule-policy", "random"], "--schedule-policy"),
+    (["serve", "--constrained-json-whitespace-pattern", "(("], "--constrained-json-whitespace-pattern"),
+    (["generate", "hi", "--constrained-json-whitespace-pattern", "a(?>b)"], "--constrained-json-whitespace-pattern"),
 ])
 def test_bad_values_fail_before_loading_naming_the_flag(argv, flag):
     p = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(argv)], capture_output=True, text=True,
                        timeout=120)
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert res["rc"] == 2 and not res["engine"], (res, p.stderr)
-    if flag != "--regex":  # checking a regex imports the grammar code (torch), never the model
+    if flag not in ("--regex", "--constrained-json-whitespace-pattern"):  # checking a regex imports the grammar
+        # code (torch), never the model
         assert not res["torch"], (res, p.stderr)
     assert flag in p.stderr.splitlines()[-1], p.stderr
 

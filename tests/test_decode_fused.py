@@ -77,7 +77,7 @@ def test_gemv_q8_rejects_other_group_sizes():
 @pytest.fixture(scope="module")
 def quantized_tiny(tiny_model_dir, tmp_path_factory):
     from sglite.quant.calibrate import QuantOptions
-    from sglite.quant.quantize_cli import quantize
+    from sglite.quantize import quantize
 
     root = tmp_path_factory.mktemp("fused")
     return {bits: quantize(str(tiny_model_dir), root / f"rtn{bits}", QuantOptions(method="rtn", bits=bits, group_size=32),

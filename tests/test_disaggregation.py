@@ -7,9 +7,9 @@ import httpx
 import pytest
 import torch
 
-from sglite.distributed.pd_router import prefill_body
-from sglite.distributed.router import RouterThread
-from sglite.distributed.router_policy import RouterConfig
+from sglite.router.pd import prefill_body
+from sglite.router.app import RouterThread
+from sglite.router.policy import RouterConfig
 from sglite.errors import InvalidRequestError
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village,"]
@@ -55,7 +55,8 @@ def test_kv_export_import_round_trip(tiny_model_dir):
 @pytest.mark.slow
 def test_pd_router_output_equals_colocated(tiny_model_dir):
     from sglite import Engine
-    from sglite.server.runner import ServerThread, free_port
+    from sglite.runtime.parallel.ports import free_port
+    from sglite.server.runner import ServerThread
 
     kw = dict(dtype="float32", max_total_tokens=4096, log_level="warning")
     bport = free_port()

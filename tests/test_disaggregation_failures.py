@@ -8,9 +8,9 @@ import time
 import httpx
 import pytest
 
-from sglite.distributed import disaggregation
-from sglite.distributed.router import RouterThread
-from sglite.distributed.router_policy import RouterConfig
+from sglite.server import disaggregation
+from sglite.router.app import RouterThread
+from sglite.router.policy import RouterConfig
 
 pytestmark = pytest.mark.slow
 SP = {"max_new_tokens": 6, "temperature": 0}
@@ -32,7 +32,8 @@ class PD:
 
     def __init__(self, prefill_model, decode_model):
         from sglite import Engine
-        from sglite.server.runner import ServerThread, free_port
+        from sglite.runtime.parallel.ports import free_port
+        from sglite.server.runner import ServerThread
 
         self.bport = free_port()
         self.pre_e = Engine(str(prefill_model), disaggregation_mode="prefill",

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sglite.distributed import parallel_state
-from sglite.distributed.parallel_state import make_tp_group, tp_backend
+from sglite.runtime.parallel import parallel_state
+from sglite.runtime.parallel.parallel_state import make_tp_group, tp_backend
 
 
 def test_backend_per_device():
@@ -46,5 +46,5 @@ def test_no_other_module_picks_a_backend():
     root = Path(sglite.__file__).parent
     hits = [p.relative_to(root).as_posix() for p in root.rglob("*.py")
             if "ProcessGroupNCCL" in p.read_text() or '"nccl"' in p.read_text()]
-    assert hits == ["distributed/parallel_state.py"], hits
+    assert hits == ["runtime/parallel/parallel_state.py"], hits
     assert Path(parallel_state.__file__).name == "parallel_state.py"

@@ -108,7 +108,7 @@ def test_server_flags_md_is_generated_from_the_live_parsers():
 
 
 def test_flag_reference_lists_every_serve_flag():
-    from sglite.server.launch import build_parser
+    from sglite.launch_server import build_parser
 
     text = (DOCS / "server_flags.md").read_text(encoding="utf-8")
     flags = [s for a in build_parser()._actions for s in a.option_strings if s.startswith("--") and s != "--help"]
@@ -116,7 +116,7 @@ def test_flag_reference_lists_every_serve_flag():
 
 
 def _serve_parser():
-    from sglite.server.launch import build_parser
+    from sglite.launch_server import build_parser
 
     parser = build_parser()
     parser.exit_on_error = False

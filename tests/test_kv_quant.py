@@ -9,7 +9,8 @@ from sglite.errors import InvalidRequestError
 from sglite.kernels import kv_quant as kq
 from sglite.kernels import kv_quant_cpu
 from sglite.config import EngineConfig
-from sglite.runtime.kv_quant import QuantTokenToKVPool, kv_bytes_per_token
+from sglite.runtime.kv_pool import kv_bytes_per_token
+from sglite.runtime.kv_quant import QuantTokenToKVPool
 
 
 def oracle_fake_quant(x: torch.Tensor, bits: int) -> torch.Tensor:

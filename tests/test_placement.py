@@ -1,7 +1,7 @@
 """DistServe-style placement estimate: queueing formulas and the colocated/disaggregated comparison."""
 import math
 
-from sglite.distributed.placement import (StepTimes, decode_batch, goodput_per_device, max_rate,
+from sglite.router.placement import (StepTimes, decode_batch, goodput_per_device, max_rate,
                                           meets_colocated, mdl_ttft)
 
 
@@ -45,7 +45,7 @@ def test_max_rate_bisection():
 def test_kv_transfer_time_counts_against_disaggregated_ttft_only():
     """The transfer adds to the disaggregated TTFT: at a TTFT SLO of prefill + transfer the
     single prefill device can no longer meet it at any rate; colocated is unaffected."""
-    from sglite.distributed.placement import meets_disaggregated
+    from sglite.router.placement import meets_disaggregated
 
     st = StepTimes(prefill_s=2.0, decode_a=0.1, decode_b=0.001, output_len=48)
     slow = StepTimes(prefill_s=2.0, decode_a=0.1, decode_b=0.001, output_len=48, transfer_s=0.5)

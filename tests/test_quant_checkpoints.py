@@ -9,7 +9,7 @@ import torch
 
 from sglite.quant import hf_formats as hf
 from sglite.quant.calibrate import QuantOptions
-from sglite.quant.quantize_cli import check_options, quantize
+from sglite.quantize import check_options, quantize
 
 PROMPT_IDS = [504, 3458, 3502, 314, 253, 5426, 1314, 28, 5248, 11633, 28, 690, 9095, 30, 378, 357] * 2
 

@@ -88,7 +88,7 @@ def test_tiled_gemv_matches_reference(portable, bits, n, k, mins, half):
 def test_fused_bf16_decode_runs_on_tiles(tiny_model_dir, tmp_path):
     from sglite import Engine
     from sglite.quant.calibrate import QuantOptions
-    from sglite.quant.quantize_cli import quantize
+    from sglite.quantize import quantize
 
     if not quant_cpu.vnni():
         pytest.skip("no AVX-512 VNNI here: the fused decode keeps the row layout")

@@ -5,9 +5,9 @@ import json
 import httpx
 import pytest
 
-from sglite.distributed.approx_tree import ApproxRadixTree
-from sglite.distributed.router import RouterThread, request_text
-from sglite.distributed.router_policy import Policy, RouterConfig
+from sglite.router.approx_tree import ApproxRadixTree
+from sglite.router.app import RouterThread, request_text
+from sglite.router.policy import Policy, RouterConfig
 from sglite.errors import InvalidRequestError
 
 
@@ -154,7 +154,7 @@ def test_cache_aware_hit_rate_on_two_tiny_workers_is_near_a_single_workers(tiny_
     """Shared-prefix and multi-turn workloads: cache-aware routing keeps >= 90 % of one worker's
     prefix-cache hit rate; round robin (reported) loses more on multi-turn."""
     from sglite import Engine
-    from sglite.distributed.bench_router import run_workload
+    from sglite.bench.router import run_workload
     from sglite.server.runner import ServerThread
 
     engines = [Engine(str(tiny_model_dir), dtype="float32", max_total_tokens=16384, log_level="warning")
@@ -182,7 +182,7 @@ def test_serve_dp_size_starts_workers_behind_the_router(tiny_model_dir, tmp_path
     import sys
     import time
 
-    from sglite.server.runner import free_port
+    from sglite.runtime.parallel.ports import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "sglite.launch_server", "--model-path", str(tiny_model_dir),

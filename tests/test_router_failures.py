@@ -12,9 +12,9 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from sglite.distributed.router import RouterThread
-from sglite.distributed.router_policy import Policy, RouterConfig
-from sglite.server.runner import free_port
+from sglite.router.app import RouterThread
+from sglite.router.policy import Policy, RouterConfig
+from sglite.runtime.parallel.ports import free_port
 
 GAP = 0.4  # seconds between a slow worker's frames
 

@@ -1,6 +1,6 @@
 """The runner contract (:class:`sglite.runtime.runner_protocol.RunnerProtocol`), one suite over every
 runner the scheduler drives: :class:`~sglite.runtime.model_runner.ModelRunner` (tiny model), the
-scheduler unit tests' fake runner and :class:`~sglite.distributed.tp_client.TPRunnerClient`
+scheduler unit tests' fake runner and :class:`~sglite.runtime.parallel.tp_client.TPRunnerClient`
 (``tp_size=2`` worker processes on the tiny model)."""
 import pytest
 import torch
@@ -31,7 +31,7 @@ def _fake_runner(tiny_model_dir):
 
 
 def _tp_client(tiny_model_dir):
-    from sglite.distributed.tp_client import TPRunnerClient
+    from sglite.runtime.parallel.tp_client import TPRunnerClient
     from sglite.runtime.model_loader import load_checkpoint
 
     cfg = EngineConfig(model_path=str(tiny_model_dir), tp_size=2, **KW)

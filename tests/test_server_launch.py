@@ -8,8 +8,8 @@ import time
 import httpx
 
 from sglite.config import EngineConfig
-from sglite.server.launch import build_parser, engine_kwargs, server_config
-from sglite.server.runner import free_port
+from sglite.launch_server import build_parser, engine_kwargs, server_config
+from sglite.runtime.parallel.ports import free_port
 
 
 def test_flags_map_to_engine_config_and_server_config():

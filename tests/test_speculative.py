@@ -546,7 +546,7 @@ def test_speculative_algorithm_is_case_insensitive():
     import argparse
 
     from sglite.config import EngineConfig
-    from sglite.server.flags import add_engine_args
+    from sglite.flags import add_engine_args
 
     assert EngineConfig(speculative_algorithm="ngram").speculative_algorithm == "NGRAM"
     p = add_engine_args(argparse.ArgumentParser())

@@ -82,7 +82,7 @@ def test_accept_model_learns_per_source_and_per_request():
 @pytest.fixture(scope="module")
 def quantized_tiny4(tiny_model_dir, tmp_path_factory):
     from sglite.quant.calibrate import QuantOptions
-    from sglite.quant.quantize_cli import quantize
+    from sglite.quantize import quantize
 
     return quantize(str(tiny_model_dir), tmp_path_factory.mktemp("spec3") / "rtn4",
                     QuantOptions(method="rtn", bits=4, group_size=32), n_samples=1, seq_len=16)

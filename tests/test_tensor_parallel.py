@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from sglite.distributed.parallel_state import TPComm, TPLayout, load_shard, make_tp_group
+from sglite.runtime.parallel.parallel_state import TPComm, TPLayout, load_shard, make_tp_group
 from sglite.errors import InvalidRequestError
 from sglite.runtime.forward_batch import ForwardBatch
 from sglite.runtime.kv_pool import TokenToKVPool
@@ -187,7 +187,7 @@ def test_two_nodes_on_one_machine(tiny_model_dir):
     import sys
 
     from sglite import Engine
-    from sglite.server.runner import free_port
+    from sglite.runtime.parallel.ports import free_port
 
     addr = f"127.0.0.1:{free_port()}"
     kw = dict(dtype="float32", max_total_tokens=1024, log_level="warning")

@@ -7,7 +7,7 @@ import pickle
 import pytest
 import torch
 
-from sglite.distributed.tp_worker import compact_batch
+from sglite.runtime.parallel.tp_worker import compact_batch
 from sglite.runtime.forward_batch import ForwardBatch
 from sglite.runtime.parallel.commands import MESSAGES, Forward, StepDone, Stop, decode, encode
 

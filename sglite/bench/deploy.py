@@ -2,13 +2,13 @@
 
 Three kinds, told apart by ``SPEC``:
 
-* ``FLAGS`` (flags of ``sglite serve``, possibly empty): one server (:class:`~.launcher.LaunchedServer`);
+* ``FLAGS`` (flags of ``sglite serve``, possibly empty): one server (:class:`~sglite.server.launcher.LaunchedServer`);
   ``--dp-size N`` among them gives N workers behind the cache-aware router, as ``sglite serve`` does.
 * ``--pd-disaggregation FLAGS``: prefill/decode disaggregation (DistServe, Zhong et al. OSDI'24):
   a prefill server (``FLAGS --disaggregation-mode prefill --disaggregation-bootstrap-port P``), a
   decode server (``FLAGS --disaggregation-mode decode``), both started at once, and ``sglite router
   --pd-disaggregation --prefill URL P --decode URL`` in front (its own process in ``subprocess``
-  mode, a :class:`~sglite.distributed.router.RouterThread` in ``thread`` mode).
+  mode, a :class:`~sglite.router.app.RouterThread` in ``thread`` mode).
 * ``@URL``: a deployment already running at ``URL`` (nothing started or stopped).
 
 :meth:`Deployment.warm_workers` sends one short request straight to each server behind a router
@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 
 import httpx
 
-from .launcher import MODES, LaunchedServer
+from ..server.launcher import MODES, LaunchedServer
 
 PD_FLAG = "--pd-disaggregation"
 KINDS = ("server", "pd", "url")
@@ -78,7 +78,7 @@ class Deployment:
     Args:
         spec: ``FLAGS`` | ``--pd-disaggregation FLAGS`` | ``@URL`` (see the module docstring).
         common: flags of ``sglite serve`` given to every server started (``--server-args``, ``--model-path``).
-        mode: ``subprocess`` | ``thread`` (how servers are started; see :mod:`.launcher`).
+        mode: ``subprocess`` | ``thread`` (how servers are started; see :mod:`sglite.server.launcher`).
         startup_timeout: seconds each server may take to answer ``/health``.
     Raises:
         ValueError: a bad ``spec`` or ``mode``.
@@ -114,7 +114,7 @@ class Deployment:
         self.stop()
 
     def _start_pd(self) -> None:
-        from sglite.server.runner import free_port
+        from sglite.runtime.parallel.ports import free_port
 
         bport = free_port()
         halves = [LaunchedServer([*self.server_args, "--disaggregation-mode", "prefill",
@@ -131,8 +131,8 @@ class Deployment:
                 s.__enter__()
         pre, dec = halves
         if self.mode == "thread":
-            from sglite.distributed.router import RouterThread
-            from sglite.distributed.router_policy import RouterConfig
+            from sglite.router.app import RouterThread
+            from sglite.router.policy import RouterConfig
 
             self._router = RouterThread(RouterConfig(pd_disaggregation=True, prefill_urls=((pre.url, bport),),
                                                      decode_urls=(dec.url,), port=0)).__enter__()

@@ -211,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _engine_kwargs(a) -> dict:
-    from sglite.server.launch import build_parser as server_parser, engine_kwargs
+    from sglite.launch_server import build_parser as server_parser, engine_kwargs
 
     kw = engine_kwargs(server_parser().parse_args(shlex.split(a.engine_args)))
     return {"dtype": a.dtype, "max_total_tokens": a.max_total_tokens, **kw, "model_path": a.model_path}

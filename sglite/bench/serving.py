@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 import httpx
 
 from . import client as http_client
-from .launcher import MODES, LaunchedServer
+from ..server.launcher import MODES, LaunchedServer
 from .report import HelpFormatter, format_serving, write_json
 from .stats import NAN, RequestOutcome, compute_metrics, flat_metrics
 from .workloads import (DATASETS, SHAREGPT_CONTEXT_LEN, SHAREGPT_MIN_LEN, Session, WorkloadOptions, agent_arguments,

@@ -111,8 +111,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
         ValueError: naming ``--engine-args`` when it has flags ``sglite serve`` does not know,
             or the option whose value the engine config rejects.
     """
-    from sglite.config import EngineConfig
-    from sglite.server.launch import build_parser as server_parser, engine_kwargs as server_engine_kwargs
+    from sglite.runtime.engine_config import engine_config
+    from sglite.launch_server import build_parser as server_parser, engine_kwargs as server_engine_kwargs
 
     try:
         kw = server_engine_kwargs(server_parser().parse_args(shlex.split(a.engine_args)))
@@ -123,7 +123,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
             kw[name] = getattr(a, name)
     if kw.get("model_path"):
         kw["model_path"] = os.path.abspath(kw["model_path"])   # the children run in a temporary folder
-    EngineConfig.from_kwargs(**kw)   # bad values fail here, before any child starts
+    engine_config(**kw)   # bad values fail here, before any child starts
     return kw
 
 

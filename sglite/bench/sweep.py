@@ -6,7 +6,7 @@
         --output-json sweep.json --plot sweep.png
 
 Each ``--config LABEL=FLAGS`` starts its own server (``--server-args`` + ``FLAGS``; see
-:mod:`sglite.bench.launcher`), runs the workload once per rate (the prefix cache flushed before
+:mod:`sglite.server.launcher`), runs the workload once per rate (the prefix cache flushed before
 each), and stops it. ``LABEL=--pd-disaggregation FLAGS`` starts a prefill server, a decode server
 and the P/D router instead, ``LABEL=@URL`` uses a running deployment (:mod:`sglite.bench.deploy`).
 The chart has goodput, TTFT and TPOT (``--percentile``, P95 by default) against request rate with

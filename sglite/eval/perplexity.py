@@ -143,7 +143,7 @@ def perplexity(engine, ids: list[int], context_length: int = DEFAULT_CONTEXT_LEN
 
 def build_parser():
     """``sglite eval perplexity`` flags: the text slice and windows, plus every engine flag."""
-    from ..server.flags import FlagParser, add_engine_args
+    from ..flags import FlagParser, add_engine_args
 
     p = FlagParser(prog="sglite eval perplexity",
                    description="Perplexity over the first --max-tokens tokens of CPython's pydoc_data "
@@ -164,14 +164,14 @@ def main(argv=None) -> int:
     """``sglite eval perplexity``: prints perplexity (or the JSON of :class:`PerplexityResult`)."""
     import json
 
-    from ..config import EngineConfig
-    from ..server.flags import engine_kwargs, fail
+    from ..flags import engine_kwargs, fail
+    from ..runtime.engine_config import engine_config
 
     p = build_parser()
     args = p.parse_args(argv)
     kwargs = engine_kwargs(args)
     try:
-        EngineConfig.from_kwargs(**kwargs)
+        engine_config(**kwargs)
         windows(args.max_tokens, args.window_length, args.stride)
         if args.max_tokens < 2:
             raise ValueError(f"max_tokens: must be >= 2, got {args.max_tokens}")

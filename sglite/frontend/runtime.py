@@ -35,7 +35,7 @@ def server_argv(model_path: Optional[str], server_args: dict) -> list:
         InvalidRequestError: an unknown argument, or a value the flag refuses (the message is
             the flag parser's, naming the flag).
     """
-    from sglite.server.launch import build_parser
+    from sglite.launch_server import build_parser
 
     parser = build_parser()
     by_dest = {a.dest: a for a in parser._actions if a.option_strings}
@@ -91,7 +91,7 @@ class Runtime:
 
     def __init__(self, model_path: Optional[str] = None, log_level: str = "error", launch_timeout: float = 300.0,
                  port: Optional[int] = None, api_key: Optional[str] = None, **server_args):
-        from sglite.bench.launcher import LaunchedServer  # no torch: the server runs in the child
+        from sglite.server.launcher import LaunchedServer  # no torch: the server runs in the child
 
         args = dict(server_args, log_level=log_level)
         if api_key is not None:

@@ -11,9 +11,11 @@ the next layer's inputs -- so each layer is calibrated on the outputs of the alr
 layers before it. Cost: about two forward passes of the model over the calibration tokens, plus
 the per-layer algorithm.
 
-Calibration text (default): the LAST ``n_samples * seq_len`` tokens of CPython's ``pydoc_data``
-topics text (:func:`sglite.eval.perplexity.topics_text`), disjoint from the first tokens that
-``sglite eval perplexity`` evaluates on (as long as the two together fit in the text, ~100k tokens).
+Calibration tokens: the LAST ``n_samples * seq_len`` tokens of a text the caller passes in
+(:func:`calibration_ids`); ``sglite quantize`` (:mod:`sglite.quantize`) defaults to CPython's
+``pydoc_data`` topics text (:func:`sglite.eval.perplexity.topics_text`), so they are disjoint from
+the first tokens that ``sglite eval perplexity`` evaluates on (as long as the two together fit in
+the text, ~100k tokens).
 """
 from __future__ import annotations
 
@@ -40,15 +42,12 @@ GROUPS = (("qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
           ("down", ("mlp.down_proj",)))
 
 
-def calibration_ids(tokenizer, n_samples: int, seq_len: int, text: Optional[str] = None) -> torch.Tensor:
+def calibration_ids(tokenizer, n_samples: int, seq_len: int, text: str) -> torch.Tensor:
     """int64 [n_samples, seq_len] token ids: the last ``n_samples * seq_len`` tokens of ``text``
-    (default: the topics text, see the module docstring).
+    (``tokenizer.encode(text, add_special_tokens=False)``, the first token dropped: it may be cut).
 
     Raises:
         ValueError: the text has fewer tokens than needed."""
-    from ..eval.perplexity import topics_text
-
-    text = topics_text() if text is None else text
     need = n_samples * seq_len
     ids = tokenizer.encode(text[-12 * need:], add_special_tokens=False)[1:]  # first token may be cut
     if len(ids) < need:

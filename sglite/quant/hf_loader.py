@@ -131,9 +131,9 @@ def load_gptq_awq(checkpoint, dtype, device="cpu") -> dict:
 
 
 def _online(checkpoint, dtype, device, make) -> dict:
-    from ..runtime.model_loader import load_state_dict
-
-    sd = load_state_dict(checkpoint, torch.float32, "cpu")
+    """A float checkpoint's weights (float32 on the CPU) with every decoder matmul replaced by
+    ``make(weight)``, then cast and moved as :func:`_finish` does."""
+    sd = {k: v.float() if v.is_floating_point() else v for k, v in _read_tensors(checkpoint).items()}
     for k in list(sd):
         if k.endswith(".weight") and LINEAR_RE.match(k[:-len(".weight")]):
             sd[k] = make(sd[k])

@@ -51,9 +51,9 @@ from typing import Optional, Union
 
 import torch
 
-from ..config import EngineConfig
 from ..errors import InvalidRequestError
 from ..logging_setup import PhaseTimer, configure_if_unset
+from .engine_config import engine_config
 from .engine_info import model_info, server_info
 from .engine_loop import EngineLoop
 from .engine_requests import RequestBuilder, prep_field
@@ -83,7 +83,7 @@ class Engine:
     """
 
     def __init__(self, model_path: Optional[str] = None, **kwargs):
-        self.config = EngineConfig.from_kwargs(model_path=model_path, **kwargs)
+        self.config = engine_config(model_path=model_path, **kwargs)
         configure_if_unset(self.config.log_level)
         timer = PhaseTimer(log)
         cfg = self.config
@@ -98,8 +98,8 @@ class Engine:
             torch.set_num_threads(cfg.num_threads or max(1, (os.cpu_count() or 2) - 1))
         check_kv_cache_dtype(cfg.kv_cache_dtype, ckpt.hf_config, device)  # before the weights load
         self.runner: RunnerProtocol
-        if cfg.tp_size > 1:  # the model lives in tp_size worker processes (sglite.distributed)
-            from ..distributed.tp_client import TPRunnerClient
+        if cfg.tp_size > 1:  # the model lives in tp_size worker processes (sglite.runtime.parallel)
+            from .parallel.tp_client import TPRunnerClient
             with timer.phase("tensor-parallel workers"):
                 self.runner = TPRunnerClient(cfg, ckpt)
         else:

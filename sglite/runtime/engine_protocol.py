@@ -15,7 +15,10 @@ so the same seeded ``n > 1`` request samples the same in Python and over HTTP.
 """
 from __future__ import annotations
 
+import uuid
 from typing import Any, Optional, Protocol, Union, runtime_checkable
+
+from ..errors import InvalidRequestError
 
 SEED_MOD = 2 ** 62
 SAMPLE_SEED_STRIDE = 7919  # a prime: sample seeds of nearby base seeds do not collide early
@@ -29,6 +32,30 @@ def item_rid(base: str, i: int) -> str:
 def sample_rid(rid: str, j: int) -> str:
     """Request id of sample ``j`` (of ``n > 1``) of request ``rid``."""
     return f"{rid}-{j}"
+
+
+def base_rids(rid, n_in: int, is_list: bool) -> list[str]:
+    """One base rid per prompt of a call of ``n_in`` prompts (``is_list``: the prompt was a list):
+    a list ``rid`` as given (empty or None entries get a fresh uuid4 hex), a string ``rid`` (or a
+    fresh one when None) as is for one prompt, else :func:`item_rid` of it per item.
+
+    Raises:
+        InvalidRequestError: ``field="rid"``: a list of the wrong length, or an entry that is not
+            a string or None.
+    """
+    if isinstance(rid, list):
+        if len(rid) != n_in:
+            raise InvalidRequestError(f"rid: {len(rid)} given for {n_in} prompts", field="rid")
+        rids = rid
+    else:
+        rids = [rid]
+    for r in rids:
+        if r is not None and not isinstance(r, str):
+            raise InvalidRequestError(f"rid: must be a string, got {type(r).__name__}", field="rid")
+    if isinstance(rid, list):
+        return [r or uuid.uuid4().hex for r in rids]
+    base = rid or uuid.uuid4().hex
+    return [item_rid(base, i) for i in range(n_in)] if is_list else [base]
 
 
 def matches_rid(rid: str, query: str) -> bool:

@@ -15,7 +15,7 @@ from ..config import EngineConfig
 from ..errors import CapacityError, InvalidRequestError, context_length_message
 from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
-from .engine_protocol import item_rid, sample_rid, sample_seed
+from .engine_protocol import base_rids, sample_rid, sample_seed
 from .logprob_options import NO_LOGPROBS, LogprobOptions
 from .req import Req
 
@@ -201,22 +201,6 @@ class RequestBuilder:
         """A request that only prefills ``ids`` into the radix cache (no output, no sink)."""
         return self._req(rid, list(ids), SamplingParams(max_new_tokens=0), lambda ev: None, None, 0)
 
-    def _rids(self, rid, n_in: int, is_list: bool) -> list[str]:
-        """One base rid per prompt (see :mod:`sglite.runtime.engine_protocol` for the scheme)."""
-        if isinstance(rid, list):
-            if len(rid) != n_in:
-                raise InvalidRequestError(f"rid: {len(rid)} given for {n_in} prompts", field="rid")
-            rids = rid
-        else:
-            rids = [rid]
-        for r in rids:
-            if r is not None and not isinstance(r, str):
-                raise InvalidRequestError(f"rid: must be a string, got {type(r).__name__}", field="rid")
-        if isinstance(rid, list):
-            return [r or uuid.uuid4().hex for r in rids]
-        base = rid or uuid.uuid4().hex
-        return [item_rid(base, i) for i in range(n_in)] if is_list else [base]
-
     # ------------------------------------------------------------------ public
     def build(self, prompt, sampling_params, input_ids, rid, sink_factory: Callable, *,
               logprobs: LogprobOptions = NO_LOGPROBS, logprob_start_len=None, stream=False,
@@ -244,7 +228,7 @@ class RequestBuilder:
         if len(starts) != n_in:
             raise InvalidRequestError(f"logprob_start_len: {len(starts)} given for {n_in} prompts",
                                       field="logprob_start_len")
-        rids = self._rids(rid, n_in, is_list)
+        rids = base_rids(rid, n_in, is_list)  # one base rid per prompt
         opts, grammars = [], []
         for ids, sp, st in zip(all_ids, sps, starts):
             self._check_len(ids, sp)

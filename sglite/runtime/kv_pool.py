@@ -13,6 +13,37 @@ import torch
 
 from sglite.kernels.host_memory import zeros_hugepage
 
+from ..config import KV_CACHE_DTYPES
+from ..errors import InvalidRequestError
+
+
+def kv_bytes_per_token(kv_cache_dtype: str, num_layers: int, num_kv_heads: int, head_dim: int,
+                       model_dtype_bytes: int = 2, group: int = 128) -> int:
+    """Pool bytes per token over every layer, K and V, scales included (rounded down): the one
+    formula behind the pools, the model runner, the tensor-parallel client and ``sglite kv-estimate``.
+
+    ``auto`` = the model dtype (``model_dtype_bytes`` per element): ``2 x layers x KV heads x
+    head dim x bytes``; ``bfloat16`` 2 bytes per element; ``fp8_e4m3`` 1 (its per-head scales are
+    per layer, not per token); ``int8`` / ``int4`` (KIVI layout, :mod:`sglite.runtime.kv_quant`):
+    codes (D or D/2 bytes per head), 4 bytes of value scale + min per head, and each key group's
+    ``2 x 2 x D`` bytes per head shared by its ``group`` tokens.
+
+    Raises:
+        InvalidRequestError: an unknown ``kv_cache_dtype``.
+    """
+    hd = num_layers * num_kv_heads
+    if kv_cache_dtype == "auto":
+        return 2 * hd * head_dim * model_dtype_bytes
+    if kv_cache_dtype == "bfloat16":
+        return 2 * hd * head_dim * 2
+    if kv_cache_dtype == "fp8_e4m3":
+        return 2 * hd * head_dim
+    if kv_cache_dtype not in ("int8", "int4"):
+        raise InvalidRequestError(f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}",
+                                  field="kv_cache_dtype")
+    codes = head_dim if kv_cache_dtype == "int8" else head_dim // 2
+    return (hd * (2 * codes + 4) * group + hd * 4 * head_dim) // group
+
 
 class ReqToTokenPool:
     """Rows of the slot table, one per running request.
@@ -70,7 +101,7 @@ class TokenToKVPool:
 
         self.k_buffers = [storage().transpose(0, 1) for _ in range(num_layers)]  # L x [S, Hkv, D], strides (D, S*D, 1)
         self.v_buffers = [storage().transpose(0, 1) for _ in range(num_layers)]  # L x [S, Hkv, D], strides (D, S*D, 1)
-        self.bytes_per_token = 2 * num_layers * n_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+        self.bytes_per_token = kv_bytes_per_token("auto", num_layers, n_kv_heads, head_dim, torch.finfo(dtype).bits // 8)
         self.device = device
         self._free_pages = list(range(self.num_pages, 0, -1))  # stack; pop() gives low pages first
 

@@ -31,7 +31,7 @@ residual of the newest tokens):
 * **FP8 E4M3**: every token stored at once as ``float8_e4m3fn`` with a static per-(layer, head)
   scale (1.0: no calibration data in GGUF checkpoints), no residual and no page constraint.
 
-Bytes per token (scales included): see :func:`kv_bytes_per_token`; e.g. the default model
+Bytes per token (scales included): see :func:`sglite.runtime.kv_pool.kv_bytes_per_token`; e.g. the default model
 (30 layers, 3 KV heads, D = 64) with the default G = 128 (KIVI's residual length): bfloat16
 23,040, int8 12,060 (1.91x), int4 6,300 (3.66x), fp8 11,520 (2.0x). The residual windows
 (``rows x G`` tokens in the model dtype) are a fixed cost reported beside the pool.
@@ -45,10 +45,8 @@ import torch
 
 from sglite.kernels.kv_quant import QuantKVLayer, QuantStep
 
-from ..config import KV_CACHE_DTYPES  # noqa: F401  (re-exported)
 from ..errors import InvalidRequestError
-from ..kv_estimate import kv_bytes_per_token  # noqa: F401  (re-exported: the pool's bytes per token)
-from .kv_pool import TokenToKVPool
+from .kv_pool import TokenToKVPool, kv_bytes_per_token
 
 log = logging.getLogger("sglite.kv_quant")
 

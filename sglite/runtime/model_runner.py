@@ -12,7 +12,7 @@ from ..config import EngineConfig
 from ..errors import InvalidRequestError
 from .forward_batch import ForwardBatch
 from . import kv_quant
-from .kv_pool import ReqToTokenPool
+from .kv_pool import ReqToTokenPool, kv_bytes_per_token
 from .models.llama import LlamaArch, LlamaModel
 
 log = logging.getLogger("sglite.model_runner")
@@ -101,8 +101,8 @@ class ModelRunner:
                 f"({self.arch.max_position_embeddings})", field="context_length")
         a = self.arch
         kvd, group, rows = config.kv_cache_dtype, config.kv_cache_quant_group_size, config.max_running_requests + 8
-        self.bytes_per_token = kv_quant.kv_bytes_per_token(kvd, a.num_layers, a.num_kv_heads, a.head_dim,
-                                                           torch.finfo(self.dtype).bits // 8, group)
+        self.bytes_per_token = kv_bytes_per_token(kvd, a.num_layers, a.num_kv_heads, a.head_dim,
+                                                  torch.finfo(self.dtype).bits // 8, group)
         if config.max_total_tokens:
             tokens = config.max_total_tokens
         else:

@@ -21,6 +21,7 @@ import torch
 
 from ..config import EngineConfig
 from ..errors import CapacityError
+from .engine_protocol import matches_rid
 from .forward_batch import ForwardBatch
 from .grammar_masks import MaskOverlap
 from .kv_manager import KVManager
@@ -78,10 +79,9 @@ class Scheduler:
     def abort(self, rid: str) -> int:
         """Finish request ``rid`` and its samples ``rid-<k>`` (waiting or running) with reason
         abort, freeing their KV now. Returns how many requests were aborted."""
-        match = lambda r: r.rid == rid or r.rid.startswith(rid + "-")  # noqa: E731
         n = 0
         for queue_ in (self.waiting, self.running):
-            for r in [r for r in queue_ if match(r)]:
+            for r in [r for r in queue_ if matches_rid(r.rid, rid)]:
                 queue_.remove(r)
                 self._finish(r, FinishReason("abort", message="aborted by client"))
                 n += 1

@@ -7,7 +7,9 @@
 Modules: protocol (request models), app (assembly), native_api, openai_api / openai_chat /
 openai_params / openai_format / openai_common, tool_calls, engine_client (async engine access,
 aborts), sse, metrics (Prometheus), middleware (API key, body cap, 500s), errors, settings
-(ServerConfig), launch (CLI flags, ``main``), runner (ServerThread), testing (FakeEngine).
+(ServerConfig), runner (ServerThread), launcher (LaunchedServer: a server in a subprocess or
+thread), disaggregation (P/D endpoints), testing (FakeEngine). The command line (``sglite serve``)
+is :mod:`sglite.launch_server`.
 Imports are lazy so ``import sglite.server`` stays light.
 """
 from __future__ import annotations
@@ -19,8 +21,6 @@ _LAZY = {
     "ServerConfig": ("sglite.server.settings", "ServerConfig"),
     "ServerThread": ("sglite.server.runner", "ServerThread"),
     "FakeEngine": ("sglite.server.testing", "FakeEngine"),
-    "add_server_args": ("sglite.server.launch", "add_server_args"),
-    "main": ("sglite.server.launch", "main"),
 }
 
 

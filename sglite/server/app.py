@@ -57,8 +57,8 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
                                                              "served_model_name": name},
                                            enable_metrics=config.enable_metrics))
     app.include_router(build_openai_router(OpenAIContext(client, name, names)))
-    if getattr(ecfg, "disaggregation_mode", "null") != "null":  # prefill/decode half (sglite.distributed)
-        from ..distributed.disaggregation import disaggregation_routes
+    if getattr(ecfg, "disaggregation_mode", "null") != "null":  # prefill/decode half (sglite.server.disaggregation)
+        from .disaggregation import disaggregation_routes
         app.include_router(disaggregation_routes(engine, ecfg.disaggregation_mode, ecfg.disaggregation_bootstrap_port))
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
     if config.api_key or config.admin_api_key:

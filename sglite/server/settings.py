@@ -1,10 +1,16 @@
-"""ServerConfig: the HTTP server's own options (engine options live in :class:`sglite.EngineConfig`)."""
+"""ServerConfig: the HTTP server's own options (engine options live in :class:`sglite.EngineConfig`),
+and the ``sglite serve`` flag parser generated from both (used by :mod:`sglite.launch_server` and
+by :class:`sglite.server.launcher.LaunchedServer`'s thread mode)."""
 from __future__ import annotations
 
+import argparse
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
+from .. import __version__
 from ..errors import InvalidRequestError
+from ..flags import FlagParser, add_config_args, add_engine_args
 
 
 @dataclass(frozen=True)
@@ -55,3 +61,30 @@ class ServerConfig:
         if self.log_requests_max_chars < 0:
             raise InvalidRequestError(f"log_requests_max_chars: must be >= 0, got {self.log_requests_max_chars}",
                                       field="log_requests_max_chars")
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add every server flag (ServerConfig, defaults shown) and engine flag (EngineConfig,
+    default None = config default) to ``parser``; plus ``--version``."""
+    parser.add_argument("--version", action="version", version=f"sglite {__version__}")
+    add_config_args(parser, ServerConfig, skip=("log_level",), title="server (sglite.server.ServerConfig)",
+                    defaults_none=False)
+    add_engine_args(parser)
+    return parser
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The ServerConfig of parsed flags (``--log-level`` is shared with the engine).
+
+    Raises:
+        InvalidRequestError: a bad value, naming the field.
+    """
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)
+          if f.name != "log_level" and hasattr(args, f.name)}
+    return ServerConfig(**kw, log_level=getattr(args, "log_level", None) or "info")
+
+
+def build_parser() -> FlagParser:
+    """The ``sglite serve`` parser: every ServerConfig and EngineConfig flag, ``--version``."""
+    return add_server_args(FlagParser(prog="sglite serve",
+                                      description="Serve a model over HTTP (native + OpenAI API)."))

@@ -19,11 +19,10 @@ import queue
 import random
 import threading
 import time
-import uuid
 from typing import Any, Optional
 
 from ..errors import CapacityError, GrammarError, InvalidRequestError, context_length_message
-from ..runtime.engine_protocol import item_rid, matches_rid, sample_rid, sample_seed
+from ..runtime.engine_protocol import base_rids, matches_rid, sample_rid, sample_seed
 from ..runtime.engine_stream import BatchView, OutputEvent
 from ..runtime.logprob_options import LogprobOptions
 from ..sampling_params import SamplingParams
@@ -211,13 +210,7 @@ class FakeEngine:
             raise InvalidRequestError(f"sampling_params: {len(sps)} given for {n_in} prompts", field="sampling_params")
         sps = [sp if isinstance(sp, SamplingParams) else SamplingParams.from_dict(sp, self.tokenizer.vocab_size)
                for sp in sps]
-        if isinstance(rid, list):
-            if len(rid) != n_in or not all(r is None or isinstance(r, str) for r in rid):
-                raise InvalidRequestError(f"rid: {len(rid)} given for {n_in} prompts", field="rid")
-            rids = [r or uuid.uuid4().hex for r in rid]
-        else:
-            base = rid or uuid.uuid4().hex
-            rids = [item_rid(base, i) for i in range(n_in)] if is_list else [base]
+        rids = base_rids(rid, n_in, is_list)
         lp = LogprobOptions.from_args(vocab_size=self.tokenizer.vocab_size, **lp_kw)
         plan = []
         for base, ids, sp in zip(rids, all_ids, sps):

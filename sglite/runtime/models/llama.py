@@ -139,7 +139,7 @@ class LlamaModel:
             self.layers.append(layer)
         self.cos, self.sin = _rope_cache(arch, arch.max_position_embeddings, device)
         self.sm_scale = 1.0 / math.sqrt(arch.head_dim)
-        # tensor parallelism (sglite.distributed): this model is one rank's shard and ``tp`` (a
+        # tensor parallelism (sglite.runtime.parallel): this model is one rank's shard and ``tp`` (a
         # TPComm) does the vocab-parallel embedding, the all-reduces and the logits all-gather
         self.tp = None
         # fused C++ decode of 1..32 decode rows (sglite.kernels.decode_fused.FusedDecode), set by the

@@ -34,7 +34,7 @@ class Forward:
     Attributes:
         batch: the step's :class:`~sglite.runtime.forward_batch.ForwardBatch` on the CPU, its slot
             table compacted to the step's rows (``req_to_token`` [B, Lmax_step] int32; see
-            :func:`sglite.distributed.tp_worker.compact_batch`).
+            :func:`sglite.runtime.parallel.tp_worker.compact_batch`).
     """
 
     batch: ForwardBatch

@@ -61,10 +61,10 @@ class LaunchedServer:
         self.stop()
 
     def _start_thread(self) -> None:
+        from sglite.flags import engine_kwargs
         from sglite.runtime.engine import Engine
-        from sglite.server.launch import build_parser, engine_kwargs
         from sglite.server.runner import ServerThread
-        from sglite.server.settings import ServerConfig
+        from sglite.server.settings import ServerConfig, build_parser
 
         args = build_parser().parse_args(self.server_args)
         self._engine = Engine(**engine_kwargs(args))
@@ -73,7 +73,7 @@ class LaunchedServer:
         self.url = self._thread.url
 
     def _start_subprocess(self) -> None:
-        from sglite.server.runner import free_port
+        from sglite.runtime.parallel.ports import free_port
 
         port = self.port or free_port()
         self.url = f"http://127.0.0.1:{port}"

@@ -18,13 +18,13 @@ import time
 from typing import Optional, Sequence
 
 from ..errors import InvalidRequestError
-from .router_policy import POLICIES, RouterConfig
+from .policy import POLICIES, RouterConfig
 
 log = logging.getLogger("sglite.router")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..server.flags import FlagParser, field_docs
+    from ..flags import FlagParser, field_docs
 
     docs = field_docs(RouterConfig)
     p = FlagParser(prog="sglite router", description="Route requests over data-parallel sglite workers.")
@@ -66,7 +66,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import uvicorn
 
     from ..logging_setup import configure
-    from .router import create_router_app
+    from .app import create_router_app
 
     p = build_parser()
     args = p.parse_args(argv)
@@ -123,8 +123,8 @@ def serve_data_parallel(argv: Sequence[str], dp_size: int, host: str, port: int,
     the cache-aware router in front of them on ``host:port``."""
     import uvicorn
 
-    from ..server.runner import free_port
-    from .router import create_router_app
+    from ..runtime.parallel.ports import free_port
+    from .app import create_router_app
 
     import signal
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import InvalidRequestError
+from ...errors import InvalidRequestError
 
 
 @dataclass(frozen=True)

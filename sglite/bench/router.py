@@ -20,13 +20,13 @@ import time
 
 import httpx
 
-from ..bench.workloads import WorkloadOptions, build_workload
+from .workloads import WorkloadOptions, build_workload
 
 WORKLOADS = ("shared-prefix", "multi-turn")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..server.flags import FlagParser
+    from ..flags import FlagParser
 
     p = FlagParser(prog="sglite bench router", description="Prefix-cache hit rate: router over N workers vs one.")
     p.add_argument("--model-path", default=None, help="model of every worker (default: none, a tiny random Llama)")
@@ -88,8 +88,8 @@ def run_workload(url: str, name: str, n: int, seed: int, output_len: int, concur
 def main(argv=None) -> int:
     from ..runtime.engine import Engine
     from ..server.runner import ServerThread
-    from .router import RouterThread
-    from .router_policy import RouterConfig
+    from ..router.app import RouterThread
+    from ..router.policy import RouterConfig
 
     args = build_parser().parse_args(argv)
     model = args.model_path

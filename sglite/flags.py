@@ -1,8 +1,9 @@
 """Command-line flags generated from config dataclasses, with SGLang's spelling.
 
 One source for names, types, defaults and help: the fields of :class:`sglite.config.EngineConfig`
-(and :class:`sglite.server.settings.ServerConfig`) and the ``Attributes:`` / ``Args:`` section of
-their docstrings. A field ``max_running_requests`` becomes ``--max-running-requests`` with the
+(and of any other config dataclass passed to :func:`add_config_args`, e.g. the server's
+``ServerConfig``) and the ``Attributes:`` / ``Args:`` section of their docstrings. A base-floor
+module: it imports nothing of sglite but the config. A field ``max_running_requests`` becomes ``--max-running-requests`` with the
 first sentence of its docstring entry and its default as help. Booleans read as SGLang's: a
 field that defaults to False is a ``store_true`` flag (``--disable-radix-cache``); one that
 defaults to True is switched off by its ``--disable-…`` form (``enable_jump_forward`` ->
@@ -23,7 +24,7 @@ import re
 import sys
 from typing import Any, Iterable, Optional, Sequence
 
-from ..config import DTYPES, GRAMMAR_BACKENDS, KV_CACHE_DTYPES, SCHEDULE_POLICIES, SPECULATIVE_ALGORITHMS, EngineConfig
+from .config import DTYPES, GRAMMAR_BACKENDS, KV_CACHE_DTYPES, SCHEDULE_POLICIES, SPECULATIVE_ALGORITHMS, EngineConfig
 
 CHOICES = {"dtype": DTYPES, "schedule_policy": SCHEDULE_POLICIES, "grammar_backend": GRAMMAR_BACKENDS,
            "kv_cache_dtype": KV_CACHE_DTYPES,

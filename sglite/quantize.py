@@ -1,11 +1,15 @@
 """``sglite quantize``: write an HF-format quantized checkpoint from a float model and calibration text.
 
-Methods: ``rtn`` (round to nearest; written in GPTQ format, no act-order), ``gptq`` (:mod:`.gptq`),
-``awq`` (:mod:`.awq`; AutoAWQ GEMM format, 4-bit); ``--format fp8`` with rtn / gptq: FP8 E4M3
-weights (:mod:`.fp8`; ``quant_method: fp8``, ``weight`` float8_e4m3fn [N, K] and ``weight_scale``
+The algorithms are :mod:`sglite.quant`'s, on what this entry point hands them: the float model
+(transformers, float32) and the calibration text (``--calib-file``, default the end of CPython's
+``pydoc_data`` topics text, :func:`sglite.eval.perplexity.topics_text`).
+
+Methods: ``rtn`` (round to nearest; written in GPTQ format, no act-order), ``gptq``
+(:mod:`sglite.quant.gptq`), ``awq`` (:mod:`sglite.quant.awq`; AutoAWQ GEMM format, 4-bit);
+``--format fp8`` with rtn / gptq: FP8 E4M3 weights (:mod:`sglite.quant.fp8`; ``quant_method: fp8``, ``weight`` float8_e4m3fn [N, K] and ``weight_scale``
 float32 [N, 1] per output channel, or with ``--weight-block-size bn,bk`` ``weight_scale_inv``
 [ceil(N/bn), ceil(K/bk)] and ``weight_block_size`` in the config, DeepSeek-V3 / SGLang's
-block-wise layout); ``smoothquant`` (W8A8: :mod:`.calibrate`'s
+block-wise layout); ``smoothquant`` (W8A8: :mod:`sglite.quant.calibrate`'s
 SmoothQuant smoothing + per-channel int8 weights; SGLang's ``w8a8_int8`` format: ``weight`` int8
 [N, K] and ``weight_scale`` float32 [N, 1]; activations are quantized per token at run time).
 
@@ -25,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from .calibrate import METHODS, QuantOptions, calibration_ids, quantize_model
-from .hf_formats import GroupQuant, pack_awq, pack_gptq, quantization_config
+from .quant.calibrate import METHODS, QuantOptions, calibration_ids, quantize_model
+from .quant.hf_formats import GroupQuant, pack_awq, pack_gptq, quantization_config
 
 log = logging.getLogger("sglite.quant")
 
@@ -136,19 +140,24 @@ def write_checkpoint(out_dir, model, quantized: dict, opts: QuantOptions, src_di
 
 def quantize(model_path, out_dir, opts: QuantOptions, n_samples: int = 32, seq_len: int = 256,
              calib_text: str | None = None) -> Path:
-    """Load the float model, calibrate and quantize it (:func:`.calibrate.quantize_model`), write
-    the checkpoint. ``model_path`` None = the default model (its float32 conversion).
+    """Load the float model, calibrate and quantize it (:func:`sglite.quant.calibrate.quantize_model`),
+    write the checkpoint. ``model_path`` None = the default model (its float32 conversion);
+    ``calib_text`` None = the topics text (module docstring).
 
     Raises:
         ValueError: bad options (see :func:`check_options`) or too short a calibration text."""
     from transformers import AutoModelForCausalLM
 
-    from ..runtime.model_loader import load_checkpoint
-    from ..runtime.tokenizer import Tokenizer
+    from .runtime.model_loader import load_checkpoint
+    from .runtime.tokenizer import Tokenizer
 
     ckpt = load_checkpoint(model_path)
     check_options(opts, ckpt.hf_config)
     tok = Tokenizer.from_dir(ckpt.model_dir, ckpt.hf_config)
+    if calib_text is None:
+        from .eval.perplexity import topics_text
+
+        calib_text = topics_text()
     ids = calibration_ids(tok, n_samples, seq_len, calib_text)
     model = AutoModelForCausalLM.from_pretrained(str(ckpt.model_dir), dtype=torch.float32).eval()
     t0 = time.perf_counter()
@@ -158,7 +167,7 @@ def quantize(model_path, out_dir, opts: QuantOptions, n_samples: int = 32, seq_l
 
 
 def build_parser():
-    from ..server.flags import FlagParser
+    from .flags import FlagParser
 
     p = FlagParser(prog="sglite quantize",
                    description="Write an HF-format quantized checkpoint (GPTQ / AWQ / RTN in AutoGPTQ / "
@@ -185,8 +194,8 @@ def build_parser():
 
 
 def main(argv=None) -> int:
-    from ..logging_setup import configure
-    from ..runtime.model_loader import load_checkpoint
+    from .logging_setup import configure
+    from .runtime.model_loader import load_checkpoint
 
     p = build_parser()
     a = p.parse_args(argv)

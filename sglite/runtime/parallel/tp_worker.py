@@ -1,8 +1,8 @@
 """A tensor-parallel model worker process: one rank's weight shard and KV pool shard.
 
-Started by :class:`~sglite.distributed.tp_client.TPRunnerClient` (node 0) or by
+Started by :class:`~sglite.runtime.parallel.tp_client.TPRunnerClient` (node 0) or by
 ``sglite serve --node-rank k`` (other nodes). The loop: receive the scheduler's command on the
-control channel (:class:`~sglite.distributed.control.ControlChannel`), run the same
+control channel (:class:`~sglite.runtime.parallel.control.ControlChannel`), run the same
 :class:`~sglite.runtime.forward_batch.ForwardBatch` as every other rank (the collectives inside the
 forward run on the tensor-parallel group: gloo on CPU, NCCL on CUDA), and on
 rank 0 send the step's logits back to the scheduler.
@@ -48,13 +48,12 @@ def worker_main(config_dict: dict, tp_rank: int, addr: str, log_level: str = "in
     ``stop``. Errors in a step are logged and reported to the scheduler by rank 0."""
     import torch.distributed as dist
 
-    from sglite.runtime.parallel.commands import Forward, StepDone, Stop
-
-    from ..config import EngineConfig
-    from ..logging_setup import configure
-    from ..runtime.forward_batch import ForwardBatch
-    from ..runtime.model_loader import load_checkpoint
-    from ..runtime.model_runner import ModelRunner, available_memory_bytes, pool_tokens, resolve_device, resolve_dtype
+    from ...config import EngineConfig
+    from ...logging_setup import configure
+    from ..forward_batch import ForwardBatch
+    from ..model_loader import load_checkpoint
+    from ..model_runner import ModelRunner, available_memory_bytes, pool_tokens, resolve_device, resolve_dtype
+    from .commands import Forward, StepDone, Stop
     from .control import DEFAULT_TIMEOUT, ControlChannel, parse_addr
     from .parallel_state import TPComm, TPLayout, load_shard, make_tp_group
 

@@ -13,29 +13,22 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing as mp
-import socket
 import threading
 import weakref
 
 import torch
 
-from sglite.runtime.parallel.commands import Forward, StepDone, Stop
-
-from ..config import EngineConfig
-from ..errors import InvalidRequestError
-from ..runtime.kv_pool import ReqToTokenPool, TokenToKVPool
-from ..runtime.models.llama import LlamaArch
-from ..runtime.quant_loader import resolve_quantization as _resolve_q
+from ...config import EngineConfig
+from ...errors import InvalidRequestError
+from ..kv_pool import ReqToTokenPool, TokenToKVPool, kv_bytes_per_token
+from ..models.llama import LlamaArch
+from ..quant_loader import resolve_quantization as _resolve_q
+from .commands import Forward, StepDone, Stop
 from .parallel_state import TPLayout
+from .ports import free_port
 from .tp_worker import BIG, compact_batch, worker_main
 
 log = logging.getLogger("sglite.tp")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def start_workers(config: EngineConfig, addr: str, ranks) -> list:
@@ -106,7 +99,7 @@ class TPRunnerClient:
         self.arch = arch = LlamaArch.from_hf_config(hf)
         self.tp_size = tp = config.tp_size
         layout = TPLayout.make(hf, 0, tp)  # checks the split before anything starts
-        from ..runtime.model_runner import resolve_device, resolve_dtype
+        from ..model_runner import resolve_device, resolve_dtype
 
         self.worker_device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.worker_device)
@@ -151,7 +144,7 @@ class TPRunnerClient:
             self.close()
             raise RuntimeError("a tensor-parallel worker failed to load the model (see its log above)")
         kv_bytes = torch.finfo(self.dtype).bits // 8
-        self.bytes_per_token = 2 * arch.num_layers * layout.num_kv_heads * tp * arch.head_dim * kv_bytes
+        self.bytes_per_token = kv_bytes_per_token("auto", arch.num_layers, layout.num_kv_heads * tp, arch.head_dim, kv_bytes)
         self.token_to_kv_pool = TokenToKVPool(tokens, config.page_size, 0, layout.num_kv_heads, arch.head_dim,
                                               self.dtype, "cpu")  # no layers: pages only
         self.token_to_kv_pool.bytes_per_token = self.bytes_per_token

@@ -4,7 +4,7 @@
 For each generation request the router picks a decode server (its usual policy over the decode
 servers) and a prefill server (round robin), draws a random bootstrap room, and posts at once
 ``/disagg/prefill`` to the prefill server and ``/disagg/receive`` (with the prefill server's host
-and bootstrap port) to the decode server (:mod:`~sglite.distributed.disaggregation`); when both
+and bootstrap port) to the decode server (:mod:`~sglite.server.disaggregation`); when both
 answer, the original request goes to the decode server, whose radix cache now holds the prompt.
 Chat requests (the prompt text needs the chat template) and batches skip the transfer: the decode
 server prefills them itself. A failed transfer is logged and counted (``failures``, reported by
@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from .router_policy import RouterConfig
+from .policy import RouterConfig
 
 log = logging.getLogger("sglite.router")
 

@@ -3,7 +3,7 @@
     sglite router --worker-urls http://127.0.0.1:30001 http://127.0.0.1:30002 --port 30000
 
 Generation routes (``/generate``, ``/v1/completions``, ``/v1/chat/completions``) go to the worker a
-:class:`~.router_policy.Policy` picks (cache-aware by default); streamed responses are passed
+:class:`~sglite.router.policy.Policy` picks (cache-aware by default); streamed responses are passed
 through chunk by chunk. A worker that cannot be reached (connection error, or 502/503/504 before
 any byte was sent) is marked unhealthy and the request is retried on another (``max_retries``);
 a background task probes every worker's ``/health`` every ``health_check_interval_secs`` and
@@ -25,8 +25,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..server.runner import UvicornThread, bind_listener
-from .pd_router import ClientGone
-from .router_policy import Policy, RouterConfig
+from .pd import ClientGone
+from .policy import Policy, RouterConfig
 
 log = logging.getLogger("sglite.router")
 
@@ -158,10 +158,10 @@ class Router:
 
 def create_router_app(config: RouterConfig) -> FastAPI:
     """The router's FastAPI app (``app.state.router`` is its :class:`Router`; over the decode
-    servers with ``pd_disaggregation``, see :mod:`~sglite.distributed.pd_router`)."""
+    servers with ``pd_disaggregation``, see :mod:`~sglite.router.pd`)."""
     before = pairing = None
     if config.pd_disaggregation:
-        from .pd_router import PrefillPairing
+        from .pd import PrefillPairing
 
         pairing = PrefillPairing(config)
         router = Router(replace(config, worker_urls=config.decode_urls))

@@ -19,7 +19,6 @@ import ast
 import pathlib
 
 import networkx as nx
-import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PKG = ROOT / "sglite"
@@ -100,9 +99,6 @@ def edges():
             if target == "sglite" or target not in known:
                 continue
             yield me, target, unit_of(me), unit_of(target)
-
-
-HOUSE_MOVE = pytest.mark.xfail(strict=True, reason="issue 25: the floors are being laid (remove once it passes)")
 
 
 def test_every_unit_has_a_floor():

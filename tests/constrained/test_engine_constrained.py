@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 # evaluation data (see SOURCE.txt there: schemas under their projects' terms; tests only, never packaged)
-SAMPLE = Path(__file__).resolve().parent / "data" / "jsonschemabench" / "maskbench_sample.jsonl"
+SAMPLE = Path(__file__).resolve().parents[1] / "data" / "jsonschemabench" / "maskbench_sample.jsonl"
 WS_BIAS = {216: 5.0, 198: 5.0, 197: 5.0}  # " ", "\n", "\t" in the SmolLM2 vocabulary
 N_SCHEMAS = 20
 MAX_BOUND = 320  # longest allowed output (bytes) of a selected schema

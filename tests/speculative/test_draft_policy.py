@@ -171,7 +171,7 @@ def test_a_copy_still_drafts_after_a_run_of_failures(real_tokenizer):
 
 
 def test_engine_copy_drafts_after_failures_and_stays_greedy_identical(ngram_pair, monkeypatch):
-    from tests.test_speculative import COPY_PROMPTS
+    from tests.speculative.test_exact_sampling import COPY_PROMPTS
 
     base, spec = ngram_pair
     dec = spec.scheduler.spec

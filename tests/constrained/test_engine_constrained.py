@@ -145,6 +145,7 @@ def _prompt(schema):
     return f"Write a JSON object that matches this JSON Schema.\nSchema: {json.dumps(schema)[:300]}\nJSON: "
 
 
+@pytest.mark.slow  # the real default model (real_engine)
 @pytest.mark.parametrize("bias", [None, WS_BIAS], ids=["plain", "whitespace_bias"])
 def test_json_schema_outputs_validate_and_stop(real_engine, cases, bias):
     jsonschema = pytest.importorskip("jsonschema")
@@ -228,6 +229,7 @@ def test_expr_checker_rejects():
     _expr_value("(12 * 3) - 4/5")
 
 
+@pytest.mark.slow  # the real default model (real_engine)
 @pytest.mark.parametrize("bias", [None, WS_BIAS], ids=["plain", "whitespace_bias"])
 def test_regex_and_ebnf_outputs(real_engine, bias):
     extra = {"logit_bias": {str(k): v for k, v in bias.items()}} if bias else {}

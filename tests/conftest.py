@@ -5,8 +5,9 @@ Layout: one folder per feature (runtime, constrained, frontend, server, kernels,
 bench, speculative); files are named by the behaviour they check. The fast tier (``make test``:
 ``-m "not slow"``) is model-free units, tiny random models and fakes; a test that loads the real
 default model (``real_engine``, the real weights, ``Engine()`` without a model path), starts
-engines or servers in child processes or several engines at once, or runs long loops (stress
-runs, Triton interpreter sweeps) is marked ``slow`` (``make test-all`` and CI run both)."""
+engines or servers in child processes, runs engines together (router, P/D, TP workers), or runs
+long loops (stress runs, the longer Triton interpreter sweeps) is marked ``slow`` (``make
+test-all`` and CI run both)."""
 import pytest
 
 

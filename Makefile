@@ -21,7 +21,8 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VPY) examples/quickstart.py
 
-# fast tier: everything not marked `slow` (the real model is loaded once per session); skip reasons shown
+# fast tier: everything not marked `slow` (model-free units, tiny random models, fakes; the real model's
+# tokenizer only): 1,360 tests, 3 min 12 s on a shared 2-core machine (load ~3); skip reasons shown
 test: $(STAMP)
 	$(VPY) -m pytest -rs -m "not slow" tests
 

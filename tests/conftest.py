@@ -1,5 +1,13 @@
 """Session-wide fixtures: the real default checkpoint (converted once into the default cache) and
-tiny random-weight checkpoints that share its tokenizer."""
+tiny random-weight checkpoints that share its tokenizer.
+
+Layout: one folder per feature (runtime, constrained, frontend, server, kernels, quant, router,
+bench, speculative); files are named by the behaviour they check. The fast tier (``make test``:
+``-m "not slow"``) is model-free units, tiny random models and fakes; a test that loads the real
+default model (``real_engine``, the real weights, ``Engine()`` without a model path), starts
+engines or servers in child processes, runs engines together (router, P/D, TP workers), or runs
+long loops (stress runs, the longer Triton interpreter sweeps) is marked ``slow`` (``make
+test-all`` and CI run both)."""
 import pytest
 
 

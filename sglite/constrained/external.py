@@ -4,7 +4,7 @@
 The backends, their compiled grammars and their matchers subclass the Protocols of
 :mod:`sglite.constrained.protocols` (:class:`GrammarBackendProtocol`, :class:`CompiledGrammarProtocol`,
 :class:`GrammarMatcherProtocol`), the same seam sglite's own backend implements; the shared contract
-suite (``tests/test_grammar_protocol.py``) runs over them when they are installed. Kinds: regex,
+suite (``tests/constrained/test_grammar_protocol.py``) runs over them when they are installed. Kinds: regex,
 json_schema, json_object, ebnf (GBNF), lark, choices. Grammar errors raise
 :class:`~sglite.errors.GrammarError`. ``rollback`` counts the tokens accepted, so rolling back more
 than that raises ValueError as sglite's matcher does (the libraries' own limits differ).

@@ -7,7 +7,7 @@ backend that implements them plugs in: sglite's own (:class:`~sglite.constrained
 → :class:`~sglite.constrained.compiled.CompiledGrammar` →
 :class:`~sglite.constrained.matcher.GrammarMatcher`) and the llguidance / xgrammar adapters
 (:mod:`sglite.constrained.external`) subclass these Protocols explicitly, and
-``tests/test_grammar_protocol.py`` runs one contract suite over every backend installed.
+``tests/constrained/test_grammar_protocol.py`` runs one contract suite over every backend installed.
 
 All three are ``runtime_checkable`` (``isinstance`` checks that the members exist, not their
 signatures; the contract suite compares signatures with :func:`inspect.signature`).

@@ -21,7 +21,7 @@ agree to bf16 rounding, and this kernel is the closer one to a float64 computati
 Batch invariance: a request's output depends only on its own query, KV rows and length: each
 (request, KV head) task runs alone on one thread, and the order of every sum (4-token score
 groups, 16-lane softmax chunks, the V accumulation) is fixed by that request's length, never by
-the batch size, the longest request or the thread split (checked in tests/test_deterministic.py).
+the batch size, the longest request or the thread split (checked in tests/runtime/test_deterministic.py).
 
 Build: compiled on first use by :func:`.cpu_build.load_cpp` (``-O3 -march=native``; AVX-512
 intrinsics when the compiler targets AVX-512F/BW/VL, register-tiled for padded D of 64 or 128 with

@@ -22,7 +22,7 @@ fi
 } | tee "$OUT/env.txt"
 
 SGLITE_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -q -p no:cacheprovider \
-  tests/test_kernels_attention.py tests/test_kernels_matmul.py tests/test_kernels_sampling.py tests/test_kernels_dispatch.py 2>&1 | tee "$OUT/tests.log"
+  tests/kernels/test_attention.py tests/kernels/test_matmul.py tests/kernels/test_sampling.py tests/kernels/test_dispatch.py 2>&1 | tee "$OUT/tests.log"
 test_rc=${PIPESTATUS[0]}
 
 timeout "${BENCH_TIMEOUT:-240}" "$PY" -m sglite.kernels.bench --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.md"

@@ -139,7 +139,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, batch_invaria
 
     x: [..., H]; weight: [H]; returns x's shape and dtype (``F.rms_norm``). On CPU that is
     row-invariant as is (torch reduces each row with the same code whatever the row count; checked
-    in tests/test_deterministic.py). ``batch_invariant`` on CUDA runs
+    in tests/runtime/test_deterministic.py). ``batch_invariant`` on CUDA runs
     :func:`.triton_norm.rms_norm` (one program per row), since torch's CUDA reductions choose their
     launch configuration from the number of rows too.
     """

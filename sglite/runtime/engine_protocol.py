@@ -2,7 +2,7 @@
 one request-id / sample-seed scheme every layer shares. No torch.
 
 Implemented by :class:`sglite.Engine` and by the server's :class:`sglite.server.testing.FakeEngine`;
-both pass the same contract suite (``tests/test_engine_contract.py``).
+both pass the same contract suite (``tests/runtime/test_engine_contract.py``).
 
 Request ids (one scheme, SGLang's shape):
     * a single prompt: ``rid`` as given (a fresh uuid4 hex when None);

@@ -3,7 +3,7 @@
 Three classes implement it: :class:`~sglite.runtime.model_runner.ModelRunner` (the model in this
 process), :class:`~sglite.runtime.parallel.tp_client.TPRunnerClient` (``tp_size`` worker processes; its
 pool is an allocator whose K/V buffers live in the workers) and the fake runner of the scheduler's
-unit tests. ``tests/test_runner_contract.py`` checks all three against this contract.
+unit tests. ``tests/runtime/test_runner_contract.py`` checks all three against this contract.
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ def _model_runner(tiny_model_dir):
 
 
 def _fake_runner(tiny_model_dir):
-    from tests.test_scheduler_unit import FakeRunner
+    from tests.runtime.test_scheduler_unit import FakeRunner
 
     return FakeRunner(512, page_size=1, max_reqs=12, context=256)
 

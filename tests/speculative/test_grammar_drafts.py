@@ -1,11 +1,14 @@
-"""Speculative decoding (issue 17): jump-forward text as free, always-accepted drafts, and drafts
-that close a copied JSON string value at a word boundary.
+"""Speculative decoding (issue 17): drafts under a grammar. A draft token the grammar forbids ends
+the draft; greedy verification walks the grammar lazily (no per-draft masks); jump-forward text
+rides along as free, always-accepted drafts; and drafts close a copied JSON string value at a word
+boundary.
 
 Oracles: the grammar's own forced text (the tokens the plain run's jump-forward appends),
 verification rules worked by hand (a forced draft token is kept whatever the logits say, and
-only behind a kept token), and greedy output token for token against the engine without
-speculation, with drafts taken from that very output (an oracle drafter: every draft token the
-model will agree with, so forced text is verified inside the chains).
+only behind a kept token), prefix matching against fully masked rows for the lazy walk, and greedy
+output token for token against the engine without speculation, with drafts taken from that very
+output (an oracle drafter: every draft token the model will agree with, so forced text is verified
+inside the chains).
 """
 import json
 
@@ -96,6 +99,123 @@ def test_rows_before_forced_text_skip_the_lm_head():
     logits = torch.arange(12, dtype=torch.float32).reshape(4, 3)  # row 0 belongs to another entry
     rows = e.verify_rows(logits)
     assert rows.shape == (5, 3) and torch.equal(rows[[0, 1, 4]], logits[1:4]) and not rows[[2, 3]].any()
+
+
+# ---------------------------------------------------------------------- forbidden draft tokens (unit)
+class _Matcher:
+    """A grammar allowing only tokens in ``allowed`` (rollback counted)."""
+
+    def __init__(self, allowed):
+        self.allowed, self.accepted = set(allowed), []
+
+    def fill_next_token_bitmask(self, bitmask, row=0):
+        bitmask[row].zero_()
+        for t in self.allowed:
+            bitmask[row, t // 32] |= 1 << (t % 32)
+
+    def accept_token(self, t):
+        if t not in self.allowed:
+            return False
+        self.accepted.append(t)
+        return True
+
+    def is_terminated(self):
+        return False
+
+    def rollback(self, n):
+        del self.accepted[len(self.accepted) - n:]
+
+
+def test_grammar_forbidden_draft_token_ends_the_draft():
+    from sglite.runtime.sampler import Sampler
+    from sglite.runtime.speculative.decoder import SpecDecoder
+    from sglite.runtime.speculative.state import SpecState
+
+    class Cfg:
+        speculative_algorithm, speculative_num_draft_tokens, speculative_disable_by_batch_size = "NGRAM", 4, 8
+        page_size = 1
+
+    class Req:
+        grammar, spec = _Matcher({1, 2, 3}), SpecState()
+
+    dec = SpecDecoder(Cfg, None, Sampler(40, frozenset()), None)
+    r = Req()
+    chains, masks = dec.grammar_walk.walk(r, [[2, 3, 7, 1], [1, 1], [9]])
+    assert chains == [[2, 3], [1, 1], []]  # 7 and 9 are forbidden: each chain ends before them
+    assert r.grammar.accepted == []  # rolled back
+    assert [m.shape[0] for m in masks] == [1, 2, 2, 0] and int(masks[0][0, 0]) == 0b1110
+
+
+# ---------------------------------------------------------------------- lazy greedy grammar walk (unit)
+class _Grammar:
+    """Allows the tokens of ``allowed`` (a function of the accepted tokens so far)."""
+
+    def __init__(self, allowed):
+        self.allowed, self.acc, self.fills = allowed, [], 0
+
+    def fill_next_token_bitmask(self, m, row=0):
+        self.fills += 1
+        m[row].zero_()
+        for t in self.allowed(self.acc):
+            m[row, t // 32] |= 1 << (t % 32)
+
+    def accept_token(self, t):
+        if t not in self.allowed(self.acc):
+            return False
+        self.acc.append(t)
+        return True
+
+    def is_terminated(self):
+        return False
+
+    def rollback(self, n):
+        if n:
+            del self.acc[-n:]
+
+
+def test_greedy_walk_equals_prefix_matching_on_masked_rows():
+    from sglite.kernels.reference import bitmask_to_additive
+    from sglite.runtime.speculative.verify import verify_chain
+    from sglite.sampling_params import SamplingParams
+
+    gen = torch.Generator().manual_seed(0)
+    V, W = 40, 2
+    for trial in range(200):
+        allowed_sets = [set(torch.randperm(V, generator=gen)[:12].tolist()) for _ in range(6)]
+        allowed = lambda acc: allowed_sets[len(acc)]  # noqa: E731
+        x = torch.randn(6, V, generator=gen)
+        draft = []
+        for i in range(5):  # draft: often the masked argmax, sometimes another allowed token
+            masked = x[i].clone()
+            masked[[t for t in range(V) if t not in allowed_sets[i]]] = float("-inf")
+            pick = int(masked.argmax()) if trial % 3 else sorted(allowed_sets[i])[0]
+            draft.append(pick)
+        g = _Grammar(allowed)
+        child = lambda row, t: row + 1 if row < len(draft) and draft[row] == t else None  # noqa: E731
+        toks, rows = greedy_walk(x, child, g, W)
+        assert g.acc == []  # rolled back
+        # the oracle: every row masked by the grammar state after the draft tokens above it
+        bm = torch.zeros(6, W, dtype=torch.int32)
+        for i in range(6):
+            for t in allowed_sets[i]:
+                bm[i, t // 32] |= 1 << (t % 32)
+        want, a = verify_chain(x + bitmask_to_additive(bm, V), draft, SamplingParams(max_new_tokens=8, temperature=0))
+        assert toks == want and rows == list(range(a + 1))
+
+
+def test_greedy_walk_rolls_back_when_the_grammar_raises():
+    class Boom(_Grammar):
+        def accept_token(self, t):
+            if len(self.acc) == 2:
+                raise RuntimeError("grammar failure")
+            return super().accept_token(t)
+
+    g = Boom(lambda acc: set(range(10)))
+    x = torch.zeros(5, 10)
+    x[:, 3] = 1.0
+    with pytest.raises(RuntimeError):
+        greedy_walk(x, lambda row, t: row + 1 if row < 4 else None, g, 1)
+    assert g.acc == []
 
 
 # ---------------------------------------------------------------------- grammar walk

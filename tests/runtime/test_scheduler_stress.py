@@ -24,6 +24,7 @@ def _workload(tok, n, seed):
     return reqs
 
 
+@pytest.mark.slow  # 300 requests through two engines
 @pytest.mark.parametrize("page_size", [1, pytest.param(4, marks=pytest.mark.slow)])
 def test_stress_eviction_retraction_abort(tiny_model_dir, page_size):
     from sglite import Engine

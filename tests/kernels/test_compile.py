@@ -14,6 +14,7 @@ pytest.importorskip("triton", reason="triton is not installed on this platform")
 pytestmark = pytest.mark.triton
 
 
+@pytest.mark.slow  # compiles every Triton kernel in a child process
 def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"

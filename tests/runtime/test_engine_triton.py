@@ -30,6 +30,7 @@ def _run(model_dir, kernel):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # an engine in a child process, under the Triton interpreter
 def test_triton_path_matches_torch_path(tiny_model_dir):
     torch_res = _run(tiny_model_dir, "torch")
     triton_res = _run(tiny_model_dir, "triton")

@@ -12,7 +12,7 @@ pytestmark = [
     pytest.mark.skipif(not hasattr(sglite, "Engine"), reason="sglite.Engine is still the interface stub"),
 ]
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 
 
 def load(name):

@@ -7,6 +7,7 @@ import pytest
 from sglite.bench import startup
 
 
+@pytest.mark.slow  # starts an engine in a child process
 def test_one_repeat_on_the_tiny_model_gives_sane_phase_times(tiny_model_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     out = tmp_path / "startup.json"

@@ -1,7 +1,7 @@
 """Triton quantized matmul (sglite.kernels.triton_quant) against the torch reference
 (quant_linear.reference_linear): 4/8 bits, group sizes 32/128, offsets or none, input permutation,
 bias, odd N, 1..8 rows and more. On CPU under ``TRITON_INTERPRET=1`` (a fresh subprocess when
-triton was imported first), as tests/test_kernels_matmul.py; ``SGLITE_TEST_DEVICE=cuda`` runs it
+triton was imported first), as tests/kernels/test_matmul.py; ``SGLITE_TEST_DEVICE=cuda`` runs it
 compiled on a GPU."""
 import os
 

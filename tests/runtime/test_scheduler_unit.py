@@ -44,7 +44,7 @@ def predict(visible: list[int]) -> int:
 
 class FakeRunner:
     """Implements :class:`~sglite.runtime.runner_protocol.RunnerProtocol` over a one-number-per-slot
-    'KV' (tests/test_runner_contract.py checks it against the real runners' contract)."""
+    'KV' (tests/runtime/test_runner_contract.py checks it against the real runners' contract)."""
 
     device = "cpu"
     dtype = torch.float32

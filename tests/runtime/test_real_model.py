@@ -34,6 +34,7 @@ def test_greedy_parity_with_hf_on_four_prompts(real_engine, hf_model):
         assert torch.allclose(ours, theirs, atol=1e-3), float((ours - theirs).abs().max())
 
 
+@pytest.mark.slow  # the real default model (real_engine)
 def test_regex_constrained_flight_code(real_engine):
     pat = r"[A-Z]{3}-[0-9]{2,4}"
     prompt = real_engine.apply_chat_template([{"role": "user", "content": "Invent a product code."}])
@@ -42,6 +43,7 @@ def test_regex_constrained_flight_code(real_engine):
     assert out["meta_info"]["finish_reason"]["type"] == "stop"
 
 
+@pytest.mark.slow  # the real default model (real_engine)
 def test_same_long_prompt_twice_is_cached(real_engine):
     prompt = "Tell me about caching. " * 40
     n = len(real_engine.tokenizer.encode(prompt))

@@ -193,6 +193,7 @@ def test_dispatcher_routes_to_triton_kernels():
     assert rel_err(a, b) < 1e-5
 
 
+@pytest.mark.slow  # long loops under the Triton interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_batch_invariant_rows(dtype):
     """batch_invariant=True: a row's output is bitwise the same alone and inside batches of other

@@ -1,7 +1,7 @@
 """Token bitmask and sampling: Triton kernels (interpreted on CPU) and the torch reference.
 
 ``TRITON_INTERPRET=1`` is set before triton is imported; if triton was imported earlier in this
-pytest process, the file re-runs itself in a fresh subprocess (see test_kernels_attention.py).
+pytest process, the file re-runs itself in a fresh subprocess (see test_attention.py).
 """
 import os
 

@@ -1,7 +1,7 @@
 """FP8 E4M3 quantizers (:mod:`sglite.quant.fp8`): the grid, GPTQ with the E4M3 quantizer against
 round to nearest on the layer-output error, block-wise scales; the block-wise FP8 matmul against
 its reference; fp8 checkpoint load errors. (Checkpoint round trips through the engine are in
-``tests/test_quant_checkpoints.py``.)"""
+``tests/quant/test_checkpoints.py``.)"""
 import pytest
 import torch
 

@@ -3,7 +3,7 @@ torch, and their row invariance (row i alone == row i inside batches of other si
 
 On CPU the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is
 imported; a fresh subprocess when another module imported triton first), as in
-tests/test_kernels_attention.py; ``SGLITE_TEST_DEVICE=cuda`` runs it compiled on a GPU.
+tests/kernels/test_attention.py; ``SGLITE_TEST_DEVICE=cuda`` runs it compiled on a GPU.
 """
 import os
 

@@ -119,7 +119,7 @@ def test_cpp_sources_are_package_data_files():
     assert all("#include" in cpu_build.read_source(n) for n in names)
     kernels_dir = cpu_build.CSRC.parent
     assert not [p.name for p in kernels_dir.glob("*.py") if "#include <" in p.read_text()]
-    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
     text = pyproject.read_text()
     assert '"sglite.kernels.csrc" = ["*.cpp", "*.h"]' in text and '"sglite.kernels.csrc",' in text
     # csrc headers are spliced in, once, so the build tag covers every compiled line

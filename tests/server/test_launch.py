@@ -6,6 +6,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from sglite.config import EngineConfig
 from sglite.launch_server import build_parser, engine_kwargs, server_config
@@ -28,6 +29,7 @@ def test_flags_map_to_engine_config_and_server_config():
     assert engine_kwargs(build_parser().parse_args([])) == {}
 
 
+@pytest.mark.slow  # starts a server process
 def test_launch_server_module_serves(tiny_model_dir, tmp_path):
     port = free_port()
     log = tmp_path / "server.log"

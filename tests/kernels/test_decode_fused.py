@@ -128,6 +128,7 @@ def test_fused_float32_matches_per_op(quantized_tiny, bits):
         e.shutdown()
 
 
+@pytest.mark.slow  # the real default model (real_engine)
 def test_prefill_only_short_prompt(real_engine):
     """Regression (fresh-user report): ``max_new_tokens=0`` on a prompt of <= 8 new tokens runs
     them as decode rows through the fused path with no logits row wanted; the bf16 model's int8

@@ -39,6 +39,7 @@ def test_cached_load_is_fast_and_does_not_rewrite(real_checkpoint):
     assert elapsed < 10, f"cached load took {elapsed:.1f} s"
 
 
+@pytest.mark.slow  # the real default model's weights
 def test_state_dict_names_shapes_and_tied_head(real_checkpoint):
     sd = load_state_dict(real_checkpoint, torch.bfloat16)
     cfg = real_checkpoint.hf_config

@@ -131,7 +131,7 @@ def test_protocol_check_rejects_incomplete_objects():
 def test_runtime_calls_only_protocol_members():
     """Every ``<...>grammar.<method>(`` call in sglite/runtime names a GrammarMatcherProtocol
     member (or ``matcher()`` of the compiled grammar / ``compile`` of the backend)."""
-    root = pathlib.Path(__file__).resolve().parents[1] / "sglite" / "runtime"
+    root = pathlib.Path(__file__).resolve().parents[2] / "sglite" / "runtime"
     allowed_names = (set(protocol_members(GrammarMatcherProtocol)) | set(protocol_members(CompiledGrammarProtocol))
                      | set(protocol_members(GrammarBackendProtocol)))
     called = set()

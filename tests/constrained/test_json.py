@@ -7,7 +7,7 @@ import pytest
 from sglite.bench.grammar_coverage import accepts, byte_backend, check_schema
 from sglite.errors import GrammarError
 
-SUITE = Path(__file__).resolve().parent / "data" / "json-schema-test-suite" / "draft2020-12"  # MIT, see LICENSE there
+SUITE = Path(__file__).resolve().parents[1] / "data" / "json-schema-test-suite" / "draft2020-12"  # MIT, see LICENSE there
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,12 @@
-"""Speculative decoding, fourth pass (issue 17): near-zero cost when a step drafts nothing.
+"""Speculative decoding (issue 17): how many tokens to draft. The measured step-cost curve and
+the expected-throughput rule (:func:`policy.choose`), the per-source acceptance model, the CPU row
+budget (drafts kept inside the GEMV block), and near-zero cost when a step drafts nothing (the
+backoff after misses, :func:`policy.may_pay` as a cheap upper bound of ``choose``).
 
-Oracles: the backoff schedule worked by hand (misses -> waits 2, 4, 8, 8; a kept token resets it;
-a strong signal looks anyway); :func:`policy.may_pay` never says no where :func:`policy.choose`
-would draft (random chains under the bound); the byte-joined tail text equals the tokenizer's
-decode and the backend encode its ids; a copy prompt still drafts after a run of failures, at the
+Oracles: the rule worked by hand on small cases (linear and flat costs), the interpolation of the
+measured cost curve, the backoff schedule worked by hand (misses -> waits 2, 4, 8, 8; a kept token
+resets it; a strong signal looks anyway); ``may_pay`` never says no where ``choose`` would draft
+(random chains under the bound); a copy prompt still drafts after a run of failures, at the
 decoder (a request deep in backoff, weak sources poisoned) and end to end (greedy output identical
 to the engine without speculation).
 """
@@ -16,12 +19,105 @@ from sglite.runtime.speculative import state as spec_state
 from sglite.runtime.speculative.decoder import SpecDecoder
 from sglite.runtime.speculative.policy import AcceptModel, StepCost, choose, may_pay
 from sglite.runtime.speculative.state import BACKOFF_AFTER, BACKOFF_MAX, SpecState
-from sglite.runtime.speculative.text_lookup import TextLookup, TokenText
 from sglite.runtime.step_plan import StepEntry
 
 # a CPU-like cost curve (ms): a second row ~10% of a step, 8 rows ~2.7x; a verify step +0.5 ms
 CPU = StepCost({1: 7.5, 2: 8.3, 4: 11.7, 8: 20.3, 16: 38.9, 32: 73.2}, overhead=1.5)
 CPU.verify_extra = 0.5
+
+
+LINEAR = StepCost({1: 1.0, 2: 1.5, 8: 4.5, 32: 16.5})  # each row after the first half a step
+
+
+FLAT = StepCost({1: 1.0, 32: 1.0})  # rows free (a GEMM step, a GPU)
+
+
+# ---------------------------------------------------------------------- policy (unit)
+def test_choose_drafts_only_what_pays_for_its_rows():
+    # one request, rows at half a step each (counted 1.25x: COST_MARGIN): a token pays only when
+    # kept with p > 0.625 (about)
+    assert choose(1, 1, [[0.3, 0.09]], LINEAR) == [0]
+    # (1 + 0.9 + 0.81) / (1 + 2 * 0.625) = 1.204 beats 3.44 / (1 + 3 * 0.625) = 1.196: two tokens
+    assert choose(1, 1, [[0.9, 0.81, 0.73, 0.66, 0.59, 0.53, 0.48]], LINEAR) == [2]
+    assert choose(1, 1, [[0.99 ** i for i in range(1, 8)]], LINEAR) == [7]  # a copy: all of it
+    # the same probabilities on free rows: the whole chain
+    assert choose(1, 1, [[0.9, 0.81, 0.73, 0.66, 0.59, 0.53, 0.48]], FLAT) == [7]
+    # a tree: the second chain's tokens compete with the first chain's, by probability
+    assert choose(1, 1, [[0.95, 0.9], [0.04, 0.03]], LINEAR) == [2, 0]
+    assert choose(1, 1, [[0.95, 0.9], [0.04, 0.03]], FLAT) == [2, 2]
+    # batch 8: a row costs 1/8 of what the step's tokens are worth each, so weak drafts stop ...
+    assert choose(8, 8, [[0.3]] * 8, LINEAR) == [0] * 8
+    # ... unless the rows are free (a step with a prefill chunk runs GEMMs): any estimate > 0
+    assert choose(8, 40, [[0.3]] * 8, FLAT) == [1] * 8
+
+
+def test_choose_keeps_chain_prefixes():
+    got = choose(1, 1, [[1.0, 1.0, 1.0, 0.2], [0.9, 0.9]], StepCost({1: 1.0, 32: 1.0 + 31 * 0.3}))
+    assert got == [3, 2]  # equal probabilities taken in chain order; the 0.2 tail left out
+
+
+def test_step_cost_interpolates_and_learns_the_overhead():
+    c = StepCost({1: 0.010, 8: 0.031, 32: 0.115}, overhead=0.002)
+    assert c(1) == pytest.approx(0.012) and c.forward(8) == pytest.approx(0.031)
+    assert c.forward(4) == pytest.approx(0.010 + 0.021 * 3 / 7)
+    assert c.forward(40) > c.forward(32)  # extrapolated from the last two
+    for _ in range(200):
+        c.observe(1, 0.015)  # 5 ms beyond the forward, every step
+    assert c.overhead == pytest.approx(0.005, abs=1e-4)
+    c.observe(1, 5.0)  # an idle wait between requests: ignored
+    assert c.overhead == pytest.approx(0.005, abs=1e-4)
+    for _ in range(200):
+        c.observe(4, c.forward(4) + 0.006, drafted=True)  # drafting and verification: 1 ms more
+    assert c.verify_extra == pytest.approx(0.001, abs=1e-4) and c.overhead == pytest.approx(0.005, abs=1e-4)
+    assert c(4, drafted=True) == pytest.approx(c(4) + 0.001, abs=1e-4)
+    # the extra is charged to drafting: a draft kept with p = 0.3 no longer pays at batch 1
+    assert choose(1, 1, [[0.3]], StepCost({1: 1.0, 2: 1.2})) == [1]
+    slow = StepCost({1: 1.0, 2: 1.2})
+    slow.verify_extra = 0.1
+    assert choose(1, 1, [[0.3]], slow) == [0]
+    with pytest.raises(ValueError, match="forward"):
+        StepCost({})
+
+
+def test_accept_model_learns_per_source_and_per_request():
+    m = AcceptModel()
+    p0 = m.rate("ngram1")
+    own = {}
+    for _ in range(20):
+        m.record(["ngram1"] * 4, 0, own)  # every first token rejected
+    assert m.rate("ngram1") < p0 / 2 and m.rate("ngram1", own) < m.rate("ngram1")
+    for _ in range(20):
+        m.record(["text"] * 8, 8)  # copies kept whole
+    m.record(["text", "text_word"], 1)  # a copied value ended where a new word began
+    assert m.rate("text") > 0.9
+    assert m.rate("text", own) == m.rate("text")  # no evidence of its own: the global estimate
+    assert m.counts["text_word"][0] == 0 and m.counts["text_word"][1] == pytest.approx(1.0)
+
+
+# ---------------------------------------------------------------------- row budget (unit)
+def test_row_budget_keeps_drafts_in_the_gemv_block():
+    from sglite.runtime.speculative.budget import RowBlock, fit_chains
+    from sglite.runtime.speculative.decoder import SpecDecoder
+    from sglite.runtime.step_plan import StepEntry
+
+    class Cfg:
+        speculative_algorithm, speculative_num_draft_tokens, speculative_disable_by_batch_size = "NGRAM", 8, 8
+        page_size = 1
+
+    budget = SpecDecoder(Cfg, None, None, None, row_block=8).budget
+    assert isinstance(budget, RowBlock)  # no measured cost: the row-block policy
+    mk = lambda n: StepEntry(req=None, n=n, start=0)  # noqa: E731
+    assert budget.step_rows([mk(1)]) == 7  # one decode row: 7 draft rows fit the block
+    assert budget.step_rows([mk(4)]) == 4  # jump-forward pending tokens take their rows first
+    assert budget.step_rows([mk(1)] * 8) == 0  # a full block: drafting would start a new one
+    assert not budget.open_step([mk(1)] * 8, 8)  # ... so the step drafts nothing
+    assert budget.step_rows([mk(40)]) > 8  # a GEMM step: rows are cheap
+    assert SpecDecoder(Cfg, None, None, None).budget.step_rows([mk(1)] * 8) > 8  # no block (GPU)
+    assert fit_chains([[1, 2, 3, 4, 5], [6, 7, 8], [9]], 6) == [[1, 2, 3, 4, 5], [], []]
+    assert fit_chains([[1, 2], [6, 7, 8], [9]], 6) == [[1, 2], [6, 7], [9]]  # later: half of what is left
+    assert budget.open_step([mk(1)], 1) and budget.fit([[1, 2, 3, 4, 5, 6, 7, 8]], [["text"] * 8]) == [[1, 2, 3, 4, 5, 6, 7]]
+    budget.spend(7)
+    assert budget.rows_left == 0
 
 
 # ---------------------------------------------------------------------- backoff (unit)
@@ -74,31 +170,6 @@ def test_may_pay_is_an_upper_bound_of_choose():
             scale *= rng.uniform(0.0, 1.0)
         if any(choose(base, base, chains, cost)):
             assert may_pay(base, base, cands, cost), (base, cands, chains)
-
-
-# ---------------------------------------------------------------------- tail text (unit)
-def test_token_text_joins_bytes_like_the_tokenizer_decodes(real_tokenizer):
-    tok = real_tokenizer
-    text = "Héllo wörld — 日本語 tokens, \"quoted\" {json: 1}\n<|im_end|> next"
-    ids = tok.encode(text)
-    tt = TokenText(tok)
-    tt.check(ids, tok.decode(ids, skip_special_tokens=False))
-    assert tt._exact
-    for a in range(0, len(ids), 3):
-        for b in range(a + 1, min(len(ids), a + 12) + 1):
-            assert tt.text(ids[a:b]) == tok.decode(ids[a:b], skip_special_tokens=False)
-    for s in ("Seville\", \"job\": \"", " the members agreed", "<|im_start|>assistant\nHi"):
-        assert tt.encode(s) == tok.encode(s)
-    space = tok.encode(" members")[0]
-    assert tt.starts_word(space) and not tt.starts_word(tok.encode("members")[0])
-
-
-def test_text_lookup_min_chars_drops_short_unaligned_matches():
-    look = TextLookup("the cat sat on the mat")
-    assert look.find("xqat", 6)  # "qat": not in the source; "at" is (2 chars, mid-word in the tail)
-    assert look.find("xqat", 6, min_chars=3) == []
-    assert look.find("xx at", 6, min_chars=3)  # "at" starts a word in the tail: may be aligned
-    assert look.find("on the m", 6, min_chars=3)[0].cont == "at"  # long enough: kept
 
 
 # ---------------------------------------------------------------------- a copy after failures
@@ -172,7 +243,7 @@ def test_a_copy_still_drafts_after_a_run_of_failures(real_tokenizer):
 
 
 def test_engine_copy_drafts_after_failures_and_stays_greedy_identical(ngram_pair, monkeypatch):
-    from tests.test_speculative import COPY_PROMPTS
+    from tests.speculative.prompts import COPY_PROMPTS
 
     base, spec = ngram_pair
     dec = spec.scheduler.spec

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 # evaluation data (see SOURCE.txt there: schemas under their projects' terms; tests only, never packaged)
-SAMPLE = Path(__file__).resolve().parent / "data" / "jsonschemabench" / "maskbench_sample.jsonl"
+SAMPLE = Path(__file__).resolve().parents[1] / "data" / "jsonschemabench" / "maskbench_sample.jsonl"
 WS_BIAS = {216: 5.0, 198: 5.0, 197: 5.0}  # " ", "\n", "\t" in the SmolLM2 vocabulary
 N_SCHEMAS = 20
 MAX_BOUND = 320  # longest allowed output (bytes) of a selected schema
@@ -145,6 +145,7 @@ def _prompt(schema):
     return f"Write a JSON object that matches this JSON Schema.\nSchema: {json.dumps(schema)[:300]}\nJSON: "
 
 
+@pytest.mark.slow  # the real default model (real_engine)
 @pytest.mark.parametrize("bias", [None, WS_BIAS], ids=["plain", "whitespace_bias"])
 def test_json_schema_outputs_validate_and_stop(real_engine, cases, bias):
     jsonschema = pytest.importorskip("jsonschema")
@@ -228,6 +229,7 @@ def test_expr_checker_rejects():
     _expr_value("(12 * 3) - 4/5")
 
 
+@pytest.mark.slow  # the real default model (real_engine)
 @pytest.mark.parametrize("bias", [None, WS_BIAS], ids=["plain", "whitespace_bias"])
 def test_regex_and_ebnf_outputs(real_engine, bias):
     extra = {"logit_bias": {str(k): v for k, v in bias.items()}} if bias else {}

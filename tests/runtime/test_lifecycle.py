@@ -45,6 +45,7 @@ def _run_children(model_dir, runs: int) -> None:
         assert "terminate called" not in p.stderr and "Traceback" not in p.stderr, (mode, p.stderr[-2000:])
 
 
+@pytest.mark.slow  # two child processes, each starting an engine
 def test_exit_without_shutdown_is_clean(tiny_model_dir):
     _run_children(tiny_model_dir, 2)  # one in flight, one idle (20 runs: the slow tier)
 

@@ -14,7 +14,7 @@ from sglite.constrained import json_terms as J
 from sglite.constrained.counted import CountedDFA
 from sglite.constrained.dfa import DEAD, LazyDFA
 from sglite.constrained.fsm_ops import from_node, intersect_nodes, product
-from sglite.constrained.grammar import _coreachable
+from sglite.constrained.grammar import coreachable
 from sglite.constrained.nfa import NFA, UNROLL_LIMIT
 from sglite.constrained.regex_parse import parse_regex
 
@@ -28,7 +28,7 @@ def lazy(node, unroll_limit=UNROLL_LIMIT):
     nfa = NFA(unroll_limit=unroll_limit)
     final = nfa.new()
     start = nfa.build(node, final)
-    return nfa, LazyDFA(nfa, start, final, _coreachable(nfa, final))
+    return nfa, LazyDFA(nfa, start, final, coreachable(nfa, final))
 
 
 def run(dfa, data: bytes) -> bool:

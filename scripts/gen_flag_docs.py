@@ -4,7 +4,8 @@
     .venv/bin/python scripts/gen_flag_docs.py --check   # exit 1 when the committed file is stale
 
 Sections: ``sglite serve`` (``sglite.launch_server.build_parser()``, whose engine flags come from
-``sglite.EngineConfig`` fields), then each ``sglite bench <name>`` whose module in
+``sglite.EngineConfig`` fields), ``sglite router`` (``sglite.router.cli.build_parser()``, from
+``sglite.router.policy.RouterConfig``), then each ``sglite bench <name>`` whose module in
 ``sglite.cli.BENCHES`` has a ``build_parser()``. Per flag: its spellings, the value it takes,
 its default (the argparse default, or the ``EngineConfig`` field default when the flag's own
 default is None meaning "the config's"), and its help text as ``--help`` prints it.
@@ -100,6 +101,7 @@ def render() -> str:
     """The whole of docs/server_flags.md."""
     from sglite.config import EngineConfig
     from sglite.launch_server import build_parser
+    from sglite.router.cli import build_parser as router_parser
 
     config_defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)
                        if f.default is not dataclasses.MISSING}
@@ -120,6 +122,7 @@ def render() -> str:
         "Mapping from SGLang / vLLM / llama.cpp flags: [coming_from.md](coming_from.md).",
         "",
         parser_markdown(build_parser(), config_defaults, "sglite serve"),
+        parser_markdown(router_parser(), {}, "sglite router"),
     ]
     for name, parser in _bench_parsers():
         parts.append(parser_markdown(parser, {}, f"sglite bench {name}"))

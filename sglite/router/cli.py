@@ -39,8 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
         if f.name in ("worker_urls", "pd_disaggregation", "prefill_urls", "decode_urls"):
             continue
         kw = {"choices": POLICIES} if f.name == "policy" else {}
-        p.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(d, f.name)), default=getattr(d, f.name),
-                       help=f"{docs[f.name]} (default: {getattr(d, f.name)})", **kw)
+        default = getattr(d, f.name)
+        p.add_argument("--" + f.name.replace("_", "-"), type=str if default is None else type(default),
+                       default=default, help=f"{docs[f.name]} (default: {default})", **kw)
     p.add_argument("--log-level", default="info", help="log level of the router (default: info)")
     return p
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Optional
 
 from ..errors import InvalidRequestError
 from .approx_tree import ApproxRadixTree
@@ -39,9 +40,17 @@ class RouterConfig:
         balance_rel_threshold: ... and more than this many times as many (cache_aware).
         max_tree_size: characters each worker's approximate tree keeps (LRU beyond).
         health_check_interval_secs: seconds between ``/health`` probes of every worker.
-        max_retries: other workers tried when a worker cannot be reached (connection errors and
-            5xx before any byte was streamed).
-        request_timeout_secs: seconds a proxied request may take.
+        max_retries: other workers a request is tried on when its worker fails before any output
+            was sent to the client (connection errors, a dropped connection, 502/503/504): 0 or 1,
+            so that a request that kills its worker reaches at most two.
+        request_timeout_secs: seconds a proxied request may take (then 504, and the request is
+            aborted on its worker).
+        max_request_bytes: request bodies above this many bytes get 413 (the server's default).
+        api_key: require ``Authorization: Bearer <api_key>`` on every route of the router but
+            ``/health``; None = no key at the router (the header is forwarded to the workers
+            either way, so workers started with ``--api-key`` still check it).
+        admin_api_key: the key of the router's operator routes (``/flush_cache``,
+            ``/abort_request`` with ``abort_all``); None = they are guarded like every other route.
         pd_disaggregation: route over prefill/decode server pairs instead of ``worker_urls``.
         prefill_urls: prefill servers as ``(url, bootstrap_port)`` pairs (pd_disaggregation).
         decode_urls: decode servers (pd_disaggregation).
@@ -56,8 +65,11 @@ class RouterConfig:
     balance_rel_threshold: float = 1.5
     max_tree_size: int = 1 << 22
     health_check_interval_secs: float = 10.0
-    max_retries: int = 2
+    max_retries: int = 1
     request_timeout_secs: float = 600.0
+    max_request_bytes: int = 8 * 1024 * 1024
+    api_key: Optional[str] = None
+    admin_api_key: Optional[str] = None
     pd_disaggregation: bool = False
     prefill_urls: tuple = ()
     decode_urls: tuple = ()
@@ -78,8 +90,13 @@ class RouterConfig:
             bad("max_tree_size", f"must be >= 1, got {self.max_tree_size}")
         if self.health_check_interval_secs <= 0:
             bad("health_check_interval_secs", f"must be > 0, got {self.health_check_interval_secs}")
-        if self.max_retries < 0:
-            bad("max_retries", f"must be >= 0, got {self.max_retries}")
+        if not 0 <= self.max_retries <= 1:
+            bad("max_retries", f"must be 0 or 1 (a request is retried on another worker at most once), "
+                               f"got {self.max_retries}")
+        if self.request_timeout_secs <= 0:
+            bad("request_timeout_secs", f"must be > 0, got {self.request_timeout_secs}")
+        if self.max_request_bytes < 1024:
+            bad("max_request_bytes", f"must be >= 1024, got {self.max_request_bytes}")
         if self.pd_disaggregation and not (self.prefill_urls and self.decode_urls):
             bad("prefill_urls", "pd_disaggregation needs at least one --prefill and one --decode server")
         for u in (*self.worker_urls, *(p[0] for p in self.prefill_urls), *self.decode_urls):

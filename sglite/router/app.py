@@ -42,7 +42,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from ..server.engine_client import ClientDisconnected, until_disconnect
-from ..server.errors import ApiError, _validation_message, error_body, error_response, install_error_handlers
+from ..server.errors import ApiError, validation_message, error_body, error_response, install_error_handlers
 from ..server.middleware import (ApiKeyMiddleware, BodyLimitMiddleware, ClientErrorLogMiddleware,
                                  InternalErrorMiddleware, Keys)
 from ..server.protocol import AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest
@@ -82,7 +82,7 @@ async def read_body(request: Request, model: type[BaseModel]) -> dict:
     try:
         model.model_validate(body)
     except ValidationError as exc:
-        msg, param = _validation_message(exc)
+        msg, param = validation_message(exc)
         raise ApiError(msg, 400, param=param) from None
     return body
 

@@ -106,7 +106,7 @@ def _loc_to_param(loc: tuple) -> Optional[str]:
     return ".".join(parts) if parts else None
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
+def validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
@@ -130,7 +130,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        msg, param = _validation_message(exc)
+        msg, param = validation_message(exc)
         ctype = request.headers.get("content-type", "")
         if "json" not in ctype.lower() and any(tuple(e.get("loc", ()))[:1] == ("body",) for e in exc.errors()):
             # curl -d without -H 'Content-Type: application/json' sends a form: FastAPI never parses it as JSON

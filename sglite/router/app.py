@@ -190,7 +190,7 @@ class Router:
         one other worker at most (``config.max_retries``)."""
         text, stream = request_text(path, body), bool(body.get("stream"))
         tried: set = set()
-        last = "no healthy worker"
+        last, busy = "no healthy worker", None  # busy: a worker's Retry-After (its queue is full)
         for _ in range(self.config.max_retries + 1):
             i = self._pick(text, tried)
             if i is None:
@@ -204,6 +204,11 @@ class Router:
                 req = self.client.build_request("POST", self.urls[i] + path, json=body, headers=headers)
                 sent = True
                 resp = await self._until_disconnect(receive, self.client.send(req, stream=True))
+                if resp.status_code == 503 and "retry-after" in resp.headers:  # queue full: busy, not down
+                    busy = resp.headers["retry-after"]
+                    await resp.aclose()
+                    last = f"worker {i} is busy (its waiting queue is full)"
+                    continue
                 if resp.status_code in RETRY_STATUS:
                     await resp.aclose()
                     last = f"worker {i} answered {resp.status_code}"  # the client sees no worker address
@@ -240,7 +245,9 @@ class Router:
             finally:
                 if not released:
                     self.loads[i] -= 1
-        return JSONResponse(error_body(f"no worker could serve the request ({last})", 503), status_code=503)
+        headers_out = {"Retry-After": busy} if busy is not None else None
+        return JSONResponse(error_body(f"no worker could serve the request ({last})", 503), status_code=503,
+                            headers=headers_out)
 
     @staticmethod
     async def _until_disconnect(receive, awaitable):

@@ -307,3 +307,30 @@ def test_a_request_past_the_timeout_is_504_naming_the_flag_and_aborted_on_its_wo
         assert resp.status_code == 504 and "request_timeout_secs" in resp.json()["error"]["message"]
         assert app.state.aborts == [({"rid": "late"}, None)]
         assert r.router.healthy == [True] and r.router.loads == [0]
+
+
+def busy_worker():
+    """Every generation answers 503 with ``Retry-After: 3`` (its waiting queue is full)."""
+    app = FastAPI()
+    app.state.calls = 0
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    @app.post("/generate")
+    async def generate():
+        app.state.calls += 1
+        return JSONResponse({"error": {"message": "server busy"}}, status_code=503, headers={"Retry-After": "3"})
+
+    return app
+
+
+def test_a_busy_worker_is_not_marked_down_and_its_retry_after_reaches_the_client():
+    with Worker(busy_worker()) as b1, Worker(busy_worker()) as b2:
+        with router(b1.url, b2.url, policy="round_robin") as r:
+            resp = httpx.post(r.url + "/generate", json={"text": "hi"}, timeout=10)
+            assert resp.status_code == 503 and resp.headers["retry-after"] == "3"
+            assert "busy" in resp.json()["error"]["message"]
+            assert b1.app.state.calls + b2.app.state.calls == 2  # each tried once
+            assert r.router.healthy == [True, True]

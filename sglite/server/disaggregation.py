@@ -17,107 +17,328 @@ neither phase stalls the other. Here (``disaggregation_mode``):
   and decodes. Greedy output is the colocated server's.
 
 The bootstrap handshake: the room id (random, from the router) names a store prefix; both sides
-build a 2-rank gloo group on it (prefill rank 0, decode rank 1) through the prefill server's store;
-the transfer is torch.distributed send/recv. Payload: header ``[n, L, Hkv, D]`` int64, ids ``[n]``
-int64, then K and V as ``[L, n, Hkv, D]`` in the pool dtype. Both servers must run the same model
-and dtype (checked from the header); ``tp_size`` must be 1. A prefill that fails sends the header
-``[-1, 0, 0, 0]`` instead, so its decode peer stops waiting (:class:`TransferError`, HTTP 502);
-``GET /disagg/stats`` counts each half's transfers and failures.
+announce themselves there and wait for the other at most ``disaggregation_connect_timeout``
+seconds (so a transfer whose peer never comes fails in seconds, on either side), then build a
+2-rank gloo group on it (prefill rank 0, decode rank 1) through the prefill server's store; the
+transfer is torch.distributed send/recv of raw tensors (nothing is unpickled). Payload: header
+``[MAGIC, n, L, Hkv, D, dtype code, 0, 0]`` int64, a 32-byte peer proof (uint8), ids ``[n]`` int64,
+then K and V as ``[L, n, Hkv, D]`` in the pool dtype. A prefill that fails sends ``n = -1`` instead,
+so its decode peer stops waiting (:class:`TransferError`, HTTP 502). ``tp_size`` must be 1.
+
+Trust (docs/security.md): a decode server connects only to loopback addresses or to the
+``disaggregation_peers`` it was given (anything else: 403 naming the flag, nothing connects).
+With a shared secret (``disaggregation_secret_file`` or ``SGLITE_DISAGGREGATION_SECRET``) the router
+first obtains a one-time token from the prefill server (``POST /disagg/token``: HMAC-SHA256 over
+room and expiry), the decode server checks it (constant time, once per room) before it connects,
+and the prefill peer proves in the header that it holds the secret (HMAC over the room) before
+any id or K/V is read. Everything received is checked before the radix cache sees it: the header's
+layout and dtype against this pool, ``n`` against the context length and the pool, every id
+against the vocabulary, every K/V value finite; else :class:`TransferError` (502) and nothing is
+inserted. ``GET /disagg/stats`` counts each half's transfers, failures, refusals, unreachable peers
+and rejected payloads. The routes exist only on a server started with ``disaggregation_mode``.
 """
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
+import ipaddress
 import logging
+import os
+import socket
+import stat
 import threading
+import time
 from datetime import timedelta
+from typing import Optional
 
 import torch
+
+from ..config import parse_peers
+from ..errors import InvalidRequestError
 
 log = logging.getLogger("sglite.disaggregation")
 
 MODES = ("null", "prefill", "decode")
 TRANSFER_TIMEOUT = timedelta(seconds=600)  # a decode server may wait for a whole queued prefill
 TRANSFER_THREADS = 64  # transfers in flight per server (each blocks a thread until its peer comes)
-
-
-def _room_group(store, room: int, rank: int):
-    import torch.distributed as dist
-
-    return dist.ProcessGroupGloo(dist.PrefixStore(f"sglite/pd/{int(room)}", store), rank, 2, TRANSFER_TIMEOUT)
+HEADER_MAGIC = 0x53474C5044_02  # "SGLPD", wire version 2
+MAC_BYTES = 32
+DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+SECRET_ENV = "SGLITE_DISAGGREGATION_SECRET"
+MIN_SECRET_BYTES = 16
+LOOPBACK = "127.0.0.1"
 
 
 class TransferError(RuntimeError):
-    """A KV transfer that did not happen: the prefill server failed the request's prefill (it
-    sends a failure header), or the peer's connection broke / timed out (gloo's error)."""
+    """A KV transfer that did not happen (HTTP 502): the prefill server failed the request's
+    prefill (it sends a failure header), the peer could not be reached within
+    ``disaggregation_connect_timeout``, it sent a payload that does not fit this server (layout,
+    dtype, token count, an id outside the vocabulary, a non-finite value), or the connection
+    broke / timed out (gloo's error)."""
 
 
-def send_kv(store, room: int, ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-    """Prefill side of room ``room``: header, ids, K, V to rank 1 (blocks until received)."""
-    pg = _room_group(store, room, 0)
+class TransferRefused(RuntimeError):
+    """A transfer this server will not attempt (HTTP 403): the bootstrap address is not an allowed
+    peer, or the transfer token is missing, forged, expired or already used."""
+
+
+# ---------------------------------------------------------------- secret, tokens, peers
+def load_secret(path: Optional[str]) -> Optional[bytes]:
+    """The deployment's shared secret: the stripped content of ``path`` when given, else the
+    environment variable ``SGLITE_DISAGGREGATION_SECRET``; None when neither is set.
+
+    Raises:
+        InvalidRequestError: the file cannot be read, or the secret is shorter than 16 bytes
+            (field ``disaggregation_secret_file``).
+    """
+    field = "disaggregation_secret_file"
+    if path:
+        try:
+            with open(path, "rb") as f:
+                secret = f.read().strip()
+            mode = os.stat(path).st_mode
+        except OSError as exc:
+            raise InvalidRequestError(f"{field}: cannot read {path!r}: {exc.strerror}", field=field) from None
+        if mode & (stat.S_IRGRP | stat.S_IROTH):
+            log.warning("%s: %s is readable by other users (chmod 600 it)", field, path)
+    else:
+        env = os.environ.get(SECRET_ENV)
+        if not env:
+            return None
+        secret = env.strip().encode()
+    if len(secret) < MIN_SECRET_BYTES:
+        raise InvalidRequestError(f"{field}: the secret ({'file ' + repr(path) if path else SECRET_ENV}) has "
+                                  f"{len(secret)} bytes, at least {MIN_SECRET_BYTES} are required", field=field)
+    return secret
+
+
+def _token_mac(secret: bytes, room: int, expires: int) -> str:
+    return hmac.new(secret, b"sglite-pd-token\0%d\0%d" % (room, expires), hashlib.sha256).hexdigest()
+
+
+def issue_token(secret: bytes, room: int, ttl: float, now: Optional[float] = None) -> tuple[str, int]:
+    """A transfer token for ``room``: ``"<expires>.<hex HMAC-SHA256(secret, room, expires)>"``,
+    valid ``ttl`` seconds. Returns (token, expires as Unix seconds)."""
+    expires = int((time.time() if now is None else now) + ttl) + 1
+    return f"{expires}.{_token_mac(secret, int(room), expires)}", expires
+
+
+def peer_proof(secret: Optional[bytes], room: int) -> torch.Tensor:
+    """The 32 bytes a prefill server sends after its header to show it holds ``secret``
+    (HMAC-SHA256 over the room); zeros without a secret."""
+    if secret is None:
+        return torch.zeros(MAC_BYTES, dtype=torch.uint8)
+    mac = hmac.new(secret, b"sglite-pd-peer\0%d" % int(room), hashlib.sha256).digest()
+    return torch.frombuffer(bytearray(mac), dtype=torch.uint8)
+
+
+class TokenCheck:
+    """Decode side: verifies transfer tokens (constant time) and remembers the rooms already
+    used until their tokens expire, so each token opens one transfer."""
+
+    def __init__(self, secret: bytes, ttl: float):
+        self.secret, self.ttl = secret, ttl
+        self._used: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def verify(self, room: int, token, now: Optional[float] = None) -> None:
+        """Raises TransferRefused unless ``token`` is a valid, unexpired, unused token of ``room``."""
+        now = time.time() if now is None else now
+        if not isinstance(token, str) or not token:
+            raise TransferRefused("transfer_token: required (this decode server has a disaggregation secret; "
+                                  "the router obtains it from the prefill server's /disagg/token)")
+        exp_s, _, mac = token.partition(".")
+        if not exp_s.isdigit() or len(exp_s) > 12:
+            raise TransferRefused("transfer_token: malformed")
+        expires = int(exp_s)
+        if not hmac.compare_digest(mac.encode(), _token_mac(self.secret, room, expires).encode()):
+            raise TransferRefused("transfer_token: invalid for this bootstrap_room (is the "
+                                  "disaggregation secret the same on both servers?)")
+        if expires < now:
+            raise TransferRefused(f"transfer_token: expired {now - expires:.0f} s ago "
+                                  f"(disaggregation_token_ttl={self.ttl:g} s)")
+        if expires > now + 2 * self.ttl + 1:  # issued for far longer than this server allows
+            raise TransferRefused(f"transfer_token: expires in {expires - now:.0f} s, more than "
+                                  f"disaggregation_token_ttl={self.ttl:g} s (clocks apart?)")
+        with self._lock:
+            for r in [r for r, e in self._used.items() if e < now]:
+                del self._used[r]
+            if room in self._used:
+                raise TransferRefused(f"transfer_token: bootstrap_room {room} was already used")
+            self._used[room] = expires
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback IP literals (no name is resolved)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_peer(host: str, port: int, peers: Optional[frozenset]) -> None:
+    """Raises TransferRefused unless ``host:port`` is in ``peers`` (from
+    :func:`~sglite.config.parse_peers`), or, when ``peers`` is None, ``host`` is a loopback address."""
+    if peers is None:
+        if not is_loopback(host):
+            raise TransferRefused(f"bootstrap_host: {host}:{port} is not a loopback address and this decode server "
+                                  "has no --disaggregation-peers; list the prefill servers' bootstrap addresses "
+                                  "there (host:port, comma-separated) to receive KV from another machine")
+    elif (host.strip("[]").lower(), port) not in peers:
+        raise TransferRefused(f"bootstrap_host/bootstrap_port: {host}:{port} is not in this decode server's "
+                              "--disaggregation-peers")
+
+
+# ---------------------------------------------------------------- the transfer
+def open_room(store, room: int, rank: int, connect_timeout: float, host: Optional[str] = None):
+    """Meet the other server in room ``room`` on ``store`` (each side announces itself and waits at
+    most ``connect_timeout`` seconds for the other), then the 2-rank gloo group of the transfer
+    (ops time out after ``TRANSFER_TIMEOUT``). ``host``: the address gloo listens on (loopback for
+    a loopback peer). Raises TransferError when the peer does not come in time."""
+    import torch.distributed as dist
+
+    from ..runtime.parallel.control import gloo_group
+
+    hello = dist.PrefixStore(f"sglite/pd-hello/{int(room)}", store)
+    hello.set(str(rank), b"1")
+    try:
+        hello.wait([str(1 - rank)], timedelta(seconds=connect_timeout))
+    except Exception as exc:  # noqa: BLE001 - DistStoreError: the wait timed out
+        side = "decode" if rank == 0 else "prefill"
+        raise TransferError(f"the {side} server did not join bootstrap_room {room} within "
+                            f"{connect_timeout:g} s (disaggregation_connect_timeout)") from exc
+    return gloo_group(dist.PrefixStore(f"sglite/pd/{int(room)}", store), rank, 2, TRANSFER_TIMEOUT, host)
+
+
+def _header(n: int, L: int = 0, H: int = 0, D: int = 0, dtype=None) -> torch.Tensor:
+    return torch.tensor([HEADER_MAGIC, n, L, H, D, DTYPE_CODES.get(dtype, 0), 0, 0], dtype=torch.int64)
+
+
+def send_kv(pg, room: int, ids: list[int], k: torch.Tensor, v: torch.Tensor, secret: Optional[bytes] = None) -> None:
+    """Prefill side of room ``room`` (``pg`` from :func:`open_room`, rank 0): header, peer proof,
+    ids, K, V to rank 1 (blocks until received)."""
     L, n, H, D = k.shape
-    for t in (torch.tensor([n, L, H, D], dtype=torch.int64), torch.tensor(ids, dtype=torch.int64),
+    for t in (_header(n, L, H, D, k.dtype), peer_proof(secret, room), torch.tensor(ids, dtype=torch.int64),
               k.contiguous(), v.contiguous()):
         if t.numel():
             pg.send([t], 1, 0).wait()
 
 
-def send_failure(store, room: int) -> None:
+def send_failure(pg, room: int, secret: Optional[bytes] = None) -> None:
     """Prefill side of room ``room`` when its prefill failed: a header with ``n = -1``, so the
     waiting decode server stops at once (:class:`TransferError`) instead of at the timeout."""
-    _room_group(store, room, 0).send([torch.tensor([-1, 0, 0, 0], dtype=torch.int64)], 1, 0).wait()
+    for t in (_header(-1), peer_proof(secret, room)):
+        pg.send([t], 1, 0).wait()
 
 
-def recv_kv(store, room: int, dtype: torch.dtype, shape: tuple[int, int, int]):
-    """Decode side of room ``room``: (ids, K, V). ``shape`` = this pool's (L, Hkv, D); a
-    different model raises ValueError; a failure header raises TransferError."""
-    pg = _room_group(store, room, 1)
-    hdr = torch.zeros(4, dtype=torch.int64)
+def recv_kv(pg, room: int, dtype: torch.dtype, shape: tuple[int, int, int], vocab_size: int,
+            max_tokens: int, secret: Optional[bytes] = None):
+    """Decode side of room ``room`` (``pg`` from :func:`open_room`, rank 1): (ids, K, V), each
+    checked before it is returned. ``shape`` = this pool's (L, Hkv, D); ``max_tokens``: the most
+    tokens one prefix may have here (context length, pool size).
+
+    Raises:
+        TransferError: a failure header; not an sglite v2 peer; a wrong peer proof (with
+            ``secret``); another layout or dtype; ``n`` above ``max_tokens``; an id outside
+            ``[0, vocab_size)``; a non-finite K/V value.
+    """
+    hdr = torch.zeros(8, dtype=torch.int64)
     pg.recv([hdr], 0, 0).wait()
-    n, L, H, D = hdr.tolist()
+    magic, n, L, H, D, code = hdr.tolist()[:6]
+    if magic != HEADER_MAGIC:
+        raise TransferError(f"bootstrap_room {room}: the peer's header is not sglite's P/D wire format v2")
+    proof = torch.zeros(MAC_BYTES, dtype=torch.uint8)
+    pg.recv([proof], 0, 0).wait()
+    if secret is not None and not hmac.compare_digest(bytes(proof.tolist()), bytes(peer_proof(secret, room).tolist())):
+        raise TransferError(f"bootstrap_room {room}: the peer did not prove it holds the disaggregation secret")
     if n < 0:
         raise TransferError(f"bootstrap_room {room}: the prefill server failed this request's prefill")
-    if (L, H, D) != tuple(shape):
-        raise ValueError(f"bootstrap_room {room}: the prefill server's KV is (layers, heads, dim)={L, H, D}, "
-                         f"this server's {tuple(shape)}: not the same model")
+    if (L, H, D) != tuple(shape) or code != DTYPE_CODES.get(dtype, -1):
+        theirs = next((str(d).replace("torch.", "") for d, c in DTYPE_CODES.items() if c == code), f"code {code}")
+        raise TransferError(f"bootstrap_room {room}: the prefill server's KV is (layers, heads, dim)={L, H, D} "
+                            f"{theirs}, this server's {tuple(shape)} {str(dtype).replace('torch.', '')}: "
+                            "not the same model and dtype")
+    if n > max_tokens:
+        raise TransferError(f"bootstrap_room {room}: {n} tokens announced, this server holds at most {max_tokens}")
     if n == 0:
         return [], None, None
     ids = torch.zeros(n, dtype=torch.int64)
+    pg.recv([ids], 0, 0).wait()
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise TransferError(f"bootstrap_room {room}: token id {lo if lo < 0 else hi} outside the vocabulary "
+                            f"[0, {vocab_size})")
     k, v = torch.empty(L, n, H, D, dtype=dtype), torch.empty(L, n, H, D, dtype=dtype)
-    for t in (ids, k, v):
+    for name, t in (("K", k), ("V", v)):
         pg.recv([t], 0, 0).wait()
+        if not bool(torch.isfinite(t).all()):
+            raise TransferError(f"bootstrap_room {room}: the received {name} has non-finite values")
     return ids.tolist(), k, v
 
 
+def connect_store(host: str, port: int, timeout: float):
+    """A new ``TCPStore`` client of ``host:port``, reached within ``timeout`` seconds (a plain TCP
+    connect first: a closed port fails at once, not after torch's retries). Raises TransferError."""
+    import torch.distributed as dist
+
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+        store = dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=timeout))
+    except Exception as exc:  # noqa: BLE001 - OSError, DistNetworkError
+        raise TransferError(f"cannot reach the bootstrap store {host}:{port} within {timeout:g} s "
+                            f"(disaggregation_connect_timeout): {type(exc).__name__}: {str(exc)[:200]}") from None
+    store.set_timeout(TRANSFER_TIMEOUT)
+    return store
+
+
 class Bootstrap:
-    """The prefill server's bootstrap store (``TCPStore`` master on ``port``, all interfaces) and
-    one client connection per transfer, on either side.
+    """The prefill server's bootstrap store (``TCPStore`` master on ``host:port``, listening on
+    that interface only) and one client connection per transfer, on either side.
 
     A ``TCPStore`` client serializes its blocking waits (one operation at a time per connection),
     so two transfers rendezvousing through one shared connection can each wait for a key the
     other's peer cannot set yet: a deadlock under concurrent transfers. Hence a fresh connection
     per transfer (:meth:`connect`), the prefill server's own transfers included."""
 
-    def __init__(self, port: int | None = None):
-        import torch.distributed as dist
+    def __init__(self, port: Optional[int] = None, host: str = LOOPBACK, connect_timeout: float = 10.0):
+        from ..runtime.parallel.control import bound_tcp_store
 
-        self._dist = dist
-        self.port = port
-        self.server = dist.TCPStore("0.0.0.0", port, None, True, wait_for_workers=False) if port else None
+        self.host, self.connect_timeout = host, connect_timeout
+        self.server = bound_tcp_store(host, port) if port else None
+        self.port = self.server.port if self.server is not None else port
 
-    def connect(self, host: str | None = None, port: int | None = None):
-        """A new client of the store at ``host:port`` (default: this server's own store)."""
-        return self._dist.TCPStore(host or "127.0.0.1", port or self.port, None, False, timeout=TRANSFER_TIMEOUT)
+    def connect(self, host: Optional[str] = None, port: Optional[int] = None):
+        """A new client of the store at ``host:port`` (default: this server's own store), reached
+        within ``connect_timeout`` seconds (else TransferError)."""
+        if host is None:
+            host = LOOPBACK if self.host in ("0.0.0.0", "", "::") else self.host
+        return connect_store(host, port or self.port, self.connect_timeout)
 
 
-def disaggregation_routes(engine, mode: str, bootstrap_port: int):
-    """FastAPI routes of a prefill (``/disagg/prefill``) or decode (``/disagg/receive``) server."""
+def disaggregation_routes(engine, config, server_host: str = LOOPBACK):
+    """FastAPI routes of a prefill (``/disagg/token``, ``/disagg/prefill``) or decode
+    (``/disagg/receive``) server, and ``/disagg/stats``; ``config``: the engine's
+    :class:`~sglite.config.EngineConfig` (``disaggregation_*`` fields), ``server_host``: the
+    server's ``--host`` (the bootstrap store's interface unless ``disaggregation_bootstrap_host``).
+
+    Raises:
+        InvalidRequestError: an unreadable or short secret (``disaggregation_secret_file``).
+        OSError: the bootstrap address cannot be bound.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
     from fastapi import APIRouter
     from fastapi.responses import JSONResponse
 
-    from concurrent.futures import ThreadPoolExecutor
-
+    mode, timeout = config.disaggregation_mode, config.disaggregation_connect_timeout
+    secret = load_secret(config.disaggregation_secret_file)
+    peers = parse_peers(config.disaggregation_peers) if config.disaggregation_peers else None
     router = APIRouter()
-    boot = Bootstrap(bootstrap_port if mode == "prefill" else None)
+    bhost = config.disaggregation_bootstrap_host or server_host
+    boot = Bootstrap(config.disaggregation_bootstrap_port if mode == "prefill" else None, bhost, timeout)
     # own threads, not asyncio's small default pool: a receive blocks until its prefill is done,
     # and prefill sends block until their receivers come; sharing a few threads could deadlock
     pool_ = ThreadPoolExecutor(TRANSFER_THREADS, thread_name_prefix=f"sglite-pd-{mode}")
@@ -125,26 +346,43 @@ def disaggregation_routes(engine, mode: str, bootstrap_port: int):
     async def in_thread(fn):
         return await asyncio.get_running_loop().run_in_executor(pool_, fn)
 
-    stats = {"sent": 0, "sent_tokens": 0, "failed": 0} if mode == "prefill" else \
-        {"received": 0, "received_tokens": 0, "failed": 0}
+    stats = {"sent": 0, "sent_tokens": 0, "failed": 0, "tokens_issued": 0} if mode == "prefill" else \
+        {"received": 0, "received_tokens": 0, "failed": 0, "refused": 0, "connect_failed": 0, "invalid": 0}
     stats_lock = threading.Lock()
 
     def count(key, n=1):
         with stats_lock:
             stats[key] += n
 
-    def bad(msg):
-        return JSONResponse({"error": {"message": msg, "code": 400, "type": "BadRequestError"}}, status_code=400)
+    def error(code, kind, msg):
+        (log.warning if code >= 500 else log.info)("%s", msg)
+        return JSONResponse({"error": {"message": msg, "code": code, "type": kind}}, status_code=code)
 
-    def failed(msg):
-        log.warning("%s", msg)
-        return JSONResponse({"error": {"message": msg, "code": 502, "type": "KVTransferError"}}, status_code=502)
+    def bad(msg):
+        return error(400, "BadRequestError", msg)
 
     def room_of(body):
         room = body.get("bootstrap_room")
-        return room if isinstance(room, int) and not isinstance(room, bool) and room >= 0 else None
+        return room if isinstance(room, int) and not isinstance(room, bool) and 0 <= room < 1 << 63 else None
+
+    def gloo_host(host):
+        return LOOPBACK if is_loopback(host) else None
 
     if mode == "prefill":
+        local = gloo_host(boot.host) if boot.host not in ("0.0.0.0", "", "::") else None
+
+        @router.post("/disagg/token")
+        async def token(body: dict):
+            """A one-time transfer token for ``bootstrap_room`` (None without a secret)."""
+            room = room_of(body)
+            if room is None:
+                return bad("bootstrap_room: a non-negative integer is required")
+            if secret is None:
+                return {"bootstrap_room": room, "token": None, "expires_at": None}
+            tok, expires = issue_token(secret, room, config.disaggregation_token_ttl)
+            count("tokens_issued")
+            return {"bootstrap_room": room, "token": tok, "expires_at": expires}
+
         @router.post("/disagg/prefill")
         async def prefill(body: dict):
             room = room_of(body)
@@ -153,16 +391,17 @@ def disaggregation_routes(engine, mode: str, bootstrap_port: int):
             text, input_ids = body.get("text"), body.get("input_ids")
             if (text is None) == (input_ids is None) or (text is not None and not isinstance(text, str)):
                 return bad("text: exactly one of text (a string) and input_ids is required")
-            ids = engine.tokenizer.encode(text) if text is not None else input_ids
 
             def work():
+                pg = open_room(boot.connect(), room, 0, timeout, local)  # the decode server must come
                 try:
+                    ids = engine.tokenizer.encode(text) if text is not None else input_ids
                     info = engine.cache_prefix(input_ids=ids)
                     got, k, v = engine.export_prefix(ids)
                 except Exception:
-                    send_failure(boot.connect(), room)  # the decode server of this room stops waiting
+                    send_failure(pg, room, secret)  # the decode server of this room stops waiting
                     raise
-                send_kv(boot.connect(), room, got, k, v)
+                send_kv(pg, room, got, k, v, secret)
                 count("sent")
                 count("sent_tokens", len(got))
                 return {"prompt_tokens": info["prompt_tokens"], "transferred_tokens": len(got)}
@@ -173,19 +412,49 @@ def disaggregation_routes(engine, mode: str, bootstrap_port: int):
                 return bad(str(exc))
             except Exception as exc:  # noqa: BLE001 - gloo: the decode side went away / timed out
                 count("failed")
-                return failed(f"bootstrap_room {room}: prefill or KV send failed: {type(exc).__name__}: {exc}")
+                return error(502, "KVTransferError",
+                             f"bootstrap_room {room}: prefill or KV send failed: {type(exc).__name__}: {exc}")
     else:
+        tokens = TokenCheck(secret, config.disaggregation_token_ttl) if secret is not None else None
+        runner = getattr(engine, "runner", None)
+        vocab = int(getattr(runner, "vocab_size", 0) or len(engine.tokenizer))
+        max_tokens = min(int(getattr(runner, "context_length", 1 << 62)), int(getattr(runner, "max_total_tokens", 1 << 62)))
+        if peers is not None and secret is None:
+            log.warning("disaggregation_peers without a disaggregation secret: any client of this server's HTTP API "
+                        "can start transfers from %s (see docs/security.md)", sorted(f"{h}:{p}" for h, p in peers))
+
         @router.post("/disagg/receive")
         async def receive(body: dict):
             room, host, port = room_of(body), body.get("bootstrap_host"), body.get("bootstrap_port")
             if room is None:
                 return bad("bootstrap_room: a non-negative integer is required")
-            if not isinstance(host, str) or not isinstance(port, int) or not 0 < port < 65536:
+            if not isinstance(host, str) or not host or len(host) > 255 or not isinstance(port, int) \
+                    or isinstance(port, bool) or not 0 < port < 65536:
                 return bad("bootstrap_host/bootstrap_port: the prefill server's host and bootstrap port are required")
+            try:
+                check_peer(host, port, peers)
+                if tokens is not None:
+                    tokens.verify(room, body.get("transfer_token"))
+            except TransferRefused as exc:
+                count("refused")
+                return error(403, "KVTransferRefused", f"bootstrap_room {room}: {exc}")
             dtype, shape = engine.kv_layout()
 
             def work():
-                ids, k, v = recv_kv(boot.connect(host, port), room, dtype, shape)
+                try:
+                    store = connect_store(host, port, timeout)
+                except TransferError:
+                    count("connect_failed")
+                    raise
+                pg = open_room(store, room, 1, timeout, gloo_host(host))
+                try:
+                    ids, k, v = recv_kv(pg, room, dtype, shape, vocab, max_tokens, secret)
+                except TransferError as exc:
+                    if "failed this request's prefill" not in str(exc):
+                        count("invalid")
+                    raise
+                finally:
+                    del pg  # a receiver that stops closes its connections: the sender fails at once
                 cached = engine.import_prefix(ids, k, v) if ids else 0
                 count("received")
                 count("received_tokens", len(ids))
@@ -197,11 +466,14 @@ def disaggregation_routes(engine, mode: str, bootstrap_port: int):
                 return bad(str(exc))
             except Exception as exc:  # noqa: BLE001 - TransferError, gloo's timeout / closed connection
                 count("failed")
-                return failed(f"bootstrap_room {room}: receiving the KV failed: {type(exc).__name__}: {exc}")
+                return error(502, "KVTransferError",
+                             f"bootstrap_room {room}: receiving the KV failed: {type(exc).__name__}: {exc}")
 
     @router.get("/disagg/stats")
     async def disagg_stats():
-        """This half's transfer counters: ``sent``/``sent_tokens`` (prefill) or
-        ``received``/``received_tokens`` (decode), and ``failed``."""
-        return {"disaggregation_mode": mode, **stats}
+        """This half's transfer counters: ``sent``/``sent_tokens``/``tokens_issued`` (prefill) or
+        ``received``/``received_tokens``/``refused`` (403: peer or token)/``connect_failed``
+        (peer unreachable in time)/``invalid`` (payload rejected) (decode), and ``failed``."""
+        with stats_lock:
+            return {"disaggregation_mode": mode, **stats}
     return router

@@ -47,6 +47,7 @@ import logging
 import os
 import socket
 import stat
+import struct
 import threading
 import time
 from datetime import timedelta
@@ -193,7 +194,29 @@ def check_peer(host: str, port: int, peers: Optional[frozenset]) -> None:
 
 
 # ---------------------------------------------------------------- the transfer
-def open_room(store, room: int, rank: int, connect_timeout: float, host: Optional[str] = None):
+class Room:
+    """One transfer's 2-rank gloo group (this side's ``rank``: prefill 0, decode 1). :meth:`close`
+    drops the group, which closes its connections: a peer blocked sending to a receiver that gave
+    up fails at once ("connection closed by peer") instead of at ``TRANSFER_TIMEOUT``."""
+
+    def __init__(self, pg, room: int, rank: int):
+        self._pg, self.room, self.rank = pg, room, rank
+
+    def send(self, t: torch.Tensor) -> None:
+        """Send ``t`` to the other side (blocks until it is received)."""
+        self._pg.send([t], 1 - self.rank, 0).wait()
+
+    def recv(self, t: torch.Tensor) -> torch.Tensor:
+        """Fill ``t`` (preallocated) from the other side."""
+        self._pg.recv([t], 1 - self.rank, 0).wait()
+        return t
+
+    def close(self) -> None:
+        """Drop the group (idempotent)."""
+        self._pg = None
+
+
+def open_room(store, room: int, rank: int, connect_timeout: float, host: Optional[str] = None) -> Room:
     """Meet the other server in room ``room`` on ``store`` (each side announces itself and waits at
     most ``connect_timeout`` seconds for the other), then the 2-rank gloo group of the transfer
     (ops time out after ``TRANSFER_TIMEOUT``). ``host``: the address gloo listens on (loopback for
@@ -210,31 +233,33 @@ def open_room(store, room: int, rank: int, connect_timeout: float, host: Optiona
         side = "decode" if rank == 0 else "prefill"
         raise TransferError(f"the {side} server did not join bootstrap_room {room} within "
                             f"{connect_timeout:g} s (disaggregation_connect_timeout)") from exc
-    return gloo_group(dist.PrefixStore(f"sglite/pd/{int(room)}", store), rank, 2, TRANSFER_TIMEOUT, host)
+    return Room(gloo_group(dist.PrefixStore(f"sglite/pd/{int(room)}", store), rank, 2, TRANSFER_TIMEOUT, host),
+                int(room), rank)
 
 
 def _header(n: int, L: int = 0, H: int = 0, D: int = 0, dtype=None) -> torch.Tensor:
     return torch.tensor([HEADER_MAGIC, n, L, H, D, DTYPE_CODES.get(dtype, 0), 0, 0], dtype=torch.int64)
 
 
-def send_kv(pg, room: int, ids: list[int], k: torch.Tensor, v: torch.Tensor, secret: Optional[bytes] = None) -> None:
+def send_kv(pg: Room, room: int, ids: list[int], k: torch.Tensor, v: torch.Tensor,
+            secret: Optional[bytes] = None) -> None:
     """Prefill side of room ``room`` (``pg`` from :func:`open_room`, rank 0): header, peer proof,
     ids, K, V to rank 1 (blocks until received)."""
     L, n, H, D = k.shape
     for t in (_header(n, L, H, D, k.dtype), peer_proof(secret, room), torch.tensor(ids, dtype=torch.int64),
               k.contiguous(), v.contiguous()):
         if t.numel():
-            pg.send([t], 1, 0).wait()
+            pg.send(t)
 
 
-def send_failure(pg, room: int, secret: Optional[bytes] = None) -> None:
+def send_failure(pg: Room, room: int, secret: Optional[bytes] = None) -> None:
     """Prefill side of room ``room`` when its prefill failed: a header with ``n = -1``, so the
     waiting decode server stops at once (:class:`TransferError`) instead of at the timeout."""
     for t in (_header(-1), peer_proof(secret, room)):
-        pg.send([t], 1, 0).wait()
+        pg.send(t)
 
 
-def recv_kv(pg, room: int, dtype: torch.dtype, shape: tuple[int, int, int], vocab_size: int,
+def recv_kv(pg: Room, room: int, dtype: torch.dtype, shape: tuple[int, int, int], vocab_size: int,
             max_tokens: int, secret: Optional[bytes] = None):
     """Decode side of room ``room`` (``pg`` from :func:`open_room`, rank 1): (ids, K, V), each
     checked before it is returned. ``shape`` = this pool's (L, Hkv, D); ``max_tokens``: the most
@@ -246,12 +271,12 @@ def recv_kv(pg, room: int, dtype: torch.dtype, shape: tuple[int, int, int], voca
             ``[0, vocab_size)``; a non-finite K/V value.
     """
     hdr = torch.zeros(8, dtype=torch.int64)
-    pg.recv([hdr], 0, 0).wait()
+    pg.recv(hdr)
     magic, n, L, H, D, code = hdr.tolist()[:6]
     if magic != HEADER_MAGIC:
         raise TransferError(f"bootstrap_room {room}: the peer's header is not sglite's P/D wire format v2")
     proof = torch.zeros(MAC_BYTES, dtype=torch.uint8)
-    pg.recv([proof], 0, 0).wait()
+    pg.recv(proof)
     if secret is not None and not hmac.compare_digest(bytes(proof.tolist()), bytes(peer_proof(secret, room).tolist())):
         raise TransferError(f"bootstrap_room {room}: the peer did not prove it holds the disaggregation secret")
     if n < 0:
@@ -266,26 +291,49 @@ def recv_kv(pg, room: int, dtype: torch.dtype, shape: tuple[int, int, int], voca
     if n == 0:
         return [], None, None
     ids = torch.zeros(n, dtype=torch.int64)
-    pg.recv([ids], 0, 0).wait()
+    pg.recv(ids)
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= vocab_size:
         raise TransferError(f"bootstrap_room {room}: token id {lo if lo < 0 else hi} outside the vocabulary "
                             f"[0, {vocab_size})")
     k, v = torch.empty(L, n, H, D, dtype=dtype), torch.empty(L, n, H, D, dtype=dtype)
     for name, t in (("K", k), ("V", v)):
-        pg.recv([t], 0, 0).wait()
+        pg.recv(t)
         if not bool(torch.isfinite(t).all()):
             raise TransferError(f"bootstrap_room {room}: the received {name} has non-finite values")
     return ids.tolist(), k, v
 
 
+_STORE_VALIDATE, _STORE_PING, _STORE_MAGIC = 0, 13, 0x3C85F7CE  # torch's TCPStore wire protocol
+
+
+def ping_store(host: str, port: int, timeout: float) -> None:
+    """Check within ``timeout`` seconds that ``host:port`` answers as a torch ``TCPStore`` (its
+    validate + ping queries; the answer must echo a random nonce). torch's own client retries a
+    closed port for several timeouts and waits forever on a port that accepts but never answers;
+    this check bounds both. Raises OSError (ConnectionError, socket.timeout) otherwise."""
+    deadline = time.monotonic() + timeout
+    with socket.create_connection((host, port), timeout=timeout) as c:
+        nonce = int.from_bytes(os.urandom(4), "little")
+        c.sendall(struct.pack("=BI", _STORE_VALIDATE, _STORE_MAGIC) + struct.pack("=BI", _STORE_PING, nonce))
+        got = b""
+        while len(got) < 4:
+            c.settimeout(max(0.001, deadline - time.monotonic()))
+            chunk = c.recv(4 - len(got))
+            if not chunk:
+                raise ConnectionError("the peer closed the connection: not a bootstrap store")
+            got += chunk
+    if struct.unpack("=I", got)[0] != nonce:
+        raise ConnectionError("the peer's answer is not a bootstrap store's")
+
+
 def connect_store(host: str, port: int, timeout: float):
-    """A new ``TCPStore`` client of ``host:port``, reached within ``timeout`` seconds (a plain TCP
-    connect first: a closed port fails at once, not after torch's retries). Raises TransferError."""
+    """A new ``TCPStore`` client of ``host:port``, reached within ``timeout`` seconds
+    (:func:`ping_store` first). Raises TransferError."""
     import torch.distributed as dist
 
     try:
-        socket.create_connection((host, port), timeout=timeout).close()
+        ping_store(host, port, timeout)
         store = dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=timeout))
     except Exception as exc:  # noqa: BLE001 - OSError, DistNetworkError
         raise TransferError(f"cannot reach the bootstrap store {host}:{port} within {timeout:g} s "
@@ -395,13 +443,16 @@ def disaggregation_routes(engine, config, server_host: str = LOOPBACK):
             def work():
                 pg = open_room(boot.connect(), room, 0, timeout, local)  # the decode server must come
                 try:
-                    ids = engine.tokenizer.encode(text) if text is not None else input_ids
-                    info = engine.cache_prefix(input_ids=ids)
-                    got, k, v = engine.export_prefix(ids)
-                except Exception:
-                    send_failure(pg, room, secret)  # the decode server of this room stops waiting
-                    raise
-                send_kv(pg, room, got, k, v, secret)
+                    try:
+                        ids = engine.tokenizer.encode(text) if text is not None else input_ids
+                        info = engine.cache_prefix(input_ids=ids)
+                        got, k, v = engine.export_prefix(ids)
+                    except Exception:
+                        send_failure(pg, room, secret)  # the decode server of this room stops waiting
+                        raise
+                    send_kv(pg, room, got, k, v, secret)
+                finally:
+                    pg.close()
                 count("sent")
                 count("sent_tokens", len(got))
                 return {"prompt_tokens": info["prompt_tokens"], "transferred_tokens": len(got)}
@@ -454,7 +505,7 @@ def disaggregation_routes(engine, config, server_host: str = LOOPBACK):
                         count("invalid")
                     raise
                 finally:
-                    del pg  # a receiver that stops closes its connections: the sender fails at once
+                    pg.close()  # a receiver that stops closes its connections: the sender fails at once
                 cached = engine.import_prefix(ids, k, v) if ids else 0
                 count("received")
                 count("received_tokens", len(ids))

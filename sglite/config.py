@@ -27,6 +27,24 @@ def looks_like_path(value: str) -> bool:
     return os.sep in v or v.endswith((".jinja", ".jinja2", ".j2", ".tmpl", ".txt"))
 
 
+def parse_peers(text: str) -> frozenset:
+    """``"host:port,host:port"`` (``[v6]:port`` too) -> a frozenset of ``(host, port)``, hosts
+    lower-cased. Raises ValueError naming the bad entry."""
+    out = set()
+    for item in str(text).split(","):
+        item = item.strip()
+        if not item:
+            continue
+        host, sep, port = item.rpartition(":")
+        host = host.strip("[]").lower()
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"must be host:port entries separated by commas, got {item!r}")
+        out.add((host, int(port)))
+    if not out:
+        raise ValueError(f"no host:port entry in {text!r}")
+    return frozenset(out)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     r"""Options of :class:`sglite.Engine`.
@@ -147,13 +165,30 @@ class EngineConfig:
         nnodes: machines the ``tp_size`` workers are spread over (``tp_size`` divisible by it).
         node_rank: this machine's index among ``nnodes``; node 0 runs the scheduler (and the
             server), the others only their workers.
-        dist_init_addr: ``host:port`` of node 0's torch.distributed rendezvous (TCPStore); None =
-            a free port on 127.0.0.1 (single machine only).
+        dist_init_addr: ``host:port`` of node 0's torch.distributed rendezvous (a TCPStore that
+            listens on that host only), for ``nnodes > 1``; one machine uses a private file store
+            and the loopback interface instead (nothing listens on the network).
         disaggregation_mode: ``null`` (prefill and decode here) | ``prefill`` | ``decode``: this
             server's half of prefill/decode disaggregation (behind ``sglite router
             --pd-disaggregation``; KV moves by torch.distributed send/recv, see ``docs/scaling.md``).
         disaggregation_bootstrap_port: port of a prefill server's bootstrap store (TCPStore), where
             decode servers meet it to receive KV.
+        disaggregation_bootstrap_host: interface a prefill server's bootstrap store listens on;
+            None = the server's ``--host`` (127.0.0.1 by default). Only prefill/decode servers
+            may reach it: see docs/security.md.
+        disaggregation_peers: the prefill servers' bootstrap addresses a decode server may
+            receive KV from, ``host:port`` comma-separated (as the router names them); None =
+            loopback addresses only (one machine). Any other address is refused (403) before
+            anything connects to it.
+        disaggregation_secret_file: a file holding the deployment's shared secret (at least 16
+            bytes; the same on every prefill and decode server); else the environment variable
+            ``SGLITE_DISAGGREGATION_SECRET``. With a secret, each transfer needs a one-time token
+            that the prefill server issues (``/disagg/token``, HMAC over room and expiry) and the
+            prefill peer must prove it holds the secret before any KV is read.
+        disaggregation_connect_timeout: seconds a transfer may take to reach its peer (connect
+            to the bootstrap store and meet the other server in the room); then 502.
+        disaggregation_token_ttl: seconds a transfer token is valid after the prefill server
+            issued it.
     """
 
     model_path: Optional[str] = None
@@ -201,6 +236,11 @@ class EngineConfig:
     dist_init_addr: Optional[str] = None
     disaggregation_mode: str = "null"
     disaggregation_bootstrap_port: int = 8998
+    disaggregation_bootstrap_host: Optional[str] = None
+    disaggregation_peers: Optional[str] = None
+    disaggregation_secret_file: Optional[str] = None
+    disaggregation_connect_timeout: float = 10.0
+    disaggregation_token_ttl: float = 60.0
 
     def __post_init__(self):
         def bad(name, msg):
@@ -289,6 +329,16 @@ class EngineConfig:
             bad("speculative_algorithm", f"speculative decoding is not supported with {multi} yet")
         if not 0 < self.disaggregation_bootstrap_port < 65536:
             bad("disaggregation_bootstrap_port", f"must be in [1, 65535], got {self.disaggregation_bootstrap_port}")
+        for name in ("disaggregation_connect_timeout", "disaggregation_token_ttl"):
+            if not getattr(self, name) > 0:
+                bad(name, f"must be > 0 seconds, got {getattr(self, name)}")
+        if self.disaggregation_peers is not None:
+            try:
+                parse_peers(self.disaggregation_peers)
+            except ValueError as exc:
+                bad("disaggregation_peers", str(exc))
+        if self.disaggregation_secret_file is not None and not os.path.isfile(self.disaggregation_secret_file):
+            bad("disaggregation_secret_file", f"no such file {self.disaggregation_secret_file!r}")
         if self.tokenizer_path is not None and not os.path.isdir(self.tokenizer_path):
             bad("tokenizer_path", f"no such folder {self.tokenizer_path!r}")
         self._check_speculative(bad)

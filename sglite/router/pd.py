@@ -4,12 +4,15 @@
 For each generation request the router picks a decode server (its usual policy over the decode
 servers) and a prefill server (round robin), draws a random bootstrap room, and posts at once
 ``/disagg/prefill`` to the prefill server and ``/disagg/receive`` (with the prefill server's host
-and bootstrap port) to the decode server (:mod:`~sglite.server.disaggregation`); when both
+and bootstrap port, and the one-time transfer token it first obtained from the prefill server's
+``/disagg/token``) to the decode server (:mod:`~sglite.server.disaggregation`); when both
 answer, the original request goes to the decode server, whose radix cache now holds the prompt.
+The client's ``Authorization`` header goes with all three (servers started with ``--api-key``).
 Chat requests (the prompt text needs the chat template) and batches skip the transfer: the decode
 server prefills them itself. A failed transfer is logged and counted (``failures``, reported by
-the router's ``/get_server_info`` under ``pd``) and the decode server prefills too (same output,
-no disaggregation for that request). A client that disconnects during the transfer is not
+the router's ``/get_server_info`` under ``pd``; a warning names the cause, and a transfer that
+a server refused with 401/403 also counts in ``unauthorized``) and the decode server prefills
+too (same output, no disaggregation for that request). A client that disconnects during the transfer is not
 forwarded (``aborted``).
 """
 from __future__ import annotations
@@ -55,6 +58,8 @@ class PrefillPairing:
         transfers: requests whose KV came from a prefill server.
         transferred_tokens: prompt tokens whose KV was sent.
         failures: transfers that failed (those requests were prefilled by the decode server).
+        unauthorized: of ``failures``, those a prefill or decode server answered 401 / 403 (a key
+            or a disaggregation secret / peer list that does not match).
         aborted: requests whose client disconnected during the transfer (not forwarded).
     """
 
@@ -63,7 +68,13 @@ class PrefillPairing:
         self._rr = 0
         self._rng = random.Random(seed)
         self.client: Optional[httpx.AsyncClient] = None
-        self.transfers = self.transferred_tokens = self.failures = self.aborted = 0
+        self.transfers = self.transferred_tokens = self.failures = self.aborted = self.unauthorized = 0
+
+    def stats(self) -> dict:
+        """The counters (see the class), for the router's ``/get_server_info``."""
+        return {"prefill_urls": [u for u, _ in self.prefill], "transfers": self.transfers,
+                "transferred_tokens": self.transferred_tokens, "failures": self.failures,
+                "unauthorized": self.unauthorized, "aborted": self.aborted}
 
     async def transfer(self, decode_url: str, body: dict, text: str, path: str, request=None) -> None:
         """Move the prompt's KV of ``body`` to ``decode_url`` (nothing for chats and batches).
@@ -83,9 +94,17 @@ class PrefillPairing:
         room = self._rng.getrandbits(62)
         pre["bootstrap_room"] = room
         recv = {"bootstrap_host": urlparse(url).hostname, "bootstrap_port": bport, "bootstrap_room": room}
-        tp = asyncio.ensure_future(self.client.post(url + "/disagg/prefill", json=pre))
-        td = asyncio.ensure_future(self.client.post(decode_url + "/disagg/receive", json=recv))
+        auth = request.headers.get("authorization") if request is not None else None
+        headers = {"authorization": auth} if auth else {}
+        tp = td = None
         try:
+            rt = await self.client.post(url + "/disagg/token", json={"bootstrap_room": room}, headers=headers)
+            if rt.status_code != 200:
+                raise _Refused(rt.status_code, f"prefill /disagg/token {rt.status_code} {rt.text[:200]}")
+            issued = rt.json()
+            recv["transfer_token"] = issued.get("token") if isinstance(issued, dict) else None
+            tp = asyncio.ensure_future(self.client.post(url + "/disagg/prefill", json=pre, headers=headers))
+            td = asyncio.ensure_future(self.client.post(decode_url + "/disagg/receive", json=recv, headers=headers))
             done, _ = await asyncio.wait((tp, td), return_when=asyncio.FIRST_COMPLETED)
             first = next(iter(done))
             if first.exception() is not None or first.result().status_code != 200:
@@ -95,24 +114,43 @@ class PrefillPairing:
                 await asyncio.wait((tp, td))
             if not (tp.done() and td.done()):
                 side = "prefill" if first is tp else "decode"
-                raise RuntimeError(f"the {side} server failed ({_describe(first)}) and the other had not "
-                                   f"answered after {FAILURE_GRACE_SECS:g} s")
+                code = first.result().status_code if first.exception() is None else 0
+                raise _Refused(code if code in AUTH_CODES else 0,
+                               f"the {side} server failed ({_describe(first)}) and the other had not "
+                               f"answered after {FAILURE_GRACE_SECS:g} s")
             rp, rd = tp.result(), td.result()
             if rp.status_code != 200 or rd.status_code != 200:
-                raise RuntimeError(f"prefill {rp.status_code} {rp.text[:200]}; decode {rd.status_code} {rd.text[:200]}")
+                msg = f"prefill {rp.status_code} {rp.text[:200]}; decode {rd.status_code} {rd.text[:200]}"
+                raise _Refused(next((c for c in (rp.status_code, rd.status_code) if c in AUTH_CODES), 0), msg)
             self.transfers += 1
             self.transferred_tokens += rd.json().get("received_tokens", 0)
         except (httpx.HTTPError, RuntimeError, ValueError) as exc:
             self.failures += 1
-            log.warning("KV transfer %s -> %s (room %d) failed, the decode server prefills: %s",
-                        url, decode_url, room, exc)
+            hint = ""
+            if isinstance(exc, _Refused) and exc.status in AUTH_CODES:
+                self.unauthorized += 1
+                hint = (" (refused: the servers' --api-key must accept the client's Authorization, and both "
+                        "P/D servers need the same disaggregation secret and --disaggregation-peers)")
+            log.warning("KV transfer %s -> %s (room %d) failed, the decode server prefills: %s%s",
+                        url, decode_url, room, exc, hint)
         finally:
             for t in (tp, td):
-                if not t.done():
+                if t is not None and not t.done():
                     t.cancel()
         if request is not None and await request.is_disconnected():
             self.aborted += 1
             raise ClientGone(f"the client disconnected during the KV transfer of room {room}")
+
+
+AUTH_CODES = {401, 403}
+
+
+class _Refused(RuntimeError):
+    """A P/D server answered a transfer step with an error status (``status``; 0: not an auth error)."""
+
+    def __init__(self, status: int, msg: str):
+        super().__init__(msg)
+        self.status = status
 
 
 def _describe(task) -> str:

@@ -8,8 +8,8 @@ Modules: protocol (request models), app (assembly), native_api, openai_api / ope
 openai_params / openai_format / openai_common, tool_calls, engine_client (async engine access,
 aborts), sse, metrics (Prometheus), middleware (API key, body cap, 500s), errors, settings
 (ServerConfig), runner (ServerThread), launcher (LaunchedServer: a server in a subprocess or
-thread), disaggregation (P/D endpoints), testing (FakeEngine). The command line (``sglite serve``)
-is :mod:`sglite.launch_server`.
+thread), disaggregation (P/D endpoints), pd_transfer (their wire: tokens, peers, checked
+payloads), testing (FakeEngine). The command line (``sglite serve``) is :mod:`sglite.launch_server`.
 Imports are lazy so ``import sglite.server`` stays light.
 """
 from __future__ import annotations

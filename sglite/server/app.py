@@ -59,7 +59,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     app.include_router(build_openai_router(OpenAIContext(client, name, names)))
     if getattr(ecfg, "disaggregation_mode", "null") != "null":  # prefill/decode half (sglite.server.disaggregation)
         from .disaggregation import disaggregation_routes
-        app.include_router(disaggregation_routes(engine, ecfg.disaggregation_mode, ecfg.disaggregation_bootstrap_port))
+        app.include_router(disaggregation_routes(engine, ecfg, config.host))
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
     if config.api_key or config.admin_api_key:
         app.add_middleware(ApiKeyMiddleware, keys=keys)

@@ -87,7 +87,8 @@ def test_failed_prefill_stops_the_waiting_decode_server(pd):
     assert "failed this request's prefill" in out["dec"].json()["error"]["message"]
     pre_stats, dec_stats = pd.stats()
     assert pre_stats["failed"] == 1 and pre_stats["sent"] == 0
-    assert dec_stats == {"disaggregation_mode": "decode", "received": 0, "received_tokens": 0, "failed": 1}
+    assert dec_stats == {"disaggregation_mode": "decode", "received": 0, "received_tokens": 0, "failed": 1,
+                         "refused": 0, "connect_failed": 0, "invalid": 0}
     pd.assert_no_leak()
     # the handshake works again afterwards: a good prompt through the same rooms' store
     ids = pd.pre_e.tokenizer.encode("Once upon a time, in a small village,")
@@ -103,8 +104,8 @@ def test_failed_prefill_stops_the_waiting_decode_server(pd):
 
 
 def test_model_mismatch_is_refused_and_the_router_falls_back(tiny_model_dir, tmp_path):
-    """Decode server of another model (3 layers): the transfer is refused (400 naming both
-    shapes), the router counts a failure and the decode server prefills itself: the answer is
+    """Decode server of another model (3 layers): the transfer is refused (502 naming both
+    shapes, nothing inserted), the router counts a failure and the decode server prefills itself: the answer is
     what that server alone generates."""
     from sglite.testing import make_tiny_llama
 

@@ -6,9 +6,18 @@ an engine process can hold several (one per engine) and the workers' default gro
 their tensor-parallel collectives. Messages are the typed records of
 :mod:`sglite.runtime.parallel.commands` (a JSON header and raw tensor bytes, length first): nothing
 received is unpickled.
+
+Rendezvous stores (:func:`open_store`): a single machine uses a ``FileStore`` in a private temporary
+folder (mode 0700; no port at all) and gloo connections on the loopback interface
+(:func:`gloo_group`); several machines use a ``TCPStore`` that listens on the host of
+``dist_init_addr`` only (:func:`bound_tcp_store`; torch's own would listen on every interface).
 """
 from __future__ import annotations
 
+import os
+import shutil
+import socket
+import tempfile
 from datetime import timedelta
 from typing import Callable, Optional
 
@@ -20,10 +29,77 @@ from sglite.runtime.parallel.commands import Message, decode, encode
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
+LOOPBACK = "127.0.0.1"
+FILE_STORE = "file:"  # an ``addr`` of this form names a FileStore (single machine), not host:port
+
+
 def parse_addr(addr: str) -> tuple[str, int]:
     """``"host:port"`` -> (host, port)."""
     host, _, port = addr.rpartition(":")
     return host.strip("[]"), int(port)
+
+
+def bound_tcp_store(host: str, port: int, world_size: Optional[int] = None,
+                    timeout: timedelta = DEFAULT_TIMEOUT):
+    """A ``TCPStore`` server that listens on ``host:port`` only (``port`` 0: a free one, read it
+    from the store's ``port``). torch's ``TCPStore(host, ...)`` listens on every interface whatever
+    ``host`` says; here the socket is bound first and handed over (``master_listen_fd``; the store
+    owns and closes it). Raises OSError when the address cannot be bound."""
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(1024)
+        bound = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    fd = sock.detach()
+    try:
+        return dist.TCPStore(host, bound, world_size, True, timeout=timeout, wait_for_workers=False,
+                             master_listen_fd=fd)
+    except Exception:
+        os.close(fd)
+        raise
+
+
+def private_store_dir() -> str:
+    """A new temporary folder only this user can enter (mode 0700) for a single machine's
+    ``FileStore``; remove it with :func:`remove_store_dir`."""
+    return tempfile.mkdtemp(prefix="sglite-tp-")  # mkdtemp creates it 0700
+
+
+def remove_store_dir(addr: Optional[str]) -> None:
+    """Remove the folder of a ``file:`` store address made by :func:`private_store_dir`."""
+    if addr and addr.startswith(FILE_STORE):
+        shutil.rmtree(os.path.dirname(addr[len(FILE_STORE):]), ignore_errors=True)
+
+
+def open_store(addr: str, world_size: int, is_master: bool, timeout: timedelta = DEFAULT_TIMEOUT):
+    """The rendezvous store at ``addr``: ``file:<path>`` (a ``FileStore``, one machine) or
+    ``host:port`` (a ``TCPStore``; the master listens on ``host`` only, see :func:`bound_tcp_store`)."""
+    if addr.startswith(FILE_STORE):
+        store = dist.FileStore(addr[len(FILE_STORE):], -1)
+        store.set_timeout(timeout)
+        return store
+    host, port = parse_addr(addr)
+    if is_master:
+        return bound_tcp_store(host, port, world_size, timeout)
+    return dist.TCPStore(host, port, world_size, False, timeout=timeout)
+
+
+def gloo_group(store, rank: int, size: int, timeout: timedelta = DEFAULT_TIMEOUT, host: Optional[str] = None):
+    """A ``ProcessGroupGloo`` of ``size`` ranks on ``store``. ``host``: the address its connections
+    listen on (``"127.0.0.1"`` keeps a single machine's group off the network); None = gloo's
+    default (the interface of this machine's host name)."""
+    if host is None:
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    opts._timeout = timeout
+    return dist.ProcessGroupGloo(store, rank, size, opts)
 
 
 class ControlChannel:
@@ -35,9 +111,10 @@ class ControlChannel:
     (Gloo's ``is_completed`` does not report finished receives, so waits are not polled.)
     """
 
-    def __init__(self, store, rank: int, size: int, timeout: timedelta = DEFAULT_TIMEOUT):
+    def __init__(self, store, rank: int, size: int, timeout: timedelta = DEFAULT_TIMEOUT,
+                 host: Optional[str] = None):
         self.rank, self.size = rank, size
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore("sglite/ctrl", store), rank, size, timeout)
+        self.pg = gloo_group(dist.PrefixStore("sglite/ctrl", store), rank, size, timeout, host)
 
     @staticmethod
     def wait(work, alive: Optional[Callable[[], None]] = None) -> None:

@@ -129,18 +129,19 @@ def tp_backend(device) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
-def make_tp_group(store, rank: int, size: int, device: str):
+def make_tp_group(store, rank: int, size: int, device: str, host: str | None = None):
     """The tensor-parallel process group of ``size`` model ranks, built on ``store`` (a
     ``torch.distributed`` store shared with the scheduler), backend :func:`tp_backend` of
-    ``device``. A backend object, not the process's default group."""
+    ``device``. A backend object, not the process's default group. ``host``: the address gloo's
+    connections listen on (``"127.0.0.1"`` on a single machine; None = gloo's default)."""
     import torch.distributed as dist
 
-    from .control import DEFAULT_TIMEOUT
+    from .control import DEFAULT_TIMEOUT, gloo_group
 
     prefixed = dist.PrefixStore("sglite/tp", store)
     if tp_backend(device) == "nccl":
         return dist.ProcessGroupNCCL(prefixed, rank, size)
-    return dist.ProcessGroupGloo(prefixed, rank, size, DEFAULT_TIMEOUT)
+    return gloo_group(prefixed, rank, size, DEFAULT_TIMEOUT, host)
 
 
 class TPComm:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing as mp
+import os
 import threading
 import weakref
 
@@ -25,14 +26,34 @@ from ..models.llama import LlamaArch
 from ..quant_loader import resolve_quantization as _resolve_q
 from .commands import Forward, StepDone, Stop
 from .parallel_state import TPLayout
-from .ports import free_port
 from .tp_worker import BIG, compact_batch, worker_main
 
 log = logging.getLogger("sglite.tp")
 
 
+MAIN_GUARD_EXIT = 86  # a worker's exit code: it re-ran the main script's engine creation (no main guard)
+MAIN_GUARD_HELP = ("tp_size > 1 starts worker processes with multiprocessing's \"spawn\", which re-imports the "
+                   "main script in each of them; create the engine under `if __name__ == \"__main__\":` "
+                   "in that script (the module-level code then runs only in the parent)")
+
+
+def refuse_spawn_reimport() -> None:
+    """In a worker that multiprocessing is still bootstrapping (it re-imports the parent's main
+    script, and that script creates a ``tp_size > 1`` engine at module level): print
+    :data:`MAIN_GUARD_HELP` and exit with :data:`MAIN_GUARD_EXIT`, which the parent turns into a
+    RuntimeError saying the same, instead of multiprocessing's generic error."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        import sys
+
+        print(f"sglite: {MAIN_GUARD_HELP}", file=sys.stderr, flush=True)
+        raise SystemExit(MAIN_GUARD_EXIT)
+
+
 def start_workers(config: EngineConfig, addr: str, ranks) -> list:
-    """Spawn one worker process per tensor-parallel rank in ``ranks`` (daemonic, "spawn" start)."""
+    """Spawn one worker process per tensor-parallel rank in ``ranks`` (daemonic, "spawn" start).
+    ``addr``: the rendezvous, ``host:port`` or ``file:<path>`` (see
+    :func:`~sglite.runtime.parallel.control.open_store`)."""
+    refuse_spawn_reimport()
     ctx = mp.get_context("spawn")
     cfg = dataclasses.asdict(config)
     procs = []
@@ -54,7 +75,9 @@ def run_node_workers(config: EngineConfig) -> int:
     return next((p.exitcode for p in procs if p.exitcode), 0)
 
 
-def _stop(ctrl, procs, lock) -> None:
+def _stop(ctrl, procs, lock, addr=None) -> None:
+    from .control import remove_store_dir
+
     with lock:
         if ctrl[0] is not None:
             try:
@@ -67,6 +90,7 @@ def _stop(ctrl, procs, lock) -> None:
             p.join(timeout=10)
             if p.is_alive():
                 p.terminate()
+        remove_store_dir(addr)
 
 
 class TPRunnerClient:
@@ -78,15 +102,22 @@ class TPRunnerClient:
     ``dtype``, ``context_length``, ``max_total_tokens``, ``bytes_per_token`` (all ranks together),
     ``measure_forward`` (False), plus ``tp_size`` and ``worker_device``.
 
+    The rendezvous: on one machine (``nnodes`` 1) a ``FileStore`` in a private temporary folder
+    (removed at :meth:`close`) and gloo on the loopback interface, so nothing listens on the
+    network; with ``nnodes > 1`` a ``TCPStore`` on ``dist_init_addr`` that listens on that host only.
+
     Raises:
         InvalidRequestError: the heads / MLP width do not split over ``tp_size`` (field tp_size),
             or the context is longer than the model's.
-        RuntimeError: a worker failed to start or load (its log has the cause).
+        RuntimeError: a worker failed to start or load (its log has the cause), or the workers
+            re-ran the engine creation because the main script has no
+            ``if __name__ == "__main__":`` guard (the message says so).
     """
 
     measure_forward = False  # speculative decoding is refused with tp_size > 1: nothing to measure for
 
     def __init__(self, config: EngineConfig, checkpoint):
+        refuse_spawn_reimport()
         if config.node_rank != 0:
             raise InvalidRequestError(f"node_rank={config.node_rank}: the engine (scheduler) runs on node 0; "
                                       "start the other nodes' workers with `sglite serve --node-rank k`",
@@ -111,22 +142,30 @@ class TPRunnerClient:
                                       f"max_position_embeddings ({arch.max_position_embeddings})", field="context_length")
         import torch.distributed as dist
 
-        from .control import ControlChannel, parse_addr
+        from .control import FILE_STORE, LOOPBACK, ControlChannel, open_store, private_store_dir, remove_store_dir
 
-        addr = config.dist_init_addr or f"127.0.0.1:{free_port()}"
-        host, port = parse_addr(addr)
-        store = dist.TCPStore(host, port, tp + 1, True, wait_for_workers=False)
-        wcfg = dataclasses.replace(config, model_path=str(checkpoint.model_dir), dist_init_addr=addr)
+        if config.nnodes == 1:  # one machine: a private file store, gloo on loopback (no port open)
+            addr, local = FILE_STORE + os.path.join(private_store_dir(), "store"), LOOPBACK
+        else:
+            addr, local = config.dist_init_addr, None
+        try:
+            store = open_store(addr, tp + 1, True)
+        except Exception:
+            remove_store_dir(addr)
+            raise
+        wcfg = dataclasses.replace(config, model_path=str(checkpoint.model_dir),
+                                   dist_init_addr=None if addr.startswith(FILE_STORE) else addr)
         per_node = tp // config.nnodes
-        self._procs = start_workers(wcfg, addr, range(per_node))
         self._lock = threading.Lock()
         self._ctrl = [None]
-        self._finalizer = weakref.finalize(self, _stop, self._ctrl, self._procs, self._lock)
+        self._procs = []
+        self._finalizer = weakref.finalize(self, _stop, self._ctrl, self._procs, self._lock, addr)
+        self._procs.extend(start_workers(wcfg, addr, range(per_node)))
         box: dict = {}
 
         def join():
             try:
-                box["ctrl"] = ControlChannel(store, 0, tp + 1)
+                box["ctrl"] = ControlChannel(store, 0, tp + 1, host=local)
             except Exception as exc:
                 box["error"] = exc
 
@@ -156,6 +195,8 @@ class TPRunnerClient:
     def _alive(self) -> None:
         for i, p in enumerate(self._procs):
             if not p.is_alive():
+                if p.exitcode == MAIN_GUARD_EXIT:
+                    raise RuntimeError(f"tensor-parallel worker rank {i} stopped: {MAIN_GUARD_HELP}")
                 raise RuntimeError(f"tensor-parallel worker rank {i} exited (code {p.exitcode})")
 
     def forward(self, fb) -> torch.Tensor:

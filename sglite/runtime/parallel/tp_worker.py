@@ -43,7 +43,8 @@ def compact_batch(fb):
 
 
 def worker_main(config_dict: dict, tp_rank: int, addr: str, log_level: str = "info") -> None:
-    """Process entry point: join the rendezvous at ``addr`` ("host:port"), load this rank's
+    """Process entry point: join the rendezvous at ``addr`` (``"host:port"`` of a TCPStore, or
+    ``"file:<path>"`` of a single machine's FileStore), load this rank's
     shard, size the KV pool with the others (the minimum over ranks), then serve commands until
     ``stop``. Errors in a step are logged and reported to the scheduler by rank 0."""
     import torch.distributed as dist
@@ -54,22 +55,22 @@ def worker_main(config_dict: dict, tp_rank: int, addr: str, log_level: str = "in
     from ..model_loader import load_checkpoint
     from ..model_runner import ModelRunner, available_memory_bytes, pool_tokens, resolve_device, resolve_dtype
     from .commands import Forward, StepDone, Stop
-    from .control import DEFAULT_TIMEOUT, ControlChannel, parse_addr
+    from .control import DEFAULT_TIMEOUT, FILE_STORE, LOOPBACK, ControlChannel, open_store
     from .parallel_state import TPComm, TPLayout, load_shard, make_tp_group
 
     configure(log_level)
     cfg = EngineConfig(**config_dict)
     tp, local_n = cfg.tp_size, cfg.tp_size // cfg.nnodes
-    host, port = parse_addr(addr)
-    store = dist.TCPStore(host, port, tp + 1, False, timeout=DEFAULT_TIMEOUT)
-    ctrl = ControlChannel(store, 1 + tp_rank, tp + 1)
+    store = open_store(addr, tp + 1, False, DEFAULT_TIMEOUT)
+    local = LOOPBACK if addr.startswith(FILE_STORE) else None  # one machine: gloo on loopback only
+    ctrl = ControlChannel(store, 1 + tp_rank, tp + 1, host=local)
     device = resolve_device(cfg.device)
     if device.startswith("cuda"):
         device = f"cuda:{tp_rank % torch.cuda.device_count()}"
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(cfg.num_threads or max(1, ((os.cpu_count() or 2) - 1) // local_n))
-    group = make_tp_group(store, tp_rank, tp, device)
+    group = make_tp_group(store, tp_rank, tp, device, local)
     status = 0
     try:
         ckpt = load_checkpoint(cfg.model_path)

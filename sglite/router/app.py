@@ -393,9 +393,7 @@ def create_router_app(config: RouterConfig) -> FastAPI:
                             "server_info": info})
         out = {"policy": config.policy, "workers": workers}
         if pairing is not None:
-            out["pd"] = {"prefill_urls": [u for u, _ in pairing.prefill], "transfers": pairing.transfers,
-                         "transferred_tokens": pairing.transferred_tokens, "failures": pairing.failures,
-                         "aborted": pairing.aborted}
+            out["pd"] = pairing.stats()
         return out
 
     @app.post("/abort_request")

@@ -2,6 +2,7 @@
 flag), refused before any work is scheduled with an error naming the field and the limit; the
 engine keeps serving and holds no KV afterwards."""
 import threading
+import time
 
 import pytest
 
@@ -74,10 +75,11 @@ def test_queue_bound_refuses_then_recovers(engine):
     threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
-    for _ in range(3000):
+    for _ in range(3000):  # at most 30 s
         if len(engine._loop._active) >= 2:
             break
-        held.wait(0.01)
+        time.sleep(0.01)
+    assert len(engine._loop._active) == 2
     try:
         with pytest.raises(QueueFullError, match="max_queued_requests=2") as e:
             engine.generate("one too many", {"max_new_tokens": 1})

@@ -41,7 +41,7 @@ def _tp_client(tiny_model_dir):
 @pytest.fixture(scope="module", params=[
     pytest.param(_model_runner, id="model_runner"),
     pytest.param(_fake_runner, id="fake_runner"),
-    pytest.param(_tp_client, id="tp_client"),  # two worker processes: ~15 s on two cores
+    pytest.param(_tp_client, id="tp_client", marks=pytest.mark.slow),  # two worker processes: ~15 s on two cores
 ])
 def runner(request, tiny_model_dir):
     r = request.param(tiny_model_dir)

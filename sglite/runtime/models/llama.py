@@ -24,11 +24,13 @@ from sglite import kernels
 from sglite.errors import InvalidRequestError
 
 from ..forward_batch import ForwardBatch
+from . import rope as rope_mod
 
 log = logging.getLogger("sglite.models.llama")
 
 LINEAR_KEYS = ("qkv", "o", "gate_up", "down")  # matmul weights of a layer (LinearWeight)
-SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                   "Phi3ForCausalLM")  # Phi-3: fused qkv/gate_up split at load (models/phi3.py)
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class LlamaArch:
     tie_word_embeddings: bool
     qkv_bias: bool = False
     qk_norm: bool = False
+    rope: "rope_mod.RopeSpec | None" = None  # RoPE variant (models/rope.py); None: default RoPE
 
     @classmethod
     def from_hf_config(cls, cfg) -> "LlamaArch":
@@ -55,30 +58,25 @@ class LlamaArch:
         archs = list(getattr(cfg, "architectures", None) or ["LlamaForCausalLM"])
         if archs[0] not in SUPPORTED_ARCHS:
             raise InvalidRequestError(f"architectures={archs}: only {SUPPORTED_ARCHS} are supported", field="model_path")
-        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-        rtype = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-        if rtype not in ("default", None):
-            raise InvalidRequestError(f"rope_type={rtype!r} is not supported (only default RoPE)", field="model_path")
-        theta = getattr(cfg, "rope_theta", None) or (rope.get("rope_theta") if isinstance(rope, dict) else None) or 10000.0
         nh = cfg.num_attention_heads
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // nh
+        rope = rope_mod.spec_from_hf_config(cfg, hd)  # raises on an unsupported rope_type
         return cls(
             vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
             num_layers=cfg.num_hidden_layers, num_heads=nh,
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or nh, head_dim=hd,
-            rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6), rope_theta=float(theta),
-            max_position_embeddings=getattr(cfg, "max_position_embeddings", 2048),
+            rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6), rope_theta=rope.theta,
+            max_position_embeddings=rope.table_positions,
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             qkv_bias=archs[0] == "Qwen2ForCausalLM" or bool(getattr(cfg, "attention_bias", False)),
-            qk_norm=archs[0] == "Qwen3ForCausalLM",
+            qk_norm=archs[0] == "Qwen3ForCausalLM", rope=rope,
         )
 
 
 def _rope_cache(arch: LlamaArch, max_pos: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, arch.head_dim, 2, dtype=torch.float64) / arch.head_dim))
-    t = torch.arange(max_pos, dtype=torch.float64)
-    freqs = torch.outer(t, inv_freq)  # [P, D/2]
-    return freqs.cos().float().to(device), freqs.sin().float().to(device)  # [P, D/2] each
+    """[P, D/2] float32 cos and sin of every position (the RoPE variant's tables, models/rope.py)."""
+    spec = arch.rope or rope_mod.RopeSpec(theta=arch.rope_theta, dim=arch.head_dim)
+    return rope_mod.rope_cache(spec, max_pos, device)
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

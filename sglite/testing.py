@@ -1,4 +1,4 @@
-"""Helpers for tests: tiny random-weight Llama-family checkpoints with the real tokenizer, the
+"""Helpers for tests: tiny random-weight Llama-family (and OLMo 2 / Granite / Gemma) checkpoints with the real tokenizer, the
 chi-square homogeneity test, and the decision z-test of the speculative-sampling distribution
 tests (:func:`decision_z`)."""
 from __future__ import annotations
@@ -69,6 +69,68 @@ def make_tiny_llama(out_dir, *, seed: int = 0, vocab_from=None, qkv_bias: bool =
     GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
                      pad_token_id=config.pad_token_id).save_pretrained(str(out))
     return out
+
+
+def make_tiny_family(out_dir, model_type: str, architecture: str, *, seed: int = 0, vocab_from=None,
+                     **config_overrides) -> Path:
+    """A tiny random checkpoint of another family (OLMo 2, Granite, Gemma 2/3, ...): the shape of
+    :func:`make_tiny_llama` (hidden 64, 2 layers, 4 heads, 2 KV heads, head_dim 16, intermediate
+    128, the tokenizer of ``vocab_from`` copied in) for HF ``model_type`` / ``architecture``, with
+    ``config_overrides`` (the family's own fields). Weights as :func:`make_tiny_llama`'s, except
+    that every norm weight is drawn around its neutral value (1, or 0 for Gemma's ``(1 + w)``
+    norms) with std 0.2, so a norm applied in the wrong place or with the wrong offset shows."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from .runtime.model_loader import load_checkpoint
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    src = Path(vocab_from) if vocab_from is not None else load_checkpoint(None).model_dir
+    for name in _TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)
+    vocab_size, special = _vocab_facts(out)
+    fields = dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=128, vocab_size=vocab_size, tie_word_embeddings=True, max_position_embeddings=2048,
+        rms_norm_eps=1e-6, bos_token_id=special.get("bos"), eos_token_id=special.get("eos"),
+        pad_token_id=special.get("pad"), dtype="float32")
+    fields.update(config_overrides)
+    config = AutoConfig.for_model(model_type, **fields)
+    config.architectures = [architecture]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    _fill_weights(model, config, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    offset = model_type.startswith("gemma")  # (1 + w) norms: neutral at w = 0
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if name.endswith("norm.weight") and name != "model.norm.weight":
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.2 + (0.0 if offset else 1.0))
+    model.save_pretrained(str(out))
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                     pad_token_id=config.pad_token_id).save_pretrained(str(out))
+    return out
+
+
+def hf_greedy(model_dir, prompts_ids, new: int):
+    """Transformers' reference on ``model_dir`` in float32 with eager attention: per prompt the
+    ``new`` greedy tokens (``generate``, EOS ignored) and the prompt's [T, V] log-softmax."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager")
+    outs, logps = [], []
+    for ids in prompts_ids:
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            g = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)
+            logits = hf(x).logits[0].float()
+        outs.append(g[0, len(ids):].tolist())
+        logps.append(torch.log_softmax(logits, -1))
+    return outs, logps
 
 
 def _vocab_facts(folder: Path) -> tuple[int, dict]:

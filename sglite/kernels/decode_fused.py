@@ -30,7 +30,9 @@ group-32 weights (the LM head / tied embedding too) are then interleaved in 16-r
 instructions per weight byte than the row layout's GEMV, so the step becomes memory-bound.
 
 Used only when the preconditions hold (:func:`prepare`, static; :meth:`FusedDecode.forward`, per
-step): CPU, float32/bf16, no tensor parallelism, no batch-invariant mode, no QK-norm / QKV bias,
+step): a plain Llama layer (the model's ``fused_decode_ok`` is not False: OLMo 2, Granite and
+Gemma 2/3 set it False, their norms, multipliers, soft-capping and sliding windows are not in the
+C++ layer), CPU, float32/bf16, no tensor parallelism, no batch-invariant mode, no QK-norm / QKV bias,
 every layer matmul a :class:`.quant_linear.QuantLinearWeight` with group size 32, no input
 permutation and no bias, a float (non-quantized) KV pool, a step of only decode rows, 1..32 of them;
 otherwise the per-op path runs (it is the reference). RoPE: the C++ rotates with the model's own
@@ -159,6 +161,7 @@ def prepare(model, portable: bool = False) -> Optional[FusedDecode]:
     (module docstring) and the kernels build; else None (the per-op path runs)."""
     a = model.arch
     if (os.environ.get("SGLITE_KERNEL") in ("torch", "triton") or model.device != "cpu" or model.tp is not None
+            or getattr(model, "fused_decode_ok", True) is False
             or model.batch_invariant or a.qk_norm or a.qkv_bias or a.head_dim > cpu_attention.MAX_HEAD_DIM
             or tuple(model.cos.shape[1:]) != (a.head_dim // 2,)  # RoPE over the whole head only
             or model.dtype not in (torch.float32, torch.bfloat16)

@@ -100,13 +100,24 @@ def store_kv(k_buffer, v_buffer, out_cache_loc, k, v, *, impl: Optional[str] = N
 
 
 def decode_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale,
-                     *, impl: Optional[str] = None, batch_invariant: bool = False):
+                     *, impl: Optional[str] = None, batch_invariant: bool = False, window: int = 0,
+                     softcap: float = 0.0):
     """See :func:`sglite.kernels.reference.decode_attention`.
+
+    ``window`` (sliding-window layers) and ``softcap`` (attention logit soft-capping), when set,
+    run the torch reference (:func:`.reference.decode_attention`, row by row when
+    ``batch_invariant``): the C++ and Triton kernels do not implement them; a quantized pool
+    refuses them (ValueError).
 
     ``batch_invariant``: row i's output depends only on row i (its query, its KV, its length):
     ``cpp`` is so by construction; ``torch`` then runs :func:`.reference.decode_attention_rowwise`;
     ``triton`` a fixed number of KV splits (:data:`.triton_attention.INVARIANT_SPLITS`).
     """
+    if window > 0 or softcap > 0:
+        if isinstance(k_buffer, kv_quant.QuantKVLayer):
+            raise ValueError("a quantized KV pool supports neither sliding windows nor soft-capping")
+        ref = reference.decode_attention_rowwise if batch_invariant else reference.decode_attention
+        return ref(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale, window, softcap)
     name = resolve_impl(impl, q, "decode_attention")
     if isinstance(k_buffer, kv_quant.QuantKVLayer):  # row-independent in every implementation
         return _quant_decode(name)(q, k_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale)
@@ -124,9 +135,16 @@ def decode_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_
 
 
 def extend_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens,
-                     extend_lens, sm_scale, *, impl: Optional[str] = None):
+                     extend_lens, sm_scale, *, impl: Optional[str] = None, window: int = 0,
+                     softcap: float = 0.0):
     """See :func:`sglite.kernels.reference.extend_attention` (:func:`.kv_quant.extend_attention`
-    for a quantized pool layer)."""
+    for a quantized pool layer). ``window`` / ``softcap`` set: the torch reference (see
+    :func:`decode_attention`)."""
+    if window > 0 or softcap > 0:
+        if isinstance(k_buffer, kv_quant.QuantKVLayer):
+            raise ValueError("a quantized KV pool supports neither sliding windows nor soft-capping")
+        return reference.extend_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens,
+                                          extend_lens, sm_scale, window, softcap)
     if isinstance(k_buffer, kv_quant.QuantKVLayer):
         return kv_quant.extend_attention(q, k_buffer, req_to_token, req_pool_indices, prefix_lens,
                                          extend_lens, sm_scale)
@@ -160,6 +178,13 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, *, batch_invariant: bool = False)
     if batch_invariant and g.device.type == "cpu":
         return cpu_gemv.silu_mul(g, u)
     return torch.nn.functional.silu(g) * u
+
+
+def gelu_tanh_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """GeGLU's activation with the tanh GELU (Shazeer 2020; Hendrycks & Gimpel 2016, eq. for the
+    tanh approximation): ``gelu_tanh(g) * u``, as HF's ``gelu_pytorch_tanh`` (Gemma 2/3 MLPs).
+    g, u: [..., I] of one dtype; returns the same shape and dtype."""
+    return torch.nn.functional.gelu(g, approximate="tanh") * u
 
 
 def apply_token_bitmask(logits, bitmask, indices=None, *, impl: Optional[str] = None):

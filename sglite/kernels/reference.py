@@ -51,7 +51,8 @@ def _gather_rows(req_to_token, req_pool_indices, seq_lens, max_len):
 
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                     seq_lens: torch.Tensor, sm_scale: float) -> torch.Tensor:
+                     seq_lens: torch.Tensor, sm_scale: float, window: int = 0,
+                     softcap: float = 0.0) -> torch.Tensor:
     """One query token per request over its paged KV (GQA), softmax in float32.
 
     The two matmuls run in the pool's dtype with float32 accumulation (for bf16 the scores are
@@ -69,6 +70,11 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         req_pool_indices: [B] int64 row of each request in ``req_to_token``.
         seq_lens: [B] int64 tokens to attend to (including the newest), each >= 1.
         sm_scale: softmax scale, usually 1/sqrt(D).
+        window: sliding-window attention (Beltagy et al. 2020, "Longformer"; Gemma 2/3 local
+            layers) when > 0: a request sees only its last ``window`` tokens (positions
+            ``> seq_len - 1 - window``, HF's ``sliding_window_overlay``); 0 = every token.
+        softcap: attention logit soft-capping (Gemma 2, Team Gemma 2024, sec. 2) when > 0:
+            ``scores = softcap * tanh(scores * sm_scale / softcap)`` before the softmax.
     Returns:
         [B, Hq, D] attention output in q's dtype.
     """
@@ -78,42 +84,51 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     L = int(seq_lens.max())
     dt = k_buffer.dtype
     if B == 1:  # batch-1 decode: one gather of all heads, no mask (2.3x faster than the loop below)
-        rows = req_to_token[req_pool_indices[0], :L].long()  # [L] slots
-        k = gather_heads(k_buffer, rows).transpose(1, 2)  # [Hkv, D, L]
-        v = gather_heads(v_buffer, rows)  # [Hkv, L, D]
-        scores = torch.bmm(q.to(dt).view(Hkv, G, D), k).float().mul_(sm_scale)  # [Hkv, G, L] float32
+        rows = req_to_token[req_pool_indices[0], max(0, L - window) if window > 0 else 0:L].long()  # [L'] slots
+        k = gather_heads(k_buffer, rows).transpose(1, 2)  # [Hkv, D, L']
+        v = gather_heads(v_buffer, rows)  # [Hkv, L', D]
+        scores = _softcap(torch.bmm(q.to(dt).view(Hkv, G, D), k).float().mul_(sm_scale), softcap)  # [Hkv, G, L']
         out = torch.bmm(torch.softmax(scores, dim=-1).to(dt), v)  # [Hkv, G, D]
         return out.reshape(1, Hq, D).to(q.dtype)  # [1, Hq, D]
     flat, valid = _gather_rows(req_to_token, req_pool_indices, seq_lens, L)  # [B*L], [B, L]
+    if window > 0:  # only the last `window` positions of each row
+        valid = valid & (torch.arange(L, device=valid.device)[None, :] >= seq_lens[:, None] - window)
     masked = (~valid)[:, None, :]  # [B, 1, L]
     qd = q.to(dt).view(B, Hkv, G, D)  # [B, Hkv, G, D]
     outs = []
     for h in range(Hkv):
         kh = k_buffer[:, h].index_select(0, flat).view(B, L, D)  # [B, L, D]
         vh = v_buffer[:, h].index_select(0, flat).view(B, L, D)  # [B, L, D]
-        scores = torch.bmm(qd[:, h], kh.transpose(1, 2)).float().mul_(sm_scale)  # [B, G, L] float32
+        scores = _softcap(torch.bmm(qd[:, h], kh.transpose(1, 2)).float().mul_(sm_scale), softcap)  # [B, G, L]
         scores.masked_fill_(masked, float("-inf"))
         outs.append(torch.bmm(torch.softmax(scores, dim=-1).to(dt), vh))  # [B, G, D]
     return torch.stack(outs, dim=1).reshape(B, Hq, D).to(q.dtype)  # [B, Hq, D]
 
 
+def _softcap(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(scores / cap)`` (Gemma 2's logit soft-capping) when ``cap > 0``, else scores."""
+    return scores if cap <= 0 else torch.tanh(scores / cap) * cap
+
+
 def decode_attention_rowwise(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                              req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                             seq_lens: torch.Tensor, sm_scale: float) -> torch.Tensor:
+                             seq_lens: torch.Tensor, sm_scale: float, window: int = 0,
+                             softcap: float = 0.0) -> torch.Tensor:
     """:func:`decode_attention` one row at a time (its batch-1 path), so row i's result depends only
     on row i: the batched path pads every row to the longest one, and the padded softmax and bmm
     shapes change the summation order. Same arguments and result; B x slower in Python overhead.
     """
     if q.shape[0] <= 1:
-        return decode_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale)
+        return decode_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale,
+                                window, softcap)
     return torch.cat([decode_attention(q[i:i + 1], k_buffer, v_buffer, req_to_token, req_pool_indices[i:i + 1],
-                                       seq_lens[i:i + 1], sm_scale) for i in range(q.shape[0])])
+                                       seq_lens[i:i + 1], sm_scale, window, softcap) for i in range(q.shape[0])])
 
 
 def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      prefix_lens: torch.Tensor, extend_lens: torch.Tensor, sm_scale: float,
-                     ) -> torch.Tensor:
+                     window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Prefill new tokens of requests whose prefix is already in the pool.
 
     New token i of request b (absolute position prefix_lens[b] + i) attends to all prefix
@@ -129,6 +144,8 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         prefix_lens: [B] int64 cached tokens per request (may be 0).
         extend_lens: [B] int64 new tokens per request (>= 1).
         sm_scale: softmax scale.
+        window, softcap: sliding window and logit soft-capping, as in :func:`decode_attention`
+            (query at position t sees keys at positions ``t - window < s <= t``).
     Returns:
         [N, Hq, D] in q's dtype.
     """
@@ -141,14 +158,25 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     start = 0
     for row, p, e in zip(rlist, plist, elist):
         total = p + e
-        slots = req_to_token[row, :total].long()  # [T]
+        first = max(0, p - window + 1) if window > 0 else 0  # keys before it are outside every window
+        slots = req_to_token[row, first:total].long()  # [T]
         k = gather_heads(k_buffer, slots)  # [Hkv, T, D]
         v = gather_heads(v_buffer, slots)  # [Hkv, T, D]
         qi = q[start:start + e].transpose(0, 1)  # [Hq, e, D]
         # causal mask with offset: query i sees keys 0 .. p + i
         qpos = torch.arange(e, device=q.device)[:, None] + p  # [e, 1]
-        kpos = torch.arange(total, device=q.device)[None, :]  # [1, T]
+        kpos = torch.arange(first, total, device=q.device)[None, :]  # [1, T]
         mask = kpos <= qpos  # [e, T] bool
+        if window > 0:
+            mask = mask & (kpos > qpos - window)
+        if softcap > 0:  # SDPA has no soft-capping: scores by hand (HF eager's order of operations)
+            kk = k.repeat_interleave(Hq // Hkv, dim=0)  # [Hq, T, D]
+            vv = v.repeat_interleave(Hq // Hkv, dim=0)  # [Hq, T, D]
+            scores = _softcap(torch.matmul(qi.to(k.dtype), kk.transpose(1, 2)).float() * sm_scale, softcap)
+            probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)  # [Hq, e, T] float32
+            out[start:start + e] = torch.matmul(probs.to(k.dtype), vv).transpose(0, 1).to(q.dtype)
+            start += e
+            continue
         o = F.scaled_dot_product_attention(qi.to(k.dtype), k, v, attn_mask=mask, scale=sm_scale,
                                            enable_gqa=(Hq != Hkv))  # [Hq, e, D]
         out[start:start + e] = o.transpose(0, 1).to(q.dtype)

@@ -61,6 +61,7 @@ from .engine_stream import BatchView, OutputAccumulator, sync_stream
 from .logprob_options import LogprobOptions
 from .kv_quant import check_kv_cache_dtype
 from .model_loader import load_checkpoint
+from .models.registry import check_engine_config as check_family_config
 from .model_runner import ModelRunner, resolve_device, resolve_dtype
 from .quant_loader import load_weights
 from .runner_protocol import RunnerProtocol
@@ -97,6 +98,7 @@ class Engine:
         if device == "cpu":
             torch.set_num_threads(cfg.num_threads or max(1, (os.cpu_count() or 2) - 1))
         check_kv_cache_dtype(cfg.kv_cache_dtype, ckpt.hf_config, device)  # before the weights load
+        check_family_config(cfg, ckpt.hf_config)  # OLMo 2 / Granite / Gemma: no TP; Gemma: float KV
         self.runner: RunnerProtocol
         if cfg.tp_size > 1:  # the model lives in tp_size worker processes (sglite.runtime.parallel)
             from .parallel.tp_client import TPRunnerClient

@@ -13,7 +13,7 @@ from ..errors import InvalidRequestError
 from .forward_batch import ForwardBatch
 from . import kv_quant
 from .kv_pool import ReqToTokenPool, kv_bytes_per_token
-from .models.llama import LlamaArch, LlamaModel
+from .models import registry as model_registry
 
 log = logging.getLogger("sglite.model_runner")
 
@@ -88,9 +88,10 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config, state_dict: dict):
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.arch = LlamaArch.from_hf_config(hf_config)
+        self.arch = model_registry.arch_from_hf_config(hf_config)  # LlamaArch, or a family's FamilyArch
         deterministic = bool(config.enable_deterministic_inference)
-        self.model = LlamaModel(self.arch, state_dict, self.dtype, self.device, batch_invariant=deterministic)
+        self.model = model_registry.model_class(self.arch)(self.arch, state_dict, self.dtype, self.device,
+                                                           batch_invariant=deterministic)
         self.linear_impl = self._choose_linear_impl(config)
         self.model.decode_fused = kernels.decode_fused.prepare(self.model)  # None: per-op decode
         self.vocab_size = self.arch.vocab_size

@@ -284,7 +284,7 @@ def _check_architecture(config, where: Path) -> None:
             f"model_path: {str(where)!r} has architectures={getattr(config, 'architectures', None)!r} "
             f"(model_type={getattr(config, 'model_type', None)!r}), which is not supported; "
             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}", field="model_path")
-    from .models import rope  # the RoPE variant too, before any weight is read or converted
+    # the family's own reading of the config (its RoPE variant included), before any weight is read
+    from .models.registry import arch_from_hf_config
 
-    nh = getattr(config, "num_attention_heads", None) or 1
-    rope.spec_from_hf_config(config, getattr(config, "head_dim", None) or config.hidden_size // nh)
+    arch_from_hf_config(config)

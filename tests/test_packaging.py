@@ -3,6 +3,8 @@ install would otherwise leave it out while the editable dev install still finds 
 import pathlib
 import tomllib
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -28,6 +30,7 @@ def test_no_top_level_folder_shadows_an_installed_package():
     assert not shadows, shadows
 
 
+@pytest.mark.slow  # a subprocess importing transformers: ~3 s
 def test_transformers_imports_from_the_checkout_root():
     """Run from the checkout root (``python -c``: the root is ``sys.path[0]``), nothing in the
     checkout may shadow the Hugging Face ``kernels`` package

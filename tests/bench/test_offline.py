@@ -10,6 +10,7 @@ from sglite.bench.offline_hf import measure_read_bandwidth
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # a whole benchmark run (several engines)
 def test_offline_all_parts_tiny(tiny_model_dir, tmp_path, capsys):
     out, png = tmp_path / "off.json", tmp_path / "off.png"
     rc = offline.main(["--model-path", str(tiny_model_dir), "--dtype", "float32", "--parts", "a,b,c,d",

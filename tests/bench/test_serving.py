@@ -107,6 +107,7 @@ def test_agent_workload_runs_through_the_frontend(server):
     assert m["program_throughput"] > 0 and m["cache_hit_rate"] > 0.5   # shared system prompt is reused
 
 
+@pytest.mark.slow  # a whole benchmark run (several engines)
 def test_sweep_two_configs_one_chart(tiny_model_dir, tmp_path):
     out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
     rc = sweep.main(["--model-path", str(tiny_model_dir), "--launch-mode", "thread", "--dataset", "shared-prefix",

@@ -258,6 +258,7 @@ def test_a_worker_dying_mid_stream_ends_the_stream_with_an_error_event(path):
         assert r.router.healthy == [False, True] and r.router.loads == [0, 0]
 
 
+@pytest.mark.slow  # waits out a timeout / several hang-ups
 def test_a_request_that_kills_its_worker_is_retried_at_most_once():
     with pytest.raises(InvalidRequestError, match="max_retries"):
         RouterConfig(max_retries=2)
@@ -300,6 +301,7 @@ def test_the_routers_own_api_key_guards_every_route_but_health():
         assert ok.status_code == 200 and app.state.headers[0]["authorization"] == "Bearer rk"
 
 
+@pytest.mark.slow  # waits out a timeout / several hang-ups
 def test_a_request_past_the_timeout_is_504_naming_the_flag_and_aborted_on_its_worker():
     app = scripted_worker(slow_secs=20)
     with Worker(app) as w, router(w.url, request_timeout_secs=0.5) as r:

@@ -63,7 +63,9 @@ def test_tokens_and_prompt_logprobs_match_hf(family):
         assert torch.allclose(ours, ref, atol=1e-4), f"{name}: prompt logprobs differ by {(ours - ref).abs().max()}"
 
 
-@pytest.mark.parametrize("radix,chunk", list(itertools.product([True, False], [16, None])))
+# the fast tier runs one configuration (radix on, chunked); the slow tier the rest of the matrix
+@pytest.mark.parametrize("radix,chunk", [pytest.param(r, c, marks=() if (r, c) == (True, 16) else pytest.mark.slow)
+                                         for r, c in itertools.product([True, False], [16, None])])
 def test_matrix_alone_and_batched(family, radix, chunk):
     name, d, prompts, outs, _ = family
     with _engine(d, disable_radix_cache=not radix, chunked_prefill_size=chunk or -1) as e:

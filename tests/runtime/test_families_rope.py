@@ -165,7 +165,11 @@ def test_configs_load_as_the_expected_variant(family):
         assert arch.rope.rope_type == want
 
 
-MATRIX = [(k, r, c) for k in KINDS for r, c in itertools.product([True, False], [16, None])
+# the fast tier runs one configuration of Llama 3 and of Phi-3 long-RoPE (radix on, chunked); the
+# slow tier the rest (each kind's tables are also checked against transformers in test_rope.py)
+FAST = ("llama3", "phi3_longrope")
+MATRIX = [pytest.param(k, r, c, marks=() if (r, c) == (True, 16) and k in FAST else pytest.mark.slow)
+          for k in KINDS for r, c in itertools.product([True, False], [16, None])
           if k in FULL_MATRIX or (r, c) == (True, 16)]
 
 
@@ -187,7 +191,7 @@ def test_matches_hf(family, kind, radix, chunk):
         assert max(len(p) for p in prompts) + NEW > LO  # generation ran past the original length
 
 
-@pytest.mark.parametrize("chunk", [16, None])
+@pytest.mark.parametrize("chunk", [16, pytest.param(None, marks=pytest.mark.slow)])
 def test_longrope_prompt_longer_than_original_length(family, chunk):
     """Prompts of 100..200 tokens (Lo = 64): transformers fed token by token, radix cache reused."""
     d, _, _, _, hf = family("phi3_longrope")

@@ -166,20 +166,21 @@ print(json.dumps({"rc": rc, "engine": "sglite.runtime.engine" in sys.modules, "t
 """
 
 
+# the fast tier checks three flags (one subprocess each); the slow tier every one
 @pytest.mark.parametrize("argv, flag", [
     (["generate", "hi", "--max-new-tokens", "-1"], "--max-new-tokens"),
-    (["generate", "hi", "--temperature", "-0.5"], "--temperature"),
+    pytest.param(["generate", "hi", "--temperature", "-0.5"], "--temperature", marks=pytest.mark.slow),
     (["generate", "hi", "--regex", "[a-"], "--regex"),
-    (["generate", "hi", "--json-schema", "{not json"], "--json-schema"),
-    (["generate", "hi", "--max-running-requests", "0"], "--max-running-requests"),
-    (["generate", "hi", "--chat-template", "/no/such/template.jinja"], "--chat-template"),
-    (["generate", "hi", "--tokenizer-path", "/no/such/folder"], "--tokenizer-path"),
-    (["serve", "--max-model-len", "4"], "--max-model-len"),
+    pytest.param(["generate", "hi", "--json-schema", "{not json"], "--json-schema", marks=pytest.mark.slow),
+    pytest.param(["generate", "hi", "--max-running-requests", "0"], "--max-running-requests", marks=pytest.mark.slow),
+    pytest.param(["generate", "hi", "--chat-template", "/no/such/template.jinja"], "--chat-template", marks=pytest.mark.slow),
+    pytest.param(["generate", "hi", "--tokenizer-path", "/no/such/folder"], "--tokenizer-path", marks=pytest.mark.slow),
+    pytest.param(["serve", "--max-model-len", "4"], "--max-model-len", marks=pytest.mark.slow),
     (["serve", "--port", "70000"], "--port"),
-    (["serve", "--page-size", "0"], "--page-size"),
-    (["serve", "--schedule-policy", "random"], "--schedule-policy"),
-    (["serve", "--constrained-json-whitespace-pattern", "(("], "--constrained-json-whitespace-pattern"),
-    (["generate", "hi", "--constrained-json-whitespace-pattern", "a(?>b)"], "--constrained-json-whitespace-pattern"),
+    pytest.param(["serve", "--page-size", "0"], "--page-size", marks=pytest.mark.slow),
+    pytest.param(["serve", "--schedule-policy", "random"], "--schedule-policy", marks=pytest.mark.slow),
+    pytest.param(["serve", "--constrained-json-whitespace-pattern", "(("], "--constrained-json-whitespace-pattern", marks=pytest.mark.slow),
+    pytest.param(["generate", "hi", "--constrained-json-whitespace-pattern", "a(?>b)"], "--constrained-json-whitespace-pattern", marks=pytest.mark.slow),
 ])
 def test_bad_values_fail_before_loading_naming_the_flag(argv, flag):
     p = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(argv)], capture_output=True, text=True,

@@ -76,3 +76,22 @@ def check_matrix(family, radix: bool, chunk):
     assert [r["output_ids"] for r in batch] == outs, f"{name}: batched diverges"
     assert again["output_ids"] == outs[1]
     assert (again["meta_info"]["cached_tokens"] > 0) == radix
+
+
+def check_refusals(family, quantized_kv_refused: bool):
+    """The fused Llama decode is never taken; ``tp_size > 1`` (and, where the family lacks it, a
+    quantized KV cache) is refused naming the field, before weights load."""
+    from sglite.errors import InvalidRequestError
+    from sglite.kernels import decode_fused
+    from sglite.runtime.models.family import FamilyModel
+
+    assert FamilyModel.fused_decode_ok is False
+    d = family[1]
+    with engine(d) as e:
+        assert decode_fused.prepare(e.runner.model) is None
+    refused = [("tp_size", dict(tp_size=2))] + ([("kv_cache_dtype", dict(kv_cache_dtype="fp8_e4m3"))]
+                                                if quantized_kv_refused else [])
+    for field, kw in refused:
+        with pytest.raises(InvalidRequestError) as ei:
+            engine(d, **kw)
+        assert ei.value.field == field

@@ -5,8 +5,7 @@ layers' window is exercised on prefill chunks, cached prefixes and decode; Gemma
 attention and final logits, Gemma 3 has per-head QK-norm and a separate local RoPE base."""
 import pytest
 
-from tests.runtime.family_parity import MATRIX, NEW, build_family, check_matrix, check_tokens_and_logprobs
-from tests.runtime.family_parity import engine as _engine
+from tests.runtime.family_parity import MATRIX, NEW, build_family, check_matrix, check_refusals, check_tokens_and_logprobs
 
 FAMILIES = {
     "gemma2": ("gemma2", "Gemma2ForCausalLM", dict(
@@ -37,17 +36,4 @@ def test_matrix_alone_and_batched(family, radix, chunk):
 
 
 def test_fused_decode_and_tensor_parallel_refused(family):
-    from sglite.errors import InvalidRequestError
-    from sglite.kernels import decode_fused
-    from sglite.runtime.models.family import FamilyModel
-
-    assert FamilyModel.fused_decode_ok is False
-    name, d = family[:2]
-    with _engine(d) as e:
-        assert decode_fused.prepare(e.runner.model) is None
-    with pytest.raises(InvalidRequestError) as ei:
-        _engine(d, tp_size=2)
-    assert ei.value.field == "tp_size"
-    with pytest.raises(InvalidRequestError) as ei:
-        _engine(d, kv_cache_dtype="fp8_e4m3")
-    assert ei.value.field == "kv_cache_dtype"
+    check_refusals(family, quantized_kv_refused=True)

@@ -3,8 +3,7 @@ greedy tokens and prompt logprobs, with the radix cache on and off, chunked pref
 prompt alone and inside a batch of mixed lengths (issue 27's oracle for every family)."""
 import pytest
 
-from tests.runtime.family_parity import MATRIX, build_family, check_matrix, check_tokens_and_logprobs
-from tests.runtime.family_parity import engine as _engine
+from tests.runtime.family_parity import MATRIX, build_family, check_matrix, check_refusals, check_tokens_and_logprobs
 
 FAMILIES = {
     "olmo2": ("olmo2", "Olmo2ForCausalLM", dict(attention_bias=False)),
@@ -30,14 +29,4 @@ def test_matrix_alone_and_batched(family, radix, chunk):
 
 
 def test_fused_decode_and_tensor_parallel_refused(family):
-    from sglite.errors import InvalidRequestError
-    from sglite.kernels import decode_fused
-    from sglite.runtime.models.family import FamilyModel
-
-    assert FamilyModel.fused_decode_ok is False
-    name, d = family[:2]
-    with _engine(d) as e:
-        assert decode_fused.prepare(e.runner.model) is None
-    with pytest.raises(InvalidRequestError) as ei:
-        _engine(d, tp_size=2)
-    assert ei.value.field == "tp_size"
+    check_refusals(family, quantized_kv_refused=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import random
 import shutil
 from pathlib import Path
 
@@ -34,15 +35,7 @@ def make_tiny_llama(out_dir, *, seed: int = 0, vocab_from=None, qkv_bias: bool =
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    from .runtime.model_loader import load_checkpoint
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    src = Path(vocab_from) if vocab_from is not None else load_checkpoint(None).model_dir
-    for name in _TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copyfile(src / name, out / name)
-    vocab_size, special = _vocab_facts(out)
+    out, vocab_size, special = _tokenizer_folder(out_dir, vocab_from)
 
     model_type = "qwen2" if qkv_bias else "llama"
     fields = dict(
@@ -82,15 +75,7 @@ def make_tiny_family(out_dir, model_type: str, architecture: str, *, seed: int =
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    from .runtime.model_loader import load_checkpoint
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    src = Path(vocab_from) if vocab_from is not None else load_checkpoint(None).model_dir
-    for name in _TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copyfile(src / name, out / name)
-    vocab_size, special = _vocab_facts(out)
+    out, vocab_size, special = _tokenizer_folder(out_dir, vocab_from)
     fields = dict(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         intermediate_size=128, vocab_size=vocab_size, tie_word_embeddings=True, max_position_embeddings=2048,
@@ -114,13 +99,45 @@ def make_tiny_family(out_dir, model_type: str, architecture: str, *, seed: int =
     return out
 
 
-def hf_greedy(model_dir, prompts_ids, new: int):
-    """Transformers' reference on ``model_dir`` in float32 with eager attention: per prompt the
-    ``new`` greedy tokens (``generate``, EOS ignored) and the prompt's [T, V] log-softmax."""
+def _tokenizer_folder(out_dir, vocab_from) -> tuple[Path, int, dict]:
+    """Create ``out_dir`` holding the tokenizer files of ``vocab_from`` (default: the converted
+    default model); returns (folder, vocabulary size, special token ids)."""
+    from .runtime.model_loader import load_checkpoint
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    src = Path(vocab_from) if vocab_from is not None else load_checkpoint(None).model_dir
+    for name in _TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)
+    vocab_size, special = _vocab_facts(out)
+    return out, vocab_size, special
+
+
+def word_prompts(tok, n: int, lo: int, hi: int, seed: int, words_per_token: int = 1,
+                 exact: bool = False) -> list[list[int]]:
+    """``n`` prompts of token ids, each cut to a length drawn in ``[lo, hi]``, from mixed words
+    (ASCII, accents, an emoji, newlines). ``words_per_token`` words are drawn per target token so
+    that the cut lands inside the text; ``exact`` asserts every prompt reached its drawn length."""
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "the", "cat", "sat", "on", "mat", "42", "é", "🙂", "\n"]
+    out = []
+    for _ in range(n):
+        target = rng.randint(lo, hi)
+        out.append(tok.encode(" ".join(rng.choice(words) for _ in range(target * words_per_token)))[:target])
+        assert not exact or len(out[-1]) == target
+    return out
+
+
+def hf_greedy(model_dir, prompts_ids, new: int, attn_implementation: str = "eager"):
+    """Transformers' reference on ``model_dir`` in float32: per prompt (a list of token ids) the
+    ``new`` greedy tokens (``generate``, EOS ignored) and the prompt's log-softmax, float32
+    ``[T, V]``. ``attn_implementation``: transformers' attention (``eager``, ``sdpa``)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager")
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                              attn_implementation=attn_implementation)
     outs, logps = [], []
     for ids in prompts_ids:
         x = torch.tensor([ids])

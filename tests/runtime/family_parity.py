@@ -3,7 +3,6 @@ checkpoint of the family, its prompts, transformers' greedy tokens and prompt lo
 float32, and the checks: greedy tokens and prompt logprobs equal HF's; radix cache on and off,
 chunked prefill and not, each prompt alone and inside a batch of mixed lengths."""
 import itertools
-import random
 
 import pytest
 import torch
@@ -16,13 +15,10 @@ MATRIX = [pytest.param(r, c, marks=() if (r, c) == (True, 16) else pytest.mark.s
 
 
 def prompts_of(tok, n, lo, hi, seed):
-    """``n`` token-id prompts of ``lo``..``hi`` tokens of mixed words (the first one cut to 5)."""
-    rng = random.Random(seed)
-    words = ["alpha", "beta", "gamma", "delta", "the", "cat", "sat", "on", "mat", "42", "é", "🙂", "\n"]
-    out = []
-    for _ in range(n):
-        target = rng.randint(lo, hi)
-        out.append(tok.encode(" ".join(rng.choice(words) for _ in range(target)))[:target])
+    """:func:`sglite.testing.word_prompts`, the first prompt cut to 5 tokens."""
+    from sglite.testing import word_prompts
+
+    out = word_prompts(tok, n, lo, hi, seed)
     out[0] = out[0][:5]
     return out
 

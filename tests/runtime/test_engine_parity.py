@@ -5,40 +5,17 @@ The correctness matrix (issue 3): radix cache on/off × chunked prefill (16) or 
 Qwen2's qkv-bias path.
 """
 import itertools
-import random
 
 import pytest
 import torch
+
+from sglite.testing import hf_greedy, word_prompts
 
 NEW = 32
 
 
 def _hf_greedy(model_dir, prompts_ids, new=NEW):
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    outs, logps = [], []
-    for ids in prompts_ids:
-        x = torch.tensor([ids])
-        with torch.no_grad():
-            g = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)
-            logits = hf(x).logits[0].float()
-        outs.append(g[0, len(ids):].tolist())
-        logps.append(torch.log_softmax(logits, -1))
-    return outs, logps
-
-
-def _prompts(tok, n, lo, hi, seed):
-    rng = random.Random(seed)
-    words = ["alpha", "beta", "gamma", "delta", "the", "cat", "sat", "on", "mat", "42", "é", "🙂", "\n"]
-    out = []
-    for _ in range(n):
-        target = rng.randint(lo, hi)
-        text = " ".join(rng.choice(words) for _ in range(target))
-        ids = tok.encode(text)[:target]
-        out.append(ids)
-    return out
+    return hf_greedy(model_dir, prompts_ids, new, attn_implementation="sdpa")
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +23,7 @@ def tiny_ref(tiny_model_dir):
     from sglite.runtime.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(tiny_model_dir)
-    prompts = _prompts(tok, 8, 5, 300, seed=1)
+    prompts = word_prompts(tok, 8, 5, 300, seed=1)
     prompts[0] = prompts[0][:5]
     outs, logps = _hf_greedy(tiny_model_dir, prompts)
     return prompts, outs, logps
@@ -101,7 +78,7 @@ def test_qwen2_bias_path_matches_hf(tiny_qwen_dir):
     from sglite.runtime.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(tiny_qwen_dir)
-    prompts = _prompts(tok, 2, 10, 40, seed=3)
+    prompts = word_prompts(tok, 2, 10, 40, seed=3)
     outs, _ = _hf_greedy(tiny_qwen_dir, prompts, new=16)
     with _engine(tiny_qwen_dir) as e:
         res = e.generate(input_ids=prompts, sampling_params=dict(GREEDY, max_new_tokens=16))
@@ -112,7 +89,7 @@ def test_same_prompt_twice_reports_cached_tokens(tiny_model_dir):
     from sglite.runtime.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(tiny_model_dir)
-    ids = _prompts(tok, 1, 200, 200, seed=5)[0]
+    ids = word_prompts(tok, 1, 200, 200, seed=5)[0]
     assert len(ids) == 200
     with _engine(tiny_model_dir) as e:
         a = e.generate(input_ids=ids, sampling_params=GREEDY)

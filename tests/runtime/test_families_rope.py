@@ -9,11 +9,12 @@ sequence ending at it: the per-position rule of sglite/runtime/models/rope.py), 
 sequence with the long factors; see docs/models.md). The fused C++ decode is checked on RoPE-scaled quantized models.
 """
 import itertools
-import random
 import shutil
 
 import pytest
 import torch
+
+from sglite.testing import word_prompts
 
 NEW = 32
 GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
@@ -98,15 +99,7 @@ def _hf_token_by_token(hf, ids, new=NEW):
 
 
 def _prompts(tok, n, lo, hi, seed):
-    rng = random.Random(seed)
-    words = ["alpha", "beta", "gamma", "delta", "the", "cat", "sat", "on", "mat", "42", "é", "🙂", "\n"]
-    out = []
-    for _ in range(n):
-        target = rng.randint(lo, hi)
-        ids = tok.encode(" ".join(rng.choice(words) for _ in range(target * 2)))[:target]
-        assert len(ids) == target
-        out.append(ids)
-    return out
+    return word_prompts(tok, n, lo, hi, seed, words_per_token=2, exact=True)
 
 
 def _engine(model_dir, **kw):

@@ -51,12 +51,11 @@ from typing import Optional, Union
 
 import torch
 
-from ..errors import InvalidRequestError
 from ..logging_setup import PhaseTimer, configure_if_unset
 from .engine_config import engine_config
 from .engine_info import model_info, server_info
 from .engine_loop import EngineLoop
-from .engine_requests import RequestBuilder, prep_field
+from .engine_requests import RequestBuilder, prep_field, prepare_within
 from .engine_stream import BatchView, OutputAccumulator, sync_stream
 from .logprob_options import LogprobOptions
 from .kv_quant import check_kv_cache_dtype
@@ -128,22 +127,6 @@ class Engine:
         log.info("Engine ready in %.2f s (%s)", timer.elapsed, timer.summary())
 
     # ------------------------------------------------------------------ plumbing
-    async def _prepare(self, build, sink_factory, field: str):
-        """``build(sink_factory)`` on the preparation pool, within ``request_prep_timeout`` seconds.
-
-        Raises:
-            InvalidRequestError: over the budget (naming ``field`` and the budget); nothing was
-                scheduled (the abandoned build finishes in the pool and is dropped).
-        """
-        budget = self.config.request_prep_timeout
-        fut = asyncio.get_running_loop().run_in_executor(self._prep, build, sink_factory)
-        try:
-            return await asyncio.wait_for(fut, timeout=budget)
-        except asyncio.TimeoutError:
-            raise InvalidRequestError(f"{field}: preparing the request (tokenizing, compiling its grammar) took "
-                                      f"over request_prep_timeout={budget} s (--request-prep-timeout)",
-                                      field=field) from None
-
     def _run_to_completion(self, build):
         """Build a batch with ``build(sink_factory)``, submit it and wait for every final event.
 
@@ -208,8 +191,10 @@ class Engine:
         q: asyncio.Queue = asyncio.Queue()
         build = self._builder(prompt, sampling_params, input_ids, rid, return_logprob, logprob_start_len,
                               top_logprobs_num, token_ids_logprob, stream)
-        batch = await self._prepare(build, lambda i: (lambda ev: loop.call_soon_threadsafe(q.put_nowait, (i, ev))),
-                                    prep_field(prompt, input_ids, sampling_params))
+        sink_factory = lambda i: (lambda ev: loop.call_soon_threadsafe(q.put_nowait, (i, ev)))  # noqa: E731
+        batch = await prepare_within(self._prep, lambda: build(sink_factory), self.config.request_prep_timeout,
+                                     prep_field(prompt, input_ids, sampling_params),
+                                     "tokenizing, compiling its grammar")
         self._loop.submit(batch.all_reqs)
         view = BatchView(batch.num_outputs, incremental and stream)
 

@@ -61,7 +61,7 @@ class EngineLoop:
                 raise InvalidRequestError(f"rid: request id(s) {dup[:3]} already in flight", field="rid")
             cap = self.max_queued_requests
             if cap is not None:
-                queued = len(self._active) - len(getattr(self.scheduler, "running", ()))
+                queued = len(self._active) - len(self.scheduler.running)
                 if queued >= cap:
                     raise QueueFullError(f"server busy: {queued} requests are waiting, the limit is "
                                          f"max_queued_requests={cap} (--max-queued-requests); retry later",

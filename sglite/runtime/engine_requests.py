@@ -6,6 +6,7 @@ here, off the scheduler thread, and cached by the grammar backend).
 """
 from __future__ import annotations
 
+import asyncio
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -58,6 +59,23 @@ class ScoreSpec:
                 item["unconditional_logprobs"] = [e[0] for e in u]
             res.append(item)
         return res
+
+
+async def prepare_within(pool, fn: Callable, budget: float, field: str, what: str):
+    """``fn()`` on the thread ``pool`` (so the caller's event loop never computes), awaited for at
+    most ``budget`` seconds. ``what`` names the work in the error.
+
+    Raises:
+        InvalidRequestError: over the budget, naming ``field`` and ``request_prep_timeout`` (the
+            abandoned call finishes in the pool and its result is dropped: nothing is scheduled).
+        Whatever ``fn`` raises.
+    """
+    fut = asyncio.get_running_loop().run_in_executor(pool, fn)
+    try:
+        return await asyncio.wait_for(fut, timeout=budget)
+    except asyncio.TimeoutError:
+        raise InvalidRequestError(f"{field}: preparing the request ({what}) took over request_prep_timeout="
+                                  f"{budget} s (--request-prep-timeout)", field=field) from None
 
 
 CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "lark", "structural_tag", "stop_regex")

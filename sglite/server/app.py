@@ -10,6 +10,7 @@ import os
 from fastapi import FastAPI
 
 from .. import __version__
+from ..config import EngineConfig
 from .engine_client import EngineClient
 from .errors import install_error_handlers
 from .metrics import ServerMetrics
@@ -44,7 +45,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     request_log = RequestLog(config.log_requests_max_chars) if config.log_requests else None
     ecfg = getattr(engine, "config", None)  # the fake engines of tests have none
     client = EngineClient(engine, metrics, request_log=request_log,
-                          prep_timeout=getattr(ecfg, "request_prep_timeout", 20.0))
+                          prep_timeout=getattr(ecfg, "request_prep_timeout", EngineConfig.request_prep_timeout))
     name = served_model_name(client.model_info, config)
     path = str(client.model_info.get("model_path") or name)
     names = {name, path, os.path.basename(path.rstrip("/")), "default"}  # "default": SGLang clients' habit

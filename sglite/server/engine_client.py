@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
 from ..errors import InvalidRequestError, QueueFullError
+from ..config import EngineConfig
 from ..runtime.engine_protocol import EngineProtocol, matches_rid
+from ..runtime.engine_requests import prepare_within
 from ..runtime.logprob_options import NO_LOGPROBS, LogprobOptions
 from ..sampling_params import SamplingParams
 
@@ -106,7 +108,8 @@ class EngineClient:
         request_log: a :class:`sglite.server.request_log.RequestLog` (``--log-requests``) or None.
     """
 
-    def __init__(self, engine: EngineProtocol, metrics=None, request_log=None, prep_timeout: float = 20.0):
+    def __init__(self, engine: EngineProtocol, metrics=None, request_log=None,
+                 prep_timeout: float = EngineConfig.request_prep_timeout):
         self.engine = engine
         self.metrics = metrics
         self.request_log = request_log
@@ -120,19 +123,15 @@ class EngineClient:
     # ---------------------------------------------------------------- helpers
     async def prepare(self, fn, *args, field: str):
         """``fn(*args)`` (chat template, tokenizing, request planning) on the preparation pool, so
-        the event loop never computes; within ``prep_timeout`` seconds.
+        the event loop never computes; within ``prep_timeout`` seconds
+        (:func:`~sglite.runtime.engine_requests.prepare_within`).
 
         Raises:
             InvalidRequestError: over the budget (naming ``field`` and the budget; HTTP 400).
             Whatever ``fn`` raises.
         """
-        fut = asyncio.get_running_loop().run_in_executor(self._prep, lambda: fn(*args))
-        try:
-            return await asyncio.wait_for(fut, timeout=self.prep_timeout)
-        except asyncio.TimeoutError:
-            raise InvalidRequestError(f"{field}: preparing the request (chat template, tokenizing) took over "
-                                      f"request_prep_timeout={self.prep_timeout} s (--request-prep-timeout)",
-                                      field=field) from None
+        return await prepare_within(self._prep, lambda: fn(*args), self.prep_timeout, field,
+                                    "chat template, tokenizing")
 
     def validate(self, sampling_params: dict) -> None:
         """Check a sampling-params dict with ``SamplingParams.from_dict`` (nothing is scheduled).

@@ -12,6 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+
+from tests.sockets import listening
 import torch
 
 from sglite.config import EngineConfig, parse_peers
@@ -21,35 +23,6 @@ from sglite.server.disaggregation import (Bootstrap, TokenCheck, TransferError, 
                                           connect_store, issue_token, load_secret, open_room, recv_kv, send_kv)
 
 SECRET = b"0123456789abcdef-test-secret"
-
-
-def listening(pids) -> list[tuple[str, int]]:
-    """(address, port) of every TCP socket in LISTEN state owned by ``pids`` (Linux /proc)."""
-    inodes = set()
-    for pid in pids:
-        fd_dir = f"/proc/{pid}/fd"
-        for fd in os.listdir(fd_dir):
-            try:
-                link = os.readlink(os.path.join(fd_dir, fd))
-            except OSError:
-                continue
-            if link.startswith("socket:["):
-                inodes.add(link[8:-1])
-    out = []
-    for name in ("tcp", "tcp6"):
-        with open(f"/proc/net/{name}") as f:
-            for line in f.readlines()[1:]:
-                cols = line.split()
-                if cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
-                    continue
-                hexaddr, hexport = cols[1].split(":")
-                raw = bytes.fromhex(hexaddr)
-                if name == "tcp":
-                    addr = socket.inet_ntop(socket.AF_INET, raw[::-1])
-                else:  # four little-endian 32-bit words
-                    addr = socket.inet_ntop(socket.AF_INET6, b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
-                out.append((addr, int(hexport, 16)))
-    return out
 
 
 needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads /proc (Linux)")

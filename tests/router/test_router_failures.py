@@ -3,18 +3,16 @@ chunk (the first frame arrives before the worker has finished), a worker answeri
 elsewhere and marked down, health checks bring a restarted worker back, and the cache threshold
 decides between the longest-prefix worker and the emptiest tree."""
 import asyncio
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from sglite.router.app import RouterThread
 from sglite.router.policy import Policy, RouterConfig
-from sglite.runtime.parallel.ports import free_port
+from tests.router.workers import Worker
 
 GAP = 0.4  # seconds between a slow worker's frames
 
@@ -42,30 +40,6 @@ def worker_app(name: str, status: int = 200) -> FastAPI:
             yield "data: [DONE]\n\n"
         return StreamingResponse(frames(), media_type="text/event-stream")
     return app
-
-
-class Worker:
-    def __init__(self, app: FastAPI, port: int = 0):
-        self.app, self.port = app, port or free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    timeout_graceful_shutdown=1))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    @property
-    def url(self):
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "worker did not start"
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 def post(url, stream=False):

@@ -14,15 +14,14 @@ import time
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from sglite.errors import InvalidRequestError
 from sglite.router.app import RouterThread
 from sglite.router.policy import RouterConfig
-from sglite.runtime.parallel.ports import free_port
 from sglite.server.settings import ServerConfig
+from tests.router.workers import Worker
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -32,29 +31,6 @@ def wait_for(cond, timeout=10.0, what="condition"):
     while not cond():
         assert time.monotonic() < deadline, f"{what} not reached after {timeout} s"
         time.sleep(0.02)
-
-
-class Worker:
-    """A FastAPI app under uvicorn in a thread on 127.0.0.1."""
-
-    def __init__(self, app: FastAPI):
-        self.app, self.port = app, free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="critical",
-                                                    timeout_graceful_shutdown=1))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    @property
-    def url(self):
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self):
-        self.thread.start()
-        wait_for(lambda: self.server.started, 30, "worker start")
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 def scripted_worker(name="w", slow_secs=0.0, die_after_frames=None):

@@ -99,6 +99,8 @@ BENCHES = {
     "router": "sglite.bench.router",
     "spec": "sglite.bench.spec",
     "quant": "sglite.bench.quant",
+    "agent": "sglite.bench.agent",
+    "regress": "sglite.bench.regress",
 }
 
 

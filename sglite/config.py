@@ -109,11 +109,14 @@ class EngineConfig:
         context_length: override of the model's maximum context (tokens); None = the model's
             ``max_position_embeddings``.
         log_level: ``debug`` | ``info`` | ``warning`` | ``error`` | ``critical`` (the ``sglite`` loggers).
-        num_threads: CPU threads for torch ops (a process-wide setting), on CPU devices only.
-            None = cores - 1 (at least 1): one core stays free for the scheduler, HTTP and
-            tokenizer threads. Measured on the 2-core machines: with both cores busy, a 2-thread
-            bf16 decode step at batch 1 took 39 ms once and 4.3 s another time (threads waiting
-            for a core), against a steady 54 ms with one thread.
+        num_threads: CPU threads for torch ops and the fused decode's thread pool (a
+            process-wide setting), on CPU devices only. None = the fastest count measured at
+            start-up for the fused batch-1 decode (:mod:`sglite.kernels.decode_threads`: a probe
+            of well under a second, cached per machine and model under ~/.cache/sglite); models
+            without the fused decode keep cores - 1 (at least 1). Why not always every core: with
+            torch's OpenMP threads a 2-thread bf16 decode step at batch 1 took 39 ms once and 4.3 s
+            another time on the 2-core machines (threads waiting for a core), against a steady
+            54 ms with one thread; the probe measures instead of assuming.
         cpu_decode_gemv: ``auto`` | ``cpp`` | ``fp16`` | ``off``: the path of one-row matmuls
             (batch-1 decode) of a bf16 model on CPU (see :mod:`sglite.kernels.matmul`):
             ``cpp`` a C++ AVX-512-BF16 GEMV (compiled on first use; no weight copies; measured 3.6x
@@ -219,7 +222,7 @@ class EngineConfig:
     random_seed: int = 0
     context_length: Optional[int] = None
     log_level: str = "info"
-    num_threads: Optional[int] = None  # torch intra-op threads on CPU; None: cores - 1 (at least 1)
+    num_threads: Optional[int] = None  # CPU threads; None: the start-up probe's fastest (kernels.decode_threads)
     cpu_decode_gemv: str = "auto"
     enable_deterministic_inference: bool = False
     decode_log_interval: int = 40

@@ -32,7 +32,8 @@ CHOICES = {"dtype": DTYPES, "schedule_policy": SCHEDULE_POLICIES, "grammar_backe
            "log_level": ("debug", "info", "warning", "error", "critical"),
            "speculative_algorithm": SPECULATIVE_ALGORITHMS}
 # Defaults resolved at start-up, shown in --help as what they become rather than "None".
-SHOWN_DEFAULTS = {"num_threads": "CPU cores - 1, at least 1"}
+SHOWN_DEFAULTS = {"num_threads": "the fastest measured at start-up for batch-1 decode (cached per machine and model), "
+                                  "else CPU cores - 1"}
 # Values matched case-insensitively (``--speculative-algorithm ngram``).
 NORMALIZE = {"speculative_algorithm": str.upper}
 # Extra spellings people type (SGLang's or vLLM's names of the same option).

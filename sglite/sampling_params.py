@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from .errors import InvalidRequestError
 
-_CONSTRAINT_KEYS = ("regex", "json_schema", "ebnf", "lark")
+_CONSTRAINT_KEYS = ("regex", "json_schema", "ebnf", "lark", "structural_tag")
 
 
 @dataclass
@@ -22,7 +22,9 @@ class SamplingParams:
 
     Lengths are in tokens. ``temperature == 0`` means greedy. ``top_k == -1`` disables top-k.
     ``stop`` strings are trimmed from the output unless ``no_stop_trim``. At most one of
-    ``regex``, ``json_schema``, ``ebnf``, ``lark`` may be set.
+    ``regex``, ``json_schema``, ``ebnf``, ``lark``, ``structural_tag`` may be set (``structural_tag``:
+    SGLang's / XGrammar's structural tag, JSON text or a dict; see
+    :mod:`sglite.constrained.structural_tag`).
 
     Raises:
         InvalidRequestError (a ``ValueError``) from :meth:`validate` / :meth:`from_dict`,
@@ -49,6 +51,7 @@ class SamplingParams:
     json_schema: Optional[Any] = None  # str (JSON text) or dict
     ebnf: Optional[str] = None
     lark: Optional[str] = None
+    structural_tag: Optional[Any] = None  # str (JSON text) or dict
     n: int = 1
     sampling_seed: Optional[int] = None
     logit_bias: Optional[dict[int, float]] = None

@@ -190,7 +190,7 @@ def test_http_api_documents_every_request_field():
     from sglite.server import protocol
 
     text = _http_doc()
-    models = [protocol.GenerateRequest, protocol.AbortRequest, protocol.CompletionRequest,
+    models = [protocol.GenerateRequest, protocol.AbortRequest, protocol.ProfileRequest, protocol.CompletionRequest,
               protocol.ChatCompletionRequest, protocol.ChatMessage, protocol.ResponseFormat,
               protocol.StreamOptions, protocol.Tool, protocol.FunctionDef]
     missing = []

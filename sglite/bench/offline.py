@@ -29,6 +29,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from .profiling import add_profile_args, engine_profile
 from .report import HelpFormatter, format_table, write_json
 from .stats import RequestOutcome, compute_metrics
 from .workloads import random_words
@@ -207,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-args", default="", help='more EngineConfig flags, e.g. "--chunked-prefill-size 256"')
     p.add_argument("--output-json", default=None, help="write rows and details here (default: none)")
     p.add_argument("--plot", default=None, help="PNG of bars, sglite vs baseline (default: none)")
+    add_profile_args(p)
     return p
 
 
@@ -218,7 +220,8 @@ def _engine_kwargs(a) -> dict:
 
 
 def run(a: argparse.Namespace) -> dict:
-    """Run the selected parts; returns ``{"rows": [...], "parts": {part: details}}``."""
+    """Run the selected parts; returns ``{"rows": [...], "parts": {part: details}}`` (plus
+    ``"profile"``: the trace's paths and phase rows, with ``--profile``)."""
     from sglite.runtime.engine import Engine
 
     parts = [x.strip() for x in a.parts.split(",") if x.strip()]
@@ -229,35 +232,44 @@ def run(a: argparse.Namespace) -> dict:
     rows, details = [], {}
     engine = Engine(**kw)
     try:
-        prompts = Prompts(engine.tokenizer, a.seed)
-        if "a" in parts or "b" in parts:
-            from .offline_hf import HFBaseline, measure_read_bandwidth
-
-            hf = HFBaseline(engine.checkpoint.model_dir, engine.runner.dtype,
-                            engine.tokenizer.hf.pad_token_id or min(engine.tokenizer.eos_token_ids))
-            if "a" in parts:
-                _log("part a: batch-1 latency")
-                r, details["a"] = part_a(a, engine, hf, prompts, measure_read_bandwidth(a.bandwidth_mib << 20))
-                rows += r
-            if "b" in parts:
-                _log("part b: throughput")
-                r, details["b"] = part_b(a, engine, hf, prompts)
-                rows += r
-            del hf
-            gc.collect()
-        if "c" in parts or "d" in parts:
-            off = Engine(**{**kw, "disable_radix_cache": True})
-            try:
-                for name, fn in (("c", part_c), ("d", part_d)):
-                    if name in parts:
-                        _log(f"part {name}: radix cache on vs off")
-                        r, details[name] = fn(a, engine, off, prompts)
-                        rows += r
-            finally:
-                off.shutdown()
+        with engine_profile(a, engine) as prof:
+            _run_parts(a, parts, engine, kw, rows, details)
     finally:
         engine.shutdown()
-    return {"rows": rows, "parts": details, "engine": {k: v for k, v in kw.items()}}
+    out = {"rows": rows, "parts": details, "engine": {k: v for k, v in kw.items()}}
+    return {**out, "profile": prof} if prof else out
+
+
+def _run_parts(a, parts, engine, kw, rows, details) -> None:
+    """Run ``parts`` on ``engine`` (and a radix-off twin for c, d), appending to ``rows``/``details``."""
+    from sglite.runtime.engine import Engine
+
+    prompts = Prompts(engine.tokenizer, a.seed)
+    if "a" in parts or "b" in parts:
+        from .offline_hf import HFBaseline, measure_read_bandwidth
+
+        hf = HFBaseline(engine.checkpoint.model_dir, engine.runner.dtype,
+                        engine.tokenizer.hf.pad_token_id or min(engine.tokenizer.eos_token_ids))
+        if "a" in parts:
+            _log("part a: batch-1 latency")
+            r, details["a"] = part_a(a, engine, hf, prompts, measure_read_bandwidth(a.bandwidth_mib << 20))
+            rows += r
+        if "b" in parts:
+            _log("part b: throughput")
+            r, details["b"] = part_b(a, engine, hf, prompts)
+            rows += r
+        del hf
+        gc.collect()
+    if "c" in parts or "d" in parts:
+        off = Engine(**{**kw, "disable_radix_cache": True})
+        try:
+            for name, fn in (("c", part_c), ("d", part_d)):
+                if name in parts:
+                    _log(f"part {name}: radix cache on vs off")
+                    r, details[name] = fn(a, engine, off, prompts)
+                    rows += r
+        finally:
+            off.shutdown()
 
 
 def _plot(rows: list, path) -> None:

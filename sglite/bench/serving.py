@@ -34,6 +34,7 @@ import httpx
 
 from . import client as http_client
 from ..server.launcher import MODES, LaunchedServer
+from .profiling import add_profile_args, server_profile
 from .report import HelpFormatter, format_serving, write_json
 from .stats import NAN, RequestOutcome, compute_metrics, flat_metrics
 from .workloads import (DATASETS, SHAREGPT_CONTEXT_LEN, SHAREGPT_MIN_LEN, Session, WorkloadOptions, agent_arguments,
@@ -377,6 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-details", action="store_true", help="include every request in the JSON")
     p.add_argument("--plot", default=None, help="PNG with latency CDFs and throughput bars (default: none)")
     add_workload_args(p)
+    add_profile_args(p, remote=True)
     return p
 
 
@@ -402,11 +404,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(str(exc))
     label = f"{a.dataset} @ {a.request_rate} req/s"
     if a.launch:
-        with LaunchedServer(server_argv(a, a.server_args), a.launch_mode) as srv:
+        with LaunchedServer(server_argv(a, a.server_args), a.launch_mode) as srv, server_profile(a, srv.url) as prof:
             res = run_dataset(a, srv.url, a.request_rate, label, pairs)
         res.config["server_args"] = server_argv(a, a.server_args)
     else:
-        res = run_dataset(a, a.base_url.rstrip("/"), a.request_rate, label, pairs)
+        with server_profile(a, a.base_url.rstrip("/")) as prof:
+            res = run_dataset(a, a.base_url.rstrip("/"), a.request_rate, label, pairs)
+    if prof:
+        res.config["profile"] = prof
     extra = {"Backend:": a.backend, "Dataset:": a.dataset, "Traffic request rate:": a.request_rate,
              "Max request concurrency:": a.max_concurrency or "not set"}
     if "program_throughput" in res.metrics:

@@ -15,7 +15,7 @@ from .protocols import GrammarBackendProtocol
 from .regex_parse import parse_regex
 from .tokenizer_info import TokenizerInfo
 
-KINDS = ("regex", "json_schema", "json_object", "ebnf", "lark", "choices")
+KINDS = ("regex", "json_schema", "json_object", "ebnf", "lark", "choices", "structural_tag")
 
 
 def _choices_rules(spec) -> dict:
@@ -38,6 +38,9 @@ def build_rules(kind: str, spec, whitespace_pattern: str | None, json_schema_str
         return importlib.import_module(".ebnf", __package__).ebnf_to_rules(spec)
     if kind == "lark":
         return importlib.import_module(".lark_grammar", __package__).lark_to_rules(spec)
+    if kind == "structural_tag":
+        mod = importlib.import_module(".structural_tag", __package__)
+        return mod.structural_tag_rules(spec, whitespace_pattern, json_schema_strict)
     raise GrammarError(f"unknown grammar kind {kind!r}; known: {', '.join(KINDS)}")
 
 

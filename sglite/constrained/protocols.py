@@ -107,7 +107,8 @@ class GrammarBackendProtocol(Protocol):
     """Compiles constraint specs for one tokenizer (``config.grammar_backend`` picks one).
 
     Kinds: ``regex`` (str), ``json_schema`` (dict or JSON text), ``json_object`` (ignored spec),
-    ``ebnf`` (GBNF text), ``lark`` (text), ``choices`` (non-empty list of str).
+    ``ebnf`` (GBNF text), ``lark`` (text), ``choices`` (non-empty list of str), ``structural_tag``
+    (dict or JSON text; sglite's own backend only).
     """
 
     __slots__ = ()

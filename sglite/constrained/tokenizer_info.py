@@ -36,8 +36,10 @@ class TokenizerInfo:
     """Per-model vocabulary facts for constrained decoding.
 
     Attributes:
-        token_bytes: raw bytes of each token id, ``len == vocab_size``; ``None`` for special/added
-            tokens and ids past the tokenizer (never allowed by a grammar, except EOS ids).
+        token_bytes: raw bytes of each token id, ``len == vocab_size``; ``None`` for special
+            tokens and ids past the tokenizer (never allowed by a grammar, except EOS ids). Added
+            tokens that are not special (Qwen's ``<tool_call>``, ``<think>``) are their text, so a
+            structural tag's trigger or a reasoning end marker can be generated as one token.
         eos_token_ids: ids allowed exactly in accepting states.
         vocab_size: model vocabulary size V (bitmask width is ``ceil(V / 32)`` int32 words).
     """
@@ -66,14 +68,16 @@ class TokenizerInfo:
         pieces = hf_tokenizer.convert_ids_to_tokens(list(range(n)))
         special = set(getattr(hf_tokenizer, "all_special_ids", []) or [])
         added = getattr(hf_tokenizer, "added_tokens_decoder", None) or {}
-        special.update(int(i) for i in added)
+        special.update(int(i) for i, tok in added.items() if getattr(tok, "special", True))
         dec = _byte_decoder()
         byte_level = sum(1 for p in pieces if p and "Ġ" in p) > 0.01 * max(n, 1)
         out: list = [None] * vocab_size
         for i, p in enumerate(pieces):
             if i in special or p is None:
                 continue
-            out[i] = _piece_bytes(p, dec, byte_level)
+            tok = added.get(i)
+            # a non-special added token (Qwen's <tool_call>, <think>) is text the detokenizer keeps
+            out[i] = tok.content.encode("utf-8") if tok is not None else _piece_bytes(p, dec, byte_level)
         return cls(out, frozenset(eos_token_ids), vocab_size)
 
     @property

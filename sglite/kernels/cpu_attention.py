@@ -1,4 +1,5 @@
-"""Fused C++ CPU kernel for paged decode attention (one query token per request, GQA).
+"""Fused C++ CPU kernels for paged attention: decode (one query token per request) and extend
+(prefill of new tokens after a cached prefix), GQA, reading the pool in place.
 
 ``decode_attention`` has the signature and result of :func:`.reference.decode_attention`:
     q            [B, Hq, D]  float32 | bfloat16 (any strides, unit stride along D)
@@ -91,3 +92,64 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     return ops.decode_attention(q, k_buffer, v_buffer, req_to_token,
                                 req_pool_indices.to(torch.int64).contiguous(),
                                 seq_lens.to(torch.int64).contiguous(), float(sm_scale))
+
+
+@functools.lru_cache(maxsize=None)
+def load_extend():
+    """The compiled extend-attention ops namespace (``csrc/cpu_extend_attention.cpp``, built once
+    per process and cached on disk like :func:`load`), or None after one logged warning."""
+    return load_cpp("sglite_cpu_extend", read_source("cpu_extend_attention.cpp"), ("-O3", "-march=native"),
+                    ops_namespace="sglite_cpu_extend")
+
+
+def extend_available() -> bool:
+    """True when the extend-attention extension compiled (or was already built) and loaded."""
+    return load_extend() is not None
+
+
+def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                     prefix_lens: torch.Tensor, extend_lens: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """Paged extend (prefill) attention in C++; same contract as :func:`.reference.extend_attention`
+    (no window / softcap: the dispatcher sends those to the reference).
+
+    Args:
+        q: [N, Hq, D] float32 | bfloat16 queries of the new tokens, requests concatenated
+            (N = extend_lens.sum()), unit stride along D.
+        k_buffer, v_buffer: [S, Hkv, D] float32 | bfloat16 pool of one layer (any strides with unit
+            stride along D; head-major storage works), the new tokens' K/V already stored.
+        req_to_token: [R, Lmax] int32 slot table; req_pool_indices, prefix_lens, extend_lens: [B]
+            int64 (prefix >= 0, extend >= 1, prefix + extend <= Lmax).
+        sm_scale: softmax scale.
+    Returns:
+        [N, Hq, D] in q's dtype. New token i of request b sees keys 0 .. prefix_lens[b] + i.
+    Raises:
+        ValueError: mismatched shapes, Hq not a multiple of Hkv, lengths outside the table, N not the
+            sum of extend_lens.
+        IndexError: a request row or a slot outside the table / pool.
+
+    Algorithm: flash attention's tiled online softmax (Dao et al. 2022, "FlashAttention", Alg. 1;
+    Milakov & Gimelshein 2018). Work splits into tasks of (request, KV head, block of up to
+    ``64 // G`` new tokens); threads (``at::parallel_for``, ``torch.set_num_threads``) pull tasks,
+    longest first, from a shared counter. A task's rows (tokens x the G heads of the group) walk
+    the keys 0 .. its last visible one in tiles of 64 slots read through ``req_to_token`` (no
+    gather of the context), widened to float32 once per tile and shared by all rows: scores as
+    an outer-product micro-kernel (AVX-512, 4 keys x up to 64 rows in registers), a running max,
+    sum and output per row, causal masking only on the tiles that cross a row's position. All
+    arithmetic is float32 (q pre-scaled by ``sm_scale``; one rounding to q's dtype at the end);
+    the reference (SDPA in the pool dtype) rounds bf16 intermediates, so the two agree to bf16
+    rounding. A row's result depends only on its own query, position and keys (tiles are anchored
+    at key 0 of the request), never on the batch, the block it shares or the thread split.
+    Head dims are padded to 64, 128 or 256 inside the kernel.
+    Falls back to the reference when the extension is unavailable or the inputs are not covered.
+    """
+    ops = load_extend()
+    if ops is None or not supported(q, k_buffer, v_buffer):
+        return reference.extend_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices,
+                                          prefix_lens, extend_lens, sm_scale)
+    if req_to_token.dtype != torch.int32 or req_to_token.stride(-1) != 1:
+        req_to_token = req_to_token.to(torch.int32).contiguous()
+    return ops.extend_attention(q, k_buffer, v_buffer, req_to_token,
+                                req_pool_indices.to(torch.int64).contiguous(),
+                                prefix_lens.to(torch.int64).contiguous(),
+                                extend_lens.to(torch.int64).contiguous(), float(sm_scale))

@@ -29,6 +29,17 @@ group-32 weights (the LM head / tied embedding too) are then interleaved in 16-r
 (:func:`.quant_layout.tile_rows`, ``csrc/quant_tiles.h``): same bytes, about 4x fewer vector
 instructions per weight byte than the row layout's GEMV, so the step becomes memory-bound.
 
+Threads (``csrc/thread_pool.h``): the C++ calls split each GEMV's output rows (16-row tiles) and
+the LM head in contiguous shares over a persistent pool of pinned workers (spin, then sleep), one
+fork/join per matrix, and the attention's (row, KV head) tasks the same way; the elementwise ops
+between the matrices (norms, RoPE, KV store, SiLU, residuals) run on the calling thread. Every
+output is computed by one thread with the same code whatever the split, so the logits are bitwise
+those of one thread (tests/kernels/test_decode_threads.py). The thread count is
+:attr:`FusedDecode.threads`, else ``torch.get_num_threads()`` (the engine's ``num_threads``, by
+default the fastest measured at start-up: :mod:`.decode_threads`). Before the pool these kernels
+had no threads at all: sglite builds its extensions without ``-fopenmp``, so ``at::parallel_for``
+in them runs serially.
+
 Used only when the preconditions hold (:func:`prepare`, static; :meth:`FusedDecode.forward`, per
 step): a plain Llama layer (the model's ``fused_decode_ok`` is not False: OLMo 2, Granite and
 Gemma 2/3 set it False, their norms, multipliers, soft-capping and sliding windows are not in the
@@ -59,6 +70,7 @@ from . import cpu_attention, quant_cpu
 
 MAX_ROWS = 32  # more decode rows: the per-op path (its GEMM on dequantized weights wins there)
 LINEAR_KEYS = ("qkv", "o", "gate_up", "down")
+ATTN_SPLIT_MIN = 1 << 16  # K/V values per step (sum of lens x KV heads x head dim); see FusedDecode.attn_split_min
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,7 +82,7 @@ def load(portable: bool = False):
     cflags = quant_cpu.CFLAGS_AVX + (("-mavx512vnni",) if quant_cpu.VNNI_FLAG in flags else ()) if simd \
         else quant_cpu.CFLAGS_PORTABLE
     return load_cpp("sglite_decode_layer" + ("" if simd else "_portable"), read_source("decode_layer.cpp"), cflags,
-                    functions=["decode_forward"])
+                    functions=["decode_forward", "head_q8", "probe_gemvs"])
 
 
 def _tileable(w) -> bool:
@@ -92,6 +104,10 @@ class FusedDecode:
     def __init__(self, model, q8: bool, portable: bool = False):
         a = model.arch
         self.model, self.q8, self.portable = model, q8, portable
+        self.threads: Optional[int] = getattr(self, "threads", None)  # None: torch.get_num_threads() per step
+        # the attention splits over threads from this many K/V values read per step (below, one op call
+        # costs less than the calls of a split; 0: always split)
+        self.attn_split_min: int = getattr(self, "attn_split_min", ATTN_SPLIT_MIN)
         self.norms = torch.stack([torch.stack([L["in_norm"].float(), L["post_norm"].float()])
                                   for L in model.layers]).contiguous()  # [L, 2, H] float32
         self.final_norm = model.norm.float().contiguous()  # [H]
@@ -125,7 +141,13 @@ class FusedDecode:
         return load(self.portable).decode_forward(
             x.float().contiguous(), self.norms, self.lin, self.bits, self.final_norm, cos, sin, list(k_buffers),
             list(v_buffers), fb.out_cache_loc.contiguous(), rt, fb.dec_req_pool_indices.contiguous(),
-            fb.dec_seq_lens.contiguous(), Hq, Hkv, D, eps, sm, self.q8, self.tiled)
+            fb.dec_seq_lens.contiguous(), Hq, Hkv, D, eps, sm, self.q8, self.tiled, self.num_threads(),
+            self.attn_split_min)
+
+    def num_threads(self) -> int:
+        """Threads of the C++ pool for this step: :attr:`threads`, or torch's intra-op count (the
+        engine sets it from ``num_threads``)."""
+        return self.threads or torch.get_num_threads()
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """LM head of final-normed rows h [M, H] float32 -> [M, V] float32 logits (M may be 0: a
@@ -133,8 +155,10 @@ class FusedDecode:
         w = self.model.lm_head
         if h.shape[0] == 0:
             return h.new_zeros((0, w.shape[0]))
-        if self.head_kind == "q8":
-            return quant_cpu.gemv_q8(h, w, self.portable)
+        if self.head_kind == "q8":  # quant_cpu.gemv_q8's arithmetic, on the decode's thread pool
+            mins = w.mins if w.mins is not None else torch.empty(0, dtype=w.scales.dtype)
+            return load(self.portable).head_q8(h.float().contiguous(), w.qweight, w.scales, mins, w.bits, w.tiled,
+                                                self.num_threads())
         if self.head_kind == "quant":
             return quant_cpu.linear(h.to(self.model.dtype), w, portable=self.portable).float()
         from .matmul import linear

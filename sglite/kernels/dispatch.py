@@ -1,5 +1,7 @@
-"""Kernel dispatcher: Triton for CUDA tensors when Triton imports; on CPU the fused C++ kernel
-(``cpu_attention``) for ``decode_attention`` when it compiles; the torch reference otherwise.
+"""Kernel dispatcher: Triton for CUDA tensors when Triton imports; on CPU the fused C++ kernels
+(``cpu_attention``) for ``decode_attention`` and ``extend_attention``, and the fused elementwise
+kernels (``cpu_elementwise``) for ``rms_norm``, ``add_rms_norm`` and ``rope_store_kv``, when they
+compile; the torch reference otherwise.
 
 ``SGLITE_KERNEL=torch|triton|cpp`` (environment) and the ``impl=`` argument of each op override the
 choice. Unknown names raise ``ValueError`` listing the known ones. ``cpp`` serves only the ops its
@@ -34,13 +36,16 @@ from .matmul import LinearWeight, linear  # noqa: F401  (re-exported: the op of 
 
 IMPLS = ("torch", "triton", "cpp")
 OPS = ("store_kv", "decode_attention", "extend_attention", "apply_token_bitmask", "sample")
-CPP_OPS = ("decode_attention",)  # ops with a C++ CPU kernel (sglite/kernels/cpu_attention.py)
+CPP_OPS = ("decode_attention", "extend_attention")  # ops with a C++ CPU kernel (sglite/kernels/cpu_attention.py)
+ELEMENTWISE_OPS = ("rms_norm", "add_rms_norm", "rope_store_kv")  # C++ on CPU: sglite/kernels/cpu_elementwise.py
 
 
-def _cpp_available() -> bool:
-    from . import cpu_attention  # compiles on first call (cached on disk), then memoised
+def _cpp_available(op: Optional[str] = None) -> bool:
+    from . import cpu_attention, cpu_elementwise  # compile on first call (cached on disk), then memoised
 
-    return cpu_attention.available()
+    if op in ELEMENTWISE_OPS:
+        return cpu_elementwise.available()
+    return cpu_attention.extend_available() if op == "extend_attention" else cpu_attention.available()
 
 
 def resolve_impl(impl: Optional[str], example: Optional[torch.Tensor], op: Optional[str] = None) -> str:
@@ -59,8 +64,8 @@ def resolve_impl(impl: Optional[str], example: Optional[torch.Tensor], op: Optio
         return name
     if example is not None and example.is_cuda and triton_available():
         return "triton"
-    if (op in CPP_OPS and example is not None and example.device.type == "cpu"
-            and _cpp_available()):
+    if (op in CPP_OPS + ELEMENTWISE_OPS and example is not None and example.device.type == "cpu"
+            and _cpp_available(op)):
         if isinstance(example, kv_quant.QuantKVLayer):  # build the quantized-pool kernel too
             from . import kv_quant_cpu
 
@@ -148,24 +153,75 @@ def extend_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, pref
     if isinstance(k_buffer, kv_quant.QuantKVLayer):
         return kv_quant.extend_attention(q, k_buffer, req_to_token, req_pool_indices, prefix_lens,
                                          extend_lens, sm_scale)
-    return _op("extend_attention", resolve_impl(impl, q))(
+    return _op("extend_attention", resolve_impl(impl, q, "extend_attention"))(
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, sm_scale)
+
+
+def _cpu_elementwise(x: torch.Tensor, op: str):
+    """:mod:`.cpu_elementwise` when ``op`` runs the C++ kernel for CPU tensor ``x``, else None."""
+    if x.device.type != "cpu" or resolve_impl(None, x, op) != "cpp":
+        return None
+    from . import cpu_elementwise
+
+    return cpu_elementwise
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, batch_invariant: bool = False) -> torch.Tensor:
     """RMSNorm over the last dim (Zhang & Sennrich 2019): ``x / sqrt(mean(x^2) + eps) * weight``.
 
-    x: [..., H]; weight: [H]; returns x's shape and dtype (``F.rms_norm``). On CPU that is
-    row-invariant as is (torch reduces each row with the same code whatever the row count; checked
-    in tests/runtime/test_deterministic.py). ``batch_invariant`` on CUDA runs
-    :func:`.triton_norm.rms_norm` (one program per row), since torch's CUDA reductions choose their
-    launch configuration from the number of rows too.
+    x: [..., H]; weight: [H]; returns x's shape and dtype. On CPU (float32/bf16, weight of x's
+    dtype, rows with unit stride): the C++ kernel :func:`.cpu_elementwise.add_rms_norm` (one pass
+    per row, torch's rounding, a fixed float32 reduction order: row-invariant); elsewhere
+    ``F.rms_norm`` (on CPU also row-invariant: torch reduces each row with the same code whatever
+    the row count; checked in tests/runtime/test_deterministic.py). ``batch_invariant`` on CUDA
+    runs :func:`.triton_norm.rms_norm` (one program per row), since torch's CUDA reductions choose
+    their launch configuration from the number of rows too.
     """
     if batch_invariant and x.is_cuda and triton_available():
         from . import triton_norm
 
         return triton_norm.rms_norm(x, weight, eps)
+    ce = _cpu_elementwise(x, "rms_norm")
+    if ce is not None:
+        x2 = x if x.dim() == 2 else (x.view(-1, x.shape[-1]) if x.is_contiguous() else None)
+        if x2 is not None and ce.norm_supported(x2, None, weight):
+            return ce.add_rms_norm(x2, None, weight, eps)[1].view(x.shape)
     return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                 batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add and the RMSNorm after it: ``s = x + residual``, returns ``(s, rms_norm(s))``.
+
+    x, residual: [M, H] of one dtype; weight: [H]. On CPU the C++ kernel does both in one pass per
+    row (:func:`.cpu_elementwise.add_rms_norm`: ``s`` bit-identical to ``x + residual``, the norm
+    as :func:`rms_norm`'s kernel); otherwise ``x + residual`` then :func:`rms_norm` (with
+    ``batch_invariant``). Reference: :func:`.reference.add_rms_norm`.
+    """
+    ce = _cpu_elementwise(x, "add_rms_norm")
+    if ce is not None and ce.norm_supported(x, residual, weight):
+        return ce.add_rms_norm(x, residual, weight, eps)
+    s = x + residual
+    return s, rms_norm(s, weight, eps, batch_invariant=batch_invariant)
+
+
+def rope_store_kv(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_buffer, v_buffer,
+                  out_cache_loc: torch.Tensor, num_q_heads: int) -> torch.Tensor:
+    """Rotate-half RoPE of the fused q/k heads and the K/V store, returning the rotated queries.
+
+    qk: [N, Hq+Hkv, D]; v: [N, Hkv, D]; cos/sin: [N, D/2] in qk's dtype; pools as :func:`store_kv`;
+    out_cache_loc: [N] int64; returns [N, Hq, D]. On CPU (one float32/bf16 dtype, a plain pool):
+    :func:`.cpu_elementwise.rope_store_kv` in one pass, bit-identical to
+    :func:`.reference.rope_store_kv`; otherwise :func:`.reference.rope_rotate_half` then
+    :func:`store_kv` (a quantized pool, other devices or dtypes).
+    """
+    ce = _cpu_elementwise(qk, "rope_store_kv")
+    if (ce is not None and ce.rope_supported(qk, k_buffer, v_buffer) and v.dtype == qk.dtype
+            and cos.dtype == qk.dtype and sin.dtype == qk.dtype):
+        return ce.rope_store_kv(qk, v, cos, sin, k_buffer, v_buffer, out_cache_loc, num_q_heads)
+    rotated = reference.rope_rotate_half(qk, cos, sin)  # [N, Hq+Hkv, D]
+    store_kv(k_buffer, v_buffer, out_cache_loc, rotated[:, num_q_heads:], v)
+    return rotated[:, :num_q_heads]
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor, *, batch_invariant: bool = False) -> torch.Tensor:

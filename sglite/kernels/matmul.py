@@ -6,7 +6,12 @@ Implementations (``LinearWeight.impl``):
     ``torch``      ``F.linear`` on the weight as loaded (oneDNN / cuBLAS).
     ``fp16``       rows == 1: ``F.linear`` on a float16 copy of a bf16 weight (oneDNN's fp16 GEMV),
                    the output rounded back to bf16; other row counts: ``torch``.
-    ``cpp``        1 <= rows <= 8: the C++ AVX-512-BF16 GEMV (:mod:`.cpu_gemv`); others: ``torch``.
+    ``cpp``        1 <= rows <= 8: the C++ AVX-512-BF16 GEMV (:mod:`.cpu_gemv`); more rows: oneDNN's
+                   matmul on a copy of the weight reordered ONCE into oneDNN's blocked layout
+                   (``packed``; ``torch.ops.mkldnn._reorder_linear_weight`` + ``_linear_pointwise``),
+                   where ``F.linear`` would reorder the plain [N, K] tensor on every call. The path per
+                   row count is :func:`.gemm_paths.float_path`'s (``SGLITE_GEMM`` forces it).
+    ``onednn``     every row count on the packed copy (no C++ GEMV: CPUs without AVX-512-BF16).
     ``invariant``  batch-invariant (deterministic inference): row i of the result depends only on
                    ``x[i]`` and the weight, whatever the row count (:mod:`.linear_invariant`): on
                    CPU the C++ kernel :func:`.cpu_gemv.linear_invariant` (bf16 and fp32), on CUDA
@@ -52,7 +57,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.nn.functional as F
 
-from . import cpu_gemv, quant_cpu, quant_linear, w8_linear
+from . import cpu_gemv, gemm_paths, quant_cpu, quant_gemm, quant_linear, w8_linear
 from .linear_invariant import linear_invariant
 from .quant_layout import BLOCK
 from .quant_linear import QuantLinearWeight, reference_linear
@@ -62,6 +67,7 @@ log = logging.getLogger("sglite.kernels.matmul")
 MODES = ("auto", "cpp", "fp16", "off")  # EngineConfig.cpu_decode_gemv
 MIN_SPEEDUP = 1.3  # adopt the fp16 copies only when the load-time probe finds them this much faster
 CPP_MAX_ROWS = cpu_gemv.MAX_ROWS
+PACK_ROWS_HINT = 64  # the row count oneDNN's reorder is told to expect (decode batches; any M runs)
 
 
 @dataclass(eq=False)
@@ -73,12 +79,15 @@ class LinearWeight:
         bias: [N] or None.
         impl: a name of :data:`IMPLS`; set through :meth:`use`.
         w16: [N, K] float16 copy (``fp16`` only), else None.
+        packed: the weight reordered once for oneDNN (``cpp`` / ``onednn`` on CPU bf16, when
+            oneDNN supports bf16 here), else None. Same values; costs a second copy of the weight.
     """
 
     weight: torch.Tensor
     bias: Optional[torch.Tensor] = None
     impl: str = "torch"
     w16: Optional[torch.Tensor] = None
+    packed: Optional[torch.Tensor] = None
 
     @property
     def shape(self) -> torch.Size:
@@ -94,6 +103,7 @@ class LinearWeight:
             raise ValueError(f"linear: unknown implementation {impl!r}; known: {list(IMPLS)}")
         self.impl = impl
         self.w16 = self.weight.to(torch.float16) if impl == "fp16" else None
+        self.packed = _pack(self.weight) if impl in ("cpp", "onednn") else None
         return self
 
     def numel(self) -> int:
@@ -116,9 +126,37 @@ def _fp16(x: torch.Tensor, lw: LinearWeight) -> torch.Tensor:
     return y if lw.bias is None else y + lw.bias
 
 
+def _pack(w: torch.Tensor) -> Optional[torch.Tensor]:
+    """``w`` [N, K] reordered once into oneDNN's blocked layout (an opaque mkldnn tensor), or None
+    where that does not apply (not CPU bf16, oneDNN without bf16 support, a failed reorder)."""
+    if w.device.type != "cpu" or w.dtype != torch.bfloat16 or w.dim() != 2 or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return None
+        return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_ROWS_HINT)
+    except (RuntimeError, AttributeError) as e:  # an older torch / a build without these ops
+        log.warning("linear: oneDNN weight prepacking unavailable (%s); batches use F.linear", e)
+        return None
+
+
+def _packed(x: torch.Tensor, lw: LinearWeight) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), lw.packed, lw.bias, "none", [], "")
+
+
 def _cpp(x: torch.Tensor, lw: LinearWeight) -> torch.Tensor:
-    if 1 <= x.shape[0] <= CPP_MAX_ROWS:  # zero rows (a step with nothing to sample): F.linear
+    m = x.shape[0]
+    path = gemm_paths.float_path(m, cpu_gemv.supports(x, lw.weight), lw.packed is not None and x.dtype == lw.weight.dtype)
+    if path == "gemv":
         return cpu_gemv.gemv(x, lw.weight, lw.bias)
+    if path == "onednn_packed":
+        return _packed(x, lw)
+    return _torch(x, lw)
+
+
+def _onednn(x: torch.Tensor, lw: LinearWeight) -> torch.Tensor:
+    if lw.packed is not None and x.shape[0] >= 1 and x.dtype == lw.weight.dtype and gemm_paths.mode() != "torch":
+        return _packed(x, lw)
     return _torch(x, lw)
 
 
@@ -146,7 +184,7 @@ def _quant_triton(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
 
 IMPLS: dict[str, Callable[[torch.Tensor, Any], torch.Tensor]] = {
     # float weights (LinearWeight)
-    "torch": _torch, "fp16": _fp16, "cpp": _cpp, "invariant": _invariant,
+    "torch": _torch, "fp16": _fp16, "cpp": _cpp, "onednn": _onednn, "invariant": _invariant,
     # group-quantized integer weights (QuantLinearWeight; the names of quant_linear.QUANT_IMPLS)
     "quant_ref": reference_linear, "quant_cpp": _quant_cpp, "quant_invariant": _quant_invariant,
     "quant_triton": _quant_triton,
@@ -283,10 +321,16 @@ def choose_impl(mode: str, dtype: torch.dtype, device: str, probe_weights: list[
 
     ``deterministic`` (``EngineConfig.enable_deterministic_inference``) gives ``invariant`` (the
     mode is still validated); otherwise :func:`choose_gemv`'s answer, ``off`` mapped to ``torch``.
+    On CPU it logs :func:`.gemm_paths.describe` (the path per row count; builds the VNNI GEMM).
     Raises ValueError for an unknown mode.
     """
     if deterministic:
         _check_mode(mode)
         return "invariant"
     g = choose_gemv(mode, dtype, device, probe_weights)
-    return "torch" if g == "off" else g
+    impl = "torch" if g == "off" else g
+    if device == "cpu":  # the dispatcher's table, once per model load
+        log.info("CPU matmul paths: %s", gemm_paths.describe(
+            gemv_ok=impl == "cpp", packed_ok=impl == "cpp" and dtype == torch.bfloat16,
+            vnni_gemm_ok=dtype == torch.bfloat16 and quant_gemm.available()))
+    return impl

@@ -25,7 +25,9 @@ dequantization is a small part of the product). Measured (one thread, bf16, 16 S
 Q4 matrices): M=16 GEMV blocks 17 ms vs dequantize+GEMM 22 ms, M=32 26 vs 32, M=64 59 vs 46,
 M=128 140 vs 81. A weight in 16-row tiles (``w.tiled``; bf16 models on VNNI CPUs, see
 :mod:`.decode_fused`) runs 1..32 rows through :func:`gemv_q8` instead (int8 activations), more rows
-through the dequantized GEMM. ``invariant=True`` runs every row through the GEMV
+through the dequantized GEMM -- except where :mod:`.gemm_paths` picks ``vnni_gemm`` (VNNI CPUs,
+more than 8 rows by default): :func:`.quant_gemm.gemm`, the int8 GEMM straight on the tiles (no
+weight dequantized per call). ``invariant=True`` runs every row through the GEMV
 in blocks of 8 rows (a row's arithmetic does not depend on M: batch-invariant).
 
 Build: :func:`.cpu_build.load_cpp`, with ``-mavx512f -mavx512bw -mavx512vl -mavx512bf16`` when
@@ -40,6 +42,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from . import gemm_paths, quant_gemm
+from .quant_gemm import gemv_q8_reference, quantize_act_q8_reference  # noqa: F401  (re-exported)
 from .cpu_build import load_cpp, read_source
 from .device import cpu_flags
 from .quant_layout import gather_input
@@ -102,29 +106,6 @@ def gemv(x: torch.Tensor, w: QuantLinearWeight, portable: bool = False) -> torch
     return y if w.bias is None else y + w.bias.to(x.dtype)
 
 
-def quantize_act_q8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Torch reference of the int8 activation quantization (what :func:`gemv_q8` applies to x):
-    per row and 32-block of x [M, K] float32, ``d = max|x| / 127``, ``xq = round(x * (1 / d))``
-    (round half to even; 0 where d is 0) clamped to [-127, 127], ``sx = d * sum(xq)``, all float32
-    (GGUF's Q8_1 activation blocks, as llama.cpp quantizes a row before its integer dots).
-
-    Returns (xq int8 [M, K], d float32 [M, K/32], sx float32 [M, K/32])."""
-    m, k = x.shape
-    b = x.float().reshape(m, k // 32, 32)
-    d = b.abs().amax(dim=-1) / 127.0  # [M, K/32]
-    inv = torch.where(d > 0, 1.0 / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(d))
-    xq = torch.round(b * inv[..., None]).clamp(-127, 127)
-    return xq.to(torch.int8).reshape(m, k), d, d * xq.sum(dim=-1)
-
-
-def gemv_q8_reference(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
-    """Torch reference of :func:`gemv_q8`: ``F.linear`` in float32 of the dequantized int8
-    activations (``d * xq`` per block) and ``W_stored``; [M, N] float32."""
-    xq, d, _ = quantize_act_q8_reference(x)
-    xd = (xq.float().reshape(x.shape[0], -1, 32) * d[..., None]).reshape(x.shape)
-    return F.linear(xd, w.dequantize_stored(torch.float32))
-
-
 def gemv_q8(x: torch.Tensor, w: QuantLinearWeight, portable: bool = False) -> torch.Tensor:
     """x [M, K] (stored channel order, 1 <= M <= 32, blocks of 8; cast to float32) @ W_stored.T with x rounded to
     int8 per 32-block (:func:`quantize_act_q8_reference`) and integer dot products (``VPDPBUSD``
@@ -156,7 +137,13 @@ def dequantize(w: QuantLinearWeight, dtype: torch.dtype = torch.float32, portabl
 def linear(x: torch.Tensor, w: QuantLinearWeight, invariant: bool = False, portable: bool = False) -> torch.Tensor:
     """``x @ W.T + bias`` for x [M, K] (any M >= 0) on CPU; see the module docstring."""
     m = x.shape[0]
-    if w.tiled and 1 <= m <= GEMV_MAX_ROWS and not invariant:  # the tiles' int8-activation GEMV
+    if w.tiled and m >= 1 and not invariant and not portable:
+        path = gemm_paths.quant_path(m, True, quant_gemm.available())  # rows x layout x CPU features
+        if path == "vnni_gemm":
+            return quant_gemm.gemm(x, w)  # the int8 GEMM on the tiles: no dequantized copy
+    else:
+        path = "gemv_q8" if m <= GEMV_MAX_ROWS else "dequant_gemm"
+    if w.tiled and 1 <= m <= GEMV_MAX_ROWS and not invariant and path == "gemv_q8":  # the tiles' int8 GEMV
         y = gemv_q8(gather_input(x, w), w, portable).to(x.dtype)
         return y if w.bias is None else y + w.bias.to(x.dtype)
     if 1 <= m <= MAX_ROWS and w.perm is None and w.bias is None and x.dtype in _NATIVE and not portable and not w.tiled:

@@ -29,6 +29,47 @@ def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, out_cache_loc: torc
     v_buffer[out_cache_loc] = v.to(v_buffer.dtype)  # [N, Hkv, D]
 
 
+def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then RMSNorm (Zhang & Sennrich 2019): ``s = x + residual`` (``x`` when residual
+    is None) and ``F.rms_norm(s, weight, eps)``.
+
+    Args:
+        x, residual: [..., H] of one dtype; weight: [H].
+    Returns:
+        (s, normed), both x's shape and dtype.
+    """
+    s = x if residual is None else x + residual  # [..., H]
+    return s, F.rms_norm(s, (s.shape[-1],), weight, eps)
+
+
+def rope_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (Su et al. 2021, "RoFormer", in HF's layout) in x's dtype, HF's order of
+    operations: x [N, H, D]; cos/sin [N, D/2] in x's dtype. Returns [N, H, D]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]  # [N, H, D/2]
+    c, s = cos[:, None, :], sin[:, None, :]  # [N, 1, D/2]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)  # [N, H, D]
+
+
+def rope_store_kv(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_buffer: torch.Tensor, v_buffer: torch.Tensor, out_cache_loc: torch.Tensor,
+                  num_q_heads: int) -> torch.Tensor:
+    """RoPE on the fused q/k heads, then the keys and values stored into the pool.
+
+    Args:
+        qk: [N, Hq+Hkv, D] query heads then key heads; v: [N, Hkv, D].
+        cos, sin: [N, D/2] in qk's dtype.
+        k_buffer, v_buffer: [S, Hkv, D] pool of one layer (mutated; cast as :func:`store_kv`).
+        out_cache_loc: [N] int64 slots; num_q_heads: Hq.
+    Returns:
+        [N, Hq, D] rotated queries.
+    """
+    rotated = rope_rotate_half(qk, cos, sin)  # [N, Hq+Hkv, D]
+    store_kv(k_buffer, v_buffer, out_cache_loc, rotated[:, num_q_heads:], v)
+    return rotated[:, :num_q_heads]
+
+
 def gather_heads(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Rows ``slots`` of a pool buffer, head-major: buf [S, Hkv, D], slots [T] int64 → [Hkv, T, D].
 

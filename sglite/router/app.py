@@ -2,9 +2,9 @@
 
     sglite router --worker-urls http://127.0.0.1:30001 http://127.0.0.1:30002 --port 30000
 
-Generation routes (``/generate``, ``/v1/completions``, ``/v1/chat/completions``) go to the worker a
-:class:`~sglite.router.policy.Policy` picks (cache-aware by default); streamed responses are passed
-through event by event. Bodies are checked first, as the server checks them: over
+Generation routes (``/generate``, ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``: its
+follow-ups go to the response's worker, :mod:`~sglite.router.responses_routes`) go to the worker a
+:class:`~sglite.router.policy.Policy` picks (cache-aware by default); streams pass through. Bodies are checked first, as the server checks them: over
 ``max_request_bytes`` is 413, a body that is not JSON or whose fields have the wrong types is 400
 naming the field (the server's own request models), so nothing malformed reaches a worker. Every
 forwarded request carries a ``rid`` (the client's, or a new one), and the client's
@@ -47,9 +47,11 @@ from ..server.middleware import (ApiKeyMiddleware, BodyLimitMiddleware, ClientEr
                                  InternalErrorMiddleware, Keys)
 from ..server.protocol import AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest
 from ..server.runner import UvicornThread, bind_listener
-from ..server.sse import DONE, sse_event
+from ..server.sse import DONE
 from .pd import ClientGone
 from .policy import Policy, RouterConfig
+from .relay import event_end, stream_error_event
+from .responses_routes import add_responses_routes, responses_text
 
 log = logging.getLogger("sglite.router")
 
@@ -93,23 +95,12 @@ def rids_of(body: dict) -> list[str]:
     return [r for r in (rid if isinstance(rid, list) else [rid]) if isinstance(r, str) and r]
 
 
-def stream_error_event(message: str) -> bytes:
-    """The SSE error frame of a stream the router has to end (502: the worker failed)."""
-    body = error_body(message, 502)
-    body["type"] = body["error"]["type"] = "worker_error"
-    return sse_event(body)
-
-
-def _event_end(buf: bytes) -> int:
-    """Length of the complete SSE events at the start of ``buf`` (0 if none is complete)."""
-    lf, crlf = buf.rfind(b"\n\n"), buf.rfind(b"\n\r\n")
-    return max(lf + 2 if lf >= 0 else 0, crlf + 3 if crlf >= 0 else 0)
-
-
 def request_text(path: str, body: dict) -> str:
     """The text a request's prompt starts with, for prefix matching (no tokenizer: characters).
     ``/generate``: ``text`` (the first of a batch) or the ``input_ids`` as text; completions:
     ``prompt``; chat: the messages' roles and contents in order."""
+    if path == "/v1/responses":
+        return responses_text(body)
     if path == "/v1/chat/completions":
         parts = []
         messages = body.get("messages")
@@ -179,9 +170,11 @@ class Router:
             except httpx.HTTPError as exc:
                 log.warning("abort of %s on %s failed: %s: %s", rid, self.urls[i], type(exc).__name__, exc)
 
-    async def proxy(self, path: str, body: dict, headers: dict, before=None, receive=None) -> Response:
-        """Send the request to a worker the policy picks; ``before(i, text)`` (a coroutine), when
-        given, runs first for the chosen worker ``i`` (the prefill/decode KV transfer).
+    async def proxy(self, path: str, body: dict, headers: dict, before=None, receive=None, pin=None,
+                    picked=None) -> Response:
+        """Send the request to worker ``pin`` (when given and healthy) or one the policy picks (``picked(i)``
+        is told each one tried); ``before(i, text)`` (a coroutine), when given, runs first for the chosen worker ``i``
+        (the prefill/decode KV transfer).
 
         ``body`` is forwarded as is (give it a ``rid``: an abort names it). ``receive`` is the
         client's ASGI receive: when the client disconnects before a non-streamed answer (or a
@@ -192,10 +185,12 @@ class Router:
         tried: set = set()
         last, busy = "no healthy worker", None  # busy: a worker's Retry-After (its queue is full)
         for _ in range(self.config.max_retries + 1):
-            i = self._pick(text, tried)
+            i = pin if pin is not None and pin not in tried and self.healthy[pin] else self._pick(text, tried)
             if i is None:
                 break
             tried.add(i)
+            if picked is not None:
+                picked(i)
             self.loads[i] += 1
             released = sent = False
             try:
@@ -262,7 +257,7 @@ class Router:
         try:
             async for chunk in resp.aiter_raw():
                 buf += chunk
-                cut = _event_end(buf)
+                cut = event_end(buf)
                 if cut:
                     yield buf[:cut]
                     buf = buf[cut:]
@@ -367,18 +362,18 @@ def create_router_app(config: RouterConfig) -> FastAPI:
 
     for path in GENERATE_ROUTES:
         app.add_api_route(path, generate_route(path), methods=["POST"], operation_id="route" + path.replace("/", "_"))
+    app.state.responses = add_responses_routes(app, router, fwd, read_body)
 
     @app.get("/health")
     async def health():
         return Response(status_code=200 if any(router.healthy) else 503)
 
-    @app.get("/v1/models")
-    async def models(request: Request):
-        return await router.first_healthy_get("/v1/models", fwd(request))
-
-    @app.get("/get_model_info")
-    async def model_info(request: Request):
-        return await router.first_healthy_get("/get_model_info", fwd(request))
+    def any_worker_get(path):
+        async def get(request: Request):
+            return await router.first_healthy_get(path, fwd(request))
+        return get
+    for path in ("/v1/models", "/get_model_info"):
+        app.add_api_route(path, any_worker_get(path), methods=["GET"], operation_id="route" + path.replace("/", "_"))
 
     @app.get("/get_server_info")
     async def server_info(request: Request):

@@ -32,6 +32,8 @@
         {"text", "token_ids", "logprobs", "unconditional_logprobs" (when asked)}.
     engine.export_prefix(ids) -> (ids[:n], K, V); engine.import_prefix(ids, K, V) -> int: a cached
         prefix's KV out of / into the radix cache (prefill/decode disaggregation); engine.kv_layout().
+    engine.pin_prefix(key, ids, max_tokens) / engine.unpin_prefix(key): keep a cached prefix out of
+        LRU eviction (sglite.runtime.prefix_pins).
     engine.abort(rid); engine.flush_cache() -> bool; engine.get_server_info() -> dict;
     engine.tokenizer; engine.apply_chat_template(...); engine.model_info(); engine.shutdown().
 Errors: InvalidRequestError (ValueError) naming the field, raised before anything is scheduled;
@@ -41,7 +43,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
 import random
 import threading
@@ -51,6 +52,7 @@ from typing import Optional, Union
 
 import torch
 
+from ..kernels.decode_threads import default_threads, fallback_threads
 from ..logging_setup import PhaseTimer, configure_if_unset
 from .engine_config import engine_config
 from .engine_info import model_info, server_info
@@ -62,6 +64,7 @@ from .kv_quant import check_kv_cache_dtype
 from .model_loader import load_checkpoint
 from .models.registry import check_engine_config as check_family_config
 from .model_runner import ModelRunner, resolve_device, resolve_dtype
+from .prefix_pins import PrefixPins
 from .quant_loader import load_weights
 from .runner_protocol import RunnerProtocol
 from .scheduler import Scheduler
@@ -95,7 +98,7 @@ class Engine:
                                                 chat_template=cfg.chat_template)
         device = resolve_device(cfg.device)
         if device == "cpu":
-            torch.set_num_threads(cfg.num_threads or max(1, (os.cpu_count() or 2) - 1))
+            torch.set_num_threads(cfg.num_threads or fallback_threads())  # until the thread probe below
         check_kv_cache_dtype(cfg.kv_cache_dtype, ckpt.hf_config, device)  # before the weights load
         check_family_config(cfg, ckpt.hf_config)  # OLMo 2 / Granite / Gemma: no TP; Gemma: float KV
         self.runner: RunnerProtocol
@@ -111,10 +114,14 @@ class Engine:
             with timer.phase("model, kernel build/probe, KV pool"):
                 self.runner = ModelRunner(cfg, ckpt.hf_config, sd)
             del sd
+            if device == "cpu" and not cfg.num_threads:  # the fastest thread count for batch-1 decode
+                with timer.phase("thread probe"):
+                    torch.set_num_threads(default_threads(getattr(self.runner.model, "decode_fused", None)))
         with timer.phase("scheduler"):
             self.scheduler = Scheduler(cfg, self.runner, self.tokenizer)
             self.requests = RequestBuilder(cfg, self.tokenizer, self.runner, random.Random(cfg.random_seed))
             self._loop = EngineLoop(self.scheduler, cfg.check_invariants, cfg.max_queued_requests)
+            self.pins = PrefixPins(self.scheduler.kv.cache)
             # async callers build requests here (tokenize, compile grammars, stop-regex checkers):
             # the caller's event loop never computes
             self._prep = ThreadPoolExecutor(max_workers=4, thread_name_prefix="sglite-prep")
@@ -307,8 +314,46 @@ class Engine:
         self._loop.abort(rid)
 
     def flush_cache(self) -> bool:
-        """Empty the radix cache. Returns False (refused) while requests are queued or running."""
-        return self._loop.call(self.scheduler.flush_cache)
+        """Empty the radix cache (dropping every pinned prefix). Returns False (refused) while
+        requests are queued or running."""
+        def flush() -> bool:
+            if self.scheduler.has_work():
+                return False
+            self.pins.clear()
+            return self.scheduler.flush_cache()
+        return self._loop.call(flush)
+
+    def pin_prefix(self, key, ids: list[int], max_tokens: int) -> tuple[int, list]:
+        """Keep the cached part of ``ids`` (token ids) out of LRU eviction under ``key``, at most
+        ``max_tokens`` pinned tokens in all (least recently pinned keys released first); see
+        :mod:`sglite.runtime.prefix_pins`. Returns ``(tokens pinned, keys released)``."""
+        return self._loop.call(lambda: self.pins.pin(key, ids, max_tokens))
+
+    def unpin_prefix(self, key) -> bool:
+        """Release ``key``'s pinned prefix (:meth:`pin_prefix`); False when it had none."""
+        return self._loop.call(lambda: self.pins.unpin(key))
+
+    def start_profile(self, output_dir: Optional[str] = None, num_steps: Optional[int] = None, activities=None,
+                      record_shapes: bool = False, with_stack: bool = False) -> str:
+        """Start torch.profiler on the engine thread (:class:`~sglite.runtime.profiler.ProfileSession`:
+        ``output_dir`` else ``$SGLITE_TORCH_PROFILER_DIR`` else ``/tmp/sglite_profiles``; stops by
+        itself after ``num_steps`` steps when given). Returns the output directory.
+
+        Raises:
+            InvalidRequestError: one is already running, or a bad option (naming the field).
+        """
+        return self._loop.call(lambda: self._loop.start_profile(
+            output_dir=output_dir, num_steps=num_steps, activities=activities, record_shapes=record_shapes,
+            with_stack=with_stack))
+
+    def stop_profile(self) -> dict:
+        """Stop the profile and write the Chrome trace and the per-op / per-phase summary; returns
+        :meth:`~sglite.runtime.profiler.ProfileResult.to_json` (paths, steps, phase rows).
+
+        Raises:
+            InvalidRequestError: no profile was started (field ``profile``).
+        """
+        return self._loop.call(self._loop.stop_profile).to_json()
 
     def check_invariants(self) -> None:
         """Assert pool and radix-tree invariants (on the loop thread)."""
@@ -323,9 +368,12 @@ class Engine:
         """Model facts clients need (path, context length, vocab, chat template markers)."""
         return model_info(self.checkpoint, self.runner, self.tokenizer)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools=None) -> str:
-        """Render ``messages`` with the model's chat template."""
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools=None,
+                            chat_template_kwargs: Optional[dict] = None) -> str:
+        """Render ``messages`` with the model's chat template (``chat_template_kwargs``: extra
+        template variables, e.g. ``enable_thinking``)."""
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                                  chat_template_kwargs=chat_template_kwargs)
 
     def shutdown(self) -> None:
         """Stop the loop thread (idempotent); unfinished requests end with reason abort.

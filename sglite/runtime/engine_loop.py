@@ -15,6 +15,7 @@ from typing import Optional
 
 from ..errors import InvalidRequestError, QueueFullError
 from .engine_messages import Abort, Call, Message, Stop, SubmitReqs
+from .profiler import ProfileResult, ProfileSession
 from .req import FinishReason
 
 log = logging.getLogger("sglite.engine")
@@ -36,6 +37,8 @@ class EngineLoop:
         self._active: set[str] = set()  # rids in flight (duplicates are refused)
         self._active_lock = threading.Lock()
         self.stopped = False
+        self.profile: Optional[ProfileSession] = None  # the running profile (loop thread only)
+        self.profile_result: Optional[ProfileResult] = None  # one that stopped by itself (num_steps)
         self._thread = threading.Thread(target=self._run, name="sglite-scheduler", daemon=True)
         self._thread.start()
 
@@ -130,6 +133,11 @@ class EngineLoop:
             msg = self._next_message(block=not sched.has_work())
             while msg is not None:
                 if isinstance(msg, Stop):
+                    if self.profile is not None:  # write it, and take the kernels' probes off
+                        try:
+                            self.stop_profile()
+                        except Exception:
+                            log.exception("stopping the profile failed")
                     sched.abort_all("aborted by client")
                     sched.close()
                     return
@@ -138,15 +146,48 @@ class EngineLoop:
             if not sched.has_work():
                 continue
             try:
-                sched.step()
+                stepped = sched.step()
                 if self.check_invariants:
                     sched.check_invariants()
+                if stepped and self.profile is not None and self.profile.step_done():
+                    self.profile_result, self.profile = self.profile.stop(), None
             except Exception as exc:  # keep serving: fail the running requests, free their KV
                 log.exception("scheduler step failed")
                 try:
                     self._fail_running(exc)
                 except Exception:  # the loop thread must survive, or every caller hangs
                     log.exception("failing the running requests failed")
+
+    def start_profile(self, **options) -> str:
+        """Start a :class:`~sglite.runtime.profiler.ProfileSession` (``options``: its arguments);
+        returns its output directory. Loop thread only (through :meth:`call`).
+
+        Raises:
+            InvalidRequestError: a profile is already running (field ``profile``), or a bad option.
+        """
+        if self.profile is not None:
+            raise InvalidRequestError("profile: a profile is already running; stop it first (/stop_profile)",
+                                      field="profile")
+        session = ProfileSession(**options)
+        session.start()
+        self.profile, self.profile_result = session, None
+        return session.output_dir
+
+    def stop_profile(self) -> ProfileResult:
+        """Stop the running profile and write its files (or hand over one that stopped after its
+        ``num_steps``). Loop thread only (through :meth:`call`).
+
+        Raises:
+            InvalidRequestError: no profile was started (field ``profile``).
+        """
+        if self.profile is None:
+            if self.profile_result is None:
+                raise InvalidRequestError("profile: no profile is running (start one with /start_profile)",
+                                          field="profile")
+            result, self.profile_result = self.profile_result, None
+            return result
+        session, self.profile = self.profile, None
+        return session.stop()
 
     def handle(self, msg: Message) -> None:
         """Apply one inbox message (loop thread)."""

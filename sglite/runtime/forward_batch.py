@@ -56,6 +56,13 @@ class ForwardBatch:
         for e in plan.entries:
             r, start, n = e.req, e.start, e.n
             row = r.kv.row
+            if n == 1 and e.decode_rows and not e.draft and e.tree is None:  # a decode row: appends only
+                ids.append(r.token_at(start))
+                locs.append(row * width + start)
+                pos.append(start)
+                dec_rows.append(row)
+                dec_lens.append(start + 1)
+                continue
             ids.extend(r.tokens(start, start + n - len(e.draft)))
             ids.extend(e.draft)  # speculative draft tokens (not in the sequence yet)
             base = row * width + start  # flat index of req_to_token[row, start]

@@ -99,6 +99,11 @@ class Req:
             return self.input_ids[start:end]
         return self.input_ids[start:] + self.output_ids[:end - n_in]
 
+    def token_at(self, i: int) -> int:
+        """``seq[i]`` (0 <= i < ``seq_len``) without building the sequence."""
+        n_in = len(self.input_ids)
+        return self.input_ids[i] if i < n_in else self.output_ids[i - n_in]
+
     @property
     def seq_len(self) -> int:
         return len(self.input_ids) + len(self.output_ids)

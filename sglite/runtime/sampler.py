@@ -99,11 +99,16 @@ class Sampler:
         Returns:
             SampleOutput with B token ids.
         """
-        if any(self.changes_logits(r) for r in reqs):
+        ps = [r.params for r in reqs]
+        changes = want_lp = False
+        greedy = True
+        for r, p in zip(reqs, ps):  # one pass over the batch for the three questions
+            changes = changes or self.changes_logits(r)
+            want_lp = want_lp or r.return_logprob
+            greedy = greedy and p.temperature <= 1e-6
+        if changes:
             logits = logits.clone()  # the caller's rows (often a view of the step's logits) stay as they are
             self._penalize(logits, reqs)
-        ps = [r.params for r in reqs]
-        want_lp = any(r.return_logprob for r in reqs)
         logprobs = None
         if want_lp:
             temps = torch.tensor([p.temperature if p.temperature > 1e-6 else 1.0 for p in ps], device=logits.device)
@@ -112,7 +117,7 @@ class Sampler:
             bitmask = self.grammar_bitmask(reqs)
         if bitmask is not None:
             bitmask = bitmask.to(logits.device)
-        if all(p.temperature <= 1e-6 for p in ps):  # a greedy batch: argmax, no per-row tensors
+        if greedy:  # a greedy batch: argmax, no per-row tensors
             return SampleOutput(kernels.greedy(logits, bitmask).tolist(), logprobs)
         dev = logits.device
         next_ids = kernels.sample(

@@ -26,6 +26,7 @@ from .forward_batch import ForwardBatch
 from .grammar_masks import MaskOverlap
 from .kv_manager import KVManager
 from .output import OutputProcessor
+from .profiler import phase
 from .req import FinishReason, Req
 from .runner_protocol import RunnerProtocol
 from .sampler import SampleOutput, Sampler, select_rows
@@ -119,17 +120,23 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
     def step(self) -> bool:
         """Run one scheduling step. Returns False when there was nothing to do."""
-        plan = self.schedule()
-        if plan is None:
-            return False
-        batch = ForwardBatch.from_plan(plan, self.kv.req_to_token)
-        masks = self.masks.start(plan.sampling_reqs)  # on a second thread when a vocabulary walk is needed
-        try:
-            logits = self.runner.forward(batch)  # [M, V] float32
-        finally:
-            bitmask = masks()
-        sampled = self.sample(plan, logits, bitmask)
-        self.process(plan, logits, sampled)
+        with phase("step"):  # profiler ranges (sglite.runtime.profiler; no-ops unless profiling)
+            with phase("schedule"):
+                plan = self.schedule()
+            if plan is None:
+                return False
+            with phase("build_batch"):
+                batch = ForwardBatch.from_plan(plan, self.kv.req_to_token)
+            masks = self.masks.start(plan.sampling_reqs)  # on a second thread when a vocabulary walk is needed
+            try:
+                with phase("forward"):
+                    logits = self.runner.forward(batch)  # [M, V] float32
+            finally:
+                bitmask = masks()
+            with phase("sample"):
+                sampled = self.sample(plan, logits, bitmask)
+            with phase("process"):
+                self.process(plan, logits, sampled)
         return True
 
     # ------------------------------------------------------------------ scheduling
@@ -178,7 +185,26 @@ class Scheduler:
         self.waiting.appendleft(victim)
         return True
 
+    def _wanted(self, decode_only: bool) -> list[tuple[Req, int]]:
+        """``(request, tokens)`` of each running request this step, in running order, with the
+        prefill budget applied (what :meth:`_plan_running`'s loop plans when nothing is retracted)."""
+        out, budget = [], self._budget()
+        for r in self.running:
+            pending = r.pending
+            if decode_only and r.prefilling:
+                continue
+            n = 1 if pending == 1 else min(pending, budget)
+            if n == 0:
+                continue
+            if pending > 1:
+                budget -= n
+            out.append((r, n))
+        return out
+
     def _plan_running(self, decode_only: bool = False) -> list[StepEntry]:
+        wanted = self._wanted(decode_only)
+        if self.kv.extend_all(wanted):  # the usual step: room for everyone, one slot-table write
+            return [StepEntry(r, n, r.kv.kv_len) for r, n in wanted]
         entries: list[StepEntry] = []
         budget = self._budget()
         for r in list(self.running):

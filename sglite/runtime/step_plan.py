@@ -127,8 +127,11 @@ class StepPlan:
         """Index into the step's tokens of every logits row, in row order."""
         out, offset = [], 0
         for e in self.entries:
-            out.extend(offset + p - 1 - e.start for p, _ in e.input_rows)
-            if e.sample_row is not None:
+            if e.input_rows:
+                out.extend(offset + p - 1 - e.start for p, _ in e.input_rows)
+            if e.sample_row is not None and not e.draft and not e.skip_rows:  # the usual row: its last token
+                out.append(offset + e.n - 1)
+            elif e.sample_row is not None:
                 first = offset + e.n - 1 - len(e.draft)
                 out.extend(first + j for j in range(len(e.draft) + 1) if j not in e.skip_rows)
             offset += e.n

@@ -183,8 +183,9 @@ class Tokenizer:
     # ----------------------------------------------------------------------------- chat template
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
-        """Render ``messages`` (``[{"role", "content"}, ...]``) with the model's chat template.
+                            tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> str:
+        """Render ``messages`` (``[{"role", "content"}, ...]``) with the model's chat template;
+        ``chat_template_kwargs`` are extra template variables (e.g. ``enable_thinking``).
 
         Raises:
             InvalidRequestError: the tokenizer has no chat template or the template rejects them.
@@ -194,7 +195,8 @@ class Tokenizer:
                                       field="messages")
         try:
             return self.hf.apply_chat_template(messages, tools=tools, tokenize=False,
-                                               add_generation_prompt=add_generation_prompt)
+                                               add_generation_prompt=add_generation_prompt,
+                                               **(chat_template_kwargs or {}))
         except Exception as exc:  # jinja raises TemplateError / TypeError / KeyError ...
             raise InvalidRequestError(f"messages: chat template failed: {exc}", field="messages") from exc
 

@@ -5,9 +5,10 @@ set of in-flight requests); nothing is global, so tests may run several apps sid
 """
 from __future__ import annotations
 
+import logging
 import os
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 
 from .. import __version__
 from ..config import EngineConfig
@@ -20,7 +21,31 @@ from .native_api import build_native_router, public_server_info
 from .openai_api import build_openai_router
 from .openai_common import OpenAIContext
 from .request_log import RequestLog
+from .responses_api import add_responses_routes
+from .openapi_doc import install_openapi
+from .responses_pins import ResponsePins
+from .responses_store import ResponseStore
 from .settings import ServerConfig
+from .tokenize_api import build_tokenize_router
+from .tool_constraint import reasoning_end_marker
+from .tool_parsers.formats import detect_format, get_format
+
+logger = logging.getLogger("sglite.server")
+
+
+def choose_tool_parser(engine, config: ServerConfig) -> str:
+    """The ``--tool-call-parser`` in effect: the flag, else the one the chat template's markers
+    (or the model family) point to; logged at start-up either way."""
+    if config.tool_call_parser:
+        fmt, why = get_format(config.tool_call_parser), "--tool-call-parser"
+    else:
+        template = getattr(getattr(getattr(engine, "tokenizer", None), "hf", None), "chat_template", None)
+        hf_config = getattr(getattr(engine, "checkpoint", None), "hf_config", None)
+        fmt, why = detect_format(template if isinstance(template, str) else None,
+                                 getattr(hf_config, "model_type", None))
+    logger.info("tool-call parser: %s (%s)%s", fmt.name, why,
+                f"; reasoning parser: {config.reasoning_parser}" if config.reasoning_parser else "")
+    return fmt.name
 
 
 def served_model_name(model_info: dict, config: ServerConfig) -> str:
@@ -56,8 +81,22 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     install_error_handlers(app)
     app.include_router(build_native_router(client, metrics, {**public_server_info(config),
                                                              "served_model_name": name},
-                                           enable_metrics=config.enable_metrics))
-    app.include_router(build_openai_router(OpenAIContext(client, name, names)))
+                                           enable_metrics=config.enable_metrics,
+                                           reasoning_parser=config.reasoning_parser))
+    octx = OpenAIContext(client, name, names, tool_parser=choose_tool_parser(engine, config),
+                         reasoning_parser=config.reasoning_parser,
+                         constrain_auto_tools=not config.disable_tool_call_constraint,
+                         reasoning_end=reasoning_end_marker(config.reasoning_parser))
+    app.state.openai = octx
+    app.include_router(build_openai_router(octx))
+    app.state.responses_pins = pins = ResponsePins(engine, config.responses_pin_tokens)
+    app.state.responses_store = store = ResponseStore(config.responses_store_size, config.responses_ttl,
+                                                      on_drop=pins.unpin)
+    responses = APIRouter()
+    add_responses_routes(responses, octx, store, pins)
+    app.include_router(responses)
+    app.include_router(build_tokenize_router(octx))
+    install_openapi(app)
     if getattr(ecfg, "disaggregation_mode", "null") != "null":  # prefill/decode half (sglite.server.disaggregation)
         from .disaggregation import disaggregation_routes
         app.include_router(disaggregation_routes(engine, ecfg, config.host))

@@ -25,7 +25,7 @@ from ..errors import CONTEXT_LENGTH_PREFIX, GrammarError, QueueFullError, Sglite
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 500: "internal_server_error",
           503: "service_unavailable"}
-_CONSTRAINTS = ("regex", "json_schema", "ebnf", "lark")
+_CONSTRAINTS = ("regex", "json_schema", "ebnf", "lark", "structural_tag")
 
 
 class ApiError(Exception):

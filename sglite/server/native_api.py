@@ -1,5 +1,6 @@
 """SGLang's native routes: ``/generate``, ``/health``, ``/get_model_info``, ``/get_server_info``,
-``/flush_cache``, ``/abort_request``, ``/metrics`` (with ``enable_metrics``).
+``/flush_cache``, ``/abort_request``, ``/start_profile`` and ``/stop_profile`` (torch.profiler on the
+engine thread: :mod:`sglite.runtime.profiler`), ``/metrics`` (with ``enable_metrics``).
 
 Shapes follow SGLang's ``http_server.py`` and ``io_struct.GenerateReqInput`` (see
 docs/reference/sglang_compat.md §c.1-c.3): a single request answers ``{"text", "output_ids",
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
+from typing import Optional
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -21,7 +23,8 @@ from ..runtime.logprob_options import LogprobOptions
 from .engine_client import EngineClient, GenCall, until_disconnect
 from .errors import ApiError, error_response, from_value_error, jsonable
 from .metrics import CONTENT_TYPE
-from .protocol import AbortRequest, GenerateRequest
+from .protocol import AbortRequest, GenerateRequest, ProfileRequest, SeparateReasoningRequest
+from .reasoning import get_reasoning_format, split_reasoning
 from .sse import sse_event, sse_response
 
 
@@ -87,19 +90,49 @@ def build_call(req: GenerateRequest, client: EngineClient) -> tuple[GenCall, boo
 def _grammar_rename(call: GenCall) -> dict:
     """``{"grammar": "sampling_params.<kind>"}`` of the first constrained prompt (for GrammarError)."""
     for sp in call.sampling_params:
-        for key in ("regex", "json_schema", "ebnf", "lark"):
+        for key in ("regex", "json_schema", "ebnf", "lark", "structural_tag"):
             if sp.get(key) is not None:
                 return {"grammar": f"sampling_params.{key}"}
     return {}
 
 
-def build_native_router(client: EngineClient, metrics, server_info: dict, enable_metrics: bool = False) -> APIRouter:
+def _reasoning_splitter(name):
+    """``out -> out`` moving the reasoning of ``out["text"]`` (cumulative) to ``out["reasoning_text"]``."""
+    fmt = get_reasoning_format(name)
+
+    def split(out: dict) -> dict:
+        thought, out["text"] = split_reasoning(out.get("text") or "", fmt)
+        out["reasoning_text"] = thought
+        return out
+    return split
+
+
+def build_native_router(client: EngineClient, metrics, server_info: dict, enable_metrics: bool = False,
+                        reasoning_parser=None) -> APIRouter:
     """Routes bound to ``client`` (no module-level state); ``/metrics`` only with ``enable_metrics``
-    (SGLang's ``--enable-metrics``; without it the route is absent: 404)."""
+    (SGLang's ``--enable-metrics``; without it the route is absent: 404). ``reasoning_parser``:
+    the ``--reasoning-parser`` name, for ``separate_reasoning`` and ``/separate_reasoning``."""
     router = APIRouter()
+
+    @router.post("/separate_reasoning")
+    async def separate_reasoning(req: SeparateReasoningRequest):
+        name = req.reasoning_parser or reasoning_parser
+        if name is None:
+            raise ApiError("reasoning_parser: required (the server has no --reasoning-parser)",
+                           param="reasoning_parser")
+        try:
+            fmt = get_reasoning_format(name)
+        except ValueError as e:
+            raise ApiError(str(e), param="reasoning_parser") from None
+        thought, answer = split_reasoning(req.text, fmt)
+        return JSONResponse({"text": answer, "reasoning_text": thought})
 
     @router.post("/generate")
     async def generate(req: GenerateRequest, request: Request):
+        if req.separate_reasoning and reasoning_parser is None:
+            raise ApiError("separate_reasoning: needs a server started with --reasoning-parser",
+                           param="separate_reasoning")
+        split = _reasoning_splitter(reasoning_parser) if req.separate_reasoning else (lambda out: out)
         call, many = build_call(req, client)
         if req.stream:
             try:
@@ -109,7 +142,7 @@ def build_native_router(client: EngineClient, metrics, server_info: dict, enable
 
             async def events():
                 async for i, chunk in stream:
-                    out = jsonable(chunk)
+                    out = split(jsonable(chunk))  # events are cumulative: split the text so far
                     if many:
                         out["index"] = i
                     yield sse_event(out)
@@ -118,7 +151,7 @@ def build_native_router(client: EngineClient, metrics, server_info: dict, enable
             outs = await until_disconnect(request.receive, client.run(call))
         except ValueError as e:
             raise from_value_error(e, _grammar_rename(call), prefix="sampling_params.") from e
-        outs = jsonable(outs)
+        outs = [split(o) for o in jsonable(outs)]
         return JSONResponse(outs if many else outs[0])
 
     @router.get("/health")
@@ -155,6 +188,17 @@ def build_native_router(client: EngineClient, metrics, server_info: dict, enable
         if not ok:
             return error_response("cache not flushed: requests are running or waiting", 400)
         return {"success": True, "message": "Cache flushed."}
+
+    @router.post("/start_profile")  # operator route (middleware.ADMIN_PATHS); POST only, as /flush_cache
+    async def start_profile(req: Optional[ProfileRequest] = None):
+        opts = (req or ProfileRequest()).model_dump()
+        out = await asyncio.to_thread(lambda: client.engine.start_profile(**opts))
+        return {"success": True, "message": "Start profiling.", "output_dir": out}
+
+    @router.post("/stop_profile")
+    async def stop_profile():
+        result = await asyncio.to_thread(client.engine.stop_profile)
+        return {"success": True, "message": "Stop profiling.", **result}
 
     @router.post("/abort_request")
     async def abort_request(req: AbortRequest, request: Request):

@@ -25,6 +25,8 @@ from .openai_params import check_model, completion_prompts, make_call, sampling_
 from .protocol import CompletionRequest
 from .sse import sse_event, sse_response
 
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; an explicit null means it too
+
 MAX_TOP_LOGPROBS = 20
 
 
@@ -72,7 +74,8 @@ def _prepare(ctx: OpenAIContext, req: CompletionRequest) -> tuple[GenCall, list[
     ctx_len = ctx.client.context_length
     if longest is not None and ctx_len and longest >= ctx_len:
         raise ApiError(context_length_message(longest, ctx_len), param="prompt", code="context_length_exceeded")
-    sp, rename = sampling_params(req, req.max_tokens, "max_tokens", ctx.client, prompt_tokens=longest,
+    max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS  # null: the default
+    sp, rename = sampling_params(req, max_tokens, "max_tokens", ctx.client, prompt_tokens=longest,
                                  allow_zero=req.echo)
     # echo + logprobs: the prompt tokens' logprobs too (how evaluation harnesses score text)
     call = make_call(prompts, sp, req.n, req.rid or uuid.uuid4().hex, k, prompt_logprobs=req.echo)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Optional
 
 from fastapi import Request
 
@@ -39,11 +40,18 @@ def check_fields(req, route: str) -> None:
 
 @dataclass
 class OpenAIContext:
-    """What the OpenAI routes share: the engine client, the model id, the names it answers to."""
+    """What the OpenAI routes share: the engine client, the model id, the names it answers to,
+    the tool-call parser (a ``--tool-call-parser`` name) and the reasoning parser (None: none);
+    whether "auto" tool calls are constrained, and the end-of-reasoning marker (None: no
+    reasoning parser) after which grammars apply."""
 
     client: EngineClient
     model_name: str
     names: set
+    tool_parser: Optional[str] = None       # the --tool-call-parser name in effect (None: hermes)
+    reasoning_parser: Optional[str] = None  # the --reasoning-parser name (None: no reasoning split)
+    constrain_auto_tools: bool = True
+    reasoning_end: Optional[str] = None
 
 
 async def run_call(ctx: OpenAIContext, request: Request, call: GenCall, rename: dict) -> list[dict]:

@@ -6,6 +6,7 @@ its errors are renamed to the OpenAI field (``max_new_tokens`` -> ``max_tokens``
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import context_length_message
@@ -37,8 +38,26 @@ def check_model(model: Optional[str], names: set[str], served: Optional[list[str
 
 
 
-def _response_format_schema(req) -> Optional[str]:
-    rf = req.response_format
+@dataclass
+class Constraint:
+    """The grammar constraint of a request: engine key (``json_schema`` | ``regex`` | ``ebnf``),
+    its spec text, and the request field it came from (named in the engine's errors)."""
+
+    kind: str
+    spec: str
+    field: str
+
+
+# sampling_params(constraint=...) default: take the constraint from the request's own fields
+FROM_REQUEST = Constraint("", "", "")
+
+
+def response_format_schema(rf, field: str = "response_format") -> Optional[str]:
+    """The JSON-schema text of an OpenAI ``response_format`` (None for none or ``text``).
+
+    Raises:
+        ApiError: 400 for ``json_schema`` without a schema.
+    """
     if rf is None or rf.type == "text":
         return None
     if rf.type == "json_object":
@@ -47,16 +66,21 @@ def _response_format_schema(req) -> Optional[str]:
     if schema is None:
         schema = rf.schema_
     if schema is None:
-        raise ApiError("response_format.json_schema.schema: required for type json_schema",
-                       param="response_format.json_schema.schema")
+        param = f"{field}.schema" if field != "response_format" else "response_format.json_schema.schema"
+        raise ApiError(f"{param}: required for type json_schema", param=param)
     return json.dumps(schema)
 
 
 def sampling_params(req, max_tokens: Optional[int], max_field: str, client: EngineClient,
-                    prompt_tokens: Optional[int] = None, allow_zero: bool = False) -> tuple[dict, dict]:
+                    prompt_tokens: Optional[int] = None, allow_zero: bool = False,
+                    constraint: Optional[Constraint] = FROM_REQUEST, n: Optional[int] = None) -> tuple[dict, dict]:
     """Engine sampling params of an OpenAI request (validated; ``n`` is added by :func:`make_call`), and the
     engine-field -> request-field renames for later errors (see :func:`renames`). ``allow_zero``:
     ``max_tokens: 0`` is allowed (completions with ``echo``: the prompt's logprobs only).
+    ``constraint``: the grammar constraint built by the caller (None: none beyond the request's
+    ``regex`` / ``ebnf``); by default it comes from the request's ``response_format`` /
+    ``json_schema``. Sampling fields the request does not have count as unset; ``n`` defaults to
+    ``req.n``.
 
     Raises:
         ApiError: 400 naming the OpenAI field.
@@ -74,33 +98,37 @@ def sampling_params(req, max_tokens: Optional[int], max_field: str, client: Engi
     sp = {k: getattr(req, k) for k in _PASS if getattr(req, k, None) is not None}
     if max_tokens is not None:
         sp["max_new_tokens"] = max_tokens
-    if req.stop is not None:
-        sp["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
-    if req.seed is not None:
+    stop = getattr(req, "stop", None)
+    if stop is not None:
+        sp["stop"] = [stop] if isinstance(stop, str) else list(stop)
+    if getattr(req, "seed", None) is not None:
         sp["sampling_seed"] = req.seed % (2 ** 63)
-    if req.min_tokens is not None:
+    if getattr(req, "min_tokens", None) is not None:
         sp["min_new_tokens"] = req.min_tokens
     for flag in ("ignore_eos", "no_stop_trim"):
-        if getattr(req, flag):
+        if getattr(req, flag, False):
             sp[flag] = True
-    if not req.skip_special_tokens:
+    if not getattr(req, "skip_special_tokens", True):
         sp["skip_special_tokens"] = False
-    schema = _response_format_schema(req)
-    own = getattr(req, "json_schema", None)
     rename = renames(max_field, "response_format")
-    if own is not None:
-        if schema is not None:
-            raise ApiError("json_schema: only one constraint may be set, got json_schema and response_format",
-                           param="json_schema")
-        schema = own if isinstance(own, str) else json.dumps(own)
-        rename["json_schema"] = "json_schema"
-    if schema is not None:
-        sp["json_schema"] = schema
+    if constraint is FROM_REQUEST:
+        schema = response_format_schema(getattr(req, "response_format", None))
+        own = getattr(req, "json_schema", None)
+        if own is not None:
+            if schema is not None:
+                raise ApiError("json_schema: only one constraint may be set, got json_schema and response_format",
+                               param="json_schema")
+            schema = own if isinstance(own, str) else json.dumps(own)
+            rename["json_schema"] = "json_schema"
+        constraint = Constraint("json_schema", schema, rename["json_schema"]) if schema is not None else None
+    if constraint is not None:
+        sp[constraint.kind] = constraint.spec
+        rename[constraint.kind] = constraint.field
     for key in ("regex", "ebnf", "json_schema"):
         if key in sp:
             rename["grammar"] = rename.get(key, key)
     try:
-        client.validate({**sp, "n": req.n})
+        client.validate({**sp, "n": req.n if n is None else n})
     except ValueError as e:
         raise from_value_error(e, rename, top_level=True) from e
     return sp, rename
@@ -144,10 +172,13 @@ def _content_text(m: ChatMessage, i: int) -> Optional[str]:
     if m.content is None or isinstance(m.content, str):
         return m.content
     parts = []
-    for part in m.content:
-        if part.type != "text" or part.text is None:
+    for j, part in enumerate(m.content):
+        if part.type != "text":
             raise ApiError(f"messages[{i}].content: only text parts are supported, got {part.type!r}",
                            param=f"messages[{i}].content")
+        if part.text is None:
+            raise ApiError(f"messages[{i}].content[{j}].text: required for a part of type 'text'",
+                           param=f"messages[{i}].content[{j}].text")
         parts.append(part.text)
     return "".join(parts)
 
@@ -164,6 +195,8 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
             d["name"] = m.name
         if m.tool_call_id:
             d["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None and role == "assistant":
+            d["reasoning_content"] = m.reasoning_content
         if m.tool_calls:
             calls = []
             for c in m.tool_calls:

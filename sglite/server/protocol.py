@@ -33,6 +33,14 @@ class GenerateRequest(_Base):
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = True
     stream: bool = False
+    separate_reasoning: bool = False
+
+
+class SeparateReasoningRequest(_Base):
+    """``POST /separate_reasoning`` (SGLang): split a finished text's reasoning from its answer."""
+
+    text: str
+    reasoning_parser: Optional[str] = None
 
 
 class AbortRequest(_Base):
@@ -40,6 +48,18 @@ class AbortRequest(_Base):
 
     rid: Optional[str] = None
     abort_all: bool = False
+
+
+class ProfileRequest(_Base):
+    """``POST /start_profile`` (SGLang's ``ProfileReqInput``; the body is optional): where the trace
+    goes (default ``$SGLITE_TORCH_PROFILER_DIR``, else ``/tmp/sglite_profiles``), an optional step
+    count after which it stops by itself, ``activities`` (``CPU``, ``GPU``), shapes and stacks."""
+
+    output_dir: Optional[str] = None
+    num_steps: Optional[int] = None
+    activities: Optional[list[str]] = None
+    record_shapes: bool = False
+    with_stack: bool = False
 
 
 # ----------------------------------------------------------------------------- OpenAI pieces
@@ -106,6 +126,7 @@ class ChatMessage(_Base):
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None
     tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None
 
 
 class _SamplingFields(_Base):
@@ -164,3 +185,5 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    separate_reasoning: bool = True

@@ -97,3 +97,11 @@ class ServerThread(UvicornThread):
         sock = bind_listener(config.host, config.port)
         self.engine, self.config = engine, replace(config, port=sock.getsockname()[1])
         super().__init__(create_app(engine, self.config), sock, "sglite server", startup_timeout, lifespan="off")
+
+    def stop(self) -> None:
+        """Stop serving, then release the stored responses' prefix pins this server took in the
+        engine (the engine outlives this class; lifespan handlers are off here)."""
+        super().stop()
+        pins = getattr(self.app.state, "responses_pins", None) if hasattr(self, "app") else None
+        if pins is not None:
+            pins.release_all()

@@ -124,8 +124,11 @@ class FakeEngine:
                 "cache_hit_rate": self._hits / self._prompt_total if self._prompt_total else 0.0,
                 "context_length": self.context_length}
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools=None) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools=None,
+                            chat_template_kwargs=None) -> str:
         parts = []
+        if chat_template_kwargs and chat_template_kwargs.get("enable_thinking") is False:
+            parts.append("<|no_think|>")  # what a thinking model's template would switch on
         if tools and self.tools_in_template:
             names = [t["function"]["name"] for t in tools]
             parts.append(f"<|im_start|>system\nTools: {json.dumps(names)}<|im_end|>\n")
@@ -141,6 +144,12 @@ class FakeEngine:
     def abort(self, rid: str) -> None:
         self.aborted.append(rid)
         self._abort_flags.update(r for r in self._held if matches_rid(r, rid))
+
+    def start_profile(self, **_opts) -> str:
+        raise InvalidRequestError("profile: the fake engine runs no model, so there is nothing to profile", field="profile")
+
+    def stop_profile(self) -> dict:
+        raise InvalidRequestError("profile: no profile was started", field="profile")
 
     def flush_cache(self) -> bool:
         if self._held:
@@ -171,11 +180,20 @@ class FakeEngine:
                 if not isinstance(schema, (dict, bool)):
                     raise GrammarError("json_schema: must be an object or a boolean")
                 return json.dumps(example_instance(schema))
+            if kind == "structural_tag":  # checked; free text is the fake's reply unless the tag allows none
+                from ..constrained.structural_tag import structural_tag_rules
+                structural_tag_rules(spec)
+                from .agent_testing import tags_only_instance  # (it imports this module)
+                forced = tags_only_instance(spec)
+                return forced if forced is not None else self._free_reply(sp, seed)
             if kind in ("ebnf", "lark"):
                 if "root" not in spec and "start" not in spec:
                     raise GrammarError(f"{kind}: the grammar has no root rule")
                 return self.ebnf_reply
             return self.regex_reply
+        return self._free_reply(sp, seed)
+
+    def _free_reply(self, sp: SamplingParams, seed: int) -> str:
         if sp.temperature > 0:
             k = random.Random(seed).randrange(len(self.reply))
             return self.reply[k:] + " " + self.reply[:k]

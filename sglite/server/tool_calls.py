@@ -2,11 +2,15 @@
 
 * ``tool_choice`` ``"none"``: tools are not shown; plain chat.
 * ``"auto"`` (the default with tools): the tools go to the chat template (or, when the template
-  ignores them, into a system message asking for Hermes-style ``<tool_call>{json}</tool_call>``);
-  the output is parsed for such blocks, or for a bare ``{"name", "arguments"}`` JSON answer.
-* ``"required"`` or a named function: the output is *forced* by constrained decoding against
-  ``{"name": <one of the tools>, "arguments": <that tool's parameters schema>}`` (an ``anyOf``
-  over the tools for ``required``), so the arguments always parse and validate.
+  ignores them, into a system message asking for calls in the plan's format, e.g. Hermes-style
+  ``<tool_call>{json}</tool_call>``); the output is parsed by the format's parser
+  (:mod:`sglite.server.tool_parsers`: ``qwen25``/hermes, ``llama3``, ``mistral``, ``pythonic``,
+  ``granite``; ``--tool-call-parser``), which also reads a bare ``{"name", "arguments"}`` answer.
+* ``"required"`` or a named function: the output is *forced* by constrained decoding to calls
+  ``{"name": <one of the tools>, "arguments": <that tool's parameters schema>}``, in the family's
+  own markup where its opener is text (``<tool_call>...</tool_call>``; what the chat template
+  renders on the next turn), else as bare JSON (an ``anyOf`` over the tools for ``required``),
+  so the arguments always parse and validate.
 
 Sources: OpenAI's function-calling API; the Hermes / Qwen2.5 ``<tool_call>`` format that SGLang's
 ``function_call/qwen25_detector.py`` parses; SGLang forces calls with a JSON schema the same way.
@@ -14,15 +18,15 @@ Sources: OpenAI's function-calling API; the Hermes / Qwen2.5 ``<tool_call>`` for
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
 from .errors import ApiError
+from .tool_parsers.formats import HERMES, ToolCallFormat, get_format
+from .tool_parsers.json_calls import make_call, parse_json_calls
+from .tool_parsers.pythonic import parse_pythonic_calls
 
-OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(OPEN_TAG) + r"(.*?)(?:" + re.escape(CLOSE_TAG) + r"|$)", re.S)
+OPEN_TAG, CLOSE_TAG = HERMES.opener, HERMES.closer
 
 
 @dataclass
@@ -33,6 +37,7 @@ class ToolPlan:
     tools: list[dict] = field(default_factory=list)  # OpenAI tool dicts ({"type", "function"})
     schema: Optional[dict] = None                    # forced mode: the JSON schema of the call
     parallel: bool = True                            # parallel_tool_calls: False keeps the first call only
+    fmt: ToolCallFormat = HERMES                     # how the model writes calls (--tool-call-parser)
 
     @property
     def names(self) -> list[str]:
@@ -90,9 +95,10 @@ def calls_schema(fns: list[dict]) -> dict:
     return {**out, "$defs": defs} if defs else out
 
 
-def plan_tools(tools: Optional[list], tool_choice, parallel: bool = True) -> ToolPlan:
+def plan_tools(tools: Optional[list], tool_choice, parallel: bool = True, parser: Optional[str] = None) -> ToolPlan:
     """Decide the tool mode of a chat request (pydantic ``Tool`` / ``NamedToolChoice`` objects);
-    ``parallel`` is ``parallel_tool_calls`` (False: at most one call is returned).
+    ``parallel`` is ``parallel_tool_calls`` (False: at most one call is returned); ``parser`` is
+    the ``--tool-call-parser`` name (None: ``qwen25``).
 
     Raises:
         ApiError: 400 when ``tool_choice`` needs tools that are not there.
@@ -102,61 +108,104 @@ def plan_tools(tools: Optional[list], tool_choice, parallel: bool = True) -> Too
     if len(set(names)) != len(names):
         raise ApiError("tools: function names must be unique", param="tools")
     choice = tool_choice if tool_choice is not None else ("auto" if tool_dicts else "none")
+    fmt = get_format(parser)
     if choice == "none":
-        return ToolPlan("none")
+        return ToolPlan("none", fmt=fmt)
     if not tool_dicts:
         raise ApiError(f"tool_choice: {choice if isinstance(choice, str) else 'a named function'} "
                        "requires a non-empty tools list", param="tool_choice")
     if choice == "auto":
-        return ToolPlan("auto", tool_dicts, parallel=parallel)
+        return ToolPlan("auto", tool_dicts, parallel=parallel, fmt=fmt)
     if choice == "required":
-        return ToolPlan("forced", tool_dicts, calls_schema([t["function"] for t in tool_dicts]))
+        return ToolPlan("forced", tool_dicts, calls_schema([t["function"] for t in tool_dicts]), parallel, fmt)
     name = choice.function.name
     if name not in names:
         raise ApiError(f"tool_choice.function.name: {name!r} is not one of the tools {names}",
                        param="tool_choice.function.name")
     tool = tool_dicts[names.index(name)]
-    return ToolPlan("forced", [tool], calls_schema([tool["function"]]))
+    return ToolPlan("forced", [tool], calls_schema([tool["function"]]), parallel, fmt)
 
 
-def tools_system_prompt(tools: list[dict]) -> str:
-    """A system-prompt section describing ``tools`` and the ``<tool_call>`` answer format."""
+def tools_system_prompt(tools: list[dict], fmt: ToolCallFormat = HERMES) -> str:
+    """A system-prompt section describing ``tools`` and ``fmt``'s answer format."""
     lines = ["# Tools", "", "You may call one or more functions to assist with the user query.",
              "Function signatures, one per line:", "<tools>"]
     lines += [json.dumps(t["function"], ensure_ascii=False) for t in tools]
-    lines += ["</tools>", "", "To call a function, reply with a JSON object with its name and arguments "
-              f"inside {OPEN_TAG}{CLOSE_TAG} tags:",
-              f'{OPEN_TAG}{{"name": <function-name>, "arguments": <args-json-object>}}{CLOSE_TAG}']
+    if fmt is HERMES:  # Qwen2.5's own wording
+        lines += ["</tools>", "", "To call a function, reply with a JSON object with its name and arguments "
+                  f"inside {OPEN_TAG}{CLOSE_TAG} tags:",
+                  f'{OPEN_TAG}{{"name": <function-name>, "arguments": <args-json-object>}}{CLOSE_TAG}']
+    else:
+        lines += ["</tools>", "", "To call a function, reply in exactly this format (several calls are allowed):",
+                  fmt.render_calls([("<function-name>", {"<arg-name>": "<value>"})])]
     return "\n".join(lines)
 
 
-def render_prompt(engine, messages: list[dict], plan: ToolPlan, add_generation_prompt: bool = True) -> str:
-    """The chat prompt; with tools, make sure the model sees them (template or system message)."""
+# apply_chat_template's own parameters: a request may not set them through chat_template_kwargs
+# (``chat_template`` would run the client's Jinja on the server; the others change what is rendered)
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "kwargs"})
+
+
+def check_template_kwargs(kwargs: Optional[dict]) -> None:
+    """400 naming ``chat_template_kwargs.<key>`` for a key the template call owns (see
+    :data:`RESERVED_TEMPLATE_KWARGS`) or that is not an identifier (a Jinja variable name)."""
+    for key in kwargs or {}:
+        if key in RESERVED_TEMPLATE_KWARGS or not key.isidentifier():
+            raise ApiError(f"chat_template_kwargs.{key}: not allowed (template variables only; reserved: "
+                           f"{sorted(RESERVED_TEMPLATE_KWARGS)})", param=f"chat_template_kwargs.{key}")
+
+
+def render_prompt(engine, messages: list[dict], plan: ToolPlan, add_generation_prompt: bool = True,
+                  template_kwargs: Optional[dict] = None) -> str:
+    """The chat prompt; with tools, make sure the model sees them (template or system message);
+    past assistant calls the template would drop are kept as text (:func:`calls_as_content`).
+    ``template_kwargs``: the request's ``chat_template_kwargs`` (extra template variables)."""
+    check_template_kwargs(template_kwargs)
+    kw = {"chat_template_kwargs": template_kwargs} if template_kwargs else {}
+    msgs = calls_as_content(engine, messages, plan.fmt)
     if plan.mode == "none":
-        return engine.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    text = engine.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=plan.tools)
+        return engine.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **kw)
+    # whether the template shows the tools: judged on the messages as given (the calls kept as
+    # text name the tools themselves)
+    text = engine.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=plan.tools, **kw)
     if all(n in text for n in plan.names):
-        return text
-    section = tools_system_prompt(plan.tools)
-    msgs = [dict(m) for m in messages]
+        return text if msgs == messages else \
+            engine.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tools=plan.tools, **kw)
+    section = tools_system_prompt(plan.tools, plan.fmt)
     if msgs and msgs[0]["role"] == "system":
         msgs[0]["content"] = f"{msgs[0].get('content') or ''}\n\n{section}".strip()
     else:
         msgs.insert(0, {"role": "system", "content": section})
-    return engine.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
+    return engine.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **kw)
 
 
-def _make_call(obj, names: list[str]) -> Optional[dict]:
-    if not isinstance(obj, dict) or obj.get("name") not in names:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return None
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+_PROBE = "sglite_probe_function"
+
+
+def calls_as_content(engine, messages: list[dict], fmt: ToolCallFormat) -> list[dict]:
+    """Copies of ``messages``; where the chat template drops assistant ``tool_calls`` (SmolLM2's
+    ChatML renders only ``content``), each such message's calls are appended to its content as
+    the model generated them (:meth:`ToolCallFormat.render_generated`), so the next turn's prompt
+    extends this turn's prompt and output token for token (the radix cache hits them). A template
+    that renders calls itself is left to do so."""
+    msgs = [dict(m) for m in messages]
+    if fmt.shape == "pythonic" or not any(m.get("tool_calls") for m in msgs):
+        return msgs
+    probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_0", "type": "function", "function": {"name": _PROBE, "arguments": {}}}]}]
+    try:
+        if _PROBE in engine.apply_chat_template(probe, add_generation_prompt=False):
+            return msgs
+    except Exception:  # a template that rejects the probe: render the messages as they are
+        return msgs
+    for m in msgs:
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            calls = [(c["function"]["name"], c["function"]["arguments"]) for c in m.pop("tool_calls")]
+            m["content"] = (m.get("content") or "") + fmt.render_generated(calls)
+    return msgs
 
 
 def _calls_from_json(text: str, names: list[str]) -> list[dict]:
@@ -165,30 +214,29 @@ def _calls_from_json(text: str, names: list[str]) -> list[dict]:
     except json.JSONDecodeError:
         return []
     objs = obj if isinstance(obj, list) else [obj]
-    calls = [_make_call(o, names) for o in objs]
+    calls = [make_call(o, names) for o in objs]
     return calls if calls and all(calls) else []
 
 
 def parse_tool_calls(text: str, plan: ToolPlan) -> tuple[Optional[str], list[dict]]:
-    """Split model output into ``(content, tool_calls)``.
+    """Split model output into ``(content, tool_calls)``; never raises.
 
-    Forced mode: the whole text is the call's JSON. Auto mode: ``<tool_call>`` blocks, or the
-    whole text as a bare call. Content is the text before the first call (None if empty).
-    Unparsable output is returned as content with no calls.
+    Forced mode: the whole text is the call's JSON, or the calls in the format's markup. Auto mode: the plan's format parser (see
+    :mod:`sglite.server.tool_parsers`). Content is the text before the first call (None if
+    empty). Unparsable output is returned as content with no calls.
     """
     if plan.mode == "none":
         return text, []
     stripped = text.strip()
-    if plan.mode == "forced" or stripped.startswith(("{", "[")):
+    if plan.mode == "forced":  # bare JSON (json_schema) or the family's markup (a structural tag)
         calls = _calls_from_json(stripped, plan.names)
-        if calls:
-            return None, calls if plan.parallel else calls[:1]
-        if plan.mode == "forced":
+        if not calls and plan.fmt.shape != "pythonic":
+            _, calls = parse_json_calls(text, plan.fmt, plan.names)
+        if not calls:
             return text, []
-    blocks = list(_BLOCK.finditer(text))
-    calls = [c for m in blocks for c in _calls_from_json(m.group(1).strip(), plan.names)]
-    if not calls:
-        return text, []
-    content = text[:blocks[0].start()].strip()
-    return content or None, calls if plan.parallel else calls[:1]
-
+        return None, calls if plan.parallel else calls[:1]
+    if plan.fmt.shape == "pythonic":
+        content, calls = parse_pythonic_calls(text, plan.names)
+    else:
+        content, calls = parse_json_calls(text, plan.fmt, plan.names)
+    return content, calls if plan.parallel else calls[:1]

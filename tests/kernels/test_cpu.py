@@ -1,11 +1,11 @@
 """C++ CPU decode attention (sglite/kernels/cpu_attention.py): numerics against the torch reference and a
 float64 oracle, pool layouts, input errors, dispatcher default and overrides, build-failure fallback."""
 import logging
-import shutil
 
 import pytest
 import torch
 
+from tests.kernels.builds import built
 from sglite import kernels
 from sglite.kernels import cpu_attention, dispatch, reference
 
@@ -13,15 +13,7 @@ from sglite.kernels import cpu_attention, dispatch, reference
 @pytest.fixture(scope="module")
 def ops():
     """The compiled extension (built once per machine, loaded once per session)."""
-    from torch.utils.cpp_extension import is_ninja_available
-
-    if not (shutil.which("c++") or shutil.which("g++")):
-        pytest.skip("no C++ compiler on PATH: the C++ CPU kernel cannot be built")
-    if not is_ninja_available():
-        pytest.skip("ninja is not installed: torch cannot build the C++ CPU kernel")
-    mod = cpu_attention.load()
-    assert mod is not None, "a compiler and ninja are present but the C++ kernel failed to build"
-    return mod
+    return built(cpu_attention.load)
 
 
 def make_case(lens, Hq, Hkv, D, dtype, head_major, seed=0, spare_rows=2, extra_slots=23):

@@ -138,3 +138,21 @@ def test_bench_quant_agreement_and_args():
         bq.check_args(a)
     with pytest.raises(ValueError, match="--parts"):
         bq.check_args(argparse.Namespace(**{**vars(bq.build_parser().parse_args([])), "parts": "speed,x"}))
+
+
+def test_bench_quant_thread_sweep_summary(tmp_path):
+    from sglite.bench import quant as bq
+
+    assert bq.thread_counts(2) == [1, 2] and bq.thread_counts(16) == [1, 2, 4, 8, 15, 16]
+    rows = [{"threads": 1, "sglite_b1_tok_s": 100.0, "llama_cpp_b1_tok_s": 60.0},
+            {"threads": 2, "sglite_b1_tok_s": 180.0, "llama_cpp_b1_tok_s": 110.0}]
+    s = bq.summarize(rows)
+    assert s["sglite_best_threads"] == 2 and s["sglite_scaling"] == pytest.approx(1.8)
+    assert s["llama_cpp_scaling"] == pytest.approx(110 / 60) and s["best_vs_llama_cpp"] == pytest.approx(180 / 110)
+    line = bq.sweep_summary({"rows": rows, **s})
+    assert "1.80x" in line and "1.64x" in line
+    assert "llama_cpp_best_tok_s" not in bq.summarize([{"threads": 1, "sglite_b1_tok_s": 5.0}])  # no binary: sglite alone
+    a = bq.build_parser().parse_args(["--llama-bench", str(tmp_path / "missing")])
+    with pytest.raises(ValueError, match="--llama-bench: .* not an executable"):
+        bq.check_args(a)
+    assert bq.build_parser().parse_args(["--llama-bench"]).llama_bench == "auto"

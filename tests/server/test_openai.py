@@ -205,9 +205,10 @@ def test_forced_named_tool_call(server, client):
     c = r.choices[0]
     assert c.finish_reason == "tool_calls" and c.message.content is None
     _check_call(c.message.tool_calls[0], WEATHER)
-    sent = json.loads(_last_sp(server)["json_schema"])
-    assert sent["properties"]["name"]["enum"] == ["get_weather"]
-    assert sent["properties"]["arguments"] == WEATHER["function"]["parameters"]
+    # the call in the family's markup (hermes for the fake's ChatML template): only the named tool
+    (tag,) = _forced_tags(server)
+    assert tag["begin"] == '<tool_call>\n{"name": "get_weather", "arguments": ' and tag["end"] == "}\n</tool_call>"
+    assert tag["content"]["json_schema"] == WEATHER["function"]["parameters"]
 
 
 def test_forced_required_tool_call_streamed(server, client):
@@ -220,7 +221,14 @@ def test_forced_required_tool_call_streamed(server, client):
     assert deltas[0].function.name == "get_weather"
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
-    assert len(json.loads(_last_sp(server)["json_schema"])["anyOf"]) == 2
+    assert [t["begin"].split('"')[3] for t in _forced_tags(server)] == ["get_weather", "get_time"]
+
+
+def _forced_tags(server) -> list[dict]:
+    """The tags of the last request's forced-call structural tag (tags and nothing else)."""
+    fmt = json.loads(_last_sp(server)["structural_tag"])["format"]
+    assert fmt["type"] == "tags_with_separator" and fmt["at_least_one"]
+    return fmt["tags"]
 
 
 @pytest.mark.parametrize("in_template", [True, False])

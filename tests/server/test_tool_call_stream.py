@@ -159,7 +159,8 @@ def test_streamed_forced_call_with_openai_client(client, choice):
 @pytest.mark.parametrize("choice", [NAMED, "required"], ids=["named", "required"])
 def test_forced_call_cut_by_max_tokens(client, choice):
     full = _full_args(client, choice)
-    wrapper = len('{"name": "get_weather", "arguments": ')
+    # forced calls are written in the family's markup (hermes for the fake's ChatML template)
+    wrapper = len('<tool_call>\n{"name": "get_weather", "arguments": ')
     for max_tokens in (wrapper + 1, wrapper + len(full) // 2, wrapper + len(full) - 1):
         chunks, arg_deltas, c = _streamed(client, choice, max_tokens)
         assert c.finish_reason == "length" and not c.message.content, max_tokens

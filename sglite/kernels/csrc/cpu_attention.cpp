@@ -1,6 +1,7 @@
 // Fused paged decode attention on CPU (see sglite/kernels/cpu_attention.py for the contract).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include "thread_pool.h"
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -257,7 +258,7 @@ template <typename T>
 void run(const Job<T>& j, int64_t B, int Hkv, int64_t max_len) {
   std::atomic<bool> bad{false};
   const Tiled<T> tiled = pick_tiled<T>(j.Dp, j.G);
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  sglite_pool::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(j.G * j.Dp), sc(j.G * max_len), acc(j.G * j.Dp + j.G);
     for (int64_t i = begin; i < end && !bad.load(std::memory_order_relaxed); ++i)
       if (!attend(j, tiled, i / Hkv, (int)(i % Hkv), qf.data(), sc.data(), acc.data())) bad = true;

@@ -3,6 +3,7 @@
 // every float operation below is the one written, in every lane and every tail.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "thread_pool.h"
 #include <immintrin.h>
 #include "avx512_math.h"
 #include <algorithm>
@@ -199,7 +200,7 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
   if (M == 1) {
     // rows walk memory in order (one stream per thread): measured faster here than interleaving
     // several rows per K slice (which splits the access into one stream per row) or software prefetch
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    sglite_pool::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n) {
         float v = dot_row(xp, wp + n * K, K);
         if (bp) v += bf16_to_float(bp[n]);
@@ -208,7 +209,7 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
     });
     return y;
   }
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+  sglite_pool::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     dispatch_rows<uint16_t>(M, [&](auto c) { tile_bf16<decltype(c)::value>(xp, 0, wp, bp, yp, n0, n1, N, K); });
   });
   return y;
@@ -234,7 +235,7 @@ torch::Tensor linear_invariant(torch::Tensor x, torch::Tensor w, c10::optional<t
   const int64_t esz = dt == at::kBFloat16 ? 2 : 4;
   const int64_t nb = std::max<int64_t>(1, (int64_t(256) << 10) / std::max<int64_t>(1, K * esz));
   const int64_t blocks = (N + nb - 1) / nb;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+  sglite_pool::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t n0 = blk * nb, n1 = std::min(N, n0 + nb);
       for (int64_t m0 = 0; m0 < M; m0 += (dt == at::kBFloat16 ? 4 : 8)) {
@@ -287,7 +288,7 @@ torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u) {
   auto gc = g.contiguous(), uc = u.contiguous();
   auto out = at::empty_like(gc);
   const int64_t n = gc.numel();
-  at::parallel_for(0, (n + 15) / 16, 2048, [&](int64_t c0, int64_t c1) {
+  sglite_pool::parallel_for(0, (n + 15) / 16, 2048, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t i = c * 16;
       const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);

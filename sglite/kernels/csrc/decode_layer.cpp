@@ -4,12 +4,15 @@
 // attention reading the pool in place (the sglite_cpu_attention op), o_proj + residual, RMSNorm,
 // gate/up GEMV, SiLU(g) * u, down + residual; then the final RMSNorm. Activations stay float32
 // between ops; the GEMVs are quant_rows.h's float-exact one (q8 = false) or the int8-activation
-// one (q8 = true).
+// one (q8 = true). Threads: each GEMV's output rows (16-row tiles) and the attention's
+// (row, KV head) tasks split in contiguous shares over a persistent pool (thread_pool.h), one
+// fork/join per matrix; the elementwise ops between them run on the calling thread.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/BFloat16.h>
 #include "quant_rows.h"
+#include "thread_pool.h"
 #ifdef SGQ_AVX512
 #include "avx512_math.h"
 #endif
@@ -17,6 +20,7 @@
 namespace {
 
 using namespace sglite_quant;
+using sglite_pool::PoolPar;
 
 // y[m, :] = x[m, :] / sqrt(mean(x[m, :]^2) + eps) * w
 void rms_norm(const float* x, const float* w, int64_t M, int64_t H, float eps, float* y) {
@@ -59,10 +63,54 @@ QW weight(const std::vector<at::Tensor>& t, size_t i, int64_t bits, bool tiled) 
             (int)bits, BLK, N, K, st == at::kHalf, tiled};
 }
 
-void gemv(const QW& w, const float* x, int64_t M, float* y, bool q8) {
+void gemv(const QW& w, const float* x, int64_t M, float* y, bool q8, const PoolPar& par) {
   TORCH_CHECK(q8 || (!w.half && !w.tiled), "decode_forward: float16 scales and 16-row tiles need the int8-activation path");
-  if (q8) gemv_q8(w, x, M, y);
-  else gemv_float(w, x, nullptr, M, y);
+  if (q8) gemv_q8(w, x, M, y, false, par);
+  else gemv_float(w, x, nullptr, M, y, par);
+}
+
+using AttnOp = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                   const at::Tensor&, const at::Tensor&, double)>;
+
+// Paged decode attention of the step's M rows into att [M, Hq * D] float32: the M * Hkv (row, KV
+// head) tasks in n contiguous shares claimed by the pool's threads; a share is at most three calls of the
+// attention op (a partial row, whole rows, a partial row) on views of q, the pool and the rows.
+// The op computes every (row, KV head) task with the same code wherever it lies, so att does not
+// depend on the split; its own at::parallel_for is serial in these builds (no -fopenmp). Steps
+// that read fewer than split_min K/V values run it in one call on the calling thread.
+void attention(const AttnOp& attn, const at::Tensor& q, const at::Tensor& kb, const at::Tensor& vb, const at::Tensor& rt,
+               const at::Tensor& rows, const at::Tensor& lens, double sm, int64_t M, int64_t Hq, int64_t Hkv, int64_t D,
+               int threads, int64_t split_min, float* att) {
+  const int64_t T = M * Hkv, G = Hq / Hkv;
+  int64_t work = 0;  // K/V values the step reads: below split_min the op calls cost more than they share
+  for (int64_t m = 0; m < M; ++m) work += lens.data_ptr<int64_t>()[m] * Hkv * D;
+  if (threads <= 1 || T <= 1 || work < split_min) {
+    at::Tensor o = attn.call(q, kb, vb, rt, rows, lens, sm);  // [M, Hq, D] float32
+    std::memcpy(att, o.data_ptr<float>(), sizeof(float) * M * Hq * D);
+    return;
+  }
+  // rows [m0, m1), KV heads [h0, h1) of each of them
+  auto piece = [&](int64_t m0, int64_t m1, int64_t h0, int64_t h1) {
+    if (m0 >= m1 || h0 >= h1) return;
+    at::Tensor o = attn.call(q.slice(0, m0, m1).slice(1, h0 * G, h1 * G), kb.slice(1, h0, h1), vb.slice(1, h0, h1), rt,
+                             rows.slice(0, m0, m1), lens.slice(0, m0, m1), sm);  // [m1 - m0, (h1 - h0) * G, D]
+    const float* op = o.data_ptr<float>();
+    const int64_t w = (h1 - h0) * G * D;
+    for (int64_t m = m0; m < m1; ++m) std::memcpy(att + m * Hq * D + h0 * G * D, op + (m - m0) * w, sizeof(float) * w);
+  };
+  const int n = (int)std::min<int64_t>(threads, T);
+  auto share = [&](int64_t c) {
+    int64_t a, b;
+    sglite_pool::split(0, T, (int)c, n, a, b);  // flat task range [a, b), task = m * Hkv + h
+    if (a >= b) return;
+    const int64_t ma = a / Hkv, ha = a % Hkv, mb = b / Hkv, hb = b % Hkv;
+    if (ma == mb) return piece(ma, ma + 1, ha, hb);
+    int64_t full0 = ma;
+    if (ha > 0) { piece(ma, ma + 1, ha, Hkv); full0 = ma + 1; }
+    piece(full0, mb, 0, Hkv);
+    if (hb > 0) piece(mb, mb + 1, 0, hb);
+  };
+  sglite_pool::Pool::get().run(n, n, share);
 }
 
 template <typename T> inline T cast_to(float v);
@@ -93,7 +141,7 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
                           at::Tensor final_norm, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> kbufs,
                           std::vector<at::Tensor> vbufs, at::Tensor out_loc, at::Tensor req_to_token, at::Tensor rows,
                           at::Tensor lens, int64_t Hq, int64_t Hkv, int64_t D, double eps, double sm_scale, bool q8,
-                          bool tiled) {
+                          bool tiled, int64_t threads, int64_t attn_split_min) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= 32,
               "decode_forward: x must be contiguous float32 [M <= 32, H]");
   const int64_t M = x.size(0), H = x.size(1), L = (int64_t)kbufs.size();
@@ -104,14 +152,18 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
               && cos.numel() == M * (D / 2) && sin.numel() == M * (D / 2) && D % 2 == 0, "decode_forward: cos/sin must be float32 [M, D/2]");
   TORCH_CHECK(out_loc.scalar_type() == at::kLong && out_loc.is_contiguous() && out_loc.numel() == M,
               "decode_forward: out_cache_loc must be int64 [M]");
+  TORCH_CHECK(lens.scalar_type() == at::kLong && lens.is_contiguous() && lens.numel() == M && rows.numel() == M,
+              "decode_forward: seq_lens and req_pool_indices must be int64 [M]");
+  TORCH_CHECK(threads >= 1 && threads <= 1024, "decode_forward: threads must be in [1, 1024], got ", threads);
   static auto attn = c10::Dispatcher::singleton()
       .findSchemaOrThrow("sglite_cpu_attention::decode_attention", "")
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                         const at::Tensor&, double)>();
+  const PoolPar par{(int)threads};
   const int64_t Nqkv = (Hq + 2 * Hkv) * D, half = D / 2;
   at::Tensor out = x.clone();
   float* xr = out.data_ptr<float>();
-  std::vector<float> h(M * H), qkv, att_in(M * Hq * D), tmp(M * H), gu, act;
+  std::vector<float> h(M * H), qkv, att(M * Hq * D), tmp(M * H), gu, act;
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   const float* np_ = norms.data_ptr<float>();
@@ -125,7 +177,7 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
     const int64_t I = wd.K;
     rms_norm(xr, np_ + (2 * l) * H, M, H, (float)eps, h.data());
     qkv.resize(M * Nqkv);
-    gemv(wqkv, h.data(), M, qkv.data(), q8);
+    gemv(wqkv, h.data(), M, qkv.data(), q8, par);
     for (int64_t m = 0; m < M; ++m)  // RoPE on the q and k heads (rotate-half)
       for (int64_t hd = 0; hd < Hq + Hkv; ++hd) {
         float* v = qkv.data() + m * Nqkv + hd * D;
@@ -149,19 +201,65 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
     }
     float* qp = q_t.data_ptr<float>();
     for (int64_t m = 0; m < M; ++m) std::memcpy(qp + m * Hq * D, qkv.data() + m * Nqkv, sizeof(float) * Hq * D);
-    at::Tensor o = attn.call(q_t, kb, vb, req_to_token, rows, lens, sm_scale);  // [M, Hq, D] float32
-    gemv(wo, o.data_ptr<float>(), M, tmp.data(), q8);
+    attention(attn, q_t, kb, vb, req_to_token, rows, lens, sm_scale, M, Hq, Hkv, D, (int)threads, attn_split_min,
+              att.data());
+    gemv(wo, att.data(), M, tmp.data(), q8, par);
     for (int64_t i = 0; i < M * H; ++i) xr[i] += tmp[i];
     rms_norm(xr, np_ + (2 * l + 1) * H, M, H, (float)eps, h.data());
     gu.resize(M * 2 * I);
     act.resize(M * I);
-    gemv(wgu, h.data(), M, gu.data(), q8);
+    gemv(wgu, h.data(), M, gu.data(), q8, par);
     for (int64_t m = 0; m < M; ++m) silu_mul(gu.data() + m * 2 * I, gu.data() + m * 2 * I + I, I, act.data() + m * I);
-    gemv(wd, act.data(), M, tmp.data(), q8);
+    gemv(wd, act.data(), M, tmp.data(), q8, par);
     for (int64_t i = 0; i < M * H; ++i) xr[i] += tmp[i];
   }
   TORCH_CHECK(final_norm.scalar_type() == at::kFloat && final_norm.numel() == H, "decode_forward: final_norm must be float32 [H]");
   at::Tensor y = at::empty({M, H}, x.options());
   rms_norm(xr, final_norm.data_ptr<float>(), M, H, (float)eps, y.data_ptr<float>());
   return y;
+}
+
+// LM head of the fused decode on the same pool: y [M, N] float32 = q8(h) @ W_stored.T for h [M, K]
+// float32 (1 <= M <= 32) and a group-32 weight (codes, scales, mins (empty: none), float32 or
+// float16 scales, tiled: 16-row tiles); the same arithmetic as quant_gemv_q8 (quant_cpu.gemv_q8).
+at::Tensor head_q8(at::Tensor x, at::Tensor q, at::Tensor s, at::Tensor mn, int64_t bits, bool tiled, int64_t threads) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 32 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "head_q8: x must be contiguous float32 [M <= 32, K]");
+  TORCH_CHECK(threads >= 1 && threads <= 1024, "head_q8: threads must be in [1, 1024], got ", threads);
+  TORCH_CHECK(q.dim() == 2 && q.size(1) * 8 == x.size(1) * bits, "head_q8: codes must be [N, K * bits / 8]");
+  const std::vector<at::Tensor> t{q, s, mn};
+  const QW w = weight(t, 0, bits, tiled);
+  TORCH_CHECK(!tiled || w.N % TILE == 0, "head_q8: a 16-row tiled weight needs N % 16 == 0");
+  at::Tensor y = at::empty({x.size(0), w.N}, x.options());
+  gemv_q8(w, x.data_ptr<float>(), x.size(0), y.data_ptr<float>(), false, PoolPar{(int)threads});
+  return y;
+}
+
+// The thread-count probe (sglite/kernels/decode_threads.py): seconds of the best of `reps` passes
+// over every layer GEMV of decode_forward (lin / bits / q8 / tiled as there) and the LM head
+// (head: codes, scales, mins of a group-32 weight read by head_q8; an empty list: none) at one
+// activation row on `threads` threads; the activations are fixed non-zero values.
+double probe_gemvs(std::vector<at::Tensor> lin, std::vector<int64_t> bits, bool q8, bool tiled, std::vector<at::Tensor> head,
+                   bool head_tiled, int64_t head_bits, int64_t threads, int64_t reps) {
+  TORCH_CHECK(threads >= 1 && threads <= 1024 && reps >= 1, "probe_gemvs: threads in [1, 1024] and reps >= 1");
+  TORCH_CHECK(lin.size() == 3 * bits.size() && (head.empty() || head.size() == 3), "probe_gemvs: 3 tensors per weight");
+  std::vector<QW> ws;
+  for (size_t i = 0; i < bits.size(); ++i) ws.push_back(weight(lin, 3 * i, bits[i], tiled));
+  const bool with_head = !head.empty();
+  if (with_head) ws.push_back(weight(head, 0, head_bits, head_tiled));
+  int64_t K = 1, N = 1;
+  for (const QW& w : ws) { K = std::max(K, w.K); N = std::max(N, w.N); }
+  std::vector<float> x(K), y(N);
+  for (int64_t i = 0; i < K; ++i) x[i] = std::sin(0.37f * (float)i) + 0.01f;
+  const PoolPar par{(int)threads};
+  double best = 1e30;
+  for (int64_t r = 0; r < reps; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (size_t i = 0; i < ws.size(); ++i) {
+      if (with_head && i + 1 == ws.size()) gemv_q8(ws[i], x.data(), 1, y.data(), false, par);
+      else gemv(ws[i], x.data(), 1, y.data(), q8, par);
+    }
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return best;
 }

@@ -2,6 +2,7 @@
 // (see sglite/kernels/kv_quant_cpu.py for the contract and sglite/kernels/kv_quant.py for the layout).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include "thread_pool.h"
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -427,7 +428,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kd, const at:
         G, (int)D, (int)bits, (int)group, (float)sm_scale};
   std::atomic<bool> bad{false};
   const TiledQ tq = pick_tiled_q((int)D, G, (int)bits);
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  sglite_pool::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     Scratch w;
     w.qf.resize(G * D); w.qs.resize(G * D); w.sc.resize(G * max_len); w.acc.resize(G * D); w.row.resize(D + 16); w.kz.resize(G);
     for (int64_t i = begin; i < end && !bad.load(std::memory_order_relaxed); ++i)

@@ -66,7 +66,7 @@ at::Tensor quant_dequant(at::Tensor q, at::Tensor s, at::Tensor mn, int64_t bits
   const float* sp = s.data_ptr<float>();
   const float* mp = mn.numel() > 0 ? mn.data_ptr<float>() : nullptr;
   const int64_t rowb = K * bits / 8;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  sglite_pool::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     float buf[BLK];
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t kb = 0; kb < K; kb += BLK) {

@@ -111,11 +111,12 @@ void rows_q8_tile(const int8_t* xq, const float* dx, const float* sx, int64_t K,
 #endif
 
 // y [M, N] float32 (1 <= M <= 8) for a tiled weight (w.tiled, N % 16 == 0, group size 32) from the
-// activations as quantize_q8 wrote them; tiles split across threads
-inline void gemv_q8_tiled(const QW& w, const int8_t* xq, const float* dx, const float* sx, int64_t M, float* y,
-                          bool portable) {
+// activations as quantize_q8 wrote them; tiles split across threads by par (quant_rows.h AtPar / PoolPar)
+template <typename Par>
+void gemv_q8_tiled(const QW& w, const int8_t* xq, const float* dx, const float* sx, int64_t M, float* y,
+                   bool portable, const Par& par) {
   const int64_t T = w.N / TILE, grain = std::max<int64_t>(1, (int64_t)(1 << 12) / std::max<int64_t>(w.K, 1));
-  at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
+  par(0, T, grain, [&](int64_t t0, int64_t t1) {
     with_scale_type(w, [&](auto st) {
       using ST = decltype(st);
 #ifdef SGQ_VNNI

@@ -32,7 +32,7 @@ from sglite import kernels
 from sglite.errors import InvalidRequestError
 
 from ..forward_batch import ForwardBatch
-from .llama import LlamaArch, LlamaModel, _apply_rope, _rope_cache
+from .llama import LlamaArch, LlamaModel, _rope_cache
 
 
 @dataclass(frozen=True)
@@ -149,9 +149,9 @@ class FamilyModel(LlamaModel):
             if a.qk_norm_kind == "head":  # Gemma 3: each head over D
                 q, k = self._rms(q, L["q_norm"]), self._rms(k, L["k_norm"])
             cos, sin = rope.get(local, rope[False])
-            qk = _apply_rope(torch.cat((q, k), dim=1), cos, sin)  # [N, Hq+Hkv, D]
-            q, k = qk[:, :Hq], qk[:, Hq:]
-            kernels.store_kv(k_buffers[li], v_buffers[li], fb.out_cache_loc, k, v)
+            # RoPE on q and k (as _apply_rope), k and v stored: [N, Hq, D]
+            q = kernels.rope_store_kv(torch.cat((q, k), dim=1), v, cos, sin, k_buffers[li], v_buffers[li],
+                                      fb.out_cache_loc, Hq)
             parts = []
             if ne:
                 parts.append(kernels.extend_attention(

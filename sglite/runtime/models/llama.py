@@ -239,8 +239,10 @@ class LlamaModel:
             x = self.embed_rows(fb.input_ids)  # [N, H]
         cos = self.cos[fb.positions].to(self.dtype)  # [N, D/2]
         sin = self.sin[fb.positions].to(self.dtype)  # [N, D/2]
+        nl = len(self.layers)
         for li, L in enumerate(self.layers):
-            h = kernels.rms_norm(x, L["in_norm"], a.rms_norm_eps, batch_invariant=inv)  # [N, H]
+            if li == 0:  # later layers get h from the previous layer's fused residual add + norm
+                h = kernels.rms_norm(x, L["in_norm"], a.rms_norm_eps, batch_invariant=inv)  # [N, H]
             qkv = kernels.linear(h, L["qkv"])  # [N, (Hq+2Hkv)D]
             qk, v = qkv.split([(Hq + Hkv) * D, Hkv * D], dim=-1)
             qk, v = qk.view(-1, Hq + Hkv, D), v.view(-1, Hkv, D)  # [N, Hq+Hkv, D], [N, Hkv, D]
@@ -248,9 +250,8 @@ class LlamaModel:
                 q = kernels.rms_norm(qk[:, :Hq], L["q_norm"], a.rms_norm_eps, batch_invariant=inv)
                 k = kernels.rms_norm(qk[:, Hq:], L["k_norm"], a.rms_norm_eps, batch_invariant=inv)
                 qk = torch.cat((q, k), dim=1)
-            qk = _apply_rope(qk, cos, sin)  # [N, Hq+Hkv, D] (q and k heads rotated together)
-            q, k = qk[:, :Hq], qk[:, Hq:]  # [N, Hq, D], [N, Hkv, D]
-            kernels.store_kv(k_buffers[li], v_buffers[li], fb.out_cache_loc, k, v)
+            # q and k heads rotated together (as _apply_rope), k and v stored: [N, Hq, D]
+            q = kernels.rope_store_kv(qk, v, cos, sin, k_buffers[li], v_buffers[li], fb.out_cache_loc, Hq)
             parts = []
             if ne:
                 parts.append(kernels.extend_attention(
@@ -261,10 +262,14 @@ class LlamaModel:
                     q[ne:], k_buffers[li], v_buffers[li], fb.req_to_token, dec_rows, dec_lens,
                     self.sm_scale, batch_invariant=inv))  # [Nd, Hq, D]
             o = parts[0] if len(parts) == 1 else torch.cat(parts)  # [N, Hq, D]
-            x = x + self._reduce(kernels.linear(o.reshape(-1, Hq * D), L["o"]))  # [N, H]
-            h = kernels.rms_norm(x, L["post_norm"], a.rms_norm_eps, batch_invariant=inv)  # [N, H]
+            x, h = kernels.add_rms_norm(x, self._reduce(kernels.linear(o.reshape(-1, Hq * D), L["o"])),
+                                        L["post_norm"], a.rms_norm_eps, batch_invariant=inv)  # [N, H] each
             g, u = kernels.linear(h, L["gate_up"]).chunk(2, dim=-1)  # [N, I] each
-            x = x + self._reduce(kernels.linear(kernels.silu_mul(g, u, batch_invariant=inv), L["down"]))  # [N, H]
+            d = self._reduce(kernels.linear(kernels.silu_mul(g, u, batch_invariant=inv), L["down"]))  # [N, H]
+            if li + 1 < nl:  # residual add fused with the next layer's input norm
+                x, h = kernels.add_rms_norm(x, d, self.layers[li + 1]["in_norm"], a.rms_norm_eps, batch_invariant=inv)
+            else:
+                x = x + d
         x = x[fb.logits_indices]  # [M, H]
         x = kernels.rms_norm(x, self.norm, a.rms_norm_eps, batch_invariant=inv)  # [M, H]
         logits = kernels.linear(x, self.lm_head).float()  # [M, V] ([M, V/tp] on a tensor-parallel rank)

@@ -47,6 +47,9 @@ class _Row:
     def tokens(self, a, b):
         return self._st.tokens[a:b]
 
+    def token_at(self, i):
+        return self._st.tokens[i]
+
     @property
     def seq_len(self):
         return len(self._st.tokens)

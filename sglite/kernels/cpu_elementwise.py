@@ -1,0 +1,98 @@
+"""Fused C++ CPU kernels for the elementwise chain around the GEMMs (``csrc/cpu_elementwise.cpp``).
+
+``add_rms_norm(x, residual, weight, eps)`` → ``(s, out)``: the residual add and the RMSNorm that
+follows it (Zhang & Sennrich 2019) in one pass over each row: ``s = x + residual`` (rounded to the
+dtype, as torch's add) and ``out = rmsnorm(s) * weight`` with torch's ``F.rms_norm`` rounding
+(``dtype(s * rsqrt(mean(s^2) + eps) * weight)`` in float32, rounded once); ``residual=None`` is the
+plain RMSNorm (``s`` is then an empty tensor). x, residual: [M, H] float32 | bfloat16, unit stride
+along H; weight [H] contiguous, of x's dtype. The sum of squares is float32 with a fixed order
+(16 lanes, element i to lane i % 16, then one fixed tree), so a row's bits depend only on that
+row: batch-invariant. It differs from torch's reduction order, so ``out`` agrees with
+``F.rms_norm`` to the dtype's rounding (float32: ~1e-7 relative), not bit for bit.
+
+``rope_store_kv(qk, v, cos, sin, k_buffer, v_buffer, out_cache_loc, num_q_heads)`` → ``q``:
+rotate-half RoPE (Su et al. 2021, "RoFormer", eq. 34, in HF's rotate-half layout) of the query and
+key heads of the fused projection ``qk`` [N, Hq+Hkv, D] with ``cos``/``sin`` [N, D/2], returning
+the rotated queries [N, Hq, D] (contiguous) and writing the rotated keys and ``v`` [N, Hkv, D]
+into the pool slots ``out_cache_loc`` [N] int64 of ``k_buffer``/``v_buffer`` [S, Hkv, D] (any
+strides, unit stride along D: the head-major pool works). Every product and sum is rounded to the
+dtype exactly as ``x1 * c - x2 * s`` in torch, so the result is bit-identical to
+:func:`.reference.rope_store_kv`. All tensors share one dtype, float32 or bfloat16.
+
+Errors: ValueError naming the argument for shapes, strides or dtypes outside the contract;
+IndexError for a slot outside the pool. Threads: ``at::parallel_for`` over rows (tokens).
+
+Build: :func:`.cpu_build.load_cpp` with ``-O3 -march=native -ffp-contract=off`` (the code computes
+what it says: no compiler-fused multiply-adds), cached on disk. When the build fails, one warning is
+logged and both functions run the torch reference (:func:`.reference.add_rms_norm`,
+:func:`.reference.rope_store_kv`); inputs outside the kernel's dtypes or devices go there too.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from . import reference
+from .cpu_build import load_cpp, read_source
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=None)
+def load():
+    """The compiled ops namespace (built once per process, cached on disk), or None after one
+    logged warning."""
+    return load_cpp("sglite_cpu_elementwise", read_source("cpu_elementwise.cpp"),
+                    ("-O3", "-march=native", "-ffp-contract=off"), ops_namespace="sglite_cpu_elementwise")
+
+
+def available() -> bool:
+    """True when the extension compiled (or was already built) and loaded."""
+    return load() is not None
+
+
+def norm_supported(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor) -> bool:
+    """Whether :func:`add_rms_norm`'s kernel covers these inputs (CPU, 2-D, one float32/bf16 dtype,
+    unit stride along H)."""
+    return (x.device.type == "cpu" and x.dtype in _DTYPES and x.dim() == 2 and x.stride(-1) == 1
+            and weight.dtype == x.dtype and weight.dim() == 1
+            and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape
+                                      and residual.stride(-1) == 1)))
+
+
+def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, rmsnorm(s) * weight)`` with ``s = x + residual`` (module docstring); x [M, H]. Without
+    ``residual`` s is ``x`` itself. Falls back to :func:`.reference.add_rms_norm`."""
+    ops = load()
+    if ops is None or not norm_supported(x, residual, weight):
+        return reference.add_rms_norm(x, residual, weight, eps)
+    s, out = ops.add_rms_norm(x, residual, weight.contiguous(), float(eps))
+    return (x if residual is None else s), out
+
+
+def rope_supported(qk: torch.Tensor, k_buffer, v_buffer) -> bool:
+    """Whether :func:`rope_store_kv`'s kernel covers these inputs (CPU tensors of one float32/bf16
+    dtype, plain tensor pools)."""
+    return (isinstance(k_buffer, torch.Tensor) and type(k_buffer) is torch.Tensor
+            and type(v_buffer) is torch.Tensor and qk.device.type == "cpu" and qk.dtype in _DTYPES
+            and k_buffer.dtype == qk.dtype and v_buffer.dtype == qk.dtype and k_buffer.device.type == "cpu")
+
+
+def rope_store_kv(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_buffer: torch.Tensor, v_buffer: torch.Tensor, out_cache_loc: torch.Tensor,
+                  num_q_heads: int) -> torch.Tensor:
+    """Rotated queries [N, Hq, D]; rotated keys and v stored at ``out_cache_loc`` (module
+    docstring). Falls back to :func:`.reference.rope_store_kv`."""
+    ops = load()
+    if (ops is None or not rope_supported(qk, k_buffer, v_buffer) or v.dtype != qk.dtype
+            or cos.dtype != qk.dtype or sin.dtype != qk.dtype):
+        return reference.rope_store_kv(qk, v, cos, sin, k_buffer, v_buffer, out_cache_loc, num_q_heads)
+    if cos.stride(-1) != 1:
+        cos = cos.contiguous()
+    if sin.stride(-1) != 1:
+        sin = sin.contiguous()
+    return ops.rope_store_kv(qk, v, cos, sin, k_buffer, v_buffer,
+                             out_cache_loc.to(torch.int64).contiguous(), int(num_q_heads))

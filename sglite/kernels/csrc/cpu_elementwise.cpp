@@ -1,0 +1,213 @@
+// Fused elementwise kernels around the GEMMs on CPU (contract: sglite/kernels/cpu_elementwise.py):
+// residual add + RMSNorm in one pass, and RoPE + KV store in one pass. Rows are independent and
+// each row's arithmetic order is fixed by its length alone (batch-invariant).
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include "thread_pool.h"
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define SGL_AVX512 1
+#endif
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+inline float f(float x) { return x; }
+inline float f(bf16 x) { return (float)x; }
+template <typename T> inline T cast(float x) { return (T)x; }  // bf16: round to nearest even
+
+// Sum of squares of n floats, 16 partial sums (element i to lane i % 16, a fixed order), then added
+// pairwise in a fixed tree.
+inline float sumsq(const float* h, int64_t n) {
+#ifdef SGL_AVX512
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) { const __m512 v = _mm512_loadu_ps(h + i); acc = _mm512_fmadd_ps(v, v, acc); }
+  if (i < n) {
+    const __m512 v = _mm512_maskz_loadu_ps((__mmask16)((1u << (n - i)) - 1), h + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+#else
+  float s[16] = {0};
+  for (int64_t i = 0; i < n; ++i) s[i % 16] += h[i] * h[i];
+  for (int w = 8; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) s[l] += s[l + w];
+  return s[0];
+#endif
+}
+
+#ifdef SGL_AVX512
+inline __m512 ld_bf16(const uint16_t* p, __mmask16 m) {  // bf16 bits -> float32 (exact)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+// float32 -> bf16 bits, round to nearest even, NaN -> 0x7FC0 (as c10::BFloat16's constructor).
+inline __m256i rne_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+#endif
+
+// Per row: h = x + r (rounded to T, written to sum when r is given), out = rmsnorm(h) * w with
+// torch's rounding (F.rms_norm on CPU): T(h * rsqrt(mean(h^2) + eps) * w), in float32, rounded once.
+template <typename T>
+void add_rms_rows(const T* x, int64_t xs, const T* r, int64_t rs, const T* w, T* sum, T* out, int64_t M, int64_t H, float eps) {
+  sglite_pool::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    std::vector<float> hf(H);
+    for (int64_t m = m0; m < m1; ++m) {
+      const T* xr = x + m * xs;
+#ifdef SGL_AVX512
+      if constexpr (std::is_same_v<T, bf16>) {  // the same arithmetic as the scalar loops, 16 lanes
+        const uint16_t* xb = (const uint16_t*)xr;
+        const uint16_t* rb = r ? (const uint16_t*)(r + m * rs) : nullptr;
+        uint16_t* sb = r ? (uint16_t*)(sum + m * H) : nullptr;
+        for (int64_t i = 0; i < H; i += 16) {
+          const __mmask16 mk = H - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (H - i)) - 1);
+          __m512 h = ld_bf16(xb + i, mk);
+          if (rb) {
+            const __m256i hs = rne_bf16(_mm512_add_ps(h, ld_bf16(rb + i, mk)));
+            _mm256_mask_storeu_epi16(sb + i, mk, hs);
+            h = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hs), 16));
+          }
+          _mm512_mask_storeu_ps(hf.data() + i, mk, h);
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(sumsq(hf.data(), H) / (float)H + eps));
+        uint16_t* ob = (uint16_t*)(out + m * H);
+        const uint16_t* wb = (const uint16_t*)w;
+        for (int64_t i = 0; i < H; i += 16) {
+          const __mmask16 mk = H - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (H - i)) - 1);
+          const __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, hf.data() + i), inv), ld_bf16(wb + i, mk));
+          _mm256_mask_storeu_epi16(ob + i, mk, rne_bf16(y));
+        }
+        continue;
+      }
+#endif
+      if (r) {
+        const T* rr = r + m * rs;
+        T* sr = sum + m * H;
+        for (int64_t i = 0; i < H; ++i) { const T v = cast<T>(f(xr[i]) + f(rr[i])); sr[i] = v; hf[i] = f(v); }
+      } else {
+        for (int64_t i = 0; i < H; ++i) hf[i] = f(xr[i]);
+      }
+      const float inv = 1.f / std::sqrt(sumsq(hf.data(), H) / (float)H + eps);
+      T* o = out + m * H;
+      for (int64_t i = 0; i < H; ++i) o[i] = cast<T>(hf[i] * inv * f(w[i]));
+    }
+  });
+}
+
+// add_rms_norm(x [M, H], residual [M, H] or None, weight [H], eps) -> (sum [M, H] (empty without
+// residual), out [M, H]); x and residual need unit stride along H; weight of x's dtype.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& res,
+                                                const at::Tensor& w, double eps) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.stride(1) == 1, "add_rms_norm: x must be [M, H] with unit stride along H");
+  const int64_t M = x.size(0), H = x.size(1);
+  TORCH_CHECK_VALUE(w.dim() == 1 && w.size(0) == H && w.is_contiguous() && w.scalar_type() == x.scalar_type(),
+                    "add_rms_norm: weight must be contiguous [", H, "] of x's dtype");
+  const bool has_r = res.has_value() && res->defined();
+  if (has_r)
+    TORCH_CHECK_VALUE(res->sizes() == x.sizes() && res->stride(1) == 1 && res->scalar_type() == x.scalar_type(),
+                      "add_rms_norm: residual must match x ([M, H], unit stride along H, x's dtype)");
+  at::Tensor out = at::empty({M, H}, x.options());
+  at::Tensor sum = has_r ? at::empty({M, H}, x.options()) : at::empty({0}, x.options());
+  if (M == 0) return {sum, out};
+  if (x.scalar_type() == at::kBFloat16) {
+    add_rms_rows<bf16>((const bf16*)x.data_ptr(), x.stride(0), has_r ? (const bf16*)res->data_ptr() : nullptr,
+                       has_r ? res->stride(0) : 0, (const bf16*)w.data_ptr(), has_r ? (bf16*)sum.data_ptr() : nullptr,
+                       (bf16*)out.data_ptr(), M, H, (float)eps);
+  } else {
+    TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat, "add_rms_norm: dtype must be float32 or bfloat16");
+    add_rms_rows<float>(x.data_ptr<float>(), x.stride(0), has_r ? res->data_ptr<float>() : nullptr,
+                        has_r ? res->stride(0) : 0, w.data_ptr<float>(), has_r ? sum.data_ptr<float>() : nullptr,
+                        out.data_ptr<float>(), M, H, (float)eps);
+  }
+  return {sum, out};
+}
+
+// Rotate-half RoPE of one head in T (each product and the sum rounded to T, as HF's
+// x1 * c - x2 * s, x2 * c + x1 * s in the tensor dtype).
+template <typename T>
+inline void rotate(const T* x, const T* c, const T* s, T* o, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = f(x[i]), x2 = f(x[i + half]), ci = f(c[i]), si = f(s[i]);
+    o[i] = cast<T>(f(cast<T>(x1 * ci)) - f(cast<T>(x2 * si)));
+    o[i + half] = cast<T>(f(cast<T>(x2 * ci)) + f(cast<T>(x1 * si)));
+  }
+}
+
+template <typename T>
+bool rope_rows(const at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
+               const at::Tensor& kb, const at::Tensor& vb, const int64_t* loc, int64_t Hq, at::Tensor& q) {
+  const int64_t N = qk.size(0), H = qk.size(1), D = qk.size(2), Hkv = H - Hq, half = D / 2, S = kb.size(0);
+  const T *qkp = (const T*)qk.data_ptr(), *vp = (const T*)v.data_ptr(), *cp = (const T*)cos.data_ptr(), *sp = (const T*)sin.data_ptr();
+  T *kbp = (T*)kb.data_ptr(), *vbp = (T*)vb.data_ptr(), *qp = (T*)q.data_ptr();
+  std::atomic<bool> bad{false};
+  sglite_pool::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const int64_t slot = loc[n];
+      if (slot < 0 || slot >= S) { bad = true; return; }
+      const T *c = cp + n * cos.stride(0), *s = sp + n * sin.stride(0);
+      for (int64_t h = 0; h < Hq; ++h) rotate(qkp + n * qk.stride(0) + h * qk.stride(1), c, s, qp + (n * Hq + h) * D, half);
+      for (int64_t h = 0; h < Hkv; ++h) {
+        rotate(qkp + n * qk.stride(0) + (Hq + h) * qk.stride(1), c, s, kbp + slot * kb.stride(0) + h * kb.stride(1), half);
+        const T* vr = vp + n * v.stride(0) + h * v.stride(1);
+        T* vo = vbp + slot * vb.stride(0) + h * vb.stride(1);
+        for (int64_t d = 0; d < D; ++d) vo[d] = vr[d];
+      }
+    }
+  });
+  return !bad;
+}
+
+// rope_store_kv(qk [N, Hq+Hkv, D], v [N, Hkv, D], cos/sin [N, D/2], k_buffer/v_buffer [S, Hkv, D],
+// out_cache_loc [N] int64, Hq) -> q [N, Hq, D] rotated; rotated k and v written to the pool slots.
+at::Tensor rope_store_kv(const at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& kb, const at::Tensor& vb, const at::Tensor& loc, int64_t Hq) {
+  TORCH_CHECK_VALUE(qk.dim() == 3 && v.dim() == 3 && kb.dim() == 3 && vb.dim() == 3, "rope_store_kv: qk, v and the pools must be 3-D");
+  const int64_t N = qk.size(0), H = qk.size(1), D = qk.size(2);
+  TORCH_CHECK_VALUE(Hq >= 0 && Hq < H && D % 2 == 0, "rope_store_kv: need 0 <= Hq < heads of qk (", H, ") and an even head dim (", D, ")");
+  const int64_t Hkv = H - Hq;
+  TORCH_CHECK_VALUE(v.size(0) == N && v.size(1) == Hkv && v.size(2) == D, "rope_store_kv: v must be [N, ", Hkv, ", ", D, "]");
+  TORCH_CHECK_VALUE(kb.sizes() == vb.sizes() && kb.size(1) == Hkv && kb.size(2) == D, "rope_store_kv: pools must be [S, ", Hkv, ", ", D, "]");
+  TORCH_CHECK_VALUE(cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.size(0) == N && cos.size(1) == D / 2
+                    && cos.stride(1) == 1 && sin.stride(1) == 1, "rope_store_kv: cos/sin must be [N, D/2] with unit inner stride");
+  const auto dt = qk.scalar_type();
+  TORCH_CHECK_VALUE((dt == at::kBFloat16 || dt == at::kFloat) && v.scalar_type() == dt && cos.scalar_type() == dt
+                    && sin.scalar_type() == dt && kb.scalar_type() == dt && vb.scalar_type() == dt,
+                    "rope_store_kv: qk, v, cos, sin and the pools must share one dtype, float32 or bfloat16");
+  TORCH_CHECK_VALUE(qk.stride(2) == 1 && v.stride(2) == 1 && kb.stride(2) == 1 && vb.stride(2) == 1, "rope_store_kv: D must have unit stride");
+  TORCH_CHECK_VALUE(loc.dim() == 1 && loc.numel() == N && loc.scalar_type() == at::kLong && loc.is_contiguous(),
+                    "rope_store_kv: out_cache_loc must be contiguous int64 [N]");
+  at::Tensor q = at::empty({N, Hq, D}, qk.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t* lp = loc.data_ptr<int64_t>();
+  const bool ok = dt == at::kBFloat16 ? rope_rows<bf16>(qk, v, cos, sin, kb, vb, lp, Hq, q)
+                                      : rope_rows<float>(qk, v, cos, sin, kb, vb, lp, Hq, q);
+  TORCH_CHECK_INDEX(ok, "rope_store_kv: out_cache_loc holds a slot outside the pool [0, ", kb.size(0), ")");
+  return q;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(sglite_cpu_elementwise, m) {
+  m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rope_store_kv(Tensor qk, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_buffer, Tensor(b!) v_buffer, "
+        "Tensor out_cache_loc, int num_q_heads) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(sglite_cpu_elementwise, CPU, m) {
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rope_store_kv", &rope_store_kv);
+}

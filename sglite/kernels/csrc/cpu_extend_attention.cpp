@@ -1,0 +1,348 @@
+// Paged extend (prefill) attention on CPU, flash-style (contract: sglite/kernels/cpu_attention.py,
+// extend_attention). One task = (request, KV head, block of new tokens); its rows are the block's
+// tokens x the G query heads of the group. The task walks the request's keys 0 .. last visible in
+// tiles of KT slots read in place from the pool through req_to_token (no gather of the context),
+// and keeps a running max, sum and output per row (online softmax: Milakov & Gimelshein 2018;
+// the tiled form of Dao et al. 2022, "FlashAttention", Alg. 1).
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include "thread_pool.h"
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#include "scalar_math.h"
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#include "avx512_math.h"
+#define SGL_AVX512 1
+#endif
+
+namespace {
+
+constexpr int kMaxD = 256, KT = 64, kMaxRows = 64;
+
+using sglite_scalar::widen;
+
+struct Task { int64_t b; int h; int64_t i0, i1, kend; };
+
+// Everything a task reads; strides in elements.
+template <typename T> struct Ext {
+  const T *k, *v; int64_t ks0, ks1, vs0, vs1, S;
+  const void* q; bool q_bf16; int64_t qs0, qs1;
+  void* out; bool out_bf16; int Hq;
+  const int32_t* rt; int64_t rts0; const int64_t *rows, *pre, *start;
+  int G, D, Dp; float scale;
+};
+
+// Per-thread scratch: Qt [Dp][Rp] (queries transposed, pre-scaled), kf/vf [KT][Dp] (the tile's K and
+// V rows widened to float32), s [KT][Rp] (scores, then weights), acc [Rp][Dp], per-row m, l, alpha.
+struct Scratch {
+  std::vector<float> qt, kf, vf, s, acc, m, l, alpha; std::vector<int32_t> qpos;
+  Scratch(int Dp, int Rp) : qt((size_t)Dp * Rp), kf((size_t)KT * Dp), vf((size_t)KT * Dp), s((size_t)KT * Rp),
+                            acc((size_t)Rp * Dp), m(Rp), l(Rp), alpha(Rp), qpos(Rp) {}
+};
+
+#ifdef SGL_AVX512
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const uint16_t* p, __mmask16 m) {  // bf16 bits -> float32 (exact)
+  __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+#endif
+
+// Widen the tile's rows t0 .. t0+kn-1 of one head into dst [KT][Dp] (zero past D and past kn up to
+// a multiple of 4); false when a slot lies outside the pool.
+template <typename T>
+bool load_tile(const T* base, int64_t s0, const int32_t* slots, int64_t S, int kn, int D, int Dp, float* dst) {
+  const int kn4 = (kn + 3) & ~3;
+  for (int t = 0; t < kn; ++t) {
+    const int64_t sl = slots[t];
+    if (sl < 0 || sl >= S) return false;
+    const T* src = base + sl * s0;
+    float* d = dst + (size_t)t * Dp;
+#ifdef SGL_AVX512
+    for (int c = 0; c < Dp; c += 16) {
+      const int rem = D - c;
+      const __mmask16 m = rem >= 16 ? (__mmask16)0xFFFF : (rem <= 0 ? (__mmask16)0 : (__mmask16)((1u << rem) - 1));
+      _mm512_storeu_ps(d + c, load16(src + c, m));
+    }
+#else
+    for (int i = 0; i < D; ++i) d[i] = widen(src[i]);
+    for (int i = D; i < Dp; ++i) d[i] = 0.f;
+#endif
+  }
+  std::fill(dst + (size_t)kn * Dp, dst + (size_t)kn4 * Dp, 0.f);
+  return true;
+}
+
+#ifdef SGL_AVX512
+using sglite_simd::exp_nonpos;
+
+// s[(t+u)*Rp + 16(rb0+n) ..] = sum_d kf[t+u][d] * qt[d][16(rb0+n) ..] for 4 keys and NB row blocks.
+template <int NB>
+void score_block(const float* kf, int Dp, const float* qt, int Rp, int rb0, int t, int D, float* s) {
+  __m512 a[4][NB];
+  for (int u = 0; u < 4; ++u)
+    for (int n = 0; n < NB; ++n) a[u][n] = _mm512_setzero_ps();
+  const float* k0 = kf + (size_t)t * Dp;
+  for (int d = 0; d < D; ++d) {
+    __m512 qv[NB];
+    for (int n = 0; n < NB; ++n) qv[n] = _mm512_loadu_ps(qt + (size_t)d * Rp + 16 * (rb0 + n));
+    for (int u = 0; u < 4; ++u) {
+      const __m512 kb = _mm512_set1_ps(k0[(size_t)u * Dp + d]);
+      for (int n = 0; n < NB; ++n) a[u][n] = _mm512_fmadd_ps(kb, qv[n], a[u][n]);
+    }
+  }
+  for (int u = 0; u < 4; ++u)
+    for (int n = 0; n < NB; ++n) _mm512_storeu_ps(s + (size_t)(t + u) * Rp + 16 * (rb0 + n), a[u][n]);
+}
+
+void scores(const float* kf, int Dp, const float* qt, int Rp, int kn, int D, float* s) {
+  const int nrb = Rp / 16, kn4 = (kn + 3) & ~3;
+  for (int t = 0; t < kn4; t += 4)
+    for (int rb = 0; rb < nrb; rb += 4) {
+      switch (std::min(4, nrb - rb)) {
+        case 4: score_block<4>(kf, Dp, qt, Rp, rb, t, D, s); break;
+        case 3: score_block<3>(kf, Dp, qt, Rp, rb, t, D, s); break;
+        case 2: score_block<2>(kf, Dp, qt, Rp, rb, t, D, s); break;
+        default: score_block<1>(kf, Dp, qt, Rp, rb, t, D, s);
+      }
+    }
+}
+
+// Online-softmax update of 16 rows at a time: masks keys past each row's position, turns scores
+// into weights exp(s - m_new) in place, and updates m, l and alpha = exp(m_old - m_new).
+void softmax_tile(float* s, int Rp, int kn, int64_t t0, bool full, Scratch& w) {
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  for (int r = 0; r < Rp; r += 16) {
+    const __m512i qp = _mm512_loadu_si512(w.qpos.data() + r);
+    const __m512 m_old = _mm512_loadu_ps(w.m.data() + r);
+    __m512 mx = m_old;
+    for (int t = 0; t < kn; ++t) {
+      __m512 sv = _mm512_loadu_ps(s + (size_t)t * Rp + r);
+      if (!full) {
+        const __mmask16 hid = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32((int32_t)(t0 + t)), qp);
+        sv = _mm512_mask_mov_ps(sv, hid, ninf);
+        _mm512_storeu_ps(s + (size_t)t * Rp + r, sv);
+      }
+      mx = _mm512_max_ps(mx, sv);
+    }
+    const __m512 alpha = exp_nonpos(_mm512_sub_ps(m_old, mx));  // m_old = -inf: ~0, times l = acc = 0
+    __m512 sum = _mm512_setzero_ps();
+    for (int t = 0; t < kn; ++t) {
+      const __m512 sv = _mm512_loadu_ps(s + (size_t)t * Rp + r);
+      const __mmask16 seen = _mm512_cmp_ps_mask(sv, ninf, _CMP_NEQ_OQ);
+      const __m512 p = _mm512_maskz_mov_ps(seen, exp_nonpos(_mm512_sub_ps(sv, mx)));
+      _mm512_storeu_ps(s + (size_t)t * Rp + r, p);
+      sum = _mm512_add_ps(sum, p);
+    }
+    _mm512_storeu_ps(w.m.data() + r, mx);
+    _mm512_storeu_ps(w.alpha.data() + r, alpha);
+    _mm512_storeu_ps(w.l.data() + r, _mm512_fmadd_ps(_mm512_loadu_ps(w.l.data() + r), alpha, sum));
+  }
+}
+
+// acc[r] = acc[r] * alpha[r] + sum_t s[t][r] * vf[t] for RB rows from r0 (Dp = 16 NC).
+template <int NC, int RB>
+void pv_block(const float* s, int Rp, int r0, const float* vf, int kn, const float* alpha, float* acc) {
+  constexpr int Dp = 16 * NC;
+  __m512 a[RB][NC];
+  for (int i = 0; i < RB; ++i) {
+    const __m512 al = _mm512_set1_ps(alpha[r0 + i]);
+    for (int c = 0; c < NC; ++c) a[i][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)(r0 + i) * Dp + 16 * c), al);
+  }
+  for (int t = 0; t < kn; ++t) {
+    __m512 vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = _mm512_loadu_ps(vf + (size_t)t * Dp + 16 * c);
+    for (int i = 0; i < RB; ++i) {
+      const __m512 w = _mm512_set1_ps(s[(size_t)t * Rp + r0 + i]);
+      for (int c = 0; c < NC; ++c) a[i][c] = _mm512_fmadd_ps(w, vv[c], a[i][c]);
+    }
+  }
+  for (int i = 0; i < RB; ++i)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + (size_t)(r0 + i) * Dp + 16 * c, a[i][c]);
+}
+
+template <int NC>
+void pv_rows(const float* s, int Rp, int R, const float* vf, int kn, const float* alpha, float* acc) {
+  constexpr int RB = NC <= 4 ? 4 : (NC <= 8 ? 2 : 1);
+  int r = 0;
+  for (; r + RB <= R; r += RB) pv_block<NC, RB>(s, Rp, r, vf, kn, alpha, acc);
+  for (; r < R; ++r) pv_block<NC, 1>(s, Rp, r, vf, kn, alpha, acc);
+}
+
+void pv(const float* s, int Rp, int R, const float* vf, int Dp, int kn, const float* alpha, float* acc) {
+  if (Dp == 64) pv_rows<4>(s, Rp, R, vf, kn, alpha, acc);
+  else if (Dp == 128) pv_rows<8>(s, Rp, R, vf, kn, alpha, acc);
+  else pv_rows<16>(s, Rp, R, vf, kn, alpha, acc);
+}
+#else
+void scores(const float* kf, int Dp, const float* qt, int Rp, int kn, int D, float* s) {
+  const int kn4 = (kn + 3) & ~3;
+  for (int t = 0; t < kn4; ++t)
+    for (int r = 0; r < Rp; ++r) {
+      float a = 0.f;
+      for (int d = 0; d < D; ++d) a += kf[(size_t)t * Dp + d] * qt[(size_t)d * Rp + r];
+      s[(size_t)t * Rp + r] = a;
+    }
+}
+
+void softmax_tile(float* s, int Rp, int kn, int64_t t0, bool full, Scratch& w) {
+  for (int r = 0; r < Rp; ++r) {
+    float mx = w.m[r];
+    for (int t = 0; t < kn; ++t) {
+      float& sv = s[(size_t)t * Rp + r];
+      if (!full && t0 + t > w.qpos[r]) sv = -INFINITY;
+      mx = std::max(mx, sv);
+    }
+    const float alpha = std::exp(w.m[r] - mx);
+    float sum = 0.f;
+    for (int t = 0; t < kn; ++t) {
+      float& sv = s[(size_t)t * Rp + r];
+      sv = sv == -INFINITY ? 0.f : std::exp(sv - mx);
+      sum += sv;
+    }
+    w.m[r] = mx; w.alpha[r] = alpha; w.l[r] = w.l[r] * alpha + sum;
+  }
+}
+
+void pv(const float* s, int Rp, int R, const float* vf, int Dp, int kn, const float* alpha, float* acc) {
+  for (int r = 0; r < R; ++r) {
+    float* a = acc + (size_t)r * Dp;
+    for (int d = 0; d < Dp; ++d) a[d] *= alpha[r];
+    for (int t = 0; t < kn; ++t) sglite_scalar::axpy(s[(size_t)t * Rp + r], vf + (size_t)t * Dp, a, Dp);
+  }
+}
+#endif
+
+template <typename T>
+bool run_task(const Ext<T>& j, const Task& tk, Scratch& w) {
+  const int G = j.G, D = j.D, Dp = j.Dp;
+  const int R = (int)(tk.i1 - tk.i0) * G, Rp = (R + 15) & ~15;
+  const int64_t pre = j.pre[tk.b], q0 = j.start[tk.b];
+  const int32_t* slots = j.rt + j.rows[tk.b] * j.rts0;
+  std::fill(w.qt.begin(), w.qt.begin() + (size_t)Dp * Rp, 0.f);
+  for (int r = 0; r < Rp; ++r) {
+    const int64_t i = r < R ? tk.i0 + r / G : tk.i1 - 1;  // padding rows copy the last position
+    w.qpos[r] = (int32_t)(pre + i);
+    w.m[r] = -INFINITY; w.l[r] = 0.f;
+    if (r >= R) continue;
+    const int64_t off = (q0 + i) * j.qs0 + (int64_t)(tk.h * G + r % G) * j.qs1;
+    for (int d = 0; d < D; ++d) {
+      const float x = j.q_bf16 ? widen(((const uint16_t*)j.q)[off + d]) : ((const float*)j.q)[off + d];
+      w.qt[(size_t)d * Rp + r] = x * j.scale;
+    }
+  }
+  std::fill(w.acc.begin(), w.acc.begin() + (size_t)Rp * Dp, 0.f);
+  const int64_t first_q = pre + tk.i0;  // every row sees keys 0 .. first_q
+  for (int64_t t0 = 0; t0 < tk.kend; t0 += KT) {
+    const int kn = (int)std::min<int64_t>(KT, tk.kend - t0);
+    if (!load_tile(j.k + tk.h * j.ks1, j.ks0, slots + t0, j.S, kn, D, Dp, w.kf.data())) return false;
+    if (!load_tile(j.v + tk.h * j.vs1, j.vs0, slots + t0, j.S, kn, D, Dp, w.vf.data())) return false;
+    scores(w.kf.data(), Dp, w.qt.data(), Rp, kn, D, w.s.data());
+    softmax_tile(w.s.data(), Rp, kn, t0, t0 + kn - 1 <= first_q, w);
+    pv(w.s.data(), Rp, R, w.vf.data(), Dp, kn, w.alpha.data(), w.acc.data());
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t i = tk.i0 + r / G;
+    const int64_t off = ((q0 + i) * j.Hq + tk.h * G + r % G) * D;
+    const float inv = 1.f / w.l[r];
+    const float* a = w.acc.data() + (size_t)r * Dp;
+    if (j.out_bf16) {
+      c10::BFloat16* o = (c10::BFloat16*)j.out + off;
+      for (int d = 0; d < D; ++d) o[d] = c10::BFloat16(a[d] * inv);
+    } else {
+      float* o = (float*)j.out + off;
+      for (int d = 0; d < D; ++d) o[d] = a[d] * inv;
+    }
+  }
+  return true;
+}
+
+template <typename T>
+void run(const Ext<T>& j, const std::vector<Task>& tasks, int Rp_max) {
+  std::atomic<bool> bad{false};
+  std::atomic<int64_t> next{0};
+  const int64_t n = (int64_t)tasks.size();
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  // Workers pull tasks (longest first) from a shared counter: balanced whatever the lengths; each
+  // row's arithmetic is fixed by its own task, so the split never changes a result.
+  sglite_pool::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Scratch w(j.Dp, Rp_max);
+    for (int64_t i; !bad.load(std::memory_order_relaxed) && (i = next.fetch_add(1)) < n;)
+      if (!run_task(j, tasks[i], w)) bad = true;
+  });
+  TORCH_CHECK_INDEX(!bad, "extend_attention: req_to_token holds a slot outside the pool [0, ", j.S, ")");
+}
+
+at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& kb, const at::Tensor& vb, const at::Tensor& rt,
+                            const at::Tensor& rows, const at::Tensor& pre, const at::Tensor& ext, double sm_scale) {
+  TORCH_CHECK_VALUE(q.dim() == 3 && kb.dim() == 3 && vb.dim() == 3, "extend_attention: q, k_buffer, v_buffer must be 3-D");
+  const int64_t N = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = kb.size(1), S = kb.size(0);
+  TORCH_CHECK_VALUE(vb.sizes() == kb.sizes() && kb.size(2) == D, "extend_attention: k_buffer/v_buffer must be [S, Hkv, D] with q's D");
+  TORCH_CHECK_VALUE(Hkv > 0 && Hq % Hkv == 0, "extend_attention: Hq=", Hq, " is not a multiple of Hkv=", Hkv);
+  TORCH_CHECK_VALUE(D >= 1 && D <= kMaxD, "extend_attention: head dim D=", D, " outside [1, ", kMaxD, "]");
+  TORCH_CHECK_VALUE(kb.scalar_type() == vb.scalar_type(), "extend_attention: k_buffer and v_buffer dtypes differ");
+  TORCH_CHECK_VALUE(q.stride(2) == 1 && kb.stride(2) == 1 && vb.stride(2) == 1, "extend_attention: D must have unit stride");
+  TORCH_CHECK_VALUE(rt.dim() == 2 && rt.scalar_type() == at::kInt && rt.stride(1) == 1, "extend_attention: req_to_token must be int32 [R, Lmax] with unit stride");
+  const int64_t B = rows.numel();
+  TORCH_CHECK_VALUE(rows.scalar_type() == at::kLong && pre.scalar_type() == at::kLong && ext.scalar_type() == at::kLong
+                    && rows.is_contiguous() && pre.is_contiguous() && ext.is_contiguous() && pre.numel() == B && ext.numel() == B,
+                    "extend_attention: req_pool_indices, prefix_lens and extend_lens must be contiguous int64 [B]");
+  const bool kv_bf16 = kb.scalar_type() == at::kBFloat16, q_bf16 = q.scalar_type() == at::kBFloat16;
+  TORCH_CHECK_VALUE(kv_bf16 || kb.scalar_type() == at::kFloat, "extend_attention: pool dtype must be float32 or bfloat16");
+  TORCH_CHECK_VALUE(q_bf16 || q.scalar_type() == at::kFloat, "extend_attention: q dtype must be float32 or bfloat16");
+  TORCH_CHECK_VALUE(rt.size(1) < INT32_MAX, "extend_attention: req_to_token has too many columns");
+  const int64_t *rp = rows.data_ptr<int64_t>(), *pp = pre.data_ptr<int64_t>(), *ep = ext.data_ptr<int64_t>();
+  const int G = (int)(Hq / Hkv), Dp = D <= 64 ? 64 : (D <= 128 ? 128 : 256);
+  const int64_t qb = std::max<int64_t>(1, kMaxRows / G);  // new tokens per task
+  std::vector<int64_t> start(B);
+  std::vector<Task> tasks;
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK_INDEX(rp[b] >= 0 && rp[b] < rt.size(0), "extend_attention: req_pool_indices[", b, "]=", rp[b], " outside [0, ", rt.size(0), ")");
+    TORCH_CHECK_VALUE(pp[b] >= 0 && ep[b] >= 1 && pp[b] + ep[b] <= rt.size(1), "extend_attention: prefix_lens[", b, "]=", pp[b],
+                      " + extend_lens[", b, "]=", ep[b], " must satisfy prefix >= 0, extend >= 1, sum <= ", rt.size(1));
+    start[b] = total;
+    total += ep[b];
+    for (int64_t i0 = 0; i0 < ep[b]; i0 += qb)
+      for (int h = 0; h < Hkv; ++h) {
+        const int64_t i1 = std::min(ep[b], i0 + qb);
+        tasks.push_back(Task{b, h, i0, i1, pp[b] + i1});
+      }
+  }
+  TORCH_CHECK_VALUE(total == N, "extend_attention: q has ", N, " rows but extend_lens sum to ", total);
+  at::Tensor out = at::empty({N, Hq, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (tasks.empty()) return out;
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) {
+    return (a.i1 - a.i0) * a.kend > (b.i1 - b.i0) * b.kend;
+  });
+  const int Rp_max = (int)((std::min<int64_t>(qb, N) * G + 15) & ~15);
+  if (kv_bf16) {
+    Ext<uint16_t> j{(const uint16_t*)kb.data_ptr(), (const uint16_t*)vb.data_ptr(), kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1), S,
+                    q.data_ptr(), q_bf16, q.stride(0), q.stride(1), out.data_ptr(), q_bf16, (int)Hq, rt.data_ptr<int32_t>(), rt.stride(0),
+                    rp, pp, start.data(), G, (int)D, Dp, (float)sm_scale};
+    run(j, tasks, Rp_max);
+  } else {
+    Ext<float> j{kb.data_ptr<float>(), vb.data_ptr<float>(), kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1), S,
+                 q.data_ptr(), q_bf16, q.stride(0), q.stride(1), out.data_ptr(), q_bf16, (int)Hq, rt.data_ptr<int32_t>(), rt.stride(0),
+                 rp, pp, start.data(), G, (int)D, Dp, (float)sm_scale};
+    run(j, tasks, Rp_max);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(sglite_cpu_extend, m) {
+  m.def("extend_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, "
+        "Tensor req_pool_indices, Tensor prefix_lens, Tensor extend_lens, float sm_scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(sglite_cpu_extend, CPU, m) { m.impl("extend_attention", &extend_attention); }

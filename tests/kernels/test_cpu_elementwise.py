@@ -1,0 +1,124 @@
+"""Fused C++ elementwise kernels (sglite/kernels/cpu_elementwise.py): residual add + RMSNorm and
+RoPE + KV store against their torch references on random shapes, row invariance, input errors,
+dispatcher routing and fallbacks."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.kernels.builds import built
+from sglite import kernels
+from sglite.kernels import cpu_elementwise, kv_quant, reference
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return built(cpu_elementwise.load)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,H", [(1, 576), (5, 37), (48, 576), (33, 2048), (3, 16)])
+def test_add_rms_norm_matches_reference(ops, M, H, dtype):
+    g = torch.Generator().manual_seed(M * 1000 + H)
+    x = (torch.randn(M, H + 7, generator=g) * 3).to(dtype)[:, :H]  # strided rows
+    r = torch.randn(M, H, generator=g).to(dtype)
+    w = torch.randn(H, generator=g).to(dtype)
+    s, out = cpu_elementwise.add_rms_norm(x, r, w, 1e-6)
+    s_ref, out_ref = reference.add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(s, s_ref)  # the add rounds exactly as torch's
+    assert out.dtype == dtype and out.shape == (M, H)
+    want = (s.double() * torch.rsqrt(s.double().pow(2).mean(-1, keepdim=True) + 1e-6) * w.double())
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, out_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    else:  # torch's single rounding; only the float32 reduction order differs: almost every bit equal
+        assert (out != out_ref).float().mean() < 0.01
+        torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=1e-2)
+    plain_s, plain = cpu_elementwise.add_rms_norm(x, None, w, 1e-6)
+    assert plain_s is x
+    torch.testing.assert_close(plain.float(), F.rms_norm(x, (H,), w, 1e-6).float(), atol=2e-2, rtol=1e-2)
+
+
+def test_add_rms_norm_rows_do_not_depend_on_the_batch(ops):
+    g = torch.Generator().manual_seed(7)
+    x, r = torch.randn(257, 576, generator=g), torch.randn(257, 576, generator=g)
+    w = torch.randn(576, generator=g)
+    _, full = cpu_elementwise.add_rms_norm(x, r, w, 1e-5)
+    for i in (0, 100, 256):
+        assert torch.equal(full[i:i + 1], cpu_elementwise.add_rms_norm(x[i:i + 1], r[i:i + 1], w, 1e-5)[1])
+    assert torch.equal(kernels.rms_norm(x, w, 1e-5)[37], kernels.rms_norm(x[37:38], w, 1e-5)[0])
+
+
+def _rope_case(N, Hq, Hkv, D, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    qk = torch.randn(N, Hq + 2 * Hkv, D, generator=g).to(dtype)[:, :Hq + Hkv]  # a view of the fused projection
+    v = torch.randn(N, 2 * Hkv, D, generator=g).to(dtype)[:, Hkv:]
+    ang = torch.rand(N, D // 2, generator=g) * 6.3
+    S = N + 17
+    kb = torch.zeros(Hkv, S, D, dtype=dtype).transpose(0, 1)  # head-major pool
+    vb = torch.zeros(Hkv, S, D, dtype=dtype).transpose(0, 1)
+    loc = torch.randperm(S - 1, generator=g)[:N] + 1
+    return qk, v, ang.cos().to(dtype), ang.sin().to(dtype), kb, vb, loc
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N,Hq,Hkv,D", [(1, 9, 3, 64), (37, 9, 3, 64), (5, 16, 2, 128), (4, 4, 1, 256), (3, 2, 2, 6)])
+def test_rope_store_kv_is_bit_identical_to_reference(ops, N, Hq, Hkv, D, dtype):
+    qk, v, cos, sin, kb, vb, loc = _rope_case(N, Hq, Hkv, D, dtype, seed=N + D)
+    kb2, vb2 = kb.clone(), vb.clone()
+    q = cpu_elementwise.rope_store_kv(qk, v, cos, sin, kb, vb, loc, Hq)
+    q_ref = reference.rope_store_kv(qk, v, cos, sin, kb2, vb2, loc, Hq)
+    assert q.shape == (N, Hq, D) and torch.equal(q, q_ref)
+    assert torch.equal(kb, kb2) and torch.equal(vb, vb2)
+    assert torch.count_nonzero(kb[loc]) > 0 and torch.equal(vb[loc], v)
+    # rotation preserves each pair's norm (float64 check of the formula, not only of the reference)
+    x1, x2 = qk[:, :Hq, :D // 2].double(), qk[:, :Hq, D // 2:].double()
+    c, s = cos.double()[:, None], sin.double()[:, None]
+    want = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    tol = 1e-5 if dtype == torch.float32 else 6e-2
+    torch.testing.assert_close(q.double(), want, atol=tol, rtol=tol)
+
+
+def test_bad_inputs_raise_clear_errors(ops):
+    qk, v, cos, sin, kb, vb, loc = _rope_case(4, 4, 2, 16, torch.float32, seed=1)
+    bad = loc.clone()
+    bad[2] = kb.shape[0]
+    with pytest.raises(IndexError, match="slot outside the pool"):
+        cpu_elementwise.rope_store_kv(qk, v, cos, sin, kb, vb, bad, 4)
+    with pytest.raises(ValueError, match="cos/sin"):
+        cpu_elementwise.rope_store_kv(qk, v, cos[:, :3], sin[:, :3], kb, vb, loc, 4)
+    with pytest.raises(ValueError, match="v must be"):
+        cpu_elementwise.rope_store_kv(qk, v[:, :1], cos, sin, kb, vb, loc, 4)
+    x = torch.randn(3, 8)
+    with pytest.raises(ValueError, match="weight must be"):
+        cpu_elementwise.load().add_rms_norm(x, None, torch.ones(7), 1e-6)
+    with pytest.raises(ValueError, match="residual must match"):
+        cpu_elementwise.load().add_rms_norm(x, torch.randn(2, 8), torch.ones(8), 1e-6)
+
+
+def test_dispatcher_routes_and_falls_back(ops, monkeypatch):
+    monkeypatch.delenv("SGLITE_KERNEL", raising=False)
+    qk, v, cos, sin, kb, vb, loc = _rope_case(6, 4, 2, 32, torch.bfloat16, seed=3)
+    assert kernels.resolve_impl(None, qk, "rope_store_kv") == "cpp"
+    q = kernels.rope_store_kv(qk, v, cos, sin, kb, vb, loc, 4)
+    assert torch.equal(q, reference.rope_rotate_half(qk, cos, sin)[:, :4])
+    # a quantized pool: rotate in torch, store through kv_quant
+    S = kb.shape[0]
+    layer = kv_quant.QuantKVLayer("fp8_e4m3", 1, torch.zeros(S, 2, 32, dtype=torch.float8_e4m3fn),
+                                  torch.zeros(S, 2, 32, dtype=torch.float8_e4m3fn), torch.ones(2), torch.ones(2),
+                                  None, None, kv_quant.QuantStep(), 32)
+    q2 = kernels.rope_store_kv(qk, v, cos, sin, layer, layer, loc, 4)
+    assert torch.equal(q2, q)
+    torch.testing.assert_close(layer.v_data[loc].float(), v.float(), atol=0.07, rtol=0.07)  # fp8 codes of v
+    x, r, w = torch.randn(5, 64), torch.randn(5, 64), torch.randn(64)
+    s, h = kernels.add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(s, x + r)
+    monkeypatch.setenv("SGLITE_KERNEL", "torch")  # forced reference
+    s2, h2 = kernels.add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(h2, F.rms_norm(x + r, (64,), w, 1e-6))
+    torch.testing.assert_close(h, h2)
+    x3 = torch.randn(4, 3, 64)  # 3-D input through rms_norm: the kernel on a contiguous view
+    monkeypatch.delenv("SGLITE_KERNEL")
+    torch.testing.assert_close(kernels.rms_norm(x3, w, 1e-6), F.rms_norm(x3, (64,), w, 1e-6))
+    half = x.half()
+    assert torch.equal(kernels.rms_norm(half, w.half(), 1e-6), F.rms_norm(half, (64,), w.half(), 1e-6))

@@ -1,0 +1,96 @@
+"""The step's fast paths (issue 33, "a step that costs nothing") change nothing: the batched KV
+reservation hands out the slots the per-request loop would, and a whole workload gives the same
+batches and outputs with the fast paths on and off (fake runner of test_scheduler_unit)."""
+import random
+
+import torch
+
+from sglite.runtime.kv_manager import KVManager
+from sglite.runtime.kv_pool import ReqToTokenPool, TokenToKVPool
+from tests.runtime.test_scheduler_unit import make, oracle, req, run, workload
+
+
+def _admitted(kv, specs):
+    reqs = []
+    for i, (ids, n) in enumerate(specs):
+        r = req(f"r{i}", ids, 4)
+        assert kv.admit(r, *kv.match_prefix([]), n)
+        kv.commit(r, n)
+        reqs.append(r)
+    return reqs
+
+
+def test_extend_all_hands_out_the_slots_of_the_loop():
+    rng = random.Random(0)
+    specs = [([rng.randrange(1, 27) for _ in range(rng.randint(1, 9))], 0) for _ in range(7)]
+    specs = [(ids, len(ids)) for ids, _ in specs]
+    kvs = [KVManager(ReqToTokenPool(10, 64), TokenToKVPool(200, 1, 1, 1, 1, torch.float32), page_size=1)
+           for _ in range(2)]
+    a, b = _admitted(kvs[0], specs), _admitted(kvs[1], specs)
+    steps = [rng.randint(1, 3) for _ in specs]
+    assert kvs[0].extend_all(list(zip(a, steps)))
+    for r, n in zip(b, steps):
+        assert kvs[1].extend(r, n)
+    assert torch.equal(kvs[0].req_to_token, kvs[1].req_to_token)
+    assert [r.kv.alloc_len for r in a] == [r.kv.alloc_len for r in b]
+    assert kvs[0].free_tokens() == kvs[1].free_tokens()
+
+
+def test_extend_all_declines_what_the_loop_must_do():
+    kv = KVManager(ReqToTokenPool(4, 64), TokenToKVPool(12, 1, 1, 1, 1, torch.float32), page_size=1)
+    (r,) = _admitted(kv, [([1] * 10, 10)])
+    free = kv.free_tokens()
+    assert not kv.extend_all([(r, free + 1)])  # short of slots: the loop evicts or retracts
+    assert r.kv.alloc_len == 10 and kv.free_tokens() == free
+    paged = KVManager(ReqToTokenPool(4, 64), TokenToKVPool(64, 4, 1, 1, 1, torch.float32), page_size=4)
+    (p,) = _admitted(paged, [([1] * 5, 5)])
+    assert not paged.extend_all([(p, 1)])  # pages of 4: the loop fills the partial page first
+
+
+def _trace(fast: bool, **cfg):
+    sched, runner = make(tokens=cfg.pop("tokens", 4096), chunked_prefill_size=16, **cfg)
+    if not fast:
+        sched.kv.extend_all = lambda wanted: False
+    reqs = [req(f"r{i}", ids, n) for i, (ids, n) in enumerate(workload(24, seed=5))]
+    run(sched, reqs)
+    batches = [(fb.input_ids.tolist(), fb.positions.tolist(), fb.out_cache_loc.tolist()) for fb in runner.batches]
+    return [r.output_ids for r in reqs], batches, reqs, sched
+
+
+def test_workload_identical_with_and_without_fast_paths():
+    out_fast, batches_fast, reqs, _ = _trace(True)
+    out_slow, batches_slow, _, _ = _trace(False)
+    assert out_fast == out_slow and batches_fast == batches_slow
+    assert out_fast == [oracle(r.input_ids, r.params.max_new_tokens) for r in reqs]
+
+
+def test_fast_paths_under_memory_pressure_still_match_the_oracle():
+    out, _, reqs, sched = _trace(True, tokens=160, max_running_requests=8)
+    assert sched.stats["retractions"] + sched.stats["evicted_tokens"] > 0  # the loop's cases happened too
+    assert out == [oracle(r.input_ids, r.params.max_new_tokens) for r in reqs]
+
+
+def test_phase_ranges_cost_one_shared_noop_when_not_profiling():
+    from sglite import kernels
+    from sglite.runtime.profiler import phase
+
+    assert phase("step") is phase("forward")  # one shared no-op context, nothing recorded
+    assert not hasattr(kernels.linear, "__wrapped__")  # no kernel probes outside a profile
+
+
+def test_phase_summary_rows_add_up_to_the_step():
+    from types import SimpleNamespace as E
+
+    from sglite.runtime.profiler import OTHER, phase_summary
+
+    events = [E(name="sglite::step", cpu_time_total=1000.0), E(name="sglite::step", cpu_time_total=1000.0),
+              E(name="sglite::gemm", cpu_time_total=900.0), E(name="sglite::attention", cpu_time_total=300.0),
+              E(name="sglite::sample", cpu_time_total=100.0), E(name="sglite::schedule", cpu_time_total=50.0),
+              E(name="sglite::build_batch", cpu_time_total=30.0), E(name="sglite::process", cpu_time_total=20.0),
+              E(name="aten::mm", cpu_time_total=800.0)]
+    rows = phase_summary(events, steps=2)
+    assert rows["GEMM"] == {"us": 900.0, "us_per_step": 450.0, "percent": 45.0}
+    assert rows["scheduling (plan + batch tensors)"]["us"] == 80.0
+    assert rows[OTHER]["us"] == 2000 - 900 - 300 - 100 - 80 - 20
+    assert rows["step total"]["us_per_step"] == 1000.0
+    assert sum(v["us"] for k, v in rows.items() if k != "step total") == 2000.0

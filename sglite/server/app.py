@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Optional
 
 from fastapi import APIRouter, FastAPI
 
@@ -25,12 +26,14 @@ from .responses_api import add_responses_routes
 from .openapi_doc import install_openapi
 from .responses_pins import ResponsePins
 from .responses_store import ResponseStore
+from .turn_tokens import TurnTokens
 from .settings import ServerConfig
 from .tokenize_api import build_tokenize_router
 from .tool_constraint import reasoning_end_marker
 from .tool_parsers.formats import detect_format, get_format
 
 logger = logging.getLogger("sglite.server")
+TURN_TOKENS_ENTRIES = 4096  # generated assistant turns remembered for token-exact resends (turn_tokens)
 
 
 def choose_tool_parser(engine, config: ServerConfig) -> str:
@@ -55,6 +58,14 @@ def served_model_name(model_info: dict, config: ServerConfig) -> str:
     path = str(model_info.get("model_path") or "default").rstrip("/")
     base = os.path.basename(path) or path
     return base[:-5] if base.endswith(".gguf") else base
+
+
+def _turn_tokens(engine) -> Optional[TurnTokens]:
+    """The memory of generated assistant turns, when the engine has a tokenizer to splice with."""
+    tok = getattr(engine, "tokenizer", None)
+    if tok is None or not (hasattr(tok, "encode") and hasattr(tok, "decode")):
+        return None
+    return TurnTokens(tok, TURN_TOKENS_ENTRIES)
 
 
 def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
@@ -86,7 +97,8 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     octx = OpenAIContext(client, name, names, tool_parser=choose_tool_parser(engine, config),
                          reasoning_parser=config.reasoning_parser,
                          constrain_auto_tools=not config.disable_tool_call_constraint,
-                         reasoning_end=reasoning_end_marker(config.reasoning_parser))
+                         reasoning_end=reasoning_end_marker(config.reasoning_parser),
+                         turn_tokens=_turn_tokens(engine))
     app.state.openai = octx
     app.include_router(build_openai_router(octx))
     app.state.responses_pins = pins = ResponsePins(engine, config.responses_pin_tokens)

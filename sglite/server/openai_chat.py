@@ -24,7 +24,7 @@ from .openai_common import open_call, run_call
 from .openai_format import chat_logprobs, finish_info, new_id, now, num_logprob_tokens, usage_of
 from .openai_params import chat_messages
 from .protocol import ChatCompletionRequest
-from .request_pipeline import ChatInput, PreparedCall, parse_output, prepare
+from .request_pipeline import ChatInput, PreparedCall, parse_output, prepare, remember_output
 from .sse import sse_event, sse_response
 from .tool_stream import chunk_entries
 
@@ -54,10 +54,11 @@ def _token_bytes(ctx):
     return getattr(getattr(ctx.client.engine, "tokenizer", None), "id_to_bytes", None)
 
 
-def _chat_choice(i: int, out: dict, prep: PreparedCall, tb=None) -> dict:
+def _chat_choice(ctx, i: int, out: dict, prep: PreparedCall, tb=None) -> dict:
     meta = out["meta_info"]
     fr, ms = finish_info(meta)
     parsed = parse_output(out["text"], fr, prep.plan)
+    remember_output(ctx, prep, out["text"], out.get("output_ids"), parsed)
     msg: dict = {"role": "assistant", "content": parsed.content}
     if prep.plan.reasoning is not None:
         msg["reasoning_content"] = parsed.reasoning
@@ -75,6 +76,8 @@ async def _chat_events(ctx, req: ChatCompletionRequest, stream, prep: PreparedCa
     k = prep.logprobs
     outs = [prep.streamer() for _ in range(n_out)]
     last: list[Optional[dict]] = [None] * n_out
+    texts: list[list[str]] = [[] for _ in range(n_out)]
+    ids: list[list[int]] = [[] for _ in range(n_out)]
 
     def chunk(i, delta, fr=None, ms=None, lp=None):
         choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": fr}
@@ -87,6 +90,8 @@ async def _chat_events(ctx, req: ChatCompletionRequest, stream, prep: PreparedCa
         if last[i] is None:
             yield chunk(i, {"role": "assistant", "content": ""})
         last[i] = out
+        texts[i].append(out["text"])
+        ids[i].extend(out.get("output_ids") or [])
         fr, ms = finish_info(meta)
         thought, delta, calls = outs[i].step(out["text"], fr)
         if thought:  # the reasoning goes out as delta.reasoning_content, before the answer
@@ -97,6 +102,8 @@ async def _chat_events(ctx, req: ChatCompletionRequest, stream, prep: PreparedCa
         for entry in chunk_entries(calls):
             yield chunk(i, {"tool_calls": [entry]})
         if fr is not None:
+            text = "".join(texts[i])
+            remember_output(ctx, prep, text, ids[i], parse_output(text, fr, prep.plan))
             yield chunk(i, {}, outs[i].finish_reason(fr), ms)
     if req.stream_options is not None and req.stream_options.include_usage:
         yield sse_event({"id": rid, "object": "chat.completion.chunk", "created": created,
@@ -113,6 +120,6 @@ def add_chat_route(router: APIRouter, ctx) -> None:
             stream = await open_call(ctx, prep.call, prep.rename)
             return sse_response(_chat_events(ctx, req, stream, prep))
         outs = await run_call(ctx, request, prep.call, prep.rename)
-        choices = [_chat_choice(i, o, prep, _token_bytes(ctx)) for i, o in enumerate(outs)]
+        choices = [_chat_choice(ctx, i, o, prep, _token_bytes(ctx)) for i, o in enumerate(outs)]
         return JSONResponse({"id": new_id("chatcmpl"), "object": "chat.completion", "created": now(),
                              "model": ctx.model_name, "choices": choices, "usage": usage_of(outs, req.n)})

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from fastapi import Request
 
@@ -52,6 +52,7 @@ class OpenAIContext:
     reasoning_parser: Optional[str] = None  # the --reasoning-parser name (None: no reasoning split)
     constrain_auto_tools: bool = True
     reasoning_end: Optional[str] = None
+    turn_tokens: Optional[Any] = None       # a TurnTokens: past turns re-sent as generated (None: off)
 
 
 async def run_call(ctx: OpenAIContext, request: Request, call: GenCall, rename: dict) -> list[dict]:

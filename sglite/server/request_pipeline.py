@@ -142,6 +142,7 @@ class PreparedCall:
     rename: dict           # engine field -> request field, for the engine's errors
     prompt: str
     prompt_tokens: Optional[int]
+    input_ids: Optional[list[int]] = None  # the prompt's ids when past turns were spliced in
 
     def streamer(self) -> "OutputStreamer":
         """A fresh per-choice incremental output reader (reasoning, content, tool calls)."""
@@ -219,8 +220,10 @@ def plan_output(ctx, inp: ChatInput) -> OutputPlan:
     return OutputPlan(tools, inp.response_format, reasoning)
 
 
-def render(ctx, inp: ChatInput, plan: OutputPlan) -> tuple[str, Optional[int]]:
-    """Stage 3: the prompt text (chat template over the messages, tools shown) and its token count.
+def render(ctx, inp: ChatInput, plan: OutputPlan) -> tuple[str, Optional[int], Optional[list[int]]]:
+    """Stage 3: the prompt text (chat template over the messages, tools shown), its token count,
+    and its token ids when past assistant turns were spliced in as generated
+    (:mod:`sglite.server.turn_tokens`; None: the engine tokenizes the text).
 
     Raises:
         ApiError: 400 naming the messages field when the template rejects them or the prompt
@@ -233,19 +236,45 @@ def render(ctx, inp: ChatInput, plan: OutputPlan) -> tuple[str, Optional[int]]:
     if inp.continue_final_message and msgs[-1]["role"] != "assistant":
         raise ApiError("continue_final_message: the last message must be the assistant's",
                        param="continue_final_message")
-    try:
-        prompt = render_prompt(ctx.client.engine, msgs, plan.tools, add_generation_prompt=not inp.continue_final_message,
-                               template_kwargs=inp.chat_template_kwargs)
-    except ApiError:
-        raise
-    except Exception as e:  # noqa: BLE001 - template errors (e.g. role order) are the request's fault
-        raise ApiError(f"{field_}: the chat template rejected them: {e}", param=field_) from e
-    ptoks = ctx.client.count_tokens(prompt)
+    prompt, ids = _render_spliced(ctx, inp, plan, msgs)
+    if prompt is None:
+        prompt = _render_text(ctx, inp, plan, msgs)
+    ptoks = len(ids) if ids is not None else ctx.client.count_tokens(prompt)
     ctx_len = ctx.client.context_length
     if ptoks is not None and ctx_len and ptoks >= ctx_len:
         raise ApiError(context_length_message(ptoks, ctx_len, prompt_field=field_), param=field_,
                        code="context_length_exceeded")
-    return prompt, ptoks
+    return prompt, ptoks, ids
+
+
+def _render_text(ctx, inp: ChatInput, plan: OutputPlan, msgs: list[dict]) -> str:
+    field_ = inp.fields.messages
+    try:
+        return render_prompt(ctx.client.engine, msgs, plan.tools, add_generation_prompt=not inp.continue_final_message,
+                             template_kwargs=inp.chat_template_kwargs)
+    except ApiError:
+        raise
+    except Exception as e:  # noqa: BLE001 - template errors (e.g. role order) are the request's fault
+        raise ApiError(f"{field_}: the chat template rejected them: {e}", param=field_) from e
+
+
+def _render_spliced(ctx, inp: ChatInput, plan: OutputPlan, msgs: list[dict]) -> tuple[Optional[str], Optional[list]]:
+    """The prompt with remembered assistant turns as generated (text, ids), or (None, None) when
+    there are none or the template does not keep them in place."""
+    memory = getattr(ctx, "turn_tokens", None)
+    if memory is None or plan.reasoning is not None:
+        return None, None
+    subst, segs = memory.substitute(msgs, keep_last=inp.continue_final_message)
+    if not segs:
+        return None, None
+    try:
+        rendered = render_prompt(ctx.client.engine, subst, plan.tools,
+                                 add_generation_prompt=not inp.continue_final_message,
+                                 template_kwargs=inp.chat_template_kwargs)
+    except Exception:  # noqa: BLE001 - render the messages as they are (their errors are reported there)
+        return None, None
+    out = memory.splice(rendered, segs)
+    return out if out is not None else (None, None)
 
 
 def user_constraint(plan: OutputPlan, fields: Optional[FieldNames] = None) -> Optional[Constraint]:
@@ -282,10 +311,21 @@ def prepare(ctx, inp: ChatInput) -> PreparedCall:
     """Run stages 1-4 in order (on the preparation pool: templates and tokenizing are compute)."""
     k = validate(ctx, inp)
     plan = plan_output(ctx, inp)
-    prompt, ptoks = render(ctx, inp, plan)
+    prompt, ptoks, ids = render(ctx, inp, plan)
     sp, rename = sampling(ctx, inp, plan, prompt, ptoks)
-    call = make_call([{"prompt": prompt}], sp, inp.n, inp.rid or uuid.uuid4().hex, k)
-    return PreparedCall(call, plan, k, rename, prompt, ptoks)
+    call = make_call([{"prompt": prompt} if ids is None else {"input_ids": ids}], sp, inp.n,
+                     inp.rid or uuid.uuid4().hex, k)
+    return PreparedCall(call, plan, k, rename, prompt, ptoks, ids)
+
+
+def remember_output(ctx, prep: PreparedCall, text: str, output_ids: Optional[list], parsed: "ParsedOutput") -> None:
+    """After a choice finished: remember its generated ids for the next turn's prompt
+    (:class:`sglite.server.turn_tokens.TurnTokens`; a no-op without a memory or with a reasoning split)."""
+    memory = getattr(ctx, "turn_tokens", None)
+    if memory is None or prep.plan.reasoning is not None:
+        return
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in parsed.tool_calls]
+    memory.remember(parsed.content, calls, text, output_ids)
 
 
 # ----------------------------------------------------------------------------- outputs

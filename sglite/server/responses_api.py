@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse
 from .errors import ApiError
 from .openai_common import OpenAIContext, open_call, run_call
 from .openai_format import finish_info, now
-from .request_pipeline import PreparedCall, parse_output, prepare
+from .request_pipeline import PreparedCall, parse_output, prepare, remember_output
 from .responses_input import chat_input, normalize_input
 from .responses_models import InputItemList, ResponseDeleted, ResponseObject, ResponsesRequest, StreamEvent
 from .responses_output import EventWriter, Turn, output_items, response_object, usage
@@ -57,12 +57,13 @@ def _new_turn(store: ResponseStore, req: ResponsesRequest) -> Turn:
 
 
 def _keep(store: ResponseStore, turn: Turn, response: dict, pins: Optional[ResponsePins] = None,
-          prompt: str = "", output_ids: Optional[list] = None, text: str = "") -> None:
+          prep: Optional[PreparedCall] = None, output_ids: Optional[list] = None, text: str = "") -> None:
     if turn.req.store:
         store.put(turn.id, StoredResponse(response, turn.input_items,
                                           turn.history + turn.input_items + response["output"]))
-        if pins is not None and store.max_size > 0:
-            pins.pin(turn.id, prompt, output_ids, text, turn.req.previous_response_id)
+        if pins is not None and store.max_size > 0 and prep is not None:
+            pins.pin(turn.id, prep.input_ids if prep.input_ids is not None else prep.prompt, output_ids, text,
+                     turn.req.previous_response_id)
 
 
 def _status(fr: Optional[str]) -> str:
@@ -71,13 +72,14 @@ def _status(fr: Optional[str]) -> str:
 
 async def _events(ctx: OpenAIContext, store: ResponseStore, turn: Turn, stream, prep: PreparedCall,
                   pins: Optional[ResponsePins] = None):
-    w, text = EventWriter(), []
+    w, text, ids = EventWriter(), [], []
     for ev in w.start(response_object(turn, ctx.model_name, [], "in_progress", None)):
         yield ev
     reader, meta, fr = prep.streamer(), None, None
     async for _, out in stream:
         meta = out["meta_info"]
         text.append(out["text"])
+        ids.extend(out.get("output_ids") or [])
         fr, _ = finish_info(meta)
         thought, content, deltas = reader.step(out["text"], fr)
         for ev in w.reasoning(thought) + w.text(content):
@@ -88,7 +90,9 @@ async def _events(ctx: OpenAIContext, store: ResponseStore, turn: Turn, stream, 
     for ev in w.end(_status(fr)):
         yield ev
     response = response_object(turn, ctx.model_name, w.items, _status(fr), usage(meta))
-    _keep(store, turn, response, pins, prep.prompt, None, "".join(text))
+    full = "".join(text)
+    remember_output(ctx, prep, full, ids, parse_output(full, fr, prep.plan))
+    _keep(store, turn, response, pins, prep, ids, full)
     yield w.finish(response)
 
 
@@ -111,9 +115,11 @@ def add_responses_routes(router: APIRouter, ctx: OpenAIContext, store: ResponseS
         meta = out["meta_info"]
         fr, _ = finish_info(meta)
         status = _status(fr)
-        items = output_items(parse_output(out["text"], fr, prep.plan), status == "incomplete")
+        parsed = parse_output(out["text"], fr, prep.plan)
+        remember_output(ctx, prep, out["text"], out.get("output_ids"), parsed)
+        items = output_items(parsed, status == "incomplete")
         response = response_object(turn, ctx.model_name, items, status, usage(meta))
-        _keep(store, turn, response, pins, prep.prompt, out.get("output_ids"), out["text"])
+        _keep(store, turn, response, pins, prep, out.get("output_ids"), out["text"])
         return JSONResponse(response)
 
     def _stored(response_id: str) -> StoredResponse:

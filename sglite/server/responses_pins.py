@@ -37,9 +37,10 @@ class ResponsePins:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sglite-pins") if self.enabled else None
         self._held: set = set()  # response ids pinned by this server (released at its shutdown)
 
-    def _ids(self, prompt: str, output_ids: Optional[list], text: str) -> list[int]:
+    def _ids(self, prompt, output_ids: Optional[list], text: str) -> list[int]:
         tok = self.engine.tokenizer
-        return list(tok.encode(prompt)) + (list(output_ids) if output_ids else list(tok.encode(text)))
+        head = list(prompt) if isinstance(prompt, list) else list(tok.encode(prompt))
+        return head + (list(output_ids) if output_ids else list(tok.encode(text)))
 
     def _pin(self, response_id: str, prompt: str, output_ids, text: str, previous_id: Optional[str]) -> None:
         try:
@@ -54,9 +55,9 @@ class ResponsePins:
         except Exception:  # noqa: BLE001 - a pin is an optimization: never fail a request for it
             log.warning("pinning the prefix of %s failed", response_id, exc_info=True)
 
-    def pin(self, response_id: str, prompt: str, output_ids: Optional[list], text: str,
+    def pin(self, response_id: str, prompt, output_ids: Optional[list], text: str,
             previous_id: Optional[str] = None) -> None:
-        """Pin ``prompt`` + the output (``output_ids``, else ``text`` tokenized) under
+        """Pin ``prompt`` (its text, or its token ids as sent) + the output (``output_ids``, else ``text`` tokenized) under
         ``response_id``, releasing ``previous_id``'s pin (asynchronous; never raises)."""
         if self._pool is not None:
             self._pool.submit(self._pin, response_id, prompt, output_ids, text, previous_id)

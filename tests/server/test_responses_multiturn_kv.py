@@ -64,9 +64,25 @@ def test_pinned_conversation_survives_eviction(engine):
     assert cached_unpinned < p1 // 2, "without pins the flood evicts the conversation"
 
 
+class _Recorder:
+    """Wraps ``engine.async_generate`` (non-streamed calls): each call's prompt ids (the text
+    tokenized when it was sent as text) and output ids."""
+
+    def __init__(self, engine, monkeypatch):
+        self.calls, inner = [], engine.async_generate
+
+        async def generate(**kw):
+            out = await inner(**kw)
+            ids = kw.get("input_ids") or engine.tokenizer.encode(kw["prompt"])
+            self.calls.append((list(ids), list(out["output_ids"])))
+            return out
+        monkeypatch.setattr(engine, "async_generate", generate)
+
+
 @pytest.mark.parametrize("tool_choice", ["auto", "required"])
-def test_follow_up_prompt_extends_previous_prompt_and_output(engine, tool_choice):
+def test_follow_up_prompt_extends_previous_prompt_and_output(engine, tool_choice, monkeypatch):
     engine.flush_cache()
+    rec = _Recorder(engine, monkeypatch)
     with ServerThread(engine, ServerConfig(port=0, served_model_name="x")) as srv:
         first = _post(srv.url, input="What is the weather in Paris?", tool_choice=tool_choice)
         use1 = first["usage"]
@@ -80,8 +96,14 @@ def test_follow_up_prompt_extends_previous_prompt_and_output(engine, tool_choice
     c3 = resent["usage"]["input_tokens_details"]["cached_tokens"]
     print(f"tool_choice={tool_choice}: turn 1 prompt {use1['input_tokens']} + output {use1['output_tokens']}; "
           f"turn 2 prompt {chained['usage']['input_tokens']}, cached {c2} (full history resent: cached {c3})")
-    # the prompt of turn 1 is always a token-exact prefix of turn 2's
-    assert c2 >= use1["input_tokens"] - 1
+    # turn 1's prompt ids and output ids, as generated (turn_tokens splices them back), are a
+    # token-exact prefix of turn 2's prompt ids, chained or resent
+    (p1, o1), (p2, _), (p3, _) = rec.calls
+    assert p2[:len(p1) + len(o1)] == p1 + o1[:len(p2) - len(p1)] and len(p2) > len(p1) + len(o1) - 1
+    assert p3 == p2
+    # ... and the cache holds them: all but the last output token (no KV yet) and, when the limit
+    # cut a forced call right after a jump-forward, the forced tokens appended without a step
+    assert c2 >= use1["input_tokens"] + use1["output_tokens"] - (1 if tool_choice == "auto" else 6)
     # resending the history renders the same prompt as previous_response_id does
     assert resent["usage"]["input_tokens"] == chained["usage"]["input_tokens"] and c3 >= c2 - 1
 

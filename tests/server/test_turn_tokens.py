@@ -1,0 +1,64 @@
+"""TurnTokens (sglite.server.turn_tokens): generated assistant turns come back as their own ids.
+
+The default model's tokenizer and chat template (SmolLM2's ChatML); the generated ids are a
+deliberately non-canonical split, as a model under a grammar writes them.
+"""
+import pytest
+
+from sglite.server.turn_tokens import TurnTokens, message_key
+
+CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris"}}\n</tool_call>'
+
+
+def _non_canonical(tok, text):
+    """Ids of ``text`` one character at a time (decodes to ``text``; never the canonical split)."""
+    ids = [i for ch in text for i in tok.encode(ch)]
+    assert tok.decode(ids) == text and ids != tok.encode(text)
+    return ids
+
+
+def test_key_ignores_call_ids_and_argument_spelling():
+    a = message_key(None, [("f", '{"x": 1, "y": [1, 2]}')])
+    assert a == message_key("", [("f", {"y": [1, 2], "x": 1})]) == message_key("  ", [("f", '{"y":[1,2],"x":1}')])
+    assert a != message_key(None, [("f", '{"x": 2, "y": [1, 2]}')]) != message_key(None, [("g", '{"x": 1}')])
+    assert message_key("hi", []) != message_key("ho", [])
+
+
+def test_generated_ids_are_spliced_into_the_resent_history(real_tokenizer):
+    tok = real_tokenizer
+    mem = TurnTokens(tok)
+    gen = _non_canonical(tok, CALL_TEXT)
+    eos = tok.encode("<|im_end|>")
+    # the engine's ids end with the end-of-turn token, which the text does not show
+    assert mem.remember(None, [("get_weather", '{"city": "Paris"}')], CALL_TEXT, gen + eos)
+    turn1 = [{"role": "user", "content": "Weather in Paris?"}]
+    prompt1 = tok.apply_chat_template(turn1, add_generation_prompt=True)
+    history = turn1 + [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_x", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": "call_x", "content": "sunny"}]
+    subst, segs = mem.substitute(history)
+    assert len(segs) == 1 and "tool_calls" not in subst[1] and history[1]["tool_calls"]
+    text, ids = mem.splice(tok.apply_chat_template(subst, add_generation_prompt=True), segs)
+    # turn 2's prompt: turn 1's prompt, then the output ids exactly as generated (the template
+    # writes the end-of-turn token itself)
+    head = tok.encode(prompt1) + gen + eos
+    assert ids[:len(head)] == head
+    assert text.startswith(prompt1 + CALL_TEXT + "<|im_end|>") and tok.decode(ids, skip_special_tokens=False) == text
+
+
+def test_refusals_and_bound(real_tokenizer):
+    tok = real_tokenizer
+    mem = TurnTokens(tok, max_entries=2)
+    assert not mem.remember("a", [], "a b", tok.encode("a c"))  # ids that are not the text
+    assert not mem.remember("a", [], "", [])
+    for word in ("one", "two", "three"):
+        assert mem.remember(word, [], word, tok.encode(word))
+    assert len(mem) == 2 and mem.lookup({"role": "assistant", "content": "one"}) is None
+    assert mem.lookup({"role": "user", "content": "two"}) is None
+    assert mem.lookup({"role": "assistant", "content": "two", "reasoning_content": "x"}) is None
+    subst, segs = mem.substitute([{"role": "assistant", "content": "three"}])
+    assert mem.splice("no marker here", segs) is None  # a template that dropped the message
+    assert mem.substitute([{"role": "assistant", "content": "three"}], keep_last=True)[1] == []
+    with pytest.raises(ValueError, match="max_entries"):
+        TurnTokens(tok, max_entries=-1)

@@ -24,6 +24,7 @@ from .openai_common import OpenAIContext
 from .request_log import RequestLog
 from .responses_api import add_responses_routes
 from .openapi_doc import install_openapi
+from .responses_background import BackgroundResponses
 from .responses_pins import ResponsePins
 from .responses_store import ResponseStore
 from .turn_tokens import TurnTokens
@@ -102,10 +103,15 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     app.state.openai = octx
     app.include_router(build_openai_router(octx))
     app.state.responses_pins = pins = ResponsePins(engine, config.responses_pin_tokens)
+    app.state.responses_background = background = BackgroundResponses()
+
+    def dropped(response_id: str) -> None:  # a response left the store: unpin it, stop it if it runs
+        pins.unpin(response_id)
+        background.dropped(response_id)
     app.state.responses_store = store = ResponseStore(config.responses_store_size, config.responses_ttl,
-                                                      on_drop=pins.unpin)
+                                                      on_drop=dropped)
     responses = APIRouter()
-    add_responses_routes(responses, octx, store, pins)
+    add_responses_routes(responses, octx, store, pins, background)
     app.include_router(responses)
     app.include_router(build_tokenize_router(octx))
     install_openapi(app)

@@ -114,6 +114,7 @@ class ChatInput:
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict] = None  # extra chat-template variables (e.g. enable_thinking)
     separate_reasoning: bool = True              # split the thinking off (with a reasoning parser)
+    truncate: bool = False                       # drop the oldest messages to fit the context
     fields: FieldNames = field(default_factory=FieldNames)
 
 
@@ -236,15 +237,58 @@ def render(ctx, inp: ChatInput, plan: OutputPlan) -> tuple[str, Optional[int], O
     if inp.continue_final_message and msgs[-1]["role"] != "assistant":
         raise ApiError("continue_final_message: the last message must be the assistant's",
                        param="continue_final_message")
-    prompt, ids = _render_spliced(ctx, inp, plan, msgs)
-    if prompt is None:
-        prompt = _render_text(ctx, inp, plan, msgs)
-    ptoks = len(ids) if ids is not None else ctx.client.count_tokens(prompt)
+    prompt, ptoks, ids = _render_counted(ctx, inp, plan, msgs)
     ctx_len = ctx.client.context_length
+    if inp.truncate and not _fits(ctx, inp, ptoks):
+        prompt, ptoks, ids = _truncated(ctx, inp, plan, msgs)
     if ptoks is not None and ctx_len and ptoks >= ctx_len:
         raise ApiError(context_length_message(ptoks, ctx_len, prompt_field=field_), param=field_,
                        code="context_length_exceeded")
     return prompt, ptoks, ids
+
+
+def _render_counted(ctx, inp: ChatInput, plan: OutputPlan, msgs: list[dict]):
+    """``(prompt, token count, ids or None)`` of ``msgs``."""
+    prompt, ids = _render_spliced(ctx, inp, plan, msgs)
+    if prompt is None:
+        prompt = _render_text(ctx, inp, plan, msgs)
+    return prompt, len(ids) if ids is not None else ctx.client.count_tokens(prompt), ids
+
+
+def _fits(ctx, inp: ChatInput, ptoks: Optional[int]) -> bool:
+    ctx_len = ctx.client.context_length
+    return ptoks is None or not ctx_len or ptoks + max(inp.max_tokens or 0, 1) <= ctx_len
+
+
+def _truncated(ctx, inp: ChatInput, plan: OutputPlan, msgs: list[dict]):
+    """``truncation: "auto"`` (OpenAI's Responses API): the render of ``msgs`` without its oldest
+    messages, as few dropped as make the prompt (and ``max_output_tokens``) fit the context.
+    Leading system messages (``instructions``) and the last message stay; a tool result whose
+    call was dropped goes with it. When even that does not fit, the shortest render is returned
+    (the caller's length check names the field)."""
+    head = 0
+    while head < len(msgs) - 1 and msgs[head]["role"] == "system":
+        head += 1
+
+    def keep(k: int) -> list[dict]:
+        start = head + k
+        while start < len(msgs) - 1 and msgs[start]["role"] == "tool":
+            start += 1
+        return msgs[:head] + msgs[start:]
+    if len(msgs) - 1 - head < 1:
+        return _render_counted(ctx, inp, plan, msgs)
+    lo, hi = 1, len(msgs) - 1 - head  # messages dropped: the least that fits, by bisection
+    best = _render_counted(ctx, inp, plan, keep(hi))
+    if not _fits(ctx, inp, best[1]):
+        return best
+    while lo < hi:
+        mid = (lo + hi) // 2
+        got = _render_counted(ctx, inp, plan, keep(mid))
+        if _fits(ctx, inp, got[1]):
+            hi, best = mid, got
+        else:
+            lo = mid + 1
+    return best
 
 
 def _render_text(ctx, inp: ChatInput, plan: OutputPlan, msgs: list[dict]) -> str:
@@ -303,6 +347,9 @@ def sampling(ctx, inp: ChatInput, plan: OutputPlan, prompt: str, prompt_tokens: 
     then the turn's grammar (4c); and the engine-field -> request-field renames for later errors."""
     sp, rename = sampling_params(inp.request, inp.max_tokens, inp.fields.max_tokens, ctx.client,
                                  prompt_tokens=prompt_tokens, constraint=user_constraint(plan, inp.fields), n=inp.n)
+    if plan.tools.mode != "none" and plan.tools.fmt.name == "mistral":
+        # `[TOOL_CALLS]`, `[ARGS]` are special tokens: keep them in the text for the parser (vLLM does too)
+        sp["skip_special_tokens"] = False
     build_constraint(ctx, plan, sp, rename, prompt)
     return sp, rename
 

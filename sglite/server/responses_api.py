@@ -19,6 +19,7 @@ one, so it knows which worker holds a response), else ``resp_<random>``.
 """
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Literal, Optional
 
@@ -27,11 +28,12 @@ from fastapi.responses import JSONResponse
 
 from .errors import ApiError
 from .openai_common import OpenAIContext, open_call, run_call
-from .openai_format import finish_info, now
+from .openai_format import chat_logprobs, finish_info, now, num_logprob_tokens
 from .request_pipeline import PreparedCall, parse_output, prepare, remember_output
 from .responses_input import chat_input, normalize_input
 from .responses_models import InputItemList, ResponseDeleted, ResponseObject, ResponsesRequest, StreamEvent
 from .responses_output import EventWriter, Turn, output_items, response_object, usage
+from .responses_background import BackgroundResponses
 from .responses_pins import ResponsePins
 from .responses_store import ResponseStore, StoredResponse
 from .sse import sse_response
@@ -66,6 +68,12 @@ def _keep(store: ResponseStore, turn: Turn, response: dict, pins: Optional[Respo
                      turn.req.previous_response_id)
 
 
+def _logprobs(ctx: OpenAIContext, prep: PreparedCall, meta: dict) -> list[dict]:
+    """The logprob entries of an engine output (event): chat's shape, as OpenAI's ``output_text.logprobs``."""
+    tb = getattr(getattr(ctx.client.engine, "tokenizer", None), "id_to_bytes", None)
+    return chat_logprobs(meta, 0, None, tb)["content"]
+
+
 def _status(fr: Optional[str]) -> str:
     return "incomplete" if fr == "length" else "completed"
 
@@ -82,7 +90,8 @@ async def _events(ctx: OpenAIContext, store: ResponseStore, turn: Turn, stream, 
         ids.extend(out.get("output_ids") or [])
         fr, _ = finish_info(meta)
         thought, content, deltas = reader.step(out["text"], fr)
-        for ev in w.reasoning(thought) + w.text(content):
+        lps = _logprobs(ctx, prep, meta) if prep.logprobs >= 0 and num_logprob_tokens(meta) else None
+        for ev in w.reasoning(thought) + w.text(content, lps):
             yield ev
         for d in deltas:
             for ev in w.call(d):
@@ -96,10 +105,59 @@ async def _events(ctx: OpenAIContext, store: ResponseStore, turn: Turn, stream, 
     yield w.finish(response)
 
 
+def _complete(ctx: OpenAIContext, store: ResponseStore, turn: Turn, prep: PreparedCall,
+              pins: Optional[ResponsePins], out: dict) -> dict:
+    """The response of a finished (non-streamed) output, stored when asked."""
+    meta = out["meta_info"]
+    fr, _ = finish_info(meta)
+    status = _status(fr)
+    parsed = parse_output(out["text"], fr, prep.plan)
+    remember_output(ctx, prep, out["text"], out.get("output_ids"), parsed)
+    items = output_items(parsed, status == "incomplete", _logprobs(ctx, prep, meta) if prep.logprobs >= 0 else None)
+    response = response_object(turn, ctx.model_name, items, status, usage(meta))
+    _keep(store, turn, response, pins, prep, out.get("output_ids"), out["text"])
+    return response
+
+
+def _start_background(ctx: OpenAIContext, store: ResponseStore, turn: Turn, prep: PreparedCall,
+                      pins: Optional[ResponsePins], background: BackgroundResponses) -> dict:
+    """Store the response as ``queued`` and run it as a task; the queued response (see
+    :mod:`sglite.server.responses_background`)."""
+    if turn.req.stream:
+        raise ApiError("background: cannot be combined with stream: true here; poll GET /v1/responses/{id}",
+                       param="background")
+    if not turn.req.store or store.max_size == 0:
+        raise ApiError("background: requires store: true (the response is polled from the store)",
+                       param="background")
+    response = response_object(turn, ctx.model_name, [], "queued", None)
+    entry = StoredResponse(response, turn.input_items, turn.history + turn.input_items)
+    store.put(turn.id, entry)
+
+    async def run() -> None:
+        entry.response["status"] = "in_progress"
+        try:
+            (out,) = await ctx.client.run(prep.call)
+        except asyncio.CancelledError:
+            entry.response.update(status="cancelled")
+            raise
+        except Exception as e:  # noqa: BLE001 - reported in the polled response
+            background.finish(turn.id)
+            entry.response.update(status="failed", error={"code": "server_error", "message": str(e)})
+            return
+        background.finish(turn.id)
+        if store.get(turn.id) is entry:  # still stored (not evicted, expired or deleted meanwhile)
+            _complete(ctx, store, turn, prep, pins, out)
+    background.start(turn.id, run)
+    return response
+
+
 def add_responses_routes(router: APIRouter, ctx: OpenAIContext, store: ResponseStore,
-                         pins: Optional[ResponsePins] = None) -> None:
+                         pins: Optional[ResponsePins] = None, background: Optional[BackgroundResponses] = None) -> None:
     """Register the ``/v1/responses`` routes on ``router``, bound to ``ctx`` and ``store``; ``pins``
-    keeps stored conversations' prefixes in the radix cache (:mod:`sglite.server.responses_pins`)."""
+    keeps stored conversations' prefixes in the radix cache (:mod:`sglite.server.responses_pins`);
+    ``background`` runs ``background: true`` responses (:mod:`sglite.server.responses_background`;
+    the store's ``on_drop`` should call its ``dropped``)."""
+    background = background if background is not None else BackgroundResponses()
 
     @router.post("/v1/responses", responses={
         200: {"model": ResponseObject, "description": "the response; with stream: server-sent events",
@@ -108,19 +166,24 @@ def add_responses_routes(router: APIRouter, ctx: OpenAIContext, store: ResponseS
     async def create_response(req: ResponsesRequest, request: Request):
         turn = _new_turn(store, req)
         prep = await ctx.client.prepare(_prepare, ctx, turn, field="input")
+        if req.background:
+            return JSONResponse(_start_background(ctx, store, turn, prep, pins, background))
         if req.stream:
             stream = await open_call(ctx, prep.call, prep.rename)
             return sse_response(_events(ctx, store, turn, stream, prep, pins))
         (out,) = await run_call(ctx, request, prep.call, prep.rename)
-        meta = out["meta_info"]
-        fr, _ = finish_info(meta)
-        status = _status(fr)
-        parsed = parse_output(out["text"], fr, prep.plan)
-        remember_output(ctx, prep, out["text"], out.get("output_ids"), parsed)
-        items = output_items(parsed, status == "incomplete")
-        response = response_object(turn, ctx.model_name, items, status, usage(meta))
-        _keep(store, turn, response, pins, prep, out.get("output_ids"), out["text"])
-        return JSONResponse(response)
+        return JSONResponse(_complete(ctx, store, turn, prep, pins, out))
+
+    @router.post("/v1/responses/{response_id}/cancel", responses={200: {"model": ResponseObject}, 400: _ERR,
+                                                                  404: _ERR})
+    async def cancel_response(response_id: str):
+        hit = _stored(response_id)
+        if not hit.response.get("background"):
+            raise ApiError(f"response_id: {response_id!r} was not created with background: true (only background "
+                           "responses can be cancelled)", param="response_id")
+        if background.cancel(response_id):
+            hit.response.update(status="cancelled", completed_at=None)
+        return JSONResponse(hit.response)
 
     def _stored(response_id: str) -> StoredResponse:
         hit = store.get(response_id)

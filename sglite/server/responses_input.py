@@ -9,8 +9,10 @@
   items) comes before the new input, so a chained request renders exactly as one that resends
   the whole history.
 * Function ``tools`` / ``tool_choice`` / ``text.format`` map onto chat's tools / tool_choice /
-  response_format. Fields this server cannot honour (built-in tools, ``background``, ``include``,
-  ``truncation: auto``, ...) are a 400 naming the field, never ignored.
+  response_format. ``truncation: "auto"`` drops the oldest messages until the prompt fits;
+  ``include: ["message.output_text.logprobs"]`` / ``top_logprobs`` give the output text's logprobs.
+  Fields this server cannot honour (built-in tools, other ``include`` values, ...) are a 400
+  naming the field, never ignored.
 
 Source: OpenAI's Responses API reference (input item and tool shapes).
 """
@@ -30,6 +32,7 @@ FIELDS = FieldNames(messages="input", tools="tools", tool_choice="tool_choice", 
                     max_tokens="max_output_tokens", logprobs="include", top_logprobs="top_logprobs")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _ROLES = ("user", "assistant", "system", "developer")
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 def new_item_id(prefix: str) -> str:
@@ -40,14 +43,11 @@ def check_unsupported(req: ResponsesRequest) -> None:
     """400 naming the first field set to something this server cannot honour."""
     def bad(field: str, why: str):
         raise ApiError(f"{field}: {why}", param=field)
-    if req.background:
-        bad("background", "background responses are not supported; send the request without it")
-    if req.include:
-        bad("include", f"no extra output data is available; got {req.include!r}")
-    if req.truncation not in (None, "disabled"):
-        bad("truncation", f"only 'disabled' is supported, got {req.truncation!r}")
-    if req.top_logprobs:
-        bad("top_logprobs", "logprobs are not supported on /v1/responses; use /v1/chat/completions")
+    for i, inc in enumerate(req.include or []):
+        if inc != LOGPROBS_INCLUDE:
+            bad(f"include[{i}]", f"only {LOGPROBS_INCLUDE!r} is available, got {inc!r}")
+    if req.truncation not in (None, "disabled", "auto"):
+        bad("truncation", f"must be 'auto' or 'disabled', got {req.truncation!r}")
     if req.max_tool_calls is not None:
         bad("max_tool_calls", "not supported; use parallel_tool_calls: false for at most one call")
     if req.reasoning and any(v is not None for v in req.reasoning.values()):
@@ -205,4 +205,10 @@ def chat_input(req: ResponsesRequest, history: list[dict], items: list[dict], ri
     return ChatInput(ROUTE, req, lambda: items_to_messages(history + items, req.instructions),
                      tools=tools, tool_choice=choice,
                      parallel_tool_calls=req.parallel_tool_calls, response_format=chat_response_format(req),
-                     max_tokens=req.max_output_tokens, rid=rid, fields=FIELDS)
+                     max_tokens=req.max_output_tokens, rid=rid, fields=FIELDS, truncate=req.truncation == "auto",
+                     logprobs=wants_logprobs(req), top_logprobs=req.top_logprobs)
+
+
+def wants_logprobs(req: ResponsesRequest) -> bool:
+    """Whether the output text carries logprobs: ``include`` names them, or ``top_logprobs`` is set."""
+    return LOGPROBS_INCLUDE in (req.include or []) or req.top_logprobs is not None

@@ -62,11 +62,12 @@ class ResponsesRequest(_Base):
     safety_identifier: Optional[str] = None
     service_tier: Optional[str] = None
     stream_options: Optional[dict[str, Any]] = None
-    # known, honoured only at their neutral value (anything else is a 400 naming the field)
+    # background (polled, cancellable), "message.output_text.logprobs", "auto" | "disabled", 0-20
     background: Optional[bool] = None
     include: Optional[list[str]] = None
     truncation: Optional[str] = None
     top_logprobs: Optional[int] = None
+    # known, honoured only at their neutral value (anything else is a 400 naming the field)
     max_tool_calls: Optional[int] = None
     reasoning: Optional[dict[str, Any]] = None
     conversation: Optional[Union[str, dict[str, Any]]] = None
@@ -139,7 +140,7 @@ class ResponseObject(_Base):
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    status: Literal["completed", "incomplete", "in_progress", "failed", "queued", "cancelled"]
     completed_at: Optional[int] = None
     error: Optional[dict[str, Any]] = None
     incomplete_details: Optional[IncompleteDetails] = None
@@ -158,6 +159,8 @@ class ResponseObject(_Base):
     metadata: dict[str, str] = Field(default_factory=dict)
     usage: Optional[ResponseUsage] = None
     user: Optional[str] = None
+    background: bool = False
+    truncation: str = "disabled"
 
 
 class ResponseDeleted(_Base):

@@ -52,9 +52,23 @@ def _args_complete(arguments: str) -> bool:
         return False
 
 
-def message_item(text: str, status: str, item_id: Optional[str] = None) -> dict:
+def message_item(text: str, status: str, item_id: Optional[str] = None, logprobs: Optional[list] = None) -> dict:
     return {"type": "message", "id": item_id or new_item_id("msg"), "role": "assistant", "status": status,
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
+
+
+def text_logprobs(entries: list[dict], content: Optional[str], calls: bool) -> list[dict]:
+    """The logprob entries (chat's ``{"token", "logprob", "bytes", "top_logprobs"}``) of the message
+    text: all of them without tool calls, else those of the tokens before the calls' text."""
+    if not calls:
+        return entries
+    out, n = [], len(content or "")
+    for e in entries:
+        if n <= 0:
+            break
+        out.append(e)
+        n -= len(e["token"])
+    return out
 
 
 def reasoning_item(text: str, status: str, item_id: Optional[str] = None) -> dict:
@@ -68,11 +82,13 @@ def call_item(call_id: str, name: str, arguments: str, item_id: Optional[str] = 
             "arguments": arguments, "status": status or ("completed" if _args_complete(arguments) else "incomplete")}
 
 
-def output_items(parsed: ParsedOutput, incomplete: bool) -> list[dict]:
-    """The output items of one parsed output (see the module docstring)."""
+def output_items(parsed: ParsedOutput, incomplete: bool, logprobs: Optional[list] = None) -> list[dict]:
+    """The output items of one parsed output (see the module docstring); ``logprobs``: the
+    output's logprob entries (the message text's are put on its ``output_text`` part)."""
     items = [reasoning_item(parsed.reasoning, "completed")] if parsed.reasoning else []
     if parsed.content or not parsed.tool_calls:
-        items.append(message_item(parsed.content or "", "incomplete" if incomplete else "completed"))
+        lps = text_logprobs(logprobs, parsed.content, bool(parsed.tool_calls)) if logprobs else None
+        items.append(message_item(parsed.content or "", "incomplete" if incomplete else "completed", logprobs=lps))
     for c in parsed.tool_calls:
         items.append(call_item(c["id"], c["function"]["name"], c["function"]["arguments"]))
     return items
@@ -99,7 +115,8 @@ def response_object(turn: Turn, model: str, items: list[dict], status: str, use:
             "previous_response_id": req.previous_response_id, "temperature": req.temperature, "top_p": req.top_p,
             "text": {"format": fmt or {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
             "tools": list(req.tools or []), "store": req.store, "metadata": dict(req.metadata or {}),
-            "usage": use, "user": req.user}
+            "usage": use, "user": req.user, "background": bool(req.background),
+            "truncation": req.truncation or "disabled"}
 
 
 class EventWriter:
@@ -137,8 +154,9 @@ class EventWriter:
         out.append(self.event("response.reasoning_text.delta", content_index=0, delta=delta, **self._where()))
         return out
 
-    def text(self, delta: str) -> list[bytes]:
-        """Events of new message text (opening the message on its first text)."""
+    def text(self, delta: str, logprobs: Optional[list] = None) -> list[bytes]:
+        """Events of new message text (opening the message on its first text); ``logprobs``: the
+        entries of the tokens that produced it (with logprobs on)."""
         if not delta:
             return []
         out = []
@@ -153,7 +171,8 @@ class EventWriter:
             self.items[-1]["content"].append(part)
             out.append(self.event("response.content_part.added", content_index=0, part=dict(part), **self._where()))
         self.items[-1]["content"][0]["text"] += delta
-        out.append(self.event("response.output_text.delta", content_index=0, delta=delta, logprobs=[],
+        self.items[-1]["content"][0]["logprobs"] += logprobs or []
+        out.append(self.event("response.output_text.delta", content_index=0, delta=delta, logprobs=logprobs or [],
                               **self._where()))
         return out
 
@@ -184,8 +203,8 @@ class EventWriter:
             item["status"] = "completed"
         elif self.open == "message":
             part = item["content"][0]
-            out.append(self.event("response.output_text.done", content_index=0, text=part["text"], logprobs=[],
-                                  **where))
+            out.append(self.event("response.output_text.done", content_index=0, text=part["text"],
+                                  logprobs=part["logprobs"], **where))
             out.append(self.event("response.content_part.done", content_index=0, part=dict(part), **where))
             item["status"] = status
         else:

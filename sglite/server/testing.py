@@ -7,9 +7,8 @@ sampling), a JSON instance of ``json_schema`` constraints, or ``regex_reply`` / 
 it honours batches, ``n`` (the engine's sample rids and seeds), max_new_tokens, stop strings
 (held back while they may still match, trimmed unless ``no_stop_trim``), stop token ids,
 EOS / ignore_eos, logprobs, cumulative and incremental streams, aborts (``rid`` and ``rid-...``),
-duplicate rids in flight, and a radix-like count of cached prompt tokens. KV accounting: a
-running request holds prompt + output tokens, released when it ends, so
-``available_tokens == max_total_tokens`` when idle.
+duplicate rids in flight, a radix-like count of cached prompt tokens. KV: a running request holds
+prompt + output tokens until it ends (``available_tokens == max_total_tokens`` when idle).
 """
 from __future__ import annotations
 
@@ -219,8 +218,7 @@ class FakeEngine:
         return all_ids, is_list
 
     def _plan(self, prompt, sampling_params, input_ids, rid, lp_kw) -> tuple[list[tuple], bool]:
-        """Validate a call; ``[(rid, ids, sp, target, logprob options)]`` per output, and whether
-        the answer is a list."""
+        """Validate a call; ``[(rid, ids, sp, target, logprob options)]`` per output, is it a list."""
         all_ids, is_list = self._prompts(prompt, input_ids)
         n_in = len(all_ids)
         sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n_in
@@ -389,7 +387,9 @@ class FakeEngine:
                              token_ids_logprob=None, stream: bool = False, rid=None, incremental: bool = False):
         """Await it: a result dict (a list for a batch or ``n > 1``), or (``stream=True``) an
         async iterator of output dicts (cumulative unless ``incremental``; ``index`` when several)."""
-        self.calls.append({"prompt": prompt, "input_ids": input_ids, "sampling_params": sampling_params,
+        text = prompt if prompt is not None or not input_ids or not isinstance(input_ids[0], int) else \
+            self.tokenizer.decode(input_ids)  # the prompt text either way (turn_tokens may send ids)
+        self.calls.append({"prompt": prompt, "input_ids": input_ids, "text": text, "sampling_params": sampling_params,
                            "rid": rid, "stream": stream, "return_logprob": return_logprob,
                            "top_logprobs_num": top_logprobs_num})
         lp_kw = dict(return_logprob=return_logprob, logprob_start_len=logprob_start_len,

@@ -24,6 +24,7 @@ from typing import Optional
 from .errors import ApiError
 from .tool_parsers.formats import HERMES, ToolCallFormat, get_format
 from .tool_parsers.json_calls import make_call, parse_json_calls
+from .tool_parsers.mistral_args import args_form, parse_args_calls
 from .tool_parsers.pythonic import parse_pythonic_calls
 
 OPEN_TAG, CLOSE_TAG = HERMES.opener, HERMES.closer
@@ -237,6 +238,8 @@ def parse_tool_calls(text: str, plan: ToolPlan) -> tuple[Optional[str], list[dic
         return None, calls if plan.parallel else calls[:1]
     if plan.fmt.shape == "pythonic":
         content, calls = parse_pythonic_calls(text, plan.names)
+    elif plan.fmt.name == "mistral" and args_form(text):
+        content, calls = parse_args_calls(text, plan.names)
     else:
         content, calls = parse_json_calls(text, plan.fmt, plan.names)
     return content, calls if plan.parallel else calls[:1]

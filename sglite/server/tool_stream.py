@@ -32,51 +32,13 @@ import re
 from typing import Optional
 
 from .tool_calls import ToolPlan, parse_tool_calls
-from .tool_parsers.json_calls import new_call_id, skip_ws
+from .tool_parsers.json_calls import ValueScanner, new_call_id, skip_ws
+from .tool_parsers.mistral_args import ArgsStreamer, args_form
 from .tool_parsers.pythonic import PythonicStreamer
 
 # a call object's opening up to its arguments value: `{"name": "<str>", "arguments": `
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 _NAME_PREFIX = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)')
-_LITERAL_END = set(",}] \t\r\n")
-
-
-class _ValueScanner:
-    """Finds where one JSON value ends, fed the text incrementally (O(1) per character)."""
-
-    def __init__(self):
-        self.depth, self.in_str, self.esc, self.kind, self.done = 0, False, False, None, False
-
-    def scan(self, text: str, pos: int) -> int:
-        """Consume ``text[pos:]`` up to the value's end; return the index reached."""
-        n = len(text)
-        while pos < n and not self.done:
-            ch = text[pos]
-            if self.kind is None:
-                self.kind = "container" if ch in "{[" else "string" if ch == '"' else "literal"
-                self.depth = 1 if ch in "{[" else 0
-                self.in_str = ch == '"'
-            elif self.kind == "literal":
-                if ch in _LITERAL_END:
-                    self.done = True
-                    break
-            elif self.in_str:
-                if self.esc:
-                    self.esc = False
-                elif ch == "\\":
-                    self.esc = True
-                elif ch == '"':
-                    self.in_str = False
-                    self.done = self.kind == "string"
-            elif ch == '"':
-                self.in_str = True
-            elif ch in "{[":
-                self.depth += 1
-            elif ch in "}]":
-                self.depth -= 1
-                self.done = self.depth == 0
-            pos += 1
-        return pos
 
 
 class ToolCallStreamer:
@@ -98,7 +60,7 @@ class ToolCallStreamer:
         self.state = "content" if plan.mode == "auto" or forced_markup else {"none": "plain"}.get(plan.mode, "call")
         self.n_calls = 0
         self.args_sent = 0     # end of the current call's arguments text already sent
-        self.scanner: Optional[_ValueScanner] = None
+        self.scanner: Optional[ValueScanner] = None
         self.incomplete = False
         self.in_list = False   # inside a JSON list of calls (mistral, granite, a bare `[`)
         self.obj_open = False  # the current call object's `}` is still to come
@@ -107,9 +69,25 @@ class ToolCallStreamer:
         self.py = PythonicStreamer(plan.names, plan.parallel) if plan.mode == "auto" and plan.fmt.shape == "pythonic" \
             else None
 
+        # mistral's `[TOOL_CALLS]name[ARGS]{...}` form: its own streamer, chosen at the opener
+        self.mistral: Optional[ArgsStreamer] = None
+        self._final = False  # finish(): an undecided opener is read by the JSON-list path
+
     @property
     def called(self) -> bool:
-        return self.n_calls > 0 or (self.py is not None and self.py.n_calls > 0)
+        return self.n_calls > 0 or (self.py is not None and self.py.n_calls > 0) or \
+            (self.mistral is not None and self.mistral.called)
+
+    def _mistral_args(self, text: str) -> Optional[bool]:
+        """Auto mode, mistral format, before any call: whether the `name[ARGS]` form took over
+        (True), or the text is undecided so far (None: hold it)."""
+        if self.mistral is None and self.fmt.name == "mistral" and self.plan.mode == "auto" and self.state == "content":
+            form = args_form(text[self.sent:])
+            if form is None:
+                return False if self._final else None
+            if form:
+                self.mistral = ArgsStreamer(self.plan.names, self.plan.parallel, sent=self.sent)
+        return self.mistral is not None
 
     def _content(self, text: str) -> int:
         """Auto mode, before any call: how far content may be sent; switches state on a call start."""
@@ -199,7 +177,7 @@ class ToolCallStreamer:
         self.pos = m.end()
         while self.pos < len(text) and text[self.pos].isspace():
             self.pos += 1
-        self.state, self.scanner, self.args_sent = "args", _ValueScanner(), self.pos
+        self.state, self.scanner, self.args_sent = "args", ValueScanner(), self.pos
         self.obj_open = True
         self.n_calls += 1
         return {"index": self.n_calls - 1, "id": new_call_id(), "type": "function",
@@ -208,6 +186,11 @@ class ToolCallStreamer:
     def feed(self, text: str) -> tuple[str, list[dict]]:
         if self.py is not None:
             return self.py.feed(text)
+        form = self._mistral_args(text)
+        if form is None:
+            return "", []
+        if form:
+            return self.mistral.feed(text)
         content, deltas = "", []
         while True:
             if self.state == "plain":
@@ -244,6 +227,11 @@ class ToolCallStreamer:
     def finish(self, text: str, finish_reason: Optional[str]) -> tuple[str, list[dict]]:
         if self.py is not None:
             return self.py.finish(text)
+        self._final = True
+        if self._mistral_args(text):
+            out = self.mistral.finish(text, finish_reason)
+            self.incomplete = self.mistral.incomplete
+            return out
         content, deltas = self.feed(text)
         if self.state == "args" and not self.scanner.done:
             self.incomplete = True

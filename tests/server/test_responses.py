@@ -204,10 +204,10 @@ def test_previous_response_id_renders_the_same_prompt_as_the_full_history(client
     turn2 = [{"type": "function_call_output", "call_id": first.output[1].call_id, "output": "sunny"}]
     chained = client.responses.create(model="fake-model", input=turn2, previous_response_id=first.id,
                                       tools=[WEATHER], temperature=0)
-    p_chained = engine.calls[-1]["prompt"]
+    p_chained = engine.calls[-1]["text"]
     history = [{"role": "user", "content": "Weather in Oslo?"}] + [o.model_dump(exclude_none=True) for o in first.output]
     resent = client.responses.create(model="fake-model", input=history + turn2, tools=[WEATHER], temperature=0)
-    assert engine.calls[-1]["prompt"] == p_chained and "sunny" in p_chained and "Let me check." in p_chained
+    assert engine.calls[-1]["text"] == p_chained and "sunny" in p_chained and "Let me check." in p_chained
     assert resent.output_text == chained.output_text and resent.usage.input_tokens == chained.usage.input_tokens
     assert chained.previous_response_id == first.id
     assert [i.type for i in client.responses.input_items.list(chained.id).data] == ["function_call_output"]
@@ -215,10 +215,11 @@ def test_previous_response_id_renders_the_same_prompt_as_the_full_history(client
 
 @pytest.mark.parametrize("body,param", [
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
-    ({"background": True}, "background"),
-    ({"include": ["message.output_text.logprobs"]}, "include"),
-    ({"truncation": "auto"}, "truncation"),
-    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"background": True, "stream": True}, "background"),
+    ({"background": True, "store": False}, "background"),
+    ({"include": ["file_search_call.results"]}, "include[0]"),
+    ({"truncation": "middle"}, "truncation"),
+    ({"top_logprobs": 21}, "top_logprobs"),
     ({"max_tool_calls": 1}, "max_tool_calls"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"conversation": "conv_1"}, "conversation"),

@@ -42,6 +42,11 @@ GOLDEN = {
         ('[{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}]', None, [("get_time", T)]),
         ('Checking. [TOOL_CALLS] [{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}]', "Checking.",
          [("get_time", T)]),
+        # the newer form (tokenizer v11+): `[TOOL_CALLS]name[ARGS]{...}` per call, an optional [CALL_ID]
+        ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris \\"centre\\" {x}", "days": 2}'
+         '[TOOL_CALLS]get_time[ARGS]{"tz": "Europe/Paris"}', None, [("get_weather", W), ("get_time", T)]),
+        ('Checking.[TOOL_CALLS]get_time[CALL_ID]a1B2c3D4e[ARGS]{"tz": "Europe/Paris"}', "Checking.",
+         [("get_time", T)]),
     ],
     "pythonic": [
         ('[get_weather(city="Paris \\"centre\\" {x}", days=2), get_time(tz=\'Europe/Paris\')]', None,
@@ -65,7 +70,9 @@ MALFORMED = {
     "qwen25": ['<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>', "<tool_call>not json</tool_call>",
                'Text <tool_call>{"arguments": {"tz": 1}, "name": "get_tim"}</tool_call>', "<tool_call>", "{", "[1, 2]"],
     "llama3": ['<|python_tag|>{"name": "nope", "parameters": {}}', "<|python_tag|>print(1)", '{"answer": 42}', "{"],
-    "mistral": ['[TOOL_CALLS] [{"name": "nope", "arguments": {}}]', "[TOOL_CALLS] oops", "[1, 2, 3]", "["],
+    "mistral": ['[TOOL_CALLS] [{"name": "nope", "arguments": {}}]', "[TOOL_CALLS] oops", "[1, 2, 3]", "[",
+                '[TOOL_CALLS]nope[ARGS]{"a": 1}', "[TOOL_CALLS]get_time[ARGS][1]", "[TOOL_CALLS]get_time[ARGS]x",
+                "[TOOL_CALLS]get_time"],
     "pythonic": ["[get_time('Europe/Paris')]", "[nope(a=1)]", "[get_time(tz=x)]", "[get_time(tz='a'",
                  "See [1] and [get_time(tz=1) + 2]", "[get_time(**kw)]", "a [ b"],
     "granite": ['<|tool_call|>[{"name": "nope", "arguments": {}}]', "<|tool_call|>[{", "<|tool_call|>hello"],
@@ -91,13 +98,18 @@ def _stream_pieces(plan, pieces, finish="stop"):
     return content + c, deltas + d
 
 
+def _is_call_id(cid):
+    """Ours (``call_`` + hex) or the model's own (mistral's ``[CALL_ID]``, 9 characters)."""
+    return cid.startswith("call_") or (len(cid) == 9 and cid.isalnum())
+
+
 def _check_deltas(deltas):
     first = {}
     for k, d in enumerate(deltas):
         first.setdefault(d["index"], k)
     assert sorted(first) == list(range(len(first)))
     for i, k in first.items():  # each call's first entry carries its id and name, arguments ""
-        assert deltas[k]["id"].startswith("call_") and deltas[k]["function"]["arguments"] == ""
+        assert _is_call_id(deltas[k]["id"]) and deltas[k]["function"]["arguments"] == ""
     assert all("id" not in d for k, d in enumerate(deltas) if k not in first.values())
 
 
@@ -108,7 +120,7 @@ CASES = [(fmt, text, content, calls) for fmt, rows in GOLDEN.items() for text, c
 def test_golden_non_stream(fmt, text, content, calls):
     got_content, got = parse_tool_calls(text, _plan(fmt))
     assert got_content == content and _norm(got) == calls
-    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in got)
+    assert all(_is_call_id(c["id"]) and c["type"] == "function" for c in got)
 
 
 @pytest.mark.parametrize("fmt,text,content,calls", CASES)
@@ -220,3 +232,17 @@ def test_fallback_tool_prompt_teaches_the_plan_format():
     assert "<tool_call>" in tools_system_prompt([TIME])
     assert "[TOOL_CALLS] [" in tools_system_prompt([TIME], get_format("mistral"))
     assert "[<function-name>(" in tools_system_prompt([TIME], get_format("pythonic"))
+
+
+def test_mistral_args_form_cut_by_the_limit_is_an_incomplete_call():
+    from sglite.server.tool_stream import truncated_tool_calls
+
+    plan = _plan("mistral")
+    text = 'Sure.[TOOL_CALLS]get_time[ARGS]{"tz": "Eu'
+    content, calls = truncated_tool_calls(text, plan)
+    assert content == "Sure." and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
+        [("get_time", '{"tz": "Eu')]
+    s = ToolCallStreamer(plan)
+    s.feed(text[:20])
+    s.finish(text, "length")
+    assert s.called and s.incomplete

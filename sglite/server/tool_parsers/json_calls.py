@@ -20,6 +20,7 @@ from typing import Optional
 from .formats import ToolCallFormat
 
 _DECODER = json.JSONDecoder()
+_LITERAL_END = set(",}] \t\r\n")
 
 
 def new_call_id() -> str:
@@ -104,6 +105,44 @@ def _decode_at(text: str, pos: int, names: list[str], in_list: bool) -> tuple[li
     if not calls or not all(calls):
         return [], p, in_list
     return calls, end, in_list
+
+
+class ValueScanner:
+    """Finds where one JSON value ends, fed the text incrementally (O(1) per character)."""
+
+    def __init__(self):
+        self.depth, self.in_str, self.esc, self.kind, self.done = 0, False, False, None, False
+
+    def scan(self, text: str, pos: int) -> int:
+        """Consume ``text[pos:]`` up to the value's end; return the index reached."""
+        n = len(text)
+        while pos < n and not self.done:
+            ch = text[pos]
+            if self.kind is None:
+                self.kind = "container" if ch in "{[" else "string" if ch == '"' else "literal"
+                self.depth = 1 if ch in "{[" else 0
+                self.in_str = ch == '"'
+            elif self.kind == "literal":
+                if ch in _LITERAL_END:
+                    self.done = True
+                    break
+            elif self.in_str:
+                if self.esc:
+                    self.esc = False
+                elif ch == "\\":
+                    self.esc = True
+                elif ch == '"':
+                    self.in_str = False
+                    self.done = self.kind == "string"
+            elif ch == '"':
+                self.in_str = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                self.done = self.depth == 0
+            pos += 1
+        return pos
 
 
 def parse_json_calls(text: str, fmt: ToolCallFormat, names: list[str]) -> tuple[Optional[str], list[dict]]:

@@ -30,6 +30,19 @@ def _byte_decoder() -> dict[str, int]:
 
 _HEX_BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
+# Special tokens a structural tag may trigger on: the tool-call openers of Llama 3.x
+# (``<|python_tag|>``), Mistral (``[TOOL_CALLS]``) and Granite (``<|tool_call|>``). In the grammar's
+# vocabulary each is the bytes of :func:`special_trigger` (NUL + its text): a trigger or tag
+# ``begin`` written with it matches the token id, and since NUL is not JSON text (nor in any
+# other grammar that does not ask for it), the token can appear nowhere else.
+TRIGGER_SPECIAL_TOKENS = ("<|python_tag|>", "[TOOL_CALLS]", "<|tool_call|>")
+SPECIAL_MARK = "\x00"
+
+
+def special_trigger(token: str) -> str:
+    """The grammar text of a special token of :data:`TRIGGER_SPECIAL_TOKENS` (NUL + its text)."""
+    return SPECIAL_MARK + token
+
 
 @dataclass(eq=False)
 class TokenizerInfo:
@@ -37,7 +50,8 @@ class TokenizerInfo:
 
     Attributes:
         token_bytes: raw bytes of each token id, ``len == vocab_size``; ``None`` for special
-            tokens and ids past the tokenizer (never allowed by a grammar, except EOS ids). Added
+            tokens and ids past the tokenizer (never allowed by a grammar, except EOS ids), but
+            for the tool-call openers of :data:`TRIGGER_SPECIAL_TOKENS` (NUL + their text). Added
             tokens that are not special (Qwen's ``<tool_call>``, ``<think>``) are their text, so a
             structural tag's trigger or a reasoning end marker can be generated as one token.
         eos_token_ids: ids allowed exactly in accepting states.
@@ -56,13 +70,16 @@ class TokenizerInfo:
         self.eos_token_ids = frozenset(int(t) for t in self.eos_token_ids if 0 <= int(t) < self.vocab_size)
 
     @classmethod
-    def from_hf(cls, hf_tokenizer, vocab_size: int, eos_token_ids) -> "TokenizerInfo":
+    def from_hf(cls, hf_tokenizer, vocab_size: int, eos_token_ids,
+                trigger_tokens=TRIGGER_SPECIAL_TOKENS) -> "TokenizerInfo":
         """Build from a Hugging Face tokenizer (byte-level BPE or SentencePiece-style byte fallback).
 
         Args:
             hf_tokenizer: a ``transformers`` tokenizer.
             vocab_size: the model's vocabulary size (may exceed ``len(hf_tokenizer)``).
             eos_token_ids: every id that ends generation (config, tokenizer and chat template).
+            trigger_tokens: special tokens given the bytes of :func:`special_trigger` (the rest
+                of the special tokens have none: no grammar allows them).
         """
         n = min(len(hf_tokenizer), vocab_size)
         pieces = hf_tokenizer.convert_ids_to_tokens(list(range(n)))
@@ -72,10 +89,13 @@ class TokenizerInfo:
         dec = _byte_decoder()
         byte_level = sum(1 for p in pieces if p and "Ġ" in p) > 0.01 * max(n, 1)
         out: list = [None] * vocab_size
+        eos = {int(t) for t in eos_token_ids}
         for i, p in enumerate(pieces):
-            if i in special or p is None:
-                continue
             tok = added.get(i)
+            if i in special or p is None:
+                if tok is not None and tok.content in trigger_tokens and i not in eos:
+                    out[i] = special_trigger(tok.content).encode("utf-8")
+                continue
             # a non-special added token (Qwen's <tool_call>, <think>) is text the detokenizer keeps
             out[i] = tok.content.encode("utf-8") if tok is not None else _piece_bytes(p, dec, byte_level)
         return cls(out, frozenset(eos_token_ids), vocab_size)

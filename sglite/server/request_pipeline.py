@@ -33,7 +33,7 @@ from .openai_common import check_fields
 from .openai_params import Constraint, check_model, make_call, response_format_schema, sampling_params
 from .reasoning import ReasoningFormat, ReasoningStreamer, get_reasoning_format, split_reasoning, thinking_on
 from .tool_calls import ToolPlan, parse_tool_calls, plan_tools, render_prompt
-from .tool_constraint import apply_constraint
+from .tool_constraint import apply_constraint, opener_is_text
 from .tool_stream import ToolCallStreamer, truncated_tool_calls
 
 MAX_TOP_LOGPROBS = 20
@@ -347,8 +347,10 @@ def sampling(ctx, inp: ChatInput, plan: OutputPlan, prompt: str, prompt_tokens: 
     then the turn's grammar (4c); and the engine-field -> request-field renames for later errors."""
     sp, rename = sampling_params(inp.request, inp.max_tokens, inp.fields.max_tokens, ctx.client,
                                  prompt_tokens=prompt_tokens, constraint=user_constraint(plan, inp.fields), n=inp.n)
-    if plan.tools.mode != "none" and plan.tools.fmt.name == "mistral":
-        # `[TOOL_CALLS]`, `[ARGS]` are special tokens: keep them in the text for the parser (vLLM does too)
+    fmt = plan.tools.fmt
+    if plan.tools.mode != "none" and (fmt.name == "mistral" or not opener_is_text(ctx.client.engine, fmt.opener)):
+        # a special-token opener (`<|python_tag|>`, `[TOOL_CALLS]`, mistral's `[ARGS]`, ...) stays
+        # in the text for the parser (vLLM does the same for mistral)
         sp["skip_special_tokens"] = False
     build_constraint(ctx, plan, sp, rename, prompt)
     return sp, rename

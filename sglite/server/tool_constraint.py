@@ -21,9 +21,13 @@
   by the template, e.g. ``enable_thinking: false``).
 
 With ``--grammar-backend xgrammar|llguidance`` (comparison adapters without structural tags)
-"auto" stays free and grammars are not gated. Families whose opener is a special token (llama3's ``<|python_tag|>``, mistral's
-``[TOOL_CALLS]``, granite's ``<|tool_call|>``) and the pythonic format (no opener) are left
-unconstrained in "auto": the grammar cannot make the special token itself.
+"auto" stays free and grammars are not gated. Families whose opener is a special token (llama3's
+``<|python_tag|>``, mistral's ``[TOOL_CALLS]``, granite's ``<|tool_call|>``) trigger on the token
+id (:func:`grammar_opener`: the grammar's vocabulary gives those tokens the bytes NUL + their text,
+:data:`~sglite.constrained.tokenizer_info.TRIGGER_SPECIAL_TOKENS`); the server then keeps special
+tokens in the output text, so the parsers see the opener. Their forced calls stay bare JSON (a
+grammar that forces a special token would jump-forward its text spelled out). The pythonic format
+(no opener) is left unconstrained in "auto".
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ import json
 from typing import Optional
 
 from ..constrained.structural_tag import constraint_format, reasoning_gated
+from ..constrained.tokenizer_info import TRIGGER_SPECIAL_TOKENS, special_trigger
 from .tool_calls import ToolPlan
 from .tool_parsers.formats import ToolCallFormat, get_format
 
@@ -58,33 +63,41 @@ def _call_tag(fn: dict, fmt: ToolCallFormat, begin: str = "", end: str = "") -> 
             "end": "}" + end}
 
 
-def _sections(tools: list[dict], fmt: ToolCallFormat, parallel: bool) -> Optional[list[dict]]:
-    """Tags, each a whole tool-call section beginning with the opener (None: not constrainable)."""
+def _sections(tools: list[dict], fmt: ToolCallFormat, parallel: bool,
+              opener: Optional[str] = None) -> Optional[list[dict]]:
+    """Tags, each a whole tool-call section beginning with the opener (None: not constrainable).
+    ``opener``: the opener as the grammar sees it (default ``fmt.opener``; a special token's is
+    :func:`grammar_opener`'s)."""
     fns = [t["function"] for t in tools]
-    if fmt.shape == "pythonic" or not fmt.opener:
+    opener = fmt.opener if opener is None else opener
+    if fmt.shape == "pythonic" or not opener:
         return None
     if fmt.per_call:
-        return [_call_tag(fn, fmt, fmt.opener + fmt.pad, fmt.pad + fmt.closer) for fn in fns]
+        return [_call_tag(fn, fmt, opener + fmt.pad, fmt.pad + fmt.closer) for fn in fns]
     inner = {"type": "tags_with_separator", "tags": [_call_tag(fn, fmt) for fn in fns],
              "separator": fmt.separator if fmt.shape == "json_object" else ", ",
              "at_least_one": True, "stop_after_first": not parallel}
     if fmt.shape == "json_list":
-        return [{"type": "tag", "begin": fmt.opener + "[", "content": inner, "end": "]" + fmt.closer}]
-    return [{"type": "tag", "begin": fmt.opener, "content": inner, "end": fmt.closer}]
+        return [{"type": "tag", "begin": opener + "[", "content": inner, "end": "]" + fmt.closer}]
+    return [{"type": "tag", "begin": opener, "content": inner, "end": fmt.closer}]
 
 
-def auto_tools_format(tools: list[dict], fmt: ToolCallFormat, parallel: bool) -> Optional[dict]:
-    """Structural-tag format of "auto": free text with constrained calls after the opener."""
-    tags = _sections(tools, fmt, parallel)
+def auto_tools_format(tools: list[dict], fmt: ToolCallFormat, parallel: bool,
+                      opener: Optional[str] = None) -> Optional[dict]:
+    """Structural-tag format of "auto": free text with constrained calls after the opener
+    (``opener``: as the grammar sees it, see :func:`grammar_opener`)."""
+    tags = _sections(tools, fmt, parallel, opener)
     if tags is None:
         return None
-    return {"type": "triggered_tags", "triggers": [fmt.opener], "tags": tags,
+    trigger = (fmt.opener if opener is None else opener).rstrip()
+    return {"type": "triggered_tags", "triggers": [trigger], "tags": tags,
             "at_least_one": False, "stop_after_first": not parallel}
 
 
-def calls_only_format(tools: list[dict], fmt: ToolCallFormat, parallel: bool) -> Optional[dict]:
+def calls_only_format(tools: list[dict], fmt: ToolCallFormat, parallel: bool,
+                      opener: Optional[str] = None) -> Optional[dict]:
     """Structural-tag format of one or more calls and nothing else (the tool side of a union)."""
-    tags = _sections(tools, fmt, parallel)
+    tags = _sections(tools, fmt, parallel, opener)
     if tags is None:
         return None
     sep = fmt.separator if fmt.per_call else ""
@@ -99,6 +112,22 @@ def opener_is_text(engine, opener: str) -> bool:
     added = getattr(hf, "added_tokens_decoder", None) or {}
     want = opener.strip()
     return not any(getattr(t, "content", None) == want and getattr(t, "special", False) for t in added.values())
+
+
+def grammar_opener(engine, fmt: ToolCallFormat) -> Optional[str]:
+    """The family's opener as a constrained "auto" grammar sees it: the text itself, or for a
+    special-token opener (llama3's ``<|python_tag|>``, mistral's ``[TOOL_CALLS]``, granite's
+    ``<|tool_call|>``) its :func:`~sglite.constrained.tokenizer_info.special_trigger` form, which
+    matches the token id (then what the format writes after it, e.g. mistral's space). None:
+    nothing to trigger on (pythonic has no opener)."""
+    if not fmt.opener:
+        return None
+    if engine is None or opener_is_text(engine, fmt.opener):
+        return fmt.opener
+    token = fmt.opener.strip()
+    if token not in TRIGGER_SPECIAL_TOKENS:
+        return None
+    return special_trigger(token) + fmt.opener[fmt.opener.index(token) + len(token):]
 
 
 def structural_tags_supported(engine) -> bool:
@@ -142,12 +171,13 @@ def apply_constraint(sp: dict, rename: dict, plan: ToolPlan, *, constrain_auto: 
         else:
             sp["json_schema"] = json.dumps(plan.schema)
             rename["json_schema"] = rename["grammar"] = "tools"
-    elif plan.mode == "auto" and constrain_auto and (engine is None or opener_is_text(engine, fmt.opener)):
+    elif plan.mode == "auto" and constrain_auto and grammar_opener(engine, fmt) is not None:
+        opener = grammar_opener(engine, fmt)
         own = next((k for k in _GRAMMAR_KEYS if k in sp), None)
         if own is None:
-            tag = auto_tools_format(plan.tools, fmt, plan.parallel)
+            tag = auto_tools_format(plan.tools, fmt, plan.parallel, opener)
         else:
-            calls = calls_only_format(plan.tools, fmt, plan.parallel)
+            calls = calls_only_format(plan.tools, fmt, plan.parallel, opener)
             tag = None if calls is None else {"type": "or", "elements": [calls, constraint_format(own, sp[own])]}
             if tag is not None:
                 del sp[own]

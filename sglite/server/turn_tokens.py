@@ -99,7 +99,7 @@ class TurnTokens:
             return False
         ids = list(output_ids)
         for cand in (ids[:-1], ids):  # a last token the text does not show is the template's to write
-            if cand and self.tokenizer.decode(cand) == text:
+            if cand and text in (self.tokenizer.decode(cand), self.tokenizer.decode(cand, skip_special_tokens=False)):
                 break
         else:
             return False

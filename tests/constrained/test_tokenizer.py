@@ -67,3 +67,31 @@ def test_warm_mask_is_a_lookup(hf_tok, backend):
         times.append(time.perf_counter() - t0)
         m.accept_token(t)
     assert sorted(times)[len(times) // 2] < 1e-3  # generous bound for a loaded CI box
+
+
+def test_special_tool_openers_get_their_trigger_bytes(hf_tok):
+    """A tool-call opener that is a special token (Llama 3.x's <|python_tag|>) gets the bytes NUL +
+    its text, so a structural tag triggers on its id; other special tokens keep none."""
+    import copy
+    import json
+
+    from sglite.constrained.tokenizer_info import special_trigger
+
+    tok = copy.deepcopy(hf_tok)
+    tok.add_special_tokens({"additional_special_tokens": ["<|python_tag|>", "<|other|>"]})
+    tag_id, other_id = tok.convert_tokens_to_ids(["<|python_tag|>", "<|other|>"])
+    info = TokenizerInfo.from_hf(tok, len(tok), {EOS})
+    assert info.token_bytes[tag_id] == b"\x00<|python_tag|>" and info.token_bytes[other_id] is None
+    assert info.token_bytes[EOS] is None
+    fmt = {"type": "triggered_tags", "triggers": [special_trigger("<|python_tag|>")], "at_least_one": False,
+           "stop_after_first": True, "tags": [{"type": "tag", "begin": special_trigger("<|python_tag|>"),
+                                               "content": {"type": "json_schema", "json_schema": {
+                                                   "type": "object", "properties": {"a": {"type": "integer"}},
+                                                   "required": ["a"]}}, "end": ""}]}
+    g = GrammarBackend(info).compile("structural_tag", json.dumps({"type": "structural_tag", "format": fmt}))
+    m = g.matcher()
+    for t in tok.encode("Sure.", add_special_tokens=False) + [tag_id] + tok.encode('{"a":1}', add_special_tokens=False):
+        assert m.accept_token(t), t
+    assert m.accept_token(EOS)
+    m = g.matcher()
+    assert m.accept_token(tag_id) and not m.accept_token(tag_id)  # not twice: the call must follow

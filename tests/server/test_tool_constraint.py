@@ -111,16 +111,33 @@ def test_reasoning_gate_wraps_every_constraint(grammar):
     assert sp == {"regex": "[0-9]+"}
 
 
-def test_special_token_openers_are_left_unconstrained():
+@pytest.mark.parametrize("name,token,after", [
+    ("llama3", "<|python_tag|>", '{"name": "get_weather", "parameters": {"city":"P"}}'),
+    ("mistral", "[TOOL_CALLS]", ' [{"name": "get_weather", "arguments": {"city":"P"}}]'),
+    ("granite", "<|tool_call|>", '[{"name": "get_weather", "arguments": {"city":"P"}}]'),
+])
+def test_special_token_openers_trigger_on_the_token(grammar, name, token, after):
+    """A special-token opener is constrained from the token id on: the grammar's vocabulary gives
+    it the bytes NUL + its text (TokenizerInfo), the trigger is written the same way; the call
+    that follows must be a tool's, and the token is never allowed inside the JSON."""
+    from sglite.constrained.tokenizer_info import special_trigger
+
     class Tok:
         def __init__(self, content, special):
             self.content, self.special = content, special
 
     engine = type("E", (), {"tokenizer": type("T", (), {"hf": type("H", (), {
-        "added_tokens_decoder": {5: Tok("<|python_tag|>", True), 6: Tok("<tool_call>", False)}})()})()})()
+        "added_tokens_decoder": {5: Tok(token, True), 6: Tok("<tool_call>", False)}})()})()})()
     sp: dict = {}
-    apply_constraint(sp, {}, ToolPlan("auto", [WEATHER]), fmt=get_format("llama3"), engine=engine)
-    assert sp == {}
+    apply_constraint(sp, {}, ToolPlan("auto", [WEATHER]), fmt=get_format(name), engine=engine)
+    g = _compile(grammar, sp)
+    mark = special_trigger(token)
+    assert accepts(g, ("Let me look. " + mark + after).encode()) and accepts(g, b"plain text")
+    assert not accepts(g, (mark + after.replace('"city"', '"town"')).encode())
+    assert not accepts(g, (mark + after.replace('"P"', '"' + mark + '"')).encode())
+    # the opener spelled out as text is free text (the parser reads it; the grammar does not)
+    assert accepts(g, (token + " not a call").encode())
+    sp = {}
     apply_constraint(sp, {}, ToolPlan("auto", [WEATHER]), fmt=get_format("qwen25"), engine=engine)
     assert "structural_tag" in sp
     sp = {}

@@ -13,7 +13,10 @@ model). Two modes, run one after the other on the same server:
 Per turn it reports the time to the first streamed output event (the call's item) (TTFT, seconds: mean and
 median over conversations) and the prefix-cache hit rate (``usage.input_tokens_details.
 cached_tokens / usage.input_tokens``, summed over conversations). ``hit_rate_after_first`` sums
-turns 2..K (turn 1's prompt is new but for the shared system text). Both modes flush the radix
+turns 2..K (turn 1's prompt is new but for the shared system text). ``prefix_reuse`` is the cached
+tokens of turns 2..K over their reusable prefix (the previous turn's prompt + output tokens): 1.0
+when every turn's prompt extends the previous prompt and output token for token and the cache
+kept them (the new input itself can never hit, so ``hit_rate`` stays below it). Both modes flush the radix
 cache first (``POST /flush_cache``; skipped when refused) so they start equal.
 
 Target (issue 34; the lead measures on a quiet machine): 8 conversations x 10 turns on the
@@ -49,6 +52,7 @@ class TurnResult:
     cached_tokens: int
     call: Optional[dict] = None
     status: str = "completed"
+    output_tokens: int = 0
 
 
 @dataclass
@@ -124,7 +128,7 @@ def record(conv: Conversation, mode: str, ttft: Optional[float], resp: dict) -> 
                              "arguments": call["arguments"]})
     conv.previous_id = resp.get("id")
     res = TurnResult(ttft, use.get("input_tokens", 0), (use.get("input_tokens_details") or {}).get("cached_tokens", 0),
-                     call, resp.get("status", "completed"))
+                     call, resp.get("status", "completed"), use.get("output_tokens", 0))
     conv.turns.append(res)
     return res
 
@@ -156,10 +160,14 @@ def summarize(convs: Sequence[Conversation], turns: int) -> dict:
                          "calls": sum(r.call is not None for r in rs)})
     later = per_turn[1:]
     inp, hit = sum(t["input_tokens"] for t in later), sum(t["cached_tokens"] for t in later)
+    # the reusable prefix of turn k: turn k-1's prompt + output (what a token-exact history extends)
+    reusable = sum(min(c.turns[k - 1].input_tokens + c.turns[k - 1].output_tokens, c.turns[k].input_tokens)
+                   for c in convs for k in range(1, min(turns, len(c.turns))))
     first, last = per_turn[0]["ttft_mean_s"], per_turn[-1]["ttft_mean_s"]
     return {"per_turn": per_turn,
             "hit_rate": sum(t["cached_tokens"] for t in per_turn) / max(1, sum(t["input_tokens"] for t in per_turn)),
             "hit_rate_after_first": hit / inp if inp else 0.0,
+            "prefix_reuse": hit / reusable if reusable else 0.0,
             "ttft_last_over_first": last / first if first and last is not None else None}
 
 
@@ -182,7 +190,8 @@ async def run_mode(base_url: str, mode: str, n: int, turns: int, model: Optional
 
 def print_table(res: dict) -> None:
     print(f"== mode {res['mode']}: {res['conversations']} conversations x {res['turns']} turns, "
-          f"{res['wall_s']:.2f} s; hit rate {res['hit_rate']:.3f} (turns 2..: {res['hit_rate_after_first']:.3f}); "
+          f"{res['wall_s']:.2f} s; hit rate {res['hit_rate']:.3f} (turns 2..: {res['hit_rate_after_first']:.3f}; "
+          f"of the previous prompt + output: {res['prefix_reuse']:.3f}); "
           f"TTFT last/first {res['ttft_last_over_first'] or float('nan'):.2f}")
     print(f"{'turn':>4} {'ttft_mean_ms':>12} {'ttft_p50_ms':>11} {'input_tok':>9} {'cached':>7} {'hit':>6} {'calls':>5}")
     for t in res["per_turn"]:

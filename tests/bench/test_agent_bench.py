@@ -32,7 +32,7 @@ def test_bench_agent_modes(server, mode, tmp_path, capsys):
     # the fake engine caches prompts (not outputs) and counts the longest shared prefix: turn k+1's
     # prompt extends turn k's, in both modes (the server renders the stored history the same way)
     assert all(b["cached_tokens"] >= a["input_tokens"] for a, b in zip(turns, turns[1:]))
-    assert 0 < res["hit_rate_after_first"] < 1
+    assert 0 < res["hit_rate_after_first"] < 1 and res["hit_rate_after_first"] < res["prefix_reuse"] <= 1
     assert "mode " + mode in capsys.readouterr().out
 
 

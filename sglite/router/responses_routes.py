@@ -5,7 +5,7 @@ the router remembers ``response id -> worker``: it gives every forwarded ``POST 
 ``rid`` (the client's, or a new one), and the worker names the response ``resp_<rid>``. A request
 with ``previous_response_id`` goes to that response's worker (the policy picks when the id is
 unknown or its worker is down: that worker then answers the 400 ``previous_response_not_found``);
-``GET`` / ``DELETE /v1/responses/{id}`` and ``/input_items`` go there too (every healthy worker
+``GET`` / ``DELETE /v1/responses/{id}``, ``/input_items`` and ``POST .../cancel`` go there too (every healthy worker
 is asked in turn when the id is unknown, the first answer other than 404 wins). The map is bounded
 (:data:`MAX_REMEMBERED` ids, least recently used dropped first), like the workers' stores.
 """
@@ -111,5 +111,9 @@ def add_responses_routes(app: FastAPI, router, fwd, read_body) -> ResponseAffini
     @app.get("/v1/responses/{response_id}/input_items")
     async def list_input_items(response_id: str, request: Request):
         return await to_owner(request, "GET", response_id, "/input_items")
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str, request: Request):
+        return await to_owner(request, "POST", response_id, "/cancel")
 
     return affinity

@@ -36,6 +36,13 @@ def test_previous_response_id_goes_to_the_worker_that_holds_it(two_workers):
         assert len(engines[owner].calls) == 5 and not engines[1 - owner].calls
         assert c.responses.retrieve(first.id).id == first.id
         assert c.responses.input_items.list(first.id).data[0].content[0].text == "Hello"
+        # a background response is polled and cancelled on its worker too
+        bg = c.responses.create(model="fake-model", input="Hello", max_output_tokens=4, background=True)
+        c.responses.cancel(bg.id)
+        for _ in range(200):
+            if c.responses.retrieve(bg.id).status not in ("queued", "in_progress"):
+                break
+        assert c.responses.retrieve(bg.id).status in ("cancelled", "incomplete")
         c.responses.delete(first.id)
         with pytest.raises(openai.NotFoundError):
             c.responses.retrieve(first.id)

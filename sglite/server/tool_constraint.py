@@ -26,8 +26,10 @@ With ``--grammar-backend xgrammar|llguidance`` (comparison adapters without stru
 id (:func:`grammar_opener`: the grammar's vocabulary gives those tokens the bytes NUL + their text,
 :data:`~sglite.constrained.tokenizer_info.TRIGGER_SPECIAL_TOKENS`); the server then keeps special
 tokens in the output text, so the parsers see the opener. Their forced calls stay bare JSON (a
-grammar that forces a special token would jump-forward its text spelled out). The pythonic format
-(no opener) is left unconstrained in "auto".
+grammar that forces a special token would jump-forward its text spelled out). Pythonic "auto"
+calls are triggered by ``[<tool name>(`` and follow a grammar of Python literals built from the
+tool schemas (:mod:`sglite.server.tool_parsers.pythonic_grammar`); with the request's own
+constraint too, they are left free.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from ..constrained.structural_tag import constraint_format, reasoning_gated
 from ..constrained.tokenizer_info import TRIGGER_SPECIAL_TOKENS, special_trigger
 from .tool_calls import ToolPlan
 from .tool_parsers.formats import ToolCallFormat, get_format
+from .tool_parsers.pythonic_grammar import pythonic_format
 
 REASONING_END = {"qwen3": "</think>", "deepseek-r1": "</think>"}  # SGLang's --reasoning-parser names
 _GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
@@ -171,6 +174,12 @@ def apply_constraint(sp: dict, rename: dict, plan: ToolPlan, *, constrain_auto: 
         else:
             sp["json_schema"] = json.dumps(plan.schema)
             rename["json_schema"] = rename["grammar"] = "tools"
+    elif plan.mode == "auto" and constrain_auto and fmt.shape == "pythonic":
+        if not any(k in sp for k in _GRAMMAR_KEYS):  # with the request's own constraint: left free
+            tag = pythonic_format(plan.tools, plan.parallel)
+            if tag is not None:
+                sp["structural_tag"] = json.dumps({"type": "structural_tag", "format": tag})
+                rename["structural_tag"] = rename["grammar"] = "tools"
     elif plan.mode == "auto" and constrain_auto and grammar_opener(engine, fmt) is not None:
         opener = grammar_opener(engine, fmt)
         own = next((k for k in _GRAMMAR_KEYS if k in sp), None)

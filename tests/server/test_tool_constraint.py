@@ -140,9 +140,9 @@ def test_special_token_openers_trigger_on_the_token(grammar, name, token, after)
     sp = {}
     apply_constraint(sp, {}, ToolPlan("auto", [WEATHER]), fmt=get_format("qwen25"), engine=engine)
     assert "structural_tag" in sp
-    sp = {}
+    sp = {"regex": "a+"}  # pythonic with the request's own constraint: calls left free
     apply_constraint(sp, {}, ToolPlan("auto", [WEATHER]), fmt=get_format("pythonic"))
-    assert sp == {}
+    assert sp == {"regex": "a+"}
     # an external grammar backend without structural tags: auto stays free, no reasoning gate
     engine.config = type("C", (), {"grammar_backend": "xgrammar"})()
     sp = {"regex": "a+"}
@@ -163,3 +163,69 @@ def test_other_families_shapes(grammar, name, text):
     g = _compile(grammar, sp)
     assert accepts(g, text.encode()) and accepts(g, b"plain text")
     assert not accepts(g, text.replace('"city"', '"town"').encode())
+
+
+PY_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "unit": {"enum": ["c", "f"]},
+        "hourly": {"type": "boolean"}, "extra": {"type": "object"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
+        "tz": {"type": ["string", "null"]}, "ts": {"type": "array"}}}}},
+    {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}},
+]
+PY_TYPES = {"string": str, "integer": int, "boolean": bool, "object": dict, "array": list}
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_pythonic_auto_calls_always_parse(grammar, parallel):
+    """Pythonic "auto": free text, then from `[<tool>(` on a grammar of Python literals built from
+    the schemas. Random walks through the grammar's masks (a byte vocabulary) always end in calls
+    that the pythonic parser reads, with only the tool's parameters, the required ones, the right
+    top-level types (and enum values)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from sglite.server.tool_parsers.pythonic import parse_pythonic_calls
+
+    sp: dict = {}
+    apply_constraint(sp, {}, ToolPlan("auto", PY_TOOLS, parallel=parallel), fmt=get_format("pythonic"))
+    g = _compile(grammar, sp)
+    assert accepts(g, b"See [1] and [2], plain text.")
+    assert not accepts(g, b'[get_weather(days=2)]') and not accepts(g, b'[get_time(zone="x")]')
+    rng, schemas = random.Random(7), {t["function"]["name"]: t["function"]["parameters"] for t in PY_TOOLS}
+    done = 0
+    for run in range(12):
+        m = g.matcher()
+        head = f"Checking. [{rng.choice(list(schemas))}(".encode()
+        assert all(m.accept_token(b) for b in head)
+        out = list(head)
+        while not m.is_terminated() and len(out) < 600:
+            mask = torch.zeros(1, 9, dtype=torch.int32)
+            m.fill_next_token_bitmask(mask)
+            allowed = np.flatnonzero(np.unpackbits(mask[0].numpy().view("uint8"), bitorder="little")[:257])
+            # lean towards closing: short values, so walks end
+            weights = [8.0 if t == 256 or (t < 256 and t in b')]"0') else 1.0 for t in allowed]
+            t = int(rng.choices(list(allowed), weights)[0])
+            assert m.accept_token(t)
+            if t == 256:
+                break
+            out.append(t)
+        if not m.is_terminated():
+            continue  # cut by the length of the walk (a long random literal)
+        text = bytes(out).decode("utf-8", errors="replace")  # free text after the list: any bytes
+        content, calls = parse_pythonic_calls(text, list(schemas))
+        assert content == "Checking." and calls and (parallel or len(calls) == 1), text
+        done += 1
+        for c in calls:
+            params, args = schemas[c["function"]["name"]], json.loads(c["function"]["arguments"])
+            assert set(args) <= set(params["properties"]) and set(params.get("required", [])) <= set(args), text
+            for k, v in args.items():
+                want = params["properties"][k]
+                if "enum" in want:
+                    assert v in want["enum"]
+                for typ in ([want["type"]] if isinstance(want.get("type"), str) else want.get("type") or []):
+                    if typ in PY_TYPES and not isinstance(want.get("type"), list):
+                        assert isinstance(v, PY_TYPES[typ]) and (typ == "boolean") == isinstance(v, bool), text
+    assert done >= 8, f"only {done} of 12 walks ended"

@@ -62,3 +62,41 @@ def test_refusals_and_bound(real_tokenizer):
     assert mem.substitute([{"role": "assistant", "content": "three"}], keep_last=True)[1] == []
     with pytest.raises(ValueError, match="max_entries"):
         TurnTokens(tok, max_entries=-1)
+
+
+def test_chat_completions_resent_history_carries_the_generated_ids():
+    """Over HTTP (chat completions, streamed, FakeEngine's byte tokens): the assistant message the
+    client sends back (arguments re-serialized, another call id) is replaced by the output as
+    generated, so turn 2's ids extend turn 1's prompt ids + output ids."""
+    import json
+
+    import openai
+
+    from sglite.server.runner import ServerThread
+    from sglite.server.settings import ServerConfig
+    from sglite.server.testing import FakeEngine
+
+    reply = 'Checking.<tool_call>\n{"name": "get_weather",  "arguments": {"city":"Oslo"}}\n</tool_call>'
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    engine = FakeEngine(reply=reply, context_length=4096)
+    with ServerThread(engine, ServerConfig(port=0)) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=30)
+        msgs = [{"role": "user", "content": "Weather in Oslo?"}]
+        chunks = list(c.chat.completions.create(model="fake-model", messages=msgs, tools=[tool], stream=True,
+                                                temperature=0))
+        first = engine.calls[-1]
+        call = next(ch.choices[0].delta.tool_calls[0] for ch in chunks
+                    if ch.choices and ch.choices[0].delta.tool_calls and ch.choices[0].delta.tool_calls[0].id)
+        args = json.loads("".join(ch.choices[0].delta.tool_calls[0].function.arguments or "" for ch in chunks
+                                  if ch.choices and ch.choices[0].delta.tool_calls))
+        msgs += [{"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": "call_other", "type": "function",
+             "function": {"name": call.function.name, "arguments": json.dumps(args, indent=1)}}]},
+            {"role": "tool", "tool_call_id": "call_other", "content": "sunny"}]
+        c.chat.completions.create(model="fake-model", messages=msgs, tools=[tool], temperature=0)
+        second = engine.calls[-1]
+    ids1 = first["input_ids"] or list(first["prompt"].encode())
+    head = ids1 + list(reply.encode())
+    assert second["input_ids"][:len(head)] == head
+    assert "sunny" in second["text"] and reply in second["text"]

@@ -7,7 +7,10 @@ back into its own response shape. Everything in between runs here, once, in this
 2. **plan tools and output format** (:func:`plan_output`): the :class:`OutputPlan` (tool mode,
    ``response_format``, reasoning) and the :class:`ToolCallParser` that will read the output;
 3. **render the prompt** (:func:`render`): the chat template over the messages (tools shown),
-   and its length checked against the context;
+   past assistant turns the server generated spliced in as their generated token ids
+   (:mod:`sglite.server.turn_tokens`, remembered by :func:`remember_output`), the oldest
+   messages dropped to fit when the request asks (``truncate``), and its length checked against
+   the context;
 4. **sampling params and constraint** (:func:`sampling`: :func:`user_constraint`, then
    :func:`build_constraint`): the engine's sampling params, with the turn's one grammar built
    from the plan (:mod:`sglite.server.tool_constraint`);

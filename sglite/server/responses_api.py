@@ -9,6 +9,11 @@
   (``limit`` 1-100, default 20; ``order`` ``desc`` (default) or ``asc``; ``after`` / ``before``:
   an item id to page from): 404 for an id that is not stored (never stored, deleted, evicted or
   expired).
+* ``POST /v1/responses/{id}/cancel`` and ``background: true``: the response is stored as
+  ``queued`` and runs as a task; polled with ``GET``, cancelled here
+  (:mod:`sglite.server.responses_background`).
+* ``include: ["message.output_text.logprobs"]`` / ``top_logprobs``: the message text's logprob
+  entries on its ``output_text`` part (and on each streamed ``output_text.delta``).
 * ``previous_response_id``: the stored conversation comes before the new input; an id that is not
   stored is a 400 naming the field (``code: "previous_response_not_found"``). While a response is
   stored, its prompt + output stay pinned in the radix cache (``--responses-pin-tokens``), so the

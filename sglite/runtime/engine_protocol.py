@@ -73,6 +73,10 @@ class TokenizerLike(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A text prompt's ids as the engine encodes it (the tokenizer's BOS first, if it adds one)."""
+        ...
+
     def decode(self, ids: list[int]) -> str: ...
 
 

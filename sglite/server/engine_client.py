@@ -153,7 +153,7 @@ class EngineClient:
         """Number of tokens of ``text`` with the engine's tokenizer, or None when it cannot encode
         it (e.g. a lone surrogate): counting is advisory, the engine re-checks and names the field."""
         try:
-            return len(self.engine.tokenizer.encode(text))
+            return len(self.engine.tokenizer.encode_prompt(text))
         except Exception:  # noqa: BLE001
             return None
 

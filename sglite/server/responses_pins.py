@@ -39,7 +39,7 @@ class ResponsePins:
 
     def _ids(self, prompt, output_ids: Optional[list], text: str) -> list[int]:
         tok = self.engine.tokenizer
-        head = list(prompt) if isinstance(prompt, list) else list(tok.encode(prompt))
+        head = list(prompt) if isinstance(prompt, list) else list(tok.encode_prompt(prompt))
         return head + (list(output_ids) if output_ids else list(tok.encode(text)))
 
     def _pin(self, response_id: str, prompt: str, output_ids, text: str, previous_id: Optional[str]) -> None:

@@ -32,11 +32,11 @@ EOS = 256
 class FakeTokenizer:
     """Byte-level tokenizer: token id = byte value; 256 = EOS."""
 
-    vocab_size = 257
-    eos_token_id = EOS
+    vocab_size, eos_token_id = 257, EOS
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+    encode_prompt = encode  # a prompt's ids: no BOS
 
     def decode(self, ids: list[int], **_: Any) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", "replace")

@@ -1,6 +1,7 @@
 """GGUF files are checked before any conversion: a file cut anywhere in its metadata or tensor
-table, a wrong magic or version, or an unsupported architecture is an InvalidRequestError naming
-``model_path``; the conversion cache is keyed by the full content hash, remembered per file."""
+table, a wrong magic or version, or an unsupported architecture, rope scaling or tensor type is an
+InvalidRequestError naming ``model_path``; the conversion cache is keyed by the full content hash,
+remembered per file."""
 import json
 import os
 import shutil
@@ -12,7 +13,7 @@ from sglite.runtime import model_loader
 from sglite.runtime.gguf_header import checked_identity, read_gguf_header
 
 
-def _write(path, arch="llama", n=3):
+def _write(path, arch="llama", n=3, extra=None):
     import gguf
     import numpy as np
 
@@ -20,6 +21,8 @@ def _write(path, arch="llama", n=3):
     w.add_uint32("test.n", n)
     w.add_array("test.words", ["a", "bb", "ccc"])
     w.add_tensor("t", np.arange(n * 2, dtype=np.float32).reshape(2, n))
+    if extra is not None:
+        extra(w)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -66,11 +69,65 @@ def test_truncated_model_file_is_refused_before_conversion(tmp_path, monkeypatch
 
 
 def test_unsupported_architecture_is_refused_before_conversion(tmp_path, monkeypatch):
+    import hashlib
+    import time
+
     src = _write(tmp_path / "g.gguf", arch="mamba")
     monkeypatch.setattr(model_loader, "_convert_gguf", lambda *a: pytest.fail("converted an unsupported file"))
+    monkeypatch.setattr(hashlib, "sha256", lambda *a: pytest.fail("hashed an unsupported file"))
+    t0 = time.perf_counter()
     with pytest.raises(InvalidRequestError, match="general.architecture='mamba'.*supported") as e:
         model_loader.load_checkpoint(str(src), cache_dir=str(tmp_path / "cache"))
-    assert e.value.field == "model_path"
+    assert e.value.field == "model_path" and time.perf_counter() - t0 < 1.0
+
+
+def _rope_linear(w):
+    w.add_string("llama.rope.scaling.type", "linear")
+
+
+def _rope_freqs(w):
+    import numpy as np
+
+    w.add_tensor("rope_freqs.weight", np.ones(4, dtype=np.float32))
+
+
+def _iq4_nl(w):
+    import gguf
+    import numpy as np
+
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((2, 18), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+
+
+@pytest.mark.parametrize("extra, names", [
+    (_rope_linear, r"llama.rope.scaling.type='linear'.*supported: \['none'\]"),
+    (_rope_freqs, r"rope_freqs.weight.*supported"),
+    (_iq4_nl, r"type \['IQ4_NL'\].*supported tensor types: \['F32'.*'Q6_K'\]"),
+])
+def test_unsupported_rope_or_tensor_type_is_refused_fast_before_hashing_or_conversion(tmp_path, monkeypatch,
+                                                                                     extra, names):
+    """A rope scaling or tensor type the conversion would drop or cannot read is refused from the
+    header alone: the file is neither hashed nor converted, the message names field and choices."""
+    import hashlib
+    import time
+
+    src = _write(tmp_path / "m.gguf", extra=extra)
+    monkeypatch.setattr(model_loader, "_convert_gguf", lambda *a: pytest.fail("converted an unsupported file"))
+    monkeypatch.setattr(hashlib, "sha256", lambda *a: pytest.fail("hashed an unsupported file"))
+    t0 = time.perf_counter()
+    with pytest.raises(InvalidRequestError, match=names) as e:
+        model_loader.load_checkpoint(str(src), cache_dir=str(tmp_path / "cache"))
+    assert e.value.field == "model_path" and time.perf_counter() - t0 < 1.0
+
+
+def test_facts_remembered_and_rechecked(tmp_path):
+    """The header facts are remembered with the hash; a remembered file is still checked."""
+    from sglite.runtime.gguf_header import checked_facts
+
+    src = _write(tmp_path / "m.gguf", extra=_rope_linear)
+    facts = checked_facts(src, tmp_path)
+    assert facts["rope_scaling"] == "linear" and facts["tensor_types"] == ["F32"] and not facts["rope_freqs"]
+    with pytest.raises(InvalidRequestError, match="rope.scaling.type"):
+        model_loader.load_checkpoint(str(src), cache_dir=str(tmp_path))
 
 
 def test_identity_is_the_full_content_and_remembered(tmp_path):

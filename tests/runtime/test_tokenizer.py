@@ -125,3 +125,29 @@ def test_decode_calls_the_fast_backend_with_hf_decode_results(real_tokenizer):
 
     custom = object.__new__(CustomDecode)
     assert _plain_fast_backend(custom) is None and _plain_fast_backend(SimpleNamespace()) is None
+
+
+def _bos_tokenizer():
+    """A word-level fast tokenizer whose post-processor prepends <bos> (as Gemma's and Llama's do)."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "a": 4, "b": 5}
+    raw = RawTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    return PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<bos>", eos_token="<eos>",
+                                   unk_token="<unk>", pad_token="<pad>")
+
+
+def test_prompt_bos_follows_the_tokenizer(real_tokenizer):
+    """A text prompt starts with BOS exactly when the tokenizer itself adds one (SGLang's and
+    llama.cpp's prompt encoding); a text already starting with <bos> (a chat template) gets one."""
+    tok = Tokenizer(_bos_tokenizer())
+    assert tok.prompt_bos_id == 2
+    assert tok.encode("a b") == [4, 5] and tok.encode_prompt("a b") == [2, 4, 5]
+    assert tok.encode_prompt("<bos> a") == [2, 4]
+    assert tok.encode_prompt("") == [2]
+    assert real_tokenizer.prompt_bos_id is None  # SmolLM2 adds no BOS: prompts are unchanged
+    assert real_tokenizer.encode_prompt("Hello world") == real_tokenizer.encode("Hello world")

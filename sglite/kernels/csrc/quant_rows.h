@@ -78,6 +78,13 @@ inline void decode_block(const uint8_t* q, int bits, int64_t kb, float* out) {
   }
 }
 
+// code of stored channel c of a row's packed codes qr (both widths)
+inline int32_t code_at(const uint8_t* qr, int bits, int64_t c) {
+  if (bits == 8) return qr[c];
+  const uint8_t b = qr[(c / BLK) * 16 + c % 16];
+  return c % BLK >= 16 ? b >> 4 : b & 0xF;
+}
+
 // portable GEMV: y[m, n] = sum_g s[n, g] * dot(x[m, group g], q[n, group g]) + sum_g mins[n, g] * xs[m, g]
 inline void rows_portable(const float* xf, int64_t M, int64_t K, const uint8_t* q, int bits, const float* s,
                    const float* mn, const float* xs, int64_t gs, int64_t n0, int64_t n1, int64_t N, float* y) {
@@ -87,7 +94,7 @@ inline void rows_portable(const float* xf, int64_t M, int64_t K, const uint8_t* 
     const uint8_t* qr = q + n * rowb;
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t g = 0; g < G; ++g) {
-      for (int64_t b = 0; b < gs; b += BLK) decode_block(qr, bits, g * gs + b, wq.data() + b);
+      for (int64_t i = 0; i < gs; ++i) wq[i] = (float)code_at(qr, bits, g * gs + i);
       const float sg = s[n * G + g];
       for (int64_t m = 0; m < M; ++m) {
         const float* xr = xf + m * K + g * gs;
@@ -147,7 +154,19 @@ void rows_avx(const uint16_t* xp, int64_t K, const uint8_t* q, const float* s, c
     const float* sr = s + n * G;
     __m512 a0[M], a1[M];
     for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; ++g) {
+    for (int64_t kb = 0; gs < BLK && kb < K; kb += BLK) {  // group 16 (8 bits): two scales a block;
+      // VDPBF16PS lane i sums channels 2i, 2i + 1, so lanes 0..7 hold the first group, 8..15 the second
+      const __m512bh w = unpack8(qr + kb);
+      const int64_t g = kb / gs;
+      const __m512 sv = _mm512_mask_blend_ps((__mmask16)0xFF00, _mm512_set1_ps(sr[g]), _mm512_set1_ps(sr[g + 1]));
+      for (int m = 0; m < M; ++m) {
+        __m512 t = _mm512_setzero_ps();
+        for (int p = 0; p < P; ++p) t = _mm512_dpbf16_ps(t, w, (__m512bh)_mm512_loadu_si512(xp + (p * M + m) * K + kb));
+        if (g & 2) a1[m] = _mm512_fmadd_ps(t, sv, a1[m]);
+        else a0[m] = _mm512_fmadd_ps(t, sv, a0[m]);
+      }
+    }
+    for (int64_t g = 0; gs >= BLK && g < G; ++g) {
       __m512 t[M];
       for (int m = 0; m < M; ++m) t[m] = _mm512_setzero_ps();
       for (int64_t b = 0; b < bpg; ++b) {
@@ -286,11 +305,42 @@ inline void quantize_q8(const float* x, int64_t M, int64_t K, int8_t* xq, float*
     }
 }
 
-// portable rows: y[m, n] = sum_b s[n, b] * (dx[m, b] * idot(q, xq)) + mn[n, b] * sx[m, b]
+// group 16 (8-bit codes, GGUF Q6_K): the offsets' factor per 16-group, sx16[m, 2b + h] =
+// dx[m, b] * sum(xq[m, 32 b + 16 h .. + 16]) (the group-32 sx of quantize_q8 covers both halves)
+inline void group_sx16(const int8_t* xq, const float* dx, int64_t M, int64_t K, float* sx16) {
+  const int64_t nb = K / BLK;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b)
+      for (int h = 0; h < 2; ++h) {
+        int32_t sum = 0;
+        for (int i = 0; i < 16; ++i) sum += xq[m * K + b * BLK + 16 * h + i];
+        sx16[m * 2 * nb + 2 * b + h] = dx[m * nb + b] * (float)sum;
+      }
+}
+
+// portable rows: y[m, n] = sum_g s[n, g] * (dx[m, b(g)] * idot_g(q, xq)) + mn[n, g] * sx[m, g] over the
+// groups g (32-blocks, or their 16-halves when w.gs == 16: sx then per 16-group, group_sx16)
 template <typename ST>
 void rows_q8_portable(const int8_t* xq, const float* dx, const float* sx, int64_t M, int64_t K,
                       const QW& w, int64_t n0, int64_t n1, float* y) {
   const int64_t nb = K / BLK, rowb = K * w.bits / 8;
+  if (w.gs != BLK) {
+    const int64_t G = K / w.gs, gs = w.gs;
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* qr = w.q + n * rowb;
+      for (int64_t m = 0; m < M; ++m) {
+        float acc = 0.f;
+        for (int64_t g = 0; g < G; ++g) {
+          int32_t d = 0;
+          for (int64_t i = 0; i < gs; ++i) d += code_at(qr, w.bits, g * gs + i) * xq[m * K + g * gs + i];
+          acc += scale_at((const ST*)w.s, n * G + g) * (dx[m * nb + g * gs / BLK] * (float)d);
+          if (w.mn) acc += scale_at((const ST*)w.mn, n * G + g) * sx[m * G + g];
+        }
+        y[m * w.N + n] = acc;
+      }
+    }
+    return;
+  }
   const ST* ws = (const ST*)w.s;
   const ST* wm = (const ST*)w.mn;
   for (int64_t n = n0; n < n1; ++n) {
@@ -394,7 +444,7 @@ void rows_q8_avx(const int8_t* xp, const float* dx, const float* sx, int64_t K, 
 
 #include "quant_tiles.h"
 
-// y [M, N] float32 = q8(x) @ W_stored.T for x [M, K] float32, group size 32
+// y [M, N] float32 = q8(x) @ W_stored.T for x [M, K] float32, group size 32 (or 16 with 8-bit codes)
 template <typename Par = AtPar>
 void gemv_q8(const QW& w, const float* xf, int64_t M, float* y, bool portable = false, const Par& par = Par{}) {
   const int64_t K = w.K, nb = K / BLK;
@@ -410,13 +460,17 @@ void gemv_q8(const QW& w, const float* xf, int64_t M, float* y, bool portable = 
   std::vector<int8_t> xq(M * K + 64);
   std::vector<float> dx(M * nb), sx(M * nb);
   quantize_q8(xf, M, K, xq.data(), dx.data(), sx.data());
+  if (w.gs != BLK) {  // group 16: the offsets' factor per 16-group
+    sx.resize(M * 2 * nb);
+    group_sx16(xq.data(), dx.data(), M, K, sx.data());
+  }
   if (w.tiled) {
     gemv_q8_tiled(w, xq.data(), dx.data(), sx.data(), M, y, portable, par);
     return;
   }
   const int64_t grain = std::max<int64_t>(16, (int64_t)(1 << 16) / std::max<int64_t>(K, 1));
 #ifdef SGQ_VNNI
-  if (!portable) {
+  if (!portable && w.gs == BLK) {  // group 16 in the row layout (N % 16 != 0): the portable rows
     std::vector<int8_t> xp(M * ((nb + 1) / 2) * 64);
     arrange_q8(xq.data(), M, K, w.bits, xp.data());
     par(0, w.N, grain, [&](int64_t n0, int64_t n1) {

@@ -246,14 +246,34 @@ class QuantLinearWeight:
                        bias=None if self.bias is None else self.bias[idx].contiguous())
 
 
+def widen(w: QuantLinearWeight, bits: int, group_size: int) -> QuantLinearWeight:
+    """``w`` with ``bits`` >= its bits and a ``group_size`` dividing its own: the same codes as 8-bit
+    bytes and each scale / min repeated over the smaller groups -- exact (the same ``s * q + m`` per
+    weight). Row layout. Raises ValueError when that is not a widening."""
+    w = w.untiled()
+    if bits < w.bits or w.group_size % group_size:
+        raise ValueError(f"widen: bits {w.bits}->{bits}, group_size {w.group_size}->{group_size} is not a widening")
+    if (bits, group_size) == (w.bits, w.group_size):
+        return w
+    r = w.group_size // group_size
+    rep = lambda t: None if t is None else t.repeat_interleave(r, dim=1).contiguous()  # noqa: E731
+    return replace(w, qweight=pack_codes(w.codes(), bits), scales=rep(w.scales), mins=rep(w.mins), bits=bits,
+                   group_size=group_size)
+
+
 def cat_rows(ws: Sequence[QuantLinearWeight], bias: Optional[torch.Tensor] = None) -> QuantLinearWeight:
-    """Concatenate weights along N (fused QKV / gate-up): same bits, group_size, K and perm; mins
-    present in all or none (a None mins becomes zeros when others have them). The result is in the
-    row layout (tiled inputs are untiled).
+    """Concatenate weights along N (fused QKV / gate-up): same K and perm; mins present in all or
+    none (a None mins becomes zeros when others have them). Parts of different bits or group sizes
+    (a GGUF Q4_K_M's Q4_K q / k with a Q6_K v) are first widened exactly (:func:`widen`) to the
+    widest code and the smallest group when that is a valid weight (group 16 needs 8 bits). The
+    result is in the row layout (tiled inputs are untiled).
 
     Raises:
         ValueError: the weights disagree (names the field)."""
     ws = [w.untiled() for w in ws]
+    bits, gs = max(w.bits for w in ws), min(w.group_size for w in ws)
+    if all(w.group_size % gs == 0 for w in ws) and (gs % BLOCK == 0 or tileable_group(gs, bits)):
+        ws = [widen(w, bits, gs) for w in ws]
     a = ws[0]
     for w in ws[1:]:
         for f in ("bits", "group_size", "in_features"):

@@ -89,3 +89,21 @@ def test_group_16_needs_8_bit_codes():
         QuantLinearWeight.from_codes(codes, torch.ones(16, 4), None, 4, 16)
     with pytest.raises(ValueError, match="got 48 with bits 8"):
         QuantLinearWeight.from_codes(codes.repeat(1, 3), torch.ones(16, 4), None, 8, 48)
+
+
+def test_mixed_parts_fuse_exactly():
+    """A Q4_K_M layer's Q4_K q / k with a Q6_K v (and a Q5_0 up with a Q4_K gate) fuse into one
+    quantized weight, widened exactly to 8-bit codes (group 16 with Q6_K): same dequantized rows."""
+    from sglite.kernels.matmul import make_linear
+    from sglite.kernels.quant_linear import cat_rows
+
+    for types in (("Q4_K", "Q4_K", "Q6_K"), ("Q4_K", "Q5_0"), ("Q4_0", "Q8_0", "Q5_K")):
+        parts = [_weight(t, 32, 256, i) for i, t in enumerate(types)]
+        want = torch.cat([p.dequantize() for p in parts])
+        fused = cat_rows(parts)
+        assert fused.bits == max(p.bits for p in parts) and fused.group_size == min(p.group_size for p in parts)
+        assert torch.equal(fused.dequantize(), want)
+        lw = make_linear(parts, None, torch.float32, "cpu")
+        assert isinstance(lw, QuantLinearWeight) and torch.equal(lw.dequantize(), want)
+    with pytest.raises(ValueError, match="in_features differs"):
+        cat_rows([_weight("Q4_K", 16, 256, 0), _weight("Q4_K", 16, 512, 0)])

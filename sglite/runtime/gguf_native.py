@@ -118,8 +118,11 @@ def _read_blocks(reader, cfg, device: str) -> dict:
     heads = {"attn_q": cfg.num_attention_heads,
              "attn_k": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads}
     state: dict = {}
+    other: dict = {}  # matmul tensors of types the kernels do not read: dequantized (the float cache)
     for t in reader.tensors:
         name = hf_name(t.name)
+        if name is not None and t.tensor_type.name not in NATIVE_TYPES and t.tensor_type.name not in ("F32", "F16", "BF16"):
+            other[t.tensor_type.name] = other.get(t.tensor_type.name, 0) + 1
         if name is None or t.tensor_type.name not in NATIVE_TYPES:
             continue
         w = blocks_to_weight(t.tensor_type.name, t.data, int(t.shape[0]))
@@ -129,6 +132,9 @@ def _read_blocks(reader, cfg, device: str) -> dict:
         if kind in heads and arch in _PERMUTED_ARCHS:
             w = w.permute_rows(unpermute_rows(w.shape[0], heads[kind]))
         state[name] = w.to(device)
+    if other:
+        log.warning("GGUF matmul tensors of types sglite does not keep quantized are dequantized to float: %s "
+                    "(kept quantized: %s)", ", ".join(f"{n} x {k}" for k, n in sorted(other.items())), ", ".join(NATIVE_TYPES))
     return state
 
 

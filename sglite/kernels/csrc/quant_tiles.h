@@ -1,5 +1,5 @@
 // GEMV on quantized weights interleaved in tiles of 16 rows (layout and torch reference:
-// sglite/kernels/quant_linear.py, tile_rows / QuantLinearWeight.untiled). Spliced by quant_rows.h inside
+// sglite/kernels/quant_linear.py, tile_rows / QuantLinearWeight.untiled). Spliced by quant_q8.h inside
 // namespace sglite_quant (uses its QW, BLK, scale_at, with_rows / with_bits / with_scale_type and,
 // with VNNI, <immintrin.h>).
 //

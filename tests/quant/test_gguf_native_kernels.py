@@ -107,3 +107,15 @@ def test_mixed_parts_fuse_exactly():
         assert isinstance(lw, QuantLinearWeight) and torch.equal(lw.dequantize(), want)
     with pytest.raises(ValueError, match="in_features differs"):
         cat_rows([_weight("Q4_K", 16, 256, 0), _weight("Q4_K", 16, 512, 0)])
+
+
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_K", "Q6_K"])
+def test_tiles_keep_the_weight(type_name):
+    """Tiling (group 16 too) moves bytes only: rows (a tied embedding's lookup), the row layout and
+    row permutations read back the same weights."""
+    w = _weight(type_name, 48, 512, 2)
+    d = w.dequantize()
+    assert tile_rows(w) and w.tiled
+    ids = torch.tensor([0, 17, 47, 5])
+    assert torch.equal(w.rows(ids, torch.float32), d[ids]) and torch.equal(w.untiled().dequantize(), d)
+    assert torch.equal(w.permute_rows(torch.arange(47, -1, -1)).dequantize(), d.flip(0))

@@ -59,7 +59,6 @@ import torch.nn.functional as F
 
 from . import cpu_gemv, gemm_paths, quant_cpu, quant_gemm, quant_linear, w8_linear
 from .linear_invariant import linear_invariant
-from .quant_layout import BLOCK
 from .quant_linear import QuantLinearWeight, reference_linear
 
 log = logging.getLogger("sglite.kernels.matmul")

@@ -54,12 +54,16 @@ def _shapes(model, key) -> list:
 def test_mix_fused_native_float32_equals_dequantized(wide_tiny, mix):
     from sglite import Engine
 
-    sp = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+    sp = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
     with Engine(model_path=str(wide_tiny), dtype="float32", max_total_tokens=2048) as e:
         model = e.runner.model
         floats = _quantize_layers(model, MIXES[mix], seed=7)
         fmts = {f for L in model.layers for k in PARTS for f in L[k].fmt.split("+")}
         assert fmts == {f"gguf:{t}" for t in MIXES[mix].values()}
+        model.decode_fused = decode_fused.prepare(model, portable=True)  # the portable C++ build first
+        assert model.decode_fused is not None
+        portable = [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=sp)]
+        e.flush_cache()
         model.decode_fused = decode_fused.prepare(model)
         assert model.decode_fused is not None  # every type runs in the fused C++ decode
         native = [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=sp)]
@@ -72,7 +76,7 @@ def test_mix_fused_native_float32_equals_dequantized(wide_tiny, mix):
         ref = [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=sp)]
         lp_ref = e.generate(input_ids=PROMPTS[1], sampling_params={"max_new_tokens": 0}, return_logprob=True,
                             logprob_start_len=0)["meta_info"]["input_token_logprobs"][1:]
-    assert native == ref
+    assert native == ref and portable == ref
     assert max(abs(a[0] - b[0]) for a, b in zip(lp_native, lp_ref)) < 1e-3
 
 

@@ -150,7 +150,8 @@ class EngineConfig:
             requests (a large batch is compute bound: extra rows cost their full price).
         quantization: weight quantization (SGLang's option): ``auto`` | ``none`` (None) | ``gguf`` |
             ``gptq`` | ``awq`` | ``fp8`` | ``w8a8_int8``.
-            ``gguf`` keeps a GGUF file's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks quantized in memory and runs the
+            ``gguf`` keeps a GGUF file's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks (every
+            type of llama.cpp's Q4_K_M / Q5_K_M mixes) quantized in memory and runs the
             matmuls on them (:mod:`sglite.kernels.quant_linear`; other GGUF tensor types are
             dequantized); ``none`` dequantizes every weight at load (the ``dtype`` copies);
             ``auto`` is ``gguf`` for a ``.gguf`` model (the default model too), the checkpoint's

@@ -9,6 +9,8 @@ import random
 import shutil
 from pathlib import Path
 
+from .testing_gguf import make_tiny_gguf, random_gguf_blocks  # noqa: F401  (re-exported)
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt",
                     "added_tokens.json")
@@ -197,98 +199,6 @@ def rerun_in_triton_interpreter(test_file: str, timeout: float = 600.0):
     env = dict(os.environ, TRITON_INTERPRET="1", SGLITE_TEST_DEVICE="cpu")
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test_file],
                           env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def random_gguf_blocks(type_name: str, n: int, k: int, seed: int = 0, scale: float = 1e-4):
-    """Random valid GGUF blocks of ``type_name`` (``Q4_0`` | ``Q4_1`` | ``Q8_0`` | ``Q4_K`` |
-    ``Q6_K``) for a weight [n, k]: uint8 [n, k / block weights * block bytes]. Every code / packed
-    6-bit scale byte is uniform random; the float16 super-scales are ``scale * U(0.5, 1.5)``
-    (``dmin`` of Q4_K / ``m`` of Q4_1 sized so the weights are roughly zero-mean), so the
-    dequantized weights are finite, of magnitude ~``scale * 1000`` (K-quants) -- gguf-py cannot
-    quantize to K-quants, so tests build them this way."""
-    import numpy as np
-
-    from .runtime.gguf_native import BLOCK_BYTES, BLOCK_WEIGHTS
-
-    rng = np.random.default_rng(seed)
-    nb, qk = BLOCK_BYTES[type_name], BLOCK_WEIGHTS[type_name]
-    b = rng.integers(0, 256, size=(n, k // qk, nb), dtype=np.uint8)
-
-    def f16(at, factor=1.0):
-        v = (scale * factor * rng.uniform(0.5, 1.5, size=(n, k // qk))).astype(np.float16)
-        b[:, :, at:at + 2] = v.view(np.uint8).reshape(n, k // qk, 2)
-
-    if type_name == "Q4_K":
-        f16(0)
-        f16(2, 7.5)  # dmin * m ~ d * sc * 7.5 on average: zero-mean weights
-    elif type_name == "Q6_K":
-        f16(208)
-    else:
-        f16(0, 100.0)  # 32-weight blocks: d ~ 1e-2
-        if type_name == "Q4_1":
-            f16(2, -800.0)  # m ~ -8 d
-    return b.reshape(n, -1)
-
-
-def make_tiny_gguf(path, types: dict | None = None, *, seed: int = 0, hidden: int = 256,
-                   intermediate: int = 512, layers: int = 2, heads: int = 4, kv_heads: int = 2):
-    """Write a tiny random Llama GGUF file with the default model's tokenizer (its GGUF tokenizer
-    fields copied) and return its path.
-
-    Matmul tensors get random valid blocks (:func:`random_gguf_blocks`) of the type ``types``
-    gives their GGUF name suffix (``attn_q``, ``attn_k``, ``attn_v``, ``attn_output``, ``ffn_gate``,
-    ``ffn_up``, ``ffn_down``; default Q4_K, ``ffn_down`` Q6_K as in llama.cpp's Q4_K_M mixes); the
-    token embedding (tied LM head) is Q8_0 (gguf-py's quantizer) of N(0, 0.1) weights, norms 1.
-    K-quants need ``hidden`` and ``intermediate`` multiples of 256.
-    """
-    import gguf
-    import numpy as np
-
-    from .runtime.model_loader import default_model_path
-
-    types = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_output": "Q4_K",
-             "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K", **(types or {})}
-    src = gguf.GGUFReader(str(default_model_path()))
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(layers)
-    w.add_context_length(2048)
-    w.add_embedding_length(hidden)
-    w.add_feed_forward_length(intermediate)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_dimension_count(hidden // heads)
-    vocab = 0
-    for key, f in src.fields.items():
-        if key.startswith("tokenizer."):
-            vt = gguf.GGUFValueType(f.types[0])
-            sub = gguf.GGUFValueType(f.types[-1]) if vt == gguf.GGUFValueType.ARRAY else None
-            w.add_key_value(key, f.contents(), vt, sub_type=sub)
-            if key == "tokenizer.ggml.tokens":
-                vocab = len(f.contents())
-    w.add_vocab_size(vocab)
-    rng = np.random.default_rng(seed)
-    emb = (0.1 * rng.standard_normal((vocab, hidden))).astype(np.float32)
-    w.add_tensor("token_embd.weight", gguf.quants.quantize(emb, gguf.GGMLQuantizationType.Q8_0),
-                 raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-    w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
-    hd = hidden // heads
-    shapes = {"attn_q": (hidden, hidden), "attn_k": (kv_heads * hd, hidden), "attn_v": (kv_heads * hd, hidden),
-              "attn_output": (hidden, hidden), "ffn_gate": (intermediate, hidden),
-              "ffn_up": (intermediate, hidden), "ffn_down": (hidden, intermediate)}
-    for i in range(layers):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, dtype=np.float32))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, dtype=np.float32))
-        for j, (name, (n, k)) in enumerate(shapes.items()):
-            t = types[name]
-            w.add_tensor(f"blk.{i}.{name}.weight", random_gguf_blocks(t, n, k, seed=seed * 1000 + i * 10 + j),
-                         raw_dtype=gguf.GGMLQuantizationType[t])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 def homogeneity_p(a: dict, b: dict) -> float:

@@ -44,7 +44,8 @@ Used only when the preconditions hold (:func:`prepare`, static; :meth:`FusedDeco
 step): a plain Llama layer (the model's ``fused_decode_ok`` is not False: OLMo 2, Granite and
 Gemma 2/3 set it False, their norms, multipliers, soft-capping and sliding windows are not in the
 C++ layer), CPU, float32/bf16, no tensor parallelism, no batch-invariant mode, no QK-norm / QKV bias,
-every layer matmul a :class:`.quant_linear.QuantLinearWeight` with group size 32, no input
+every layer matmul a :class:`.quant_linear.QuantLinearWeight` with group size 32 (or 16 with 8-bit
+codes: GGUF Q6_K, read as two scales per 32-block; every GGUF native type qualifies), no input
 permutation and no bias, a float (non-quantized) KV pool, a step of only decode rows, 1..32 of them;
 otherwise the per-op path runs (it is the reference). RoPE: the C++ rotates with the model's own
 cos/sin rows (``model.cos[positions]``, float32 [N, D/2]), the tables the per-op path reads, so
@@ -64,7 +65,7 @@ import torch
 
 from .cpu_build import load_cpp, read_source
 from .device import cpu_flags
-from .quant_layout import compact_scales, tile_rows
+from .quant_layout import compact_scales, tile_rows, tileable_group
 from .quant_linear import QuantLinearWeight
 from . import cpu_attention, quant_cpu
 
@@ -90,8 +91,8 @@ def _tileable(w) -> bool:
 
 
 def _quant_ok(w) -> bool:
-    return (isinstance(w, QuantLinearWeight) and w.group_size == 32 and w.perm is None and w.bias is None
-            and w.device.type == "cpu")
+    return (isinstance(w, QuantLinearWeight) and tileable_group(w.group_size, w.bits) and w.perm is None
+            and w.bias is None and w.device.type == "cpu")
 
 
 class FusedDecode:

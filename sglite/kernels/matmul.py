@@ -59,7 +59,6 @@ import torch.nn.functional as F
 
 from . import cpu_gemv, gemm_paths, quant_cpu, quant_gemm, quant_linear, w8_linear
 from .linear_invariant import linear_invariant
-from .quant_layout import BLOCK
 from .quant_linear import QuantLinearWeight, reference_linear
 
 log = logging.getLogger("sglite.kernels.matmul")
@@ -169,7 +168,7 @@ def _quant_cpp(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
 
 
 def _quant_invariant(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
-    if quant_cpu.available() and x.device.type == "cpu" and w.group_size % BLOCK == 0:
+    if quant_cpu.available() and x.device.type == "cpu":  # every valid group size (16: 8-bit codes)
         return quant_cpu.linear(x, w, invariant=True)
     if x.shape[0] == 0:
         return reference_linear(x, w)

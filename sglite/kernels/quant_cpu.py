@@ -111,7 +111,7 @@ def gemv_q8(x: torch.Tensor, w: QuantLinearWeight, portable: bool = False) -> to
     int8 per 32-block (:func:`quantize_act_q8_reference`) and integer dot products (``VPDPBUSD``
     on the codes as unsigned bytes when the build has AVX-512 VNNI, plain loops otherwise), per
     block ``s * d * idot + m * sx`` summed in float32 -> [M, N] float32 (bias not added).
-    group_size must be 32 (GGUF blocks). Not bf16-exact: error of the order of the int8 step. Reads
+    group_size must be 32 (GGUF blocks), or 16 with 8-bit codes (GGUF Q6_K: per 16-group dots). Not bf16-exact: error of the order of the int8 step. Reads
     the row layout and the 16-row tiles (``w.tiled``, ``csrc/quant_tiles.h``) alike.
 
     Raises:

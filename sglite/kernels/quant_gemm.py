@@ -13,7 +13,9 @@ many-row product (prefill chunks, decode batches past :data:`.quant_cpu.GEMV_MAX
        high nibbles shifted down once per vector); every activation row passes a tile pair while it
        sits in L1/L2, so the codes stream from memory once per call whatever M;
     3. per block ``y += float(idot) * (s * d) + m * sx`` in float32 (scales/mins float32 or
-       float16), rounded once to bf16 (``VCVTNEPS2BF16``) for bf16 x.
+       float16), rounded once to bf16 (``VCVTNEPS2BF16``) for bf16 x. Group 16 (8-bit codes, GGUF
+       Q6_K): two int32 dots per block (channels 0..15, 16..31), each with its group's scale, and
+       ``sx`` per 16-group.
 Threads split the tile pairs (``at::parallel_for``; honours ``torch.set_num_threads``). The layout
 is :func:`.quant_layout.tile_rows` (``csrc/quant_tiles.h``, the fused decode's: the weight is
 repacked into it once, at load, and the decode GEMV and this GEMM read the same bytes).
@@ -47,7 +49,7 @@ import torch.nn.functional as F
 
 from .cpu_build import load_cpp, read_source
 from .device import cpu_flags
-from .quant_layout import BLOCK, TILE, gather_input
+from .quant_layout import BLOCK, TILE, gather_input, tileable_group
 
 if TYPE_CHECKING:
     from .quant_linear import QuantLinearWeight
@@ -74,8 +76,9 @@ def available() -> bool:
 
 
 def supports(w: QuantLinearWeight) -> bool:
-    """Whether :func:`gemm` takes ``w``: CPU, 16-row tiles (``w.tiled``: group size 32, N % 16 == 0)."""
-    return w.tiled and w.group_size == BLOCK and w.shape[0] % TILE == 0 and w.device.type == "cpu"
+    """Whether :func:`gemm` takes ``w``: CPU, 16-row tiles (``w.tiled``: N % 16 == 0, group size 32,
+    or 16 with 8-bit codes -- GGUF Q6_K, two scales per 32-block)."""
+    return w.tiled and tileable_group(w.group_size, w.bits) and w.shape[0] % TILE == 0 and w.device.type == "cpu"
 
 
 def gemm(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
@@ -92,7 +95,7 @@ def gemm(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
     if mod is None:
         raise RuntimeError("quant_gemm: the VNNI kernel is unavailable on this CPU (see the logged warning)")
     if not supports(w):
-        raise RuntimeError(f"quant_gemm: weight must be CPU, tiled, group_size 32, N % 16 == 0; got tiled={w.tiled} "
+        raise RuntimeError(f"quant_gemm: weight must be CPU, tiled, group_size 32 (16 at 8 bits), N % 16 == 0; got tiled={w.tiled} "
                            f"group_size={w.group_size} N={w.shape[0]} device={w.device}")
     if x.shape[0] == 0:
         return x.new_zeros((0, w.shape[0]))
@@ -100,7 +103,7 @@ def gemm(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
     if xs.dtype not in (torch.bfloat16, torch.float32):
         xs = xs.float()
     mins = torch.empty(0) if w.mins is None else w.mins
-    y = mod.quant_gemm_q8(xs, w.qweight, w.scales, mins, w.bits, xs.dtype == torch.bfloat16)
+    y = mod.quant_gemm_q8(xs, w.qweight, w.scales, mins, w.bits, w.group_size, xs.dtype == torch.bfloat16)
     if y.dtype != x.dtype:
         y = y.to(x.dtype)
     return y if w.bias is None else y + w.bias.to(x.dtype)

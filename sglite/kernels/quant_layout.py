@@ -18,15 +18,15 @@ Compact scales: :func:`compact_scales` stores scales and mins as float16 when th
 are float16 in the file), 4 bytes less per group for the fused decode's int8-activation GEMV,
 which reads them as they are; every other consumer widens them to float32 first (exact).
 
-16-row tiles: :func:`tile_rows` interleaves a group-32 weight's codes, scales and mins in tiles of
-:data:`TILE` (16) rows (``tiled=True``; N % 16 == 0), the layout of the int8-activation GEMV of the
+16-row tiles: :func:`tile_rows` interleaves a group-32 weight's (or an 8-bit group-16 one's: GGUF
+Q6_K) codes, scales and mins in tiles of :data:`TILE` (16) rows (``tiled=True``; N % 16 == 0), the layout of the int8-activation GEMV of the
 fused CPU decode (``csrc/quant_tiles.h``: one ``VPDPBUSD`` covers 4 channels of 16 rows, no per-row
 horizontal sum, every array streams in order). Same bytes, same meaning; ``qweight`` / ``scales`` /
 ``mins`` keep their shapes but hold the tiled order::
 
     row-layout qweight.view(N // 16, 16, K // 32, C, 4).permute(0, 2, 3, 1, 4)   (C = bits: groups of 4
         code bytes per row and block -- 8 at 8 bits, 4 at 4 bits)
-    row-layout scales / mins.view(N // 16, 16, K // 32).permute(0, 2, 1)
+    row-layout scales / mins.view(N // 16, 16, G).permute(0, 2, 1)   (G = K // group_size groups)
 
 :func:`tile_views` reads a tiled weight back in row order without a copy.
 """
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from .quant_linear import QuantLinearWeight
 
 BLOCK = 32  # channels per packing block (GGUF's QK4_0/QK4_1/QK8_0); group_size is a multiple
-SUB_BLOCK = 16  # smallest group: GGUF Q6_K's 16-weight sub-blocks (such weights run on quant_ref only)
+SUB_BLOCK = 16  # smallest group: GGUF Q6_K's 16-weight sub-blocks (8-bit codes only: two scales per block)
 BITS = (4, 8)
 TILE = 16  # rows per tile of the tiled layout (tile_rows)
 
@@ -92,9 +92,9 @@ def tile_views(qweight: torch.Tensor, scales: torch.Tensor, mins: Optional[torch
                in_features: int) -> tuple:
     """Views of a tiled weight's (codes, scales, mins) indexed ``[tile, lane]`` like the row
     layout's rows (``row = 16 * tile + lane``): codes [N/16, 16, K/32, C, 4] uint8 (C = bits groups
-    of 4 bytes per block), scales / mins [N/16, 16, K/32] (mins None when absent). No copy."""
+    of 4 bytes per block), scales / mins [N/16, 16, G] (G groups; mins None when absent). No copy."""
     n, nb = qweight.shape[0], in_features // BLOCK
-    lanes = lambda t: None if t is None else t.view(n // TILE, nb, TILE).permute(0, 2, 1)  # noqa: E731
+    lanes = lambda t: None if t is None else t.view(n // TILE, -1, TILE).permute(0, 2, 1)  # noqa: E731
     q = qweight.view(n // TILE, nb, -1, TILE, 4).permute(0, 3, 1, 2, 4)
     return q, lanes(scales), lanes(mins)
 
@@ -114,17 +114,23 @@ def compact_scales(w: "QuantLinearWeight") -> bool:
     return True
 
 
+def tileable_group(group_size: int, bits: int) -> bool:
+    """Whether the kernels that read one or two scales per 32-block (the tiles, the int8 GEMV and
+    GEMM, the fused decode) take this group size: 32, or 16 with 8-bit codes (GGUF Q6_K)."""
+    return group_size == BLOCK or (group_size == SUB_BLOCK and bits == 8)
+
+
 def tile_rows(w: "QuantLinearWeight") -> bool:
     """Interleave ``w``'s codes, scales and mins in 16-row tiles (module docstring) when it is in
-    the row layout with group size 32 and N % 16 == 0; returns whether ``w`` is tiled now. In
-    place (one copy of each array); the weight means the same."""
+    the row layout with N % 16 == 0 and a :func:`tileable_group`; returns whether ``w`` is tiled
+    now. In place (one copy of each array); the weight means the same."""
     if w.tiled:
         return True
-    n, nb = w.shape[0], w.in_features // BLOCK
-    if n % TILE or w.group_size != BLOCK:
+    n, ng = w.shape[0], w.in_features // w.group_size
+    if n % TILE or not tileable_group(w.group_size, w.bits):
         return False
-    tile = lambda t: t.view(n // TILE, TILE, nb).permute(0, 2, 1).reshape(n, nb).contiguous()  # noqa: E731
-    w.qweight = w.qweight.view(n // TILE, TILE, nb, -1, 4).permute(0, 2, 3, 1, 4).reshape(n, -1).contiguous()
+    tile = lambda t: t.view(n // TILE, TILE, ng).permute(0, 2, 1).reshape(n, ng).contiguous()  # noqa: E731
+    w.qweight = w.qweight.view(n // TILE, TILE, w.in_features // BLOCK, -1, 4).permute(0, 2, 3, 1, 4).reshape(n, -1).contiguous()
     w.scales = tile(w.scales)
     if w.mins is not None:
         w.mins = tile(w.mins)

@@ -23,9 +23,8 @@ Fields:
         (:mod:`.quant_layout`).
     scales: float32 [N, K // group_size] (float16 after :func:`compact_scales`, see below).
     mins: float32 [N, K // group_size] or None (symmetric formats may still use it, see below).
-    bits: 4 or 8.  group_size: a multiple of 32 dividing K (so K % 32 == 0), or 16 (GGUF Q6_K's
-    sub-blocks; K % 32 == 0 still): such weights run on ``quant_ref`` only (the kernels read one
-    scale per 32 channels).
+    bits: 4 or 8.  group_size: a multiple of 32 dividing K (so K % 32 == 0), or 16 with 8-bit
+    codes (GGUF Q6_K's sub-blocks; K % 32 == 0 still: the kernels read two scales per 32-block).
     perm: int64 [K] (a permutation of range(K)) or None.   bias: [N] (activation dtype) or None.
     tiled: bool, the 16-row tile layout (:mod:`.quant_layout`); False until :func:`tile_rows`.
 
@@ -35,6 +34,8 @@ has <= 19 significant bits):
     GGUF Q4_1 (``{half d, m; u8 qs[16]}``, w = d * q + m):             bits 4, gs 32, s = d, m = m.
     GGUF Q8_0 (``{half d; i8 qs[32]}``, w = d * q, q signed):          bits 8, gs 32, codes q + 128,
                                                                         s = d, m = -128 d.
+    GGUF Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K: :mod:`sglite.runtime.gguf_blocks` (5-bit codes as bits 8;
+    Q6_K bits 8, gs 16).
     GPTQ / AWQ (w = s * (q - z) per group of 32/64/128, 4 or 8 bits; z the unpacked zero point, +1
     for GPTQ's stored zeros as its kernels do): s = scales, m = -(s * z) (float32), codes as they are;
     act-order ``g_idx``: ``perm = argsort(g_idx, stable)`` so each group's channels are contiguous,
@@ -69,7 +70,7 @@ import torch.nn.functional as F
 
 from .device import triton_available
 from .quant_layout import (BITS, BLOCK, SUB_BLOCK, TILE, check_bits, compact_scales,  # noqa: F401  (re-exported)
-                           gather_input, pack_codes, tile_rows, tile_views, unpack_codes)
+                           gather_input, pack_codes, tile_rows, tile_views, tileable_group, unpack_codes)
 
 QUANT_IMPLS = ("quant_ref", "quant_cpp", "quant_invariant", "quant_triton")
 
@@ -83,7 +84,7 @@ class QuantLinearWeight:
         scales: float32 [N, K // group_size].
         mins: float32 [N, K // group_size] or None.
         bits: 4 or 8.
-        group_size: channels per scale (multiple of 32, divides K).
+        group_size: channels per scale (multiple of 32 dividing K, or 16 with bits 8).
         in_features: K.
         perm: int64 [K] input permutation (stored column j = logical channel perm[j]) or None.
         bias: [N] or None (added in the activation dtype, as ``F.linear``).
@@ -123,9 +124,9 @@ class QuantLinearWeight:
         """Check shapes and dtypes against each other. Raises ValueError naming the field."""
         check_bits(self.bits)
         k, gs = self.in_features, self.group_size
-        if gs <= 0 or gs % SUB_BLOCK or k % gs or k % BLOCK:
-            raise ValueError(f"quantized weight: group_size must be a multiple of {SUB_BLOCK} dividing "
-                             f"in_features={k} (a multiple of {BLOCK}), got {gs}")
+        if gs <= 0 or k % gs or k % BLOCK or (gs % BLOCK and not tileable_group(gs, self.bits)):
+            raise ValueError(f"quantized weight: group_size must be a multiple of {BLOCK} dividing in_features={k} "
+                             f"(a multiple of {BLOCK}), or {SUB_BLOCK} with bits 8; got {gs} with bits {self.bits}")
         if self.qweight.dtype != torch.uint8 or self.qweight.dim() != 2 or self.qweight.shape[1] * 8 != k * self.bits:
             raise ValueError(f"quantized weight: qweight must be uint8 [N, {k * self.bits // 8}], got "
                              f"{self.qweight.dtype} {tuple(self.qweight.shape)}")
@@ -143,9 +144,9 @@ class QuantLinearWeight:
             raise ValueError(f"quantized weight: perm must be int64 [{k}], got {self.perm.dtype} {tuple(self.perm.shape)}")
         if self.bias is not None and tuple(self.bias.shape) != (n,):
             raise ValueError(f"quantized weight: bias must be [{n}], got {tuple(self.bias.shape)}")
-        if self.tiled and (n % TILE or gs != BLOCK):
+        if self.tiled and (n % TILE or not tileable_group(gs, self.bits)):
             raise ValueError(f"quantized weight: the tiled layout needs out_features % {TILE} == 0 and group_size "
-                             f"{BLOCK}, got {n} and {gs}")
+                             f"{BLOCK} (or {SUB_BLOCK} at 8 bits), got {n} and {gs}")
 
     # -- the LinearWeight interface ---------------------------------------------------------------
     @property
@@ -245,14 +246,34 @@ class QuantLinearWeight:
                        bias=None if self.bias is None else self.bias[idx].contiguous())
 
 
+def widen(w: QuantLinearWeight, bits: int, group_size: int) -> QuantLinearWeight:
+    """``w`` with ``bits`` >= its bits and a ``group_size`` dividing its own: the same codes as 8-bit
+    bytes and each scale / min repeated over the smaller groups -- exact (the same ``s * q + m`` per
+    weight). Row layout. Raises ValueError when that is not a widening."""
+    w = w.untiled()
+    if bits < w.bits or w.group_size % group_size:
+        raise ValueError(f"widen: bits {w.bits}->{bits}, group_size {w.group_size}->{group_size} is not a widening")
+    if (bits, group_size) == (w.bits, w.group_size):
+        return w
+    r = w.group_size // group_size
+    rep = lambda t: None if t is None else t.repeat_interleave(r, dim=1).contiguous()  # noqa: E731
+    return replace(w, qweight=pack_codes(w.codes(), bits), scales=rep(w.scales), mins=rep(w.mins), bits=bits,
+                   group_size=group_size)
+
+
 def cat_rows(ws: Sequence[QuantLinearWeight], bias: Optional[torch.Tensor] = None) -> QuantLinearWeight:
-    """Concatenate weights along N (fused QKV / gate-up): same bits, group_size, K and perm; mins
-    present in all or none (a None mins becomes zeros when others have them). The result is in the
-    row layout (tiled inputs are untiled).
+    """Concatenate weights along N (fused QKV / gate-up): same K and perm; mins present in all or
+    none (a None mins becomes zeros when others have them). Parts of different bits or group sizes
+    (a GGUF Q4_K_M's Q4_K q / k with a Q6_K v) are first widened exactly (:func:`widen`) to the
+    widest code and the smallest group when that is a valid weight (group 16 needs 8 bits). The
+    result is in the row layout (tiled inputs are untiled).
 
     Raises:
         ValueError: the weights disagree (names the field)."""
     ws = [w.untiled() for w in ws]
+    bits, gs = max(w.bits for w in ws), min(w.group_size for w in ws)
+    if all(w.group_size % gs == 0 for w in ws) and (gs % BLOCK == 0 or tileable_group(gs, bits)):
+        ws = [widen(w, bits, gs) for w in ws]
     a = ws[0]
     for w in ws[1:]:
         for f in ("bits", "group_size", "in_features"):
@@ -279,10 +300,8 @@ def reference_linear(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
 def best_impl(w: QuantLinearWeight) -> str:
     """The fastest available implementation for ``w``'s device: ``quant_cpp`` on CPU when the C++
     kernel loads (:mod:`.quant_cpu`), ``quant_triton`` on CUDA when triton imports
-    (:mod:`.triton_quant`), else ``quant_ref`` (always for a group size that is not a multiple of
-    32: the kernels read one scale per 32-channel block)."""
-    if w.group_size % BLOCK:
-        return "quant_ref"
+    (:mod:`.triton_quant`), else ``quant_ref``. Every group size :meth:`validate` accepts runs on
+    the kernels (group 16 only with 8-bit codes, read as two scales per 32-block)."""
     if w.device.type == "cpu":
         from . import quant_cpu
 

@@ -4,7 +4,8 @@
 ``linear(x, w)``: x [M, K] (bf16 / fp16 / float32) -> [M, N] in x's dtype, ``= x @ W.T + bias``.
 Each program owns a ``BM x BN`` output tile and walks K one 32-channel packing block at a time:
 it loads the block's codes of its ``BN`` weight rows (16 bytes per row at 4 bits: low nibbles are
-channels 0..15, high nibbles 16..31; 32 bytes at 8 bits), the group's scale and offset per row,
+channels 0..15, high nibbles 16..31; 32 bytes at 8 bits), each half's group scale and offset per
+row (the same group but at group size 16, GGUF Q6_K),
 dequantizes the two 16-channel halves in float32 (``s * q + m``, the spec of
 :meth:`QuantLinearWeight.dequantize_stored`), rounds them to x's dtype and accumulates two
 ``tl.dot`` products in float32. The codes are read once per M tile (decode: once). x's columns are
@@ -45,18 +46,20 @@ def _quant_kernel(X, Q, S, Mn, Bias, Y, M, N, K, G, GS, stride_xm, stride_ym,
     xrow = X + offs_m[:, None].to(tl.int64) * stride_xm  # [BM, 1]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kb in range(0, K, 32):
-        g = kb // GS
+        g, g2 = kb // GS, (kb + 16) // GS  # the groups of channels 0..15 and 16..31 (differ at GS 16)
         s = tl.load(S + offs_n.to(tl.int64) * G + g, mask=nm, other=0.0)  # [BN] float32
+        s2 = tl.load(S + offs_n.to(tl.int64) * G + g2, mask=nm, other=0.0)
         if BITS == 4:
             b = tl.load(qrow + kb // 2 + r16[None, :], mask=nm[:, None], other=0).to(tl.int32)  # [BN, 16]
             lo, hi = (b & 15).to(tl.float32), (b >> 4).to(tl.float32)
         else:
             lo = tl.load(qrow + kb + r16[None, :], mask=nm[:, None], other=0).to(tl.float32)
             hi = tl.load(qrow + kb + 16 + r16[None, :], mask=nm[:, None], other=0).to(tl.float32)
-        wlo, whi = lo * s[:, None], hi * s[:, None]
+        wlo, whi = lo * s[:, None], hi * s2[:, None]
         if HAS_MINS:
             mv = tl.load(Mn + offs_n.to(tl.int64) * G + g, mask=nm, other=0.0)
-            wlo, whi = wlo + mv[:, None], whi + mv[:, None]
+            mv2 = tl.load(Mn + offs_n.to(tl.int64) * G + g2, mask=nm, other=0.0)
+            wlo, whi = wlo + mv[:, None], whi + mv2[:, None]
         xlo = tl.load(xrow + kb + r16[None, :], mask=mm[:, None], other=0.0)  # [BM, 16]
         xhi = tl.load(xrow + kb + 16 + r16[None, :], mask=mm[:, None], other=0.0)
         if UPCAST:

@@ -1,28 +1,10 @@
-"""GGUF blocks kept quantized: a ``.gguf`` file's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K matmul weights read with the
-``gguf`` package's ``GGUFReader`` straight into :class:`sglite.kernels.QuantLinearWeight` (the
-mapping of each block type is in :mod:`sglite.kernels.quant_linear`), everything else (norms, any
-other tensor type) from the dequantized float32 cache folder of
-:func:`sglite.runtime.model_loader.load_checkpoint` (which also supplies config and tokenizer).
-
-Block layouts (ggml's ``block_q4_0`` / ``block_q4_1`` / ``block_q8_0``, 32 weights each, little
-endian): Q4_0 ``{f16 d; u8 qs[16]}`` (w = d * (q - 8)), Q4_1 ``{f16 d; f16 m; u8 qs[16]}``
-(w = d * q + m), Q8_0 ``{f16 d; i8 qs[32]}`` (w = d * q); ``qs[j]`` holds weight ``j`` in its low
-nibble and ``j + 16`` in its high nibble (Q4). A ``GGUFReader`` tensor of such a type is a uint8
-array [N, K / 32 * block bytes] (ggml's shape ``[K, N]``).
-
-K-quants (ggml's ``block_q4_K`` / ``block_q6_K``, super-blocks of 256 weights, so K % 256 == 0):
-Q4_K (144 bytes) ``{f16 d; f16 dmin; u8 scales[12]; u8 qs[128]}``: eight sub-blocks of 32 with
-6-bit scale ``sc_j`` and 6-bit min ``m_j`` packed in ``scales`` (j < 4: low 6 bits of bytes j and
-j + 4; j >= 4: the low / high nibble of byte j + 4 plus the top 2 bits of bytes j - 4 / j), weight
-``w = (d * sc_j) * q - (dmin * m_j)``; ``qs`` byte ``32 c + i`` holds weight ``64 c + i`` (low
-nibble) and ``64 c + 32 + i`` (high). -> bits 4, group 32, s = d * sc_j, m = -(dmin * m_j): the C++ /
-Triton kernels run it. Q6_K (210 bytes) ``{u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d}``: 6-bit
-``q = ql | qh << 4`` (weight ``128 h + 64 s + i`` takes nibble ``s`` of ``ql[64 h + i]``, weight
-``128 h + 32 s + i`` the 2 bits ``2 s`` of ``qh[32 h + i]``), ``w = (d * scales_j) * (q - 32)`` over
-sixteen sub-blocks of 16. -> bits 8 (codes q, one per byte), group 16, s = d * scales_j,
-m = -32 s: runs on ``quant_ref`` (dequantize, float32 ``F.linear``; the kernels read one scale per
-32 channels). Both are bit-exact against ``gguf.quants.dequantize`` (the products of a float16 by
-6/8-bit integers are exact in float32, and the sums are the oracle's own float32 operations).
+"""GGUF blocks kept quantized: a ``.gguf`` file's matmul weights of the :data:`NATIVE_TYPES`
+(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K: every type of llama.cpp's Q4_K_M / Q5_K_M mixes)
+read with the ``gguf`` package's ``GGUFReader`` straight into
+:class:`sglite.kernels.QuantLinearWeight` (the byte layouts and their exact mapping are in
+:mod:`sglite.runtime.gguf_blocks`), everything else (norms, any other tensor type) from the
+dequantized float32 cache folder of :func:`sglite.runtime.model_loader.load_checkpoint` (which also
+supplies config and tokenizer).
 
 Q/K row order: llama.cpp's converter reorders the rows of ``attn_q`` / ``attn_k`` of Llama-arch
 models within each head (``reshape(heads, 2, D/2, K).swapaxes(1, 2)``: from HF's rotate-half RoPE
@@ -47,14 +29,11 @@ from sglite.kernels.quant_linear import QuantLinearWeight
 
 from ..errors import InvalidRequestError
 from . import native_cache
+from .gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS, NATIVE_TYPES, QK_K, blocks_to_weight, k_scale_min  # noqa: F401
 from .model_loader import Checkpoint
 
 log = logging.getLogger("sglite.gguf_native")
 
-NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
-QK_K = 256  # weights per K-quant super-block
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210}
-BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": QK_K, "Q6_K": QK_K}
 _LAYER_NAMES = {  # GGUF tensor name suffix -> HF name suffix (Llama family)
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -73,75 +52,6 @@ def hf_name(gguf_name: str) -> Optional[str]:
     if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight"
     return None
-
-
-def blocks_to_weight(type_name: str, data: np.ndarray, k: int) -> QuantLinearWeight:
-    """One GGUF tensor's raw blocks -> :class:`QuantLinearWeight`.
-
-    Args:
-        type_name: one of :data:`NATIVE_TYPES`.
-        data: uint8 [N, K / block weights * block bytes] (``ReaderTensor.data``).
-        k: K (input features).
-    Raises:
-        ValueError: another type, or a byte count that does not match K (K must be a multiple of
-            the block's weights: 32, or 256 for K-quants).
-    """
-    if type_name not in BLOCK_BYTES:
-        raise ValueError(f"GGUF type {type_name} is not kept quantized (native: {NATIVE_TYPES})")
-    qk, nb = BLOCK_WEIGHTS[type_name], BLOCK_BYTES[type_name]
-    if k % qk or data.ndim != 2 or data.shape[1] != k // qk * nb:
-        raise ValueError(f"GGUF {type_name} tensor: {data.shape} bytes do not hold rows of K={k} "
-                         f"({nb}-byte blocks of {qk} weights)")
-    n, g = data.shape[0], k // qk
-    b = np.ascontiguousarray(data).reshape(n, g, nb)
-    if type_name == "Q4_K":
-        return _q4_k(b, n, k)
-    if type_name == "Q6_K":
-        return _q6_k(b, n, k)
-    d = torch.from_numpy(b[:, :, 0:2].copy().view(np.float16).reshape(n, g)).float()
-    if type_name == "Q8_0":
-        codes = torch.from_numpy(b[:, :, 2:].copy().reshape(n, k) ^ np.uint8(0x80))  # signed q -> q + 128
-        return QuantLinearWeight(codes, d, -128.0 * d, 8, 32, k, fmt="gguf:Q8_0")
-    off = 4 if type_name == "Q4_1" else 2
-    qs = torch.from_numpy(b[:, :, off:].copy().reshape(n, k // 2))  # already our Q4 packing
-    mins = (torch.from_numpy(b[:, :, 2:4].copy().view(np.float16).reshape(n, g)).float()
-            if type_name == "Q4_1" else -8.0 * d)
-    return QuantLinearWeight(qs, d, mins, 4, 32, k, fmt=f"gguf:{type_name}")
-
-
-def _f16(b: np.ndarray) -> torch.Tensor:
-    """Little-endian float16 bytes [..., 2] -> float32 [...]."""
-    return torch.from_numpy(np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32))
-
-
-def k_scale_min(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K's 12 packed bytes [..., 12] -> 6-bit ``(scales, mins)`` uint8 [..., 8] (module docstring)."""
-    a, m, hi = sc[..., 0:4], sc[..., 4:8], sc[..., 8:12]
-    scales = np.concatenate([a & 0x3F, (hi & 0x0F) | ((a >> 2) & 0x30)], axis=-1)
-    mins = np.concatenate([m & 0x3F, (hi >> 4) | ((m >> 2) & 0x30)], axis=-1)
-    return scales, mins
-
-
-def _q4_k(b: np.ndarray, n: int, k: int) -> QuantLinearWeight:
-    g = k // QK_K
-    d, dmin = _f16(b[:, :, 0:2]), _f16(b[:, :, 2:4])  # [N, G]
-    sc, mn = k_scale_min(b[:, :, 4:16])  # [N, G, 8]
-    scales = (d[:, :, None] * torch.from_numpy(sc.astype(np.float32))).reshape(n, k // 32)
-    mins = -(dmin[:, :, None] * torch.from_numpy(mn.astype(np.float32))).reshape(n, k // 32)
-    qs = b[:, :, 16:].reshape(n, g, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
-    codes = torch.from_numpy((qs & 0x0F).reshape(n, k))
-    return QuantLinearWeight.from_codes(codes, scales, mins, 4, 32, fmt="gguf:Q4_K")
-
-
-def _q6_k(b: np.ndarray, n: int, k: int) -> QuantLinearWeight:
-    g = k // QK_K
-    ql = b[:, :, 0:128].reshape(n, g, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
-    qh = b[:, :, 128:192].reshape(n, g, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
-    q = (ql & 0x0F).reshape(n, g, 2, 128) | ((qh & 0x03).reshape(n, g, 2, 128) << 4)
-    sc = torch.from_numpy(b[:, :, 192:208].copy().view(np.int8).astype(np.float32))  # [N, G, 16]
-    scales = (_f16(b[:, :, 208:210])[:, :, None] * sc).reshape(n, k // 16)
-    return QuantLinearWeight.from_codes(torch.from_numpy(q.reshape(n, k)), scales, -32.0 * scales, 8, 16,
-                                        fmt="gguf:Q6_K")
 
 
 def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
@@ -208,8 +118,11 @@ def _read_blocks(reader, cfg, device: str) -> dict:
     heads = {"attn_q": cfg.num_attention_heads,
              "attn_k": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads}
     state: dict = {}
+    other: dict = {}  # matmul tensors of types the kernels do not read: dequantized (the float cache)
     for t in reader.tensors:
         name = hf_name(t.name)
+        if name is not None and t.tensor_type.name not in NATIVE_TYPES and t.tensor_type.name not in ("F32", "F16", "BF16"):
+            other[t.tensor_type.name] = other.get(t.tensor_type.name, 0) + 1
         if name is None or t.tensor_type.name not in NATIVE_TYPES:
             continue
         w = blocks_to_weight(t.tensor_type.name, t.data, int(t.shape[0]))
@@ -219,6 +132,9 @@ def _read_blocks(reader, cfg, device: str) -> dict:
         if kind in heads and arch in _PERMUTED_ARCHS:
             w = w.permute_rows(unpermute_rows(w.shape[0], heads[kind]))
         state[name] = w.to(device)
+    if other:
+        log.warning("GGUF matmul tensors of types sglite does not keep quantized are dequantized to float: %s "
+                    "(kept quantized: %s)", ", ".join(f"{n} x {k}" for k, n in sorted(other.items())), ", ".join(NATIVE_TYPES))
     return state
 
 

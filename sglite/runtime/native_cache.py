@@ -32,7 +32,7 @@ from sglite.kernels.quant_linear import QuantLinearWeight
 log = logging.getLogger(__name__)
 
 FILENAME = "sglite_native.qcache"
-VERSION = "1"
+VERSION = "2"  # 2: Q5_0 / Q5_1 / Q5_K blocks kept quantized too
 _FIELDS = ("bits", "group_size", "in_features", "fmt")
 
 

@@ -100,5 +100,7 @@ def test_refusals_name_the_field():
     with pytest.raises(RuntimeError, match="tiled"):
         quant_gemm.gemm(torch.randn(3, 64), u)
     with pytest.raises(RuntimeError, match="x must be"):
-        quant_gemm.load().quant_gemm_q8(torch.randn(3, 64).half(), w.qweight, w.scales, torch.empty(0), 4, False)
+        quant_gemm.load().quant_gemm_q8(torch.randn(3, 64).half(), w.qweight, w.scales, torch.empty(0), 4, 32, False)
+    with pytest.raises(RuntimeError, match="group_size must be 32 \\(or 16 with 8-bit codes\\), got 16"):
+        quant_gemm.load().quant_gemm_q8(torch.randn(3, 64), w.qweight, w.scales, torch.empty(0), 4, 16, False)
     assert quant_gemm.gemm(torch.randn(0, 64), w).shape == (0, 32)

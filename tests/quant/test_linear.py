@@ -60,8 +60,11 @@ def test_cat_rows_permute_rows_rows_and_bytes():
     assert torch.equal(c.permute_rows(idx).dequantize(), c.dequantize()[idx])
     assert torch.equal(c.rows(torch.tensor([2, 5]), torch.float32), c.dequantize()[[2, 5]])
     assert c.nbytes() == 7 * 32 + 2 * 7 * 2 * 4
-    with pytest.raises(ValueError, match="group_size"):
-        cat_rows([a, rand_qw(2, 64, gs=64)[0]])
+    wide = rand_qw(2, 64, gs=64)[0]  # another group size: widened exactly to the smaller one
+    mixed = cat_rows([a, wide])
+    assert mixed.group_size == 32 and torch.equal(mixed.dequantize(), torch.cat([a.dequantize(), wide.dequantize()]))
+    with pytest.raises(ValueError, match="in_features"):
+        cat_rows([a, rand_qw(2, 96)[0]])
 
 
 def test_bad_fields_raise_naming_them():

@@ -30,7 +30,7 @@ if not IN_PROCESS:  # the other tests of this file skip (tests/conftest.py) and 
 
 
 @pytest.mark.parametrize("bits,gs,n,k,mins,perm", [(4, 32, 37, 96, True, False), (8, 32, 20, 64, False, True),
-                                                   (4, 128, 70, 256, True, True)])
+                                                   (4, 128, 70, 256, True, True), (8, 16, 24, 96, True, False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quant_triton_matches_reference(bits, gs, n, k, mins, perm, dtype):
     g = torch.Generator().manual_seed(n + k)

@@ -56,11 +56,13 @@ QW weight(const std::vector<at::Tensor>& t, size_t i, int64_t bits, bool tiled) 
   const at::Tensor &q = t[i], &s = t[i + 1], &mn = t[i + 2];
   const int64_t N = q.size(0), K = q.size(1) * 8 / bits;
   const auto st = s.scalar_type();
+  // group size from the scales' count: 32, or 16 with 8-bit codes (GGUF Q6_K)
+  const int64_t gs = s.numel() == N * (K / 16) && bits == 8 && K % BLK == 0 ? 16 : BLK, G = K / gs;
   TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && (st == at::kFloat || st == at::kHalf) && s.is_contiguous()
-              && s.numel() == N * (K / BLK) && (mn.numel() == 0 || (mn.scalar_type() == st && mn.is_contiguous()
-              && mn.numel() == N * (K / BLK))), "decode_forward: a weight breaks the group-32 layout");
+              && s.numel() == N * G && (mn.numel() == 0 || (mn.scalar_type() == st && mn.is_contiguous()
+              && mn.numel() == N * G)), "decode_forward: a weight breaks the group-32 (or 8-bit group-16) layout");
   return QW{q.data_ptr<uint8_t>(), (const float*)s.data_ptr(), mn.numel() ? (const float*)mn.data_ptr() : nullptr,
-            (int)bits, BLK, N, K, st == at::kHalf, tiled};
+            (int)bits, gs, N, K, st == at::kHalf, tiled};
 }
 
 void gemv(const QW& w, const float* x, int64_t M, float* y, bool q8, const PoolPar& par) {

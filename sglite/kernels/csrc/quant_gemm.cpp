@@ -48,21 +48,29 @@ inline void quantize_row_avx(const float* x, int64_t K, int8_t* xq, float* dx, f
 // 32-block: int32 dots over the block (exact), then acc += float(idot) * (s * dx) and acc += m * sx
 // (float32). 4 bits: the high nibbles are shifted down once per vector (amortised over R rows), so
 // one int32 accumulator per (row, tile) holds the whole block's dot. y[r * ldy + 16 u + lane].
-template <int R, int NT, int BITS, typename ST>
+// G16 (8 bits, GGUF Q6_K's group 16): a second int32 accumulator per (row, tile) takes the block's
+// channels 16..31 (code vectors c >= 4), each half scaled by its own group's scale; the offsets use
+// sx per 16-group (group_sx16) and the tile's [group][lane] mins.
+template <int R, int NT, int BITS, typename ST, bool G16 = false>
 void gemm_block(const int8_t* xq, const float* dx, const float* sx, int64_t K, const QW& w, int64_t t, float* y,
                 int64_t ldy) {
+  static_assert(!G16 || BITS == 8, "group 16 needs 8-bit codes");
   constexpr int NC = BLK * BITS / 32;  // 64-byte code vectors per block and tile
-  const int64_t nb = K / BLK, tile_bytes = nb * NC * 64;
+  constexpr int GB = G16 ? 2 : 1;  // groups per 32-block
+  const int64_t nb = K / BLK, tile_bytes = nb * NC * 64, G = GB * nb;
   const __m512i m4 = _mm512_set1_epi8(0x0F);
-  const ST* st = (const ST*)w.s + t * nb * TILE;
-  const ST* mt = w.mn ? (const ST*)w.mn + t * nb * TILE : nullptr;
+  const ST* st = (const ST*)w.s + t * G * TILE;
+  const ST* mt = w.mn ? (const ST*)w.mn + t * G * TILE : nullptr;
   __m512 acc[R][NT];
   for (int r = 0; r < R; ++r)
     for (int u = 0; u < NT; ++u) acc[r][u] = _mm512_setzero_ps();
   for (int64_t j = 0; j < nb; ++j) {
-    __m512i id[R][NT];
+    __m512i id[R][NT], id2[G16 ? R : 1][NT];
     for (int r = 0; r < R; ++r)
       for (int u = 0; u < NT; ++u) id[r][u] = _mm512_setzero_si512();
+    if (G16)
+      for (int r = 0; r < R; ++r)
+        for (int u = 0; u < NT; ++u) id2[r][u] = _mm512_setzero_si512();
     for (int c = 0; c < NC; ++c) {
       __m512i lo[NT], hi[NT];
       for (int u = 0; u < NT; ++u) {
@@ -77,12 +85,35 @@ void gemm_block(const int8_t* xq, const float* dx, const float* sx, int64_t K, c
       for (int r = 0; r < R; ++r) {
         const int8_t* xr = xq + r * K + j * BLK;
         const __m512i b = bcast4(xr + 4 * c);
+        if (G16 && c >= 4) {
+          for (int u = 0; u < NT; ++u) id2[r][u] = _mm512_dpbusd_epi32(id2[r][u], lo[u], b);
+          continue;
+        }
         for (int u = 0; u < NT; ++u) id[r][u] = _mm512_dpbusd_epi32(id[r][u], lo[u], b);
         if (BITS == 4) {  // channels 16 + 4c .. 16 + 4c + 3 sit in the high nibbles
           const __m512i b2 = bcast4(xr + 16 + 4 * c);
           for (int u = 0; u < NT; ++u) id[r][u] = _mm512_dpbusd_epi32(id[r][u], hi[u], b2);
         }
       }
+    }
+    if (G16) {
+      for (int h = 0; h < 2; ++h) {
+        __m512 sv[NT], mv[NT];
+        for (int u = 0; u < NT; ++u) {
+          sv[u] = load_tile_scales(st + (u * G + 2 * j + h) * TILE);
+          if (mt) mv[u] = load_tile_scales(mt + (u * G + 2 * j + h) * TILE);
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m512 d = _mm512_set1_ps(dx[r * nb + j]);
+          for (int u = 0; u < NT; ++u)
+            acc[r][u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h ? id2[r][u] : id[r][u]), _mm512_mul_ps(sv[u], d), acc[r][u]);
+          if (mt) {
+            const __m512 e = _mm512_set1_ps(sx[r * G + 2 * j + h]);
+            for (int u = 0; u < NT; ++u) acc[r][u] = _mm512_fmadd_ps(mv[u], e, acc[r][u]);
+          }
+        }
+      }
+      continue;
     }
     __m512 sv[NT], mv[NT];
     for (int u = 0; u < NT; ++u) {
@@ -104,14 +135,14 @@ void gemm_block(const int8_t* xq, const float* dx, const float* sx, int64_t K, c
 
 constexpr int64_t GEMM_ROWS = 4;  // R of the main microkernel (4 rows x 2 tiles: 8 int32 + 8 float accumulators)
 
-template <int NT, int BITS, typename ST>
+template <int NT, int BITS, typename ST, bool G16 = false>
 void gemm_rows(const int8_t* xq, const float* dx, const float* sx, int64_t K, const QW& w, int64_t t, int64_t mb,
                float* y, int64_t ldy) {
   switch (mb) {
-    case 4: gemm_block<4, NT, BITS, ST>(xq, dx, sx, K, w, t, y, ldy); break;
-    case 3: gemm_block<3, NT, BITS, ST>(xq, dx, sx, K, w, t, y, ldy); break;
-    case 2: gemm_block<2, NT, BITS, ST>(xq, dx, sx, K, w, t, y, ldy); break;
-    default: gemm_block<1, NT, BITS, ST>(xq, dx, sx, K, w, t, y, ldy); break;
+    case 4: gemm_block<4, NT, BITS, ST, G16>(xq, dx, sx, K, w, t, y, ldy); break;
+    case 3: gemm_block<3, NT, BITS, ST, G16>(xq, dx, sx, K, w, t, y, ldy); break;
+    case 2: gemm_block<2, NT, BITS, ST, G16>(xq, dx, sx, K, w, t, y, ldy); break;
+    default: gemm_block<1, NT, BITS, ST, G16>(xq, dx, sx, K, w, t, y, ldy); break;
   }
 }
 
@@ -143,18 +174,20 @@ void quantize_acts(const at::Tensor& x, int8_t* xq, float* dx, float* sx) {
 // y [M, N] = q8(x) @ W_stored.T (+ nothing: the caller adds the bias): x [M, K] float32 or bf16
 // (stored channel order, any M >= 1), the weight in 16-row tiles (group size 32, N % 16 == 0),
 // scales / mins float32 or float16 (one dtype). Output float32, or bf16 (one rounding) when out_bf16.
-at::Tensor quant_gemm_q8(at::Tensor x, at::Tensor q, at::Tensor s, at::Tensor mn, int64_t bits, bool out_bf16) {
+// gs: 32, or 16 with 8-bit codes (scales / mins [N, K / 16]).
+at::Tensor quant_gemm_q8(at::Tensor x, at::Tensor q, at::Tensor s, at::Tensor mn, int64_t bits, int64_t gs, bool out_bf16) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "quant_gemm_q8: x must be float32 or bf16 [M >= 1, K]");
   TORCH_CHECK(bits == 4 || bits == 8, "quant_gemm_q8: bits must be 4 or 8");
-  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), nb = K / BLK;
+  TORCH_CHECK(gs == BLK || (gs == 16 && bits == 8), "quant_gemm_q8: group_size must be 32 (or 16 with 8-bit codes), got ", gs);
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), nb = K / BLK, G = K / gs;
   TORCH_CHECK(K % BLK == 0 && q.scalar_type() == at::kByte && q.dim() == 2 && q.is_contiguous() &&
               q.size(1) * 8 == K * bits, "quant_gemm_q8: qweight must be contiguous uint8 [N, K * bits / 8], K % 32 == 0");
   TORCH_CHECK(N % TILE == 0, "quant_gemm_q8: the tiled weight needs N % 16 == 0, got N = ", N);
   const bool half = s.scalar_type() == at::kHalf;
-  TORCH_CHECK((half || s.scalar_type() == at::kFloat) && s.is_contiguous() && s.numel() == N * nb,
-              "quant_gemm_q8: scales must be float32 or float16 [N, K / 32]");
-  TORCH_CHECK(mn.numel() == 0 || (mn.scalar_type() == s.scalar_type() && mn.is_contiguous() && mn.numel() == N * nb),
+  TORCH_CHECK((half || s.scalar_type() == at::kFloat) && s.is_contiguous() && s.numel() == N * G,
+              "quant_gemm_q8: scales must be float32 or float16 [N, K / group_size]");
+  TORCH_CHECK(mn.numel() == 0 || (mn.scalar_type() == s.scalar_type() && mn.is_contiguous() && mn.numel() == N * G),
               "quant_gemm_q8: mins must match scales' dtype and shape");
   x = x.contiguous();
   at::Tensor xq = at::empty({M * K + 64}, x.options().dtype(at::kChar));
@@ -163,8 +196,15 @@ at::Tensor quant_gemm_q8(at::Tensor x, at::Tensor q, at::Tensor s, at::Tensor mn
   float* dx = dsx.data_ptr<float>();
   float* sx = dx + M * nb;
   quantize_acts(x, xqp, dx, sx);
+  at::Tensor sx16;
+  if (gs != BLK) {  // the offsets' factor per 16-group
+    sx16 = at::empty({M, G}, x.options().dtype(at::kFloat));
+    group_sx16(xqp, dx, M, K, sx16.data_ptr<float>());
+    sx = sx16.data_ptr<float>();
+  }
   const QW w{q.data_ptr<uint8_t>(), (const float*)s.data_ptr(), mn.numel() > 0 ? (const float*)mn.data_ptr() : nullptr,
-             (int)bits, BLK, N, K, half, true};
+             (int)bits, gs, N, K, half, true};
+  const int64_t sxs = G;  // sx floats per activation row
   at::Tensor y = at::empty({M, N}, x.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
   const int64_t T = N / TILE, P = (T + 1) / 2;  // pairs of tiles (the last one may be single)
   float* yf = out_bf16 ? nullptr : y.data_ptr<float>();
@@ -180,8 +220,17 @@ at::Tensor quant_gemm_q8(at::Tensor x, at::Tensor q, at::Tensor s, at::Tensor mn
           constexpr int B = decltype(bb)::value;
           for (int64_t m0 = 0; m0 < M; m0 += GEMM_ROWS) {
             const int64_t mb = std::min<int64_t>(GEMM_ROWS, M - m0);
-            if (nt == 2) gemm_rows<2, B, ST>(xqp + m0 * K, dx + m0 * nb, sx + m0 * nb, K, w, t, mb, yt + m0 * ldy, ldy);
-            else gemm_rows<1, B, ST>(xqp + m0 * K, dx + m0 * nb, sx + m0 * nb, K, w, t, mb, yt + m0 * ldy, ldy);
+            const int8_t* xm = xqp + m0 * K;
+            float* ym = yt + m0 * ldy;
+            if constexpr (B == 8) {
+              if (gs != BLK) {
+                if (nt == 2) gemm_rows<2, 8, ST, true>(xm, dx + m0 * nb, sx + m0 * sxs, K, w, t, mb, ym, ldy);
+                else gemm_rows<1, 8, ST, true>(xm, dx + m0 * nb, sx + m0 * sxs, K, w, t, mb, ym, ldy);
+                continue;
+              }
+            }
+            if (nt == 2) gemm_rows<2, B, ST>(xm, dx + m0 * nb, sx + m0 * sxs, K, w, t, mb, ym, ldy);
+            else gemm_rows<1, B, ST>(xm, dx + m0 * nb, sx + m0 * sxs, K, w, t, mb, ym, ldy);
           }
         });
       });

@@ -14,7 +14,8 @@ using namespace sglite_quant;
 void check_weight(const at::Tensor& q, const at::Tensor& s, const at::Tensor& mn, int64_t bits,
                   int64_t gs, int64_t K) {
   TORCH_CHECK(bits == 4 || bits == 8, "quant: bits must be 4 or 8");
-  TORCH_CHECK(gs > 0 && gs % BLK == 0 && K % gs == 0, "quant: group_size must be a multiple of 32 dividing K");
+  TORCH_CHECK(K % BLK == 0 && ((gs > 0 && gs % BLK == 0 && K % gs == 0) || (gs == 16 && bits == 8)),
+              "quant: group_size must be a multiple of 32 dividing K (or 16 with 8-bit codes), got ", gs);
   TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 2 && q.is_contiguous() && q.size(1) * 8 == K * bits,
               "quant: qweight must be contiguous uint8 [N, K * bits / 8]");
   const int64_t N = q.size(0), G = K / gs;
@@ -70,10 +71,11 @@ at::Tensor quant_dequant(at::Tensor q, at::Tensor s, at::Tensor mn, int64_t bits
     float buf[BLK];
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t kb = 0; kb < K; kb += BLK) {
-        const int64_t g = kb / gs;
-        const float sg = sp[n * G + g], mg = mp ? mp[n * G + g] : 0.f;
         decode_block(qp + n * rowb, (int)bits, kb, buf);
-        for (int i = 0; i < BLK; ++i) buf[i] = buf[i] * sg + mg;  // s * q exact: one rounding, the sum
+        for (int i = 0; i < BLK; ++i) {  // s * q exact: one rounding, the sum
+          const int64_t g = (kb + i) / gs;
+          buf[i] = buf[i] * sp[n * G + g] + (mp ? mp[n * G + g] : 0.f);
+        }
         if (out_bf16) {
           at::BFloat16* o = out.data_ptr<at::BFloat16>() + n * K + kb;
           for (int i = 0; i < BLK; ++i) o[i] = at::BFloat16(buf[i]);
@@ -87,12 +89,12 @@ at::Tensor quant_dequant(at::Tensor q, at::Tensor s, at::Tensor mn, int64_t bits
 
 // y [M, N] float32 = q8(x) @ W_stored.T: x [M, K] float32 (1 <= M <= 32, stored channel order)
 // quantized to int8 per 32-block (sglite_quant::quantize_q8), integer dots (VNNI when built),
-// group size 32 only; tiled: the weight is in 16-row tiles (quant_tiles.h)
+// group size 32 (or 16 with 8-bit codes: GGUF Q6_K); tiled: the weight is in 16-row tiles (quant_tiles.h)
 at::Tensor quant_gemv_q8(at::Tensor x, at::Tensor q, at::Tensor s, at::Tensor mn, int64_t bits, int64_t gs,
                          bool portable, bool tiled) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 32 && x.scalar_type() == at::kFloat,
               "quant_gemv_q8: x must be float32 [M <= 32, K]");
-  TORCH_CHECK(gs == BLK, "quant_gemv_q8: group_size must be 32");
+  TORCH_CHECK(gs == BLK || (gs == 16 && bits == 8), "quant_gemv_q8: group_size must be 32 (or 16 with 8-bit codes), got ", gs);
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
   const bool half = s.scalar_type() == at::kHalf;  // float16 scales / mins (exact GGUF ones)
   TORCH_CHECK(!half || mn.numel() == 0 || mn.scalar_type() == at::kHalf, "quant_gemv_q8: scales and mins must share a dtype");

@@ -53,6 +53,7 @@ class KVState:
     alloc_len: int = 0
     prefix_len: int = 0
     last_node: Any = None
+    swa_lo: int = 0  # sliding-window pool: positions below this have had their local slots freed
 
 
 class KVManager:
@@ -70,6 +71,9 @@ class KVManager:
         self.req_pool, self.kv_pool, self.page_size = req_pool, kv_pool, page_size
         self.cache = RadixCache(kv_pool, page_size, disabled=disable_radix_cache)
         self.evicted_tokens = 0
+        # hybrid sliding-window pool (sglite.runtime.swa_pool): local slots of positions out of a
+        # request's window are freed at commit, and prefix matches need their window held; 0: none
+        self.window = int(getattr(kv_pool, "sliding_window", 0) or 0)
         self._borrowed: list[int] = []  # scratch rows lent to the step in flight (borrow_rows)
 
     @property
@@ -86,8 +90,26 @@ class KVManager:
         return self.kv_pool.free_tokens() + self.cache.evictable_size
 
     def match_prefix(self, ids: list[int]) -> tuple[torch.Tensor, Any]:
-        """Longest cached prefix of ``ids``: ([m] int64 slots, tree node). Nothing is locked."""
-        return self.cache.match_prefix(ids)
+        """Longest cached prefix of ``ids``: ([m] int64 slots, tree node). Nothing is locked.
+
+        With a sliding-window pool the match is cut back to the longest whole-page length ``m'``
+        whose last ``window`` positions still hold local K/V (the window of the first new token);
+        the node stays the full match's (locking it locks the shorter prefix too)."""
+        slots, node = self.cache.match_prefix(ids)
+        if self.window and len(slots):
+            slots = slots[:self._usable_prefix(slots)]
+        return slots, node
+
+    def _usable_prefix(self, slots: torch.Tensor) -> int:
+        """Longest page-aligned ``m <= len(slots)`` with local K/V held at positions
+        ``[m - window, m)`` (all of ``[0, m)`` when ``m < window``)."""
+        missing = torch.cumsum((~self.kv_pool.held_mask(slots)).to(torch.int64), 0)  # [m]
+        missing = torch.cat((torch.zeros(1, dtype=torch.int64), missing)).tolist()  # [m + 1]
+        ps, w = self.page_size, self.window
+        m = len(slots) - len(slots) % ps
+        while m > 0 and missing[m] - missing[max(0, m - w)] > 0:
+            m -= ps
+        return m
 
     def can_admit(self, cached: int, n: int, running: int) -> bool:
         """Whether a request with ``cached`` tokens in the tree can take ``n`` new ones now, keeping
@@ -100,6 +122,9 @@ class KVManager:
         if free >= need:
             return True
         self.evicted_tokens += self.cache.evict(need - free)
+        while self.window and self.kv_pool.free_tokens() < need and self.cache.evictable_size > 0:
+            # local slots short: evicted tree entries may hold none (freed out of their window)
+            self.evicted_tokens += self.cache.evict(need - self.kv_pool.free_tokens())
         return self.kv_pool.free_tokens() >= need
 
     # ------------------------------------------------------------------ transitions
@@ -170,8 +195,18 @@ class KVManager:
         kv = req.kv
         assert kv.kv_len + n <= kv.alloc_len, f"request {req.rid}: commit past its reserved slots"
         kv.kv_len += n
+        if self.window:
+            self._free_out_of_window(kv)
         if n > 1 and share:
             self.cache_unfinished(req)
+
+    def _free_out_of_window(self, kv: KVState) -> None:
+        """Free the local slots of this request's own positions (not the tree's) that no later
+        token of it can see: positions ``< kv_len - window``."""
+        lo, hi = max(kv.swa_lo, kv.prefix_len), kv.kv_len - self.window
+        if hi > lo:
+            self.kv_pool.free_swa(self.req_pool.req_to_token[kv.row, lo:hi].long())
+        kv.swa_lo = max(kv.swa_lo, hi)
 
     def reserve_more(self, req, n: int) -> bool:
         """Reserve ``n`` slots past ``req.kv.alloc_len`` (speculative draft tokens) from free pages
@@ -230,9 +265,11 @@ class KVManager:
         slots = table[kv.row, :aligned].long()  # [aligned]
         ids = req.tokens(0, aligned)
         already = self.cache.insert(ids, slots)
-        self.kv_pool.free(slots[kv.prefix_len:already])  # duplicates of what the tree had
         tree_slots, node = self.cache.match_prefix(ids)
         assert len(tree_slots) == aligned, "inserted prefix not found again"
+        if self.window:  # the tree's copies may have freed the local K/V this request's window needs
+            self.kv_pool.adopt_swa(tree_slots[kv.prefix_len:already], slots[kv.prefix_len:already])
+        self.kv_pool.free(slots[kv.prefix_len:already])  # duplicates of what the tree had
         table[kv.row, kv.prefix_len:aligned] = tree_slots[kv.prefix_len:].to(torch.int32)
         self.cache.inc_lock_ref(node)
         self.cache.dec_lock_ref(kv.last_node)
@@ -244,6 +281,8 @@ class KVManager:
         Raises ValueError when the pool holds no plain K/V tensors in this process (a quantized
         pool; a tensor-parallel allocator)."""
         kb = self.kv_pool.k_buffers
+        if self.window:
+            raise ValueError("prefix export/import is not supported with a sliding-window KV pool")
         if not kb or not isinstance(kb[0], torch.Tensor):
             raise ValueError("prefix export/import needs this process's K/V in the model dtype "
                              "(kv_cache_dtype auto or bfloat16, tp_size 1)")
@@ -325,6 +364,18 @@ class KVManager:
             owned |= pages
         total = len(free) + len(tree_pages) + len(owned)
         assert total == self.kv_pool.num_pages, f"pages lost: {total} accounted of {self.kv_pool.num_pages}"
+        if self.window:
+            self._check_windows(running)
+
+    def _check_windows(self, running: Iterable) -> None:
+        """Sliding-window pool: local slots accounted for, and every running request still holds
+        the local K/V of the positions its next token sees (``[kv_len - window + 1, kv_len)``)."""
+        self.kv_pool.check_swa()
+        for r in running:
+            kv = r.kv
+            lo = max(0, kv.kv_len - self.window + 1)
+            s = self.req_pool.req_to_token[kv.row, lo:kv.kv_len].long()
+            assert bool(self.kv_pool.held_mask(s).all()), f"request {r.rid} lost local K/V inside its window"
 
     # ------------------------------------------------------------------ scratch rows (speculative decoding)
     @property

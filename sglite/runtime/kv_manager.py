@@ -93,21 +93,21 @@ class KVManager:
         """Longest cached prefix of ``ids``: ([m] int64 slots, tree node). Nothing is locked.
 
         With a sliding-window pool the match is cut back to the longest whole-page length ``m'``
-        whose last ``window`` positions still hold local K/V (the window of the first new token);
-        the node stays the full match's (locking it locks the shorter prefix too)."""
+        whose last ``window - 1`` positions still hold local K/V (what the first new token, at
+        ``m'``, sees besides itself); the node stays the full match's (locking it locks the shorter
+        prefix too)."""
         slots, node = self.cache.match_prefix(ids)
         if self.window and len(slots):
             slots = slots[:self._usable_prefix(slots)]
         return slots, node
 
     def _usable_prefix(self, slots: torch.Tensor) -> int:
-        """Longest page-aligned ``m <= len(slots)`` with local K/V held at positions
-        ``[m - window, m)`` (all of ``[0, m)`` when ``m < window``)."""
+        """Longest page-aligned ``m <= len(slots)`` with local K/V held at ``[m - window + 1, m)``."""
         missing = torch.cumsum((~self.kv_pool.held_mask(slots)).to(torch.int64), 0)  # [m]
         missing = torch.cat((torch.zeros(1, dtype=torch.int64), missing)).tolist()  # [m + 1]
         ps, w = self.page_size, self.window
         m = len(slots) - len(slots) % ps
-        while m > 0 and missing[m] - missing[max(0, m - w)] > 0:
+        while m > 0 and missing[m] - missing[max(0, m - w + 1)] > 0:
             m -= ps
         return m
 

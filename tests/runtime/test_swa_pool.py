@@ -131,3 +131,26 @@ def test_pool_slot_accounting_unit():
     assert pool.swa_used_tokens() == 0 and len(pool.free_page_set()) == pool.num_pages
     pool.check_swa()
     assert swa_pool_tokens(10_000, 8, 4, 100, 1) == 4 * 18 + 200 and swa_pool_tokens(50, 8, 4, 100, 1) == 50
+
+
+@pytest.mark.slow
+def test_small_local_pool_evicts_and_stays_exact(gemma3, monkeypatch):
+    """Local slots for only a few windows: the radix tree is evicted (and requests retracted) to
+    make room, outputs stay HF's and nothing leaks."""
+    from sglite.runtime import swa_pool
+    from sglite.testing import hf_greedy
+
+    d, prompt, _ = gemma3
+    prompts = [prompt, prompt[:30] + prompt[5:12], prompt[3:] + prompt[:4], prompt[::-1][:33]]
+    refs, _ = hf_greedy(d, prompts, GREEDY["max_new_tokens"])
+    monkeypatch.setattr(swa_pool, "swa_pool_tokens", lambda full, *a: 6 * WINDOW + len(prompt) + 16)
+    with engine(d, chunked_prefill_size=WINDOW) as e:
+        pool = e.runner.token_to_kv_pool
+        assert pool.swa_capacity == 6 * WINDOW + len(prompt) + 16
+        for _ in range(2):
+            out = e.generate(input_ids=prompts, sampling_params=GREEDY)
+            assert [r["output_ids"] for r in out] == refs
+        assert e.scheduler.kv.evicted_tokens > 0  # the local slots ran short: the tree gave them back
+        e.check_invariants()
+        assert e.flush_cache()
+        assert pool.swa_used_tokens() == 0 and len(pool.free_page_set()) == pool.num_pages

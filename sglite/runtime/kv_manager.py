@@ -71,8 +71,7 @@ class KVManager:
         self.req_pool, self.kv_pool, self.page_size = req_pool, kv_pool, page_size
         self.cache = RadixCache(kv_pool, page_size, disabled=disable_radix_cache)
         self.evicted_tokens = 0
-        # hybrid sliding-window pool (sglite.runtime.swa_pool): local slots of positions out of a
-        # request's window are freed at commit, and prefix matches need their window held; 0: none
+        # sliding-window pool (swa_pool): out-of-window local slots freed at commit; 0: none
         self.window = int(getattr(kv_pool, "sliding_window", 0) or 0)
         self._borrowed: list[int] = []  # scratch rows lent to the step in flight (borrow_rows)
 
@@ -368,8 +367,7 @@ class KVManager:
             self._check_windows(running)
 
     def _check_windows(self, running: Iterable) -> None:
-        """Sliding-window pool: local slots accounted for, and every running request still holds
-        the local K/V of the positions its next token sees (``[kv_len - window + 1, kv_len)``)."""
+        """Local slots accounted for; each running request holds its next token's window."""
         self.kv_pool.check_swa()
         for r in running:
             kv = r.kv

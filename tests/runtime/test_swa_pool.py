@@ -154,3 +154,22 @@ def test_small_local_pool_evicts_and_stays_exact(gemma3, monkeypatch):
         e.check_invariants()
         assert e.flush_cache()
         assert pool.swa_used_tokens() == 0 and len(pool.free_page_set()) == pool.num_pages
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [dict(speculative_algorithm="NGRAM"), dict(enable_deterministic_inference=True)])
+def test_speculative_and_deterministic_on_the_hybrid_pool(gemma3, kw):
+    """NGRAM drafts (slots reserved past the window, rejected ones trimmed) and the batch-invariant
+    path on the hybrid pool: HF's tokens, nothing leaked."""
+    from sglite.testing import hf_greedy
+
+    d, prompt, _ = gemma3
+    prompts = [prompt, prompt[:20] * 2]
+    refs, _ = hf_greedy(d, prompts, GREEDY["max_new_tokens"])
+    with engine(d, chunked_prefill_size=WINDOW, **kw) as e:
+        out = e.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert [r["output_ids"] for r in out] == refs
+        e.check_invariants()
+        assert e.flush_cache()
+        pool = e.runner.token_to_kv_pool
+        assert pool.swa_used_tokens() == 0 and len(pool.free_page_set()) == pool.num_pages

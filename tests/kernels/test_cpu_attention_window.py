@@ -12,7 +12,7 @@ from sglite import kernels
 from sglite.kernels import cpu_attention, dispatch, reference
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
-WS = [(0, 0.0), (5, 0.0), (0, 7.5), (13, 30.0), (1, 0.0), (200, 2.0)]
+WS = [(5, 0.0), (0, 7.5), (13, 30.0), (1, 0.0), (200, 2.0)]  # (0, 0): tests/kernels/test_cpu*.py
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def decode_case(lens, Hq, Hkv, D, dtype, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_window_softcap_matches_reference(dec_ops, window, softcap, dtype):
     g = torch.Generator().manual_seed(window * 7 + int(softcap))
-    for trial in range(3):
+    for trial in range(2):
         B = int(torch.randint(1, 5, (1,), generator=g))
         Hkv = int(torch.randint(1, 3, (1,), generator=g))
         G = int(torch.randint(1, 5, (1,), generator=g))
@@ -63,12 +63,12 @@ def test_decode_window_never_reads_before_the_window(dec_ops):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_extend_window_softcap_matches_reference(ext_ops, window, softcap, dtype):
     g = torch.Generator().manual_seed(window * 11 + int(softcap) + 1)
-    for trial in range(3):
+    for trial in range(2):
         B = int(torch.randint(1, 4, (1,), generator=g))
         Hkv = int(torch.randint(1, 3, (1,), generator=g))
         G = int(torch.randint(1, 5, (1,), generator=g))
         D = [16, 64, 80, 128, 256][int(torch.randint(0, 5, (1,), generator=g))]
-        lens = [(int(torch.randint(0, 150, (1,), generator=g)), int(torch.randint(1, 100, (1,), generator=g)))
+        lens = [(int(torch.randint(0, 100, (1,), generator=g)), int(torch.randint(1, 80, (1,), generator=g)))
                 for _ in range(B)]
         case = make_case(lens, G * Hkv, Hkv, D, dtype, True, seed=trial)
         q, k, v, rt, rows, pre, ext, scale = case

@@ -157,18 +157,21 @@ def test_small_local_pool_evicts_and_stays_exact(gemma3, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kw", [dict(speculative_algorithm="NGRAM"), dict(enable_deterministic_inference=True)])
+@pytest.mark.parametrize("kw", [dict(speculative_algorithm="NGRAM"), dict(enable_deterministic_inference=True),
+                                dict(page_size=4), dict(page_size=4, chunked_prefill_size=-1)])
 def test_speculative_and_deterministic_on_the_hybrid_pool(gemma3, kw):
-    """NGRAM drafts (slots reserved past the window, rejected ones trimmed) and the batch-invariant
-    path on the hybrid pool: HF's tokens, nothing leaked."""
+    """NGRAM drafts (slots reserved past the window, rejected ones trimmed), the batch-invariant
+    path and pages of 4 tokens on the hybrid pool: HF's tokens (twice: the second from the radix
+    cache), nothing leaked."""
     from sglite.testing import hf_greedy
 
     d, prompt, _ = gemma3
     prompts = [prompt, prompt[:20] * 2]
     refs, _ = hf_greedy(d, prompts, GREEDY["max_new_tokens"])
-    with engine(d, chunked_prefill_size=WINDOW, **kw) as e:
-        out = e.generate(input_ids=prompts, sampling_params=GREEDY)
-        assert [r["output_ids"] for r in out] == refs
+    with engine(d, **{"chunked_prefill_size": WINDOW, **kw}) as e:
+        for _ in range(2):
+            out = e.generate(input_ids=prompts, sampling_params=GREEDY)
+            assert [r["output_ids"] for r in out] == refs
         e.check_invariants()
         assert e.flush_cache()
         pool = e.runner.token_to_kv_pool

@@ -176,3 +176,43 @@ def test_speculative_and_deterministic_on_the_hybrid_pool(gemma3, kw):
         assert e.flush_cache()
         pool = e.runner.token_to_kv_pool
         assert pool.swa_used_tokens() == 0 and len(pool.free_page_set()) == pool.num_pages
+
+
+def test_kv_manager_window_rules_unit():
+    """KVManager on a hybrid pool, no model: commit frees the request's own out-of-window local
+    slots; a chunk that duplicates cached slots whose local K/V is gone hands its own to them
+    (adopt) so its window survives; a prefix match is cut to where the window is held."""
+    from sglite.runtime.kv_manager import KVManager
+    from sglite.runtime.kv_pool import ReqToTokenPool
+
+    class Req:
+        def __init__(self, rid, ids):
+            self.rid, self.ids, self.kv = rid, ids, None
+
+        def tokens(self, a, b):
+            return self.ids[a:b]
+
+    pool = SWATokenToKVPool(256, 200, 1, (True, False), WINDOW, 1, 4, torch.float32)
+    kvm = KVManager(ReqToTokenPool(4, 128), pool, 1)
+    x = list(range(100, 148))
+    r1, r2 = Req("r1", x), Req("r2", x[:40])
+    empty, root = kvm.match_prefix(x)
+    assert kvm.admit(r1, empty, root, 48) and kvm.admit(r2, empty, root, 40)  # both before any insert
+    kvm.commit(r1, 48)  # frees r1's local slots below 40, then the tree takes all 48 positions
+    assert pool.swa_used_tokens() == 8 + 40 and r1.kv.prefix_len == 48
+    kvm.commit(r2, 40)  # r2's first 40 duplicate the tree's, whose 32..39 lost their local K/V
+    assert r2.kv.prefix_len == 40
+    kvm.check_invariants([r1, r2])  # r2's window (33..39) is held, through the tree's slots
+    row = kvm.req_to_token[r2.kv.row, :40].long()
+    assert pool.held_mask(row).tolist() == [False] * 32 + [True] * 8
+    kvm.release(r1)
+    kvm.release(r2)
+    kvm.check_invariants([])
+    slots, _ = kvm.match_prefix(x + [1])
+    assert len(slots) == 48  # its own tail window is held
+    slots, _ = kvm.match_prefix(x[:36] + [1])
+    assert len(slots) == 0  # 29..35 lost their local K/V: nothing before is usable either
+    slots, _ = kvm.match_prefix(x[:40] + [1])
+    assert len(slots) == 40  # r2's adopted window
+    kvm.flush()
+    assert pool.swa_used_tokens() == 0 and len(pool.free_page_set()) == pool.num_pages

@@ -40,6 +40,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 
+from . import swa_pool
 from .kv_pool import ReqToTokenPool, TokenToKVPool
 from .radix_cache import RadixCache
 
@@ -53,7 +54,9 @@ class KVState:
     alloc_len: int = 0
     prefix_len: int = 0
     last_node: Any = None
-    swa_lo: int = 0  # sliding-window pool: positions below this have had their local slots freed
+    swa_lo: int = 0  # sliding-window pool (swa_pool): own positions below this had local slots freed
+    swa_tree_lo: int = 0  # ... and tree positions below this were considered (free_tree_tail)
+    match_len: int = 0  # the prefix it was admitted with (sliding-window pool: left to the tree)
 
 
 class KVManager:
@@ -97,18 +100,8 @@ class KVManager:
         prefix too)."""
         slots, node = self.cache.match_prefix(ids)
         if self.window and len(slots):
-            slots = slots[:self._usable_prefix(slots)]
+            slots = slots[:swa_pool.usable_prefix(self.kv_pool, slots, self.page_size, self.window)]
         return slots, node
-
-    def _usable_prefix(self, slots: torch.Tensor) -> int:
-        """Longest page-aligned ``m <= len(slots)`` with local K/V held at ``[m - window + 1, m)``."""
-        missing = torch.cumsum((~self.kv_pool.held_mask(slots)).to(torch.int64), 0)  # [m]
-        missing = torch.cat((torch.zeros(1, dtype=torch.int64), missing)).tolist()  # [m + 1]
-        ps, w = self.page_size, self.window
-        m = len(slots) - len(slots) % ps
-        while m > 0 and missing[m] - missing[max(0, m - w + 1)] > 0:
-            m -= ps
-        return m
 
     def can_admit(self, cached: int, n: int, running: int) -> bool:
         """Whether a request with ``cached`` tokens in the tree can take ``n`` new ones now, keeping
@@ -138,7 +131,7 @@ class KVManager:
         self.cache.inc_lock_ref(node)
         if m:
             self.req_pool.req_to_token[row, :m] = prefix.to(torch.int32)
-        req.kv = KVState(row=row, kv_len=m, alloc_len=m, prefix_len=m, last_node=node)
+        req.kv = KVState(row=row, kv_len=m, alloc_len=m, prefix_len=m, last_node=node, match_len=m)
         if not self.extend(req, n):
             self.cache.dec_lock_ref(node)
             self.req_pool.free(row)
@@ -195,17 +188,9 @@ class KVManager:
         assert kv.kv_len + n <= kv.alloc_len, f"request {req.rid}: commit past its reserved slots"
         kv.kv_len += n
         if self.window:
-            self._free_out_of_window(kv)
+            swa_pool.free_out_of_window(self.kv_pool, self.req_pool.req_to_token, kv, self.window)
         if n > 1 and share:
             self.cache_unfinished(req)
-
-    def _free_out_of_window(self, kv: KVState) -> None:
-        """Free the local slots of this request's own positions (not the tree's) that no later
-        token of it can see: positions ``< kv_len - window``."""
-        lo, hi = max(kv.swa_lo, kv.prefix_len), kv.kv_len - self.window
-        if hi > lo:
-            self.kv_pool.free_swa(self.req_pool.req_to_token[kv.row, lo:hi].long())
-        kv.swa_lo = max(kv.swa_lo, hi)
 
     def reserve_more(self, req, n: int) -> bool:
         """Reserve ``n`` slots past ``req.kv.alloc_len`` (speculative draft tokens) from free pages
@@ -273,6 +258,8 @@ class KVManager:
         self.cache.inc_lock_ref(node)
         self.cache.dec_lock_ref(kv.last_node)
         kv.last_node, kv.prefix_len = node, aligned
+        if self.window:
+            swa_pool.free_tree_tail(self.kv_pool, kv, self.window)
 
     # ------------------------------------------------------------------ prefix transfer (P/D)
     def kv_layout(self) -> tuple[torch.dtype, tuple[int, int, int]]:
@@ -364,16 +351,7 @@ class KVManager:
         total = len(free) + len(tree_pages) + len(owned)
         assert total == self.kv_pool.num_pages, f"pages lost: {total} accounted of {self.kv_pool.num_pages}"
         if self.window:
-            self._check_windows(running)
-
-    def _check_windows(self, running: Iterable) -> None:
-        """Local slots accounted for; each running request holds its next token's window."""
-        self.kv_pool.check_swa()
-        for r in running:
-            kv = r.kv
-            lo = max(0, kv.kv_len - self.window + 1)
-            s = self.req_pool.req_to_token[kv.row, lo:kv.kv_len].long()
-            assert bool(self.kv_pool.held_mask(s).all()), f"request {r.rid} lost local K/V inside its window"
+            swa_pool.check_windows(self.kv_pool, self.req_pool.req_to_token, running, self.window)
 
     # ------------------------------------------------------------------ scratch rows (speculative decoding)
     @property

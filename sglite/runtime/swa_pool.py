@@ -212,3 +212,59 @@ def describe(pool: SWATokenToKVPool) -> str:
             f"keep {pool.swa_capacity} local slots beside the {pool.capacity}-token pool: "
             f"{(pool.capacity * pool.global_bytes_per_token + pool.swa_capacity * pool.local_bytes_per_token) / 2**20:.1f} MiB, "
             f"{pool.saved_bytes / 2**20:.1f} MiB less than full attention on every layer")
+
+
+# ---------------------------------------------------------------------- the KV manager's window rules
+def usable_prefix(pool: SWATokenToKVPool, slots: torch.Tensor, page_size: int, window: int) -> int:
+    """Longest page-aligned ``m <= len(slots)`` whose positions ``[m - window + 1, m)`` still hold
+    local K/V (what a first new token at ``m`` sees besides itself); 0 when none."""
+    missing = torch.cumsum((~pool.held_mask(slots)).to(torch.int64), 0)  # [m]
+    missing = torch.cat((torch.zeros(1, dtype=torch.int64), missing)).tolist()  # [m + 1]
+    m = len(slots) - len(slots) % page_size
+    while m > 0 and missing[m] - missing[max(0, m - window + 1)] > 0:
+        m -= page_size
+    return m
+
+
+def free_out_of_window(pool: SWATokenToKVPool, table: torch.Tensor, kv, window: int) -> None:
+    """At commit: free the local slots of the request's own positions (past its tree prefix) that
+    no later token of it sees, ``< kv_len - window``. ``kv``: its KVState, ``table``: the slot table."""
+    lo, hi = max(kv.swa_lo, kv.prefix_len), kv.kv_len - window
+    if hi > lo:
+        pool.free_swa(table[kv.row, lo:hi].long())
+    kv.swa_lo = max(kv.swa_lo, hi)
+
+
+def free_tree_tail(pool: SWATokenToKVPool, kv, window: int) -> None:
+    """After the request put its own computed positions in the radix tree (chunked prefill): free
+    their local slots below ``prefix_len - window`` (the window at the tree prefix's end stays for
+    later matches) where the tree nodes are locked by this request alone (``lock_ref == 1``: no
+    other running request's prefix, hence window, lies in them). Positions of the prefix it was
+    admitted with (``match_len``) are left to the tree."""
+    a, b = max(kv.swa_tree_lo, kv.match_len), kv.prefix_len - window
+    if b <= a:
+        return
+    path, node = [], kv.last_node
+    while node is not None and node.parent is not None:  # up to (not including) the root
+        path.append(node)
+        node = node.parent
+    start = 0
+    for node in reversed(path):  # positions [start, start + len) of the prefix
+        end = start + len(node.value)
+        lo, hi = max(a, start), min(b, end)
+        if hi > lo and node.lock_ref == 1:
+            pool.free_swa(node.value[lo - start:hi - start])
+        start = end
+        if start >= b:
+            break
+    kv.swa_tree_lo = b
+
+
+def check_windows(pool: SWATokenToKVPool, table: torch.Tensor, running, window: int) -> None:
+    """Assert local-slot accounting and that every running request still holds the local K/V of
+    the positions its next token sees (``[kv_len - window + 1, kv_len)``)."""
+    pool.check_swa()
+    for r in running:
+        kv = r.kv
+        s = table[kv.row, max(0, kv.kv_len - window + 1):kv.kv_len].long()
+        assert bool(pool.held_mask(s).all()), f"request {r.rid} lost local K/V inside its window"

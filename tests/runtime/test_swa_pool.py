@@ -42,19 +42,26 @@ def held_per_step(e):
     return rec
 
 
-def test_window_request_holds_fewer_slots_than_full_attention(gemma3):
+@pytest.mark.parametrize("radix", [False, True])
+def test_window_request_holds_fewer_slots_than_full_attention(gemma3, radix):
+    """Step by step: the same full slots as full attention, at most ~2 windows of local slots
+    (radix cache on: the chunks the request put in the tree lose theirs too, except the window at
+    the tree prefix's end); everything back at the end."""
     d, prompt, d_full = gemma3
     params = dict(GREEDY, max_new_tokens=6)
-    with engine(d, disable_radix_cache=True, chunked_prefill_size=WINDOW, context_length=128) as e:
+    with engine(d, disable_radix_cache=not radix, chunked_prefill_size=WINDOW, context_length=128) as e:
         pool = e.runner.token_to_kv_pool
         assert isinstance(pool, SWATokenToKVPool) and pool.local_layers == (True, False)
         assert pool.swa_capacity < pool.capacity and pool.saved_bytes > 0
         rec = held_per_step(e)
         out = e.generate(input_ids=prompt, sampling_params=params)["output_ids"]
         e.check_invariants()
+        if radix:
+            assert 0 < pool.swa_used_tokens() <= 2 * WINDOW + 1  # the tree keeps a window at each end
+            assert e.flush_cache()
         assert pool.swa_used_tokens() == 0 and pool.free_tokens() == pool.swa_capacity  # nothing leaked
         assert len(pool.free_page_set()) == pool.num_pages
-    with engine(d_full, disable_radix_cache=True, chunked_prefill_size=WINDOW, context_length=128) as e:
+    with engine(d_full, disable_radix_cache=not radix, chunked_prefill_size=WINDOW, context_length=128) as e:
         full_pool = e.runner.token_to_kv_pool
         assert not isinstance(full_pool, SWATokenToKVPool)
         rec_full = held_per_step(e)
@@ -64,7 +71,7 @@ def test_window_request_holds_fewer_slots_than_full_attention(gemma3):
     assert [f for f, _ in rec] == [f for f, _ in rec_full]
     assert max(s for _, s in rec) <= 2 * WINDOW + 1
     last_full, last_local = rec[-1]
-    assert last_full >= len(prompt) + 4 and last_local <= WINDOW + 1
+    assert last_full >= len(prompt) + 4 and last_local <= 2 * WINDOW + 1
     # bytes held at the last step: global layer on every position, local layer on its window only
     held = last_full * pool.global_bytes_per_token + last_local * pool.local_bytes_per_token
     assert held < last_full * full_pool.bytes_per_token

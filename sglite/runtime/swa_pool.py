@@ -8,7 +8,11 @@ before (``req_to_token`` holds full slots; the radix tree stores them), and give
 that still needs local K/V a *local slot*: ``full_to_swa[full_slot]`` (0 = none: never given or
 freed; local slot 0 is padding, as full slot 0). The KV manager frees a request's local slots
 once they fall out of its window (:meth:`SWATokenToKVPool.free_swa`), so a request of ``n``
-tokens holds ``n`` full slots but at most about ``window`` local slots.
+tokens holds ``n`` full slots but at most about ``window`` local slots (two windows with the radix
+cache on: chunks a request put in the tree lose their local slots too, except the window at the
+tree prefix's end, where no other request locks them: :func:`free_tree_tail`). Prefix matches are
+cut where the window before the match end was freed (:func:`usable_prefix`); a request whose chunk
+duplicates cached slots that lost their local K/V hands its own to them (``adopt_swa``).
 
 Per step (:meth:`SWATokenToKVPool.begin_step`) the full slots of the step's rows are translated
 into local ones for the local layers (``fb.swa``, a :class:`SWAView`): out-of-window positions map

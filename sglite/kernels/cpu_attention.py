@@ -162,8 +162,8 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                                           prefix_lens, extend_lens, sm_scale, window, softcap)
     if req_to_token.dtype != torch.int32 or req_to_token.stride(-1) != 1:
         req_to_token = req_to_token.to(torch.int32).contiguous()
-    return ops.extend_attention(q, k_buffer, v_buffer, req_to_token,
-                                req_pool_indices.to(torch.int64).contiguous(),
-                                prefix_lens.to(torch.int64).contiguous(),
-                                extend_lens.to(torch.int64).contiguous(), float(sm_scale),
-                                int(window), float(softcap))
+    args = (q, k_buffer, v_buffer, req_to_token, req_pool_indices.to(torch.int64).contiguous(),
+            prefix_lens.to(torch.int64).contiguous(), extend_lens.to(torch.int64).contiguous(), float(sm_scale))
+    if window or softcap:
+        return ops.extend_attention(*args, int(window), float(softcap))
+    return ops.extend_attention(*args)

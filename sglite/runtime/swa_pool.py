@@ -212,10 +212,10 @@ def make_pool(arch, kv_cache_dtype: str, num_tokens: int, page_size: int, rows: 
 def describe(pool: SWATokenToKVPool) -> str:
     """One start-up log line: layers per slot space, sizes and the memory the window saves."""
     n_local = sum(pool.local_layers)
+    total = pool.capacity * pool.global_bytes_per_token + pool.swa_capacity * pool.local_bytes_per_token
     return (f"sliding-window KV: {n_local} of {len(pool.local_layers)} layers (window {pool.sliding_window}) "
             f"keep {pool.swa_capacity} local slots beside the {pool.capacity}-token pool: "
-            f"{(pool.capacity * pool.global_bytes_per_token + pool.swa_capacity * pool.local_bytes_per_token) / 2**20:.1f} MiB, "
-            f"{pool.saved_bytes / 2**20:.1f} MiB less than full attention on every layer")
+            f"{total / 2**20:.1f} MiB, {pool.saved_bytes / 2**20:.1f} MiB less than full attention on every layer")
 
 
 # ---------------------------------------------------------------------- the KV manager's window rules

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -47,7 +47,9 @@ class ForwardBatch:
     dec_req_pool_indices: torch.Tensor
     dec_seq_lens: torch.Tensor
     logits_indices: torch.Tensor
-    swa: Optional[Any] = None
+    # not a dataclass field (tensor-parallel commands ship the fields): a hybrid pool's begin_step
+    # sets it on the instance
+    swa = None
 
     @classmethod
     def from_plan(cls, plan: "StepPlan", req_to_token: torch.Tensor) -> "ForwardBatch":
@@ -97,6 +99,6 @@ class ForwardBatch:
 
     def to(self, device) -> "ForwardBatch":
         """Copy every tensor except the (already resident) slot table to ``device``."""
-        kw = {k: (v if k in ("req_to_token", "swa") else v.to(device, non_blocking=True))
-              for k, v in self.__dict__.items()}
+        kw = {k: (v if k == "req_to_token" else v.to(device, non_blocking=True))
+              for k, v in self.__dict__.items() if k != "swa"}
         return ForwardBatch(**kw)

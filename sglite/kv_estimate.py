@@ -9,6 +9,12 @@ Quantized pools (``--kv-cache-dtype``) count their scales (the runtime's own for
 (KIVI layout, ``sglite/runtime/kv_quant.py``) store codes plus a float16 scale and minimum per
 token and head (values) and per channel, head and group of G tokens (keys); fp8_e4m3 one byte per
 element (its per-head scales are per layer, not per token).
+
+Sliding-window models (Gemma 2 / Gemma 3: ``layer_types``, or ``sliding_window_pattern``, and
+``sliding_window``) on a float KV cache keep the local layers' K/V for the last ``sliding_window``
+tokens of a sequence only (:mod:`sglite.runtime.swa_pool`): a sequence costs the global layers'
+bytes per token x its length plus the local layers' x ``min(length, window)``; the saving is
+reported beside the full-attention figure.
 """
 from __future__ import annotations
 
@@ -34,6 +40,9 @@ class KVEstimate:
     seq_len: int
     batch: int
     kv_cache_dtype: str = "auto"
+    local_layers: int = 0  # sliding-window layers whose K/V is kept for the window only
+    sliding_window: int = 0
+    local_bytes_per_token: int = 0  # the local layers' share of bytes_per_token
 
     @property
     def tokens_per_gib(self) -> int:
@@ -42,7 +51,15 @@ class KVEstimate:
 
     @property
     def bytes_per_sequence(self) -> int:
-        return self.bytes_per_token * self.seq_len
+        """KV bytes one sequence of ``seq_len`` tokens holds (local layers: its window only)."""
+        return self.bytes_per_token * self.seq_len - self.saved_bytes_per_sequence
+
+    @property
+    def saved_bytes_per_sequence(self) -> int:
+        """Bytes the sliding-window layers do not hold against full attention on every layer."""
+        if not self.local_layers:
+            return 0
+        return self.local_bytes_per_token * max(0, self.seq_len - self.sliding_window)
 
     @property
     def total_bytes(self) -> int:
@@ -72,8 +89,28 @@ def estimate(config: dict, seq_len: int = 4096, batch: int = 16, dtype: str = "f
     hd = config.get("head_dim") or config["hidden_size"] // heads
     layers = config["num_hidden_layers"]
     b = DTYPE_BYTES[dtype]
+    n_local, window = _local_layers(config, layers)
+    if kv_cache_dtype not in ("auto", "bfloat16"):  # the runtime keeps sliding windows on float pools only
+        n_local = 0
+    local_b = kv_bytes_per_token(kv_cache_dtype, n_local, kv, hd, b, group) if n_local else 0
     return KVEstimate(layers, kv, hd, b, kv_bytes_per_token(kv_cache_dtype, layers, kv, hd, b, group),
-                      seq_len, batch, kv_cache_dtype)
+                      seq_len, batch, kv_cache_dtype, n_local, window if n_local else 0, local_b)
+
+
+SWA_ARCHS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # the families whose local layers sglite windows
+
+
+def _local_layers(config: dict, layers: int) -> tuple[int, int]:
+    """(sliding-window layers, window) of a config dict; (0, 0) for other architectures."""
+    archs = config.get("architectures") or []
+    window = int(config.get("sliding_window") or 0)
+    if not archs or archs[0] not in SWA_ARCHS or window <= 0:
+        return 0, 0
+    types = config.get("layer_types")
+    if types:
+        return sum(t == "sliding_attention" for t in types), window
+    pat = config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 2
+    return sum(1 for i in range(layers) if (i + 1) % pat), window
 
 
 def load_config(model_path: str | None = None, config_path: str | None = None) -> dict:
@@ -96,8 +133,13 @@ def _fmt(n: int) -> str:
 
 
 def format_estimate(e: KVEstimate) -> str:
-    return (f"layers={e.num_layers} kv_heads={e.num_kv_heads} head_dim={e.head_dim} dtype_bytes={e.dtype_bytes} "
-            f"kv_cache_dtype={e.kv_cache_dtype}\n"
-            f"bytes per token: {e.bytes_per_token} ({_fmt(e.bytes_per_token)}), {e.tokens_per_gib} tokens per GiB\n"
-            f"per sequence ({e.seq_len} tokens): {_fmt(e.bytes_per_sequence)}\n"
-            f"total (batch {e.batch}): {_fmt(e.total_bytes)}")
+    out = (f"layers={e.num_layers} kv_heads={e.num_kv_heads} head_dim={e.head_dim} dtype_bytes={e.dtype_bytes} "
+           f"kv_cache_dtype={e.kv_cache_dtype}\n"
+           f"bytes per token: {e.bytes_per_token} ({_fmt(e.bytes_per_token)}), {e.tokens_per_gib} tokens per GiB\n"
+           f"per sequence ({e.seq_len} tokens): {_fmt(e.bytes_per_sequence)}\n"
+           f"total (batch {e.batch}): {_fmt(e.total_bytes)}")
+    if e.local_layers:
+        out += (f"\nsliding window: {e.local_layers} of {e.num_layers} layers keep the last {e.sliding_window} "
+                f"tokens only: {_fmt(e.saved_bytes_per_sequence)} per sequence, "
+                f"{_fmt(e.saved_bytes_per_sequence * e.batch)} in total saved against full attention")
+    return out

@@ -73,11 +73,15 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                     seq_lens: torch.Tensor, sm_scale: float) -> torch.Tensor:
+                     seq_lens: torch.Tensor, sm_scale: float, window: int = 0,
+                     softcap: float = 0.0) -> torch.Tensor:
     """Fused paged decode attention; same contract as :func:`.reference.decode_attention`.
 
     Args/returns: see the module docstring (q [B, Hq, D], pools [S, Hkv, D] float32/bfloat16,
     req_to_token [R, Lmax] int32, req_pool_indices/seq_lens [B] int64 → [B, Hq, D] in q's dtype).
+    ``window`` > 0 (sliding-window layers): a request reads only its last ``window`` slots (the
+    walk starts there, so slots before it are never touched: they may be freed); ``softcap`` > 0:
+    ``cap * tanh(score / cap)`` on the scaled scores before the softmax (Gemma 2).
     Raises:
         ValueError: mismatched shapes, Hq not a multiple of Hkv, a seq_len outside [1, Lmax].
         IndexError: a request row or a slot outside the table / pool.
@@ -86,9 +90,13 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     ops = load()
     if ops is None or not supported(q, k_buffer, v_buffer):
         return reference.decode_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices,
-                                          seq_lens, sm_scale)
+                                          seq_lens, sm_scale, window, softcap)
     if req_to_token.dtype != torch.int32 or req_to_token.stride(-1) != 1:
         req_to_token = req_to_token.to(torch.int32).contiguous()
+    if window or softcap:
+        return ops.decode_attention(q, k_buffer, v_buffer, req_to_token,
+                                    req_pool_indices.to(torch.int64).contiguous(),
+                                    seq_lens.to(torch.int64).contiguous(), float(sm_scale), int(window), float(softcap))
     return ops.decode_attention(q, k_buffer, v_buffer, req_to_token,
                                 req_pool_indices.to(torch.int64).contiguous(),
                                 seq_lens.to(torch.int64).contiguous(), float(sm_scale))
@@ -109,9 +117,9 @@ def extend_available() -> bool:
 
 def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                     prefix_lens: torch.Tensor, extend_lens: torch.Tensor, sm_scale: float) -> torch.Tensor:
-    """Paged extend (prefill) attention in C++; same contract as :func:`.reference.extend_attention`
-    (no window / softcap: the dispatcher sends those to the reference).
+                     prefix_lens: torch.Tensor, extend_lens: torch.Tensor, sm_scale: float,
+                     window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """Paged extend (prefill) attention in C++; same contract as :func:`.reference.extend_attention`.
 
     Args:
         q: [N, Hq, D] float32 | bfloat16 queries of the new tokens, requests concatenated
@@ -121,8 +129,13 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         req_to_token: [R, Lmax] int32 slot table; req_pool_indices, prefix_lens, extend_lens: [B]
             int64 (prefix >= 0, extend >= 1, prefix + extend <= Lmax).
         sm_scale: softmax scale.
+        window: > 0 (sliding-window layers): new token at position p sees keys ``p - window < s <= p``
+            only; a task starts at the tile of its first row's first visible key (keys before it
+            are never read: they may be freed). 0: every key.
+        softcap: > 0: ``cap * tanh(score / cap)`` on the scaled scores before the softmax (Gemma 2).
     Returns:
-        [N, Hq, D] in q's dtype. New token i of request b sees keys 0 .. prefix_lens[b] + i.
+        [N, Hq, D] in q's dtype. New token i of request b sees keys 0 .. prefix_lens[b] + i
+        (the last ``window`` of them with a window).
     Raises:
         ValueError: mismatched shapes, Hq not a multiple of Hkv, lengths outside the table, N not the
             sum of extend_lens.
@@ -146,10 +159,11 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     ops = load_extend()
     if ops is None or not supported(q, k_buffer, v_buffer):
         return reference.extend_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices,
-                                          prefix_lens, extend_lens, sm_scale)
+                                          prefix_lens, extend_lens, sm_scale, window, softcap)
     if req_to_token.dtype != torch.int32 or req_to_token.stride(-1) != 1:
         req_to_token = req_to_token.to(torch.int32).contiguous()
-    return ops.extend_attention(q, k_buffer, v_buffer, req_to_token,
-                                req_pool_indices.to(torch.int64).contiguous(),
-                                prefix_lens.to(torch.int64).contiguous(),
-                                extend_lens.to(torch.int64).contiguous(), float(sm_scale))
+    args = (q, k_buffer, v_buffer, req_to_token, req_pool_indices.to(torch.int64).contiguous(),
+            prefix_lens.to(torch.int64).contiguous(), extend_lens.to(torch.int64).contiguous(), float(sm_scale))
+    if window or softcap:
+        return ops.extend_attention(*args, int(window), float(softcap))
+    return ops.extend_attention(*args)

@@ -109,24 +109,22 @@ def decode_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_
                      softcap: float = 0.0):
     """See :func:`sglite.kernels.reference.decode_attention`.
 
-    ``window`` (sliding-window layers) and ``softcap`` (attention logit soft-capping), when set,
-    run the torch reference (:func:`.reference.decode_attention`, row by row when
-    ``batch_invariant``): the C++ and Triton kernels do not implement them; a quantized pool
-    refuses them (ValueError).
+    ``window`` (sliding-window layers: the last ``window`` tokens only; slots before them are
+    never read) and ``softcap`` (attention logit soft-capping) run in every implementation (C++,
+    Triton, torch); a quantized pool refuses them (ValueError).
 
     ``batch_invariant``: row i's output depends only on row i (its query, its KV, its length):
     ``cpp`` is so by construction; ``torch`` then runs :func:`.reference.decode_attention_rowwise`;
     ``triton`` a fixed number of KV splits (:data:`.triton_attention.INVARIANT_SPLITS`).
     """
-    if window > 0 or softcap > 0:
-        if isinstance(k_buffer, kv_quant.QuantKVLayer):
-            raise ValueError("a quantized KV pool supports neither sliding windows nor soft-capping")
-        ref = reference.decode_attention_rowwise if batch_invariant else reference.decode_attention
-        return ref(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale, window, softcap)
     name = resolve_impl(impl, q, "decode_attention")
     if isinstance(k_buffer, kv_quant.QuantKVLayer):  # row-independent in every implementation
+        if window > 0 or softcap > 0:
+            raise ValueError("a quantized KV pool supports neither sliding windows nor soft-capping")
         return _quant_decode(name)(q, k_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale)
     args = (q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale)
+    if window > 0 or softcap > 0:
+        args += (int(window), float(softcap))
     if not batch_invariant:
         return _op("decode_attention", name)(*args)
     if name == "triton":
@@ -143,18 +141,16 @@ def extend_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, pref
                      extend_lens, sm_scale, *, impl: Optional[str] = None, window: int = 0,
                      softcap: float = 0.0):
     """See :func:`sglite.kernels.reference.extend_attention` (:func:`.kv_quant.extend_attention`
-    for a quantized pool layer). ``window`` / ``softcap`` set: the torch reference (see
-    :func:`decode_attention`)."""
-    if window > 0 or softcap > 0:
-        if isinstance(k_buffer, kv_quant.QuantKVLayer):
-            raise ValueError("a quantized KV pool supports neither sliding windows nor soft-capping")
-        return reference.extend_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens,
-                                          extend_lens, sm_scale, window, softcap)
+    for a quantized pool layer). ``window`` / ``softcap``: as in :func:`decode_attention`."""
     if isinstance(k_buffer, kv_quant.QuantKVLayer):
+        if window > 0 or softcap > 0:
+            raise ValueError("a quantized KV pool supports neither sliding windows nor soft-capping")
         return kv_quant.extend_attention(q, k_buffer, req_to_token, req_pool_indices, prefix_lens,
                                          extend_lens, sm_scale)
-    return _op("extend_attention", resolve_impl(impl, q, "extend_attention"))(
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, sm_scale)
+    args = (q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, sm_scale)
+    if window > 0 or softcap > 0:
+        args += (int(window), float(softcap))
+    return _op("extend_attention", resolve_impl(impl, q, "extend_attention"))(*args)
 
 
 def _cpu_elementwise(x: torch.Tensor, op: str):

@@ -90,20 +90,24 @@ def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, out_cache_loc: torc
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _decode_partial_kernel(Q, KBuf, VBuf, ReqToToken, ReqIdx, SeqLens, MidO, MidLse, sm_scale,
+def _decode_partial_kernel(Q, KBuf, VBuf, ReqToToken, ReqIdx, SeqLens, MidO, MidLse, sm_scale, window, softcap,
                            stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
                            stride_r2t, stride_mob, stride_moh, stride_mos, stride_lb, stride_lh,
                            GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
                            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                           UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                           UPCAST: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr,
+                           SOFTCAP: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b).to(tl.int32)
     row = tl.load(ReqIdx + b).to(tl.int64)
+    first = 0
+    if WINDOW:  # sliding window: only the last `window` positions (earlier slots are never read)
+        first = tl.maximum(seq_len - window, 0)
     # chunk length: a multiple of BLOCK_N, at least BLOCK_N (short sequences use fewer chunks)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    split_len = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -134,7 +138,10 @@ def _decode_partial_kernel(Q, KBuf, VBuf, ReqToToken, ReqIdx, SeqLens, MidO, Mid
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k))
-        qk = tl.where(nmask[None, :], qk * sm_scale, float("-inf"))  # [BG, BN]
+        qk = qk * sm_scale
+        if SOFTCAP:  # cap * tanh(s / cap), tanh(x) = 2 sigmoid(2x) - 1
+            qk = softcap * (2.0 * tl.sigmoid(qk * (2.0 / softcap)) - 1.0)
+        qk = tl.where(nmask[None, :], qk, float("-inf"))  # [BG, BN]
         m_new = tl.maximum(m_i, tl.max(qk, 1))  # [BG], finite: each chunk's first position is valid
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(qk - m_new[:, None])  # [BG, BN]
@@ -191,9 +198,10 @@ def _default_num_splits(batch: int, kv_heads: int, device: torch.device) -> int:
 
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                     seq_lens: torch.Tensor, sm_scale: float, *, out: Optional[torch.Tensor] = None,
-                     num_splits: Optional[int] = None, block_n: Optional[int] = None,
-                     workspace: Optional[tuple] = None, batch_invariant: bool = False) -> torch.Tensor:
+                     seq_lens: torch.Tensor, sm_scale: float, window: int = 0, softcap: float = 0.0, *,
+                     out: Optional[torch.Tensor] = None, num_splits: Optional[int] = None,
+                     block_n: Optional[int] = None, workspace: Optional[tuple] = None,
+                     batch_invariant: bool = False) -> torch.Tensor:
     """Flash-decoding attention of one new token per request over its paged KV (GQA).
 
     Batch invariance: a row's chunks are ``cdiv(cdiv(seq_len, num_splits), block_n) * block_n``
@@ -205,6 +213,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     Args:
         q: [B, Hq, D]; k_buffer, v_buffer: [S, Hkv, D]; req_to_token: [R, Lmax] int32;
         req_pool_indices: [B] int64; seq_lens: [B] int64 (each >= 1); sm_scale: float.
+        window: > 0: only each request's last ``window`` positions are read (split among the
+            chunks); 0: all. softcap: > 0: ``cap * tanh(score / cap)`` before the softmax.
         out: optional [B, Hq, D] output tensor (written, returned).
         num_splits: KV chunks per request (default: enough programs to fill the GPU; 4 on CPU).
         block_n: KV positions per inner step (default 64 on GPU, 32 under the interpreter).
@@ -245,11 +255,12 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     ieee = k_buffer.dtype == torch.float32 and not interp
     _decode_partial_kernel[(B, Hkv, splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, float(sm_scale),
+        int(window), float(softcap),
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
         v_buffer.stride(1), req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, BLOCK_G=bg, D=D, BLOCK_D=bd, BLOCK_N=bn, NUM_SPLITS=splits,
-        UPCAST=interp, IEEE=ieee, num_warps=4, num_stages=2)
+        UPCAST=interp, IEEE=ieee, WINDOW=window > 0, SOFTCAP=softcap > 0, num_warps=4, num_stages=2)
     _decode_reduce_kernel[(B, Hq)](
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
         mid_lse.stride(1), out.stride(0), out.stride(1),
@@ -262,12 +273,12 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _extend_kernel(Q, KBuf, VBuf, Out, ReqToToken, ReqIdx, PrefixLens, ExtendLens, QStart, sm_scale,
+def _extend_kernel(Q, KBuf, VBuf, Out, ReqToToken, ReqIdx, PrefixLens, ExtendLens, QStart, sm_scale, window, softcap,
                    stride_qn, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
                    stride_r2t, stride_on, stride_oh,
                    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-                   IEEE: tl.constexpr):
+                   IEEE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     mb = tl.program_id(2)
@@ -297,7 +308,10 @@ def _extend_kernel(Q, KBuf, VBuf, Out, ReqToToken, ReqIdx, PrefixLens, ExtendLen
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for n0 in range(0, kv_end, BLOCK_N):
+    kv_start = 0
+    if WINDOW:  # the block's first query sees keys from prefix + m_start - window + 1 on
+        kv_start = tl.maximum(prefix + m_start - window + 1, 0) // BLOCK_N * BLOCK_N
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < kv_end
         slots = tl.load(ReqToToken + row * stride_r2t + offs_n, mask=nmask, other=0).to(tl.int64)
@@ -311,11 +325,19 @@ def _extend_kernel(Q, KBuf, VBuf, Out, ReqToToken, ReqIdx, PrefixLens, ExtendLen
         else:
             qk = tl.dot(q, tl.trans(k))
         visible = nmask[None, :] & (offs_n[None, :] <= qpos[:, None])  # [BM, BN] causal w/ offset
-        qk = tl.where(visible, qk * sm_scale, float("-inf"))
-        # key 0 is visible to every query row, so m_new is finite from the first block on
+        if WINDOW:
+            visible = visible & (offs_n[None, :] > qpos[:, None] - window)
+        qk = qk * sm_scale
+        if SOFTCAP:  # cap * tanh(s / cap), tanh(x) = 2 sigmoid(2x) - 1
+            qk = softcap * (2.0 * tl.sigmoid(qk * (2.0 / softcap)) - 1.0)
+        qk = tl.where(visible, qk, float("-inf"))
+        # without a window key 0 is visible to every query row, so m_new is finite from the first
+        # block on; with one a row may see nothing in a block: m_new stays -inf, read as 0 (alpha
+        # and p are then exp(-inf) = 0, not NaN)
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(qk - m_new[:, None])
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(qk - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(VBuf + slots[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :],
                     mask=kvmask, other=0.0)
@@ -335,7 +357,8 @@ def _extend_kernel(Q, KBuf, VBuf, Out, ReqToToken, ReqIdx, PrefixLens, ExtendLen
 
 def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                     prefix_lens: torch.Tensor, extend_lens: torch.Tensor, sm_scale: float, *,
+                     prefix_lens: torch.Tensor, extend_lens: torch.Tensor, sm_scale: float,
+                     window: int = 0, softcap: float = 0.0, *,
                      out: Optional[torch.Tensor] = None, block_m: Optional[int] = None,
                      block_n: Optional[int] = None) -> torch.Tensor:
     """Prefill attention for new tokens over their cached prefix plus themselves (causal).
@@ -344,6 +367,9 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         q: [N, Hq, D] new tokens' queries, requests concatenated; k_buffer, v_buffer: [S, Hkv, D]
         (new tokens' K/V already stored); req_to_token: [R, Lmax] int32; req_pool_indices,
         prefix_lens, extend_lens: [B] int64; sm_scale: float.
+        window: > 0: a new token at position p sees keys ``p - window < s <= p`` (blocks of keys
+            wholly before a query block's window are skipped, never read); 0: all.
+        softcap: > 0: ``cap * tanh(score / cap)`` before the softmax.
         out: optional [N, Hq, D] output (written, returned).
         block_m, block_n: query / key tile sizes (defaults 64/64 on GPU, 32/32 interpreted).
     Returns:
@@ -374,8 +400,8 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     grid = (B, Hq, triton.cdiv(max_ext, bm))
     _extend_kernel[grid](
         q, k_buffer, v_buffer, out, req_to_token, req_pool_indices, prefix_lens, extend_lens, q_start,
-        float(sm_scale), q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
+        float(sm_scale), int(window), float(softcap), q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0), out.stride(0), out.stride(1),
         GROUP=Hq // Hkv, D=D, BLOCK_D=next_pow2(D), BLOCK_M=bm, BLOCK_N=bn, UPCAST=interp, IEEE=ieee,
-        num_warps=4, num_stages=2)
+        WINDOW=window > 0, SOFTCAP=softcap > 0, num_warps=4, num_stages=2)
     return out

@@ -32,6 +32,9 @@ class ForwardBatch:
         dec_req_pool_indices: [Bd] int64 ``req_to_token`` row of each decode row.
         dec_seq_lens: [Bd] int64 tokens each decode row attends to (incl. its own token).
         logits_indices: [M] int64 indices into ``input_ids`` whose next-token logits are needed.
+        swa: the local (sliding-window) layers' slots of this step, a
+            :class:`~sglite.runtime.swa_pool.SWAView` set by a hybrid pool's ``begin_step``; None
+            otherwise (every layer reads the slots above).
     """
 
     input_ids: torch.Tensor
@@ -44,6 +47,9 @@ class ForwardBatch:
     dec_req_pool_indices: torch.Tensor
     dec_seq_lens: torch.Tensor
     logits_indices: torch.Tensor
+    # not a dataclass field (tensor-parallel commands ship the fields): a hybrid pool's begin_step
+    # sets it on the instance
+    swa = None
 
     @classmethod
     def from_plan(cls, plan: "StepPlan", req_to_token: torch.Tensor) -> "ForwardBatch":
@@ -93,5 +99,6 @@ class ForwardBatch:
 
     def to(self, device) -> "ForwardBatch":
         """Copy every tensor except the (already resident) slot table to ``device``."""
-        kw = {k: (v if k == "req_to_token" else v.to(device, non_blocking=True)) for k, v in self.__dict__.items()}
+        kw = {k: (v if k == "req_to_token" else v.to(device, non_blocking=True))
+              for k, v in self.__dict__.items() if k != "swa"}
         return ForwardBatch(**kw)

@@ -40,6 +40,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 
+from . import swa_pool
 from .kv_pool import ReqToTokenPool, TokenToKVPool
 from .radix_cache import RadixCache
 
@@ -53,6 +54,9 @@ class KVState:
     alloc_len: int = 0
     prefix_len: int = 0
     last_node: Any = None
+    swa_lo: int = 0  # sliding-window pool (swa_pool): own positions below this had local slots freed
+    swa_tree_lo: int = 0  # ... and tree positions below this were considered (free_tree_tail)
+    match_len: int = 0  # the prefix it was admitted with (sliding-window pool: left to the tree)
 
 
 class KVManager:
@@ -70,6 +74,8 @@ class KVManager:
         self.req_pool, self.kv_pool, self.page_size = req_pool, kv_pool, page_size
         self.cache = RadixCache(kv_pool, page_size, disabled=disable_radix_cache)
         self.evicted_tokens = 0
+        # sliding-window pool (swa_pool): out-of-window local slots freed at commit; 0: none
+        self.window = int(getattr(kv_pool, "sliding_window", 0) or 0)
         self._borrowed: list[int] = []  # scratch rows lent to the step in flight (borrow_rows)
 
     @property
@@ -86,8 +92,16 @@ class KVManager:
         return self.kv_pool.free_tokens() + self.cache.evictable_size
 
     def match_prefix(self, ids: list[int]) -> tuple[torch.Tensor, Any]:
-        """Longest cached prefix of ``ids``: ([m] int64 slots, tree node). Nothing is locked."""
-        return self.cache.match_prefix(ids)
+        """Longest cached prefix of ``ids``: ([m] int64 slots, tree node). Nothing is locked.
+
+        With a sliding-window pool the match is cut back to the longest whole-page length ``m'``
+        whose last ``window - 1`` positions still hold local K/V (what the first new token, at
+        ``m'``, sees besides itself); the node stays the full match's (locking it locks the shorter
+        prefix too)."""
+        slots, node = self.cache.match_prefix(ids)
+        if self.window and len(slots):
+            slots = slots[:swa_pool.usable_prefix(self.kv_pool, slots, self.page_size, self.window)]
+        return slots, node
 
     def can_admit(self, cached: int, n: int, running: int) -> bool:
         """Whether a request with ``cached`` tokens in the tree can take ``n`` new ones now, keeping
@@ -100,6 +114,9 @@ class KVManager:
         if free >= need:
             return True
         self.evicted_tokens += self.cache.evict(need - free)
+        while self.window and self.kv_pool.free_tokens() < need and self.cache.evictable_size > 0:
+            # local slots short: evicted tree entries may hold none (freed out of their window)
+            self.evicted_tokens += self.cache.evict(need - self.kv_pool.free_tokens())
         return self.kv_pool.free_tokens() >= need
 
     # ------------------------------------------------------------------ transitions
@@ -114,7 +131,7 @@ class KVManager:
         self.cache.inc_lock_ref(node)
         if m:
             self.req_pool.req_to_token[row, :m] = prefix.to(torch.int32)
-        req.kv = KVState(row=row, kv_len=m, alloc_len=m, prefix_len=m, last_node=node)
+        req.kv = KVState(row=row, kv_len=m, alloc_len=m, prefix_len=m, last_node=node, match_len=m)
         if not self.extend(req, n):
             self.cache.dec_lock_ref(node)
             self.req_pool.free(row)
@@ -170,6 +187,8 @@ class KVManager:
         kv = req.kv
         assert kv.kv_len + n <= kv.alloc_len, f"request {req.rid}: commit past its reserved slots"
         kv.kv_len += n
+        if self.window:
+            swa_pool.free_out_of_window(self.kv_pool, self.req_pool.req_to_token, kv, self.window)
         if n > 1 and share:
             self.cache_unfinished(req)
 
@@ -230,13 +249,17 @@ class KVManager:
         slots = table[kv.row, :aligned].long()  # [aligned]
         ids = req.tokens(0, aligned)
         already = self.cache.insert(ids, slots)
-        self.kv_pool.free(slots[kv.prefix_len:already])  # duplicates of what the tree had
         tree_slots, node = self.cache.match_prefix(ids)
         assert len(tree_slots) == aligned, "inserted prefix not found again"
+        if self.window:  # the tree's copies may have freed the local K/V this request's window needs
+            self.kv_pool.adopt_swa(tree_slots[kv.prefix_len:already], slots[kv.prefix_len:already])
+        self.kv_pool.free(slots[kv.prefix_len:already])  # duplicates of what the tree had
         table[kv.row, kv.prefix_len:aligned] = tree_slots[kv.prefix_len:].to(torch.int32)
         self.cache.inc_lock_ref(node)
         self.cache.dec_lock_ref(kv.last_node)
         kv.last_node, kv.prefix_len = node, aligned
+        if self.window:
+            swa_pool.free_tree_tail(self.kv_pool, kv, self.window)
 
     # ------------------------------------------------------------------ prefix transfer (P/D)
     def kv_layout(self) -> tuple[torch.dtype, tuple[int, int, int]]:
@@ -244,6 +267,8 @@ class KVManager:
         Raises ValueError when the pool holds no plain K/V tensors in this process (a quantized
         pool; a tensor-parallel allocator)."""
         kb = self.kv_pool.k_buffers
+        if self.window:
+            raise ValueError("prefix export/import is not supported with a sliding-window KV pool")
         if not kb or not isinstance(kb[0], torch.Tensor):
             raise ValueError("prefix export/import needs this process's K/V in the model dtype "
                              "(kv_cache_dtype auto or bfloat16, tp_size 1)")
@@ -325,6 +350,8 @@ class KVManager:
             owned |= pages
         total = len(free) + len(tree_pages) + len(owned)
         assert total == self.kv_pool.num_pages, f"pages lost: {total} accounted of {self.kv_pool.num_pages}"
+        if self.window:
+            swa_pool.check_windows(self.kv_pool, self.req_pool.req_to_token, running, self.window)
 
     # ------------------------------------------------------------------ scratch rows (speculative decoding)
     @property

@@ -12,6 +12,7 @@ from ..config import EngineConfig
 from ..errors import InvalidRequestError
 from .forward_batch import ForwardBatch
 from . import kv_quant
+from . import swa_pool
 from .kv_pool import ReqToTokenPool, kv_bytes_per_token
 from .models import registry as model_registry
 
@@ -110,8 +111,12 @@ class ModelRunner:
             extra = kv_quant.residual_bytes(kvd, a.num_layers, a.num_kv_heads, a.head_dim, self.dtype, group, rows)
             tokens = pool_tokens(config, self.context_length, self.bytes_per_token,
                                  available_memory_bytes(self.device) - int(extra / config.mem_fraction_static))
-        self.token_to_kv_pool = kv_quant.make_pool(kvd, tokens, config.page_size, a.num_layers, a.num_kv_heads,
-                                                   a.head_dim, self.dtype, self.device, group, rows)
+        if swa_pool.wants_hybrid(a, kvd):  # sliding-window layers: their own, smaller slot space
+            self.token_to_kv_pool = swa_pool.make_pool(a, kvd, tokens, config.page_size, rows, self.context_length,
+                                                       self.dtype, self.device)
+        else:
+            self.token_to_kv_pool = kv_quant.make_pool(kvd, tokens, config.page_size, a.num_layers, a.num_kv_heads,
+                                                       a.head_dim, self.dtype, self.device, group, rows)
         if self.device == "cpu":  # build (or load) the C++ decode-attention kernel now, not in the first step
             kernels.resolve_impl(None, self.token_to_kv_pool.k_buffers[0], "decode_attention")
         self.req_to_token_pool = ReqToTokenPool(rows, self.context_length + 8, self.device)
@@ -119,6 +124,8 @@ class ModelRunner:
         log.info("KV pool: %d tokens, %d bytes per token (%.1f MiB), dtype %s, device %s",
                  self.max_total_tokens, self.bytes_per_token,
                  self.max_total_tokens * self.bytes_per_token / 2**20, self.dtype, self.device)
+        if isinstance(self.token_to_kv_pool, swa_pool.SWATokenToKVPool):
+            log.info("%s", swa_pool.describe(self.token_to_kv_pool))
         log.info("KV cache dtype %s", kv_quant.describe(kvd, self.bytes_per_token,
                                                          self.token_to_kv_pool.residual_bytes))
 

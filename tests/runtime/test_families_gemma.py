@@ -1,7 +1,9 @@
 """Gemma 2 and Gemma 3 text models against transformers on tiny random checkpoints (float32, eager
 attention): greedy tokens and prompt logprobs, radix cache on and off, chunked prefill and not, alone
 and batched (issue 27's oracle). ``sliding_window=8`` is shorter than most prompts, so the local
-layers' window is exercised on prefill chunks, cached prefixes and decode; Gemma 2 also soft-caps
+layers' window is exercised on prefill chunks, cached prefixes and decode, with the local layers'
+K/V in the hybrid pool's window-sized slot space (sglite/runtime/swa_pool.py; out-of-window slots
+freed while requests run, prefix matches cut where a window was freed); Gemma 2 also soft-caps
 attention and final logits, Gemma 3 has per-head QK-norm and a separate local RoPE base."""
 import pytest
 
@@ -23,6 +25,7 @@ def family(request, tmp_path_factory, real_checkpoint):
     """(name, model dir, prompts, HF greedy tokens, HF prompt log-softmax) of one family."""
     fam = build_family(request.param, FAMILIES, tmp_path_factory, real_checkpoint)
     assert sum(len(p) > 8 + NEW for p in fam[2]) >= 3  # the window bites on prefill too
+    assert sum(len(p) >= 4 * 8 for p in fam[2]) >= 3  # prompts of 4x the window: local slots freed mid-prompt
     return fam
 
 

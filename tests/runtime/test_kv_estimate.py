@@ -52,3 +52,28 @@ def test_kv_cache_dtype_counts_scales(tmp_path, capsys):
     assert "kv_cache_dtype=int4" in out and "bytes per token: 6300" in out and "170435 tokens per GiB" in out
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         estimate(smol, kv_cache_dtype="int3")
+
+
+def test_sliding_window_layers_counted(tmp_path, capsys):
+    """Gemma 3 270M's shape (18 layers, every 6th global, window 512, one KV head of 256): the 15
+    local layers hold 512 tokens of a 4096-token sequence; the saving is printed. A quantized KV
+    cache (full attention in the runtime) and a non-Gemma config with sliding_window count none."""
+    g3 = {"architectures": ["Gemma3ForCausalLM"], "hidden_size": 640, "num_attention_heads": 4,
+          "num_key_value_heads": 1, "head_dim": 256, "num_hidden_layers": 18, "sliding_window": 512,
+          "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)]}
+    e = estimate(g3, seq_len=4096, batch=16, dtype="bfloat16")
+    per_layer = 2 * 256 * 2
+    assert (e.local_layers, e.sliding_window, e.bytes_per_token) == (15, 512, 18 * per_layer)
+    assert e.bytes_per_sequence == 3 * per_layer * 4096 + 15 * per_layer * 512
+    assert e.saved_bytes_per_sequence == 15 * per_layer * (4096 - 512)
+    assert e.total_bytes == 16 * e.bytes_per_sequence
+    no_types = {k: v for k, v in g3.items() if k != "layer_types"} | {"sliding_window_pattern": 6}
+    assert estimate(no_types, seq_len=4096, dtype="bfloat16").bytes_per_sequence == e.bytes_per_sequence
+    assert estimate(g3, seq_len=100, dtype="bfloat16").saved_bytes_per_sequence == 0  # shorter than the window
+    assert estimate(g3, kv_cache_dtype="int8").local_layers == 0
+    assert estimate(dict(MISTRAL_7B, sliding_window=4096, architectures=["MistralForCausalLM"])).local_layers == 0
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(g3))
+    assert main(["kv-estimate", "--config", str(p), "--seq-len", "4096", "--batch", "16", "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "sliding window: 15 of 18 layers keep the last 512 tokens only: 52.5 MiB per sequence" in out

@@ -32,6 +32,7 @@ template <typename T> struct Job {
   void* out; bool out_bf16;
   const int32_t* rt; int64_t rts0; const int64_t *rows, *lens;
   int G, D, Dp; float scale;
+  int64_t window; float softcap;  // window > 0: the last `window` keys only; softcap > 0: cap * tanh(s / cap)
 };
 
 template <typename T> inline void prefetch_row(const T* p, int D) {
@@ -215,8 +216,10 @@ void weighted_values(const Job<T>& j, const int32_t* slots, int64_t L, int h, co
 template <typename T>
 bool attend(const Job<T>& j, const Tiled<T>& tiled, int64_t b, int h, float* qf, float* sc, float* acc) {
   const int G = j.G, D = j.D, Dp = j.Dp;
-  const int64_t L = j.lens[b];
-  const int32_t* slots = j.rt + j.rows[b] * j.rts0;
+  const int64_t len = j.lens[b];
+  const int64_t first = (j.window > 0 && len > j.window) ? len - j.window : 0;  // sliding window
+  const int64_t L = len - first;
+  const int32_t* slots = j.rt + j.rows[b] * j.rts0 + first;
   for (int g = 0; g < G; ++g) {
     const int64_t off = b * j.qs0 + (int64_t)(h * G + g) * j.qs1;
     for (int d = 0; d < Dp; ++d) {
@@ -231,6 +234,10 @@ bool attend(const Job<T>& j, const Tiled<T>& tiled, int64_t b, int h, float* qf,
   if (tiled.scores) tiled.scores(j, slots, L, h, qf, sc); else
 #endif
   scores(j, slots, L, h, qf, sc);
+  if (j.softcap > 0.f) {  // logit soft-capping on the scaled scores (Gemma 2)
+    const float cap = j.softcap, inv_cap = 1.f / j.softcap;
+    for (int64_t i = 0; i < (int64_t)G * L; ++i) sc[i] = cap * std::tanh(sc[i] * inv_cap);
+  }
   for (int g = 0; g < G; ++g) {
     const float inv = 1.f / softmax_row(sc + g * L, L);
     acc[G * Dp + g] = inv;  // per-head 1/sum kept after the accumulators
@@ -268,8 +275,9 @@ void run(const Job<T>& j, int64_t B, int Hkv, int64_t max_len) {
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kb, const at::Tensor& vb,
                             const at::Tensor& rt, const at::Tensor& rows, const at::Tensor& lens,
-                            double sm_scale) {
+                            double sm_scale, int64_t window, double softcap) {
   TORCH_CHECK_VALUE(q.dim() == 3 && kb.dim() == 3 && vb.dim() == 3, "decode_attention: q, k_buffer, v_buffer must be 3-D");
+  TORCH_CHECK_VALUE(window >= 0 && softcap >= 0, "decode_attention: window=", window, " and softcap=", softcap, " must be >= 0");
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = kb.size(1), S = kb.size(0);
   TORCH_CHECK_VALUE(vb.sizes() == kb.sizes() && kb.size(2) == D, "decode_attention: k_buffer/v_buffer must be [S, Hkv, D] with q's D");
   TORCH_CHECK_VALUE(Hkv > 0 && Hq % Hkv == 0, "decode_attention: Hq=", Hq, " is not a multiple of Hkv=", Hkv);
@@ -297,12 +305,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kb, const at:
   if (kv_bf16) {
     Job<uint16_t> j{(const uint16_t*)kb.data_ptr(), (const uint16_t*)vb.data_ptr(), kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1), S,
                     q.data_ptr(), q_bf16, (int)Hq, q.stride(0), q.stride(1), out.data_ptr(), q_bf16, rtp, rt.stride(0), rp, lp,
-                    G, (int)D, Dp, (float)sm_scale};
+                    G, (int)D, Dp, (float)sm_scale, window, (float)softcap};
     run(j, B, (int)Hkv, max_len);
   } else {
     Job<float> j{kb.data_ptr<float>(), vb.data_ptr<float>(), kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1), S,
                  q.data_ptr(), q_bf16, (int)Hq, q.stride(0), q.stride(1), out.data_ptr(), q_bf16, rtp, rt.stride(0), rp, lp,
-                 G, (int)D, Dp, (float)sm_scale};
+                 G, (int)D, Dp, (float)sm_scale, window, (float)softcap};
     run(j, B, (int)Hkv, max_len);
   }
   return out;
@@ -312,7 +320,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kb, const at:
 
 TORCH_LIBRARY(sglite_cpu_attention, m) {
   m.def("decode_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, "
-        "Tensor req_pool_indices, Tensor seq_lens, float sm_scale) -> Tensor");
+        "Tensor req_pool_indices, Tensor seq_lens, float sm_scale, int window=0, float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sglite_cpu_attention, CPU, m) { m.impl("decode_attention", &decode_attention); }

@@ -38,6 +38,7 @@ template <typename T> struct Ext {
   void* out; bool out_bf16; int Hq;
   const int32_t* rt; int64_t rts0; const int64_t *rows, *pre, *start;
   int G, D, Dp; float scale;
+  int64_t window; float softcap;  // window > 0: keys (pos - window, pos] only; softcap > 0: cap * tanh(s / cap)
 };
 
 // Per-thread scratch: Qt [Dp][Rp] (queries transposed, pre-scaled), kf/vf [KT][Dp] (the tile's K and
@@ -118,22 +119,28 @@ void scores(const float* kf, int Dp, const float* qt, int Rp, int kn, int D, flo
 
 // Online-softmax update of 16 rows at a time: masks keys past each row's position, turns scores
 // into weights exp(s - m_new) in place, and updates m, l and alpha = exp(m_old - m_new).
-void softmax_tile(float* s, int Rp, int kn, int64_t t0, bool full, Scratch& w) {
+void softmax_tile(float* s, int Rp, int kn, int64_t t0, bool full, int64_t window, Scratch& w) {
   const __m512 ninf = _mm512_set1_ps(-INFINITY);
   for (int r = 0; r < Rp; r += 16) {
     const __m512i qp = _mm512_loadu_si512(w.qpos.data() + r);
+    const __m512i lo = _mm512_sub_epi32(qp, _mm512_set1_epi32((int32_t)window));  // keys <= lo: outside
     const __m512 m_old = _mm512_loadu_ps(w.m.data() + r);
     __m512 mx = m_old;
     for (int t = 0; t < kn; ++t) {
       __m512 sv = _mm512_loadu_ps(s + (size_t)t * Rp + r);
       if (!full) {
-        const __mmask16 hid = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32((int32_t)(t0 + t)), qp);
+        const __m512i kt = _mm512_set1_epi32((int32_t)(t0 + t));
+        __mmask16 hid = _mm512_cmpgt_epi32_mask(kt, qp);
+        if (window > 0) hid |= _mm512_cmple_epi32_mask(kt, lo);
         sv = _mm512_mask_mov_ps(sv, hid, ninf);
         _mm512_storeu_ps(s + (size_t)t * Rp + r, sv);
       }
       mx = _mm512_max_ps(mx, sv);
     }
-    const __m512 alpha = exp_nonpos(_mm512_sub_ps(m_old, mx));  // m_old = -inf: ~0, times l = acc = 0
+    // m_old = -inf: ~0, times l = acc = 0; a row that has seen no key yet (mx = -inf, a window's
+    // first tiles) gets alpha 0 instead of exp(-inf + inf) = NaN
+    const __mmask16 none = _mm512_cmp_ps_mask(mx, ninf, _CMP_EQ_OQ);
+    const __m512 alpha = _mm512_mask_mov_ps(exp_nonpos(_mm512_sub_ps(m_old, mx)), none, _mm512_setzero_ps());
     __m512 sum = _mm512_setzero_ps();
     for (int t = 0; t < kn; ++t) {
       const __m512 sv = _mm512_loadu_ps(s + (size_t)t * Rp + r);
@@ -193,15 +200,15 @@ void scores(const float* kf, int Dp, const float* qt, int Rp, int kn, int D, flo
     }
 }
 
-void softmax_tile(float* s, int Rp, int kn, int64_t t0, bool full, Scratch& w) {
+void softmax_tile(float* s, int Rp, int kn, int64_t t0, bool full, int64_t window, Scratch& w) {
   for (int r = 0; r < Rp; ++r) {
     float mx = w.m[r];
     for (int t = 0; t < kn; ++t) {
       float& sv = s[(size_t)t * Rp + r];
-      if (!full && t0 + t > w.qpos[r]) sv = -INFINITY;
+      if (!full && (t0 + t > w.qpos[r] || (window > 0 && t0 + t <= w.qpos[r] - window))) sv = -INFINITY;
       mx = std::max(mx, sv);
     }
-    const float alpha = std::exp(w.m[r] - mx);
+    const float alpha = mx == -INFINITY ? 0.f : std::exp(w.m[r] - mx);
     float sum = 0.f;
     for (int t = 0; t < kn; ++t) {
       float& sv = s[(size_t)t * Rp + r];
@@ -241,12 +248,22 @@ bool run_task(const Ext<T>& j, const Task& tk, Scratch& w) {
   }
   std::fill(w.acc.begin(), w.acc.begin() + (size_t)Rp * Dp, 0.f);
   const int64_t first_q = pre + tk.i0;  // every row sees keys 0 .. first_q
-  for (int64_t t0 = 0; t0 < tk.kend; t0 += KT) {
+  // sliding window: rows see keys (pos - window, pos]; tiles stay anchored at key 0 (a tile fully
+  // outside a row's window changes nothing of it), starting at the tile of the first row's first key
+  const int64_t last_q = pre + tk.i1 - 1, wnd = j.window;
+  const int64_t kfirst = wnd > 0 ? std::max<int64_t>(0, first_q - wnd + 1) / KT * KT : 0;
+  for (int64_t t0 = kfirst; t0 < tk.kend; t0 += KT) {
     const int kn = (int)std::min<int64_t>(KT, tk.kend - t0);
     if (!load_tile(j.k + tk.h * j.ks1, j.ks0, slots + t0, j.S, kn, D, Dp, w.kf.data())) return false;
     if (!load_tile(j.v + tk.h * j.vs1, j.vs0, slots + t0, j.S, kn, D, Dp, w.vf.data())) return false;
     scores(w.kf.data(), Dp, w.qt.data(), Rp, kn, D, w.s.data());
-    softmax_tile(w.s.data(), Rp, kn, t0, t0 + kn - 1 <= first_q, w);
+    if (j.softcap > 0.f) {  // logit soft-capping on the scaled scores (Gemma 2)
+      const float cap = j.softcap, inv_cap = 1.f / j.softcap;
+      float* s = w.s.data();
+      for (size_t i = 0; i < (size_t)kn * Rp; ++i) s[i] = cap * std::tanh(s[i] * inv_cap);
+    }
+    const bool full = t0 + kn - 1 <= first_q && (wnd <= 0 || t0 > last_q - wnd);
+    softmax_tile(w.s.data(), Rp, kn, t0, full, wnd, w);
     pv(w.s.data(), Rp, R, w.vf.data(), Dp, kn, w.alpha.data(), w.acc.data());
   }
   for (int r = 0; r < R; ++r) {
@@ -282,8 +299,10 @@ void run(const Ext<T>& j, const std::vector<Task>& tasks, int Rp_max) {
 }
 
 at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& kb, const at::Tensor& vb, const at::Tensor& rt,
-                            const at::Tensor& rows, const at::Tensor& pre, const at::Tensor& ext, double sm_scale) {
+                            const at::Tensor& rows, const at::Tensor& pre, const at::Tensor& ext, double sm_scale,
+                            int64_t window, double softcap) {
   TORCH_CHECK_VALUE(q.dim() == 3 && kb.dim() == 3 && vb.dim() == 3, "extend_attention: q, k_buffer, v_buffer must be 3-D");
+  TORCH_CHECK_VALUE(window >= 0 && softcap >= 0, "extend_attention: window=", window, " and softcap=", softcap, " must be >= 0");
   const int64_t N = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = kb.size(1), S = kb.size(0);
   TORCH_CHECK_VALUE(vb.sizes() == kb.sizes() && kb.size(2) == D, "extend_attention: k_buffer/v_buffer must be [S, Hkv, D] with q's D");
   TORCH_CHECK_VALUE(Hkv > 0 && Hq % Hkv == 0, "extend_attention: Hq=", Hq, " is not a multiple of Hkv=", Hkv);
@@ -327,12 +346,12 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& kb, const at:
   if (kv_bf16) {
     Ext<uint16_t> j{(const uint16_t*)kb.data_ptr(), (const uint16_t*)vb.data_ptr(), kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1), S,
                     q.data_ptr(), q_bf16, q.stride(0), q.stride(1), out.data_ptr(), q_bf16, (int)Hq, rt.data_ptr<int32_t>(), rt.stride(0),
-                    rp, pp, start.data(), G, (int)D, Dp, (float)sm_scale};
+                    rp, pp, start.data(), G, (int)D, Dp, (float)sm_scale, window, (float)softcap};
     run(j, tasks, Rp_max);
   } else {
     Ext<float> j{kb.data_ptr<float>(), vb.data_ptr<float>(), kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1), S,
                  q.data_ptr(), q_bf16, q.stride(0), q.stride(1), out.data_ptr(), q_bf16, (int)Hq, rt.data_ptr<int32_t>(), rt.stride(0),
-                 rp, pp, start.data(), G, (int)D, Dp, (float)sm_scale};
+                 rp, pp, start.data(), G, (int)D, Dp, (float)sm_scale, window, (float)softcap};
     run(j, tasks, Rp_max);
   }
   return out;
@@ -342,7 +361,8 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& kb, const at:
 
 TORCH_LIBRARY(sglite_cpu_extend, m) {
   m.def("extend_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, "
-        "Tensor req_pool_indices, Tensor prefix_lens, Tensor extend_lens, float sm_scale) -> Tensor");
+        "Tensor req_pool_indices, Tensor prefix_lens, Tensor extend_lens, float sm_scale, int window=0, "
+        "float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sglite_cpu_extend, CPU, m) { m.impl("extend_attention", &extend_attention); }

@@ -138,6 +138,8 @@ class FamilyModel(LlamaModel):
         rope = {False: (self.cos[fb.positions].to(self.dtype), self.sin[fb.positions].to(self.dtype))}  # [N, D/2]
         if a.local_rope is not None:
             rope[True] = (self.local_cos[fb.positions].to(self.dtype), self.local_sin[fb.positions].to(self.dtype))
+        swa = fb.swa
+        full = (fb.out_cache_loc, fb.req_to_token, fb.ext_req_pool_indices, dec_rows)
         for li, L in enumerate(self.layers):
             local = bool(a.local_layers[li]) if a.local_layers else False
             window = a.sliding_window if local else 0
@@ -150,17 +152,20 @@ class FamilyModel(LlamaModel):
                 q, k = self._rms(q, L["q_norm"]), self._rms(k, L["k_norm"])
             cos, sin = rope.get(local, rope[False])
             # RoPE on q and k (as _apply_rope), k and v stored: [N, Hq, D]
+            # local layers of a hybrid pool (sglite.runtime.swa_pool): their own slot space
+            loc, table, ext_rows, drows = ((swa.out_cache_loc, swa.req_to_token, swa.ext_rows, swa.dec_rows)
+                                           if local and swa is not None else full)
             q = kernels.rope_store_kv(torch.cat((q, k), dim=1), v, cos, sin, k_buffers[li], v_buffers[li],
-                                      fb.out_cache_loc, Hq)
+                                      loc, Hq)
             parts = []
             if ne:
                 parts.append(kernels.extend_attention(
-                    q[:ne], k_buffers[li], v_buffers[li], fb.req_to_token, fb.ext_req_pool_indices,
+                    q[:ne], k_buffers[li], v_buffers[li], table, ext_rows,
                     fb.ext_prefix_lens, fb.ext_extend_lens, self.sm_scale, window=window,
                     softcap=a.attn_softcap))  # [Ne, Hq, D]
             if q.shape[0] > ne:
                 parts.append(kernels.decode_attention(
-                    q[ne:], k_buffers[li], v_buffers[li], fb.req_to_token, dec_rows, dec_lens,
+                    q[ne:], k_buffers[li], v_buffers[li], table, drows, dec_lens,
                     self.sm_scale, batch_invariant=inv, window=window, softcap=a.attn_softcap))  # [Nd, Hq, D]
             o = parts[0] if len(parts) == 1 else torch.cat(parts)  # [N, Hq, D]
             o = kernels.linear(o.reshape(-1, Hq * D), L["o"])  # [N, H]

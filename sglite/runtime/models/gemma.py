@@ -15,9 +15,10 @@ Technical Report", sec. 2), on :class:`~.family.FamilyModel`'s layer:
   ``rope_local_base_freq``) while the global layers use the global RoPE (scaling included);
 * sliding-window attention on the local layers (``layer_types``; older configs:
   ``sliding_window_pattern``, every n-th layer global): a token attends to the last
-  ``sliding_window`` positions only (itself included). The KV of every position stays in the
-  pool (pages leaving every local window are not freed yet); the window and the soft-capping run
-  on the torch reference attention (:mod:`sglite.kernels.reference`), not the C++ / Triton kernels.
+  ``sliding_window`` positions only (itself included). On a float KV cache the local layers keep
+  their K/V in a separate slot space that holds only each request's window
+  (:mod:`sglite.runtime.swa_pool`); the window and the soft-capping run in the C++ / Triton
+  attention kernels (torch reference beside them).
 """
 from __future__ import annotations
 

@@ -63,7 +63,8 @@ def test_tree_verification_follows_the_plain_draws():
         toks, a, chain = verify_tree(x, tree, params, Draws(seed, 4))
         assert toks[0] == root and chain == (1 if seed % 2 else 0) and a >= 1
         row = 1 + (2 if seed % 2 else 0)  # the node under the root spelling `root`
-        assert toks[1] == tree.chains[chain][1] or toks[1] == _plain(x[row:row + 1], params, seed, 5)[0]
+        second = _plain(x[row:row + 1], params, seed, 5)[0]  # the plain draw after `root`
+        assert toks[1] == second and a == (2 if tree.chains[chain][1] == second else 1)
 
 
 def test_sampled_verification_needs_draws():

@@ -50,13 +50,13 @@ import torch
 
 from ..runner_protocol import RunnerProtocol
 from ..step_plan import SMALL_EXTEND, StepEntry, StepPlan
+from .block import verify_block
 from .budget import DraftBudget, MeasuredCost, RowBlock
 from .grammar_walk import CLOSE, CLOSE_MIN_RATE, FORCED, GrammarWalk
 from .policy import AcceptModel, StepCost, probe_forward
 from .proposer import TREE_BRANCHES, DraftModelProposer, LookupProposer, Proposer
 from .state import SpecState
 from .text_lookup import TokenText
-from .block import verify_block
 from .tree import TreeDraft, tree_contexts, verify_tree
 from .verify import Draws, greedy_walk, row_logits, verify_chain, verify_seed
 
@@ -100,7 +100,7 @@ class SpecDecoder:
         self.algorithm = config.speculative_algorithm
         self.k_max = config.speculative_num_draft_tokens
         self.max_batch = config.speculative_disable_by_batch_size
-        self.verify_mode = getattr(config, "speculative_verify", "token")
+        self.verify_mode = getattr(config, "speculative_verify", "token")  # "token" | "block"
         self.kv, self.sampler, self.out = kv, sampler, out
         self.draft_model = draft_model
         self.counters = {"spec_verify_steps": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0,

@@ -166,3 +166,31 @@ def test_standalone_seeded_output_matches_plain(tiny_model_dir):
             assert sum(o["meta_info"]["spec_accepted_tokens"] for o in got) > 0
         finally:
             e.shutdown()
+
+
+def test_seeded_grammar_requests_match_plain(tiny_model_dir):
+    """Sampled requests under a JSON Schema, a regex with forced text and EBNF: the grammar masks
+    every verify row and forced (jump-forward) tokens ride in the drafts; the seeded output is the
+    plain engine's, with random drafts and with NGRAM's own."""
+    from tests.speculative.test_grammar_draft_edges import GRAMMARS, PROMPTS
+
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0]]
+    sps = [{"max_new_tokens": 40, "temperature": 0.9, "sampling_seed": 11 + i, **GRAMMARS[g]}
+           for i, g in enumerate(("schema", "ends_forced", "ebnf"))]
+    base = Engine(str(tiny_model_dir), **KW)
+    try:
+        want = [o["output_ids"] for o in base.generate(prompts, sps)]
+        ids = [tuple(base.tokenizer.encode(p)) for p in prompts]
+    finally:
+        base.shutdown()
+    spec = Engine(str(tiny_model_dir), speculative_algorithm="NGRAM", speculative_disable_by_batch_size=64, **KW)
+    try:
+        assert [o["output_ids"] for o in spec.generate(prompts, sps)] == want  # NGRAM's own drafts
+        vocab = spec.scheduler.sampler.vocab_size
+        for run in range(2):  # one request per prompt text: the random proposer keys on the prompt
+            for p, sp, w, i in zip(prompts, sps, want, ids):
+                spec.scheduler.spec.proposer = EntryProposer(_random_proposer(random.Random(run), vocab, {i: w}))
+                assert spec.generate(p, sp)["output_ids"] == w, (run, sp)
+        assert spec.get_server_info()["spec_forced_tokens"] > 0
+    finally:
+        spec.shutdown()

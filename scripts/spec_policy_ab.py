@@ -9,6 +9,9 @@ import sys, time
 from sglite import Engine
 from sglite.bench.spec import _decode_part, workloads
 names = sys.argv[1].split(","); rounds = int(sys.argv[2])
+if any(n.endswith("_heldout") for n in names):  # issue 29: the held-out set stays out of tuning
+    sys.exit("spec_policy_ab.py tunes the draft policy: the *_heldout workloads are not for tuning "
+             "(measure them with `sglite bench spec`)")
 kw = dict(max_total_tokens=16384, max_running_requests=16)
 engs = {"base": Engine(**kw), "cost": Engine(**kw, speculative_algorithm="NGRAM"), "rowblock": Engine(**kw, speculative_algorithm="NGRAM")}
 engs["rowblock"].scheduler.spec.cost = None

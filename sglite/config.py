@@ -13,6 +13,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3", "int8", "int4")
 GRAMMAR_BACKENDS = ("sglite", "xgrammar", "llguidance")
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
+SPECULATIVE_VERIFY = ("token", "block")
 # EngineConfig.quantization values besides "auto" and None ("none" on the command line); the
 # loaders are registered in sglite.runtime.quant_loader.LOADERS
 QUANTIZATIONS = ("gguf", "gptq", "awq", "fp8", "w8a8_int8")
@@ -148,6 +149,13 @@ class EngineConfig:
             step computes this many tokens plus one per request).
         speculative_disable_by_batch_size: no drafts in steps with more than this many decoding
             requests (a large batch is compute bound: extra rows cost their full price).
+        speculative_verify: how sampled drafts are verified: ``token`` (each draft token on its
+            own; the target's token at each position is the plain sampler's ``(seed, position)``
+            draw, so seeded output equals the plain run's) or ``block`` (the draft chain accepted
+            jointly, Sun et al. 2024; for sampled requests without a ``sampling_seed``, token trees
+            and seeded requests keep ``token``). Both are exact; with deterministic drafts (every
+            algorithm here) they keep the same number of tokens on average. See
+            ``docs/speculative.md``.
         quantization: weight quantization (SGLang's option): ``auto`` | ``none`` (None) | ``gguf`` |
             ``gptq`` | ``awq`` | ``fp8`` | ``w8a8_int8``.
             ``gguf`` keeps a GGUF file's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks (every
@@ -233,6 +241,7 @@ class EngineConfig:
     speculative_num_steps: int = 4
     speculative_num_draft_tokens: int = 8
     speculative_disable_by_batch_size: int = 8
+    speculative_verify: str = "token"
     quantization: Optional[str] = "auto"
     tp_size: int = 1
     nnodes: int = 1
@@ -371,6 +380,8 @@ class EngineConfig:
         if self.speculative_disable_by_batch_size < 1:
             bad("speculative_disable_by_batch_size",
                 f"must be >= 1, got {self.speculative_disable_by_batch_size}")
+        if self.speculative_verify not in SPECULATIVE_VERIFY:
+            bad("speculative_verify", f"must be one of {SPECULATIVE_VERIFY}, got {self.speculative_verify!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

@@ -24,13 +24,14 @@ import re
 import sys
 from typing import Any, Iterable, Optional, Sequence
 
-from .config import DTYPES, GRAMMAR_BACKENDS, KV_CACHE_DTYPES, SCHEDULE_POLICIES, SPECULATIVE_ALGORITHMS, EngineConfig
+from .config import (DTYPES, GRAMMAR_BACKENDS, KV_CACHE_DTYPES, SCHEDULE_POLICIES, SPECULATIVE_ALGORITHMS,
+                     SPECULATIVE_VERIFY, EngineConfig)
 
 CHOICES = {"dtype": DTYPES, "schedule_policy": SCHEDULE_POLICIES, "grammar_backend": GRAMMAR_BACKENDS,
            "kv_cache_dtype": KV_CACHE_DTYPES,
            "cpu_decode_gemv": ("auto", "cpp", "fp16", "off"), "device": None,
            "log_level": ("debug", "info", "warning", "error", "critical"),
-           "speculative_algorithm": SPECULATIVE_ALGORITHMS}
+           "speculative_algorithm": SPECULATIVE_ALGORITHMS, "speculative_verify": SPECULATIVE_VERIFY}
 # Defaults resolved at start-up, shown in --help as what they become rather than "None".
 SHOWN_DEFAULTS = {"num_threads": "the fastest measured at start-up for batch-1 decode (cached per machine and model), "
                                   "else CPU cores - 1"}

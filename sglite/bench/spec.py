@@ -11,7 +11,16 @@ every request runs on both, alternating, so machine drift hits both alike. Workl
   JSON under a JSON Schema (copy-heavy, grammar-constrained, long values), batch 1;
 * ``chat`` — open questions (little to copy), batch 1;
 * ``chat_batch16`` — 16 open questions in one batch (``--batch-sizes`` adds ``chat_batch<B>``
-  workloads: the batch sweep).
+  workloads: the batch sweep);
+* ``chat_heldout``, ``copy_edit_heldout`` — the held-out set (``spec_heldout.json`` beside this
+  module): open questions and copy edits written after the speculative policy's constants were
+  set and never used to tune them. The sets above are the ones the constants were tuned on; a
+  method that only wins on them is fitted to them, so both are reported.
+
+Every batch runs on an empty radix cache (``Engine.flush_cache`` before it, on both engines):
+rounds repeat the same prompts, and a cached prompt would skip its prefill (and, before this
+default, made later rounds faster than a fresh request). ``--reuse-cache`` keeps the cache
+between batches (the old behaviour). Requests inside one batch may still share a prefix.
 
 Reports tokens/s of each engine, the ratio, the decode-only ratio (tokens after the first over
 the time after the first token: the part speculation can change; the prompt's prefill is the
@@ -34,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import statistics
 import time
 from typing import Optional, Sequence
@@ -66,14 +76,25 @@ CHAT = ["What are three good habits for staying healthy?", "Tell me a short stor
         "What should I pack for a beach holiday?"]
 
 
+HELDOUT_FILE = pathlib.Path(__file__).with_name("spec_heldout.json")
+
+
+def heldout() -> dict:
+    """The held-out prompts: ``{"chat": [question], "copy_edit": [[instruction, paragraph]]}``
+    from ``spec_heldout.json`` (no policy constant was tuned on them)."""
+    return json.loads(HELDOUT_FILE.read_text())
+
+
 def workloads(n: int, batches: Sequence[int] = ()) -> dict:
     """name -> (list of (chat messages, extra sampling params), batch size); ``batches`` adds a
-    ``chat_batch<B>`` workload (B open questions in one batch) per size, for the batch sweep."""
+    ``chat_batch<B>`` workload (B open questions in one batch) per size, for the batch sweep.
+    The ``*_heldout`` workloads come from :func:`heldout`."""
     edits = [("Rewrite the following paragraph exactly as it is, but change 'Tuesday' to '%s'.\n\n%s"
               % (day, PARAGRAPH)) for day in ("Monday", "Friday", "Sunday", "Wednesday")]
     people = [f"{nm} lives in {city} and works as a {job}. You can reach {nm.split()[0]} at {mail}. "
               f"Extract the name, email, city and job of this person as JSON." for nm, mail, city, job in PEOPLE]
     schema = json.dumps(PERSON_SCHEMA)
+    held = heldout()
     return {
         "copy_edit": ([(e, {}) for e in edits][:n], 1),
         "extract_json": ([(p, {"json_schema": schema}) for p in people][:n], 1),
@@ -82,16 +103,33 @@ def workloads(n: int, batches: Sequence[int] = ()) -> dict:
         "chat": ([(c, {}) for c in CHAT][:n], 1),
         "chat_batch16": ([(CHAT[i % len(CHAT)], {}) for i in range(16)], 16),
         **{f"chat_batch{b}": ([(CHAT[i % len(CHAT)], {}) for i in range(max(b, 4))], b) for b in batches if b != 16},
+        "chat_heldout": ([(c, {}) for c in held["chat"]][:n], 1),
+        "copy_edit_heldout": ([(f"{ins}\n\n{par}", {}) for ins, par in held["copy_edit"]][:n], 1),
     }
 
 
-def _run(engine, prompts, sps, batch):
+def _run(engine, prompts, sps, batch, fresh: bool = False):
+    """Generate ``prompts`` in batches of ``batch``; ``fresh``: empty the radix cache before each
+    batch (not timed). Returns (outputs, seconds)."""
+    if fresh:
+        return _run_fresh(engine, prompts, sps, batch)
     t0 = time.perf_counter()
     outs = []
     for i in range(0, len(prompts), batch):
         o = engine.generate(prompts[i:i + batch], sps[i:i + batch])
         outs.extend(o)
     return outs, time.perf_counter() - t0
+
+
+def _run_fresh(engine, prompts, sps, batch):
+    outs, seconds = [], 0.0
+    for i in range(0, len(prompts), batch):
+        if not engine.flush_cache():
+            raise RuntimeError("flush_cache refused: the engine still has requests")
+        t0 = time.perf_counter()
+        outs.extend(engine.generate(prompts[i:i + batch], sps[i:i + batch]))
+        seconds += time.perf_counter() - t0
+    return outs, seconds
 
 
 def _decode_part(outs, seconds) -> tuple[int, float]:
@@ -112,6 +150,7 @@ def run(a: argparse.Namespace) -> dict:
     else:
         kw_spec = {}
     spec = Engine(**kw, **kw_spec, speculative_algorithm=a.speculative_algorithm,
+                  speculative_verify=a.speculative_verify,
                   speculative_num_draft_tokens=a.speculative_num_draft_tokens,
                   **({"speculative_draft_model_path": a.speculative_draft_model_path}
                      if a.speculative_draft_model_path else {}))
@@ -121,7 +160,10 @@ def run(a: argparse.Namespace) -> dict:
             if a.workloads and name not in a.workloads:
                 continue
             prompts = [base.apply_chat_template([{"role": "user", "content": m}]) for m, _ in items]
-            sps = [{"max_new_tokens": a.max_new_tokens, "temperature": 0, **x} for _, x in items]
+            sps = [{"max_new_tokens": a.max_new_tokens, "temperature": a.temperature, **x,
+                    **({"sampling_seed": a.sampling_seed + k} if a.sampling_seed is not None else {})}
+                   for k, (_, x) in enumerate(items)]
+            fresh = not a.reuse_cache
             _run(base, prompts[:1], sps[:1], 1)  # warm both (kernels, grammar caches)
             _run(spec, prompts[:1], sps[:1], 1)
             tb = ts = 0.0
@@ -132,8 +174,8 @@ def run(a: argparse.Namespace) -> dict:
             for j, i in enumerate(list(range(0, len(prompts), batch)) * a.rounds):
                 # alternate engines per batch in ABBA order, so linear drift of the machine cancels
                 first, second = (base, spec) if j % 2 == 0 else (spec, base)
-                o1, t1 = _run(first, prompts[i:i + batch], sps[i:i + batch], batch)
-                o2, t2 = _run(second, prompts[i:i + batch], sps[i:i + batch], batch)
+                o1, t1 = _run(first, prompts[i:i + batch], sps[i:i + batch], batch, fresh)
+                o2, t2 = _run(second, prompts[i:i + batch], sps[i:i + batch], batch, fresh)
                 (ob, t_b), (os_, t_s) = ((o1, t1), (o2, t2)) if first is base else ((o2, t2), (o1, t1))
                 tb, ts = tb + t_b, ts + t_s
                 n_b, n_s = sum(len(o["output_ids"]) for o in ob), sum(len(o["output_ids"]) for o in os_)
@@ -183,7 +225,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
                    help="the spec engine's batch limit for drafting (default: the engine's)")
     p.add_argument("--workloads", nargs="*", default=None,
-                   help="subset of copy_edit extract_json extract_sentences chat chat_batch16 (default: all)")
+                   help="subset of copy_edit extract_json extract_sentences chat chat_batch16 chat_heldout "
+                        "copy_edit_heldout (default: all)")
+    p.add_argument("--reuse-cache", action="store_true",
+                   help="keep the radix cache between batches (rounds then reuse cached prompts); default: "
+                        "every batch starts on an empty cache")
+    p.add_argument("--speculative-verify", default="token", choices=("token", "block"),
+                   help="the spec engine's verifier (block: unseeded sampled requests only; default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: %(default)s: greedy)")
+    p.add_argument("--sampling-seed", type=int, default=None,
+                   help="seed request k with this + k (sampled runs; seeded outputs equal the plain engine's; "
+                        "default: unseeded)")
     p.add_argument("--batch-sizes", nargs="*", type=int, default=None,
                    help="add a chat_batch<B> workload per size (max(B, 4) open questions in batches of B: the batch sweep; default: none)")
     p.add_argument("--output-json", default=None, help="write the results here")

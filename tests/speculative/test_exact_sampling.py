@@ -11,6 +11,7 @@ import torch
 
 from sglite import Engine
 from sglite.runtime.speculative import target_probs, verify_chain
+from sglite.runtime.speculative.verify import Draws
 from sglite.sampling_params import SamplingParams
 from sglite.testing import homogeneity_p
 
@@ -58,12 +59,11 @@ CASES = [  # temperature, top_k, top_p, min_p
 
 
 def _run_chain(params, draft, n, draft_probs=None, seed=0):
-    gen = torch.Generator().manual_seed(seed)
     first = [0] * LOGITS.shape[1]
     second = [0] * LOGITS.shape[1]
     n_second = 0
-    for _ in range(n):
-        toks, a = verify_chain(LOGITS, draft, params, gen, draft_probs)
+    for i in range(n):
+        toks, a = verify_chain(LOGITS, draft, params, Draws(seed * 1_000_003 + i, 0), draft_probs)
         assert len(toks) == a + 1 and toks[:a] == draft[:a]
         first[toks[0]] += 1
         if toks[0] == draft[0]:
@@ -93,9 +93,9 @@ def test_sampled_drafts_use_min_one_p_over_q():
     q = torch.softmax(LOGITS.flip(1)[:2], dim=-1)  # [2, V], far from p
     gen = torch.Generator().manual_seed(5)
     n, counts = 6000, [0] * LOGITS.shape[1]
-    for _ in range(n):
+    for i in range(n):
         d = [int(torch.multinomial(q[0], 1, generator=gen)), int(torch.multinomial(q[1], 1, generator=gen))]
-        toks, _ = verify_chain(LOGITS, d, params, gen, draft_probs=q)
+        toks, _ = verify_chain(LOGITS, d, params, Draws(5_000 + i, 3), draft_probs=q)
         counts[toks[0]] += 1
     assert chi_square_p(counts, p[0].tolist(), n) > 1e-3
 
@@ -172,11 +172,10 @@ def test_tree_sampling_matches_the_target_distribution(temp, top_k, top_p, min_p
     x = _tree_rows()
     p = target_probs(x, params)
     tree = TreeDraft([[1, 3], [0, 2]])
-    gen = torch.Generator().manual_seed(2)
     n, V = 6000, x.shape[1]
     first, after1, after0 = [0] * V, [0] * V, [0] * V
-    for _ in range(n):
-        toks, a, chain = verify_tree(x, tree, params, gen)
+    for i in range(n):
+        toks, a, chain = verify_tree(x, tree, params, Draws(2_000 + i, 0))
         assert len(toks) == a + 1 and toks[:a] == tree.chains[chain][:a]
         first[toks[0]] += 1
         if toks[0] == 1:

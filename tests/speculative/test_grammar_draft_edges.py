@@ -260,7 +260,8 @@ def test_enum_decision_test_catches_a_biased_verifier(tiny_model_dir, monkeypatc
     import sglite.runtime.speculative.decoder as decoder
     from sglite.runtime.speculative.verify import target_probs
 
-    def biased_chain(x, draft, params, generator=None, draft_probs=None, forced=()):
+    def biased_chain(x, draft, params, draws=None, draft_probs=None, forced=()):
+        generator = draws.generator(0, 0)
         p = target_probs(x, params)
         u = torch.rand(len(draft), generator=generator).tolist()
         for i, d in enumerate(draft):

@@ -25,6 +25,9 @@ Per step (``Scheduler.schedule`` → :meth:`SpecDecoder.attach_drafts`, ``Schedu
    the step raises: :meth:`SpecDecoder.release_scratch`, checked by ``KVManager.check_rows``).
 4. **verify** — the one forward of the step computes all rows; :mod:`.verify` keeps a prefix of
    each draft by exact speculative sampling (greedy: prefix matching) and adds one target token.
+   Sampled rows are the plain sampler's ``(seed, output position)`` draws, so a seeded request's
+   output is the plain run's whatever was drafted; ``speculative_verify="block"`` verifies the
+   chains of unseeded sampled requests jointly instead (:mod:`.block`).
 5. **commit** — accepted tokens are appended one by one through the output processor (grammar,
    stop strings, EOS, length), the KV of the pending and accepted tokens is committed and the
    slots of rejected drafts go back to the pool at once (``KVManager.trim``): they never reach
@@ -47,6 +50,7 @@ import torch
 
 from ..runner_protocol import RunnerProtocol
 from ..step_plan import SMALL_EXTEND, StepEntry, StepPlan
+from .block import verify_block
 from .budget import DraftBudget, MeasuredCost, RowBlock
 from .grammar_walk import CLOSE, CLOSE_MIN_RATE, FORCED, GrammarWalk
 from .policy import AcceptModel, StepCost, probe_forward
@@ -54,7 +58,7 @@ from .proposer import TREE_BRANCHES, DraftModelProposer, LookupProposer, Propose
 from .state import SpecState
 from .text_lookup import TokenText
 from .tree import TreeDraft, tree_contexts, verify_tree
-from .verify import greedy_walk, row_logits, verify_chain, verify_seed
+from .verify import Draws, greedy_walk, row_logits, verify_chain, verify_seed
 
 log = logging.getLogger("sglite.speculative")
 
@@ -96,10 +100,12 @@ class SpecDecoder:
         self.algorithm = config.speculative_algorithm
         self.k_max = config.speculative_num_draft_tokens
         self.max_batch = config.speculative_disable_by_batch_size
+        self.verify_mode = getattr(config, "speculative_verify", "token")  # "token" | "block"
         self.kv, self.sampler, self.out = kv, sampler, out
         self.draft_model = draft_model
         self.counters = {"spec_verify_steps": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
-                         "spec_tree_steps": 0, "spec_forced_tokens": 0, "spec_head_rows_skipped": 0}
+                         "spec_tree_steps": 0, "spec_forced_tokens": 0, "spec_head_rows_skipped": 0,
+                         "spec_block_steps": 0}
         self.accept = AcceptModel()
         # per-token text for the lookups (its byte cache fills as tokens are seen)
         self.token_text = TokenText(out.tokenizer) if out is not None else None
@@ -246,15 +252,19 @@ class SpecDecoder:
         x = row_logits(self.sampler, e.verify_rows(logits), r, contexts, r.spec.masks)
         lens = [len(c) for c in tree.chains] if tree is not None else [nodes]
         forced = [{d for d, src in enumerate(srcs[:n]) if src == FORCED} for srcs, n in zip(r.spec.sources, lens)]
-        gen, chain = None, 0
-        if r.params.temperature > 1e-6:
-            gen = torch.Generator().manual_seed(verify_seed(r.seed, len(r.output_ids)))
-        if r.grammar is not None and gen is None and r.spec.masks is None:
+        chain, sampled = 0, r.params.temperature > 1e-6
+        draws = Draws(r.seed, len(r.output_ids)) if sampled else None
+        if r.grammar is not None and not sampled and r.spec.masks is None:
             tokens, a, chain = self._greedy_grammar(x, e, r, forced)
         elif tree is not None:
-            tokens, a, chain = verify_tree(x, tree, r.params, gen, forced=forced)
+            tokens, a, chain = verify_tree(x, tree, r.params, draws, forced=forced)
+        elif sampled and self.verify_mode == "block" and r.params.sampling_seed is None:
+            # joint decisions depend on where the block starts: unseeded requests only
+            gen = torch.Generator().manual_seed(verify_seed(r.seed, len(r.output_ids)))
+            tokens, a = verify_block(x, e.draft, r.params, gen, forced=forced[0] if forced else ())
+            self.counters["spec_block_steps"] += 1
         else:
-            tokens, a = verify_chain(x, e.draft, r.params, gen, forced=forced[0] if forced else ())
+            tokens, a = verify_chain(x, e.draft, r.params, draws, forced=forced[0] if forced else ())
         if tree is not None:
             self._settle_tree(r, e.start + e.n - nodes - 1, tree, chain, a)
             self.counters["spec_tree_steps"] += 1

@@ -9,11 +9,13 @@ uses the request's own row (its nodes take the positions after the root), every 
 scratch row (the prefix slots copied, then its chain's slots). So the tree mask needs no new
 kernel: each node reads exactly its ancestors through its row.
 
-Acceptance walks down from the root: at a node the target token is drawn against the children
-(deterministic drafts) by sequential rejection — child ``c`` is kept with probability ``p(c)``,
-else ``p`` loses ``c`` and is renormalized for the next child; when no child is kept the token
-is drawn from what is left. That is a draw from ``p`` itself, so the output stays exactly
-distributed (greedy: the child equal to the argmax, if any).
+Acceptance walks down from the root: at each node the target token is the plain sampler's draw
+from ``p`` at the node's output position (``kernels.sample`` with the request's ``(seed,
+position)`` noise, :meth:`.verify.Draws.targets`; greedy: the argmax), and the walk follows the
+child spelling it, if any. Each token is a draw from ``p`` itself, so the output is exactly
+distributed, and it is the plain run's token: a seeded request's output does not depend on the
+tree. (For deterministic drafts this keeps child ``c`` with probability ``p(c)`` in the order of
+no child, as sequential rejection among siblings does: Miao et al. 2024, SpecInfer §4.)
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Collection, Optional, Sequence
 
 import torch
 
-from .verify import target_probs
+from .verify import Draws
 
 
 @dataclass
@@ -87,17 +89,26 @@ class TreeDraft:
         return kept + [i for i in range(len(self.tokens)) if i not in set(kept)]
 
 
-def verify_tree(x: torch.Tensor, tree: TreeDraft, params, generator: Optional[torch.Generator] = None,
+def verify_tree(x: torch.Tensor, tree: TreeDraft, params, draws: Optional[Draws] = None,
                 forced: Sequence[Collection[int]] = ()) -> tuple[list[int], int, int]:
     """Walk ``tree`` against the transformed rows ``x`` ([1 + nodes, V] float32: the root's row,
-    then one per node in layout order). ``forced[b]``: the depths (0-based) of chain ``b``'s
-    jump-forward tokens, kept whenever reached without a look at ``x`` (never a chain's first).
+    then one per node in layout order). ``draws``: the request's seed and the output position of
+    the root's row (sampling only; required then). ``forced[b]``: the depths (0-based) of chain
+    ``b``'s jump-forward tokens, kept whenever reached without a look at ``x`` (never a chain's
+    first).
 
     Returns:
         (tokens, accepted, chain): the accepted draft tokens plus one target token, how many were
         accepted, and the chain they came from.
+    Raises:
+        ValueError: a sampled request without ``draws``.
     """
-    greedy = params.temperature <= 1e-6
+    if params.temperature <= 1e-6:
+        target = x.argmax(dim=-1).tolist()
+    elif draws is None:
+        raise ValueError("draws: sampled verification needs the request's seed and output position")
+    else:  # row -> its output position's offset: the root 0, a node its depth
+        target = draws.targets(x, params, [0] + [d + 1 for c in tree.chains for d in range(len(c))])
     starts, off = [], 1
     for c in tree.chains:
         starts.append(off)
@@ -113,24 +124,9 @@ def verify_tree(x: torch.Tensor, tree: TreeDraft, params, generator: Optional[to
             kids = [(chain, c[depth])] if depth < len(c) else []
         if chain >= 0 and kids and chain < len(forced) and depth in forced[chain]:
             hit, t = chain, kids[0][1]
-        elif greedy:
-            t = int(x[row].argmax())
-            hit = next((b for b, tok in kids if tok == t), None)
         else:
-            p = target_probs(x[row:row + 1], params)[0]
-            hit, t = None, None
-            for b, tok in kids:
-                if float(torch.rand(1, generator=generator)) < float(p[tok]):
-                    hit, t = b, tok
-                    break
-                p = p.clone()
-                p[tok] = 0.0
-                s = float(p.sum())
-                if s <= 0.0:
-                    break
-                p = p / s
-            if hit is None:
-                t = int(torch.multinomial(p, 1, generator=generator)) if float(p.sum()) > 0 else kids[-1][1]
+            t = target[row]
+            hit = next((b for b, tok in kids if tok == t), None)
         out.append(t)
         if hit is None:
             return out, len(out) - 1, max(chain, 0)

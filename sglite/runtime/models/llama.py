@@ -128,8 +128,7 @@ class LlamaModel:
                 "qkv": lin([p + f"self_attn.{n}_proj.weight" for n in "qkv"], qkv_bias),
                 # [(Hq+2Hkv)D, H], bias [(Hq+2Hkv)D] (Qwen2)
                 "o": lin([p + "self_attn.o_proj.weight"]),  # [H, Hq*D]
-                "gate_up": lin([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),  # [2I, H]
-                "down": lin([p + "mlp.down_proj.weight"]),  # [H, I]
+                **self._mlp_weights(sd, i, lin),  # gate_up [2I, H], down [H, I] (MoE: models/moe.py)
             }
             if arch.qk_norm:
                 layer["q_norm"] = w(p + "self_attn.q_norm.weight")  # [D]
@@ -264,8 +263,7 @@ class LlamaModel:
             o = parts[0] if len(parts) == 1 else torch.cat(parts)  # [N, Hq, D]
             x, h = kernels.add_rms_norm(x, self._reduce(kernels.linear(o.reshape(-1, Hq * D), L["o"])),
                                         L["post_norm"], a.rms_norm_eps, batch_invariant=inv)  # [N, H] each
-            g, u = kernels.linear(h, L["gate_up"]).chunk(2, dim=-1)  # [N, I] each
-            d = self._reduce(kernels.linear(kernels.silu_mul(g, u, batch_invariant=inv), L["down"]))  # [N, H]
+            d = self._reduce(self._mlp(h, L))  # [N, H]
             if li + 1 < nl:  # residual add fused with the next layer's input norm
                 x, h = kernels.add_rms_norm(x, d, self.layers[li + 1]["in_norm"], a.rms_norm_eps, batch_invariant=inv)
             else:
@@ -274,6 +272,18 @@ class LlamaModel:
         x = kernels.rms_norm(x, self.norm, a.rms_norm_eps, batch_invariant=inv)  # [M, H]
         logits = kernels.linear(x, self.lm_head).float()  # [M, V] ([M, V/tp] on a tensor-parallel rank)
         return logits if self.tp is None else self.tp.gather_logits(logits)
+
+    def _mlp_weights(self, sd: dict, i: int, lin) -> dict:
+        """Layer ``i``'s feed-forward weights: SwiGLU ``gate_up`` [2I, H] and ``down`` [H, I];
+        ``lin(names)`` builds one (fused) matmul weight. Mixture-of-experts models override it."""
+        p = f"model.layers.{i}.mlp."
+        return {"gate_up": lin([p + "gate_proj.weight", p + "up_proj.weight"]), "down": lin([p + "down_proj.weight"])}
+
+    def _mlp(self, h: torch.Tensor, L: dict) -> torch.Tensor:
+        """The feed-forward block of layer ``L`` on normed rows h [N, H] -> [N, H] (before the
+        tensor-parallel reduce)."""
+        g, u = kernels.linear(h, L["gate_up"]).chunk(2, dim=-1)  # [N, I] each
+        return kernels.linear(kernels.silu_mul(g, u, batch_invariant=self.batch_invariant), L["down"])
 
     def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows of token ids ``ids`` [N] int64 -> [N, H] in the model dtype, from the float

@@ -1,16 +1,17 @@
 """Which model class runs a HF config: the Llama family (:mod:`.llama`: Llama, Mistral, Qwen2,
-Qwen3) or a family on the shared :class:`~.family.FamilyModel` layer (OLMo 2, Granite, Gemma 2,
-Gemma 3). The model runner asks here; unsupported values raise InvalidRequestError before any
+Qwen3), a family on the shared :class:`~.family.FamilyModel` layer (OLMo 2, Granite, Gemma 2,
+Gemma 3) or a mixture of experts on :class:`~.moe.MoeModel` (Mixtral, Qwen2-MoE, Qwen3-MoE). The model runner asks here; unsupported values raise InvalidRequestError before any
 weight is read.
 """
 from __future__ import annotations
 
 from sglite.errors import InvalidRequestError
 
-from . import gemma, granite, olmo2
+from . import gemma, granite, mixtral, olmo2, qwen2_moe, qwen3_moe
 from .llama import SUPPORTED_ARCHS, LlamaArch, LlamaModel
+from .moe import MoeModel
 
-_FAMILIES = {name: mod for mod in (olmo2, granite, gemma) for name in mod.ARCHS}
+_FAMILIES = {name: mod for mod in (olmo2, granite, gemma, mixtral, qwen2_moe, qwen3_moe) for name in mod.ARCHS}
 #: every architecture name a model class here runs
 ARCHITECTURES = tuple(SUPPORTED_ARCHS) + tuple(_FAMILIES)
 
@@ -29,7 +30,8 @@ def arch_from_hf_config(cfg) -> LlamaArch:
 def model_class(arch: LlamaArch) -> type:
     """The class whose ``(arch, state_dict, dtype, device, batch_invariant=)`` builds the model."""
     return {"olmo2": olmo2.Olmo2Model, "granite": granite.GraniteModel, "gemma2": gemma.GemmaModel,
-            "gemma3": gemma.GemmaModel}.get(getattr(arch, "family", "llama"), LlamaModel)
+            "gemma3": gemma.GemmaModel, "mixtral": MoeModel, "qwen2_moe": MoeModel,
+            "qwen3_moe": MoeModel}.get(getattr(arch, "family", "llama"), LlamaModel)
 
 
 QUANT_KV = ("fp8_e4m3", "int8", "int4")  # quantized pools: no sliding window / soft-capping in their attention
@@ -37,8 +39,9 @@ QUANT_KV = ("fp8_e4m3", "int8", "int4")  # quantized pools: no sliding window / 
 
 def check_engine_config(engine_cfg, hf_config) -> None:
     """Refuse, before weights load, what the families of this module do not run: tensor
-    parallelism (their layer is not sharded: OLMo 2's QK-norm spans every head) and, for sliding
-    windows or soft-capping (Gemma 2/3), a quantized KV cache. Raises InvalidRequestError naming
+    parallelism (their layer is not sharded: OLMo 2's QK-norm spans every head; MoE experts are
+    not split across ranks) and, for sliding windows or soft-capping (Gemma 2/3), a quantized KV
+    cache. Raises InvalidRequestError naming
     ``tp_size`` / ``kv_cache_dtype``."""
     name = _name(hf_config)
     if name not in _FAMILIES:
@@ -49,7 +52,7 @@ def check_engine_config(engine_cfg, hf_config) -> None:
                                   f"tensor parallelism supports {list(SUPPORTED_ARCHS)}", field="tp_size")
     arch = arch_from_hf_config(hf_config)
     kvd = getattr(engine_cfg, "kv_cache_dtype", "auto")
-    if kvd in QUANT_KV and (any(arch.local_layers) or arch.attn_softcap > 0):
+    if kvd in QUANT_KV and (any(getattr(arch, "local_layers", ())) or getattr(arch, "attn_softcap", 0) > 0):
         raise InvalidRequestError(f"kv_cache_dtype={kvd!r}: {name}'s sliding-window / soft-capped attention "
                                   "runs on a float KV cache only; supported: ['auto', 'bfloat16']",
                                   field="kv_cache_dtype")

@@ -72,7 +72,7 @@ void gemv(const QW& w, const float* x, int64_t M, float* y, bool q8, const PoolP
 }
 
 using AttnOp = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                   const at::Tensor&, const at::Tensor&, double)>;
+                                                   const at::Tensor&, const at::Tensor&, double, int64_t, double)>;
 
 // Paged decode attention of the step's M rows into att [M, Hq * D] float32: the M * Hkv (row, KV
 // head) tasks in n contiguous shares claimed by the pool's threads; a share is at most three calls of the
@@ -87,7 +87,7 @@ void attention(const AttnOp& attn, const at::Tensor& q, const at::Tensor& kb, co
   int64_t work = 0;  // K/V values the step reads: below split_min the op calls cost more than they share
   for (int64_t m = 0; m < M; ++m) work += lens.data_ptr<int64_t>()[m] * Hkv * D;
   if (threads <= 1 || T <= 1 || work < split_min) {
-    at::Tensor o = attn.call(q, kb, vb, rt, rows, lens, sm);  // [M, Hq, D] float32
+    at::Tensor o = attn.call(q, kb, vb, rt, rows, lens, sm, 0, 0.0);  // [M, Hq, D] float32; no window or soft-cap (full-attention models only)
     std::memcpy(att, o.data_ptr<float>(), sizeof(float) * M * Hq * D);
     return;
   }
@@ -95,7 +95,7 @@ void attention(const AttnOp& attn, const at::Tensor& q, const at::Tensor& kb, co
   auto piece = [&](int64_t m0, int64_t m1, int64_t h0, int64_t h1) {
     if (m0 >= m1 || h0 >= h1) return;
     at::Tensor o = attn.call(q.slice(0, m0, m1).slice(1, h0 * G, h1 * G), kb.slice(1, h0, h1), vb.slice(1, h0, h1), rt,
-                             rows.slice(0, m0, m1), lens.slice(0, m0, m1), sm);  // [m1 - m0, (h1 - h0) * G, D]
+                             rows.slice(0, m0, m1), lens.slice(0, m0, m1), sm, 0, 0.0);  // [m1 - m0, (h1 - h0) * G, D]
     const float* op = o.data_ptr<float>();
     const int64_t w = (h1 - h0) * G * D;
     for (int64_t m = m0; m < m1; ++m) std::memcpy(att + m * Hq * D + h0 * G * D, op + (m - m0) * w, sizeof(float) * w);
@@ -160,7 +160,7 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
   static auto attn = c10::Dispatcher::singleton()
       .findSchemaOrThrow("sglite_cpu_attention::decode_attention", "")
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                        const at::Tensor&, double)>();
+                        const at::Tensor&, double, int64_t, double)>();
   const PoolPar par{(int)threads};
   const int64_t Nqkv = (Hq + 2 * Hkv) * D, half = D / 2;
   at::Tensor out = x.clone();

@@ -85,9 +85,10 @@ class KVManager:
         """Free plus evictable KV tokens."""
         return self.kv_pool.free_tokens() + self.cache.evictable_size
 
-    def match_prefix(self, ids: list[int]) -> tuple[torch.Tensor, Any]:
-        """Longest cached prefix of ``ids``: ([m] int64 slots, tree node). Nothing is locked."""
-        return self.cache.match_prefix(ids)
+    def match_prefix(self, ids: list[int], ns=None) -> tuple[torch.Tensor, Any]:
+        """Longest cached prefix of ``ids`` in radix namespace ``ns`` (a request's ``cache_ns``):
+        ([m] int64 slots, tree node). Nothing is locked."""
+        return self.cache.match_prefix(ids, ns)
 
     def can_admit(self, cached: int, n: int, running: int) -> bool:
         """Whether a request with ``cached`` tokens in the tree can take ``n`` new ones now, keeping
@@ -210,7 +211,7 @@ class KVManager:
             return
         slots = self.req_pool.req_to_token[kv.row, :kv.alloc_len].long()  # [alloc_len]
         aligned = kv.kv_len - kv.kv_len % self.page_size
-        already = self.cache.insert(req.tokens(0, aligned), slots[:aligned])
+        already = self.cache.insert(req.tokens(0, aligned), slots[:aligned], req.cache_ns)
         self.kv_pool.free(slots[kv.prefix_len:already])  # duplicates of what the tree had
         self.kv_pool.free(slots[max(aligned, already):])  # pages this request owns alone
         if kv.last_node is not None:
@@ -229,9 +230,9 @@ class KVManager:
         table = self.req_pool.req_to_token
         slots = table[kv.row, :aligned].long()  # [aligned]
         ids = req.tokens(0, aligned)
-        already = self.cache.insert(ids, slots)
+        already = self.cache.insert(ids, slots, req.cache_ns)
         self.kv_pool.free(slots[kv.prefix_len:already])  # duplicates of what the tree had
-        tree_slots, node = self.cache.match_prefix(ids)
+        tree_slots, node = self.cache.match_prefix(ids, req.cache_ns)
         assert len(tree_slots) == aligned, "inserted prefix not found again"
         table[kv.row, kv.prefix_len:aligned] = tree_slots[kv.prefix_len:].to(torch.int32)
         self.cache.inc_lock_ref(node)

@@ -184,7 +184,7 @@ def load_adapter(name: str, path: str, shape: ModelShape, max_rank: int, dtype: 
         if b.dim() != 2 or b.shape[0] != rows or b.shape[1] != r:
             out_w = "intermediate_size" if module in ("gate_proj", "up_proj", "gate_up_proj") else "hidden_size"
             raise InvalidRequestError(f"{out_w}: adapter {name!r}: layer {layer} {module}.lora_B is {tuple(b.shape)}, "
-                                      f"expected [{rows}, r={r}] for the base model", field=out_w)
+                                      f"expected [{rows}, r={r}] for the base model's {out_w}", field=out_w)
         key, block = MODULES[module]
         parts = adapter.parts.setdefault((layer, key), [])
         if any(p.row < row + rows and row < p.row + p.b.shape[0] for p in parts):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from itertools import chain
-from typing import TYPE_CHECKING, Any, ClassVar, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -50,8 +50,8 @@ class ForwardBatch:
     logits_indices: torch.Tensor
     # not dataclass fields (the tensor-parallel wire ships the fields): set on the instance only
     # when a row has an adapter
-    lora_segments: ClassVar[Optional[list]] = None
-    lora: ClassVar[Any] = None
+    lora_segments = None  # Optional[list]; unannotated: not a field
+    lora = None  # Optional[LoraBatch]
 
     @classmethod
     def from_plan(cls, plan: "StepPlan", req_to_token: torch.Tensor) -> "ForwardBatch":
@@ -65,7 +65,7 @@ class ForwardBatch:
         for e in plan.entries:
             r, start, n = e.req, e.start, e.n
             row = r.kv.row
-            lora = r.lora
+            lora = getattr(r, "lora", None)  # duck-typed rows (the draft model's) have none
             if segs and segs[-1][1] is lora:
                 segs[-1][0] += n
             else:

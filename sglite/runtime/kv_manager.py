@@ -211,7 +211,7 @@ class KVManager:
             return
         slots = self.req_pool.req_to_token[kv.row, :kv.alloc_len].long()  # [alloc_len]
         aligned = kv.kv_len - kv.kv_len % self.page_size
-        already = self.cache.insert(req.tokens(0, aligned), slots[:aligned], req.cache_ns)
+        already = self.cache.insert(req.tokens(0, aligned), slots[:aligned], getattr(req, "cache_ns", None))
         self.kv_pool.free(slots[kv.prefix_len:already])  # duplicates of what the tree had
         self.kv_pool.free(slots[max(aligned, already):])  # pages this request owns alone
         if kv.last_node is not None:
@@ -230,9 +230,9 @@ class KVManager:
         table = self.req_pool.req_to_token
         slots = table[kv.row, :aligned].long()  # [aligned]
         ids = req.tokens(0, aligned)
-        already = self.cache.insert(ids, slots, req.cache_ns)
+        already = self.cache.insert(ids, slots, getattr(req, "cache_ns", None))
         self.kv_pool.free(slots[kv.prefix_len:already])  # duplicates of what the tree had
-        tree_slots, node = self.cache.match_prefix(ids, req.cache_ns)
+        tree_slots, node = self.cache.match_prefix(ids, getattr(req, "cache_ns", None))
         assert len(tree_slots) == aligned, "inserted prefix not found again"
         table[kv.row, kv.prefix_len:aligned] = tree_slots[kv.prefix_len:].to(torch.int32)
         self.cache.inc_lock_ref(node)

@@ -1,10 +1,10 @@
 """C++ CPU kernel of the segmented LoRA op (``csrc/cpu_lora.cpp``; contract:
 :func:`.reference.lora_add`).
 
-``lora_add(y, x, a, b, seg_lens, seg_slots)`` adds ``(x_i · A_sᵀ) · B_sᵀ`` to every row ``i`` of
+``lora_add(y, x, a, b, seg_lens, seg_slots)`` adds ``(x_i · A_sᵀ) · b_s`` to every row ``i`` of
 a segment of adapter slot ``s`` (Hu et al. 2021, "LoRA"; segments as S-LoRA's / Punica's SGMV),
 in place, rows of slot -1 untouched. x [N, K], y [N, O] (unit stride along the last dim), a
-[S, R, K], b [S, O, R] contiguous, one dtype: float32 or bfloat16. Sums in float32; the shrink
+[S, R, K], b [S, R, O] (B transposed) contiguous, one dtype: float32 or bfloat16. Sums in float32; the shrink
 result and the delta are rounded to the dtype as two chained torch matmuls round them, so float32
 agrees with the reference to ~1e-6 (the summation order differs).
 

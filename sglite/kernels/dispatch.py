@@ -244,7 +244,7 @@ def gelu_tanh_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def lora_add(y, x, a, b, seg_lens, seg_slots, *, impl: Optional[str] = None):
-    """Segmented LoRA: ``y[i] += (x[i] · A_sᵀ) · B_sᵀ`` for every row of a segment of adapter slot
+    """Segmented LoRA: ``y[i] += (x[i] · A_sᵀ) · b_s`` (``b_s = B_sᵀ``) for every row of a segment of adapter slot
     ``s`` (rows of slot -1 untouched), in place; see :func:`.reference.lora_add`. CUDA: the Triton
     kernel (:mod:`.triton_lora`); CPU: the C++ kernel (:mod:`.cpu_lora`) when it builds; the torch
     reference otherwise (or with ``impl="torch"``)."""

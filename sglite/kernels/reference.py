@@ -387,11 +387,12 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tenso
 def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seg_lens: torch.Tensor,
              seg_slots: torch.Tensor) -> torch.Tensor:
     """Segmented LoRA (Hu et al. 2021, "LoRA", eq. 3; batched as in S-LoRA / Punica's SGMV): add
-    each row's adapter delta ``(x_i · A_sᵀ) · B_sᵀ`` to ``y`` in place and return ``y``.
+    each row's adapter delta ``(x_i · A_sᵀ) · b_s`` (``b_s = B_sᵀ``) to ``y`` in place; returns ``y``.
 
     Rows come in consecutive segments (``seg_lens`` [G] int64, summing to N), each of one adapter
     slot (``seg_slots`` [G] int64 in ``[-1, S)``; -1: no adapter, the rows are left untouched).
-    x: [N, K]; a: [S, R, K] (shrink); b: [S, O, R] (expand, the LoRA scaling folded in);
+    x: [N, K]; a: [S, R, K] (shrink); b: [S, R, O] (expand, stored transposed so the expand reads
+    rows of O contiguous values; the LoRA scaling folded in);
     y: [N, O] (mutated); all of x's dtype. The shrink result is rounded to that dtype before the
     expand, as two chained matmuls would.
     """
@@ -399,6 +400,6 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     for n, s in zip(seg_lens.tolist(), seg_slots.tolist()):
         if s >= 0 and n:
             t = x[start:start + n] @ a[s].t()  # [n, R]
-            y[start:start + n] += t @ b[s].t()  # [n, O]
+            y[start:start + n] += t @ b[s]  # [n, O]
         start += n
     return y

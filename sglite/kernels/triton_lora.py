@@ -3,7 +3,7 @@ Hu et al. 2021, "LoRA"; the per-row adapter gather of S-LoRA / Punica's SGMV).
 
 One program per (row, block of ``BLOCK_O`` outputs): it reads the row's adapter slot (rows of
 slot -1 return at once), shrinks ``t = x_i · A_sᵀ`` over K in ``BLOCK_K`` tiles (float32 sums,
-rounded to the dtype as a matmul's output), then adds ``t · B_sᵀ`` for its outputs (float32, the
+rounded to the dtype as a matmul's output), then adds ``t · b_s`` (``b_s = B_sᵀ`` [R, O]) for its outputs (float32, the
 delta rounded to the dtype before the add). The shrink is recomputed per output block: cheap for
 LoRA ranks (R ≤ 64 per part) next to the expand.
 """
@@ -33,7 +33,7 @@ def _lora_add_kernel(X, A, B, Y, SLOT, K, O, R, stride_x, stride_y,
             t += tl.sum(ak * xk[None, :], axis=1)
         t = t.to(X.dtype.element_ty).to(tl.float32)
         oo = ob * BLOCK_O + tl.arange(0, BLOCK_O)
-        bo = tl.load(B + s * O * R + oo[:, None] * R + rr[None, :],
+        bo = tl.load(B + s * R * O + rr[None, :] * O + oo[:, None],
                      mask=(oo[:, None] < O) & (rr[None, :] < R), other=0.0).to(tl.float32)
         d = tl.sum(bo * t[None, :], axis=1).to(X.dtype.element_ty).to(tl.float32)
         y = tl.load(Y + row * stride_y + oo, mask=oo < O, other=0.0).to(tl.float32)
@@ -43,16 +43,16 @@ def _lora_add_kernel(X, A, B, Y, SLOT, K, O, R, stride_x, stride_y,
 def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seg_lens: torch.Tensor,
              seg_slots: torch.Tensor, *, block_k: int = 64, block_o: int = 64) -> torch.Tensor:
     """``y`` [N, O] with the LoRA delta of every adapted row added in place (see
-    :func:`sglite.kernels.reference.lora_add`; x [N, K], a [S, R, K], b [S, O, R], one dtype).
+    :func:`sglite.kernels.reference.lora_add`; x [N, K], a [S, R, K], b [S, R, O], one dtype).
 
     Raises:
         ValueError: shapes that disagree, or ``seg_lens`` not summing to N.
     """
     N, K = x.shape
     S, R, K2 = a.shape
-    if K2 != K or tuple(b.shape) != (S, y.shape[1], R) or y.shape[0] != N:
+    if K2 != K or tuple(b.shape) != (S, R, y.shape[1]) or y.shape[0] != N:
         raise ValueError(f"lora_add: x {tuple(x.shape)}, y {tuple(y.shape)}, a {tuple(a.shape)}, "
-                         f"b {tuple(b.shape)} disagree (x [N, K], y [N, O], a [S, R, K], b [S, O, R])")
+                         f"b {tuple(b.shape)} disagree (x [N, K], y [N, O], a [S, R, K], b [S, R, O])")
     check_device(y, x, a, b)
     lens = seg_lens.to(device=x.device, dtype=torch.int64)
     if int(lens.sum()) != N:

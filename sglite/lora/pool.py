@@ -2,7 +2,7 @@
 adapter memory, Sheng et al. 2023, §4, simplified to fixed slots).
 
 :class:`LoraPool` holds, per fused matmul ``key`` and layer, ``a`` [S, blocks·R, in] and ``b``
-[S, out, blocks·R] buffers in the model dtype (``S = max_loras_per_batch`` slots, ``R =
+[S, blocks·R, out] (B transposed) buffers in the model dtype (``S = max_loras_per_batch`` slots, ``R =
 max_lora_rank``, ``blocks`` the parts of the fused matmul: 3 for qkv, 2 for gate_up), allocated
 on first use of that key. An adapter of rank r < R fills the first r rows of each rank block and
 zeros the rest, so every slot runs one segmented matmul per fused weight
@@ -32,7 +32,7 @@ class LoraPool:
         self.slots_n, self.rank = max_loras_per_batch, max_lora_rank
         self.layout = fused_layout(shape)
         self.a: dict[str, list[torch.Tensor]] = {}  # key -> per layer [S, blocks*R, in]
-        self.b: dict[str, list[torch.Tensor]] = {}  # key -> per layer [S, out, blocks*R]
+        self.b: dict[str, list[torch.Tensor]] = {}  # key -> per layer [S, blocks*R, out] (B transposed)
         self.resident: OrderedDict[int, int] = OrderedDict()  # adapter uid -> slot, least recent first
         self.loads = 0  # adapters copied into a slot (counter)
 
@@ -43,7 +43,7 @@ class LoraPool:
         rt, S, L = KEY_BLOCKS[key] * self.rank, self.slots_n, self.shape.num_layers
         kw = dict(dtype=self.dtype, device=self.device)
         self.a[key] = [torch.zeros(S, rt, in_w, **kw) for _ in range(L)]
-        self.b[key] = [torch.zeros(S, out_w, rt, **kw) for _ in range(L)]
+        self.b[key] = [torch.zeros(S, rt, out_w, **kw) for _ in range(L)]
 
     def slot_of(self, adapter: LoraAdapter, keep: set) -> int:
         """The slot holding ``adapter``, copying it in (into a free slot, else the least recently
@@ -78,7 +78,7 @@ class LoraPool:
                 for p in adapter.parts.get((layer, key), ()):
                     r, lo = p.a.shape[0], p.block * R
                     a[lo:lo + r].copy_(p.a)
-                    b[p.row:p.row + p.b.shape[0], lo:lo + r].copy_(p.b)
+                    b[lo:lo + r, p.row:p.row + p.b.shape[0]].copy_(p.b.t())
         self.loads += 1
 
     def drop(self, adapter: LoraAdapter) -> None:

@@ -14,7 +14,7 @@ def random_case(N, K, O, R, S, G, dtype, seed):
     x = torch.randn(N, K, generator=g).to(dtype)
     y = torch.randn(N, O, generator=g).to(dtype)
     a = (torch.randn(S, R, K, generator=g) / K ** 0.5).to(dtype)
-    b = torch.randn(S, O, R, generator=g).to(dtype)
+    b = torch.randn(S, R, O, generator=g).to(dtype)
     cuts = sorted(torch.randint(0, N + 1, (G - 1,), generator=g).tolist())
     lens = torch.tensor([e - s for s, e in zip([0] + cuts, cuts + [N])], dtype=torch.int64)
     slots = torch.randint(-1, S, (G,), generator=g, dtype=torch.int64)
@@ -26,7 +26,7 @@ def per_row(y, x, a, b, lens, slots):
     rows = torch.repeat_interleave(slots, lens)
     for i, s in enumerate(rows.tolist()):
         if s >= 0:
-            out[i] += (x[i].double() @ a[s].double().t()) @ b[s].double().t()
+            out[i] += (x[i].double() @ a[s].double().t()) @ b[s].double()
     return out
 
 
@@ -77,4 +77,4 @@ def test_cpp_input_errors():
     with pytest.raises(IndexError, match="seg_slots"):
         ops.lora_add(y, x, a, b, lens, torch.tensor([5, 0]))
     with pytest.raises(RuntimeError, match="shapes disagree"):
-        ops.lora_add(y, x, a, b[:, :4], lens, slots)
+        ops.lora_add(y, x, a, b[:, :, :4], lens, slots)

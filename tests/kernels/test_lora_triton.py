@@ -37,7 +37,7 @@ def test_triton_matches_reference(N, K, O, R, S, lens, slots, dtype):
     x = torch.randn(N, K, generator=g).to(dtype)
     y = torch.randn(N, O, generator=g).to(dtype)
     a = (torch.randn(S, R, K, generator=g) / K ** 0.5).to(dtype)
-    b = torch.randn(S, O, R, generator=g).to(dtype)
+    b = torch.randn(S, R, O, generator=g).to(dtype)
     lens, slots = torch.tensor(lens), torch.tensor(slots)
     ref = reference.lora_add(y.clone(), x, a, b, lens, slots)
     dev = torch.device(DEVICE)

@@ -9,7 +9,7 @@ result and the delta are rounded to the dtype as two chained torch matmuls round
 agrees with the reference to ~1e-6 (the summation order differs).
 
 Errors: RuntimeError naming the argument for shapes, strides or dtypes outside the contract;
-IndexError for a slot outside ``[-1, S)``. Threads: ``at::parallel_for`` over rows.
+IndexError for a slot outside ``[-1, S)``. Threads: the shared pool (``csrc/thread_pool.h``) over rows.
 
 Build: :func:`.cpu_build.load_cpp` (``-O3 -march=native``), cached on disk; when the build fails
 one warning is logged and :func:`lora_add` runs the torch reference.

@@ -4,6 +4,7 @@
 // Rows of slot -1 are skipped.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include "thread_pool.h"
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 #include <algorithm>
@@ -32,7 +33,7 @@ template <typename T>
 void lora_rows(const T* x, const T* a, const T* b, T* y, const std::vector<int64_t>& row_slot,
                int64_t K, int64_t R, int64_t O, int64_t sx, int64_t sy) {
   const int64_t N = (int64_t)row_slot.size();
-  at::parallel_for(0, N, 1, [&](int64_t lo, int64_t hi) {
+  sglite_pool::parallel_for(0, N, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> t(R), acc(O);
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t s = row_slot[i];

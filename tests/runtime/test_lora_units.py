@@ -188,3 +188,27 @@ def test_engine_zero_adapter_is_base_and_max_loras_per_batch(tiny_model_dir, tmp
         with pytest.raises(InvalidRequestError) as ei:
             e.generate(input_ids=ids[0], sampling_params=greedy, lora_path="nope")
         assert ei.value.field == "lora_path"
+
+
+def test_adapter_with_speculation_and_grammar(tiny_model_dir, tmp_path):
+    """With NGRAM speculative decoding, an adapter's greedy tokens are those of the engine without
+    it (drafts are verified with the request's adapter); a JSON-schema request with an adapter
+    returns valid JSON."""
+    import json as _json
+
+    from sglite import Engine
+    from tests.server.test_lora_server import tiny_adapter
+
+    a = str(tiny_adapter(tmp_path / "a", 3))
+    greedy = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    ids = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [10, 11, 12, 13]]
+    kw = dict(dtype="float32", max_total_tokens=2048, check_invariants=True, lora_paths={"a": a})
+    with Engine(str(tiny_model_dir), **kw) as e:
+        want = [r["output_ids"] for r in e.generate(input_ids=ids, sampling_params=greedy, lora_path=["a", None])]
+        schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+        out = e.generate(prompt="Answer:", sampling_params={"max_new_tokens": 16, "temperature": 0,
+                                                            "json_schema": _json.dumps(schema)}, lora_path="a")
+        assert isinstance(_json.loads(out["text"])["ok"], bool)
+    with Engine(str(tiny_model_dir), speculative_algorithm="NGRAM", speculative_num_draft_tokens=4, **kw) as e:
+        got = [r["output_ids"] for r in e.generate(input_ids=ids, sampling_params=greedy, lora_path=["a", None])]
+    assert got == want

@@ -171,6 +171,13 @@ class EngineConfig:
             GPTQ-compensated E4M3; per-channel or ``weight_block_size`` block-wise scales). ``w8a8_int8``: int8 weights (per channel) and int8 activations (per
             token, at run time), int32 accumulation; a ``sglite quantize --method smoothquant``
             checkpoint, or a float one quantized at load. ``dtype`` still sets the activation dtype.
+        lora_paths: LoRA adapters served from start-up, as ``name=path`` entries (PEFT folders:
+            ``adapter_config.json`` + ``adapter_model.safetensors``); a request picks one by name
+            (``lora_path``; the OpenAI API's ``model``). ``Engine(lora_paths=...)`` also takes a
+            dict ``{name: path}``. See docs/lora.md.
+        max_loras_per_batch: most distinct LoRA adapters in one step (adapter slots on the device).
+        max_lora_rank: largest LoRA rank accepted (sizes the adapter slots); None = the largest
+            rank among ``lora_paths``, 16 when none is given.
         tp_size: tensor-parallel degree: the engine's scheduler drives this many model worker
             processes, each holding 1/tp_size of the attention heads, MLP width, vocabulary and
             KV cache (torch.distributed: gloo on CPU, NCCL on CUDA; see ``docs/scaling.md``).
@@ -243,6 +250,9 @@ class EngineConfig:
     speculative_disable_by_batch_size: int = 8
     speculative_verify: str = "token"
     quantization: Optional[str] = "auto"
+    lora_paths: Optional[tuple] = None
+    max_loras_per_batch: int = 8
+    max_lora_rank: Optional[int] = None
     tp_size: int = 1
     nnodes: int = 1
     node_rank: int = 0
@@ -355,10 +365,23 @@ class EngineConfig:
         if self.tokenizer_path is not None and not os.path.isdir(self.tokenizer_path):
             bad("tokenizer_path", f"no such folder {self.tokenizer_path!r}")
         self._check_speculative(bad)
+        self._check_lora(bad)
         if self.chat_template is not None and looks_like_path(self.chat_template) \
                 and not os.path.isfile(self.chat_template):
             bad("chat_template", f"no such file {self.chat_template!r} (give a Jinja file, a template name "
                                  "of the tokenizer, or Jinja text)")
+
+    def _check_lora(self, bad) -> None:
+        object.__setattr__(self, "lora_paths", parse_lora_paths(self.lora_paths) or None)
+        if self.max_loras_per_batch < 1:
+            bad("max_loras_per_batch", f"must be >= 1, got {self.max_loras_per_batch}")
+        if self.max_lora_rank is not None and not 1 <= self.max_lora_rank <= 256:
+            bad("max_lora_rank", f"must be in [1, 256], got {self.max_lora_rank}")
+        for name, path in self.lora_paths or ():
+            if not os.path.isdir(path):
+                bad("lora_paths", f"adapter {name!r}: no such folder {path!r}")
+        if self.lora_paths and self.tp_size > 1:
+            bad("lora_paths", "LoRA adapters are not supported with tp_size > 1 yet")
 
     def _check_speculative(self, bad) -> None:
         alg = self.speculative_algorithm
@@ -397,3 +420,29 @@ class EngineConfig:
         """Effective chunked-prefill size in tokens, or None when chunking is off."""
         c = self.chunked_prefill_size
         return None if c is None or c == -1 else c
+
+
+def parse_lora_paths(value) -> tuple:
+    """``{"name": path}``, ``["name=path", ...]`` (SGLang's ``--lora-paths``) or ``["path", ...]``
+    (named by the path) -> ``((name, path), ...)``; None -> ``()``. Raises InvalidRequestError
+    naming ``lora_paths`` for a malformed entry or a repeated name."""
+    if value is None:
+        return ()
+    if isinstance(value, dict):
+        items = [(str(k), str(v)) for k, v in value.items()]
+    else:
+        items = []
+        for v in ([value] if isinstance(value, str) else list(value)):
+            if isinstance(v, (tuple, list)) and len(v) == 2:
+                items.append((str(v[0]), str(v[1])))
+            elif isinstance(v, str) and v:
+                name, sep, path = v.partition("=")
+                items.append((name, path) if sep else (v, v))
+            else:
+                raise InvalidRequestError(f"lora_paths: entries must be 'name=path' strings, got {v!r}",
+                                          field="lora_paths")
+    names = [n for n, _ in items]
+    if len(set(names)) != len(names) or not all(names):
+        raise InvalidRequestError(f"lora_paths: adapter names must be non-empty and unique, got {names}",
+                                  field="lora_paths")
+    return tuple(items)

@@ -39,6 +39,8 @@ SHOWN_DEFAULTS = {"num_threads": "the fastest measured at start-up for batch-1 d
 NORMALIZE = {"speculative_algorithm": str.upper}
 # Extra spellings people type (SGLang's or vLLM's names of the same option).
 ALIASES = {"context_length": ("--max-model-len",)}
+# List-valued fields (``--lora-paths a=/x b=/y``).
+NARGS = {"lora_paths": "+"}
 # Default-True booleans: the flags that switch them off (SGLang's names where it has one).
 DISABLE_FLAGS = {"enable_jump_forward": ("--disable-jump-forward", "--disable-regex-jump-forward"),
                  "json_schema_strict": ("--disable-json-schema-strict",)}
@@ -208,7 +210,7 @@ def add_config_args(parser, cls, skip: Iterable[str] = (), title: Optional[str] 
                                     default=None if defaults_none else False, help=hlp)
         else:
             target.add_argument(*flags, dest=f.name, type=NORMALIZE.get(f.name, typ), default=None if defaults_none else default,
-                                choices=CHOICES.get(f.name), help=hlp, metavar=f.name.upper())
+                                choices=CHOICES.get(f.name), help=hlp, metavar=f.name.upper(), nargs=NARGS.get(f.name))
         added.append(f.name)
     return added
 

@@ -8,6 +8,7 @@ Floors, bottom to top:
   1 kernels      sglite.kernels
   2 constrained  sglite.constrained
   3 quant        sglite.quant (the library: algorithms and formats on tensors passed in)
+    lora         sglite.lora (LoRA adapters: loading, device slots; beside quant, neither imports the other)
   4 runtime      sglite.runtime (runtime.parallel: tensor parallelism)
   5 server       sglite.server
   6 tools        router, bench, eval, frontend, cli, launch_server, kv_estimate, quantize, testing, testing_gguf,
@@ -27,7 +28,7 @@ FLOORS = {
     "errors": 0, "config": 0, "sampling_params": 0, "logging_setup": 0, "flags": 0, "grammars": 0,
     "kernels": 1,
     "constrained": 2,
-    "quant": 3,
+    "quant": 3, "lora": 3,
     "runtime": 4,
     "server": 5,
     "router": 6, "bench": 6, "eval": 6, "frontend": 6, "cli": 6, "launch_server": 6, "kv_estimate": 6,

@@ -90,8 +90,10 @@ async def send_native(http: httpx.AsyncClient, cfg: ClientConfig, prompt: str, m
     ``t0`` is the benchmark's start (``time.perf_counter()``); ``outcome.start`` is relative to it.
     Errors (HTTP status, an ``error`` event, a broken stream) give ``success=False``.
     """
+    extra = dict(extra)
+    lora = extra.pop("lora_path", None)  # a LoRA adapter's name: a top-level field (bench --lora-names)
     sp = {"max_new_tokens": max_tokens, "temperature": cfg.temperature, "ignore_eos": ignore_eos, **extra}
-    payload = {"text": prompt, "sampling_params": sp, "stream": True}
+    payload = {"text": prompt, "sampling_params": sp, "stream": True, **({"lora_path": lora} if lora else {})}
     start = time.perf_counter()
     times, n_ids, text, meta, last = [], 0, "", {}, None
     try:
@@ -122,7 +124,9 @@ async def send_openai(http: httpx.AsyncClient, cfg: ClientConfig, prompt: str, m
 
     ``json_schema`` in ``extra`` is sent as sglite's/SGLang's extra ``json_schema`` field.
     """
-    payload = {"model": cfg.model or "default", "prompt": prompt, "max_tokens": max_tokens,
+    extra = dict(extra)
+    lora = extra.pop("lora_path", None)  # a LoRA adapter is a model of the OpenAI API
+    payload = {"model": lora or cfg.model or "default", "prompt": prompt, "max_tokens": max_tokens,
                "temperature": cfg.temperature, "stream": True, "stream_options": {"include_usage": True},
                **({"ignore_eos": True} if ignore_eos else {}), **extra}
     start = time.perf_counter()

@@ -38,7 +38,7 @@ from .profiling import add_profile_args, server_profile
 from .report import HelpFormatter, format_serving, write_json
 from .stats import NAN, RequestOutcome, compute_metrics, flat_metrics
 from .workloads import (DATASETS, SHAREGPT_CONTEXT_LEN, SHAREGPT_MIN_LEN, Session, WorkloadOptions, agent_arguments,
-                        agent_program, build_workload, load_sharegpt, sharegpt_workload)
+                        agent_program, build_workload, load_sharegpt, sharegpt_workload, with_adapters)
 
 
 @dataclass(frozen=True)
@@ -267,6 +267,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="sglite: native /generate; openai: /v1/completions")
     p.add_argument("--model", default=None, help="OpenAI model name (default: first of /v1/models)")
     p.add_argument("--api-key", default=None, help="bearer token sent with every request (default: none)")
+    p.add_argument("--lora-names", "--lora-name", nargs="+", default=None, metavar="NAME",
+                   help="LoRA adapters served (--lora-paths): session i goes to adapter i %% len (native lora_path, "
+                        "OpenAI model); default: the base model")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     p.add_argument("--launch-mode", default="subprocess", choices=MODES,
                    help="how --launch / sweep start the server")
@@ -295,6 +298,8 @@ def check_args(a: argparse.Namespace) -> None:
         raise ValueError(f"--sharegpt-context-len: must be >= {2 * SHAREGPT_MIN_LEN}, got {a.sharegpt_context_len}")
     if a.num_prompts < 1:
         raise ValueError(f"--num-prompts: must be >= 1, got {a.num_prompts}")
+    if getattr(a, "lora_names", None) and a.dataset == "agent":
+        raise ValueError("--lora-names: not supported with --dataset agent (its requests go through /v1/responses)")
 
 
 def workload_options(a: argparse.Namespace) -> WorkloadOptions:
@@ -354,7 +359,10 @@ def run_dataset(a: argparse.Namespace, base_url: str, rate: float, label: str,
                   f"{a.num_prompts}", file=sys.stderr)
     else:
         sessions = build_workload(a.dataset, a.num_prompts, a.seed, workload_options(a))
+    sessions = with_adapters(sessions, getattr(a, "lora_names", None))
     res = run_serving(cfg, sessions, opts, label)
+    if getattr(a, "lora_names", None):
+        res.config["lora_names"] = list(a.lora_names)
     res.config["dataset"] = a.dataset
     if a.dataset_path:
         res.config["dataset_path"] = a.dataset_path

@@ -285,3 +285,15 @@ def agent_program(thought_len: int = 24, answer_len: int = 16):
         s += "Answer:" + gen("answer", max_tokens=answer_len, stop="\n")
 
     return react_agent
+
+
+def with_adapters(sessions: list, names) -> list:
+    """``sessions`` with session ``i``'s turns sent to LoRA adapter ``names[i % len(names)]``
+    (``lora_path`` of the native API, the ``model`` of the OpenAI one; ``sglite bench serving
+    --lora-names``); unchanged when ``names`` is empty."""
+    if not names:
+        return list(sessions)
+    from dataclasses import replace
+
+    return [replace(s, turns=[replace(t, extra={**t.extra, "lora_path": names[i % len(names)]}) for t in s.turns])
+            for i, s in enumerate(sessions)]

@@ -63,13 +63,14 @@ def gen(name: Optional[str] = None, max_tokens: Optional[int] = None, min_tokens
         return_logprob: Optional[bool] = None, logprob_start_len: Optional[int] = None,
         top_logprobs_num: Optional[int] = None, return_text_in_logprobs: Optional[bool] = None,
         dtype=None, choices: Optional[list] = None, choices_method=None, regex: Optional[str] = None,
-        json_schema=None):
+        json_schema=None, lora_path: Optional[str] = None):
     """Generate text into variable ``name`` (SGLang's ``sgl.gen``).
 
     ``max_tokens``/``min_tokens`` are in tokens. ``dtype`` ∈ {int, float, bool, str} (or their
     names) constrains the output with SGLang's regexes (int/float also stop at space/newline);
     it wins over ``regex``. ``choices`` turns the call into :func:`select`. ``regex`` and
-    ``json_schema`` (dict or JSON text) constrain decoding. Unset arguments inherit ``run()``'s.
+    ``json_schema`` (dict or JSON text) constrain decoding. ``lora_path`` names the LoRA adapter
+    this call runs with (SGLang's name; docs/lora.md). Unset arguments inherit ``run()``'s.
 
     Raises:
         GrammarError: invalid regex or JSON schema. InvalidRequestError: other bad values.
@@ -105,7 +106,8 @@ def gen(name: Optional[str] = None, max_tokens: Optional[int] = None, min_tokens
     except InvalidRequestError as e:
         raise InvalidRequestError(f"gen: {e}", field=e.field) from e
     logprob = {"return_logprob": return_logprob, "logprob_start_len": logprob_start_len,
-               "top_logprobs_num": top_logprobs_num, "return_text_in_logprobs": return_text_in_logprobs}
+               "top_logprobs_num": top_logprobs_num, "return_text_in_logprobs": return_text_in_logprobs,
+               "lora_path": lora_path}
     return Gen(name, params, {k: v for k, v in logprob.items() if v is not None}, dtype)
 
 

@@ -19,14 +19,15 @@ from .choices import ChoicesDecision, ChoicesMethod, mean_logprob
 
 
 def logprob_kwargs(return_logprob=None, logprob_start_len=None, top_logprobs_num=None,
-                   return_text_in_logprobs=None, with_text_flag: bool = False) -> dict:
-    """The logprob request fields that are set (None ones dropped).
+                   return_text_in_logprobs=None, with_text_flag: bool = False, lora_path=None) -> dict:
+    """The logprob request fields that are set (None ones dropped), and ``lora_path`` (the LoRA
+    adapter's name) when set.
 
     ``return_text_in_logprobs`` is kept only ``with_text_flag`` (the HTTP API takes it; the
     in-process engine always puts each token's text in its logprob entries).
     """
     out = {"return_logprob": return_logprob, "logprob_start_len": logprob_start_len,
-           "top_logprobs_num": top_logprobs_num}
+           "top_logprobs_num": top_logprobs_num, "lora_path": lora_path}
     if with_text_flag:
         out["return_text_in_logprobs"] = return_text_in_logprobs
     return {k: v for k, v in out.items() if v is not None}

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 RUN_DEFAULTS = {"max_new_tokens": 128, "n": None, "stop": None, "stop_token_ids": None, "stop_regex": None,
                 "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0,
                 "presence_penalty": 0.0, "ignore_eos": False, "return_logprob": None, "logprob_start_len": None,
-                "top_logprobs_num": None, "return_text_in_logprobs": None}
+                "top_logprobs_num": None, "return_text_in_logprobs": None, "lora_path": None}
 
 
 def _run_defaults(options: dict) -> dict:

@@ -29,7 +29,8 @@ SAMPLING_KEYS = (
     "json_schema",
 )
 #: request-level (not sampling) keys a ``gen`` may override
-LOGPROB_KEYS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
+# request-level keys beside the sampling params: the logprob options and the LoRA adapter (lora_path)
+LOGPROB_KEYS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "lora_path")
 
 
 class Expr:

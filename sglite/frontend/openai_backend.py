@@ -166,7 +166,8 @@ class OpenAI(Backend):
 
     def _body(self, sp: dict, logprob: dict, chat_api: bool) -> dict:
         """The OpenAI request fields of SGLang sampling params ``sp``."""
-        body = {"model": self.model_name, "max_tokens": sp.get("max_new_tokens", 128)}
+        # a LoRA adapter is a model of the OpenAI API (sglite's and SGLang's servers)
+        body = {"model": logprob.get("lora_path") or self.model_name, "max_tokens": sp.get("max_new_tokens", 128)}
         for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("frequency_penalty", "frequency_penalty"),
                          ("presence_penalty", "presence_penalty"), ("n", "n"), ("stop", "stop"), ("seed", "seed")):
             if sp.get(src) is not None:

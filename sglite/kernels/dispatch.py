@@ -262,6 +262,23 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
                                  act=lambda g, u: silu_mul(g, u, batch_invariant=batch_invariant))
 
 
+def lora_add(y, x, a, b, seg_lens, seg_slots, *, impl: Optional[str] = None):
+    """Segmented LoRA: ``y[i] += (x[i] · A_sᵀ) · b_s`` (``b_s = B_sᵀ``) for every row of a segment of adapter slot
+    ``s`` (rows of slot -1 untouched), in place; see :func:`.reference.lora_add`. CUDA: the Triton
+    kernel (:mod:`.triton_lora`); CPU: the C++ kernel (:mod:`.cpu_lora`) when it builds; the torch
+    reference otherwise (or with ``impl="torch"``)."""
+    name = impl or os.environ.get("SGLITE_KERNEL") or ""
+    if name and name not in IMPLS:
+        raise ValueError(f"unknown kernel implementation {name!r}; known: {list(IMPLS)}")
+    if name == "triton" or (not name and x.is_cuda and triton_available()):
+        return importlib.import_module(".triton_lora", __package__).lora_add(y, x, a, b, seg_lens, seg_slots)
+    if name != "torch" and x.device.type == "cpu":
+        from . import cpu_lora
+
+        return cpu_lora.lora_add(y, x, a, b, seg_lens, seg_slots)  # the reference when the build failed
+    return reference.lora_add(y, x, a, b, seg_lens, seg_slots)
+
+
 def apply_token_bitmask(logits, bitmask, indices=None, *, impl: Optional[str] = None):
     """See :func:`sglite.kernels.reference.apply_token_bitmask`."""
     return _op("apply_token_bitmask", resolve_impl(impl, logits))(logits, bitmask, indices)

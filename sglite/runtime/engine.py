@@ -54,6 +54,8 @@ import torch
 
 from ..kernels.decode_threads import default_threads, fallback_threads
 from ..logging_setup import PhaseTimer, configure_if_unset
+from ..lora import LoraManager
+from ..errors import InvalidRequestError
 from .engine_config import engine_config
 from .engine_info import model_info, server_info
 from .engine_loop import EngineLoop
@@ -102,6 +104,7 @@ class Engine:
         check_kv_cache_dtype(cfg.kv_cache_dtype, ckpt.hf_config, device)  # before the weights load
         check_family_config(cfg, ckpt.hf_config)  # OLMo 2 / Granite / Gemma: no TP; Gemma: float KV
         self.runner: RunnerProtocol
+        self.lora: Optional[LoraManager] = None  # LoRA adapters (sglite.lora; tp_size 1 only)
         if cfg.tp_size > 1:  # the model lives in tp_size worker processes (sglite.runtime.parallel)
             from .parallel.tp_client import TPRunnerClient
             with timer.phase("tensor-parallel workers"):
@@ -114,12 +117,16 @@ class Engine:
             with timer.phase("model, kernel build/probe, KV pool"):
                 self.runner = ModelRunner(cfg, ckpt.hf_config, sd)
             del sd
+            with timer.phase("LoRA adapters"):
+                self.lora = self.runner.lora = LoraManager.start(cfg, self.runner.arch, self.runner.dtype,
+                                                                 self.runner.device)
             if device == "cpu" and not cfg.num_threads:  # the fastest thread count for batch-1 decode
                 with timer.phase("thread probe"):
                     torch.set_num_threads(default_threads(getattr(self.runner.model, "decode_fused", None)))
         with timer.phase("scheduler"):
             self.scheduler = Scheduler(cfg, self.runner, self.tokenizer)
             self.requests = RequestBuilder(cfg, self.tokenizer, self.runner, random.Random(cfg.random_seed))
+            self.requests.lora = self.lora
             self._loop = EngineLoop(self.scheduler, cfg.check_invariants, cfg.max_queued_requests)
             self.pins = PrefixPins(self.scheduler.kv.cache)
             # async callers build requests here (tokenize, compile grammars, stop-regex checkers):
@@ -161,27 +168,30 @@ class Engine:
         return batch, [results[i] for i in range(batch.num_outputs)]
 
     def _builder(self, prompt, sampling_params, input_ids, rid, return_logprob, logprob_start_len,
-                 top_logprobs_num, token_ids_logprob, stream):
+                 top_logprobs_num, token_ids_logprob, stream, lora_path=None):
         """``sink_factory -> Batch`` for one call; the logprob options are validated right away."""
         per_prompt = logprob_start_len if isinstance(logprob_start_len, list) else None
         lp = LogprobOptions.from_args(return_logprob, -1 if per_prompt is not None else logprob_start_len,
                                       top_logprobs_num, token_ids_logprob, self.runner.vocab_size)
         return lambda sink_factory: self.requests.build(prompt, sampling_params, input_ids, rid, sink_factory,
-                                                        logprobs=lp, logprob_start_len=per_prompt, stream=stream)
+                                                        logprobs=lp, logprob_start_len=per_prompt, stream=stream,
+                                                        lora_path=lora_path)
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompt: Union[str, list[str], None] = None, sampling_params: Union[dict, list, None] = None,
                  input_ids: Optional[list] = None, return_logprob: bool = False,
                  logprob_start_len: Union[int, list] = -1, top_logprobs_num: int = 0,
                  token_ids_logprob: Optional[list[int]] = None, stream: bool = False,
-                 rid: Union[str, list, None] = None, incremental: bool = False):
+                 rid: Union[str, list, None] = None, incremental: bool = False,
+                 lora_path: Union[str, list, None] = None):
         """Generate for one prompt (→ dict) or a batch (→ list of dicts); see the module docstring.
+        ``lora_path``: the LoRA adapter's name (a list: one per prompt; None: the base model).
 
         Raises:
             InvalidRequestError / GrammarError / CapacityError before anything is scheduled.
         """
         build = self._builder(prompt, sampling_params, input_ids, rid, return_logprob, logprob_start_len,
-                              top_logprobs_num, token_ids_logprob, stream)
+                              top_logprobs_num, token_ids_logprob, stream, lora_path)
         if stream:
             q: queue.Queue = queue.Queue()
             batch = build(lambda i: (lambda ev: q.put((i, ev))))
@@ -192,12 +202,12 @@ class Engine:
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              logprob_start_len=-1, top_logprobs_num=0, token_ids_logprob=None,
-                             stream=False, rid=None, incremental=False):
+                             stream=False, rid=None, incremental=False, lora_path=None):
         """Asyncio version of :meth:`generate`. With ``stream=True`` returns an async iterator."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         build = self._builder(prompt, sampling_params, input_ids, rid, return_logprob, logprob_start_len,
-                              top_logprobs_num, token_ids_logprob, stream)
+                              top_logprobs_num, token_ids_logprob, stream, lora_path)
         sink_factory = lambda i: (lambda ev: loop.call_soon_threadsafe(q.put_nowait, (i, ev)))  # noqa: E731
         batch = await prepare_within(self._prep, lambda: build(sink_factory), self.config.request_prep_timeout,
                                      prep_field(prompt, input_ids, sampling_params),
@@ -305,6 +315,25 @@ class Engine:
             logprobs=LogprobOptions(return_logprob=True), logprob_start_len=spec.logprob_start_lens,
             shared_prefix=spec.prompt_ids))
         return spec.collect(outs)
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> list[str]:
+        """Serve the PEFT adapter at folder ``lora_path`` as ``lora_name`` (read and checked on the
+        caller's thread); returns the loaded names. Raises InvalidRequestError naming the field
+        (see :mod:`sglite.lora.adapter`; ``lora_name`` when taken or with ``tp_size > 1``)."""
+        if self.lora is None:
+            raise InvalidRequestError("lora_name: LoRA adapters need tp_size 1", field="lora_name")
+        adapter = self.lora.read(lora_name, lora_path)
+        self._loop.call(lambda: self.lora.add(adapter))
+        return self.lora.names()
+
+    def unload_lora_adapter(self, lora_name: str) -> list[str]:
+        """Stop serving ``lora_name`` and drop its radix-cache entries; returns the loaded names.
+        Raises InvalidRequestError (``lora_name``) when unknown or used by unfinished requests."""
+        if self.lora is None:
+            raise InvalidRequestError(f"lora_name: no adapter {lora_name!r} is loaded", field="lora_name")
+        self._loop.call(lambda: self.lora.unload(lora_name, self.scheduler))
+        return self.lora.names()
 
     # ------------------------------------------------------------------ control
     def abort(self, rid: str) -> None:

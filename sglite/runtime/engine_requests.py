@@ -101,6 +101,7 @@ class RequestBuilder:
         self.tokenizer = tokenizer
         self.runner = runner
         self.rng = rng
+        self.lora = None  # the engine's sglite.lora.LoraManager (None: no adapters served)
         self._grammar = None
         self._grammar_lock = threading.Lock()  # requests are built on several preparation threads
 
@@ -219,16 +220,30 @@ class RequestBuilder:
         """A request that only prefills ``ids`` into the radix cache (no output, no sink)."""
         return self._req(rid, list(ids), SamplingParams(max_new_tokens=0), lambda ev: None, None, 0)
 
+    def _adapters(self, lora_path, n: int) -> list:
+        """The LoRA adapter of each of ``n`` prompts (None: the base model) from ``lora_path``
+        (a name, or a list of names, one per prompt). Raises InvalidRequestError naming
+        ``lora_path``."""
+        paths = lora_path if isinstance(lora_path, list) else [lora_path] * n
+        if len(paths) != n:
+            raise InvalidRequestError(f"lora_path: {len(paths)} given for {n} prompts", field="lora_path")
+        if self.lora is None:
+            if any(p not in (None, "") for p in paths):
+                raise InvalidRequestError("lora_path: this engine serves no LoRA adapters", field="lora_path")
+            return [None] * n
+        return [self.lora.resolve(p) for p in paths]
+
     # ------------------------------------------------------------------ public
     def build(self, prompt, sampling_params, input_ids, rid, sink_factory: Callable, *,
               logprobs: LogprobOptions = NO_LOGPROBS, logprob_start_len=None, stream=False,
-              shared_prefix: Optional[list[int]] = None) -> Batch:
+              shared_prefix: Optional[list[int]] = None, lora_path=None) -> Batch:
         """Validate everything, then build the requests of one generate call.
 
         ``logprobs`` are the call's options; ``logprob_start_len`` (a list, one per prompt)
         overrides their start per prompt. ``n > 1`` samples of a prompt wait for one prefill-only
         request of it (``Req.blocked_by``), so they share its KV; ``shared_prefix`` is prefilled
-        once the same way before every request of the call.
+        once the same way before every request of the call. ``lora_path``: the LoRA adapter's
+        name (or one per prompt; None: the base model).
 
         Raises:
             InvalidRequestError, GrammarError, CapacityError.
@@ -247,6 +262,7 @@ class RequestBuilder:
             raise InvalidRequestError(f"logprob_start_len: {len(starts)} given for {n_in} prompts",
                                       field="logprob_start_len")
         rids = base_rids(rid, n_in, is_list)  # one base rid per prompt
+        loras = self._adapters(lora_path, n_in)
         opts, grammars = [], []
         for ids, sp, st in zip(all_ids, sps, starts):
             self._check_len(ids, sp)
@@ -261,16 +277,16 @@ class RequestBuilder:
         if shared_prefix and cache_on:
             shared = self._prefill_only(uuid.uuid4().hex + "-shared", shared_prefix)
             batch.all_reqs.append(shared)
-        for base, ids, sp, o, g in zip(rids, all_ids, sps, opts, grammars):
+        for base, ids, sp, o, g, lora in zip(rids, all_ids, sps, opts, grammars, loras):
             seed = sp.sampling_seed if sp.sampling_seed is not None else self.rng.getrandbits(62)
             blocker = shared
             if sp.n > 1 and cache_on:
                 blocker = self._prefill_only(base + "-prefix", ids)
-                blocker.blocked_by = shared
+                blocker.blocked_by, blocker.lora = shared, lora
                 batch.all_reqs.append(blocker)
             for j in range(sp.n):
                 r = self._req(base if sp.n == 1 else sample_rid(base, j), ids, sp, sink_factory(len(batch.outputs)),
-                              g, sample_seed(seed, j), logprobs=o, stream=stream)
+                              g, sample_seed(seed, j), logprobs=o, stream=stream, lora=lora)
                 r.blocked_by = blocker
                 batch.all_reqs.append(r)
                 batch.outputs.append(r)

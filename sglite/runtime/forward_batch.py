@@ -7,7 +7,7 @@ own causal length. All linear layers run once over the concatenation; attention 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from itertools import chain
 from typing import TYPE_CHECKING
 
@@ -35,6 +35,10 @@ class ForwardBatch:
         swa: the local (sliding-window) layers' slots of this step, a
             :class:`~sglite.runtime.swa_pool.SWAView` set by a hybrid pool's ``begin_step``; None
             otherwise (every layer reads the slots above).
+        lora_segments: ``[(rows, adapter or None), ...]`` runs of consecutive rows of one LoRA
+            adapter (:class:`sglite.lora.LoraAdapter`), or None when no row has an adapter.
+        lora: the step's :class:`sglite.lora.LoraBatch` (set by the model runner from
+            ``lora_segments``), or None: every matmul is the base model's alone.
     """
 
     input_ids: torch.Tensor
@@ -50,6 +54,10 @@ class ForwardBatch:
     # not a dataclass field (tensor-parallel commands ship the fields): a hybrid pool's begin_step
     # sets it on the instance
     swa = None
+    # not dataclass fields either (the tensor-parallel wire ships the fields): set on the instance only
+    # when a row has an adapter
+    lora_segments = None  # Optional[list]; unannotated: not a field
+    lora = None  # Optional[LoraBatch]
 
     @classmethod
     def from_plan(cls, plan: "StepPlan", req_to_token: torch.Tensor) -> "ForwardBatch":
@@ -59,9 +67,15 @@ class ForwardBatch:
         ids, pos, locs = [], [], []
         ext_rows, ext_pre, ext_len, dec_rows, dec_lens = [], [], [], [], []
         width = req_to_token.shape[1]
+        segs: list = []  # (rows, adapter) runs, in row order (the entries' order)
         for e in plan.entries:
             r, start, n = e.req, e.start, e.n
             row = r.kv.row
+            lora = getattr(r, "lora", None)  # duck-typed rows (the draft model's) have none
+            if segs and segs[-1][1] is lora:
+                segs[-1][0] += n
+            else:
+                segs.append([n, lora])
             if n == 1 and e.decode_rows and not e.draft and e.tree is None:  # a decode row: appends only
                 ids.append(r.token_at(start))
                 locs.append(row * width + start)
@@ -91,7 +105,10 @@ class ForwardBatch:
         if req_to_token.device != flat.device:
             locs_t = locs_t.to(req_to_token.device)
         slots = torch.take(req_to_token, locs_t).long()  # [N] int64
-        return cls(ids_t, pos_t, slots, req_to_token, *rest)
+        fb = cls(ids_t, pos_t, slots, req_to_token, *rest)
+        if any(a is not None for _, a in segs):
+            fb.lora_segments = [(n, a) for n, a in segs]
+        return fb
 
     @property
     def num_extend_tokens(self) -> int:
@@ -99,6 +116,10 @@ class ForwardBatch:
 
     def to(self, device) -> "ForwardBatch":
         """Copy every tensor except the (already resident) slot table to ``device``."""
-        kw = {k: (v if k == "req_to_token" else v.to(device, non_blocking=True))
-              for k, v in self.__dict__.items() if k != "swa"}
-        return ForwardBatch(**kw)
+        kw = {f.name: getattr(self, f.name) for f in fields(self)}
+        kw = {k: (v if k == "req_to_token" else v.to(device, non_blocking=True)) for k, v in kw.items()}
+        fb = ForwardBatch(**kw)
+        for extra in ("lora_segments", "lora"):
+            if extra in self.__dict__:
+                setattr(fb, extra, self.__dict__[extra])
+        return fb

@@ -91,14 +91,15 @@ class KVManager:
         """Free plus evictable KV tokens."""
         return self.kv_pool.free_tokens() + self.cache.evictable_size
 
-    def match_prefix(self, ids: list[int]) -> tuple[torch.Tensor, Any]:
-        """Longest cached prefix of ``ids``: ([m] int64 slots, tree node). Nothing is locked.
+    def match_prefix(self, ids: list[int], ns=None) -> tuple[torch.Tensor, Any]:
+        """Longest cached prefix of ``ids`` in radix namespace ``ns`` (a request's ``cache_ns``):
+        ([m] int64 slots, tree node). Nothing is locked.
 
         With a sliding-window pool the match is cut back to the longest whole-page length ``m'``
         whose last ``window - 1`` positions still hold local K/V (what the first new token, at
         ``m'``, sees besides itself); the node stays the full match's (locking it locks the shorter
         prefix too)."""
-        slots, node = self.cache.match_prefix(ids)
+        slots, node = self.cache.match_prefix(ids, ns)
         if self.window and len(slots):
             slots = slots[:swa_pool.usable_prefix(self.kv_pool, slots, self.page_size, self.window)]
         return slots, node
@@ -229,7 +230,7 @@ class KVManager:
             return
         slots = self.req_pool.req_to_token[kv.row, :kv.alloc_len].long()  # [alloc_len]
         aligned = kv.kv_len - kv.kv_len % self.page_size
-        already = self.cache.insert(req.tokens(0, aligned), slots[:aligned])
+        already = self.cache.insert(req.tokens(0, aligned), slots[:aligned], getattr(req, "cache_ns", None))
         self.kv_pool.free(slots[kv.prefix_len:already])  # duplicates of what the tree had
         self.kv_pool.free(slots[max(aligned, already):])  # pages this request owns alone
         if kv.last_node is not None:
@@ -248,8 +249,8 @@ class KVManager:
         table = self.req_pool.req_to_token
         slots = table[kv.row, :aligned].long()  # [aligned]
         ids = req.tokens(0, aligned)
-        already = self.cache.insert(ids, slots)
-        tree_slots, node = self.cache.match_prefix(ids)
+        already = self.cache.insert(ids, slots, getattr(req, "cache_ns", None))
+        tree_slots, node = self.cache.match_prefix(ids, getattr(req, "cache_ns", None))
         assert len(tree_slots) == aligned, "inserted prefix not found again"
         if self.window:  # the tree's copies may have freed the local K/V this request's window needs
             self.kv_pool.adopt_swa(tree_slots[kv.prefix_len:already], slots[kv.prefix_len:already])

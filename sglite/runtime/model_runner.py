@@ -120,6 +120,7 @@ class ModelRunner:
         if self.device == "cpu":  # build (or load) the C++ decode-attention kernel now, not in the first step
             kernels.resolve_impl(None, self.token_to_kv_pool.k_buffers[0], "decode_attention")
         self.req_to_token_pool = ReqToTokenPool(rows, self.context_length + 8, self.device)
+        self.lora = None  # the engine's sglite.lora.LoraManager when it serves adapters
         self.max_total_tokens = self.token_to_kv_pool.capacity
         log.info("KV pool: %d tokens, %d bytes per token (%.1f MiB), dtype %s, device %s",
                  self.max_total_tokens, self.bytes_per_token,
@@ -150,6 +151,8 @@ class ModelRunner:
         """Run one step. Returns [M, V] float32 logits (on CPU) for ``fb.logits_indices``."""
         if self.device != "cpu":
             fb = fb.to(self.device)
+        if fb.lora_segments is not None and self.lora is not None:  # LoRA adapters of this step's rows
+            fb.lora = self.lora.batch(fb.lora_segments)
         pool = self.token_to_kv_pool
         pool.begin_step(fb)  # quantized pool: token rows / positions of this step (plain pool: no-op)
         logits = self.model.forward(fb, pool.k_buffers, pool.v_buffers)

@@ -4,6 +4,11 @@ A radix tree keyed by token ids whose nodes own KV slots. Running requests lock 
 prefix ends in (``lock_ref`` counts on the path to the root), so eviction (LRU over unlocked
 leaves) never frees KV a running request reads. With ``page_size > 1`` keys are matched and
 inserted in whole pages. ``disabled=True`` turns the cache into a pass-through (no reuse).
+
+Namespaces (LoRA adapters): ``match_prefix`` / ``insert`` take ``ns`` (None: the base model). A
+namespace's entries hang under their own child of the root (key ``("ns", ns)``, no tokens, locked
+for good), so the namespace is part of every key: identical tokens of two namespaces never share
+KV. :meth:`RadixCache.drop_namespace` frees one namespace's entries (an unloaded adapter).
 """
 from __future__ import annotations
 
@@ -74,8 +79,22 @@ class RadixCache:
         return new
 
     # ------------------------------------------------------------------ public API
-    def match_prefix(self, ids: list[int]) -> tuple[torch.Tensor, TreeNode]:
-        """Longest cached prefix of ``ids`` (whole pages).
+    def _ns_root(self, ns, create: bool) -> Optional[TreeNode]:
+        """The root of namespace ``ns`` (the tree's root for None); created when ``create``."""
+        if ns is None:
+            return self.root
+        node = self.root.children.get(("ns", ns))
+        if node is None and create:
+            node = TreeNode(self.root)
+            node.lock_ref = 1  # never evicted; its subtree is, leaf by leaf
+            self.root.children[("ns", ns)] = node
+        return node
+
+    def _is_ns_root(self, node: TreeNode) -> bool:
+        return node.parent is self.root and not node.key
+
+    def match_prefix(self, ids: list[int], ns=None) -> tuple[torch.Tensor, TreeNode]:
+        """Longest cached prefix of ``ids`` (whole pages) in namespace ``ns``.
 
         Returns ([m] int64 slots, node where the match ends). Splits a node when the match
         ends inside it. Does not lock.
@@ -83,6 +102,9 @@ class RadixCache:
         node = self.root
         if self.disabled:
             return torch.empty(0, dtype=torch.int64), node
+        node = self._ns_root(ns, create=False)
+        if node is None:
+            return torch.empty(0, dtype=torch.int64), self.root
         ids = ids[:len(ids) - len(ids) % self.page_size]
         values = []
         pos = 0
@@ -105,8 +127,9 @@ class RadixCache:
             return torch.empty(0, dtype=torch.int64), node
         return torch.cat(values), node
 
-    def insert(self, ids: list[int], slots: torch.Tensor) -> int:
-        """Insert ``ids`` (length a multiple of the page size) with their ``slots``.
+    def insert(self, ids: list[int], slots: torch.Tensor, ns=None) -> int:
+        """Insert ``ids`` (length a multiple of the page size) with their ``slots`` into namespace
+        ``ns`` (None: the base model's).
 
         Returns the length of the prefix that was already in the tree: the caller owns and must
         free its own slots in ``[own_prefix_len, returned)`` (duplicates), the tree takes the rest.
@@ -116,7 +139,7 @@ class RadixCache:
         assert len(ids) % self.page_size == 0, "insert: length not page aligned"
         if self.disabled:
             return len(ids)
-        node, pos, t = self.root, 0, next(self._clock)
+        node, pos, t = self._ns_root(ns, create=bool(len(ids))), 0, next(self._clock)
         while pos < len(ids):
             key = self._child_key(ids, pos)
             child = node.children.get(key)
@@ -172,6 +195,23 @@ class RadixCache:
                 heapq.heappush(leaves, (parent.last_access, id(parent), parent))
         return freed
 
+    def drop_namespace(self, ns) -> int:
+        """Free every entry of namespace ``ns`` and forget it; returns the tokens freed. Only valid
+        when none of its entries is locked (AssertionError otherwise)."""
+        node = self.root.children.get(("ns", ns))
+        if node is None:
+            return 0
+        assert node.lock_ref == 1, f"drop_namespace({ns!r}) with locked entries"
+        freed, stack = 0, list(node.children.values())
+        while stack:
+            n = stack.pop()
+            self.pool.free(n.value)
+            freed += len(n.key)
+            stack.extend(n.children.values())
+        self.evictable_size -= freed
+        del self.root.children[("ns", ns)]
+        return freed
+
     def flush(self) -> None:
         """Free every slot of the tree and reset it. Only valid when nothing is locked."""
         assert self.protected_size == 0, "flush with locked nodes"
@@ -199,6 +239,9 @@ class RadixCache:
         """Assert the tree's internal consistency (locks, sizes, key/value lengths, page alignment)."""
         ev = prot = 0
         for n in self._nodes():
+            if self._is_ns_root(n):  # a namespace's root: no tokens, locked for good
+                assert n.lock_ref >= 1 and all(n.lock_ref >= c.lock_ref for c in n.children.values())
+                continue
             assert len(n.key) == len(n.value), "node key/value length mismatch"
             assert len(n.key) > 0, "empty non-root node"
             assert len(n.key) % self.page_size == 0, "node not page aligned"

@@ -68,6 +68,13 @@ class Req:
     input_token_ids_logprobs: list = field(default_factory=list)
     emitted: dict = field(default_factory=dict)  # output list name -> entries already sent in events
     spec: Any = None  # speculative decoding state (sglite.runtime.speculative.SpecState) or None
+    lora: Any = None  # the request's LoRA adapter (sglite.lora.LoraAdapter) or None: the base model
+
+    @property
+    def cache_ns(self):
+        """The radix-cache namespace of this request's KV: its adapter's uid (None: the base
+        model's); prefixes are shared only within one namespace."""
+        return None if self.lora is None else self.lora.uid
 
     # the logprob options, as the scheduler and sampler read them
     @property

@@ -27,7 +27,7 @@ def order_waiting(policy: str, waiting: list[Req], cache: RadixCache) -> list[Re
         return list(waiting)
     matches = {}
     for r in waiting:
-        slots, node = cache.match_prefix(r.seq[:-1])
+        slots, node = cache.match_prefix(r.seq[:-1], getattr(r, "cache_ns", None))
         matches[r.rid] = (len(slots), node)
     if policy == "lpm":
         return sorted(waiting, key=lambda r: -matches[r.rid][0])  # stable: ties keep FIFO

@@ -239,7 +239,7 @@ class Scheduler:
         if self.kv.cache.disabled or r.seq_len - m <= HOLD_BACK_TOKENS:
             return False
         head = r.tokens(m, m + HOLD_BACK_TOKENS + 1)
-        return any(o.tokens(m, m + HOLD_BACK_TOKENS + 1) == head for o in prefilling)
+        return any(o.cache_ns == r.cache_ns and o.tokens(m, m + HOLD_BACK_TOKENS + 1) == head for o in prefilling)
 
     def _admit(self, entries: list[StepEntry]) -> None:
         if not self.waiting:
@@ -247,12 +247,15 @@ class Scheduler:
         budget = self._budget() - sum(e.n for e in entries if e.n > 1)
         order = order_waiting(self.config.schedule_policy, list(self.waiting), self.kv.cache)
         prefilling = [r for r in self.running if r.prefilling]
+        adapters = {r.lora.uid for r in self.running if r.lora is not None}
         for r in order:
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
             if r.blocked_by is not None and r.blocked_by.finished is None:
                 continue  # its shared prefix is being prefilled by another request
-            prefix, node = self.kv.match_prefix(r.seq[:self._prefix_cap(r)])
+            if r.lora is not None and r.lora.uid not in adapters and len(adapters) >= self.config.max_loras_per_batch:
+                continue  # a step holds at most max_loras_per_batch adapters
+            prefix, node = self.kv.match_prefix(r.seq[:self._prefix_cap(r)], r.cache_ns)
             m = len(prefix)
             if self._shares_uncached_prefix(r, m, prefilling):
                 continue
@@ -267,6 +270,8 @@ class Scheduler:
             self.waiting.remove(r)
             self.running.append(r)
             prefilling.append(r)
+            if r.lora is not None:
+                adapters.add(r.lora.uid)
             entries.append(StepEntry(r, n, m))
             budget -= n
 

@@ -40,6 +40,7 @@ class GenCall:
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     logprobs: LogprobOptions = NO_LOGPROBS
     batch: bool = False
+    lora_path: Any = None  # LoRA adapter name (a list: one per prompt); None: the base model
 
     @property
     def num_outputs(self) -> int:
@@ -52,6 +53,8 @@ class GenCall:
                               **self.logprobs.to_kwargs()}
         if stream:
             kw["incremental"] = incremental
+        if self.lora_path is not None:
+            kw["lora_path"] = self.lora_path
         if self.input_ids is not None:
             kw["input_ids"] = one(self.input_ids)
         else:

@@ -16,7 +16,8 @@ from .errors import error_body
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 #: operator routes: with an admin key configured, only that key opens them (``/abort_request`` is an
 #: operator route only with ``abort_all``: its route checks :meth:`Keys.admits_admin` itself)
-ADMIN_PATHS = frozenset({"/flush_cache", "/start_profile", "/stop_profile"})
+ADMIN_PATHS = frozenset({"/flush_cache", "/start_profile", "/stop_profile", "/load_lora_adapter",
+                         "/unload_lora_adapter"})
 #: exceptions that mean the client went away, not that the server failed
 try:
     from starlette.requests import ClientDisconnect as _ClientDisconnect

@@ -23,7 +23,8 @@ from ..runtime.logprob_options import LogprobOptions
 from .engine_client import EngineClient, GenCall, until_disconnect
 from .errors import ApiError, error_response, from_value_error, jsonable
 from .metrics import CONTENT_TYPE
-from .protocol import AbortRequest, GenerateRequest, ProfileRequest, SeparateReasoningRequest
+from .protocol import (AbortRequest, GenerateRequest, LoadLoraAdapterRequest, ProfileRequest, SeparateReasoningRequest,
+                       UnloadLoraAdapterRequest)
 from .reasoning import get_reasoning_format, split_reasoning
 from .sse import sse_event, sse_response
 
@@ -82,7 +83,10 @@ def build_call(req: GenerateRequest, client: EngineClient) -> tuple[GenCall, boo
     except ValueError as e:
         raise from_value_error(e) from e
     key = "input_ids" if "input_ids" in prompts[0] else "prompts"
-    call = GenCall(sampling_params=sps, rid=req.rid or uuid.uuid4().hex, logprobs=lp, batch=batch,
+    lora = req.lora_path
+    if isinstance(lora, list) and (not batch or len(lora) != len(prompts)):
+        raise ApiError(f"lora_path: got {len(lora)} names for {len(prompts)} prompt(s)", param="lora_path")
+    call = GenCall(sampling_params=sps, rid=req.rid or uuid.uuid4().hex, logprobs=lp, batch=batch, lora_path=lora,
                    **{key: [p["input_ids" if key == "input_ids" else "prompt"] for p in prompts]})
     return call, batch or call.num_outputs > 1
 
@@ -105,6 +109,21 @@ def _reasoning_splitter(name):
         out["reasoning_text"] = thought
         return out
     return split
+
+
+def _adapters(client: EngineClient) -> dict:
+    """``{name: path}`` of the LoRA adapters the engine serves."""
+    lora = getattr(client.engine, "lora", None)
+    return {} if lora is None else {n: a.path for n, a in sorted(lora.adapters.items())}
+
+
+def _lora_op(client: EngineClient, name: str):
+    """The engine's ``load_lora_adapter`` / ``unload_lora_adapter``; 400 naming ``lora_name`` for
+    an engine without adapters (a tensor-parallel or stand-in engine)."""
+    op = getattr(client.engine, name, None)
+    if op is None:
+        raise ApiError("lora_name: this engine serves no LoRA adapters", param="lora_name")
+    return op
 
 
 def build_native_router(client: EngineClient, metrics, server_info: dict, enable_metrics: bool = False,
@@ -188,6 +207,22 @@ def build_native_router(client: EngineClient, metrics, server_info: dict, enable
         if not ok:
             return error_response("cache not flushed: requests are running or waiting", 400)
         return {"success": True, "message": "Cache flushed."}
+
+    @router.post("/load_lora_adapter")  # operator routes (middleware.ADMIN_PATHS), SGLang's names
+    async def load_lora_adapter(req: LoadLoraAdapterRequest):
+        try:
+            await asyncio.to_thread(_lora_op(client, "load_lora_adapter"), req.lora_name, req.lora_path)
+        except ValueError as e:
+            raise from_value_error(e) from e
+        return {"success": True, "loaded_adapters": _adapters(client)}
+
+    @router.post("/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoraAdapterRequest):
+        try:
+            await asyncio.to_thread(_lora_op(client, "unload_lora_adapter"), req.lora_name)
+        except ValueError as e:
+            raise from_value_error(e) from e
+        return {"success": True, "loaded_adapters": _adapters(client)}
 
     @router.post("/start_profile")  # operator route (middleware.ADMIN_PATHS); POST only, as /flush_cache
     async def start_profile(req: Optional[ProfileRequest] = None):

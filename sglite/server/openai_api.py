@@ -21,7 +21,7 @@ from .openai_chat import add_chat_route
 from .openai_common import OpenAIContext, check_fields, open_call, run_call
 from .openai_format import completion_logprobs, finish_info, new_id, now, num_logprob_tokens, usage_of
 from ..errors import context_length_message
-from .openai_params import check_model, completion_prompts, make_call, sampling_params
+from .openai_params import completion_prompts, make_call, model_adapter, sampling_params
 from .protocol import CompletionRequest
 from .sse import sse_event, sse_response
 
@@ -52,7 +52,7 @@ def _echo_texts(ctx: OpenAIContext, req: CompletionRequest, prompts: list[dict])
 
 
 def _prepare(ctx: OpenAIContext, req: CompletionRequest) -> tuple[GenCall, list[Optional[str]], int, dict]:
-    check_model(req.model, ctx.names, [ctx.model_name])
+    adapter = model_adapter(ctx, req.model)
     check_fields(req, "/v1/completions")
     if req.suffix:
         raise ApiError("suffix: not supported", param="suffix")
@@ -79,6 +79,7 @@ def _prepare(ctx: OpenAIContext, req: CompletionRequest) -> tuple[GenCall, list[
                                  allow_zero=req.echo)
     # echo + logprobs: the prompt tokens' logprobs too (how evaluation harnesses score text)
     call = make_call(prompts, sp, req.n, req.rid or uuid.uuid4().hex, k, prompt_logprobs=req.echo)
+    call.lora_path = adapter
     return call, _echo_texts(ctx, req, prompts), k, rename
 
 
@@ -127,13 +128,17 @@ def build_openai_router(ctx: OpenAIContext) -> APIRouter:
         return {"id": ctx.model_name, "object": "model", "created": now(), "owned_by": "sglite",
                 "root": ctx.model_name, "max_model_len": ctx.client.context_length}
 
+    def adapter_card(name: str) -> dict:  # a LoRA adapter over the base model (SGLang lists them too)
+        return {**card(), "id": name, "root": name, "parent": ctx.model_name}
+
     @router.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [card()]}
+        return {"object": "list", "data": [card()] + [adapter_card(n) for n in ctx.lora_names()]}
 
     @router.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
-        check_model(model_id, ctx.names, [ctx.model_name])
+        if model_adapter(ctx, model_id) is not None:
+            return adapter_card(model_id)
         return card()
 
     @router.post("/v1/completions")

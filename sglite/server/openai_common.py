@@ -54,6 +54,11 @@ class OpenAIContext:
     reasoning_end: Optional[str] = None
     turn_tokens: Optional[Any] = None       # a TurnTokens: past turns re-sent as generated (None: off)
 
+    def lora_names(self) -> list[str]:
+        """Names of the LoRA adapters served (each answers as a ``model``; sglite.lora)."""
+        lora = getattr(self.client.engine, "lora", None)
+        return [] if lora is None else lora.names()
+
 
 async def run_call(ctx: OpenAIContext, request: Request, call: GenCall, rename: dict) -> list[dict]:
     """Run the call (the engine prefills a prompt once for its ``n`` choices); cancelled if the

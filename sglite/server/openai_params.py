@@ -37,6 +37,15 @@ def check_model(model: Optional[str], names: set[str], served: Optional[list[str
 
 
 
+def model_adapter(ctx, model: Optional[str]) -> Optional[str]:
+    """The LoRA adapter a request's ``model`` names (None: the base model, or ``model`` omitted);
+    404 ``model_not_found`` as :func:`check_model` for a name that is neither."""
+    adapters = ctx.lora_names()
+    if model is not None and model not in ctx.names and model in adapters:
+        return model
+    check_model(model, ctx.names, [ctx.model_name, *adapters])
+    return None
+
 
 @dataclass
 class Constraint:

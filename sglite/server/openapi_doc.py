@@ -26,6 +26,8 @@ ROUTE_MODELS: dict[tuple[str, str], tuple[object, Optional[type[BaseModel]]]] = 
     ("get", "/get_server_info"): (m.ServerInfoResponse, None),
     ("post", "/flush_cache"): (m.FlushCacheResponse, None),
     ("post", "/abort_request"): (m.AbortResponse, None),
+    ("post", "/load_lora_adapter"): (m.LoraAdapterResponse, None),
+    ("post", "/unload_lora_adapter"): (m.LoraAdapterResponse, None),
     ("post", "/separate_reasoning"): (m.SeparateReasoningResponse, None),
     ("get", "/v1/models"): (m.ModelList, None),
     ("get", "/v1/models/{model_id}"): (m.ModelCard, None),

@@ -34,6 +34,21 @@ class GenerateRequest(_Base):
     return_text_in_logprobs: bool = True
     stream: bool = False
     separate_reasoning: bool = False
+    lora_path: Optional[Union[str, list[Optional[str]]]] = None  # LoRA adapter name(s) (SGLang's field)
+
+
+class LoadLoraAdapterRequest(_Base):
+    """``POST /load_lora_adapter`` (SGLang's route; an operator route): serve the PEFT adapter in
+    folder ``lora_path`` as ``lora_name``."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterRequest(_Base):
+    """``POST /unload_lora_adapter`` (an operator route): stop serving ``lora_name``."""
+
+    lora_name: str
 
 
 class SeparateReasoningRequest(_Base):

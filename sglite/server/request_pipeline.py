@@ -33,7 +33,7 @@ from ..errors import context_length_message
 from .engine_client import GenCall
 from .errors import ApiError
 from .openai_common import check_fields
-from .openai_params import Constraint, check_model, make_call, response_format_schema, sampling_params
+from .openai_params import Constraint, make_call, model_adapter, response_format_schema, sampling_params
 from .reasoning import ReasoningFormat, ReasoningStreamer, get_reasoning_format, split_reasoning, thinking_on
 from .tool_calls import ToolPlan, parse_tool_calls, plan_tools, render_prompt
 from .tool_constraint import apply_constraint, opener_is_text
@@ -201,7 +201,7 @@ class OutputStreamer:
 def validate(ctx, inp: ChatInput) -> int:
     """Stage 1: 404 for an unknown model; 400 for fields the server cannot honour and for bad
     logprobs options. Returns the number of top logprobs per token (-1: no logprobs)."""
-    check_model(getattr(inp.request, "model", None), ctx.names, [ctx.model_name])
+    model_adapter(ctx, getattr(inp.request, "model", None))  # 404 for an unknown model
     check_fields(inp.request, inp.route)
     f = inp.fields
     if inp.top_logprobs is not None:
@@ -367,6 +367,7 @@ def prepare(ctx, inp: ChatInput) -> PreparedCall:
     sp, rename = sampling(ctx, inp, plan, prompt, ptoks)
     call = make_call([{"prompt": prompt} if ids is None else {"input_ids": ids}], sp, inp.n,
                      inp.rid or uuid.uuid4().hex, k)
+    call.lora_path = model_adapter(ctx, getattr(inp.request, "model", None))  # the model may name an adapter
     return PreparedCall(call, plan, k, rename, prompt, ptoks, ids)
 
 

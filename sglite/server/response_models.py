@@ -96,6 +96,11 @@ class FlushCacheResponse(_Open):
     message: str
 
 
+class LoraAdapterResponse(_Open):
+    success: bool
+    loaded_adapters: dict[str, str]
+
+
 class AbortResponse(_Open):
     success: bool
     aborted: int

@@ -32,6 +32,8 @@ CASES = [
     ("get", "/get_model_info", "/get_model_info", None, 200),
     ("get", "/get_server_info", "/get_server_info", None, 200),
     ("post", "/flush_cache", "/flush_cache", None, 200),
+    ("post", "/load_lora_adapter", "/load_lora_adapter", {"lora_name": "a", "lora_path": "/x"}, 400),  # no LoRA here
+    ("post", "/unload_lora_adapter", "/unload_lora_adapter", {"lora_name": "a"}, 400),
     ("post", "/start_profile", "/start_profile", None, 400),  # the fake engine has no model to profile
     ("post", "/stop_profile", "/stop_profile", None, 400),  # none started
     ("post", "/abort_request", "/abort_request", {"rid": "nope"}, 200),

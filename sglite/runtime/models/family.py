@@ -144,7 +144,7 @@ class FamilyModel(LlamaModel):
             local = bool(a.local_layers[li]) if a.local_layers else False
             window = a.sliding_window if local else 0
             h = self._rms(x, L["in_norm"]) if "in_norm" in L else x  # [N, H]
-            q, k, v = kernels.linear(h, L["qkv"]).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+            q, k, v = self._lin(h, L, "qkv", li, fb).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
             if a.qk_norm_kind == "full":  # OLMo 2: over the whole projection width, before the head split
                 q, k = self._rms(q, L["q_norm"]), self._rms(k, L["k_norm"])
             q, k, v = q.reshape(-1, Hq, D), k.reshape(-1, Hkv, D), v.reshape(-1, Hkv, D)
@@ -168,14 +168,14 @@ class FamilyModel(LlamaModel):
                     q[ne:], k_buffers[li], v_buffers[li], table, drows, dec_lens,
                     self.sm_scale, batch_invariant=inv, window=window, softcap=a.attn_softcap))  # [Nd, Hq, D]
             o = parts[0] if len(parts) == 1 else torch.cat(parts)  # [N, Hq, D]
-            o = kernels.linear(o.reshape(-1, Hq * D), L["o"])  # [N, H]
+            o = self._lin(o.reshape(-1, Hq * D), L, "o", li, fb)  # [N, H]
             if "attn_out_norm" in L:
                 o = self._rms(o, L["attn_out_norm"])
             x = x + (o * rs if rs != 1.0 else o)
             h = self._rms(x, L["ffn_in_norm"]) if "ffn_in_norm" in L else x
-            g, u = kernels.linear(h, L["gate_up"]).chunk(2, dim=-1)  # [N, I] each
+            g, u = self._lin(h, L, "gate_up", li, fb).chunk(2, dim=-1)  # [N, I] each
             act = kernels.gelu_tanh_mul(g, u) if a.mlp_act == "gelu_tanh" else kernels.silu_mul(g, u, batch_invariant=inv)
-            d = kernels.linear(act, L["down"])  # [N, H]
+            d = self._lin(act, L, "down", li, fb)  # [N, H]
             if "ffn_out_norm" in L:
                 d = self._rms(d, L["ffn_out_norm"])
             x = x + (d * rs if rs != 1.0 else d)

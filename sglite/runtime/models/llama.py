@@ -210,7 +210,7 @@ class LlamaModel:
         Returns:
             [M, V] float32 logits for the rows ``fb.logits_indices``.
         """
-        if self.decode_fused is not None:
+        if self.decode_fused is not None and fb.lora is None:  # the fused C++ decode has no adapters
             logits = self.decode_fused.forward(fb, k_buffers, v_buffers)
             if logits is not None:
                 return logits
@@ -242,7 +242,7 @@ class LlamaModel:
         for li, L in enumerate(self.layers):
             if li == 0:  # later layers get h from the previous layer's fused residual add + norm
                 h = kernels.rms_norm(x, L["in_norm"], a.rms_norm_eps, batch_invariant=inv)  # [N, H]
-            qkv = kernels.linear(h, L["qkv"])  # [N, (Hq+2Hkv)D]
+            qkv = self._lin(h, L, "qkv", li, fb)  # [N, (Hq+2Hkv)D]
             qk, v = qkv.split([(Hq + Hkv) * D, Hkv * D], dim=-1)
             qk, v = qk.view(-1, Hq + Hkv, D), v.view(-1, Hkv, D)  # [N, Hq+Hkv, D], [N, Hkv, D]
             if a.qk_norm:
@@ -261,9 +261,9 @@ class LlamaModel:
                     q[ne:], k_buffers[li], v_buffers[li], fb.req_to_token, dec_rows, dec_lens,
                     self.sm_scale, batch_invariant=inv))  # [Nd, Hq, D]
             o = parts[0] if len(parts) == 1 else torch.cat(parts)  # [N, Hq, D]
-            x, h = kernels.add_rms_norm(x, self._reduce(kernels.linear(o.reshape(-1, Hq * D), L["o"])),
+            x, h = kernels.add_rms_norm(x, self._reduce(self._lin(o.reshape(-1, Hq * D), L, "o", li, fb)),
                                         L["post_norm"], a.rms_norm_eps, batch_invariant=inv)  # [N, H] each
-            d = self._reduce(self._mlp(h, L))  # [N, H]
+            d = self._reduce(self._mlp(h, L, li, fb))  # [N, H]
             if li + 1 < nl:  # residual add fused with the next layer's input norm
                 x, h = kernels.add_rms_norm(x, d, self.layers[li + 1]["in_norm"], a.rms_norm_eps, batch_invariant=inv)
             else:
@@ -279,11 +279,19 @@ class LlamaModel:
         p = f"model.layers.{i}.mlp."
         return {"gate_up": lin([p + "gate_proj.weight", p + "up_proj.weight"]), "down": lin([p + "down_proj.weight"])}
 
-    def _mlp(self, h: torch.Tensor, L: dict) -> torch.Tensor:
-        """The feed-forward block of layer ``L`` on normed rows h [N, H] -> [N, H] (before the
-        tensor-parallel reduce)."""
-        g, u = kernels.linear(h, L["gate_up"]).chunk(2, dim=-1)  # [N, I] each
-        return kernels.linear(kernels.silu_mul(g, u, batch_invariant=self.batch_invariant), L["down"])
+    def _mlp(self, h: torch.Tensor, L: dict, li: int, fb: ForwardBatch) -> torch.Tensor:
+        """The feed-forward block of layer ``li`` (weights ``L``) on normed rows h [N, H] -> [N, H]
+        (before the tensor-parallel reduce), with the rows' LoRA deltas when ``fb`` has adapters."""
+        g, u = self._lin(h, L, "gate_up", li, fb).chunk(2, dim=-1)  # [N, I] each
+        return self._lin(kernels.silu_mul(g, u, batch_invariant=self.batch_invariant), L, "down", li, fb)
+
+    @staticmethod
+    def _lin(x: torch.Tensor, L: dict, key: str, li: int, fb: ForwardBatch) -> torch.Tensor:
+        """Matmul ``key`` of layer ``li`` (one of ``LINEAR_KEYS``) on x [N, in] -> [N, out], plus
+        the LoRA delta of each row's adapter when the step has adapters (``fb.lora``,
+        :class:`sglite.lora.LoraBatch`)."""
+        y = kernels.linear(x, L[key])
+        return y if fb.lora is None else fb.lora.apply(y, x, li, key)
 
     def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows of token ids ``ids`` [N] int64 -> [N, H] in the model dtype, from the float

@@ -160,9 +160,9 @@ class MoeModel(LlamaModel):
             out += L["moe"].linear_weights() if "moe" in L else [L["gate_up"], L["down"]]
         return out + [self.lm_head]
 
-    def _mlp(self, h: torch.Tensor, L: dict) -> torch.Tensor:
-        if "moe" not in L:
-            return super()._mlp(h, L)
+    def _mlp(self, h: torch.Tensor, L: dict, li: int, fb) -> torch.Tensor:
+        if "moe" not in L:  # a dense layer (Qwen's mlp_only_layers): LoRA deltas apply as in Llama
+            return super()._mlp(h, L, li, fb)
         a, m, inv = self.arch, L["moe"], self.batch_invariant
         weights, ids = kernels.moe_topk(kernels.linear(h, m.router), a.top_k, a.renormalize)  # [N, k] each
         out = kernels.moe_experts(h, ids, weights, m.gate_up, m.down, batch_invariant=inv)  # [N, H]

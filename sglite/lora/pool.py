@@ -1,0 +1,117 @@
+"""Adapter slots on the model's device and the per-step view the model applies (S-LoRA's unified
+adapter memory, Sheng et al. 2023, §4, simplified to fixed slots).
+
+:class:`LoraPool` holds, per fused matmul ``key`` and layer, ``a`` [S, blocks·R, in] and ``b``
+[S, blocks·R, out] (B transposed) buffers in the model dtype (``S = max_loras_per_batch`` slots, ``R =
+max_lora_rank``, ``blocks`` the parts of the fused matmul: 3 for qkv, 2 for gate_up), allocated
+on first use of that key. An adapter of rank r < R fills the first r rows of each rank block and
+zeros the rest, so every slot runs one segmented matmul per fused weight
+(:func:`sglite.kernels.lora_add`). Slots are handed out least recently used first; the scheduler
+keeps at most S adapters in a step (``max_loras_per_batch``), so a step's adapters always fit.
+
+:class:`LoraBatch` is one step's view: row segments (consecutive rows of one adapter) and, per
+key, the slot of each segment (-1: no adapter, or the adapter does not change that matmul).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Optional
+
+import torch
+
+from sglite import kernels
+
+from .adapter import KEY_BLOCKS, LoraAdapter, ModelShape, fused_layout
+
+
+class LoraPool:
+    """Slots of loaded adapters on ``device`` (see the module docstring)."""
+
+    def __init__(self, shape: ModelShape, dtype: torch.dtype, device, max_loras_per_batch: int, max_lora_rank: int):
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self.slots_n, self.rank = max_loras_per_batch, max_lora_rank
+        self.layout = fused_layout(shape)
+        self.a: dict[str, list[torch.Tensor]] = {}  # key -> per layer [S, blocks*R, in]
+        self.b: dict[str, list[torch.Tensor]] = {}  # key -> per layer [S, blocks*R, out] (B transposed)
+        self.resident: OrderedDict[int, int] = OrderedDict()  # adapter uid -> slot, least recent first
+        self.loads = 0  # adapters copied into a slot (counter)
+
+    def _buffers(self, key: str) -> None:
+        if key in self.a:
+            return
+        in_w, out_w = self.layout[key]
+        rt, S, L = KEY_BLOCKS[key] * self.rank, self.slots_n, self.shape.num_layers
+        kw = dict(dtype=self.dtype, device=self.device)
+        self.a[key] = [torch.zeros(S, rt, in_w, **kw) for _ in range(L)]
+        self.b[key] = [torch.zeros(S, rt, out_w, **kw) for _ in range(L)]
+
+    def slot_of(self, adapter: LoraAdapter, keep: set) -> int:
+        """The slot holding ``adapter``, copying it in (into a free slot, else the least recently
+        used one whose adapter is not in ``keep``, the uids of this step). Raises RuntimeError
+        when all slots are kept (the scheduler admits at most ``max_loras_per_batch`` adapters)."""
+        uid = adapter.uid
+        if uid in self.resident:
+            self.resident.move_to_end(uid)
+            return self.resident[uid]
+        used = set(self.resident.values())
+        free = [s for s in range(self.slots_n) if s not in used]
+        if free:
+            slot = free[0]
+        else:
+            victim = next((u for u in self.resident if u not in keep), None)
+            if victim is None:
+                raise RuntimeError(f"more adapters in one step than max_loras_per_batch={self.slots_n}")
+            slot = self.resident.pop(victim)
+        self._write(slot, adapter)
+        self.resident[uid] = slot
+        return slot
+
+    def _write(self, slot: int, adapter: LoraAdapter) -> None:
+        R = self.rank
+        for key in adapter.keys:
+            self._buffers(key)
+        for key in self.a:
+            for layer in range(self.shape.num_layers):
+                a, b = self.a[key][layer][slot], self.b[key][layer][slot]
+                a.zero_()
+                b.zero_()
+                for p in adapter.parts.get((layer, key), ()):
+                    r, lo = p.a.shape[0], p.block * R
+                    a[lo:lo + r].copy_(p.a)
+                    b[lo:lo + r, p.row:p.row + p.b.shape[0]].copy_(p.b.t())
+        self.loads += 1
+
+    def drop(self, adapter: LoraAdapter) -> None:
+        """Forget ``adapter``'s slot (unloaded); the slot is rewritten by its next user."""
+        self.resident.pop(adapter.uid, None)
+
+    def batch(self, segments: list) -> Optional["LoraBatch"]:
+        """The :class:`LoraBatch` of one step's ``segments`` (``[(rows, adapter or None), ...]``,
+        consecutive rows), or None when no segment has an adapter."""
+        adapters = {a.uid: a for _, a in segments if a is not None}
+        if not adapters:
+            return None
+        keep = set(adapters)
+        slot = {uid: self.slot_of(a, keep) for uid, a in adapters.items()}
+        lens = torch.tensor([n for n, _ in segments], dtype=torch.int64)
+        per_key = {}
+        for key in self.a:
+            s = [slot[a.uid] if a is not None and key in a.keys else -1 for _, a in segments]
+            if any(x >= 0 for x in s):
+                per_key[key] = torch.tensor(s, dtype=torch.int64)
+        return LoraBatch(self, lens, per_key)
+
+
+class LoraBatch:
+    """One step's adapters (module docstring): ``seg_lens`` [G] int64 and ``slots[key]`` [G] int64."""
+
+    def __init__(self, pool: LoraPool, seg_lens: torch.Tensor, slots: dict):
+        self.pool, self.seg_lens, self.slots = pool, seg_lens, slots
+
+    def apply(self, y: torch.Tensor, x: torch.Tensor, layer: int, key: str) -> torch.Tensor:
+        """``y`` [N, out] (the base matmul of ``x`` [N, in]) plus each adapted row's LoRA delta of
+        fused matmul ``key`` in ``layer``, in place; ``y`` as is when no row's adapter changes it."""
+        s = self.slots.get(key)
+        if s is None:
+            return y
+        return kernels.lora_add(y, x, self.pool.a[key][layer], self.pool.b[key][layer], self.seg_lens, s)

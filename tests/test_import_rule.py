@@ -10,7 +10,7 @@ Floors, bottom to top:
   3 quant        sglite.quant (the library: algorithms and formats on tensors passed in)
   4 runtime      sglite.runtime (runtime.parallel: tensor parallelism)
   5 server       sglite.server
-  6 tools        router, bench, eval, frontend, cli, launch_server, kv_estimate, quantize, testing,
+  6 tools        router, bench, eval, frontend, cli, launch_server, kv_estimate, quantize, train_draft, testing,
                  lang (SGLang's module path for the frontend's constants)
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ FLOORS = {
     "runtime": 4,
     "server": 5,
     "router": 6, "bench": 6, "eval": 6, "frontend": 6, "cli": 6, "launch_server": 6, "kv_estimate": 6,
-    "quantize": 6, "testing": 6, "lang": 6,
+    "quantize": 6, "testing": 6, "lang": 6, "train_draft": 6,
 }
 
 

@@ -134,7 +134,7 @@ class EngineConfig:
             step with prompt tokens (SGLang's wording and flag).
         check_invariants: run ``Scheduler.check_invariants`` after every step (slow; for tests).
         speculative_algorithm: speculative decoding: ``NGRAM`` (drafts continue the request's own
-            prompt and output where its last tokens occurred before: prompt lookup, no model) or
+            prompt and output where its last tokens occurred before: prompt lookup, no model),
             ``STANDALONE`` (a small draft model, ``speculative_draft_model_path``), ``EAGLE``
             (EAGLE-2: a one-layer draft network on the target's hidden states, dynamic draft tree)
             or ``MEDUSA`` (residual heads on the last hidden state, static tree); None = off.

@@ -284,17 +284,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens generated per prompt (default: 128)")
     p.add_argument("--gen-batch", type=int, default=16, help="prompts generated together (default: 16)")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps (default: 300)")
-    p.add_argument("--batch", type=int, default=8, help="windows per step (default: 8)")
+    p.add_argument("--batch", type=int, default=4, help="windows per step (default: 4)")
     p.add_argument("--window", type=int, default=128, help="positions per window (default: 128)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default: 1e-3)")
     p.add_argument("--cls-weight", type=float, default=0.5, help="EAGLE: weight of the token loss (default: 0.5)")
     p.add_argument("--noise", type=float, default=0.05, help="EAGLE: std of the noise on input features (default: 0.05)")
     p.add_argument("--medusa-heads", type=int, default=4, help="Medusa: number of heads (default: 4)")
     p.add_argument("--intermediate-size", type=int, default=None, help="EAGLE: MLP width (default: the target's)")
-    p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (default: 8192)")
+    p.add_argument("--draft-vocab", type=int, default=4096, help="draft vocabulary size (default: 4096)")
     p.add_argument("--accept-tokens", type=int, default=64, help="tokens per held-back prompt (default: 64)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16",
                    help="dtype of the saved weights (default: bfloat16)")
+    p.add_argument("--data", default=None,
+                   help="a .pt file: the generations (tokens, features, labels) are saved there, or read if it exists")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -317,10 +319,15 @@ def main(argv=None) -> int:
     train_p, held = prompts[:args.num_prompts], prompts[args.num_prompts:]
     eos = {int(e) for e in (ckpt.hf_config.eos_token_id if isinstance(ckpt.hf_config.eos_token_id, list)
                             else [ckpt.hf_config.eos_token_id]) if e is not None}
-    with tqdm(total=len(train_p) * args.new_tokens, desc="generate", unit="tok") as bar:
-        seqs = generate(runner, train_p, args.new_tokens, args.gen_batch, eos, bar)
     model = runner.model
-    data = [(x, f, teacher_labels(model, f)) for x, f in seqs]
+    if args.data and Path(args.data).is_file():  # generations of an earlier run (same flags)
+        data = torch.load(args.data)
+    else:
+        with tqdm(total=len(train_p) * args.new_tokens, desc="generate", unit="tok") as bar:
+            seqs = generate(runner, train_p, args.new_tokens, args.gen_batch, eos, bar)
+        data = [(x, f, teacher_labels(model, f)) for x, f in seqs]
+        if args.data:
+            torch.save(data, args.data)
     times["generate_s"] = time.perf_counter() - t0
     counts = torch.bincount(torch.cat([y for _, _, y in data]), minlength=model.arch.vocab_size)
     vocab = counts.argsort(descending=True)[:min(args.draft_vocab, int((counts > 0).sum()))].sort().values

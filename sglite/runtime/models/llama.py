@@ -222,7 +222,9 @@ class LlamaModel:
             logits = self.decode_fused.forward(fb, k_buffers, v_buffers, hidden=hidden)
             if logits is not None:
                 return logits
-        logits = self._forward(fb, k_buffers, v_buffers) if hidden is None else self._forward(fb, k_buffers, v_buffers, hidden)
+        # (family models' _forward takes no ``hidden``: they never get one, emits_hidden is False)
+        args = (fb, k_buffers, v_buffers) if hidden is None else (fb, k_buffers, v_buffers, hidden)
+        logits = self._forward(*args)
         if (self.linear_impl == "fp16" and (fb.input_ids.shape[0] == 1 or logits.shape[0] == 1)
                 and not bool(logits.isfinite().all())):
             # an activation left fp16's range: redo the step on the bf16 path (it rewrites the
@@ -231,7 +233,7 @@ class LlamaModel:
             self.use_linear_impl("torch")
             if hidden is not None:
                 hidden.clear()
-            logits = self._forward(fb, k_buffers, v_buffers) if hidden is None else self._forward(fb, k_buffers, v_buffers, hidden)
+            logits = self._forward(*args)
         return logits
 
     def _forward(self, fb: ForwardBatch, k_buffers, v_buffers, hidden: Optional[list] = None) -> torch.Tensor:

@@ -50,14 +50,16 @@ def make_prompts(tok, text: str, n: int, prompt_tokens: int, chat: bool, lines: 
             for p in pieces]
 
 
-def make_runner(model_path, max_tokens: int):
-    """The target's runner as the engine's defaults load it, with hidden states kept."""
+def make_runner(model_path, max_tokens: int, **engine_kwargs):
+    """The target's runner as the engine's defaults (and ``engine_kwargs``, e.g. ``dtype``) load
+    it, with hidden states kept."""
     from .runtime.engine_config import engine_config
     from .runtime.model_loader import load_checkpoint
     from .runtime.model_runner import ModelRunner, resolve_device, resolve_dtype
     from .runtime.quant_loader import load_weights
 
-    cfg = engine_config(model_path=model_path, max_total_tokens=max_tokens, page_size=1, disable_radix_cache=True)
+    cfg = engine_config(model_path=model_path, max_total_tokens=max_tokens, page_size=1, disable_radix_cache=True,
+                        **engine_kwargs)
     ckpt = load_checkpoint(model_path)
     device = resolve_device(cfg.device)
     runner = ModelRunner(cfg, ckpt.hf_config, load_weights(ckpt, cfg.quantization, resolve_dtype(cfg.dtype, device), device))

@@ -151,3 +151,21 @@ def test_train_draft_end_to_end(tiny_model_dir, tmp_path):
     assert len(report["args"]) > 5 and report["loss_first"] > 0 and report["acceptance"]["accept_length"] >= 1.0
     module, vocab = load_heads(out, 64, json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"], "medusa")
     assert isinstance(module, MedusaHeads) and 0 < vocab.numel()
+
+
+def test_runner_hidden_states_are_hfs_last_hidden_state(tiny_model_dir):
+    """The seam the heads read: every position's final-normed hidden state, prefill and decode
+    rows alike, equals HF's ``hidden_states[-1]`` (float32)."""
+    from transformers import AutoModelForCausalLM
+
+    from sglite.train_draft import generate, make_runner
+
+    runner, _ = make_runner(str(tiny_model_dir), 256, dtype="float32")
+    prompt = [17, 300, 2041, 9, 77, 5000, 12]
+    (tokens, feats), = generate(runner, [prompt], 5, 1, set())
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        want = hf(tokens[None], output_hidden_states=True).hidden_states[-1][0]
+    assert feats.shape == (len(tokens) - 1, want.shape[1])
+    torch.testing.assert_close(feats, want[:-1], atol=2e-4, rtol=1e-4)
+    assert tokens[len(prompt):].tolist() == want.matmul(hf.lm_head.weight.T)[len(prompt) - 1:-1].argmax(-1).tolist()

@@ -231,8 +231,8 @@ def test_runtime_checks_server_args_before_starting():
     with pytest.raises(InvalidRequestError, match="dtype"):
         sglite.Runtime(model_path="m", dtype="float7")
     assert server_argv(None, {"tp_size": 1}) == ["--tp-size", "1"]  # SGLang's flag, its no-op value
-    with pytest.raises(InvalidRequestError, match="speculative_eagle_topk"):  # SGLang's EAGLE flag, checked
-        sglite.Runtime(model_path="m", speculative_eagle_topk=0)
+    with pytest.raises(InvalidRequestError, match="speculative-algorithm"):  # choices checked before starting
+        sglite.Runtime(model_path="m", speculative_algorithm="LOOKAHEAD")
 
 
 @pytest.mark.slow

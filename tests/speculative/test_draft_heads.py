@@ -169,3 +169,25 @@ def test_runner_hidden_states_are_hfs_last_hidden_state(tiny_model_dir):
     assert feats.shape == (len(tokens) - 1, want.shape[1])
     torch.testing.assert_close(feats, want[:-1], atol=2e-4, rtol=1e-4)
     assert tokens[len(prompt):].tolist() == want.matmul(hf.lm_head.weight.T)[len(prompt) - 1:-1].argmax(-1).tolist()
+
+
+def test_shipped_heads_fit_the_default_model():
+    """The heads in the package load against the default model's sizes (SmolLM2-135M: hidden 576,
+    vocabulary 49152) with a draft vocabulary; no model is loaded."""
+    from sglite.runtime.speculative.heads import default_heads_dir
+
+    module, vocab = load_heads(default_heads_dir("eagle"), 576, 49152, "eagle")
+    assert isinstance(module, EagleHead) and 0 < vocab.numel() <= 49152
+    assert (default_heads_dir("eagle") / "README.md").exists() or (default_heads_dir("eagle").parent / "README.md").exists()
+
+
+@pytest.mark.slow  # the real default model
+def test_engine_eagle_with_no_other_argument_uses_the_shipped_heads():
+    e = Engine(speculative_algorithm="EAGLE")
+    try:
+        prompt = e.apply_chat_template([{"role": "user", "content": "Why is the sky blue?"}])
+        out = e.generate(prompt, {"max_new_tokens": 48, "temperature": 0})
+    finally:
+        e.shutdown()
+    m = out["meta_info"]
+    assert m["spec_verify_ct"] > 0 and m["spec_accept_length"] > 1.0

@@ -35,8 +35,9 @@ CHAT_ASK = "Explain this passage from the Python documentation in your own words
 
 
 def make_prompts(tok, text: str, n: int, prompt_tokens: int, chat: bool, lines: bool = False) -> list[list[int]]:
-    """``n`` prompts (token ids) from ``text``: its lines (``lines``) or consecutive slices of
-    ``prompt_tokens`` tokens; as user turns of the chat template when ``chat``."""
+    """``n`` prompts (token ids) from ``text``: its lines (``lines``, each a user turn as it is) or
+    consecutive slices of ``prompt_tokens`` tokens (a user turn asking to explain the slice); as
+    turns of the chat template when ``chat``."""
     if lines:
         pieces = [ln.strip() for ln in text.splitlines() if ln.strip()][:n]
     else:
@@ -46,7 +47,8 @@ def make_prompts(tok, text: str, n: int, prompt_tokens: int, chat: bool, lines: 
         raise ValueError(f"--num-prompts: the text gives only {len(pieces)} prompts, asked {n}")
     if not chat:
         return [tok.encode(p, add_special_tokens=False) for p in pieces]
-    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": CHAT_ASK + p}]), add_special_tokens=False)
+    ask = "" if lines else CHAT_ASK  # a prompts file's lines are the questions themselves
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": ask + p}]), add_special_tokens=False)
             for p in pieces]
 
 

@@ -139,18 +139,30 @@ def test_eagle_tree_rows_match_a_causal_pass():
     torch.testing.assert_close(o3[0, 0], full[0, 5])
 
 
-def test_train_draft_end_to_end(tiny_model_dir, tmp_path):
+def _train_draft(tiny_model_dir, out, held_out):
     from sglite.cli import main
 
-    out = tmp_path / "heads"
     assert main(["train-draft", "--method", "medusa", "--model-path", str(tiny_model_dir), "--output", str(out),
-                 "--num-prompts", "4", "--held-out", "1", "--new-tokens", "8", "--steps", "3", "--batch", "2",
+                 "--num-prompts", "4", "--held-out", str(held_out), "--new-tokens", "8", "--steps", "3", "--batch", "2",
                  "--window", "8", "--accept-tokens", "6", "--prompt-tokens", "8", "--no-chat"]) == 0
     assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
     report = json.loads((out / "train_report.json").read_text())
-    assert len(report["args"]) > 5 and report["loss_first"] > 0 and report["acceptance"]["accept_length"] >= 1.0
+    assert report["args"]["steps"] == 3 and report["loss_first"] > 0 and report["tokens"] > 4 * 8
     module, vocab = load_heads(out, 64, json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"], "medusa")
     assert isinstance(module, MedusaHeads) and 0 < vocab.numel()
+    return report
+
+
+def test_train_draft_end_to_end(tiny_model_dir, tmp_path):
+    """Generations, teacher labels, training, the heads folder and the loss PNG (no acceptance
+    check: that starts two engines, see the slow test below)."""
+    assert _train_draft(tiny_model_dir, tmp_path / "heads", 0)["acceptance"] == {}
+
+
+@pytest.mark.slow  # two more engines for the acceptance check
+def test_train_draft_measures_acceptance_on_held_back_prompts(tiny_model_dir, tmp_path):
+    acc = _train_draft(tiny_model_dir, tmp_path / "heads", 1)["acceptance"]
+    assert acc["accept_length"] >= 1.0 and acc["verify_steps"] > 0 and acc["plain"]["tokens"] == 6
 
 
 def test_runner_hidden_states_are_hfs_last_hidden_state(tiny_model_dir):

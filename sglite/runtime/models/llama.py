@@ -219,7 +219,8 @@ class LlamaModel:
             [M, V] float32 logits for the rows ``fb.logits_indices``.
         """
         if self.decode_fused is not None:
-            logits = self.decode_fused.forward(fb, k_buffers, v_buffers, hidden=hidden)
+            logits = (self.decode_fused.forward(fb, k_buffers, v_buffers) if hidden is None
+                      else self.decode_fused.forward(fb, k_buffers, v_buffers, hidden=hidden))
             if logits is not None:
                 return logits
         # (family models' _forward takes no ``hidden``: they never get one, emits_hidden is False)

@@ -241,7 +241,7 @@ class EagleProposer(_HeadBase):
 
     def _grow(self, r, root_feat: torch.Tensor, room: int) -> list[Chain]:
         """EAGLE-2's tree (module docstring) under the pending token, as root-branching chains."""
-        kv, k = r.spec.draft_kv, self.topk
+        kv, k = r.spec.draft_kv, min(self.topk, self.head_w.shape[0])
         base = r.seq_len - 1  # position of the pending token (the first node input's position)
         # nodes: (token, parent node index or -1, cumulative log-prob, depth)
         nodes: list[tuple[int, int, float, int]] = []

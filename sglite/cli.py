@@ -136,6 +136,7 @@ def build_parser() -> tuple[FlagParser, FlagParser]:
     sub.add_parser("serve", help="start the HTTP server (see `sglite serve --help`)")
     sub.add_parser("bench", help=f"benchmarks: {' | '.join(BENCHES)}")
     sub.add_parser("router", help="data-parallel router over sglite servers (see `sglite router --help`)")
+    sub.add_parser("train-draft", help="train EAGLE / Medusa draft heads (see `sglite train-draft --help`)")
     sub.add_parser("quantize", help="write a GPTQ / AWQ / RTN / W8A8 checkpoint (see `sglite quantize --help`)")
     sub.add_parser("eval", help=f"model evaluation: {' | '.join(EVALS)} (see `sglite eval perplexity --help`)")
     k = sub.add_parser("kv-estimate", help="KV-cache bytes per token and totals")
@@ -178,6 +179,10 @@ def main(argv=None) -> int:
         return router_main(argv[1:])
     if argv and argv[0] == "eval":
         return _cmd_eval(argv[1:])
+    if argv and argv[0] == "train-draft":
+        from .train_draft import main as train_draft_main
+
+        return train_draft_main(argv[1:]) or 0
     if argv and argv[0] == "quantize":
         from .quantize import main as quantize_main
 

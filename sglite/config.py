@@ -12,7 +12,7 @@ SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3", "int8", "int4")
 GRAMMAR_BACKENDS = ("sglite", "xgrammar", "llguidance")
-SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "MEDUSA")
 SPECULATIVE_VERIFY = ("token", "block")
 # EngineConfig.quantization values besides "auto" and None ("none" on the command line); the
 # loaders are registered in sglite.runtime.quant_loader.LOADERS
@@ -135,16 +135,22 @@ class EngineConfig:
             step with prompt tokens (SGLang's wording and flag).
         check_invariants: run ``Scheduler.check_invariants`` after every step (slow; for tests).
         speculative_algorithm: speculative decoding: ``NGRAM`` (drafts continue the request's own
-            prompt and output where its last tokens occurred before: prompt lookup, no model) or
-            ``STANDALONE`` (a small draft model, ``speculative_draft_model_path``); None = off.
+            prompt and output where its last tokens occurred before: prompt lookup, no model),
+            ``STANDALONE`` (a small draft model, ``speculative_draft_model_path``), ``EAGLE``
+            (EAGLE-2: a one-layer draft network on the target's hidden states, dynamic draft tree)
+            or ``MEDUSA`` (residual heads on the last hidden state, static tree); None = off.
             Output is distributed exactly as without it (greedy: identical tokens); see
             ``sglite/runtime/speculative``.
         speculative_draft_model_path: the draft model of ``STANDALONE`` (HF folder or ``.gguf``
             file; same tokenizer as the target, smaller); it gets its own small KV pool and loads as
             its checkpoint says (a ``.gguf`` draft stays quantized: self-speculation with a
-            quantized copy of the target).
+            quantized copy of the target). For ``EAGLE`` / ``MEDUSA``: a head folder (config.json +
+            safetensors, ``sglite train-draft``); None: the heads shipped for the default model.
         speculative_num_steps: greedy steps the ``STANDALONE`` draft model runs per verify step
-            (draft tokens proposed, at most ``speculative_num_draft_tokens``).
+            (draft tokens proposed, at most ``speculative_num_draft_tokens``); ``EAGLE``: depths
+            of the draft tree.
+        speculative_eagle_topk: ``EAGLE``: nodes expanded per depth of the draft tree, and
+            children drafted per expanded node (EAGLE-2's top-k).
         speculative_num_draft_tokens: most draft tokens verified per request and step (the verify
             step computes this many tokens plus one per request).
         speculative_disable_by_batch_size: no drafts in steps with more than this many decoding
@@ -246,6 +252,7 @@ class EngineConfig:
     speculative_algorithm: Optional[str] = None
     speculative_draft_model_path: Optional[str] = None
     speculative_num_steps: int = 4
+    speculative_eagle_topk: int = 4
     speculative_num_draft_tokens: int = 8
     speculative_disable_by_batch_size: int = 8
     speculative_verify: str = "token"
@@ -390,12 +397,16 @@ class EngineConfig:
             object.__setattr__(self, "speculative_algorithm", alg)
         if alg is not None and alg not in SPECULATIVE_ALGORITHMS:
             bad("speculative_algorithm", f"must be one of {SPECULATIVE_ALGORITHMS} (or None), got {alg!r}")
-        if alg == "STANDALONE":
-            path = self.speculative_draft_model_path
-            if not path:
-                bad("speculative_draft_model_path", "STANDALONE needs a draft model path")
-            if not os.path.exists(path):
-                bad("speculative_draft_model_path", f"no such file or folder {path!r}")
+        path = self.speculative_draft_model_path
+        if alg == "STANDALONE" and not path:
+            bad("speculative_draft_model_path", "STANDALONE needs a draft model path")
+        if alg in ("EAGLE", "MEDUSA") and not path and self.model_path is not None:
+            bad("speculative_draft_model_path", f"{alg} needs a head folder for model_path={self.model_path!r} "
+                                                "(shipped heads fit the default model only; `sglite train-draft` makes them)")
+        if alg in ("STANDALONE", "EAGLE", "MEDUSA") and path and not os.path.exists(path):
+            bad("speculative_draft_model_path", f"no such file or folder {path!r}")
+        if not 1 <= self.speculative_eagle_topk <= 16:
+            bad("speculative_eagle_topk", f"must be in [1, 16], got {self.speculative_eagle_topk}")
         if not 1 <= self.speculative_num_draft_tokens <= 64:
             bad("speculative_num_draft_tokens", f"must be in [1, 64], got {self.speculative_num_draft_tokens}")
         if not 1 <= self.speculative_num_steps <= 64:

@@ -10,8 +10,7 @@ defaults to True is switched off by its ``--disable-…`` form (``enable_jump_fo
 ``--disable-jump-forward``, SGLang's older ``--disable-regex-jump-forward`` too). There are no
 ``--no-…`` forms.
 
-Flags of features that arrive with later issues (``--tp-size``, ``--dp-size``,
-``--speculative-eagle-topk``) are known, so that using them
+Flags of features that arrive with later issues (:data:`UNSUPPORTED`) are known, so that using them
 fails with "… is not supported yet" instead of being silently accepted; their default values
 (``--tp-size 1``) are accepted as no-ops.
 """
@@ -56,9 +55,7 @@ class Unsupported:
     type: Any = str
 
 
-UNSUPPORTED = (
-    Unsupported("--speculative-eagle-topk", "EAGLE speculative decoding (NGRAM and STANDALONE are supported)"),
-)
+UNSUPPORTED: tuple = ()
 UNSUPPORTED_PREFIXES: dict = {}
 
 

@@ -11,7 +11,7 @@ Floors, bottom to top:
     lora         sglite.lora (LoRA adapters: loading, device slots; beside quant, neither imports the other)
   4 runtime      sglite.runtime (runtime.parallel: tensor parallelism)
   5 server       sglite.server
-  6 tools        router, bench, eval, frontend, cli, launch_server, kv_estimate, quantize, testing, testing_gguf,
+  6 tools        router, bench, eval, frontend, cli, launch_server, kv_estimate, quantize, testing, testing_gguf, train_draft,
                  lang (SGLang's module path for the frontend's constants)
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ FLOORS = {
     "runtime": 4,
     "server": 5,
     "router": 6, "bench": 6, "eval": 6, "frontend": 6, "cli": 6, "launch_server": 6, "kv_estimate": 6,
-    "quantize": 6, "testing": 6, "testing_gguf": 6, "lang": 6,
+    "quantize": 6, "testing": 6, "testing_gguf": 6, "lang": 6, "train_draft": 6,
 }
 
 

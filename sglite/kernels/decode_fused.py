@@ -166,16 +166,19 @@ class FusedDecode:
 
         return linear(h.to(self.model.dtype), w).float()
 
-    def forward(self, fb, k_buffers, v_buffers) -> Optional[torch.Tensor]:
+    def forward(self, fb, k_buffers, v_buffers, hidden: Optional[list] = None) -> Optional[torch.Tensor]:
         """[M, V] float32 logits of ``fb.logits_indices``, or None when this step is not for the
         fused path (extend rows, more than :data:`MAX_ROWS` rows, a quantized KV pool, a model made a
-        tensor-parallel shard after load)."""
+        tensor-parallel shard after load). ``hidden``: a list the step's [N, H] float32
+        final-normed hidden states are appended to (speculative draft heads), or None."""
         n = fb.input_ids.shape[0]
         if (self.model.tp is not None or fb.num_extend_tokens or not 1 <= n <= MAX_ROWS or not isinstance(k_buffers[0], torch.Tensor)
                 or k_buffers[0].dtype not in (torch.float32, torch.bfloat16)
                 or fb.dec_req_pool_indices.shape[0] != n):
             return None
         h = self.hidden(fb, k_buffers, v_buffers)
+        if hidden is not None:
+            hidden.append(h)
         if fb.logits_indices.shape[0] != n:
             h = h[fb.logits_indices]
         return self.head(h.contiguous())

@@ -85,6 +85,10 @@ class ModelRunner:
     """
 
     measure_forward = True  # the model runs here: the speculative draft policy may time it
+    # speculative draft heads (EAGLE / Medusa) set keep_hidden; each forward then leaves the step's
+    # [N, H] float32 final-normed hidden states of all its tokens in last_hidden (CPU)
+    keep_hidden = False
+    last_hidden = None
 
     def __init__(self, config: EngineConfig, hf_config, state_dict: dict):
         self.device = resolve_device(config.device)
@@ -155,6 +159,11 @@ class ModelRunner:
             fb.lora = self.lora.batch(fb.lora_segments)
         pool = self.token_to_kv_pool
         pool.begin_step(fb)  # quantized pool: token rows / positions of this step (plain pool: no-op)
+        if self.keep_hidden:  # EAGLE / Medusa heads read the step's final-normed hidden states
+            got: list = []
+            logits = self.model.forward(fb, pool.k_buffers, pool.v_buffers, hidden=got)
+            self.last_hidden = got[0].cpu() if got else None
+            return logits.cpu() if self.device != "cpu" else logits
         logits = self.model.forward(fb, pool.k_buffers, pool.v_buffers)
         return logits.cpu() if self.device != "cpu" else logits
 

@@ -301,7 +301,7 @@ class Scheduler:
                 reason = self.out.append_token(r, tok, lp)
                 if reason is not None:
                     self._end(r, reason)
-        if plan.verifying:
+        if self.spec is not None:  # verify steps; draft heads also read every step's hidden states
             self.counters["generated_tokens"] += self.spec.process(plan, logits, self._end)
         for e in plan.entries:  # prefill-only requests (max_new_tokens == 0)
             r = e.req

@@ -231,8 +231,8 @@ def test_runtime_checks_server_args_before_starting():
     with pytest.raises(InvalidRequestError, match="dtype"):
         sglite.Runtime(model_path="m", dtype="float7")
     assert server_argv(None, {"tp_size": 1}) == ["--tp-size", "1"]  # SGLang's flag, its no-op value
-    with pytest.raises(InvalidRequestError, match="EAGLE"):  # a known flag not supported yet
-        sglite.Runtime(model_path="m", speculative_eagle_topk=4)
+    with pytest.raises(InvalidRequestError, match="speculative-algorithm"):  # choices checked before starting
+        sglite.Runtime(model_path="m", speculative_algorithm="LOOKAHEAD")
 
 
 @pytest.mark.slow

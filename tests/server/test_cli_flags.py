@@ -105,8 +105,8 @@ def _exit(parser, argv, capsys):
 
 @pytest.mark.parametrize("argv, words", [
     (["--kv-cache-dtype", "fp8_e5m2"], ["--kv-cache-dtype", "invalid choice", "int8"]),
-    (["--speculative-algorithm", "EAGLE"], ["--speculative-algorithm", "invalid choice", "NGRAM"]),
-    (["--speculative-eagle-topk", "4"], ["--speculative-eagle-topk", "EAGLE speculative decoding", "not supported yet"]),
+    (["--speculative-algorithm", "LOOKAHEAD"], ["--speculative-algorithm", "invalid choice", "NGRAM", "EAGLE"]),
+    (["--speculative-eagle-topk", "four"], ["--speculative-eagle-topk", "invalid int value"]),
     (["--speculative-foo", "3"], ["unrecognized flag --speculative-foo"]),
     (["--max-running-request", "3"], ["unrecognized flag --max-running-request", "--max-running-requests"]),
     (["--no-disable-radix-cache"], ["unrecognized flag --no-disable-radix-cache", "--disable-radix-cache"]),

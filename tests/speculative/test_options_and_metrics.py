@@ -12,7 +12,11 @@ from tests.speculative.prompts import COPY_PROMPTS
 def test_bad_speculative_options_name_the_field(tmp_path):
     from sglite.config import EngineConfig
 
-    for kw, field in [({"speculative_algorithm": "EAGLE"}, "speculative_algorithm"),
+    for kw, field in [({"speculative_algorithm": "LOOKAHEAD"}, "speculative_algorithm"),
+                      ({"speculative_algorithm": "EAGLE", "model_path": str(tmp_path)}, "speculative_draft_model_path"),
+                      ({"speculative_algorithm": "MEDUSA", "speculative_draft_model_path": str(tmp_path / "x")},
+                       "speculative_draft_model_path"),
+                      ({"speculative_eagle_topk": 0}, "speculative_eagle_topk"),
                       ({"speculative_algorithm": "STANDALONE"}, "speculative_draft_model_path"),
                       ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": str(tmp_path / "x")},
                        "speculative_draft_model_path"),
@@ -36,7 +40,8 @@ def test_speculative_algorithm_is_case_insensitive():
     p = add_engine_args(argparse.ArgumentParser())
     assert p.parse_args(["--speculative-algorithm", "Ngram"]).speculative_algorithm == "NGRAM"
     with pytest.raises(ValueError, match="speculative_algorithm"):
-        EngineConfig(speculative_algorithm="eagle")
+        EngineConfig(speculative_algorithm="lookahead")
+    assert EngineConfig(speculative_algorithm="eagle").speculative_algorithm == "EAGLE"
 
 
 def test_speculation_off_above_batch_size_and_for_logprobs(tiny_model_dir):

@@ -82,6 +82,8 @@ class FamilyModel(LlamaModel):
     """A Llama-like model with the layer of :class:`FamilyArch` (module docstring). A family
     subclass names its layer norms in :meth:`layer_norm_names`."""
 
+    emits_hidden = False  # its own _forward: no hidden states for draft heads (EAGLE / MEDUSA refused)
+
     fused_decode_ok = False  # sglite.kernels.decode_fused: the C++ layer is plain Llama only
 
     def layer_norm_names(self, arch: FamilyArch) -> dict:

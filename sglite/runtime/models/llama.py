@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -92,6 +93,8 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 class LlamaModel:
     """Weights and forward of a Llama-family causal LM (no nn.Module: plain tensors, inference only)."""
+
+    emits_hidden = True  # forward(..., hidden=[]) gives the final-normed hidden states (draft heads)
 
     def __init__(self, arch: LlamaArch, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device="cpu",
                  batch_invariant: bool = False):
@@ -201,30 +204,39 @@ class LlamaModel:
         return n + self.weight_bytes()
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor]) -> torch.Tensor:
+    def forward(self, fb: ForwardBatch, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor],
+                hidden: Optional[list] = None) -> torch.Tensor:
         """Run one mixed extend/decode step, writing new K/V into the pool.
 
         Args:
             fb: the step's tensors (see :class:`ForwardBatch`), on the model's device.
             k_buffers, v_buffers: per layer [S, Hkv, D] pool buffers (mutated).
+            hidden: when a list, the step's final-normed hidden states of *all* its tokens
+                ([N, H] float32, token order of ``fb.input_ids``) are appended to it (the features
+                EAGLE / Medusa draft heads read, :mod:`sglite.runtime.speculative.heads`).
         Returns:
             [M, V] float32 logits for the rows ``fb.logits_indices``.
         """
         if self.decode_fused is not None and fb.lora is None:  # the fused C++ decode has no adapters
-            logits = self.decode_fused.forward(fb, k_buffers, v_buffers)
+            logits = (self.decode_fused.forward(fb, k_buffers, v_buffers) if hidden is None
+                      else self.decode_fused.forward(fb, k_buffers, v_buffers, hidden=hidden))
             if logits is not None:
                 return logits
-        logits = self._forward(fb, k_buffers, v_buffers)
+        # (family models' _forward takes no ``hidden``: they never get one, emits_hidden is False)
+        args = (fb, k_buffers, v_buffers) if hidden is None else (fb, k_buffers, v_buffers, hidden)
+        logits = self._forward(*args)
         if (self.linear_impl == "fp16" and (fb.input_ids.shape[0] == 1 or logits.shape[0] == 1)
                 and not bool(logits.isfinite().all())):
             # an activation left fp16's range: redo the step on the bf16 path (it rewrites the
             # same KV slots) and stop using fp16 for this model
             log.warning("fp16 GEMV overflowed; falling back to %s matmuls", self.dtype)
             self.use_linear_impl("torch")
-            logits = self._forward(fb, k_buffers, v_buffers)
+            if hidden is not None:
+                hidden.clear()
+            logits = self._forward(*args)
         return logits
 
-    def _forward(self, fb: ForwardBatch, k_buffers, v_buffers) -> torch.Tensor:
+    def _forward(self, fb: ForwardBatch, k_buffers, v_buffers, hidden: Optional[list] = None) -> torch.Tensor:
         a = self.arch
         Hq, Hkv, D = a.num_heads, a.num_kv_heads, a.head_dim
         inv = self.batch_invariant
@@ -268,6 +280,8 @@ class LlamaModel:
                 x, h = kernels.add_rms_norm(x, d, self.layers[li + 1]["in_norm"], a.rms_norm_eps, batch_invariant=inv)
             else:
                 x = x + d
+        if hidden is not None:  # every token's final-normed state (the logits rows keep their own norm)
+            hidden.append(kernels.rms_norm(x, self.norm, a.rms_norm_eps, batch_invariant=inv).float())  # [N, H]
         x = x[fb.logits_indices]  # [M, H]
         x = kernels.rms_norm(x, self.norm, a.rms_norm_eps, batch_invariant=inv)  # [M, H]
         logits = kernels.linear(x, self.lm_head).float()  # [M, V] ([M, V/tp] on a tensor-parallel rank)

@@ -96,7 +96,7 @@ class SpecDecoder:
     """
 
     def __init__(self, config, kv, sampler, out, draft_model=None, row_block: Optional[int] = None,
-                 cost: Optional[StepCost] = None):
+                 cost: Optional[StepCost] = None, proposer: Optional[Proposer] = None, runner=None):
         self.algorithm = config.speculative_algorithm
         self.k_max = config.speculative_num_draft_tokens
         self.max_batch = config.speculative_disable_by_batch_size
@@ -110,12 +110,14 @@ class SpecDecoder:
         # per-token text for the lookups (its byte cache fills as tokens are seen)
         self.token_text = TokenText(out.tokenizer) if out is not None else None
         self.grammar_walk = GrammarWalk(out, sampler, self.token_text)
-        self.cost = cost if draft_model is None else None
+        self.cost = cost if draft_model is None and proposer is None else None
         self.budget: DraftBudget = (MeasuredCost(self.cost, self.accept) if self.cost is not None
                                     else RowBlock(row_block))
         # token trees (several n-gram candidates per step) need a slot per position: page size 1
-        self.proposer: Proposer = (DraftModelProposer(draft_model) if draft_model is not None else
-                                   LookupProposer(self.token_text, out, TREE_BRANCHES if config.page_size == 1 else 1))
+        self.proposer: Proposer = proposer or (
+            DraftModelProposer(draft_model) if draft_model is not None else
+            LookupProposer(self.token_text, out, TREE_BRANCHES if config.page_size == 1 else 1))
+        self.runner = runner  # EAGLE / MEDUSA: its ``last_hidden`` feeds the proposer's ``observe``
 
     @property
     def stats(self) -> dict:
@@ -229,10 +231,11 @@ class SpecDecoder:
     def process(self, plan: StepPlan, logits: torch.Tensor, finish: Callable) -> int:
         """Verify and commit every drafted entry of ``plan`` (``logits``: [M, V] float32, the
         step's rows); ``finish(req, reason)`` ends a request. Returns the tokens appended."""
-        appended = 0
+        appended, verdicts = 0, {}
         for e in plan.verifying:
             r = e.req
             v = self._verify(e, logits)
+            verdicts[id(e)] = (v.chain, v.accepted)
             r.spec.drop_masks()
             reason, done = self._append(r, v.tokens)
             appended += done
@@ -242,6 +245,9 @@ class SpecDecoder:
             self._learn(e, v)
             if reason is not None:
                 finish(r, reason)
+        observe = getattr(self.proposer, "observe", None)  # heads: the step's hidden states
+        if observe is not None and self.runner is not None:
+            observe(plan, self.runner.last_hidden, verdicts)
         return appended
 
     def _verify(self, e: StepEntry, logits: torch.Tensor) -> _Verdict:
@@ -363,20 +369,23 @@ def make_spec_decoder(config, runner: RunnerProtocol, kv, sampler, out) -> Optio
     ``STANDALONE`` loads the draft model here (its own small KV pool, on the target's device)."""
     if config.speculative_algorithm is None:
         return None
-    draft = None
+    draft, heads = None, None
     if config.speculative_algorithm == "STANDALONE":
         from .draft_model import DraftModel
         draft = DraftModel.load(config, runner)
+    elif config.speculative_algorithm in ("EAGLE", "MEDUSA"):
+        from .head_proposer import load_head_proposer
+        heads = load_head_proposer(config, runner)
     on_cpu = torch.device(runner.device).type == "cpu"
     row_block = None  # GPU, or float32 on CPU (oneDNN GEMMs: a few more rows cost little)
     if on_cpu and runner.dtype in (torch.bfloat16, torch.float16):
         from sglite.kernels.cpu_gemv import MAX_ROWS  # the bf16 / quantized GEMV kernels' row block
         row_block = MAX_ROWS
     cost = None
-    if draft is None and on_cpu and runner.measure_forward:
+    if draft is None and heads is None and on_cpu and runner.measure_forward:
         fwd = probe_forward(runner, kv)  # CPU: rows are not free; what they cost is measured
         if fwd:
             cost = StepCost(fwd, overhead=0.2 * fwd[min(fwd)])
             log.info("speculative: forward of 1/8/32 rows %.1f/%.1f/%.1f ms (draft length from these costs)",
                      1e3 * cost.forward(1), 1e3 * cost.forward(8), 1e3 * cost.forward(32))
-    return SpecDecoder(config, kv, sampler, out, draft, row_block, cost)
+    return SpecDecoder(config, kv, sampler, out, draft, row_block, cost, heads, runner)

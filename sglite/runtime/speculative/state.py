@@ -35,7 +35,10 @@ class SpecState:
             so a verify step costs little more than a decode step).
         cooldown: steps left without drafting (acceptance fell low).
         masks: the grammar bitmask rows of the draft being verified ([k+1, W] int32) or None.
-        draft_kv: the draft model's KV state of this request (``STANDALONE``).
+        draft_kv: the draft model's KV state of this request (``STANDALONE``; ``EAGLE``: the
+            draft layer's K/V, :mod:`.head_proposer`).
+        feats: the target's hidden states of this request's positions (``EAGLE`` / ``MEDUSA``:
+            :class:`.head_proposer.FeatureLog`), or None.
         text: the text-level lookup of the request's prompt (``NGRAM``; :mod:`.text_lookup`).
         sources: the draft source of each chain being verified (:class:`.policy.AcceptModel`).
         close_points: per chain being verified, the positions where a closing draft was left out
@@ -57,6 +60,7 @@ class SpecState:
     cap: int = START_LEN
     masks: Any = None
     draft_kv: Any = None
+    feats: Any = None
     text: Any = None
     sources: list = field(default_factory=list)
     close_points: Optional[list] = None

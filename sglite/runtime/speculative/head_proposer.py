@@ -1,0 +1,333 @@
+"""``MEDUSA`` and ``EAGLE`` proposers: drafts from heads on the target's own hidden states.
+
+The target runs with ``ModelRunner.keep_hidden`` on: after every step :meth:`HeadProposer.observe`
+stores, per request, the final-normed hidden state of every position the step committed
+(:class:`FeatureLog` in ``req.spec.feats``; for a verify step the pending tokens and the accepted
+nodes of the accepted chain). A draft then reads them:
+
+* :class:`MedusaProposer` (Cai et al. 2024): heads on the feature of the last computed position
+  give the tokens after the pending one; candidates are the Cartesian top-k of the heads in a
+  static tree (:data:`MEDUSA_TREE`: index tuples, one per chain).
+* :class:`EagleProposer` (EAGLE-2, Li et al. 2024 §4): the draft layer catches up on the
+  positions it has not seen (its own K/V per request, ``req.spec.draft_kv``), then grows a tree:
+  the ``topk`` most confident nodes of each depth (cumulative log-probability, the product of
+  the draft's probabilities along the path) are expanded by their ``topk`` best children for
+  ``num_steps`` depths, and all nodes are reranked: the ``num_draft_tokens`` best form the draft.
+
+The verify path takes chains with distinct first tokens (:mod:`.tree`), so a head tree is
+verified as its root branches, each followed down its most confident child (deeper side branches
+are dropped). Drafts are point masses: verification stays exact whatever the heads predict.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+import torch
+
+from ..step_plan import StepEntry
+from .budget import DraftBudget
+from .proposer import Chain
+from .state import SpecState
+
+# Medusa's static tree: per chain, the rank taken from each head (root branches: distinct first ranks)
+MEDUSA_TREE = ((0, 0, 0, 0, 0), (1, 0, 0), (2, 0))
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Run the draft's compute on one torch thread, restoring the count after: a draft is a
+    handful of tiny ops (a few rows), where a two-thread parallel region per op costs more than
+    it saves, and on a loaded CPU each region waits for the other core (measured on the shared
+    2-core box: an EAGLE layer pass of 4 rows took 216 ms on 2 threads, 6.8 ms on 1)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+class FeatureLog:
+    """Final-normed hidden states of a request's positions ``start .. start + n - 1`` ([n, H]
+    float32). ``dirty``: the lowest position rewritten since :meth:`clean` (retraction, radix)."""
+
+    def __init__(self, hidden: int):
+        self.buf = torch.empty(64, hidden)
+        self.start, self.n, self.dirty = 0, 0, None
+
+    @property
+    def end(self) -> int:
+        return self.start + self.n
+
+    def put(self, pos: int, rows: torch.Tensor) -> None:
+        """Store ``rows`` [m, H] as the features of positions ``pos ..`` (later ones dropped)."""
+        if pos < self.start or pos > self.end:  # a gap (a cached prefix) or before the log: restart
+            self.start, self.n, self.dirty = pos, 0, pos
+        elif pos < self.end:
+            self.dirty = pos if self.dirty is None else min(self.dirty, pos)
+        self.n = pos - self.start
+        need = self.n + rows.shape[0]
+        if need > self.buf.shape[0]:
+            grown = torch.empty(max(need, 2 * self.buf.shape[0]), self.buf.shape[1])
+            grown[:self.n] = self.buf[:self.n]
+            self.buf = grown
+        self.buf[self.n:need] = rows
+        self.n = need
+
+    def rows(self, a: int, b: int) -> torch.Tensor:
+        return self.buf[a - self.start:b - self.start]
+
+    def clean(self) -> Optional[int]:
+        d, self.dirty = self.dirty, None
+        return d
+
+
+class _HeadBase:
+    """What both proposers share: the draft LM head and the observed features.
+
+    Args:
+        module: the heads (:mod:`.heads`), float32, eval mode.
+        model: the target ``LlamaModel`` (its embedding and LM head).
+        draft_vocab: the token ids the heads may propose, or None (all).
+    """
+
+    source = "head"
+
+    def __init__(self, module, model, draft_vocab: Optional[torch.Tensor]):
+        self.module, self.model = module, model
+        lm = model.lm_head
+        ids = draft_vocab if draft_vocab is not None else torch.arange(model.arch.vocab_size)
+        w = lm.rows(ids, torch.float32) if hasattr(lm, "rows") else lm.weight[ids]
+        self.head_w = w.float().contiguous()  # [Vd, H]
+        self.ids = ids.to(torch.int64)
+        self.hidden = model.arch.hidden_size
+
+    def logp(self, feat: torch.Tensor) -> torch.Tensor:
+        """[..., H] features -> [..., Vd] draft log-probabilities over :attr:`ids`."""
+        return torch.log_softmax(feat @ self.head_w.T, dim=-1)
+
+    def observe(self, plan, hidden: Optional[torch.Tensor], verdicts: dict) -> None:
+        """Store the features of the positions ``plan``'s step committed (``hidden``: [N, H] of
+        its tokens in entry order; ``verdicts``: ``id(entry) -> (chain, accepted)`` of verify
+        entries)."""
+        if hidden is None:
+            return
+        off = 0
+        for e in plan.entries:
+            r = e.req
+            if r.spec is None:
+                r.spec = SpecState()
+            if r.spec.feats is None:
+                r.spec.feats = FeatureLog(self.hidden)
+            pending = e.n - len(e.draft)
+            r.spec.feats.put(e.start, hidden[off:off + pending])
+            if e.draft and id(e) in verdicts:
+                chain, a = verdicts[id(e)]
+                if a:
+                    first = off + pending + (sum(len(c) for c in e.tree.chains[:chain]) if e.tree is not None else 0)
+                    r.spec.feats.put(e.start + pending, hidden[first:first + a])
+            off += e.n
+
+
+class MedusaProposer(_HeadBase):
+    """``MEDUSA`` (module docstring)."""
+
+    source = "medusa"
+
+    def __init__(self, module, model, draft_vocab=None, tree=MEDUSA_TREE):
+        super().__init__(module, model, draft_vocab)
+        k = len(module.blocks)
+        self.tree = [t[:k] for t in tree]
+        self.depth = max(len(t) for t in self.tree)
+
+    @torch.inference_mode()
+    def propose(self, entries: list[StepEntry], rooms: list[int], budget: DraftBudget) -> list[list[Chain]]:
+        with one_thread():
+            return self._propose(entries, rooms)
+
+    def _propose(self, entries: list[StepEntry], rooms: list[int]) -> list[list[Chain]]:
+        out: list[list[Chain]] = []
+        for e, room in zip(entries, rooms):
+            r = e.req
+            log = r.spec.feats if r.spec is not None else None
+            last = r.seq_len - 2  # the position whose logits gave the pending token
+            if room < 1 or log is None or not log.start <= last < log.end:
+                out.append([])
+                continue
+            f = self.module(log.rows(last, last + 1)[0])  # [K, H]
+            if self.module.heads is not None:
+                lp = torch.stack([torch.log_softmax(h(f[i]), -1)[self.ids] for i, h in enumerate(self.module.heads)])
+            else:
+                lp = self.logp(f)  # [K, Vd]
+            top = lp.topk(max(max(t) for t in self.tree) + 1, dim=-1).indices  # [K, R]
+            chains, left = [], room
+            for t in self.tree:
+                c = [int(self.ids[top[d, j]]) for d, j in enumerate(t)][:left]
+                if c and c[0] not in {ch[0][0] for ch in chains}:
+                    chains.append((c, [self.source] * len(c)))
+                    left -= len(c)
+                if left < 1:
+                    break
+            out.append(chains)
+        return out
+
+
+class _EagleKV:
+    """The draft layer's K/V of a request's positions ``start .. start + m - 1`` ([1, m, Hkv, D])."""
+
+    def __init__(self, start: int):
+        self.start, self.k, self.v = start, None, None
+
+    @property
+    def m(self) -> int:
+        return 0 if self.k is None else self.k.shape[1]
+
+    def cut(self, m: int) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k[:, :max(0, m)], self.v[:, :max(0, m)]
+
+
+class EagleProposer(_HeadBase):
+    """``EAGLE`` (module docstring). ``num_steps``: tree depth; ``topk``: nodes expanded per depth
+    and children per node; ``num_draft_tokens``: nodes kept after reranking."""
+
+    source = "eagle"
+
+    def __init__(self, module, model, draft_vocab=None, num_steps: int = 4, topk: int = 4, num_draft_tokens: int = 8):
+        super().__init__(module, model, draft_vocab)
+        self.num_steps, self.topk, self.num_draft_tokens = num_steps, topk, num_draft_tokens
+
+    def _embed(self, ids: list[int]) -> torch.Tensor:
+        return self.model.embed_rows(torch.tensor(ids, dtype=torch.int64)).float()[None]  # [1, T, H]
+
+    def _catch_up(self, r, log: FeatureLog) -> Optional[torch.Tensor]:
+        """Run the draft layer over the positions with features it has not seen (inputs
+        ``(x_{i+1}, f_i)``, i up to the pending token's position - 1). Returns its output at the
+        last one ([H]: the predicted feature of the pending token's position), or None."""
+        st = r.spec
+        last = r.seq_len - 2
+        if not log.start <= last < log.end:
+            return None
+        kv = st.draft_kv
+        dirty = log.clean()
+        if kv is None or kv.start != log.start:
+            kv = st.draft_kv = _EagleKV(log.start)
+        elif dirty is not None:
+            kv.cut(dirty - kv.start)
+        kv.cut(last - kv.start)  # recompute at least the last position (its output is the root's)
+        a = kv.start + kv.m
+        toks = r.tokens(a + 1, last + 2)
+        pos = torch.arange(a, last + 1)[None]
+        past = (kv.k, kv.v) if kv.k is not None else None
+        out, (k, v) = self.module(self._embed(toks), log.rows(a, last + 1)[None], pos, past)
+        kv.k = k if past is None else torch.cat((kv.k, k), 1)
+        kv.v = v if past is None else torch.cat((kv.v, v), 1)
+        return out[0, -1]
+
+    @torch.inference_mode()
+    def propose(self, entries: list[StepEntry], rooms: list[int], budget: DraftBudget) -> list[list[Chain]]:
+        with one_thread():
+            return self._propose(entries, rooms)
+
+    def _propose(self, entries: list[StepEntry], rooms: list[int]) -> list[list[Chain]]:
+        out: list[list[Chain]] = []
+        for e, room in zip(entries, rooms):
+            r = e.req
+            log = r.spec.feats if r.spec is not None else None
+            root = self._catch_up(r, log) if room >= 1 and log is not None else None
+            out.append(self._grow(r, root, room) if root is not None else [])
+        return out
+
+    def _grow(self, r, root_feat: torch.Tensor, room: int) -> list[Chain]:
+        """EAGLE-2's tree (module docstring) under the pending token, as root-branching chains."""
+        kv, k = r.spec.draft_kv, min(self.topk, self.head_w.shape[0])
+        base = r.seq_len - 1  # position of the pending token (the first node input's position)
+        # nodes: (token, parent node index or -1, cumulative log-prob, depth)
+        nodes: list[tuple[int, int, float, int]] = []
+        lp, ix = self.logp(root_feat).topk(k)
+        frontier = []
+        for s, j in zip(lp.tolist(), ix.tolist()):
+            nodes.append((int(self.ids[j]), -1, s, 1))
+            frontier.append(len(nodes) - 1)
+        # K/V of expanded nodes (tree rows after the request's cache), and their ancestry
+        tk, tv, rows_of, outs = [], [], {}, {}  # outs: node -> its predicted feature
+        for _depth in range(1, self.num_steps):
+            if not frontier:
+                break
+            n_prev = sum(t.shape[1] for t in tk)
+            mask = torch.zeros(len(frontier), kv.m + n_prev + len(frontier), dtype=torch.bool)
+            mask[:, :kv.m] = True
+            feats = []
+            for qi, ni in enumerate(frontier):
+                p = nodes[ni][1]
+                while p >= 0:  # ancestors' rows
+                    mask[qi, kv.m + rows_of[p]] = True
+                    p = nodes[p][1]
+                mask[qi, kv.m + n_prev + qi] = True
+                feats.append(root_feat if nodes[ni][1] < 0 else outs[nodes[ni][1]])
+            past_k = torch.cat([kv.k] + tk, 1) if tk else kv.k
+            past_v = torch.cat([kv.v] + tv, 1) if tv else kv.v
+            pos = torch.tensor([[base + nodes[ni][3] - 1 for ni in frontier]])
+            o, (nk, nv) = self.module(self._embed([nodes[ni][0] for ni in frontier]), torch.stack(feats)[None],
+                                      pos, (past_k, past_v), mask)
+            tk.append(nk)
+            tv.append(nv)
+            for qi, ni in enumerate(frontier):
+                rows_of[ni] = n_prev + qi
+                outs[ni] = o[0, qi]
+            lp, ix = self.logp(o[0]).topk(k, dim=-1)  # [F, k]
+            cands = []
+            for qi, ni in enumerate(frontier):
+                for s, j in zip(lp[qi].tolist(), ix[qi].tolist()):
+                    nodes.append((int(self.ids[j]), ni, nodes[ni][2] + s, nodes[ni][3] + 1))
+                    cands.append(len(nodes) - 1)
+            frontier = sorted(cands, key=lambda i: -nodes[i][2])[:k]
+        return _chains(nodes, min(room, self.num_draft_tokens), k, self.source)
+
+
+def _chains(nodes: list, budget: int, width: int, source: str) -> list[Chain]:
+    """The ``budget`` most confident nodes (a tree: a child is never above its parent), as
+    chains with distinct first tokens: each root child in order of confidence, followed down its
+    most confident kept child; at most ``budget`` tokens in all."""
+    keep = set(sorted(range(len(nodes)), key=lambda i: -nodes[i][2])[:budget])
+    kids: dict = {}
+    for i in sorted(keep, key=lambda i: -nodes[i][2]):
+        if nodes[i][1] in keep or nodes[i][1] < 0:
+            kids.setdefault(nodes[i][1], []).append(i)
+    chains, left = [], budget
+    for first in kids.get(-1, [])[:width]:
+        c, i = [], first
+        while i is not None and len(c) < left:
+            c.append(nodes[i][0])
+            i = kids.get(i, [None])[0]
+        if c:
+            chains.append((c, [source] * len(c)))
+            left -= len(c)
+        if left < 1:
+            break
+    return chains
+
+
+def load_head_proposer(config, runner):
+    """The ``EAGLE`` / ``MEDUSA`` proposer of ``config`` for the target in ``runner`` (its
+    ``keep_hidden`` switched on): heads from ``speculative_draft_model_path``, or the ones shipped
+    for the default model. Raises InvalidRequestError (field ``speculative_algorithm``) for a
+    target without hidden states for heads (Gemma / OLMo 2 / Granite layers, tensor parallelism),
+    and :func:`.heads.load_heads`' errors."""
+    from ...errors import InvalidRequestError
+    from .heads import default_heads_dir, load_heads
+
+    alg = config.speculative_algorithm
+    model = getattr(runner, "model", None)
+    if model is None or not getattr(model, "emits_hidden", False) or model.tp is not None:
+        raise InvalidRequestError(f"{alg} needs a Llama-family model in this process (its hidden states); "
+                                  f"this target gives none", field="speculative_algorithm")
+    method = alg.lower()
+    path = config.speculative_draft_model_path or default_heads_dir(method)
+    module, vocab = load_heads(path, model.arch.hidden_size, model.arch.vocab_size, method)
+    runner.keep_hidden = True
+    if method == "medusa":
+        return MedusaProposer(module, model, vocab)
+    return EagleProposer(module, model, vocab, config.speculative_num_steps, config.speculative_eagle_topk,
+                         config.speculative_num_draft_tokens)

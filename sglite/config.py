@@ -17,6 +17,7 @@ SPECULATIVE_VERIFY = ("token", "block")
 # EngineConfig.quantization values besides "auto" and None ("none" on the command line); the
 # loaders are registered in sglite.runtime.quant_loader.LOADERS
 QUANTIZATIONS = ("gguf", "gptq", "awq", "fp8", "w8a8_int8")
+from .config_values import parse_lora_paths, parse_peers  # noqa: F401  (re-exported)
 
 
 def looks_like_path(value: str) -> bool:
@@ -26,24 +27,6 @@ def looks_like_path(value: str) -> bool:
     if "{{" in v or "{%" in v:
         return False
     return os.sep in v or v.endswith((".jinja", ".jinja2", ".j2", ".tmpl", ".txt"))
-
-
-def parse_peers(text: str) -> frozenset:
-    """``"host:port,host:port"`` (``[v6]:port`` too) -> a frozenset of ``(host, port)``, hosts
-    lower-cased. Raises ValueError naming the bad entry."""
-    out = set()
-    for item in str(text).split(","):
-        item = item.strip()
-        if not item:
-            continue
-        host, sep, port = item.rpartition(":")
-        host = host.strip("[]").lower()
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"must be host:port entries separated by commas, got {item!r}")
-        out.add((host, int(port)))
-    if not out:
-        raise ValueError(f"no host:port entry in {text!r}")
-    return frozenset(out)
 
 
 @dataclass(frozen=True)
@@ -431,29 +414,3 @@ class EngineConfig:
         """Effective chunked-prefill size in tokens, or None when chunking is off."""
         c = self.chunked_prefill_size
         return None if c is None or c == -1 else c
-
-
-def parse_lora_paths(value) -> tuple:
-    """``{"name": path}``, ``["name=path", ...]`` (SGLang's ``--lora-paths``) or ``["path", ...]``
-    (named by the path) -> ``((name, path), ...)``; None -> ``()``. Raises InvalidRequestError
-    naming ``lora_paths`` for a malformed entry or a repeated name."""
-    if value is None:
-        return ()
-    if isinstance(value, dict):
-        items = [(str(k), str(v)) for k, v in value.items()]
-    else:
-        items = []
-        for v in ([value] if isinstance(value, str) else list(value)):
-            if isinstance(v, (tuple, list)) and len(v) == 2:
-                items.append((str(v[0]), str(v[1])))
-            elif isinstance(v, str) and v:
-                name, sep, path = v.partition("=")
-                items.append((name, path) if sep else (v, v))
-            else:
-                raise InvalidRequestError(f"lora_paths: entries must be 'name=path' strings, got {v!r}",
-                                          field="lora_paths")
-    names = [n for n, _ in items]
-    if len(set(names)) != len(names) or not all(names):
-        raise InvalidRequestError(f"lora_paths: adapter names must be non-empty and unique, got {names}",
-                                  field="lora_paths")
-    return tuple(items)

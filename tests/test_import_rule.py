@@ -25,7 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PKG = ROOT / "sglite"
 
 FLOORS = {
-    "errors": 0, "config": 0, "sampling_params": 0, "logging_setup": 0, "flags": 0, "grammars": 0,
+    "errors": 0, "config": 0, "config_values": 0, "sampling_params": 0, "logging_setup": 0, "flags": 0, "grammars": 0,
     "kernels": 1,
     "constrained": 2,
     "quant": 3, "lora": 3,

@@ -33,12 +33,15 @@ demo: $(STAMP)
 	$(VPY) examples/quickstart.py
 
 # fast tier: everything not marked `slow` (model-free units, tiny random models, fakes; the real model's
-# tokenizer only): 1,910 of 2,107 tests, 3 min 21 s on a quiet 2-core machine; skip reasons shown
+# tokenizer only), in one worker process per core (pytest-xdist); skip reasons shown. Count and time: README.
 test: $(STAMP)
-	$(VPY) -m pytest -rs -m "not slow" tests
+	$(VPY) -m pytest -rs -n auto -m "not slow" tests
 
+# everything: the fast tier as above, then the slow tier in one process (servers in child processes,
+# TP and P/D workers, timing-sensitive loops), then the regression gate
 test-all: $(STAMP) $(MODELS_STAMP)
-	$(VPY) -m pytest -rs tests
+	$(VPY) -m pytest -rs -n auto -m "not slow" tests
+	$(VPY) -m pytest -rs -m slow tests
 	$(MAKE) regress
 
 # the CI regression gate (a separate step, not a pytest timing test): instruction counts of a fixed

@@ -64,11 +64,12 @@ def test_stream_timing_matches_the_servers_step_delay(fake_server, backend):
     res = run_serving(ClientConfig(srv.url, backend), sessions, RunOptions(disable_tqdm=True, warmup_requests=0))
     m = res.metrics
     assert m["completed"] == 4 and m["failed"] == 0 and m["total_output_tokens"] == 20
-    for o in res.outcomes:   # one token per 20 ms step: 4 gaps of ~20 ms (client jitter aside)
-        assert len(o.itl) == 4 and sum(o.itl) >= 0.065 and o.ttft >= 0.015
+    for o in res.outcomes:   # one token per 20 ms step: 5 steps before the last token (a loaded machine
+        # may deliver some tokens in a burst, so the gaps are checked in sum with the first token's wait)
+        assert len(o.itl) == 4 and o.ttft >= 0.015 and o.ttft + sum(o.itl) >= 0.09
         assert o.tpot == pytest.approx(sum(o.itl) / 4, rel=0.05)
         assert o.prompt_tokens > 0
-    assert m["itl_ms"]["count"] == 16 and m["itl_ms"]["p50"] >= 15
+    assert m["itl_ms"]["count"] == 16
 
 
 def test_multi_turn_resends_history_with_real_replies(fake_server):

@@ -146,7 +146,10 @@ class ScriptedAgentEngine(FakeEngine):
         self._prompt = ""
 
     def _plan(self, prompt, sampling_params, input_ids, rid, lp_kw):
-        self._prompt = prompt if isinstance(prompt, str) else ""
+        text = prompt
+        if not isinstance(text, str) and input_ids and isinstance(input_ids[0], int):
+            text = self.tokenizer.decode(input_ids)  # token-exact resends (turn_tokens) come as ids
+        self._prompt = text if isinstance(text, str) else ""
         self.prompts.append(self._prompt)
         return super()._plan(prompt, sampling_params, input_ids, rid, lp_kw)
 

@@ -16,8 +16,10 @@ about 0.3 s.
 The answer is cached in ``<cache_root>/thread_probe.json`` under a key of the CPU model, the
 usable CPU count and the model's weight shapes, bit widths and layout, so a restart on the same
 machine and model reuses it (delete the file, or set ``SGLITE_THREAD_PROBE=refresh``, to measure
-again; ``SGLITE_THREAD_PROBE=off`` skips the probe: ``cores - 1``). ``--num-threads`` /
-``EngineConfig.num_threads`` overrides all of it.
+again; ``SGLITE_THREAD_PROBE=off`` skips the probe: ``cores - 1``). A probe taken while the
+machine was busy (1-minute load average at least :data:`BUSY_LOAD` per usable CPU: other processes
+take the extra cores, so fewer threads win) is cached with that load and measured again at the next
+start on a quiet machine. ``--num-threads`` / ``EngineConfig.num_threads`` overrides all of it.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ REPS = 3  # at least this many timed passes per thread count (best kept)
 ROUNDS = 40  # at most this many: rounds continue while the time budget lasts
 MIN_GAIN = 0.03  # a larger thread count must be this much faster than the best smaller one
 BUDGET_S = 0.3  # the probe starts no new round after this long (with REPS rounds done)
+BUSY_LOAD = 0.5  # 1-minute load average per usable CPU from which a probe counts as taken on a busy machine
 
 
 def usable_cpus() -> int:
@@ -146,6 +149,11 @@ def default_threads(fused) -> int:
         return fallback_threads()
     key = cache_key(fused)
     entry = None if mode == "refresh" else _read_cache().get(key)
+    load = load_per_cpu()
+    if entry is not None and entry.get("load", 0.0) >= BUSY_LOAD > load:
+        log.info("CPU threads: the cached probe was taken on a busy machine (load %.2f per CPU); measuring "
+                 "again now that it is quiet", entry["load"])
+        entry = None
     if entry is not None and isinstance(entry.get("threads"), int) and 1 <= entry["threads"] <= usable_cpus():
         log.info("CPU threads: %d (the fastest measured for this model on this machine, cached in %s)",
                  entry["threads"], _cache_path())
@@ -157,5 +165,13 @@ def default_threads(fused) -> int:
     log.info("CPU threads: %d, the fastest batch-1 decode GEMV pass measured (%s; probe %.2f s)", best, summary,
              time.perf_counter() - t0)
     _write_cache(key, {"threads": best, "ms": {str(t): round(1e3 * s, 3) for t, s in times.items()},
-                       "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+                       "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load": round(load, 2)})
     return best
+
+
+def load_per_cpu() -> float:
+    """The 1-minute load average divided by the usable CPUs (0.0 where the OS does not report it)."""
+    try:
+        return os.getloadavg()[0] / usable_cpus()
+    except OSError:
+        return 0.0

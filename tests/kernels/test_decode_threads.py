@@ -116,4 +116,12 @@ def test_thread_probe_pick_candidates_and_cache(quantized_tiny, monkeypatch, tmp
         assert cached[dt.cache_key(fused)]["threads"] == t
         monkeypatch.setattr(dt, "measure", lambda *a, **k: pytest.fail("the cached count was not used"))
         assert dt.default_threads(fused) == t
+        key = dt.cache_key(fused)  # a probe taken on a busy machine: reused while busy, measured again when quiet
+        dt._write_cache(key, {"threads": 1, "ms": {"1": 1.0}, "when": "then", "load": 0.9})
+        monkeypatch.setattr(dt, "load_per_cpu", lambda: 0.9)
+        assert dt.default_threads(fused) == 1
+        monkeypatch.setattr(dt, "load_per_cpu", lambda: 0.1)
+        monkeypatch.setattr(dt, "measure", lambda *a, **k: {1: 2.0e-3, 2: 1.0e-3})
+        assert dt.default_threads(fused) == 2
+        assert json.loads((tmp_path / "thread_probe.json").read_text())[key]["load"] == 0.1
     assert dt.default_threads(None) == dt.fallback_threads()

@@ -145,6 +145,8 @@ def _windows(n: int, width: int) -> list[int]:
 
 
 def build_head(method: str, model, args):
+    """Fresh, untrained draft heads for ``model`` (``method``: ``eagle`` | ``medusa``) with the
+    sizes of ``args``, float32."""
     from .runtime.speculative.heads import EagleHead, MedusaHeads
 
     a = model.arch
@@ -254,6 +256,7 @@ def acceptance(model_path, method: str, heads_dir, prompts: list[list[int]], new
 
 
 def plot_losses(losses: list[float], path) -> None:
+    """Write the training loss per optimizer step as a PNG line plot to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -189,6 +189,8 @@ async def run_mode(base_url: str, mode: str, n: int, turns: int, model: Optional
 
 
 def print_table(res: dict) -> None:
+    """Print one mode's result of :func:`run_mode` (``res``): the summary line, then TTFT, input tokens,
+    cached tokens, hit rate and calls per turn."""
     print(f"== mode {res['mode']}: {res['conversations']} conversations x {res['turns']} turns, "
           f"{res['wall_s']:.2f} s; hit rate {res['hit_rate']:.3f} (turns 2..: {res['hit_rate_after_first']:.3f}; "
           f"of the previous prompt + output: {res['prefix_reuse']:.3f}); "

@@ -157,6 +157,8 @@ def machine() -> dict:
 
 
 def workload_command(out_file: Path, model_path: Optional[str]) -> list[str]:
+    """The argv that runs the fixed workload under callgrind, counting from its start-instrumentation
+    marker, writing the profile to ``out_file``."""
     cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out_file}",
            sys.executable, "-m", WORKLOAD_MODULE]
     return cmd + (["--model-path", model_path] if model_path else [])

@@ -163,8 +163,8 @@ class ModelRunner:
             got: list = []
             logits = self.model.forward(fb, pool.k_buffers, pool.v_buffers, hidden=got)
             self.last_hidden = got[0].cpu() if got else None
-            return logits.cpu() if self.device != "cpu" else logits
-        logits = self.model.forward(fb, pool.k_buffers, pool.v_buffers)
+        else:
+            logits = self.model.forward(fb, pool.k_buffers, pool.v_buffers)
         return logits.cpu() if self.device != "cpu" else logits
 
     def close(self) -> None:

@@ -198,10 +198,11 @@ class OutputStreamer:
 
 
 # ----------------------------------------------------------------------------- stages
-def validate(ctx, inp: ChatInput) -> int:
+def validate(ctx, inp: ChatInput) -> tuple[int, Optional[str]]:
     """Stage 1: 404 for an unknown model; 400 for fields the server cannot honour and for bad
-    logprobs options. Returns the number of top logprobs per token (-1: no logprobs)."""
-    model_adapter(ctx, getattr(inp.request, "model", None))  # 404 for an unknown model
+    logprobs options. Returns the number of top logprobs per token (-1: no logprobs) and the LoRA
+    adapter the request's ``model`` names (None: the base model)."""
+    adapter = model_adapter(ctx, getattr(inp.request, "model", None))  # 404 for an unknown model
     check_fields(inp.request, inp.route)
     f = inp.fields
     if inp.top_logprobs is not None:
@@ -210,7 +211,7 @@ def validate(ctx, inp: ChatInput) -> int:
                            param=f.top_logprobs)
         if not inp.logprobs:
             raise ApiError(f"{f.top_logprobs}: requires {f.logprobs} to be true", param=f.top_logprobs)
-    return (inp.top_logprobs or 0) if inp.logprobs else -1
+    return ((inp.top_logprobs or 0) if inp.logprobs else -1), adapter
 
 
 def plan_output(ctx, inp: ChatInput) -> OutputPlan:
@@ -361,13 +362,13 @@ def sampling(ctx, inp: ChatInput, plan: OutputPlan, prompt: str, prompt_tokens: 
 
 def prepare(ctx, inp: ChatInput) -> PreparedCall:
     """Run stages 1-4 in order (on the preparation pool: templates and tokenizing are compute)."""
-    k = validate(ctx, inp)
+    k, adapter = validate(ctx, inp)
     plan = plan_output(ctx, inp)
     prompt, ptoks, ids = render(ctx, inp, plan)
     sp, rename = sampling(ctx, inp, plan, prompt, ptoks)
     call = make_call([{"prompt": prompt} if ids is None else {"input_ids": ids}], sp, inp.n,
                      inp.rid or uuid.uuid4().hex, k)
-    call.lora_path = model_adapter(ctx, getattr(inp.request, "model", None))  # the model may name an adapter
+    call.lora_path = adapter  # the model may name an adapter
     return PreparedCall(call, plan, k, rename, prompt, ptoks, ids)
 
 

@@ -36,6 +36,7 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 def new_item_id(prefix: str) -> str:
+    """A fresh Responses item id: ``"<prefix>_<32 hex digits>"`` (``msg``, ``fc``, ``rs``, ``resp``)."""
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
@@ -182,6 +183,8 @@ def chat_tool_choice(choice):
 
 
 def chat_response_format(req: ResponsesRequest) -> Optional[ResponseFormat]:
+    """``text.format`` of a Responses request as chat completions' ``response_format`` (None for
+    ``text`` or no format)."""
     fmt = req.text.format if req.text is not None else None
     if fmt is None or fmt.type == "text":
         return None

@@ -53,6 +53,8 @@ def _args_complete(arguments: str) -> bool:
 
 
 def message_item(text: str, status: str, item_id: Optional[str] = None, logprobs: Optional[list] = None) -> dict:
+    """An assistant ``message`` output item with one ``output_text`` part (``logprobs``: its token
+    entries, when asked for)."""
     return {"type": "message", "id": item_id or new_item_id("msg"), "role": "assistant", "status": status,
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
 
@@ -72,12 +74,15 @@ def text_logprobs(entries: list[dict], content: Optional[str], calls: bool) -> l
 
 
 def reasoning_item(text: str, status: str, item_id: Optional[str] = None) -> dict:
+    """A ``reasoning`` output item holding the separated thinking as one ``reasoning_text`` part."""
     return {"type": "reasoning", "id": item_id or new_item_id("rs"), "summary": [], "status": status,
             "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def call_item(call_id: str, name: str, arguments: str, item_id: Optional[str] = None,
               status: Optional[str] = None) -> dict:
+    """A ``function_call`` output item; ``status`` defaults to ``completed`` when ``arguments`` is
+    complete JSON, else ``incomplete``."""
     return {"type": "function_call", "id": item_id or new_item_id("fc"), "call_id": call_id, "name": name,
             "arguments": arguments, "status": status or ("completed" if _args_complete(arguments) else "incomplete")}
 

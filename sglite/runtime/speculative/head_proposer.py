@@ -107,6 +107,17 @@ class _HeadBase:
         """[..., H] features -> [..., Vd] draft log-probabilities over :attr:`ids`."""
         return torch.log_softmax(feat @ self.head_w.T, dim=-1)
 
+    @torch.inference_mode()
+    def propose(self, entries: list[StepEntry], rooms: list[int], budget: DraftBudget) -> list[list[Chain]]:
+        """Per entry, at most ``rooms[i]`` draft tokens as chains with distinct first tokens (the
+        verify path's tree); ``[]`` for a request without stored features. Runs on one torch thread."""
+        with one_thread():
+            return [self._propose_one(e.req, e.req.spec.feats if e.req.spec is not None else None, room)
+                    for e, room in zip(entries, rooms)]
+
+    def _propose_one(self, r, log: Optional[FeatureLog], room: int) -> list[Chain]:
+        raise NotImplementedError
+
     def observe(self, plan, hidden: Optional[torch.Tensor], verdicts: dict) -> None:
         """Store the features of the positions ``plan``'s step committed (``hidden``: [N, H] of
         its tokens in entry order; ``verdicts``: ``id(entry) -> (chain, accepted)`` of verify
@@ -141,36 +152,25 @@ class MedusaProposer(_HeadBase):
         self.tree = [t[:k] for t in tree]
         self.depth = max(len(t) for t in self.tree)
 
-    @torch.inference_mode()
-    def propose(self, entries: list[StepEntry], rooms: list[int], budget: DraftBudget) -> list[list[Chain]]:
-        with one_thread():
-            return self._propose(entries, rooms)
-
-    def _propose(self, entries: list[StepEntry], rooms: list[int]) -> list[list[Chain]]:
-        out: list[list[Chain]] = []
-        for e, room in zip(entries, rooms):
-            r = e.req
-            log = r.spec.feats if r.spec is not None else None
-            last = r.seq_len - 2  # the position whose logits gave the pending token
-            if room < 1 or log is None or not log.start <= last < log.end:
-                out.append([])
-                continue
-            f = self.module(log.rows(last, last + 1)[0])  # [K, H]
-            if self.module.heads is not None:
-                lp = torch.stack([torch.log_softmax(h(f[i]), -1)[self.ids] for i, h in enumerate(self.module.heads)])
-            else:
-                lp = self.logp(f)  # [K, Vd]
-            top = lp.topk(max(max(t) for t in self.tree) + 1, dim=-1).indices  # [K, R]
-            chains, left = [], room
-            for t in self.tree:
-                c = [int(self.ids[top[d, j]]) for d, j in enumerate(t)][:left]
-                if c and c[0] not in {ch[0][0] for ch in chains}:
-                    chains.append((c, [self.source] * len(c)))
-                    left -= len(c)
-                if left < 1:
-                    break
-            out.append(chains)
-        return out
+    def _propose_one(self, r, log: Optional[FeatureLog], room: int) -> list[Chain]:
+        last = r.seq_len - 2  # the position whose logits gave the pending token
+        if room < 1 or log is None or not log.start <= last < log.end:
+            return []
+        f = self.module(log.rows(last, last + 1)[0])  # [K, H]
+        if self.module.heads is not None:
+            lp = torch.stack([torch.log_softmax(h(f[i]), -1)[self.ids] for i, h in enumerate(self.module.heads)])
+        else:
+            lp = self.logp(f)  # [K, Vd]
+        top = lp.topk(max(max(t) for t in self.tree) + 1, dim=-1).indices  # [K, R]
+        chains, left = [], room
+        for t in self.tree:
+            c = [int(self.ids[top[d, j]]) for d, j in enumerate(t)][:left]
+            if c and c[0] not in {ch[0][0] for ch in chains}:
+                chains.append((c, [self.source] * len(c)))
+                left -= len(c)
+            if left < 1:
+                break
+        return chains
 
 
 class _EagleKV:
@@ -225,19 +225,9 @@ class EagleProposer(_HeadBase):
         kv.v = v if past is None else torch.cat((kv.v, v), 1)
         return out[0, -1]
 
-    @torch.inference_mode()
-    def propose(self, entries: list[StepEntry], rooms: list[int], budget: DraftBudget) -> list[list[Chain]]:
-        with one_thread():
-            return self._propose(entries, rooms)
-
-    def _propose(self, entries: list[StepEntry], rooms: list[int]) -> list[list[Chain]]:
-        out: list[list[Chain]] = []
-        for e, room in zip(entries, rooms):
-            r = e.req
-            log = r.spec.feats if r.spec is not None else None
-            root = self._catch_up(r, log) if room >= 1 and log is not None else None
-            out.append(self._grow(r, root, room) if root is not None else [])
-        return out
+    def _propose_one(self, r, log: Optional[FeatureLog], room: int) -> list[Chain]:
+        root = self._catch_up(r, log) if room >= 1 and log is not None else None
+        return self._grow(r, root, room) if root is not None else []
 
     def _grow(self, r, root_feat: torch.Tensor, room: int) -> list[Chain]:
         """EAGLE-2's tree (module docstring) under the pending token, as root-branching chains."""

@@ -44,6 +44,8 @@ def make_call(obj, names: list[str]) -> Optional[dict]:
 
 
 def skip_ws(text: str, pos: int) -> int:
+    """The index of the first non-whitespace character of ``text`` at or after ``pos`` (``len(text)``
+    when none)."""
     n = len(text)
     while pos < n and text[pos].isspace():
         pos += 1

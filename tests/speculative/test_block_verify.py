@@ -22,13 +22,7 @@ from tests.speculative.test_exact_sampling import CASES, LOGITS, chi_square_p
 
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: intra-op threads only add their wake-up cost (per call, ~10x on a busy box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/speculative/conftest.py
 
 def _kept_mean(p_rows, q_rows):
     """Expected kept draft tokens of one block step, exactly (drafts enumerated)."""

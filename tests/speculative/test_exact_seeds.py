@@ -20,13 +20,7 @@ from sglite.sampling_params import SamplingParams
 from tests.speculative.prompts import COPY_PROMPTS
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: intra-op threads only add their wake-up cost (per call, ~10x on a busy box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/speculative/conftest.py
 
 ROWS = torch.randn(6, 16, generator=torch.Generator().manual_seed(3)) * 1.5  # [k+1, V]
 

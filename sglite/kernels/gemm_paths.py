@@ -11,6 +11,8 @@ Paths (names as logged):
     quantized weights (``QuantLinearWeight``, impl ``quant_cpp``), 16-row tiles (``w.tiled``):
         ``gemv_q8``        1..8 rows: the int8-activation GEMV over the tiles (:func:`.quant_cpu.gemv_q8`);
         ``vnni_gemm``      more rows: the int8 GEMM (:mod:`.quant_gemm`, AVX-512 VNNI);
+        ``amx_gemm``       bf16 activations, :data:`AMX_MIN_ROWS` rows or more, AMX-BF16 CPUs: the
+                           tile GEMM (:mod:`.quant_amx`, weight tiles dequantized into L1/L2);
         ``dequant_gemm``   more rows without VNNI (or forced): dequantize, then ``F.linear``.
     Row-layout quantized weights keep the float GEMV (1..32 rows) and ``dequant_gemm`` (more).
 
@@ -22,7 +24,8 @@ Forcing: environment variable ``SGLITE_GEMM`` (read on every call, so tests can 
     ``torch``            the pre-GEMM paths: ``F.linear`` on the plain weight for float rows > 8,
                          ``gemv_q8`` up to 32 quantized rows and ``dequant_gemm`` above (A/B runs);
     ``cpp``              the new GEMMs for every row count they take (``vnni_gemm`` from 1 row,
-                         ``onednn_packed`` from 1 row).
+                         ``onednn_packed`` from 1 row);
+    ``vnni``             ``auto`` without the AMX path (A/B runs of the tile units).
 An unknown value raises ValueError naming the variable and the known values.
 """
 from __future__ import annotations
@@ -32,11 +35,12 @@ import os
 from .device import cpu_flags
 
 ENV = "SGLITE_GEMM"
-MODES = ("auto", "torch", "cpp")
+MODES = ("auto", "torch", "cpp", "vnni")
 FLOAT_GEMV_MAX_ROWS = 8  # cpu_gemv.MAX_ROWS (the register budget of the bf16 GEMV)
 Q8_GEMV_MAX_ROWS = 8  # quant_cpu.MAX_ROWS: the tiles' GEMV at 1..8 rows, the VNNI GEMM above
 # (measured, one thread, the 17 SmolLM2-shaped Q4 matrices: M=16 GEMM 14.2 ms vs GEMV blocks 14.6,
 # M=32 34.6 vs 48.2 -- the GEMV re-streams the codes per 8-row block)
+AMX_MIN_ROWS = 32  # quant_amx: from here the tile GEMM beats the VNNI GEMM (docs/benchmarks.md, AMX table)
 
 
 def mode() -> str:
@@ -53,32 +57,36 @@ def float_path(rows: int, gemv_ok: bool, packed_ok: bool) -> str:
     m = mode()
     if m == "torch":
         return "gemv" if gemv_ok and rows <= FLOAT_GEMV_MAX_ROWS else "torch"
-    if gemv_ok and 1 <= rows <= FLOAT_GEMV_MAX_ROWS and m == "auto":
+    if gemv_ok and 1 <= rows <= FLOAT_GEMV_MAX_ROWS and m in ("auto", "vnni"):
         return "gemv"
     return "onednn_packed" if packed_ok and rows >= 1 else ("gemv" if gemv_ok and rows <= FLOAT_GEMV_MAX_ROWS else "torch")
 
 
-def quant_path(rows: int, tiled: bool, vnni_gemm_ok: bool) -> str:
-    """``gemv_q8`` | ``vnni_gemm`` | ``dequant_gemm`` | ``gemv`` (row layout, few rows) for a
-    quantized product of ``rows`` rows (``rows >= 1``); ``vnni_gemm_ok``: :mod:`.quant_gemm` loaded."""
+def quant_path(rows: int, tiled: bool, vnni_gemm_ok: bool, amx_ok: bool = False) -> str:
+    """``gemv_q8`` | ``vnni_gemm`` | ``amx_gemm`` | ``dequant_gemm`` | ``gemv`` (row layout, few rows)
+    for a quantized product of ``rows`` rows (``rows >= 1``); ``vnni_gemm_ok``: :mod:`.quant_gemm`
+    loaded; ``amx_ok``: :mod:`.quant_amx` loaded and the activations are bf16."""
     m = mode()
     if not tiled:
         return "gemv" if rows <= 32 else "dequant_gemm"
+    if amx_ok and m == "auto" and rows >= AMX_MIN_ROWS:
+        return "amx_gemm"
     if m == "cpp" and vnni_gemm_ok:
         return "vnni_gemm"
     if rows <= Q8_GEMV_MAX_ROWS:
         return "gemv_q8"
-    if vnni_gemm_ok and m == "auto":
+    if vnni_gemm_ok and m in ("auto", "vnni"):
         return "vnni_gemm"
     return "gemv_q8" if rows <= 32 else "dequant_gemm"  # the pre-GEMM paths (quant_cpu.GEMV_MAX_ROWS)
 
 
-def describe(gemv_ok: bool, packed_ok: bool, vnni_gemm_ok: bool) -> str:
+def describe(gemv_ok: bool, packed_ok: bool, vnni_gemm_ok: bool, amx_ok: bool = False) -> str:
     """One line for the start-up log: the mode, the CPU features that matter and the path chosen per
     row count (1, 9, 33 rows) for float weights and for tiled quantized ones."""
     f = cpu_flags()
     feats = ",".join(x for x in ("avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8") if x in f) or "none"
     rows = (1, 9, 33)
     fl = ", ".join(f"{r}+ rows {float_path(r, gemv_ok and r <= FLOAT_GEMV_MAX_ROWS, packed_ok)}" for r in rows)
-    qu = ", ".join(f"{r}+ rows {quant_path(r, True, vnni_gemm_ok)}" for r in rows)
-    return f"{ENV}={mode()} cpu=[{feats}]; float weights: {fl}; quantized weights in 16-row tiles: {qu} (AMX-INT8: not built)"
+    qrows = (1, 9, AMX_MIN_ROWS) if amx_ok else rows
+    qu = ", ".join(f"{r}+ rows {quant_path(r, True, vnni_gemm_ok, amx_ok)}" for r in qrows)
+    return f"{ENV}={mode()} cpu=[{feats}]; float weights: {fl}; quantized weights in 16-row tiles (bf16): {qu}"

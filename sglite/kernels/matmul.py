@@ -57,7 +57,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.nn.functional as F
 
-from . import cpu_gemv, gemm_paths, quant_cpu, quant_gemm, quant_linear, w8_linear
+from . import cpu_gemv, gemm_paths, quant_amx, quant_cpu, quant_gemm, quant_linear, w8_linear
 from .linear_invariant import linear_invariant
 from .quant_linear import QuantLinearWeight, reference_linear
 
@@ -331,5 +331,6 @@ def choose_impl(mode: str, dtype: torch.dtype, device: str, probe_weights: list[
     if device == "cpu":  # the dispatcher's table, once per model load
         log.info("CPU matmul paths: %s", gemm_paths.describe(
             gemv_ok=impl == "cpp", packed_ok=impl == "cpp" and dtype == torch.bfloat16,
-            vnni_gemm_ok=dtype == torch.bfloat16 and quant_gemm.available()))
+            vnni_gemm_ok=dtype == torch.bfloat16 and quant_gemm.available(),
+            amx_ok=dtype == torch.bfloat16 and quant_amx.available()))
     return impl

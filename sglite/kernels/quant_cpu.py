@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from . import gemm_paths, quant_gemm
+from . import gemm_paths, quant_amx, quant_gemm
 from .quant_gemm import gemv_q8_reference, quantize_act_q8_reference  # noqa: F401  (re-exported)
 from .cpu_build import load_cpp, read_source
 from .device import cpu_flags
@@ -138,7 +138,10 @@ def linear(x: torch.Tensor, w: QuantLinearWeight, invariant: bool = False, porta
     """``x @ W.T + bias`` for x [M, K] (any M >= 0) on CPU; see the module docstring."""
     m = x.shape[0]
     if w.tiled and m >= 1 and not invariant and not portable:
-        path = gemm_paths.quant_path(m, True, quant_gemm.available())  # rows x layout x CPU features
+        amx_ok = x.dtype == torch.bfloat16 and quant_amx.available()
+        path = gemm_paths.quant_path(m, True, quant_gemm.available(), amx_ok)  # rows x layout x CPU features
+        if path == "amx_gemm":
+            return quant_amx.gemm(x, w)  # the AMX tile GEMM: weight tiles dequantized in L1/L2 only
         if path == "vnni_gemm":
             return quant_gemm.gemm(x, w)  # the int8 GEMM on the tiles: no dequantized copy
     else:

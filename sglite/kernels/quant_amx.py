@@ -1,0 +1,110 @@
+"""BF16 GEMM on the AMX tile units (Intel Sapphire Rapids and later: ``amx_bf16``) for
+group-quantized weights in 16-row tiles (source ``csrc/quant_amx.cpp``): the many-row product
+(prefill chunks, large decode batches) of a :class:`.quant_linear.QuantLinearWeight`, without a
+dequantized copy of the weight.
+
+``gemm(x, w)``: x [M, K] bf16 (any M >= 1; the stored channel order is applied here) -> [M, N] bf16,
+``~ x @ W.T + bias``:
+    1. per pair of 16-row weight tiles (32 output channels), every 32-block of the two tiles is
+       dequantized into a per-thread scratch buffer in the AMX "B" layout: ``fma(code, scale, min)``
+       in float32, rounded once to bf16 (round to nearest even), the bf16 pairs of channels
+       (2p, 2p + 1) side by side. 2 x K / 32 KiB of scratch (36 KiB at K = 576): it stays in L1/L2,
+       and the weight's bytes stream from memory once per call whatever M;
+    2. every 32 activation rows (zero-padded to a multiple of 32) meet the pair in four 16 x 16
+       float32 accumulator tiles, one ``TDPBF16PS`` per (row tile, weight tile, 32-block): 16 x 16 x 32
+       multiply-adds an instruction;
+    3. the accumulators are rounded once to bf16 (``VCVTNEPS2BF16``).
+So the dequantization (about 11 vector instructions per 32 weights) is amortised over M / 16 tile
+products; below about 32 rows the int8 GEMV/GEMM of :mod:`.quant_gemm` is cheaper (the dispatcher's
+threshold, :data:`.gemm_paths.AMX_MIN_ROWS`, measured).
+
+Numerics: the product of bf16 activations with the bf16-rounded dequantized weight, summed in
+float32 (tile order) -- the dequantized bf16 path (``W_stored`` rounded to bf16, ``F.linear``) up to
+float32 summation order, and unlike :mod:`.quant_gemm` no int8 rounding of the activations.
+:func:`reference` is that product in float32.
+
+Availability: ``/proc/cpuinfo`` lists ``amx_tile`` and ``amx_bf16`` (plus the AVX-512 set of
+:mod:`.quant_gemm`), the build (``-mamx-tile -mamx-bf16``) loaded, and Linux granted the process
+the tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``, asked once at load).
+:func:`available` is False otherwise and the dispatcher keeps the VNNI GEMM. Threads: the tile pairs
+split over the persistent pool of ``csrc/thread_pool.h`` (``torch.get_num_threads()`` workers).
+Source of the tile instructions: Intel Architecture Instruction Set Extensions Programming
+Reference, ch. 3 (AMX).
+"""
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from .cpu_build import load_cpp, read_source
+from .device import cpu_flags
+from .quant_gemm import CFLAGS as VNNI_CFLAGS, REQUIRED_FLAGS as VNNI_FLAGS
+from .quant_layout import gather_input
+
+if TYPE_CHECKING:
+    from .quant_linear import QuantLinearWeight
+
+REQUIRED_FLAGS = VNNI_FLAGS + ("amx_tile", "amx_bf16")
+CFLAGS = VNNI_CFLAGS + ("-mamx-tile", "-mamx-bf16")
+
+
+@functools.lru_cache(maxsize=1)
+def load():
+    """The compiled module with the process granted the AMX tile state, or None when the CPU lacks
+    :data:`REQUIRED_FLAGS`, the build failed (one warning logged) or the kernel refused the tiles."""
+    if not all(f in cpu_flags() for f in REQUIRED_FLAGS):
+        return None
+    mod = load_cpp("sglite_quant_amx", read_source("quant_amx.cpp"), CFLAGS,
+                   functions=["quant_gemm_amx", "quant_amx_init"])
+    if mod is None or not mod.quant_amx_init():
+        return None
+    return mod
+
+
+def available() -> bool:
+    """True when the AMX build loaded and the tile state is granted on this CPU."""
+    return load() is not None
+
+
+def supports(w: QuantLinearWeight) -> bool:
+    """Whether :func:`gemm` takes ``w`` (the tiles of :mod:`.quant_gemm`, same rule)."""
+    from .quant_gemm import supports as tiled_ok
+    return tiled_ok(w)
+
+
+def gemm(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
+    """``x @ W.T + bias`` on the AMX tiles (module docstring).
+
+    Args:
+        x: [M, K] bf16 (float32 is rounded to bf16 first), logical channel order.
+        w: a tiled weight (:func:`supports`).
+    Returns:
+        [M, N] in x's dtype.
+    Raises:
+        RuntimeError: AMX is unavailable here or ``w`` is not tiled (names the field)."""
+    mod = load()
+    if mod is None:
+        raise RuntimeError("quant_amx: the AMX kernel is unavailable on this CPU (needs amx_tile + amx_bf16)")
+    if not supports(w):
+        raise RuntimeError(f"quant_amx: weight must be CPU, tiled, group_size 32 (16 at 8 bits), N % 16 == 0; got "
+                           f"tiled={w.tiled} group_size={w.group_size} N={w.shape[0]} device={w.device}")
+    if x.shape[0] == 0:
+        return x.new_zeros((0, w.shape[0]))
+    xs = gather_input(x, w).to(torch.bfloat16)
+    mins = torch.empty(0) if w.mins is None else w.mins
+    y = mod.quant_gemm_amx(xs, w.qweight, w.scales, mins, w.bits, w.group_size, x.dtype == torch.bfloat16)
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
+    return y if w.bias is None else y + w.bias.to(x.dtype)
+
+
+def reference(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
+    """Torch reference of :func:`gemm`: bf16 activations times ``W_stored`` rounded to bf16, in
+    float32 (+ bias); [M, N] float32."""
+    xs = gather_input(x, w).to(torch.bfloat16).float()
+    wb = w.dequantize_stored(torch.float32).to(torch.bfloat16).float()
+    y = F.linear(xs, wb)
+    return y if w.bias is None else y + w.bias.float()

@@ -1,0 +1,77 @@
+"""The AMX bf16 GEMM on GGUF blocks in 16-row tiles (:mod:`sglite.kernels.quant_amx`) against its
+torch reference (bf16 activations x the bf16-rounded dequantized weight, float32 sums), for every
+native GGUF type, random shapes (odd row counts: the zero-padded tails), both scale dtypes, float32
+and bf16 outputs, one and two threads; and the dispatcher's choice of it by row count."""
+import numpy as np
+import pytest
+import torch
+
+from sglite.kernels import gemm_paths, quant_amx, quant_cpu
+from sglite.kernels.quant_layout import compact_scales, tile_rows
+from sglite.runtime.gguf_blocks import NATIVE_TYPES, blocks_to_weight
+from sglite.testing import random_gguf_blocks
+
+amx = pytest.mark.skipif(not quant_amx.available(), reason="no AMX-BF16 here")
+
+
+def _weight(type_name, n, k, seed, compact=True):
+    w = blocks_to_weight(type_name, random_gguf_blocks(type_name, n, k, seed=seed), k)
+    if compact:
+        compact_scales(w)
+    assert tile_rows(w) and quant_amx.supports(w)
+    return w
+
+
+@amx
+@pytest.mark.parametrize("type_name", NATIVE_TYPES)
+def test_amx_gemm_matches_reference(type_name):
+    rng = np.random.default_rng(5)
+    k = 256 * int(rng.integers(1, 3)) if type_name.endswith("_K") else 32 * int(rng.integers(1, 12))
+    for n, compact in ((16, True), (48, False), (80, True)):  # one tile, an odd tile count, pairs
+        w = _weight(type_name, n, k, n, compact)
+        for m in (1, 17, 32, 45, 70):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+            r = quant_amx.reference(x, w)
+            tol = 2e-6 * k ** 0.5 * (r.abs().max().item() + 1e-6)
+            y32 = quant_amx.load().quant_gemm_amx(x.contiguous(), w.qweight, w.scales,
+                                                  torch.empty(0) if w.mins is None else w.mins,
+                                                  w.bits, w.group_size, False)
+            assert (y32 - r).abs().max().item() <= tol, (n, m)
+            y = quant_amx.gemm(x, w)
+            assert y.dtype == torch.bfloat16
+            assert torch.equal(y, y32.bfloat16())  # one rounding of the float32 sums
+
+
+@amx
+def test_amx_gemm_threads_agree():
+    w = _weight("Q4_1", 96, 576, 1)
+    x = torch.randn(40, 576, generator=torch.Generator().manual_seed(2)).bfloat16()
+    prev = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = quant_amx.gemm(x, w)
+        torch.set_num_threads(2)
+        two = quant_amx.gemm(x, w)
+    finally:
+        torch.set_num_threads(prev)
+    assert torch.equal(one, two)  # each output tile is computed by one thread, same code
+
+
+@amx
+def test_dispatcher_takes_amx_for_many_bf16_rows(monkeypatch):
+    w = _weight("Q4_1", 64, 576, 3)
+    monkeypatch.delenv(gemm_paths.ENV, raising=False)
+    rows = gemm_paths.AMX_MIN_ROWS
+    assert gemm_paths.quant_path(rows, True, True, amx_ok=True) == "amx_gemm"
+    assert gemm_paths.quant_path(rows - 1, True, True, amx_ok=True) != "amx_gemm"
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(4)).bfloat16()
+    assert torch.equal(quant_cpu.linear(x, w), quant_amx.gemm(x, w))
+    monkeypatch.setenv(gemm_paths.ENV, "vnni")  # AMX off: the int8 GEMM
+    assert gemm_paths.quant_path(rows, True, True, amx_ok=True) == "vnni_gemm"
+
+
+def test_amx_path_needs_the_cpu():
+    assert gemm_paths.quant_path(512, True, True, amx_ok=False) == "vnni_gemm"
+    if not quant_amx.available():
+        with pytest.raises(RuntimeError, match="AMX kernel is unavailable"):
+            quant_amx.gemm(torch.zeros(32, 32, dtype=torch.bfloat16), None)

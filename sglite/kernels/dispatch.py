@@ -223,12 +223,14 @@ def rope_store_kv(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: tor
 def silu_mul(g: torch.Tensor, u: torch.Tensor, *, batch_invariant: bool = False) -> torch.Tensor:
     """SwiGLU's activation ``silu(g) * u`` (Shazeer 2020), g and u of one shape and dtype.
 
-    ``batch_invariant`` on CPU: :func:`.cpu_gemv.silu_mul` (torch's ``F.silu`` rounds an element
+    ``batch_invariant`` on CPU, and every bf16 product on CPU: :func:`.cpu_gemv.silu_mul` (one pass
+    on the C++ thread pool instead of two torch ops; torch's ``F.silu`` rounds an element
     differently in the vectorised body and the scalar tail, so its bits depend on where the batch
-    puts it); elsewhere ``F.silu(g) * u`` (CUDA's elementwise kernels apply one formula per element).
+    puts it); elsewhere ``F.silu(g) * u`` (float32 on CPU keeps torch's, the reference path; CUDA's
+    elementwise kernels apply one formula per element).
     """
-    if batch_invariant and g.device.type == "cpu":
-        return cpu_gemv.silu_mul(g, u)
+    if g.device.type == "cpu" and (batch_invariant or (g.dtype == torch.bfloat16 and cpu_gemv.available())):
+        return cpu_gemv.silu_mul(g, u)  # bf16: one pooled pass, torch's two roundings (silu, then the product)
     return torch.nn.functional.silu(g) * u
 
 

@@ -147,8 +147,10 @@ at::Tensor quant_gemm_amx(at::Tensor x, at::Tensor q, at::Tensor s, at::Tensor m
   const int64_t Mp = (M + 31) / 32 * 32;
   at::Tensor xp = x.contiguous();
   if (Mp != M) {  // zero rows up to a multiple of 32: every tile load reads 16 full rows
-    xp = at::zeros({Mp, K}, x.options());
-    xp.narrow(0, 0, M).copy_(x);
+    at::Tensor pad = at::empty({Mp, K}, x.options());
+    std::memcpy(pad.data_ptr(), xp.data_ptr(), M * K * 2);
+    std::memset((uint16_t*)pad.data_ptr() + M * K, 0, (Mp - M) * K * 2);
+    xp = pad;
   }
   const uint16_t* xd = (const uint16_t*)xp.data_ptr<at::BFloat16>();
   const QW w{q.data_ptr<uint8_t>(), (const float*)s.data_ptr(), mn.numel() > 0 ? (const float*)mn.data_ptr() : nullptr,

@@ -83,7 +83,7 @@ def load(portable: bool = False):
     cflags = quant_cpu.CFLAGS_AVX + (("-mavx512vnni",) if quant_cpu.VNNI_FLAG in flags else ()) if simd \
         else quant_cpu.CFLAGS_PORTABLE
     return load_cpp("sglite_decode_layer" + ("" if simd else "_portable"), read_source("decode_layer.cpp"), cflags,
-                    functions=["decode_forward", "head_q8", "probe_gemvs"])
+                    functions=["decode_forward", "head_q8", "probe_gemvs", "decode_family_forward"])
 
 
 def _tileable(w) -> bool:
@@ -109,8 +109,7 @@ class FusedDecode:
         # the attention splits over threads from this many K/V values read per step (below, one op call
         # costs less than the calls of a split; 0: always split)
         self.attn_split_min: int = getattr(self, "attn_split_min", ATTN_SPLIT_MIN)
-        self.norms = torch.stack([torch.stack([L["in_norm"].float(), L["post_norm"].float()])
-                                  for L in model.layers]).contiguous()  # [L, 2, H] float32
+        self.norms = self._norms(model)
         self.final_norm = model.norm.float().contiguous()  # [H]
         self.lin, self.bits = [], []
         for L in model.layers:
@@ -125,6 +124,11 @@ class FusedDecode:
         if len(tiled) != 1:
             raise ValueError("fused decode: the layer weights must be all tiled or none")
         self.tiled = tiled.pop()
+
+    def _norms(self, model) -> torch.Tensor:
+        """[L, 2, H] float32 (input, post-attention) RMSNorm weights of every layer."""
+        return torch.stack([torch.stack([L["in_norm"].float(), L["post_norm"].float()])
+                            for L in model.layers]).contiguous()
 
     def refresh(self) -> None:
         """Re-read the weight tensors (after :meth:`LlamaModel.pack_hugepages` moved them)."""
@@ -187,10 +191,13 @@ class FusedDecode:
 def prepare(model, portable: bool = False) -> Optional[FusedDecode]:
     """A :class:`FusedDecode` for ``model`` (a ``LlamaModel``) when its static preconditions hold
     (module docstring) and the kernels build; else None (the per-op path runs)."""
+    from . import decode_family
+
     a = model.arch
+    family = bool(getattr(model, "fused_decode_family", False)) or bool(a.qk_norm)  # decode_family's layer
     if (os.environ.get("SGLITE_KERNEL") in ("torch", "triton") or model.device != "cpu" or model.tp is not None
-            or getattr(model, "fused_decode_ok", True) is False
-            or model.batch_invariant or a.qk_norm or a.qkv_bias or a.head_dim > cpu_attention.MAX_HEAD_DIM
+            or getattr(model, "fused_decode_ok", True) is False or (family and not decode_family.supported(model))
+            or model.batch_invariant or a.qkv_bias or a.head_dim > cpu_attention.MAX_HEAD_DIM
             or tuple(model.cos.shape[1:]) != (a.head_dim // 2,)  # RoPE over the whole head only
             or model.dtype not in (torch.float32, torch.bfloat16)
             or not all(_quant_ok(L[k]) for L in model.layers for k in LINEAR_KEYS)):
@@ -205,4 +212,4 @@ def prepare(model, portable: bool = False) -> Optional[FusedDecode]:
             changed += sum(tile_rows(w) for w in qws if _tileable(w))  # 16-row tiles (module docstring)
         if changed:
             model.pack_hugepages()  # one fresh buffer: the replaced arrays' memory is released
-    return FusedDecode(model, q8=q8, portable=portable)
+    return (decode_family.FamilyFusedDecode if family else FusedDecode)(model, q8=q8, portable=portable)

@@ -27,6 +27,9 @@ from __future__ import annotations
 
 import torch
 
+from typing import Optional
+
+from . import decode_fused
 from .decode_fused import FusedDecode, load
 
 NORM_KEYS = ("in_norm", "attn_out_norm", "ffn_in_norm", "ffn_out_norm")
@@ -106,3 +109,12 @@ class FamilyFusedDecode(FusedDecode):
         if cap > 0:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+def prepare(model, portable: bool = False) -> Optional[FusedDecode]:
+    """The fused decode of ``model`` (:func:`.decode_fused.prepare`): a :class:`FamilyFusedDecode`
+    for a family model whose options fit (:func:`supported`), the Llama layer's
+    :class:`~.decode_fused.FusedDecode` otherwise; None where neither applies (the per-op path)."""
+    if decode_fused.is_family(model):
+        return decode_fused.prepare(model, portable, family=FamilyFusedDecode) if supported(model) else None
+    return decode_fused.prepare(model, portable)

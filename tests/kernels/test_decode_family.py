@@ -128,10 +128,11 @@ def test_unsupported_options_keep_the_per_op_path(quantized):
     assert MoeModel.fused_decode_ok is False
     with Engine(model_path=str(quantized["gemma3"]), dtype="float32", max_total_tokens=2048) as e:
         model = e.runner.model
-        assert isinstance(decode_fused.prepare(model), decode_family.FamilyFusedDecode)
+        assert isinstance(decode_family.prepare(model), decode_family.FamilyFusedDecode)
+        assert decode_fused.prepare(model) is None  # the Llama layer alone refuses it
         arch = model.arch
         try:
             model.arch = dataclasses.replace(arch, mlp_act="relu")
-            assert not decode_family.supported(model) and decode_fused.prepare(model) is None
+            assert not decode_family.supported(model) and decode_family.prepare(model) is None
         finally:
             model.arch = arch

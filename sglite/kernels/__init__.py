@@ -4,6 +4,7 @@ from .dispatch import (apply_token_bitmask, decode_attention, extend_attention, 
                        linear, lora_add, resolve_impl, rms_norm, sample, silu_mul, store_kv,
                        add_rms_norm, rope_store_kv, moe_experts, moe_topk)
 from . import decode_fused  # noqa: F401  (fused CPU decode of quantized models)
+from . import decode_family  # noqa: F401  (its layer for the Llama-like families)
 from .matmul import LinearWeight, choose_impl, make_linear  # noqa: F401
 from .quant_linear import QuantLinearWeight  # noqa: F401
 from .w8_linear import Fp8LinearWeight, Int8LinearWeight  # noqa: F401

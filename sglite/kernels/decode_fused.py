@@ -41,9 +41,11 @@ had no threads at all: sglite builds its extensions without ``-fopenmp``, so ``a
 in them runs serially.
 
 Used only when the preconditions hold (:func:`prepare`, static; :meth:`FusedDecode.forward`, per
-step): a plain Llama layer (the model's ``fused_decode_ok`` is not False: OLMo 2, Granite and
-Gemma 2/3 set it False, their norms, multipliers, soft-capping and sliding windows are not in the
-C++ layer), CPU, float32/bf16, no tensor parallelism, no batch-invariant mode, no QK-norm / QKV bias,
+step): a plain Llama layer (the model's ``fused_decode_ok`` is not False: MoE models set it
+False), or a family layer (Gemma 2/3, OLMo 2, Granite, Qwen3's QK-norm: their norms, scales,
+GeGLU, QK-norm, sliding windows and soft-capping as the options of :mod:`.decode_family`, whose
+``prepare`` the model runner calls), CPU, float32/bf16, no tensor parallelism, no batch-invariant
+mode, no QKV bias,
 every layer matmul a :class:`.quant_linear.QuantLinearWeight` with group size 32 (or 16 with 8-bit
 codes: GGUF Q6_K, read as two scales per 32-block; every GGUF native type qualifies), no input
 permutation and no bias, a float (non-quantized) KV pool, a step of only decode rows, 1..32 of them;
@@ -83,7 +85,7 @@ def load(portable: bool = False):
     cflags = quant_cpu.CFLAGS_AVX + (("-mavx512vnni",) if quant_cpu.VNNI_FLAG in flags else ()) if simd \
         else quant_cpu.CFLAGS_PORTABLE
     return load_cpp("sglite_decode_layer" + ("" if simd else "_portable"), read_source("decode_layer.cpp"), cflags,
-                    functions=["decode_forward", "head_q8", "probe_gemvs"])
+                    functions=["decode_forward", "head_q8", "probe_gemvs", "decode_family_forward"])
 
 
 def _tileable(w) -> bool:
@@ -109,8 +111,7 @@ class FusedDecode:
         # the attention splits over threads from this many K/V values read per step (below, one op call
         # costs less than the calls of a split; 0: always split)
         self.attn_split_min: int = getattr(self, "attn_split_min", ATTN_SPLIT_MIN)
-        self.norms = torch.stack([torch.stack([L["in_norm"].float(), L["post_norm"].float()])
-                                  for L in model.layers]).contiguous()  # [L, 2, H] float32
+        self.norms = self._norms(model)
         self.final_norm = model.norm.float().contiguous()  # [H]
         self.lin, self.bits = [], []
         for L in model.layers:
@@ -125,6 +126,11 @@ class FusedDecode:
         if len(tiled) != 1:
             raise ValueError("fused decode: the layer weights must be all tiled or none")
         self.tiled = tiled.pop()
+
+    def _norms(self, model) -> torch.Tensor:
+        """[L, 2, H] float32 (input, post-attention) RMSNorm weights of every layer."""
+        return torch.stack([torch.stack([L["in_norm"].float(), L["post_norm"].float()])
+                            for L in model.layers]).contiguous()
 
     def refresh(self) -> None:
         """Re-read the weight tensors (after :meth:`LlamaModel.pack_hugepages` moved them)."""
@@ -184,13 +190,22 @@ class FusedDecode:
         return self.head(h.contiguous())
 
 
-def prepare(model, portable: bool = False) -> Optional[FusedDecode]:
+def is_family(model) -> bool:
+    """Whether ``model`` needs the families' layer (:mod:`.decode_family`): a family model
+    (``fused_decode_family``) or a Llama layer with per-head QK-norm (Qwen3)."""
+    return bool(getattr(model, "fused_decode_family", False)) or bool(model.arch.qk_norm)
+
+
+def prepare(model, portable: bool = False, family: Optional[type] = None) -> Optional[FusedDecode]:
     """A :class:`FusedDecode` for ``model`` (a ``LlamaModel``) when its static preconditions hold
-    (module docstring) and the kernels build; else None (the per-op path runs)."""
+    (module docstring) and the kernels build; else None (the per-op path runs). ``family``: the
+    class built for a model of :func:`is_family` (:func:`.decode_family.prepare` passes its
+    ``FamilyFusedDecode`` after checking the options); None refuses those models."""
     a = model.arch
+    fam = is_family(model)
     if (os.environ.get("SGLITE_KERNEL") in ("torch", "triton") or model.device != "cpu" or model.tp is not None
-            or getattr(model, "fused_decode_ok", True) is False
-            or model.batch_invariant or a.qk_norm or a.qkv_bias or a.head_dim > cpu_attention.MAX_HEAD_DIM
+            or getattr(model, "fused_decode_ok", True) is False or (fam and family is None)
+            or model.batch_invariant or a.qkv_bias or a.head_dim > cpu_attention.MAX_HEAD_DIM
             or tuple(model.cos.shape[1:]) != (a.head_dim // 2,)  # RoPE over the whole head only
             or model.dtype not in (torch.float32, torch.bfloat16)
             or not all(_quant_ok(L[k]) for L in model.layers for k in LINEAR_KEYS)):
@@ -205,4 +220,4 @@ def prepare(model, portable: bool = False) -> Optional[FusedDecode]:
             changed += sum(tile_rows(w) for w in qws if _tileable(w))  # 16-row tiles (module docstring)
         if changed:
             model.pack_hugepages()  # one fresh buffer: the replaced arrays' memory is released
-    return FusedDecode(model, q8=q8, portable=portable)
+    return (family if fam else FusedDecode)(model, q8=q8, portable=portable)

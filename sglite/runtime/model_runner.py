@@ -98,7 +98,7 @@ class ModelRunner:
         self.model = model_registry.model_class(self.arch)(self.arch, state_dict, self.dtype, self.device,
                                                            batch_invariant=deterministic)
         self.linear_impl = self._choose_linear_impl(config)
-        self.model.decode_fused = kernels.decode_fused.prepare(self.model)  # None: per-op decode
+        self.model.decode_fused = kernels.decode_family.prepare(self.model)  # None: per-op decode (Llama or a family layer)
         self.vocab_size = self.arch.vocab_size
         self.context_length = config.context_length or self.arch.max_position_embeddings
         if self.context_length > self.arch.max_position_embeddings:

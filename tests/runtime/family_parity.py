@@ -46,7 +46,7 @@ def engine(model_dir, **kw):
 
 def check_tokens_and_logprobs(family, model_class: str):
     """The first four prompts batched: HF's greedy tokens, prompt logprobs within 1e-4, on the
-    family's own model class and never the fused Llama decode."""
+    family's own model class and the per-op path (float weights: no fused decode)."""
     name, d, prompts, outs, logps = family
     with engine(d) as e:
         assert type(e.runner.model).__name__ == model_class
@@ -75,13 +75,12 @@ def check_matrix(family, radix: bool, chunk):
 
 
 def check_refusals(family, quantized_kv_refused: bool):
-    """The fused Llama decode is never taken; ``tp_size > 1`` (and, where the family lacks it, a
+    """Float weights never take the fused decode (the families' quantized weights do:
+    tests/kernels/test_decode_family.py); ``tp_size > 1`` (and, where the family lacks it, a
     quantized KV cache) is refused naming the field, before weights load."""
     from sglite.errors import InvalidRequestError
     from sglite.kernels import decode_fused
-    from sglite.runtime.models.family import FamilyModel
 
-    assert FamilyModel.fused_decode_ok is False
     d = family[1]
     with engine(d) as e:
         assert decode_fused.prepare(e.runner.model) is None

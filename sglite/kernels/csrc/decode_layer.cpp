@@ -82,12 +82,12 @@ using AttnOp = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::
 // that read fewer than split_min K/V values run it in one call on the calling thread.
 void attention(const AttnOp& attn, const at::Tensor& q, const at::Tensor& kb, const at::Tensor& vb, const at::Tensor& rt,
                const at::Tensor& rows, const at::Tensor& lens, double sm, int64_t M, int64_t Hq, int64_t Hkv, int64_t D,
-               int threads, int64_t split_min, float* att) {
+               int threads, int64_t split_min, float* att, int64_t window = 0, double softcap = 0.0) {
   const int64_t T = M * Hkv, G = Hq / Hkv;
   int64_t work = 0;  // K/V values the step reads: below split_min the op calls cost more than they share
   for (int64_t m = 0; m < M; ++m) work += lens.data_ptr<int64_t>()[m] * Hkv * D;
   if (threads <= 1 || T <= 1 || work < split_min) {
-    at::Tensor o = attn.call(q, kb, vb, rt, rows, lens, sm, 0, 0.0);  // [M, Hq, D] float32; no window or soft-cap (full-attention models only)
+    at::Tensor o = attn.call(q, kb, vb, rt, rows, lens, sm, window, softcap);  // [M, Hq, D] float32
     std::memcpy(att, o.data_ptr<float>(), sizeof(float) * M * Hq * D);
     return;
   }
@@ -95,7 +95,7 @@ void attention(const AttnOp& attn, const at::Tensor& q, const at::Tensor& kb, co
   auto piece = [&](int64_t m0, int64_t m1, int64_t h0, int64_t h1) {
     if (m0 >= m1 || h0 >= h1) return;
     at::Tensor o = attn.call(q.slice(0, m0, m1).slice(1, h0 * G, h1 * G), kb.slice(1, h0, h1), vb.slice(1, h0, h1), rt,
-                             rows.slice(0, m0, m1), lens.slice(0, m0, m1), sm, 0, 0.0);  // [m1 - m0, (h1 - h0) * G, D]
+                             rows.slice(0, m0, m1), lens.slice(0, m0, m1), sm, window, softcap);  // [m1 - m0, (h1 - h0) * G, D]
     const float* op = o.data_ptr<float>();
     const int64_t w = (h1 - h0) * G * D;
     for (int64_t m = m0; m < m1; ++m) std::memcpy(att + m * Hq * D + h0 * G * D, op + (m - m0) * w, sizeof(float) * w);
@@ -265,3 +265,6 @@ double probe_gemvs(std::vector<at::Tensor> lin, std::vector<int64_t> bits, bool 
   }
   return best;
 }
+
+// The families' fused decode layer (Gemma 2/3, OLMo 2, Granite): decode_family_forward.
+#include "decode_family.h"

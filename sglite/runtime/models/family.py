@@ -17,8 +17,10 @@ view of the HF config) plus what the family changes, as data:
   RoPE base (Gemma 2/3).
 
 :class:`FamilyModel` is a :class:`~.llama.LlamaModel` (same weights, KV layout, matmul
-implementations, hugepage packing) with this layer's forward; it never takes the fused C++ decode
-(``fused_decode_ok = False``) and refuses tensor parallelism (:func:`sglite.runtime.models.registry.check_engine_config`).
+implementations, hugepage packing) with this layer's forward (the per-op path, the reference); its
+decode steps take the families' fused C++ decode (:mod:`sglite.kernels.decode_family`,
+``fused_decode_family = True``) when the weights qualify. It refuses tensor parallelism
+(:func:`sglite.runtime.models.registry.check_engine_config`).
 """
 from __future__ import annotations
 
@@ -84,7 +86,7 @@ class FamilyModel(LlamaModel):
 
     emits_hidden = False  # its own _forward: no hidden states for draft heads (EAGLE / MEDUSA refused)
 
-    fused_decode_ok = False  # sglite.kernels.decode_fused: the C++ layer is plain Llama only
+    fused_decode_family = True  # sglite.kernels.decode_family: the C++ layer with this family's options
 
     def layer_norm_names(self, arch: FamilyArch) -> dict:
         """``{layer key: HF module name}`` of a layer's norms (keys ``in_norm``, ``attn_out_norm``,

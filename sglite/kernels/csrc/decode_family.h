@@ -1,0 +1,173 @@
+// The fused decode layer of the Llama-like families (Gemma 2/3, OLMo 2, Granite; contract:
+// sglite/kernels/decode_family.py), spliced into decode_layer.cpp after its helpers (rms_norm,
+// weight, gemv, attention, store_rows, silu_mul), which it reuses. It differs from
+// decode_forward only by the family's options, as data:
+// * norms [L, 4, H] float32 in the order (in, attn_out, ffn_in, ffn_out), present where bit i of
+//   norm_mask is set (Gemma: all four, weights already (1 + w); OLMo 2: attn_out and ffn_out,
+//   applied to the attention / MLP output before the residual add; Granite: Llama's in / ffn_in);
+// * QK-norm (qk_kind 1: each head over D, Gemma 3 and Qwen3; 2: the whole q / k projection width,
+//   OLMo 2) before RoPE with weights qk_norms [2L] = (q_norm, k_norm) per layer, float32;
+// * residual_scale on each block's output before its add (Granite);
+// * act 0: SiLU(g) * u, 1: gelu_tanh(g) * u (Gemma's GeGLU);
+// * per-layer local flags: a local layer rotates with (lcos, lsin), attends to the last `window`
+//   positions only, and reads / writes the K/V slots of (lout_loc, lrt, lrows) (the hybrid pool's
+//   local slot space, sglite/runtime/swa_pool.py; the full ones when it has none);
+// * softcap > 0: cap * tanh(s / cap) on the attention scores (Gemma 2).
+#pragma once
+
+namespace {
+
+// act[i] = gelu_tanh(g[i]) * u[i] = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) u (Hendrycks &
+// Gimpel 2016, the tanh approximation; torch's gelu(approximate="tanh")). The AVX-512 build computes
+// tanh(|y|) = (1 - e) / (1 + e), e = e^(-2|y|) (exp_nonpos, abs. error ~1e-7), sign restored.
+void gelu_tanh_mul(const float* g, const float* u, int64_t n, float* act) {
+  const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+  int64_t i = 0;
+#ifdef SGQ_AVX512
+  const __m512 one = _mm512_set1_ps(1.f), half = _mm512_set1_ps(0.5f), vk0 = _mm512_set1_ps(k0), vk1 = _mm512_set1_ps(k1);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(g + i);
+    const __m512 y = _mm512_mul_ps(vk0, _mm512_fmadd_ps(_mm512_mul_ps(vk1, x), _mm512_mul_ps(x, x), x));
+    const __m512 e = sglite_simd::exp_nonpos(_mm512_mul_ps(_mm512_set1_ps(-2.f), _mm512_abs_ps(y)));
+    __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    t = _mm512_mask_sub_ps(t, _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_ps(), t);
+    _mm512_storeu_ps(act + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, t)),
+                                            _mm512_loadu_ps(u + i)));
+  }
+#endif
+  for (; i < n; ++i) {
+    const float x = g[i];
+    act[i] = 0.5f * x * (1.f + std::tanh(k0 * (x + k1 * x * x * x))) * u[i];
+  }
+}
+
+// x[i] += s * y[i] (s == 1: a plain add, as decode_forward's residual)
+void add_scaled(float* x, const float* y, int64_t n, float s) {
+  if (s == 1.f) for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+  else for (int64_t i = 0; i < n; ++i) x[i] += y[i] * s;
+}
+
+template <typename T>
+void store_kv(at::Tensor& kb, at::Tensor& vb, const int64_t* loc, const float* qkv, int64_t M, int64_t Hq, int64_t Hkv,
+              int64_t D, int64_t Nqkv) {
+  store_rows<T>(kb, loc, qkv + Hq * D, M, Hkv, D, Nqkv);
+  store_rows<T>(vb, loc, qkv + (Hq + Hkv) * D, M, Hkv, D, Nqkv);
+}
+
+}  // namespace
+
+// x [M, H] float32 (the embedded, scaled tokens) -> [M, H] float32 hidden after the final RMSNorm,
+// the K/V of every layer written. Options: the header comment; the rest as decode_forward's
+// arguments (cos/sin and lcos/lsin [M, D/2] float32; local [L] 0/1; lout_loc / lrows [M] int64,
+// lrt int32 for the local layers).
+at::Tensor decode_family_forward(
+    at::Tensor x, at::Tensor norms, int64_t norm_mask, std::vector<at::Tensor> qk_norms, int64_t qk_kind,
+    std::vector<at::Tensor> lin, std::vector<int64_t> bits, at::Tensor final_norm, at::Tensor cos, at::Tensor sin,
+    at::Tensor lcos, at::Tensor lsin, std::vector<int64_t> local, int64_t window, double softcap, double residual_scale,
+    int64_t act_kind, std::vector<at::Tensor> kbufs, std::vector<at::Tensor> vbufs, at::Tensor out_loc,
+    at::Tensor req_to_token, at::Tensor rows, at::Tensor lout_loc, at::Tensor lrt, at::Tensor lrows, at::Tensor lens,
+    int64_t Hq, int64_t Hkv, int64_t D, double eps, double sm_scale, bool q8, bool tiled, int64_t threads,
+    int64_t attn_split_min) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= 32,
+              "decode_family_forward: x must be contiguous float32 [M <= 32, H]");
+  const int64_t M = x.size(0), H = x.size(1), L = (int64_t)kbufs.size(), half = D / 2;
+  TORCH_CHECK((int64_t)lin.size() == 12 * L && (int64_t)bits.size() == 4 * L && (int64_t)vbufs.size() == L
+              && (int64_t)local.size() == L && norms.scalar_type() == at::kFloat && norms.is_contiguous()
+              && norms.numel() == L * 4 * H, "decode_family_forward: per-layer inputs disagree with the layer count");
+  TORCH_CHECK(qk_kind >= 0 && qk_kind <= 2 && (qk_kind == 0 || (int64_t)qk_norms.size() == 2 * L),
+              "decode_family_forward: qk_kind must be 0, 1 or 2 with 2 weights per layer");
+  TORCH_CHECK(act_kind == 0 || act_kind == 1, "decode_family_forward: act_kind must be 0 (silu) or 1 (gelu_tanh)");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "decode_family_forward: window and softcap must be >= 0");
+  for (const at::Tensor* c : {&cos, &sin, &lcos, &lsin})
+    TORCH_CHECK(c->scalar_type() == at::kFloat && c->is_contiguous() && c->numel() == M * half && D % 2 == 0,
+                "decode_family_forward: cos/sin tables must be float32 [M, D/2]");
+  for (const at::Tensor* t : {&out_loc, &lout_loc, &lens, &rows, &lrows})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == M,
+                "decode_family_forward: out_cache_loc, rows and seq_lens must be int64 [M]");
+  TORCH_CHECK(threads >= 1 && threads <= 1024, "decode_family_forward: threads must be in [1, 1024], got ", threads);
+  static auto attn = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("sglite_cpu_attention::decode_attention", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                        const at::Tensor&, double, int64_t, double)>();
+  const PoolPar par{(int)threads};
+  const int64_t Nqkv = (Hq + 2 * Hkv) * D;
+  const float rs = (float)residual_scale, ep = (float)eps;
+  at::Tensor out = x.clone();
+  float* xr = out.data_ptr<float>();
+  std::vector<float> h(M * H), qkv, att(M * Hq * D), tmp(M * H), gu, act;
+  const float* np_ = norms.data_ptr<float>();
+  at::Tensor q_t = at::empty({M, Hq, D}, x.options());
+  for (int64_t l = 0; l < L; ++l) {
+    const QW wqkv = weight(lin, 12 * l, bits[4 * l], tiled), wo = weight(lin, 12 * l + 3, bits[4 * l + 1], tiled);
+    const QW wgu = weight(lin, 12 * l + 6, bits[4 * l + 2], tiled), wd = weight(lin, 12 * l + 9, bits[4 * l + 3], tiled);
+    TORCH_CHECK(wqkv.K == H && wqkv.N == Nqkv && wo.K == Hq * D && wo.N == H && wgu.K == H && wd.N == H
+                && wd.K * 2 == wgu.N, "decode_family_forward: layer ", l, " weight shapes disagree with the model");
+    const int64_t I = wd.K;
+    const float* nw = np_ + l * 4 * H;  // this layer's 4 norm weights
+    const bool loc_layer = local[l] != 0;
+    const float* hin = xr;
+    if (norm_mask & 1) { rms_norm(xr, nw, M, H, ep, h.data()); hin = h.data(); }
+    qkv.resize(M * Nqkv);
+    gemv(wqkv, hin, M, qkv.data(), q8, par);
+    if (qk_kind) {
+      const at::Tensor &qn = qk_norms[2 * l], &kn = qk_norms[2 * l + 1];
+      const int64_t qw = qk_kind == 1 ? D : Hq * D, kw = qk_kind == 1 ? D : Hkv * D;
+      TORCH_CHECK(qn.scalar_type() == at::kFloat && kn.scalar_type() == at::kFloat && qn.is_contiguous()
+                  && kn.is_contiguous() && qn.numel() == qw && kn.numel() == kw,
+                  "decode_family_forward: q_norm / k_norm of layer ", l, " must be float32 [", qw, "] / [", kw, "]");
+      for (int64_t m = 0; m < M; ++m) {  // in place: rms_norm reads each row before writing it
+        float* q = qkv.data() + m * Nqkv;
+        rms_norm(q, qn.data_ptr<float>(), Hq * D / qw, qw, ep, q);
+        rms_norm(q + Hq * D, kn.data_ptr<float>(), Hkv * D / kw, kw, ep, q + Hq * D);
+      }
+    }
+    const float* cp = (loc_layer ? lcos : cos).data_ptr<float>();
+    const float* sp = (loc_layer ? lsin : sin).data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)  // RoPE on the q and k heads (rotate-half)
+      for (int64_t hd = 0; hd < Hq + Hkv; ++hd) {
+        float* v = qkv.data() + m * Nqkv + hd * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const float c = cp[m * half + i], s = sp[m * half + i], a = v[i], b = v[i + half];
+          v[i] = a * c - b * s;
+          v[i + half] = b * c + a * s;
+        }
+      }
+    at::Tensor& kb = kbufs[l];
+    at::Tensor& vb = vbufs[l];
+    TORCH_CHECK(kb.dim() == 3 && kb.size(1) == Hkv && kb.size(2) == D && kb.stride(2) == 1 && vb.sizes() == kb.sizes()
+                && vb.stride(2) == 1 && vb.scalar_type() == kb.scalar_type(),
+                "decode_family_forward: pool of layer ", l, " is not [S, Hkv, D]");
+    const int64_t* loc = (loc_layer ? lout_loc : out_loc).data_ptr<int64_t>();
+    if (kb.scalar_type() == at::kBFloat16) {
+      store_kv<c10::BFloat16>(kb, vb, loc, qkv.data(), M, Hq, Hkv, D, Nqkv);
+    } else {
+      TORCH_CHECK(kb.scalar_type() == at::kFloat, "decode_family_forward: pool dtype must be float32 or bfloat16");
+      store_kv<float>(kb, vb, loc, qkv.data(), M, Hq, Hkv, D, Nqkv);
+    }
+    float* qp = q_t.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m) std::memcpy(qp + m * Hq * D, qkv.data() + m * Nqkv, sizeof(float) * Hq * D);
+    attention(attn, q_t, kb, vb, loc_layer ? lrt : req_to_token, loc_layer ? lrows : rows, lens, sm_scale, M, Hq, Hkv,
+              D, (int)threads, attn_split_min, att.data(), loc_layer ? window : 0, softcap);
+    gemv(wo, att.data(), M, tmp.data(), q8, par);
+    if (norm_mask & 2) rms_norm(tmp.data(), nw + H, M, H, ep, tmp.data());
+    add_scaled(xr, tmp.data(), M * H, rs);
+    hin = xr;
+    if (norm_mask & 4) { rms_norm(xr, nw + 2 * H, M, H, ep, h.data()); hin = h.data(); }
+    gu.resize(M * 2 * I);
+    act.resize(M * I);
+    gemv(wgu, hin, M, gu.data(), q8, par);
+    for (int64_t m = 0; m < M; ++m) {
+      const float* g = gu.data() + m * 2 * I;
+      if (act_kind == 1) gelu_tanh_mul(g, g + I, I, act.data() + m * I);
+      else silu_mul(g, g + I, I, act.data() + m * I);
+    }
+    gemv(wd, act.data(), M, tmp.data(), q8, par);
+    if (norm_mask & 8) rms_norm(tmp.data(), nw + 3 * H, M, H, ep, tmp.data());
+    add_scaled(xr, tmp.data(), M * H, rs);
+  }
+  TORCH_CHECK(final_norm.scalar_type() == at::kFloat && final_norm.numel() == H,
+              "decode_family_forward: final_norm must be float32 [H]");
+  at::Tensor y = at::empty({M, H}, x.options());
+  rms_norm(xr, final_norm.data_ptr<float>(), M, H, ep, y.data_ptr<float>());
+  return y;
+}

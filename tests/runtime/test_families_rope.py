@@ -21,7 +21,8 @@ GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
 LO = 64  # original_max_position_embeddings of the scaled tiny models
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0,
             "short_factor": [1.0 + 0.15 * i for i in range(8)], "long_factor": [1.5 + 0.7 * i for i in range(8)]}
-PARTIAL_LONGROPE = {**LONGROPE, "short_factor": LONGROPE["short_factor"][:6], "long_factor": LONGROPE["long_factor"][:6]}
+PARTIAL_LONGROPE = {**LONGROPE, "short_factor": LONGROPE["short_factor"][:6],
+                    "long_factor": LONGROPE["long_factor"][:6]}  # rotary dim 12 of 16: 6 factors
 LLAMA_ROPES = {
     "llama3": dict(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": LO}),

@@ -34,7 +34,8 @@ def test_expert_size_read_from_metadata_and_blocks_split(hf_qwen3_moe, tmp_path)
 
     path = write_qwen3_moe_gguf(tmp_path / "m.gguf", hf_qwen3_moe, expert_type="Q8_0", tokenizer=False)
     cfg = model_loader._moe_config(path, str(tmp_path), path.name)["config"]
-    assert (cfg.model_type, cfg.moe_intermediate_size, cfg.num_experts, cfg.norm_topk_prob) == ("qwen3_moe", 32, 4, True)
+    got = (cfg.model_type, cfg.moe_intermediate_size, cfg.num_experts, cfg.norm_topk_prob)
+    assert got == ("qwen3_moe", 32, 4, True)
     assert AutoConfig.from_pretrained(str(tmp_path), gguf_file=path.name).moe_intermediate_size != 32  # the gap
     state = gguf_native._read_blocks(gguf.GGUFReader(str(path)), AutoConfig.from_pretrained(str(hf_qwen3_moe)), "cpu")
     ws = [state[f"model.layers.{i}.mlp.experts.{e}.{p}.weight"] for i in range(2) for e in range(4)

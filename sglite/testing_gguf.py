@@ -104,3 +104,193 @@ def make_tiny_gguf(path, types: dict | None = None, *, seed: int = 0, hidden: in
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def llama3_rope_freqs(rope: dict, head_dim: int) -> list[float]:
+    """The ``rope_freqs.weight`` values llama.cpp's converter writes for a ``llama3`` ``rope_parameters``
+    dict (Llama 3.1 report's scaling; transformers' ``_compute_llama3_parameters``): per frequency
+    ``i`` of a head of ``head_dim`` (wavelength ``w = 2 pi theta ** (2i / D)``), the divisor of its
+    frequency: 1 for ``w < Lo / high_freq_factor``, ``factor`` for ``w > Lo / low_freq_factor``, and
+    between them ``1 / ((1 - s) / factor + s)`` with ``s = (Lo / w - low) / (high - low)``."""
+    import math
+
+    theta, f = float(rope["rope_theta"]), float(rope["factor"])
+    lo = float(rope["original_max_position_embeddings"])
+    low, high = float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+    out = []
+    for i in range(head_dim // 2):
+        wl = 2 * math.pi * theta ** (2 * i / head_dim)
+        if wl < lo / high:
+            out.append(1.0)
+        elif wl > lo / low:
+            out.append(f)
+        else:
+            s = (lo / wl - low) / (high - low)
+            out.append(1.0 / ((1 - s) / f + s))
+    return out
+
+
+def write_llama_gguf(path, hf_dir, *, rope_freqs="auto", tensor_type: str = "F32", metadata: dict | None = None):
+    """Write the HF Llama checkpoint ``hf_dir`` (e.g. :func:`sglite.testing.make_tiny_llama`) as the
+    GGUF file ``path`` the way llama.cpp's converter lays it out: ``llama`` architecture, Q / K rows
+    of each head reordered to GGML's interleaved RoPE layout, ``output.weight`` only when the
+    embeddings are untied, the default model's GGUF tokenizer fields, and ``rope_freqs.weight``:
+    ``"auto"`` = :func:`llama3_rope_freqs` of a ``llama3`` config (none otherwise), a list = those
+    values as is (e.g. inconsistent with the config), None = no tensor. Matmul weights in
+    ``tensor_type`` (``F32`` or a type gguf-py quantizes, e.g. ``Q8_0``); ``metadata``: extra
+    ``{key: value}`` pairs (ints, floats, strings). Returns ``path``."""
+    from pathlib import Path
+
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    hf_dir = Path(hf_dir)
+    cfg = AutoConfig.from_pretrained(str(hf_dir))
+    sd = {k: v.float().numpy() for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_dimension_count(hd)
+    for key, value in (metadata or {}).items():
+        vt = {str: gguf.GGUFValueType.STRING, int: gguf.GGUFValueType.UINT32}.get(type(value),
+                                                                                 gguf.GGUFValueType.FLOAT32)
+        w.add_key_value(key, value, vt)
+    _copy_default_tokenizer(w)
+    w.add_vocab_size(cfg.vocab_size)
+    qt = gguf.GGMLQuantizationType[tensor_type]
+
+    def mat(name, arr):
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if tensor_type == "F32":
+            w.add_tensor(name, arr)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
+
+    def interleave(arr, heads):  # HF rotate-half rows -> GGML's interleaved pairs, per head
+        return arr.reshape(heads, 2, arr.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(arr.shape)
+
+    if rope_freqs == "auto":
+        rope_freqs = llama3_rope_freqs(rope, hd) if rope.get("rope_type") == "llama3" else None
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    if not cfg.tie_word_embeddings:
+        mat("output.weight", sd["lm_head.weight"])
+    for i in range(cfg.num_hidden_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        w.add_tensor(b + "attn_norm.weight", sd[p + "input_layernorm.weight"])
+        w.add_tensor(b + "ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        mat(b + "attn_q.weight", interleave(sd[p + "self_attn.q_proj.weight"], cfg.num_attention_heads))
+        mat(b + "attn_k.weight", interleave(sd[p + "self_attn.k_proj.weight"], cfg.num_key_value_heads))
+        mat(b + "attn_v.weight", sd[p + "self_attn.v_proj.weight"])
+        mat(b + "attn_output.weight", sd[p + "self_attn.o_proj.weight"])
+        for hf, gg in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
+            mat(b + gg + ".weight", sd[p + f"mlp.{hf}.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _copy_default_tokenizer(w) -> None:
+    """Copy the default model's ``tokenizer.*`` GGUF fields into the open ``GGUFWriter`` ``w``."""
+    import gguf
+
+    from .runtime.model_loader import default_model_path
+
+    for key, f in gguf.GGUFReader(str(default_model_path())).fields.items():
+        if key.startswith("tokenizer."):
+            vt = gguf.GGUFValueType(f.types[0])
+            sub = gguf.GGUFValueType(f.types[-1]) if vt == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, f.contents(), vt, sub_type=sub)
+
+
+def write_qwen3_moe_gguf(path, hf_dir, *, expert_type: str = "F32", tokenizer: bool = True):
+    """Write the HF Qwen3-MoE checkpoint ``hf_dir`` (every layer sparse: ``mlp_only_layers`` empty,
+    ``decoder_sparse_step`` 1, as llama.cpp's ``qwen3moe`` graph runs) as the GGUF file ``path``
+    in llama.cpp's layout: ``qwen3moe`` architecture with ``expert_feed_forward_length``,
+    ``attention.key_length``, per-head ``attn_q_norm`` / ``attn_k_norm``, the router
+    ``ffn_gate_inp`` and the experts stacked ``ffn_{gate,up,down}_exps`` [E, N, K] in
+    ``expert_type`` (F32 or a type gguf-py quantizes); other tensors F32, the default model's GGUF
+    tokenizer (``tokenizer=False``: none, for tests that only read the header or tensors; parsing
+    that vocabulary takes ~20 s). Returns ``path``."""
+    from pathlib import Path
+
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    hf_dir = Path(hf_dir)
+    cfg = AutoConfig.from_pretrained(str(hf_dir))
+    if cfg.mlp_only_layers or cfg.decoder_sparse_step != 1:
+        raise ValueError("write_qwen3_moe_gguf: qwen3moe GGUF layers are all sparse (mlp_only_layers=[], "
+                         "decoder_sparse_step=1)")
+    sd = {k: v.float().numpy() for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if tokenizer:
+        _copy_default_tokenizer(w)
+    w.add_vocab_size(cfg.vocab_size)
+    qt = gguf.GGMLQuantizationType[expert_type]
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    if not cfg.tie_word_embeddings:
+        w.add_tensor("output.weight", sd["lm_head.weight"])
+    for i in range(cfg.num_hidden_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        w.add_tensor(b + "attn_norm.weight", sd[p + "input_layernorm.weight"])
+        w.add_tensor(b + "ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        for n in "qk":
+            w.add_tensor(b + f"attn_{n}_norm.weight", sd[p + f"self_attn.{n}_norm.weight"])
+        for n, g in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
+            w.add_tensor(b + g + ".weight", sd[p + f"self_attn.{n}_proj.weight"])
+        m = p + "mlp."
+        w.add_tensor(b + "ffn_gate_inp.weight", sd[m + "gate.weight"])
+        for hf, gg in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
+            arr = np.ascontiguousarray(np.stack([_expert(sd, m, e, hf, cfg) for e in range(cfg.num_experts)]))
+            if expert_type == "F32":
+                w.add_tensor(b + f"ffn_{gg}_exps.weight", arr)
+            else:
+                w.add_tensor(b + f"ffn_{gg}_exps.weight", gguf.quants.quantize(arr, qt), raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _expert(sd: dict, m: str, e: int, proj: str, cfg):
+    """Expert ``e``'s ``proj`` weight [N, K] from per-expert tensors or transformers' stacked ones
+    (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I])."""
+    name = m + f"experts.{e}.{proj}.weight"
+    if name in sd:
+        return sd[name]
+    if proj == "down_proj":
+        return sd[m + "experts.down_proj"][e]
+    gate_up, inter = sd[m + "experts.gate_up_proj"][e], cfg.moe_intermediate_size
+    return gate_up[:inter] if proj == "gate_proj" else gate_up[inter:]

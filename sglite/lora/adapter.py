@@ -185,6 +185,11 @@ def load_adapter(name: str, path: str, shape: ModelShape, max_rank: int, dtype: 
             out_w = "intermediate_size" if module in ("gate_proj", "up_proj", "gate_up_proj") else "hidden_size"
             raise InvalidRequestError(f"{out_w}: adapter {name!r}: layer {layer} {module}.lora_B is {tuple(b.shape)}, "
                                       f"expected [{rows}, r={r}] for the base model's {out_w}", field=out_w)
+        rope = getattr(shape, "rope", None)  # partial rotary: the model's Q / K rows are reordered at load
+        if module in ("q_proj", "k_proj", "qkv_proj") and getattr(rope, "head_dim", 0):
+            raise InvalidRequestError(f"target_modules: adapter {name!r}: {module} LoRA on a partial-rotary model "
+                                      "(partial_rotary_factor < 1) is not supported; supported there: v_proj, o_proj, "
+                                      "and the MLP projections", field="target_modules")
         key, block = MODULES[module]
         parts = adapter.parts.setdefault((layer, key), [])
         if any(p.row < row + rows and row < p.row + p.b.shape[0] for p in parts):

@@ -56,12 +56,14 @@ class GGUFHeader:
             ``"<key>#len"``).
         tensors: ``name -> (ggml type id, shape)`` (shape in GGUF order, innermost first).
         data_start: byte offset where tensor data may begin (end of the tensor table).
+        offsets: ``name -> data offset`` (bytes, relative to the aligned start of the data section).
     """
 
     version: int
     metadata: dict = field(default_factory=dict)
     tensors: dict = field(default_factory=dict)
     data_start: int = 0
+    offsets: dict = field(default_factory=dict)
 
     @property
     def architecture(self) -> str | None:
@@ -184,10 +186,43 @@ def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
             shape = tuple(r.unpack("<Q") for _ in range(rank))
             ggml_type, offset = r.unpack("<I"), r.unpack("<Q")
             head.tensors[name] = (ggml_type, shape)
+            head.offsets[name] = offset
             if offset > size:
                 raise r.bad(f"tensor {name!r} starts past the end of the file")
         head.data_start = f.tell()
     return head
+
+
+def read_rope_freqs(path: str | os.PathLike) -> list[float] | None:
+    """The ``rope_freqs.weight`` tensor of the GGUF file ``path`` (llama.cpp's per-frequency RoPE
+    divisors: frequency ``i`` of a head is ``theta ** (-2i / D) / rope_freqs[i]``; Llama 3.1's
+    scaling, written by llama.cpp's converter from the config's ``rope_scaling``), as D/2 floats,
+    or None when the file has no such tensor.
+
+    Raises:
+        InvalidRequestError (field ``model_path``): the tensor is not 1-D F32/F16, or its data lies
+            past the end of the file.
+    """
+    head = read_gguf_header(path)
+    if "rope_freqs.weight" not in head.tensors:
+        return None
+    ggml_type, shape = head.tensors["rope_freqs.weight"]
+    fmt = {0: ("<f", 4), 1: ("<e", 2)}.get(ggml_type)
+    if fmt is None or len(shape) != 1:
+        raise InvalidRequestError(
+            f"model_path: {str(path)!r} has a rope_freqs.weight tensor of type "
+            f"{GGML_TYPE_NAMES.get(ggml_type, ggml_type)} and shape {list(shape)}; supported: 1-D F32 or F16",
+            field="model_path")
+    align = int(head.metadata.get("general.alignment") or 32)
+    start = (head.data_start + align - 1) // align * align + head.offsets["rope_freqs.weight"]
+    n, (code, width) = int(shape[0]), fmt
+    with open(path, "rb") as f:
+        f.seek(start)
+        raw = f.read(n * width)
+    if len(raw) != n * width:
+        raise InvalidRequestError(f"model_path: {str(path)!r} is cut short inside its rope_freqs.weight tensor",
+                                  field="model_path")
+    return [float(x) for x in struct.unpack(f"<{n}{code[1]}", raw)]
 
 
 def checked_identity(path: str | os.PathLike, index_dir: str | os.PathLike) -> tuple[str, str | None]:

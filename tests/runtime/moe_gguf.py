@@ -3,7 +3,8 @@ names: ``ffn_gate_inp``, ``ffn_{gate,up,down}_exps``, ``ffn_{gate,up,down}_shexp
 ``ffn_gate_inp_shexp``), experts quantized (Q8_0 / Q4_0), for the native-vs-dequantized oracle.
 
 transformers' GGUF reader maps neither ``expert_feed_forward_length`` nor the shared expert's size
-for ``qwen2moe``, so the checkpoint uses Qwen2MoeConfig's defaults for them (1408 and 5632)."""
+for ``qwen2moe`` (sglite's conversion reads them from the metadata: test_expert_sizes_read_from_metadata);
+the slow oracle's checkpoint keeps Qwen2MoeConfig's defaults for them (1408 and 5632)."""
 from pathlib import Path
 
 MOE_I, SHARED_I = 1408, 5632  # Qwen2MoeConfig defaults (see module docstring)

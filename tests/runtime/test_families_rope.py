@@ -21,6 +21,8 @@ GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
 LO = 64  # original_max_position_embeddings of the scaled tiny models
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0,
             "short_factor": [1.0 + 0.15 * i for i in range(8)], "long_factor": [1.5 + 0.7 * i for i in range(8)]}
+PARTIAL_LONGROPE = {**LONGROPE, "short_factor": LONGROPE["short_factor"][:6],
+                    "long_factor": LONGROPE["long_factor"][:6]}  # rotary dim 12 of 16: 6 factors
 LLAMA_ROPES = {
     "llama3": dict(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": LO}),
@@ -68,6 +70,9 @@ def _model_dir(kind, root, vocab_from):
     if kind == "phi3_longrope":
         return make_tiny_phi3(root / kind, vocab_from, seed=4, max_position_embeddings=512,
                               original_max_position_embeddings=LO, rope_parameters=dict(LONGROPE))
+    if kind == "phi4_partial":  # Phi-4-mini's shape of RoPE: partial rotary 0.75 (12 of 16 dims), longrope
+        return make_tiny_phi3(root / kind, vocab_from, seed=6, max_position_embeddings=512, partial_rotary_factor=0.75,
+                              original_max_position_embeddings=LO, rope_parameters=dict(PARTIAL_LONGROPE))
     return make_tiny_llama(root / kind, seed=5, vocab_from=vocab_from, **LLAMA_ROPES[kind])
 
 
@@ -117,7 +122,7 @@ def _check_logprobs(r, ids, ref):
     assert torch.allclose(ours, want, atol=1e-3), f"prompt logprobs differ by {(ours - want).abs().max()}"
 
 
-KINDS = ["llama3", "phi3", "phi3_longrope", "linear", "yarn", "dynamic"]
+KINDS = ["llama3", "phi3", "phi3_longrope", "phi4_partial", "linear", "yarn", "dynamic"]
 FULL_MATRIX = ("llama3", "phi3", "phi3_longrope")  # the others: one configuration
 
 
@@ -141,7 +146,8 @@ def family(tmp_path_factory, real_checkpoint):
             # Phi-3's generate() re-runs the whole sequence with the long factors once it passes Lo
             # (prepare_inputs_for_generation drops the cache); sglite keeps the cache, so its oracle is
             # transformers fed token by token (= generate() until the sequence passes Lo)
-            refs = [(_hf_token_by_token if kind == "phi3_longrope" else _hf_generate)(hf, p) for p in prompts]
+            by_token = kind in ("phi3_longrope", "phi4_partial")
+            refs = [(_hf_token_by_token if by_token else _hf_generate)(hf, p) for p in prompts]
             made[kind] = (d, prompts, [r[0] for r in refs], [r[1] for r in refs], hf)
         return made[kind]
 
@@ -153,9 +159,10 @@ def test_configs_load_as_the_expected_variant(family):
 
     from sglite.runtime.models.llama import LlamaArch
 
-    for kind, want in [("llama3", "llama3"), ("phi3_longrope", "longrope"), ("phi3", "default")]:
+    for kind, want, dim in [("llama3", "llama3", 16), ("phi3_longrope", "longrope", 16), ("phi3", "default", 16),
+                            ("phi4_partial", "longrope", 12)]:
         arch = LlamaArch.from_hf_config(AutoConfig.from_pretrained(str(family(kind)[0])))
-        assert arch.rope.rope_type == want
+        assert (arch.rope.rope_type, arch.rope.dim) == (want, dim)
 
 
 # the fast tier runs one configuration of Llama 3 and of Phi-3 long-RoPE (radix on, chunked); the
@@ -269,3 +276,22 @@ def test_phi3_tensor_parallel_shards_split_the_fused_rows(tmp_path, real_checkpo
         n = f"model.layers.1.{name}.weight"
         shards = [load_shard(ck, TPLayout.make(ck.hf_config, r, 2), torch.float32)[n] for r in range(2)]
         assert torch.equal(torch.cat(shards), full[n]), name
+
+
+@pytest.mark.slow
+def test_transformers_phi3_generate_rerotates_everything_past_lo(family):
+    """What sglite's per-position rule is compared against (docs/models.md): transformers' Phi-3
+    ``generate`` equals recomputing the whole sequence at every step (no cache), i.e. once the
+    sequence is longer than Lo every position is rotated with the long factors. Pinned so a change
+    in transformers' behaviour shows here."""
+    d, prompts, *_, hf = family("phi3_longrope")
+    ids = prompts[1]  # Lo - 12 tokens: generation crosses Lo
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        gen = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=24, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        seq = list(ids)
+        for _ in range(24):
+            seq.append(int(hf(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
+    assert len(ids) < LO < len(ids) + 24
+    assert gen == seq[len(ids):]

@@ -98,19 +98,19 @@ def _iq4_nl(w):
     w.add_tensor("blk.0.attn_q.weight", np.zeros((2, 18), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
 
 
-@pytest.mark.parametrize("extra, names", [
-    (_rope_linear, r"llama.rope.scaling.type='linear'.*supported: \['none'\]"),
-    (_rope_freqs, r"rope_freqs.weight.*supported"),
-    (_iq4_nl, r"type \['IQ4_NL'\].*supported tensor types: \['F32'.*'Q6_K'\]"),
+@pytest.mark.parametrize("extra, arch, names", [
+    (_rope_linear, "llama", r"llama.rope.scaling.type='linear'.*supported: \['none'\]"),
+    (_rope_freqs, "qwen2", r"rope_freqs.weight.*general.architecture='qwen2'.*supported with it: \['llama'\]"),
+    (_iq4_nl, "llama", r"type \['IQ4_NL'\].*supported tensor types: \['F32'.*'Q6_K'\]"),
 ])
 def test_unsupported_rope_or_tensor_type_is_refused_fast_before_hashing_or_conversion(tmp_path, monkeypatch,
-                                                                                     extra, names):
+                                                                                     extra, arch, names):
     """A rope scaling or tensor type the conversion would drop or cannot read is refused from the
     header alone: the file is neither hashed nor converted, the message names field and choices."""
     import hashlib
     import time
 
-    src = _write(tmp_path / "m.gguf", extra=extra)
+    src = _write(tmp_path / "m.gguf", arch=arch, extra=extra)
     monkeypatch.setattr(model_loader, "_convert_gguf", lambda *a: pytest.fail("converted an unsupported file"))
     monkeypatch.setattr(hashlib, "sha256", lambda *a: pytest.fail("hashed an unsupported file"))
     t0 = time.perf_counter()

@@ -212,3 +212,18 @@ def test_adapter_with_speculation_and_grammar(tiny_model_dir, tmp_path):
     with Engine(str(tiny_model_dir), speculative_algorithm="NGRAM", speculative_num_draft_tokens=4, **kw) as e:
         got = [r["output_ids"] for r in e.generate(input_ids=ids, sampling_params=greedy, lora_path=["a", None])]
     assert got == want
+
+
+def test_qk_lora_on_a_partial_rotary_model_is_refused(tmp_path):
+    """Q / K rows of a partial-rotary model (Phi-4-mini) are reordered at load (models/rope.py), so a
+    q/k/qkv LoRA is refused naming target_modules; v_proj and the MLP still load."""
+    import dataclasses
+
+    from sglite.runtime.models.rope import RopeSpec
+
+    arch = dataclasses.replace(ARCH, rope=RopeSpec(dim=2, head_dim=ARCH.head_dim))
+    with pytest.raises(InvalidRequestError, match="q_proj LoRA on a partial-rotary model") as e:
+        load_adapter("a", str(write_adapter(tmp_path / "a")[0]), arch, 8, torch.float32, 1)
+    assert e.value.field == "target_modules"
+    ok = load_adapter("v", str(write_adapter(tmp_path / "v", modules=("v_proj",))[0]), arch, 8, torch.float32, 2)
+    assert ok.parts

@@ -46,6 +46,24 @@ def test_stacked_expert_blocks_split_per_expert(qtype, tmp_path, real_checkpoint
     assert not any("gate_inp" in n or n.endswith("mlp.gate.weight") for n in state)  # routers stay float
 
 
+def test_expert_sizes_read_from_metadata(tmp_path, real_checkpoint):
+    """transformers' GGUF reader leaves ``moe_intermediate_size`` / ``shared_expert_intermediate_size``
+    at the config defaults; the conversion's config takes them from the file's metadata."""
+    from transformers import AutoConfig
+
+    from sglite.runtime import model_loader
+    from sglite.testing import make_tiny_family
+
+    hf = make_tiny_family(tmp_path / "hf", "qwen2_moe", "Qwen2MoeForCausalLM", vocab_from=real_checkpoint.model_dir,
+                          num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                          shared_expert_intermediate_size=96)
+    path = make_moe_gguf(tmp_path / "m.gguf", hf, "Q8_0", tokenizer=False)
+    cfg = model_loader._moe_config(path, str(tmp_path), path.name)["config"]
+    assert (cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size) == (64, 96)
+    plain = AutoConfig.from_pretrained(str(tmp_path), gguf_file=path.name)
+    assert (plain.moe_intermediate_size, plain.shared_expert_intermediate_size) == (MOE_I, SHARED_I)  # the gap
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
 def test_quantized_expert_gguf_native_equals_dequantized(qtype, hf_moe, tmp_path, monkeypatch):

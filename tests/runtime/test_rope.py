@@ -34,12 +34,12 @@ def _llama_config(params, max_pos=256):
                        rope_parameters={"rope_theta": 10000.0, **params})
 
 
-def _phi3_config(params, max_pos=256, orig=64):
+def _phi3_config(params, max_pos=256, orig=64, **kw):
     from transformers import Phi3Config
 
     return Phi3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
                       num_hidden_layers=1, vocab_size=32, max_position_embeddings=max_pos, sliding_window=None,
-                      original_max_position_embeddings=orig, rope_parameters={"rope_theta": 10000.0, **params})
+                      original_max_position_embeddings=orig, rope_parameters={"rope_theta": 10000.0, **params}, **kw)
 
 
 def _hf_rotary(cfg):
@@ -129,7 +129,8 @@ def test_old_style_rope_scaling_dict_is_read():
 @pytest.mark.parametrize("params,field,words", [
     ({"rope_type": "mrope"}, "rope_parameters", ["'mrope'", "llama3", "longrope", "yarn"]),
     ({"rope_type": "llama3", "factor": 8.0}, "rope_parameters", ["low_freq_factor"]),
-    ({"rope_type": "default", "partial_rotary_factor": 0.5}, "partial_rotary_factor", ["0.5"]),
+    ({"rope_type": "default", "partial_rotary_factor": 1.5}, "partial_rotary_factor", ["1.5", "(0, 1]"]),
+    ({"rope_type": "default", "partial_rotary_factor": 0.1}, "partial_rotary_factor", ["0.1", "even"]),
 ])
 def test_unsupported_rope_is_refused_naming_the_field(params, field, words):
     class Cfg:
@@ -141,6 +142,35 @@ def test_unsupported_rope_is_refused_naming_the_field(params, field, words):
     assert ei.value.field == field
     for w in words:
         assert w in str(ei.value)
+
+
+@pytest.mark.parametrize("params", [{"rope_type": "default"},
+                                    {**LONGROPE, "short_factor": LONGROPE["short_factor"][:6],
+                                     "long_factor": LONGROPE["long_factor"][:6]}])
+def test_partial_rotary_as_reordered_full_head_rope_matches_transformers(params):
+    """Phi-4-mini's partial rotary (factor 0.75: 12 of 16 dims rotated): sglite's tables (pass-through
+    columns 1/0) applied to Q / K rows in :func:`rope.rotary_row_order` equal transformers' rotated
+    Q / K in the same order, at positions within and past Lo (a decode step each)."""
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
+
+    from sglite.runtime.models.llama import _apply_rope
+
+    cfg = _phi3_config(params, partial_rotary_factor=0.75)
+    spec = rope.spec_from_hf_config(cfg, D)
+    assert (spec.dim, spec.head_dim) == (12, D)
+    cos, sin = rope.rope_cache(spec, 256)  # [P, D/2]
+    assert torch.equal(cos[:, 6:], torch.ones(256, 2)) and torch.equal(sin[:, 6:], torch.zeros(256, 2))
+    rot = _hf_rotary(cfg)
+    idx = rope.rotary_row_order(2 * D, D, 12)
+    assert sorted(idx.tolist()) == list(range(2 * D))
+    gen = torch.Generator().manual_seed(0)
+    for p in (0, 5, 63, 64, 200):
+        q, k = torch.randn(1, 2, 1, D, generator=gen), torch.randn(1, 2, 1, D, generator=gen)  # [B, H, T, D]
+        hc, hs = rot(q, torch.tensor([[p]]))
+        hq, hk = apply_rotary_pos_emb(q, k, hc, hs)
+        for x, hx in ((q, hq), (k, hk)):
+            ours = _apply_rope(x.reshape(1, 2 * D)[:, idx].reshape(1, 2, D), cos[[p]], sin[[p]])
+            assert torch.allclose(ours.reshape(-1), hx.reshape(-1)[idx], atol=2e-5), p
 
 
 def test_llama_arch_reads_the_rope_variant():

@@ -71,6 +71,10 @@ def base_arch(cfg, rope_parameters=None) -> LlamaArch:
 def family_arch(cfg, rope_parameters=None, **fields) -> FamilyArch:
     """A :class:`FamilyArch` from ``cfg``'s Llama shape and the family's ``fields``."""
     base = base_arch(cfg, rope_parameters)
+    if base.rope is not None and base.rope.head_dim:  # (Llama / Phi-3 only: QK-norms would see the row order)
+        raise InvalidRequestError(f"partial_rotary_factor: not supported for {getattr(cfg, 'architectures', None)} "
+                                  "(only 1.0; partial rotary runs on Llama / Phi-3 layers)",
+                                  field="partial_rotary_factor")
     return FamilyArch(**{f: getattr(base, f) for f in asdict(base)}, **fields)
 
 

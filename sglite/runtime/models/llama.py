@@ -62,6 +62,9 @@ class LlamaArch:
         nh = cfg.num_attention_heads
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // nh
         rope = rope_mod.spec_from_hf_config(cfg, hd)  # raises on an unsupported rope_type
+        if rope.head_dim and archs[0] == "Qwen3ForCausalLM":  # its per-head QK-norm sees the rotary order
+            raise InvalidRequestError(f"partial_rotary_factor: not supported for {archs[0]} (only 1.0)",
+                                      field="partial_rotary_factor")
         return cls(
             vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
             num_layers=cfg.num_hidden_layers, num_heads=nh,
@@ -111,7 +114,17 @@ class LlamaModel:
             return raw(name).to(device=device, dtype=dtype).contiguous()
 
         def lin(names, bias=None):  # one (fused) matmul weight; parts may be quantized (QuantLinearWeight)
-            return kernels.make_linear([raw(n) for n in names], bias, dtype, device)
+            return kernels.make_linear([rows(n, raw(n)) for n in names], bias, dtype, device)
+
+        partial = arch.rope is not None and arch.rope.head_dim > arch.rope.dim
+        if partial:  # the fused C++ decode would read the same tables, but is not checked on partial rotary
+            self.fused_decode_ok = False
+
+        def rows(name, t):  # partial rotary: Q / K rows (and biases) in full-head rotate-half order (rope.py)
+            if not partial or not name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
+                return t
+            idx = rope_mod.rotary_row_order(t.shape[0], arch.head_dim, arch.rope.dim)
+            return t.permute_rows(idx) if isinstance(t, kernels.QuantLinearWeight) else t[idx]
 
         emb = raw("model.embed_tokens.weight")  # [V, H]; a QuantLinearWeight when kept quantized
         self.embed = emb.to(device) if isinstance(emb, kernels.QuantLinearWeight) else w("model.embed_tokens.weight")
@@ -124,7 +137,8 @@ class LlamaModel:
         self.layers = []
         for i in range(arch.num_layers):
             p = f"model.layers.{i}."
-            qkv_bias = torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if arch.qkv_bias else None
+            qkv_bias = (torch.cat([rows(p + f"self_attn.{n}_proj.bias", w(p + f"self_attn.{n}_proj.bias"))
+                                   for n in "qkv"]) if arch.qkv_bias else None)
             layer = {
                 "in_norm": w(p + "input_layernorm.weight"),  # [H]
                 "post_norm": w(p + "post_attention_layernorm.weight"),  # [H]

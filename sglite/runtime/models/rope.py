@@ -18,6 +18,10 @@ Variants (``rope_type``; the formulas are transformers' ``modeling_rope_utils``,
   factor ``0.1 * mscale * ln(factor) + 1`` (eq. 21; or ``attention_factor`` when given).
 * ``llama3`` (Llama 3.1 report): wavelengths above ``Lo / low_freq_factor`` divided by
   ``factor``, below ``Lo / high_freq_factor`` kept, smoothly interpolated between.
+* ``freq_factors`` (any variant, from a GGUF file's ``rope_freqs.weight`` tensor: llama.cpp's
+  per-frequency divisors, which is how its converter stores Llama 3.1's ``llama3`` scaling):
+  ``inv_freq[i] / freq_factors[i]``, carried in the converted folder's config as
+  ``gguf_rope_freqs`` (:func:`sglite.runtime.model_loader.load_checkpoint`).
 * ``longrope`` (Ding et al. 2024, "LongRoPE"; Phi-3's ``su`` is the same): per-dimension
   rescale factors, ``short_factor`` or ``long_factor``, and attention factor
   ``sqrt(1 + ln(factor) / ln(Lo))`` with ``factor = max_position_embeddings / Lo``.
@@ -60,7 +64,8 @@ class RopeSpec:
     Attributes:
         rope_type: one of ``default``, ``linear``, ``dynamic``, ``yarn``, ``llama3``, ``longrope``.
         theta: base wavelength.
-        dim: rotary dimension D (the head dimension: partial rotary is refused).
+        dim: rotary dimension R (the head dimension, or ``partial_rotary_factor`` of it).
+        head_dim: the head dimension D when larger than ``dim`` (partial rotary), else 0.
         factor: scaling factor (``linear``, ``dynamic``, ``yarn``, ``llama3``; ``longrope``:
             ``max_position_embeddings / original_max_position_embeddings`` unless given).
         original_max_position_embeddings: the pre-training length Lo (``dynamic``: the config's
@@ -70,11 +75,14 @@ class RopeSpec:
         beta_fast, beta_slow, mscale, mscale_all_dim, truncate: ``yarn``.
         attention_factor: explicit attention factor (``yarn``, ``longrope``), else derived.
         short_factor, long_factor: ``longrope`` per-dimension factors, D/2 each.
+        freq_factors: D/2 per-frequency divisors applied on top of the variant (a GGUF file's
+            ``rope_freqs.weight``, llama.cpp's form of Llama 3.1 scaling), () for none.
     """
 
     rope_type: str = "default"
     theta: float = 10000.0
     dim: int = 64
+    head_dim: int = 0
     factor: Optional[float] = None
     original_max_position_embeddings: int = 2048
     max_position_embeddings: int = 2048
@@ -88,6 +96,7 @@ class RopeSpec:
     attention_factor: Optional[float] = None
     short_factor: tuple = ()
     long_factor: tuple = ()
+    freq_factors: tuple = ()
 
     @property
     def table_positions(self) -> int:
@@ -108,8 +117,8 @@ def spec_from_hf_config(cfg, head_dim: int) -> RopeSpec:
 
     Raises:
         InvalidRequestError: an unknown ``rope_type`` (naming the field and
-            :data:`SUPPORTED_ROPE_TYPES`), a missing required parameter, partial rotary
-            (``partial_rotary_factor`` != 1) or per-layer-type RoPE parameters.
+            :data:`SUPPORTED_ROPE_TYPES`), a missing required parameter, a ``partial_rotary_factor``
+            outside (0, 1] or giving an odd rotary dimension, or per-layer-type RoPE parameters.
     """
     field = "rope_parameters" if getattr(cfg, "rope_parameters", None) else "rope_scaling"
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
@@ -121,9 +130,11 @@ def spec_from_hf_config(cfg, head_dim: int) -> RopeSpec:
     rtype = _ALIASES.get(raw_type, raw_type)
     if rtype not in SUPPORTED_ROPE_TYPES:
         raise _bad(f"{field}.rope_type={raw_type!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}", field)
-    partial = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None)) or 1.0
-    if float(partial) != 1.0:
-        raise _bad(f"partial_rotary_factor={partial} is not supported (only 1.0)", "partial_rotary_factor")
+    partial = float(rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None)) or 1.0)
+    rot = int(head_dim * partial)
+    if not 0.0 < partial <= 1.0 or rot < 2 or rot % 2:
+        raise _bad(f"partial_rotary_factor={partial} gives a rotary dimension of {rot} for head_dim={head_dim}; "
+                   "supported: a factor in (0, 1] giving an even dimension >= 2", "partial_rotary_factor")
     theta = rope.get("rope_theta") or getattr(cfg, "rope_theta", None) or 10000.0
     max_pos = int(getattr(cfg, "max_position_embeddings", None) or 2048)
     orig = rope.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings", None)
@@ -150,12 +161,19 @@ def spec_from_hf_config(cfg, head_dim: int) -> RopeSpec:
                   truncate=bool(rope.get("truncate", True)))
     if rtype == "longrope":
         short, long = tuple(float(x) for x in need("short_factor")), tuple(float(x) for x in need("long_factor"))
-        if len(short) != head_dim // 2 or len(long) != head_dim // 2:
-            raise _bad(f"{field}.short_factor/long_factor must have head_dim/2={head_dim // 2} entries, "
+        if len(short) != rot // 2 or len(long) != rot // 2:
+            raise _bad(f"{field}.short_factor/long_factor must have rotary_dim/2={rot // 2} entries, "
                        f"got {len(short)}/{len(long)}", field)
         kw.update(short_factor=short, long_factor=long)
-    return RopeSpec(rope_type=rtype, theta=float(theta), dim=head_dim, original_max_position_embeddings=orig,
-                    max_position_embeddings=max_pos, **kw)
+    freqs = getattr(cfg, "gguf_rope_freqs", None)
+    if freqs is not None:
+        freqs = tuple(float(x) for x in freqs)
+        if len(freqs) != rot // 2 or not all(math.isfinite(x) and x > 0 for x in freqs):
+            raise _bad(f"rope_freqs: the GGUF rope_freqs.weight tensor must hold rotary_dim/2={rot // 2} "
+                       f"positive finite factors, got {len(freqs)} (min {min(freqs, default=None)})", "rope_freqs")
+        kw["freq_factors"] = freqs
+    return RopeSpec(rope_type=rtype, theta=float(theta), dim=rot, head_dim=head_dim if rot < head_dim else 0,
+                    original_max_position_embeddings=orig, max_position_embeddings=max_pos, **kw)
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -177,7 +195,12 @@ def attention_factor(spec: RopeSpec) -> float:
 
 def inv_freq(spec: RopeSpec, seq_len: Optional[int] = None) -> torch.Tensor:
     """[D/2] float64 inverse frequencies of ``spec`` for a sequence of ``seq_len`` tokens (used by
-    ``dynamic`` and ``longrope`` only; None: the original length)."""
+    ``dynamic`` and ``longrope`` only; None: the original length), ``freq_factors`` divided out."""
+    inv = _variant_inv_freq(spec, seq_len)
+    return inv / torch.tensor(spec.freq_factors, dtype=torch.float64) if spec.freq_factors else inv
+
+
+def _variant_inv_freq(spec: RopeSpec, seq_len: Optional[int] = None) -> torch.Tensor:
     d, theta = spec.dim, spec.theta
     expo = torch.arange(0, d, 2, dtype=torch.float64) / d  # [D/2]
     base_inv = 1.0 / theta ** expo
@@ -228,7 +251,7 @@ def rope_cache(spec: RopeSpec, max_pos: int, device="cpu") -> tuple[torch.Tensor
     ``dynamic`` / ``longrope`` rows use the frequencies of a sequence of ``p + 1`` tokens (module
     docstring)."""
     t = torch.arange(max_pos, dtype=torch.float64)  # [P]
-    if spec.rope_type == "default":  # (kept bit-identical to the tables sglite always built)
+    if spec.rope_type == "default" and not spec.freq_factors and not spec.head_dim:  # bit-identical to old tables
         freqs = torch.outer(t, inv_freq(spec))
         return freqs.cos().float().to(device), freqs.sin().float().to(device)
     lo = spec.original_max_position_embeddings
@@ -238,10 +261,34 @@ def rope_cache(spec: RopeSpec, max_pos: int, device="cpu") -> tuple[torch.Tensor
         base = spec.theta * ((f * L / lo) - (f - 1)) ** (d / (d - 2))  # [P] (== theta below lo)
         expo = torch.arange(0, d, 2, dtype=torch.float64) / d  # [D/2]
         freqs = t[:, None] / base[:, None] ** expo[None]  # [P, D/2]
+        if spec.freq_factors:
+            freqs = freqs / torch.tensor(spec.freq_factors, dtype=torch.float64)
     elif spec.rope_type == "longrope" and max_pos > lo:
         inv = torch.where((t >= lo)[:, None], inv_freq(spec, lo + 1)[None], inv_freq(spec)[None])  # [P, D/2]
         freqs = t[:, None] * inv
     else:
         freqs = torch.outer(t, inv_freq(spec))  # [P, D/2]
     a = attention_factor(spec)
-    return (freqs.cos() * a).float().to(device), (freqs.sin() * a).float().to(device)
+    cos, sin = freqs.cos() * a, freqs.sin() * a
+    if spec.head_dim > spec.dim:  # partial rotary: the pass-through pairs (rotary_row_order) turn by 0
+        pad = spec.head_dim // 2 - spec.dim // 2
+        cos = torch.cat((cos, cos.new_ones(max_pos, pad)), dim=1)
+        sin = torch.cat((sin, sin.new_zeros(max_pos, pad)), dim=1)
+    return cos.float().to(device), sin.float().to(device)
+
+
+def rotary_row_order(n_rows: int, head_dim: int, rot_dim: int) -> torch.Tensor:
+    """Partial rotary (``partial_rotary_factor`` < 1, e.g. Phi-4-mini; transformers rotates the first
+    ``rot_dim`` dims of each head in rotate-half form and passes the rest through) as full-head
+    rotate-half RoPE: the row order (``new = old[idx]``) of a Q or K projection of ``n_rows`` rows
+    that moves, within each head, the rotary halves to ``[0, R/2)`` and ``[D/2, D/2 + R/2)`` and the
+    pass-through dims into the remaining slots of each half, whose cos/sin table columns are 1/0
+    (:func:`rope_cache`). Q.K is unchanged by the same order on both, so the attention kernels and
+    the KV cache run partial rotary unchanged. Int64 [n_rows]."""
+    d, r = head_dim, rot_dim
+    pass_dims = list(range(r, d))
+    half_pass = (d - r) // 2
+    one = list(range(r // 2)) + pass_dims[:half_pass] + list(range(r // 2, r)) + pass_dims[half_pass:]
+    within = torch.tensor(one, dtype=torch.int64)  # [D]
+    heads = n_rows // d
+    return (torch.arange(heads, dtype=torch.int64)[:, None] * d + within[None]).reshape(-1)

@@ -1,7 +1,11 @@
 """``sglite bench spec``: decode speed with and without speculative decoding, side by side.
 
-Two engines on the same model in one process (one with ``speculative_algorithm``, one without);
-every request runs on both, alternating, so machine drift hits both alike. Workloads:
+Engines on the same model in one process: one without speculation, and one per
+``--speculative-algorithm`` (NGRAM, STANDALONE, EAGLE, MEDUSA; EAGLE / MEDUSA load the heads
+shipped for the default model unless ``--speculative-draft-model-path ALG=DIR`` names others) and
+per ``--speculative-verify`` (``token block``: block vs token verification side by side; they
+differ on sampled requests only). Every request runs on all of them, the order rotating per
+batch, so machine drift hits all alike. Workloads:
 
 * ``copy_edit`` — rewrite a given paragraph with one change (copy-heavy: long spans repeat the
   prompt), batch 1;
@@ -76,6 +80,7 @@ CHAT = ["What are three good habits for staying healthy?", "Tell me a short stor
         "What should I pack for a beach holiday?"]
 
 
+ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "MEDUSA")
 HELDOUT_FILE = pathlib.Path(__file__).with_name("spec_heldout.json")
 
 
@@ -139,23 +144,62 @@ def _decode_part(outs, seconds) -> tuple[int, float]:
     return sum(max(0, len(o["output_ids"]) - 1) for o in outs), max(seconds - ttft, 1e-9)
 
 
+def _draft_paths(a: argparse.Namespace) -> dict:
+    """``--speculative-draft-model-path`` values -> ``{algorithm: path}``: ``ALG=PATH`` names one
+    algorithm; a bare ``PATH`` goes to every named algorithm that takes one (all but NGRAM)."""
+    out: dict = {}
+    for v in a.speculative_draft_model_path or []:
+        alg, sep, path = v.partition("=")
+        if sep and alg.upper() in ALGORITHMS:
+            out[alg.upper()] = path
+        else:
+            out.update({x: v for x in a.speculative_algorithm if x != "NGRAM"})
+    return out
+
+
+def spec_engines(a: argparse.Namespace, kw: dict) -> dict:
+    """``label -> Engine``: one engine per (algorithm, verifier) of ``a``; the label is the
+    algorithm, with ``/<verify>`` when more than one verifier is compared."""
+    from sglite import Engine
+
+    extra = {k: v for k, v in dict(speculative_disable_by_batch_size=a.speculative_disable_by_batch_size,
+                                   speculative_num_steps=a.speculative_num_steps,
+                                   speculative_eagle_topk=a.speculative_eagle_topk).items() if v}
+    paths = _draft_paths(a)
+    out = {}
+    for alg in a.speculative_algorithm:
+        for ver in a.speculative_verify:
+            label = alg + (f"/{ver}" if len(a.speculative_verify) > 1 else "")
+            out[label] = Engine(**kw, **extra, speculative_algorithm=alg, speculative_verify=ver,
+                                speculative_num_draft_tokens=a.speculative_num_draft_tokens,
+                                **({"speculative_draft_model_path": paths[alg]} if alg in paths else {}))
+    return out
+
+
+def _summary(name: str, batch: int, n_req: int, acc: dict, base: dict) -> dict:
+    """One (workload, spec engine) result from the accumulated ``acc`` and ``base`` counters."""
+    pairs = acc["pairs"]
+    return {"batch": batch, "requests": n_req, "base_tok_s": base["n"] / base["t"], "spec_tok_s": acc["n"] / acc["t"],
+            "speedup": (acc["n"] / acc["t"]) / (base["n"] / base["t"]),
+            "decode_speedup": (acc["dn"] / acc["dt"]) / max(base["dn"] / base["dt"], 1e-9),
+            "accept_length": acc["verified"] / acc["steps"] if acc["steps"] else 0.0,
+            "identical": f"{acc['same']}/{n_req}", "tokens": [base["n"], acc["n"]], "pair_ratios": pairs,
+            "speedup_median": statistics.median(pairs) if pairs else (acc["n"] / acc["t"]) / (base["n"] / base["t"])}
+
+
 def run(a: argparse.Namespace) -> dict:
+    """Run the workloads on the plain engine and every spec engine (:func:`spec_engines`).
+    Returns ``{workload: result}`` with one spec engine, ``{"<workload> <label>": result}`` with
+    several (result fields: :func:`_summary`)."""
     from sglite import Engine
 
     kw = {k: v for k, v in dict(model_path=a.model_path, dtype=a.dtype, max_total_tokens=a.max_total_tokens,
                                 max_running_requests=16).items() if v is not None}
     base = Engine(**kw)
-    if a.speculative_disable_by_batch_size:
-        kw_spec = {"speculative_disable_by_batch_size": a.speculative_disable_by_batch_size}
-    else:
-        kw_spec = {}
-    spec = Engine(**kw, **kw_spec, speculative_algorithm=a.speculative_algorithm,
-                  speculative_verify=a.speculative_verify,
-                  speculative_num_draft_tokens=a.speculative_num_draft_tokens,
-                  **({"speculative_draft_model_path": a.speculative_draft_model_path}
-                     if a.speculative_draft_model_path else {}))
+    specs: dict = {}
     results = {}
     try:
+        specs = spec_engines(a, kw)
         for name, (items, batch) in workloads(a.num_prompts, a.batch_sizes or ()).items():
             if a.workloads and name not in a.workloads:
                 continue
@@ -164,49 +208,47 @@ def run(a: argparse.Namespace) -> dict:
                     **({"sampling_seed": a.sampling_seed + k} if a.sampling_seed is not None else {})}
                    for k, (_, x) in enumerate(items)]
             fresh = not a.reuse_cache
-            _run(base, prompts[:1], sps[:1], 1)  # warm both (kernels, grammar caches)
-            _run(spec, prompts[:1], sps[:1], 1)
-            tb = ts = 0.0
-            nb = ns = 0
-            dec = {"base": [0, 0.0], "spec": [0, 0.0]}
-            same, steps, verified = 0, 0, 0
-            pairs: list = []  # per batch: spec tok/s over base tok/s
+            engines = {"base": base, **specs}
+            for e in engines.values():  # warm all (kernels, grammar caches)
+                _run(e, prompts[:1], sps[:1], 1)
+            acc = {k: {"n": 0, "t": 0.0, "dn": 0, "dt": 0.0, "same": 0, "steps": 0, "verified": 0, "pairs": []}
+                   for k in engines}
+            labels = list(engines)
             for j, i in enumerate(list(range(0, len(prompts), batch)) * a.rounds):
-                # alternate engines per batch in ABBA order, so linear drift of the machine cancels
-                first, second = (base, spec) if j % 2 == 0 else (spec, base)
-                o1, t1 = _run(first, prompts[i:i + batch], sps[i:i + batch], batch, fresh)
-                o2, t2 = _run(second, prompts[i:i + batch], sps[i:i + batch], batch, fresh)
-                (ob, t_b), (os_, t_s) = ((o1, t1), (o2, t2)) if first is base else ((o2, t2), (o1, t1))
-                tb, ts = tb + t_b, ts + t_s
-                n_b, n_s = sum(len(o["output_ids"]) for o in ob), sum(len(o["output_ids"]) for o in os_)
-                if n_b and t_b > 0 and t_s > 0:
-                    pairs.append((n_s / t_s) / (n_b / t_b))
-                for key, o, t in (("base", ob, t_b), ("spec", os_, t_s)):
-                    n_d, t_d = _decode_part(o, t)
-                    dec[key][0] += n_d
-                    dec[key][1] += t_d
-                nb += sum(len(o["output_ids"]) for o in ob)
-                ns += sum(len(o["output_ids"]) for o in os_)
-                same += sum(x["output_ids"] == y["output_ids"] for x, y in zip(ob, os_))
-                for o in os_:
-                    m = o["meta_info"]
-                    steps += m.get("spec_verify_ct", 0)
-                    verified += m.get("spec_accepted_tokens", 0) + m.get("spec_verify_ct", 0)
-            r = {"batch": batch, "requests": len(prompts) * a.rounds, "base_tok_s": nb / tb, "spec_tok_s": ns / ts,
-                 "speedup": (ns / ts) / (nb / tb),
-                 "decode_speedup": (dec["spec"][0] / dec["spec"][1]) / max(dec["base"][0] / dec["base"][1], 1e-9),
-                 "accept_length": verified / steps if steps else 0.0,
-                 "identical": f"{same}/{len(prompts) * a.rounds}", "tokens": [nb, ns]}
-            r["pair_ratios"] = pairs
-            r["speedup_median"] = statistics.median(pairs) if pairs else r["speedup"]
-            results[name] = r
-            print(f"{name:14s} batch {batch:2d}: base {r['base_tok_s']:7.1f} tok/s  spec {r['spec_tok_s']:7.1f} "
-                  f"tok/s  x{r['speedup']:.2f}  decode x{r['decode_speedup']:.2f}  accept length {r['accept_length']:.2f}  identical {r['identical']}"
-                  f"  median x{r['speedup_median']:.2f} [{min(pairs, default=0):.2f}-{max(pairs, default=0):.2f}, n={len(pairs)}]",
-                  flush=True)
+                # rotate the engines' order per batch (ABBA with two), so drift of the machine spreads over all
+                order = labels[j % len(labels):] + labels[:j % len(labels)] if len(labels) > 2 else \
+                    (labels if j % 2 == 0 else labels[::-1])
+                got = {k: _run(engines[k], prompts[i:i + batch], sps[i:i + batch], batch, fresh) for k in order}
+                ob, t_b = got["base"]
+                n_b = sum(len(o["output_ids"]) for o in ob)
+                for k, (outs, t) in got.items():
+                    c = acc[k]
+                    n = sum(len(o["output_ids"]) for o in outs)
+                    c["n"], c["t"] = c["n"] + n, c["t"] + t
+                    n_d, t_d = _decode_part(outs, t)
+                    c["dn"], c["dt"] = c["dn"] + n_d, c["dt"] + t_d
+                    if k == "base":
+                        continue
+                    if n_b and t_b > 0 and t > 0:
+                        c["pairs"].append((n / t) / (n_b / t_b))
+                    c["same"] += sum(x["output_ids"] == y["output_ids"] for x, y in zip(ob, outs))
+                    for o in outs:
+                        m = o["meta_info"]
+                        c["steps"] += m.get("spec_verify_ct", 0)
+                        c["verified"] += m.get("spec_accepted_tokens", 0) + m.get("spec_verify_ct", 0)
+            for label in specs:
+                r = _summary(name, batch, len(prompts) * a.rounds, acc[label], acc["base"])
+                results[name if len(specs) == 1 else f"{name} {label}"] = r
+                pairs = r["pair_ratios"]
+                tag = "" if len(specs) == 1 else f" {label:14s}"
+                print(f"{name:14s}{tag} batch {batch:2d}: base {r['base_tok_s']:7.1f} tok/s  spec {r['spec_tok_s']:7.1f} "
+                      f"tok/s  x{r['speedup']:.2f}  decode x{r['decode_speedup']:.2f}  accept length {r['accept_length']:.2f}"
+                      f"  identical {r['identical']}  median x{r['speedup_median']:.2f} "
+                      f"[{min(pairs, default=0):.2f}-{max(pairs, default=0):.2f}, n={len(pairs)}]", flush=True)
     finally:
         base.shutdown()
-        spec.shutdown()
+        for e in specs.values():
+            e.shutdown()
     return results
 
 
@@ -215,10 +257,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-path", default=None, help="HF folder or .gguf (default: the default model)")
     p.add_argument("--dtype", default=None, help="engine dtype (default: auto)")
     p.add_argument("--max-total-tokens", type=int, default=16384, help="KV pool of each engine (tokens; default: %(default)s)")
-    p.add_argument("--speculative-algorithm", default="NGRAM", choices=("NGRAM", "STANDALONE"),
-                   help="the spec engine's algorithm (default: %(default)s)")
+    p.add_argument("--speculative-algorithm", nargs="+", default=["NGRAM"], choices=ALGORITHMS,
+                   help="the spec engines' algorithms, one engine each, all beside the one plain engine "
+                        "(EAGLE / MEDUSA: the heads shipped for the default model unless a path is given; "
+                        "default: NGRAM)")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=8, help="most draft tokens per step (default: %(default)s)")
-    p.add_argument("--speculative-draft-model-path", default=None, help="draft model (STANDALONE)")
+    p.add_argument("--speculative-draft-model-path", nargs="*", default=None,
+                   help="draft model (STANDALONE) or head folder (EAGLE / MEDUSA): ALG=PATH for one algorithm, "
+                        "a bare PATH for every named algorithm but NGRAM")
+    p.add_argument("--speculative-num-steps", type=int, default=None,
+                   help="draft depth (STANDALONE / EAGLE; default: the engine's)")
+    p.add_argument("--speculative-eagle-topk", type=int, default=None,
+                   help="EAGLE: branching of the draft tree (default: the engine's)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request (default: %(default)s)")
     p.add_argument("--num-prompts", type=int, default=4, help="requests per batch-1 workload (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=2, help="passes over each workload, engine order alternating (default: %(default)s)")
@@ -230,8 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reuse-cache", action="store_true",
                    help="keep the radix cache between batches (rounds then reuse cached prompts); default: "
                         "every batch starts on an empty cache")
-    p.add_argument("--speculative-verify", default="token", choices=("token", "block"),
-                   help="the spec engine's verifier (block: unseeded sampled requests only; default: %(default)s)")
+    p.add_argument("--speculative-verify", nargs="+", default=["token"], choices=("token", "block"),
+                   help="the spec engines' verifiers: both names compare them, one engine per algorithm and "
+                        "verifier (block: unseeded sampled requests only, greedy ones verify per token; "
+                        "default: token)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: %(default)s: greedy)")
     p.add_argument("--sampling-seed", type=int, default=None,
                    help="seed request k with this + k (sampled runs; seeded outputs equal the plain engine's; "

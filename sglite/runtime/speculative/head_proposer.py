@@ -27,6 +27,7 @@ import torch
 
 from ..step_plan import StepEntry
 from .budget import DraftBudget
+from .draft_fast import FastEagle, FastLMHead, FastMedusa
 from .proposer import Chain
 from .state import SpecState
 
@@ -102,9 +103,13 @@ class _HeadBase:
         self.head_w = w.float().contiguous()  # [Vd, H]
         self.ids = ids.to(torch.int64)
         self.hidden = model.arch.hidden_size
+        # the bf16 GEMV draft LM head on CPU (.draft_fast); None: the float32 torch reference
+        self.fast_lm: Optional[FastLMHead] = FastLMHead(self.head_w) if self.head_w.device.type == "cpu" else None
 
     def logp(self, feat: torch.Tensor) -> torch.Tensor:
-        """[..., H] features -> [..., Vd] draft log-probabilities over :attr:`ids`."""
+        """[..., H] features -> [..., Vd] draft log-probabilities over :attr:`ids` (float32)."""
+        if self.fast_lm is not None:
+            return self.fast_lm(feat)
         return torch.log_softmax(feat @ self.head_w.T, dim=-1)
 
     @torch.inference_mode()
@@ -151,12 +156,14 @@ class MedusaProposer(_HeadBase):
         k = len(module.blocks)
         self.tree = [t[:k] for t in tree]
         self.depth = max(len(t) for t in self.tree)
+        # the bf16 GEMV blocks on CPU (.draft_fast); None: the float32 module itself
+        self.fast: Optional[FastMedusa] = FastMedusa(module) if self.fast_lm is not None else None
 
     def _propose_one(self, r, log: Optional[FeatureLog], room: int) -> list[Chain]:
         last = r.seq_len - 2  # the position whose logits gave the pending token
         if room < 1 or log is None or not log.start <= last < log.end:
             return []
-        f = self.module(log.rows(last, last + 1)[0])  # [K, H]
+        f = (self.fast or self.module)(log.rows(last, last + 1)[0])  # [K, H]
         if self.module.heads is not None:
             lp = torch.stack([torch.log_softmax(h(f[i]), -1)[self.ids] for i, h in enumerate(self.module.heads)])
         else:
@@ -197,6 +204,17 @@ class EagleProposer(_HeadBase):
     def __init__(self, module, model, draft_vocab=None, num_steps: int = 4, topk: int = 4, num_draft_tokens: int = 8):
         super().__init__(module, model, draft_vocab)
         self.num_steps, self.topk, self.num_draft_tokens = num_steps, topk, num_draft_tokens
+        # the bf16 GEMV draft layer on CPU (.draft_fast); None: the float32 module itself
+        self.fast: Optional[FastEagle] = FastEagle(module) if self.fast_lm is not None else None
+
+    def layer(self, emb, feat, pos, past=None, mask=None) -> tuple:
+        """One pass of the draft layer (:meth:`.heads.EagleHead.forward`'s arguments and results;
+        ``past`` may hold lists of K / V chunks, concatenated only for the float32 module)."""
+        if self.fast is not None:
+            return self.fast(emb, feat, pos, past, mask)
+        if past is not None and isinstance(past[0], list):
+            past = (torch.cat(past[0], 1), torch.cat(past[1], 1))
+        return self.module(emb, feat, pos, past, mask)
 
     def _embed(self, ids: list[int]) -> torch.Tensor:
         return self.model.embed_rows(torch.tensor(ids, dtype=torch.int64)).float()[None]  # [1, T, H]
@@ -220,7 +238,7 @@ class EagleProposer(_HeadBase):
         toks = r.tokens(a + 1, last + 2)
         pos = torch.arange(a, last + 1)[None]
         past = (kv.k, kv.v) if kv.k is not None else None
-        out, (k, v) = self.module(self._embed(toks), log.rows(a, last + 1)[None], pos, past)
+        out, (k, v) = self.layer(self._embed(toks), log.rows(a, last + 1)[None], pos, past)
         kv.k = k if past is None else torch.cat((kv.k, k), 1)
         kv.v = v if past is None else torch.cat((kv.v, v), 1)
         return out[0, -1]
@@ -256,10 +274,9 @@ class EagleProposer(_HeadBase):
                     p = nodes[p][1]
                 mask[qi, kv.m + n_prev + qi] = True
                 feats.append(root_feat if nodes[ni][1] < 0 else outs[nodes[ni][1]])
-            past_k = torch.cat([kv.k] + tk, 1) if tk else kv.k
-            past_v = torch.cat([kv.v] + tv, 1) if tv else kv.v
+            past_k, past_v = [kv.k] + tk, [kv.v] + tv  # chunks: read in place by the fast layer
             pos = torch.tensor([[base + nodes[ni][3] - 1 for ni in frontier]])
-            o, (nk, nv) = self.module(self._embed([nodes[ni][0] for ni in frontier]), torch.stack(feats)[None],
+            o, (nk, nv) = self.layer(self._embed([nodes[ni][0] for ni in frontier]), torch.stack(feats)[None],
                                       pos, (past_k, past_v), mask)
             tk.append(nk)
             tv.append(nv)

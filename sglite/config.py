@@ -58,8 +58,9 @@ class EngineConfig:
             it is refused with a 400 naming the slow field and this budget.
         max_prefill_tokens: most new tokens admitted into one prefill step.
         chunked_prefill_size: prompts longer than this are prefilled in chunks (-1 / None: off).
-        decode_steps_per_chunk: decode-only steps run after each step that carried a prefill chunk
-            beside decoding requests (decode priority; 0 = every step mixes a chunk in). Trades a
+        decode_steps_per_chunk: decode-only steps run after each step whose prefill tokens filled
+            the prefill budget beside decoding requests (decode priority; 0 = every step mixes a
+            chunk in). Trades a
             longer TTFT for long prompts against shorter stalls for requests already decoding.
         page_size: KV slots allocated and prefix-matched in whole pages of this many tokens.
             With ``kv_cache_dtype`` int8 / int4 a page holds whole key groups: 1 becomes

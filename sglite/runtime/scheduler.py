@@ -143,9 +143,10 @@ class Scheduler:
     def schedule(self) -> Optional[StepPlan]:
         """The next step's plan (KV reserved for every entry), or None when nothing can run.
 
-        Decode priority: after a step that carried a prefill chunk beside decoding requests, the
-        next ``decode_steps_per_chunk`` steps are decode-only, so a long prompt stalls each decoding
-        request for a fraction of the chunk time instead of the whole of it.
+        Decode priority: after a step whose prefill tokens filled the budget (a long prompt's chunk)
+        beside decoding requests, the next ``decode_steps_per_chunk`` steps are decode-only, so a
+        long prompt stalls each decoding request for a fraction of the chunk time instead of the
+        whole of it; steps that admit only short prompts never hold the next arrivals back.
         """
         if not self.has_work():
             return None
@@ -161,11 +162,18 @@ class Scheduler:
         if not entries:
             return None
         plan = StepPlan(entries, decode_only).layout(self.small_extend)
-        if plan.has_chunk and plan.has_decode and self.config.chunk_size:
+        if plan.has_chunk and plan.has_decode and self.config.chunk_size and self._fills_budget(entries):
             self._decode_only_left = self.config.decode_steps_per_chunk
         self.counters["steps"] += 1
         self.step_log.log_step(plan, self.kv, len(self.running), len(self.waiting))
         return plan
+
+    def _fills_budget(self, entries: list[StepEntry]) -> bool:
+        """True when the step's prefill tokens used the whole prefill budget (a long prompt's chunk,
+        or a burst of arrivals): only such steps earn the decode-only steps that follow. A step that
+        admits a few short prompts beside the decoding requests costs them little, and holding the
+        next arrivals back behind decode-only steps would only add to their time to first token."""
+        return sum(e.n for e in entries if e.req.prefilling and e.n > 1) >= self._budget()
 
     def _budget(self) -> int:
         c = self.config.chunk_size

@@ -185,6 +185,23 @@ def test_chunked_prefill_sizes_and_decode_priority():
     assert long.output_ids == oracle(long.input_ids, 2)
 
 
+def test_short_arrivals_are_not_held_behind_decode_only_steps():
+    """A prompt shorter than the prefill budget, admitted beside a decoding request, does not earn
+    decode-only steps: the next arrival is admitted at the very next step (its TTFT is one step)."""
+    sched, runner = make(chunked_prefill_size=16, decode_steps_per_chunk=2)
+    first = req("first", [3, 4, 5], 20)
+    sched.add_request(first)
+    sched.step()  # first is decoding now
+    kinds = []
+    for i, name in enumerate(("a", "b")):
+        sched.add_request(req(name, [6 + i, 7, 8, 9, 10], 4))  # 5 tokens < the 16-token budget
+        plan = sched.schedule()
+        kinds.append(sorted(e.n for e in plan.entries))
+        logits = runner.forward(ForwardBatch.from_plan(plan, sched.kv.req_to_token))
+        sched.process(plan, logits, sched.sample(plan, logits))
+    assert kinds == [[1, 5], [1, 1, 5]]  # each arrival prefilled in the step right after it came
+
+
 def test_retraction_requeues_newest_and_resumes_identically():
     work = [([1 + i] * 30, 40) for i in range(4)]
     sched, runner = make(tokens=150, chunked_prefill_size=None, max_running_requests=8)

@@ -260,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-algorithm", nargs="+", default=["NGRAM"], choices=ALGORITHMS,
                    help="the spec engines' algorithms, one engine each, all beside the one plain engine "
                         "(EAGLE / MEDUSA: the heads shipped for the default model unless a path is given; "
-                        "default: NGRAM)")
+                        "default: %(default)s)")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=8, help="most draft tokens per step (default: %(default)s)")
     p.add_argument("--speculative-draft-model-path", nargs="*", default=None,
                    help="draft model (STANDALONE) or head folder (EAGLE / MEDUSA): ALG=PATH for one algorithm, "
@@ -283,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-verify", nargs="+", default=["token"], choices=("token", "block"),
                    help="the spec engines' verifiers: both names compare them, one engine per algorithm and "
                         "verifier (block: unseeded sampled requests only, greedy ones verify per token; "
-                        "default: token)")
+                        "default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: %(default)s: greedy)")
     p.add_argument("--sampling-seed", type=int, default=None,
                    help="seed request k with this + k (sampled runs; seeded outputs equal the plain engine's; "

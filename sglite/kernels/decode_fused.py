@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 
@@ -71,6 +71,7 @@ from . import cpu_attention, quant_cpu
 
 MAX_ROWS = 32  # more decode rows: the per-op path (its GEMM on dequantized weights wins there)
 LINEAR_KEYS = ("qkv", "o", "gate_up", "down")
+_NO_ROWS = torch.empty(0, dtype=torch.int64)  # lora_rows of a step without adapters
 ATTN_SPLIT_MIN = 1 << 16  # K/V values per step (sum of lens x KV heads x head dim); see FusedDecode.attn_split_min
 
 
@@ -93,6 +94,15 @@ def _tileable(w) -> bool:
 def _quant_ok(w) -> bool:
     return (isinstance(w, QuantLinearWeight) and tileable_group(w.group_size, w.bits) and w.perm is None
             and w.bias is None and w.device.type == "cpu")
+
+
+class LoraStep(Protocol):
+    """One step's LoRA adapters as the fused decode reads them (:class:`sglite.lora.LoraBatch`)."""
+
+    def fused_args(self, keys: tuple, num_rows: int) -> tuple[list, torch.Tensor, list]:
+        """(per layer and key ``a`` [S, RT, in], ``b`` [S, RT, out] float32/bf16 or two empty
+        tensors; ``rows`` [len(keys), num_rows] int64 slots, -1: none; per key ``spans`` [S,
+        blocks, 3] int64: rank rows used, output columns [lo, hi))."""
 
 
 class FusedDecode:
@@ -131,7 +141,8 @@ class FusedDecode:
         self.__init__(self.model, self.q8, self.portable)
 
     def hidden(self, fb, k_buffers, v_buffers) -> torch.Tensor:
-        """[N, H] float32 final-normed hidden states of the step's decode rows (KV written)."""
+        """[N, H] float32 final-normed hidden states of the step's decode rows (KV written), with
+        the rows' LoRA deltas when the step has adapters (``fb.lora``: a :class:`LoraStep`)."""
         m = self.model
         x = m.embed_rows(fb.input_ids)  # [N, H]
         cos, sin = m.cos[fb.positions].contiguous(), m.sin[fb.positions].contiguous()  # [N, D/2] float32
@@ -139,11 +150,13 @@ class FusedDecode:
         if rt.dtype != torch.int32:
             rt = rt.to(torch.int32)
         Hq, Hkv, D, eps, sm = self.dims
+        lora = getattr(fb, "lora", None)
+        ab, rows, spans = ([], _NO_ROWS, []) if lora is None else lora.fused_args(LINEAR_KEYS, x.shape[0])
         return load(self.portable).decode_forward(
             x.float().contiguous(), self.norms, self.lin, self.bits, self.final_norm, cos, sin, list(k_buffers),
             list(v_buffers), fb.out_cache_loc.contiguous(), rt, fb.dec_req_pool_indices.contiguous(),
             fb.dec_seq_lens.contiguous(), Hq, Hkv, D, eps, sm, self.q8, self.tiled, self.num_threads(),
-            self.attn_split_min)
+            self.attn_split_min, ab, rows, spans)
 
     def num_threads(self) -> int:
         """Threads of the C++ pool for this step: :attr:`threads`, or torch's intra-op count (the

@@ -33,6 +33,9 @@ class LoraPool:
         self.layout = fused_layout(shape)
         self.a: dict[str, list[torch.Tensor]] = {}  # key -> per layer [S, blocks*R, in]
         self.b: dict[str, list[torch.Tensor]] = {}  # key -> per layer [S, blocks*R, out] (B transposed)
+        # key -> [S, blocks, 3] int64 (CPU): per slot and rank block the rank rows in use and the output
+        # columns [lo, hi) they write, over all layers (zeros: unused); read by the fused C++ decode
+        self.spans: dict[str, torch.Tensor] = {}
         self.resident: OrderedDict[int, int] = OrderedDict()  # adapter uid -> slot, least recent first
         self.loads = 0  # adapters copied into a slot (counter)
 
@@ -44,6 +47,7 @@ class LoraPool:
         kw = dict(dtype=self.dtype, device=self.device)
         self.a[key] = [torch.zeros(S, rt, in_w, **kw) for _ in range(L)]
         self.b[key] = [torch.zeros(S, rt, out_w, **kw) for _ in range(L)]
+        self.spans[key] = torch.zeros(S, KEY_BLOCKS[key], 3, dtype=torch.int64)
 
     def slot_of(self, adapter: LoraAdapter, keep: set) -> int:
         """The slot holding ``adapter``, copying it in (into a free slot, else the least recently
@@ -71,6 +75,8 @@ class LoraPool:
         for key in adapter.keys:
             self._buffers(key)
         for key in self.a:
+            span = self.spans[key][slot]
+            span.zero_()
             for layer in range(self.shape.num_layers):
                 a, b = self.a[key][layer][slot], self.b[key][layer][slot]
                 a.zero_()
@@ -79,6 +85,9 @@ class LoraPool:
                     r, lo = p.a.shape[0], p.block * R
                     a[lo:lo + r].copy_(p.a)
                     b[lo:lo + r, p.row:p.row + p.b.shape[0]].copy_(p.b.t())
+                    sp, hi = span[p.block], p.row + p.b.shape[0]
+                    sp[1], sp[2] = (p.row, hi) if sp[0] == 0 else (min(int(sp[1]), p.row), max(int(sp[2]), hi))
+                    sp[0] = max(int(sp[0]), r)
         self.loads += 1
 
     def drop(self, adapter: LoraAdapter) -> None:
@@ -115,3 +124,25 @@ class LoraBatch:
         if s is None:
             return y
         return kernels.lora_add(y, x, self.pool.a[key][layer], self.pool.b[key][layer], self.seg_lens, s)
+
+    def fused_args(self, keys: tuple, num_rows: int) -> tuple[list, torch.Tensor, list]:
+        """This step's adapters as the fused C++ decode takes them (:mod:`sglite.kernels.decode_fused`),
+        for the fused matmuls ``keys`` in the C++ order: ``ab`` (per layer, per key: ``a`` [S, RT,
+        in], ``b`` [S, RT, out], or two empty tensors where no row is adapted), ``rows`` [len(keys),
+        num_rows] int64 (each row's slot per key, -1: none) and ``spans`` (per key [S, blocks, 3]
+        int64, or empty). Raises ValueError when the segments do not cover ``num_rows`` rows."""
+        if int(self.seg_lens.sum()) != num_rows:
+            raise ValueError(f"lora segments cover {int(self.seg_lens.sum())} rows, the step has {num_rows}")
+        pool, empty = self.pool, torch.empty(0)
+        rows = torch.full((len(keys), num_rows), -1, dtype=torch.int64)
+        spans = []
+        for i, key in enumerate(keys):
+            s = self.slots.get(key)
+            if s is not None:
+                rows[i] = torch.repeat_interleave(s, self.seg_lens)
+            spans.append(pool.spans[key] if s is not None else torch.empty(0, dtype=torch.int64))
+        ab = []
+        for layer in range(pool.shape.num_layers):
+            for key in keys:
+                ab += [pool.a[key][layer], pool.b[key][layer]] if key in self.slots else [empty, empty]
+        return ab, rows, spans

@@ -73,6 +73,7 @@ MAX_ROWS = 32  # more decode rows: the per-op path (its GEMM on dequantized weig
 LINEAR_KEYS = ("qkv", "o", "gate_up", "down")
 _NO_ROWS = torch.empty(0, dtype=torch.int64)  # lora_rows of a step without adapters
 ATTN_SPLIT_MIN = 1 << 16  # K/V values per step (sum of lens x KV heads x head dim); see FusedDecode.attn_split_min
+LORA_SPLIT_MIN = 1 << 21  # multiply-adds of one LoRA shrink or expand; see FusedDecode.lora_split_min
 
 
 @functools.lru_cache(maxsize=None)
@@ -119,6 +120,8 @@ class FusedDecode:
         # the attention splits over threads from this many K/V values read per step (below, one op call
         # costs less than the calls of a split; 0: always split)
         self.attn_split_min: int = getattr(self, "attn_split_min", ATTN_SPLIT_MIN)
+        # a LoRA shrink / expand splits over threads from this many multiply-adds (0: always split)
+        self.lora_split_min: int = getattr(self, "lora_split_min", LORA_SPLIT_MIN)
         self.norms = torch.stack([torch.stack([L["in_norm"].float(), L["post_norm"].float()])
                                   for L in model.layers]).contiguous()  # [L, 2, H] float32
         self.final_norm = model.norm.float().contiguous()  # [H]
@@ -156,7 +159,7 @@ class FusedDecode:
             x.float().contiguous(), self.norms, self.lin, self.bits, self.final_norm, cos, sin, list(k_buffers),
             list(v_buffers), fb.out_cache_loc.contiguous(), rt, fb.dec_req_pool_indices.contiguous(),
             fb.dec_seq_lens.contiguous(), Hq, Hkv, D, eps, sm, self.q8, self.tiled, self.num_threads(),
-            self.attn_split_min, ab, rows, spans)
+            self.attn_split_min, ab, rows, spans, self.lora_split_min)
 
     def num_threads(self) -> int:
         """Threads of the C++ pool for this step: :attr:`threads`, or torch's intra-op count (the

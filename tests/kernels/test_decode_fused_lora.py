@@ -74,9 +74,9 @@ def _engine(qdir, paths, seen, threads=None):
             got = fused.forward(fb, kb, vb)
             if got is not None:
                 if threads is not None:
-                    fused.threads = threads
+                    fused.threads, fused.lora_split_min = threads, 0  # split every LoRA phase
                     again = fused.forward(fb, kb, vb)
-                    fused.threads = None
+                    fused.threads, fused.lora_split_min = None, decode_fused.LORA_SPLIT_MIN
                     assert torch.equal(got, again)
                 ref = model._forward(fb, kb, vb)  # rewrites the same KV slots
                 err = (got - ref).abs().max().item() / (ref.abs().max().item() + 1e-6)

@@ -139,14 +139,15 @@ void store_rows(at::Tensor& buf, const int64_t* loc, const float* src, int64_t M
 // down) x (codes, scales, mins (empty: none)); bits [4L]; cos/sin [M, D/2] float32 of the rows'
 // positions; k/v buffers [S, Hkv, D] per layer (float32 or bf16, unit stride along D; written at
 // out_cache_loc [M] int64); req_to_token [R, Lmax] int32; rows/lens [M] int64; tiled: every layer
-// weight is in 16-row tiles (quant_tiles.h; needs q8). lora_ab / lora_rows / lora_spans: the step's
-// LoRA adapters (lora_fused.h's Step; an empty lora_ab: none, the base model's path as before).
+// weight is in 16-row tiles (quant_tiles.h; needs q8). lora_ab / lora_rows / lora_spans /
+// lora_split_min: the step's LoRA adapters (lora_fused.h's Step; an empty lora_ab: none, the base
+// model's path as before).
 at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor> lin, std::vector<int64_t> bits,
                           at::Tensor final_norm, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> kbufs,
                           std::vector<at::Tensor> vbufs, at::Tensor out_loc, at::Tensor req_to_token, at::Tensor rows,
                           at::Tensor lens, int64_t Hq, int64_t Hkv, int64_t D, double eps, double sm_scale, bool q8,
                           bool tiled, int64_t threads, int64_t attn_split_min, std::vector<at::Tensor> lora_ab,
-                          at::Tensor lora_rows, std::vector<at::Tensor> lora_spans) {
+                          at::Tensor lora_rows, std::vector<at::Tensor> lora_spans, int64_t lora_split_min) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= 32,
               "decode_forward: x must be contiguous float32 [M <= 32, H]");
   const int64_t M = x.size(0), H = x.size(1), L = (int64_t)kbufs.size();
@@ -165,7 +166,8 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                         const at::Tensor&, double, int64_t, double)>();
   const PoolPar par{(int)threads};
-  const sglite_lora_fused::Step lora(std::move(lora_ab), std::move(lora_rows), std::move(lora_spans), L, M);
+  const sglite_lora_fused::Step lora(std::move(lora_ab), std::move(lora_rows), std::move(lora_spans), L, M,
+                                         lora_split_min);
   const int64_t Nqkv = (Hq + 2 * Hkv) * D, half = D / 2;
   at::Tensor out = x.clone();
   float* xr = out.data_ptr<float>();

@@ -38,6 +38,7 @@ class LoraPool:
         self.spans: dict[str, torch.Tensor] = {}
         self.resident: OrderedDict[int, int] = OrderedDict()  # adapter uid -> slot, least recent first
         self.loads = 0  # adapters copied into a slot (counter)
+        self._fused: dict = {}  # (keys, adapted) -> the fused decode's lora_ab list (fused_ab)
 
     def _buffers(self, key: str) -> None:
         if key in self.a:
@@ -90,6 +91,17 @@ class LoraPool:
                     sp[0] = max(int(sp[0]), r)
         self.loads += 1
 
+    def fused_ab(self, keys: tuple, adapted: tuple) -> list:
+        """Per layer, per key of ``keys``: ``a``, ``b`` of this pool where ``adapted``, else two empty
+        tensors (the fused decode's ``lora_ab``); cached (the buffers never move once allocated)."""
+        got = self._fused.get((keys, adapted))
+        if got is None:
+            empty = torch.empty(0)
+            got = [t for layer in range(self.shape.num_layers) for k, on in zip(keys, adapted)
+                   for t in ((self.a[k][layer], self.b[k][layer]) if on else (empty, empty))]
+            self._fused[(keys, adapted)] = got
+        return got
+
     def drop(self, adapter: LoraAdapter) -> None:
         """Forget ``adapter``'s slot (unloaded); the slot is rewritten by its next user."""
         self.resident.pop(adapter.uid, None)
@@ -111,6 +123,9 @@ class LoraPool:
         return LoraBatch(self, lens, per_key)
 
 
+_NO_SPANS = torch.empty(0, dtype=torch.int64)
+
+
 class LoraBatch:
     """One step's adapters (module docstring): ``seg_lens`` [G] int64 and ``slots[key]`` [G] int64."""
 
@@ -130,19 +145,16 @@ class LoraBatch:
         for the fused matmuls ``keys`` in the C++ order: ``ab`` (per layer, per key: ``a`` [S, RT,
         in], ``b`` [S, RT, out], or two empty tensors where no row is adapted), ``rows`` [len(keys),
         num_rows] int64 (each row's slot per key, -1: none) and ``spans`` (per key [S, blocks, 3]
-        int64, or empty). Raises ValueError when the segments do not cover ``num_rows`` rows."""
-        if int(self.seg_lens.sum()) != num_rows:
-            raise ValueError(f"lora segments cover {int(self.seg_lens.sum())} rows, the step has {num_rows}")
-        pool, empty = self.pool, torch.empty(0)
-        rows = torch.full((len(keys), num_rows), -1, dtype=torch.int64)
-        spans = []
-        for i, key in enumerate(keys):
+        int64, or empty). Little Python per step (the engine loop's thread shares the GIL): the
+        ``ab`` list is built once per set of adapted keys. Raises ValueError when the segments do
+        not cover ``num_rows`` rows."""
+        lens = self.seg_lens.tolist()
+        if sum(lens) != num_rows:
+            raise ValueError(f"lora segments cover {sum(lens)} rows, the step has {num_rows}")
+        rows = []
+        for key in keys:
             s = self.slots.get(key)
-            if s is not None:
-                rows[i] = torch.repeat_interleave(s, self.seg_lens)
-            spans.append(pool.spans[key] if s is not None else torch.empty(0, dtype=torch.int64))
-        ab = []
-        for layer in range(pool.shape.num_layers):
-            for key in keys:
-                ab += [pool.a[key][layer], pool.b[key][layer]] if key in self.slots else [empty, empty]
-        return ab, rows, spans
+            rows.append([-1] * num_rows if s is None else [x for x, n in zip(s.tolist(), lens) for _ in range(n)])
+        adapted = tuple(k in self.slots for k in keys)
+        return self.pool.fused_ab(keys, adapted), torch.tensor(rows, dtype=torch.int64), \
+            [self.pool.spans[k] if on else _NO_SPANS for k, on in zip(keys, adapted)]

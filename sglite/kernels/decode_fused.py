@@ -40,6 +40,14 @@ default the fastest measured at start-up: :mod:`.decode_threads`). Before the po
 had no threads at all: sglite builds its extensions without ``-fopenmp``, so ``at::parallel_for``
 in them runs serially.
 
+LoRA (``csrc/lora_fused.h``, docs/lora.md): a step whose rows have adapters (``fb.lora``, a
+:class:`LoraStep`) passes, per layer and matmul, the adapter slots' stacked ``A`` [S, RT, in] and
+``B`` [S, RT, out] (float32 or bf16, scaling folded in), each row's slot per matmul (-1: none) and
+per slot the rank rows and output columns each rank block uses; after each GEMV the C++ adds
+``t . B[slot]`` with ``t = x . A[slot]ᵀ`` (float32) to the adapted rows, rows grouped by slot. A
+shrink or expand splits over the pool from :attr:`FusedDecode.lora_split_min` multiply-adds.
+Without adapters the call gets empty LoRA arguments and runs as before.
+
 Used only when the preconditions hold (:func:`prepare`, static; :meth:`FusedDecode.forward`, per
 step): a plain Llama layer (the model's ``fused_decode_ok`` is not False: OLMo 2, Granite and
 Gemma 2/3 set it False, their norms, multipliers, soft-capping and sliding windows are not in the

@@ -2,7 +2,7 @@
 tiny random Llama quantized to 32-groups, every fused step of a batch that mixes base rows and
 several adapters (different ranks and targets, q/k/v split and fused) is checked against the
 per-op LoRA path on the same step (float32: logits within 1e-5 relative; greedy tokens equal),
-the same step is bitwise the same on 1 and 2 threads, and a step without adapters passes no LoRA
+the same step is bitwise the same on 1 and 2 threads, both builds (AVX-512 and portable) match, and a step without adapters passes no LoRA
 arguments. The PEFT oracle on the dequantized base is in tests/runtime/test_lora_fused_peft.py."""
 import json
 
@@ -59,7 +59,7 @@ def quantized_lora(tiny_model_dir, tmp_path_factory):
     return qdir, paths
 
 
-def _engine(qdir, paths, seen, threads=None):
+def _engine(qdir, paths, seen, threads=None, portable=False):
     """A float32 engine whose fused steps are checked against the per-op path on the same step
     (and, with ``threads``, against the fused step on that many threads, bitwise)."""
     from sglite import Engine
@@ -68,6 +68,8 @@ def _engine(qdir, paths, seen, threads=None):
     model = e.runner.model
     fused = model.decode_fused
     assert fused is not None and not fused.q8
+    if portable:  # the build without AVX-512: lora_fused.h's scalar loops
+        fused = decode_fused.FusedDecode(model, q8=False, portable=True)
 
     class Checked:
         def forward(self, fb, kb, vb):
@@ -88,12 +90,13 @@ def _engine(qdir, paths, seen, threads=None):
     return e
 
 
-def test_mixed_adapters_match_per_op_path(quantized_lora):
+@pytest.mark.parametrize("portable", [False, True])
+def test_mixed_adapters_match_per_op_path(quantized_lora, portable):
     qdir, paths = quantized_lora
     names = ["all4", None, "qv8", "mlp2", "qkv3", "all4"]
     sp = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
     seen = []
-    e = _engine(qdir, paths, seen)
+    e = _engine(qdir, paths, seen, portable=portable)
     try:
         got = [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=sp, lora_path=names)]
         assert (6, True) in seen  # a 6-row step of 4 adapters and a base row went through the fused path

@@ -40,6 +40,14 @@ default the fastest measured at start-up: :mod:`.decode_threads`). Before the po
 had no threads at all: sglite builds its extensions without ``-fopenmp``, so ``at::parallel_for``
 in them runs serially.
 
+LoRA (``csrc/lora_fused.h``, docs/lora.md): a step whose rows have adapters (``fb.lora``, a
+:class:`LoraStep`) passes, per layer and matmul, the adapter slots' stacked ``A`` [S, RT, in] and
+``B`` [S, RT, out] (float32 or bf16, scaling folded in), each row's slot per matmul (-1: none) and
+per slot the rank rows and output columns each rank block uses; after each GEMV the C++ adds
+``t . B[slot]`` with ``t = x . A[slot]ᵀ`` (float32) to the adapted rows, rows grouped by slot. A
+shrink or expand splits over the pool from :attr:`FusedDecode.lora_split_min` multiply-adds.
+Without adapters the call gets empty LoRA arguments and runs as before.
+
 Used only when the preconditions hold (:func:`prepare`, static; :meth:`FusedDecode.forward`, per
 step): a plain Llama layer (the model's ``fused_decode_ok`` is not False: MoE models set it
 False), or a family layer (Gemma 2/3, OLMo 2, Granite, Qwen3's QK-norm: their norms, scales,
@@ -61,7 +69,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 
@@ -73,7 +81,9 @@ from . import cpu_attention, quant_cpu
 
 MAX_ROWS = 32  # more decode rows: the per-op path (its GEMM on dequantized weights wins there)
 LINEAR_KEYS = ("qkv", "o", "gate_up", "down")
+_NO_ROWS = torch.empty(0, dtype=torch.int64)  # lora_rows of a step without adapters
 ATTN_SPLIT_MIN = 1 << 16  # K/V values per step (sum of lens x KV heads x head dim); see FusedDecode.attn_split_min
+LORA_SPLIT_MIN = 1 << 21  # multiply-adds of one LoRA shrink or expand; see FusedDecode.lora_split_min
 
 
 @functools.lru_cache(maxsize=None)
@@ -97,6 +107,15 @@ def _quant_ok(w) -> bool:
             and w.bias is None and w.device.type == "cpu")
 
 
+class LoraStep(Protocol):
+    """One step's LoRA adapters as the fused decode reads them (:class:`sglite.lora.LoraBatch`)."""
+
+    def fused_args(self, keys: tuple, num_rows: int) -> tuple[list, torch.Tensor, list]:
+        """(per layer and key ``a`` [S, RT, in], ``b`` [S, RT, out] float32/bf16 or two empty
+        tensors; ``rows`` [len(keys), num_rows] int64 slots, -1: none; per key ``spans`` [S,
+        blocks, 3] int64: rank rows used, output columns [lo, hi))."""
+
+
 class FusedDecode:
     """The packed inputs of one model's fused decode (built once at load by :func:`prepare`).
 
@@ -112,6 +131,11 @@ class FusedDecode:
         # costs less than the calls of a split; 0: always split)
         self.attn_split_min: int = getattr(self, "attn_split_min", ATTN_SPLIT_MIN)
         self.norms = self._norms(model)
+
+        # a LoRA shrink / expand splits over threads from this many multiply-adds (0: always split)
+        self.lora_split_min: int = getattr(self, "lora_split_min", LORA_SPLIT_MIN)
+        self.norms = torch.stack([torch.stack([L["in_norm"].float(), L["post_norm"].float()])
+                                  for L in model.layers]).contiguous()  # [L, 2, H] float32
         self.final_norm = model.norm.float().contiguous()  # [H]
         self.lin, self.bits = [], []
         for L in model.layers:
@@ -137,7 +161,8 @@ class FusedDecode:
         self.__init__(self.model, self.q8, self.portable)
 
     def hidden(self, fb, k_buffers, v_buffers) -> torch.Tensor:
-        """[N, H] float32 final-normed hidden states of the step's decode rows (KV written)."""
+        """[N, H] float32 final-normed hidden states of the step's decode rows (KV written), with
+        the rows' LoRA deltas when the step has adapters (``fb.lora``: a :class:`LoraStep`)."""
         m = self.model
         x = m.embed_rows(fb.input_ids)  # [N, H]
         cos, sin = m.cos[fb.positions].contiguous(), m.sin[fb.positions].contiguous()  # [N, D/2] float32
@@ -145,11 +170,13 @@ class FusedDecode:
         if rt.dtype != torch.int32:
             rt = rt.to(torch.int32)
         Hq, Hkv, D, eps, sm = self.dims
+        lora = getattr(fb, "lora", None)
+        ab, rows, spans = ([], _NO_ROWS, []) if lora is None else lora.fused_args(LINEAR_KEYS, x.shape[0])
         return load(self.portable).decode_forward(
             x.float().contiguous(), self.norms, self.lin, self.bits, self.final_norm, cos, sin, list(k_buffers),
             list(v_buffers), fb.out_cache_loc.contiguous(), rt, fb.dec_req_pool_indices.contiguous(),
             fb.dec_seq_lens.contiguous(), Hq, Hkv, D, eps, sm, self.q8, self.tiled, self.num_threads(),
-            self.attn_split_min)
+            self.attn_split_min, ab, rows, spans, self.lora_split_min)
 
     def num_threads(self) -> int:
         """Threads of the C++ pool for this step: :attr:`threads`, or torch's intra-op count (the

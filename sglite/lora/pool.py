@@ -33,8 +33,12 @@ class LoraPool:
         self.layout = fused_layout(shape)
         self.a: dict[str, list[torch.Tensor]] = {}  # key -> per layer [S, blocks*R, in]
         self.b: dict[str, list[torch.Tensor]] = {}  # key -> per layer [S, blocks*R, out] (B transposed)
+        # key -> [S, blocks, 3] int64 (CPU): per slot and rank block the rank rows in use and the output
+        # columns [lo, hi) they write, over all layers (zeros: unused); read by the fused C++ decode
+        self.spans: dict[str, torch.Tensor] = {}
         self.resident: OrderedDict[int, int] = OrderedDict()  # adapter uid -> slot, least recent first
         self.loads = 0  # adapters copied into a slot (counter)
+        self._fused: dict = {}  # (keys, adapted) -> the fused decode's lora_ab list (fused_ab)
 
     def _buffers(self, key: str) -> None:
         if key in self.a:
@@ -44,6 +48,7 @@ class LoraPool:
         kw = dict(dtype=self.dtype, device=self.device)
         self.a[key] = [torch.zeros(S, rt, in_w, **kw) for _ in range(L)]
         self.b[key] = [torch.zeros(S, rt, out_w, **kw) for _ in range(L)]
+        self.spans[key] = torch.zeros(S, KEY_BLOCKS[key], 3, dtype=torch.int64)
 
     def slot_of(self, adapter: LoraAdapter, keep: set) -> int:
         """The slot holding ``adapter``, copying it in (into a free slot, else the least recently
@@ -71,6 +76,8 @@ class LoraPool:
         for key in adapter.keys:
             self._buffers(key)
         for key in self.a:
+            span = self.spans[key][slot]
+            span.zero_()
             for layer in range(self.shape.num_layers):
                 a, b = self.a[key][layer][slot], self.b[key][layer][slot]
                 a.zero_()
@@ -79,7 +86,21 @@ class LoraPool:
                     r, lo = p.a.shape[0], p.block * R
                     a[lo:lo + r].copy_(p.a)
                     b[lo:lo + r, p.row:p.row + p.b.shape[0]].copy_(p.b.t())
+                    sp, hi = span[p.block], p.row + p.b.shape[0]
+                    sp[1], sp[2] = (p.row, hi) if sp[0] == 0 else (min(int(sp[1]), p.row), max(int(sp[2]), hi))
+                    sp[0] = max(int(sp[0]), r)
         self.loads += 1
+
+    def fused_ab(self, keys: tuple, adapted: tuple) -> list:
+        """Per layer, per key of ``keys``: ``a``, ``b`` of this pool where ``adapted``, else two empty
+        tensors (the fused decode's ``lora_ab``); cached (the buffers never move once allocated)."""
+        got = self._fused.get((keys, adapted))
+        if got is None:
+            empty = torch.empty(0)
+            got = [t for layer in range(self.shape.num_layers) for k, on in zip(keys, adapted)
+                   for t in ((self.a[k][layer], self.b[k][layer]) if on else (empty, empty))]
+            self._fused[(keys, adapted)] = got
+        return got
 
     def drop(self, adapter: LoraAdapter) -> None:
         """Forget ``adapter``'s slot (unloaded); the slot is rewritten by its next user."""
@@ -102,6 +123,9 @@ class LoraPool:
         return LoraBatch(self, lens, per_key)
 
 
+_NO_SPANS = torch.empty(0, dtype=torch.int64)
+
+
 class LoraBatch:
     """One step's adapters (module docstring): ``seg_lens`` [G] int64 and ``slots[key]`` [G] int64."""
 
@@ -115,3 +139,22 @@ class LoraBatch:
         if s is None:
             return y
         return kernels.lora_add(y, x, self.pool.a[key][layer], self.pool.b[key][layer], self.seg_lens, s)
+
+    def fused_args(self, keys: tuple, num_rows: int) -> tuple[list, torch.Tensor, list]:
+        """This step's adapters as the fused C++ decode takes them (:mod:`sglite.kernels.decode_fused`),
+        for the fused matmuls ``keys`` in the C++ order: ``ab`` (per layer, per key: ``a`` [S, RT,
+        in], ``b`` [S, RT, out], or two empty tensors where no row is adapted), ``rows`` [len(keys),
+        num_rows] int64 (each row's slot per key, -1: none) and ``spans`` (per key [S, blocks, 3]
+        int64, or empty). Little Python per step (the engine loop's thread shares the GIL): the
+        ``ab`` list is built once per set of adapted keys. Raises ValueError when the segments do
+        not cover ``num_rows`` rows."""
+        lens = self.seg_lens.tolist()
+        if sum(lens) != num_rows:
+            raise ValueError(f"lora segments cover {sum(lens)} rows, the step has {num_rows}")
+        rows = []
+        for key in keys:
+            s = self.slots.get(key)
+            rows.append([-1] * num_rows if s is None else [x for x, n in zip(s.tolist(), lens) for _ in range(n)])
+        adapted = tuple(k in self.slots for k in keys)
+        return self.pool.fused_ab(keys, adapted), torch.tensor(rows, dtype=torch.int64), \
+            [self.pool.spans[k] if on else _NO_SPANS for k, on in zip(keys, adapted)]

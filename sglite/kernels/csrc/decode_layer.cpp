@@ -13,6 +13,7 @@
 #include <c10/util/BFloat16.h>
 #include "quant_rows.h"
 #include "thread_pool.h"
+#include "lora_fused.h"
 #ifdef SGQ_AVX512
 #include "avx512_math.h"
 #endif
@@ -138,12 +139,15 @@ void store_rows(at::Tensor& buf, const int64_t* loc, const float* src, int64_t M
 // down) x (codes, scales, mins (empty: none)); bits [4L]; cos/sin [M, D/2] float32 of the rows'
 // positions; k/v buffers [S, Hkv, D] per layer (float32 or bf16, unit stride along D; written at
 // out_cache_loc [M] int64); req_to_token [R, Lmax] int32; rows/lens [M] int64; tiled: every layer
-// weight is in 16-row tiles (quant_tiles.h; needs q8).
+// weight is in 16-row tiles (quant_tiles.h; needs q8). lora_ab / lora_rows / lora_spans /
+// lora_split_min: the step's LoRA adapters (lora_fused.h's Step; an empty lora_ab: none, the base
+// model's path as before).
 at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor> lin, std::vector<int64_t> bits,
                           at::Tensor final_norm, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> kbufs,
                           std::vector<at::Tensor> vbufs, at::Tensor out_loc, at::Tensor req_to_token, at::Tensor rows,
                           at::Tensor lens, int64_t Hq, int64_t Hkv, int64_t D, double eps, double sm_scale, bool q8,
-                          bool tiled, int64_t threads, int64_t attn_split_min) {
+                          bool tiled, int64_t threads, int64_t attn_split_min, std::vector<at::Tensor> lora_ab,
+                          at::Tensor lora_rows, std::vector<at::Tensor> lora_spans, int64_t lora_split_min) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= 32,
               "decode_forward: x must be contiguous float32 [M <= 32, H]");
   const int64_t M = x.size(0), H = x.size(1), L = (int64_t)kbufs.size();
@@ -162,6 +166,8 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                         const at::Tensor&, double, int64_t, double)>();
   const PoolPar par{(int)threads};
+  const sglite_lora_fused::Step lora(std::move(lora_ab), std::move(lora_rows), std::move(lora_spans), L, M,
+                                         lora_split_min);
   const int64_t Nqkv = (Hq + 2 * Hkv) * D, half = D / 2;
   at::Tensor out = x.clone();
   float* xr = out.data_ptr<float>();
@@ -180,6 +186,7 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
     rms_norm(xr, np_ + (2 * l) * H, M, H, (float)eps, h.data());
     qkv.resize(M * Nqkv);
     gemv(wqkv, h.data(), M, qkv.data(), q8, par);
+    lora.apply(l, 0, h.data(), H, qkv.data(), Nqkv, par);
     for (int64_t m = 0; m < M; ++m)  // RoPE on the q and k heads (rotate-half)
       for (int64_t hd = 0; hd < Hq + Hkv; ++hd) {
         float* v = qkv.data() + m * Nqkv + hd * D;
@@ -206,13 +213,16 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
     attention(attn, q_t, kb, vb, req_to_token, rows, lens, sm_scale, M, Hq, Hkv, D, (int)threads, attn_split_min,
               att.data());
     gemv(wo, att.data(), M, tmp.data(), q8, par);
+    lora.apply(l, 1, att.data(), Hq * D, tmp.data(), H, par);
     for (int64_t i = 0; i < M * H; ++i) xr[i] += tmp[i];
     rms_norm(xr, np_ + (2 * l + 1) * H, M, H, (float)eps, h.data());
     gu.resize(M * 2 * I);
     act.resize(M * I);
     gemv(wgu, h.data(), M, gu.data(), q8, par);
+    lora.apply(l, 2, h.data(), H, gu.data(), 2 * I, par);
     for (int64_t m = 0; m < M; ++m) silu_mul(gu.data() + m * 2 * I, gu.data() + m * 2 * I + I, I, act.data() + m * I);
     gemv(wd, act.data(), M, tmp.data(), q8, par);
+    lora.apply(l, 3, act.data(), I, tmp.data(), H, par);
     for (int64_t i = 0; i < M * H; ++i) xr[i] += tmp[i];
   }
   TORCH_CHECK(final_norm.scalar_type() == at::kFloat && final_norm.numel() == H, "decode_forward: final_norm must be float32 [H]");

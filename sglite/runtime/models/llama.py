@@ -231,7 +231,7 @@ class LlamaModel:
         Returns:
             [M, V] float32 logits for the rows ``fb.logits_indices``.
         """
-        if self.decode_fused is not None and fb.lora is None:  # the fused C++ decode has no adapters
+        if self.decode_fused is not None:  # the fused C++ decode (LoRA adapters of fb.lora included)
             logits = (self.decode_fused.forward(fb, k_buffers, v_buffers) if hidden is None
                       else self.decode_fused.forward(fb, k_buffers, v_buffers, hidden=hidden))
             if logits is not None:

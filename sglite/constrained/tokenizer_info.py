@@ -54,6 +54,9 @@ class TokenizerInfo:
             for the tool-call openers of :data:`TRIGGER_SPECIAL_TOKENS` (NUL + their text). Added
             tokens that are not special (Qwen's ``<tool_call>``, ``<think>``) are their text, so a
             structural tag's trigger or a reasoning end marker can be generated as one token.
+            Where the vocabulary has such an opener, text tokens holding a NUL byte get ``None``:
+            NUL then marks the openers alone, so a grammar that asks for one (a forced call's
+            ``<|python_tag|>``) gets the token itself, never its text spelled out.
         eos_token_ids: ids allowed exactly in accepting states.
         vocab_size: model vocabulary size V (bitmask width is ``ceil(V / 32)`` int32 words).
     """
@@ -90,14 +93,19 @@ class TokenizerInfo:
         byte_level = sum(1 for p in pieces if p and "Ġ" in p) > 0.01 * max(n, 1)
         out: list = [None] * vocab_size
         eos = {int(t) for t in eos_token_ids}
+        triggers: set[int] = set()
         for i, p in enumerate(pieces):
             tok = added.get(i)
             if i in special or p is None:
                 if tok is not None and tok.content in trigger_tokens and i not in eos:
                     out[i] = special_trigger(tok.content).encode("utf-8")
+                    triggers.add(i)
                 continue
             # a non-special added token (Qwen's <tool_call>, <think>) is text the detokenizer keeps
             out[i] = tok.content.encode("utf-8") if tok is not None else _piece_bytes(p, dec, byte_level)
+        if triggers:  # NUL marks the trigger tokens alone: a grammar cannot spell them out of text
+            mark = SPECIAL_MARK.encode()
+            out = [b if i in triggers or b is None or mark not in b else None for i, b in enumerate(out)]
         return cls(out, frozenset(eos_token_ids), vocab_size)
 
     @property

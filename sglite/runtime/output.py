@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from ..constrained.tokenizer_info import SPECIAL_MARK
 from .engine_stream import OutputEvent
 from .req import FinishReason, Req
 
@@ -107,7 +108,9 @@ class OutputProcessor:
         of the string it forces (none when it forces nothing). ``grammar`` is not advanced (the
         tokens are checked on a fork). Speculative decoding drafts these same tokens after a
         draft token that forces text, so a verify step stays what the plain run computes."""
-        s = grammar.find_jump_forward_string()
+        # a special-token opener (NUL + its text, see constrained.tokenizer_info) is never
+        # jumped: its text would encode as other tokens; the grammar leaves the model the token
+        s = grammar.find_jump_forward_string().split(SPECIAL_MARK, 1)[0]
         if not s:
             return []
         toks = self._encoded.get(s)

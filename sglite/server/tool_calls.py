@@ -8,9 +8,10 @@
   ``granite``; ``--tool-call-parser``), which also reads a bare ``{"name", "arguments"}`` answer.
 * ``"required"`` or a named function: the output is *forced* by constrained decoding to calls
   ``{"name": <one of the tools>, "arguments": <that tool's parameters schema>}``, in the family's
-  own markup where its opener is text (``<tool_call>...</tool_call>``; what the chat template
-  renders on the next turn), else as bare JSON (an ``anyOf`` over the tools for ``required``),
-  so the arguments always parse and validate.
+  own markup (``<tool_call>...</tool_call>``, or a special-token opener such as
+  ``<|python_tag|>`` generated as its token id; what the model writes natively and the chat
+  template renders on the next turn), else (pythonic, external grammar backends) as bare JSON
+  (an ``anyOf`` over the tools for ``required``), so the arguments always parse and validate.
 
 Sources: OpenAI's function-calling API; the Hermes / Qwen2.5 ``<tool_call>`` format that SGLang's
 ``function_call/qwen25_detector.py`` parses; SGLang forces calls with a JSON schema the same way.

@@ -9,8 +9,9 @@
 * ``"auto"`` with ``response_format`` (or ``regex`` / ``ebnf``): the output is either tool calls
   (nothing else around them) or text following the schema: the ``or`` of the two.
 * a forced tool (``"required"`` or named): one or more calls and nothing else, in the family's
-  own markup (:func:`forced_format`) where its opener is text, else as bare JSON (a
-  ``json_schema`` of ``{"name", "arguments"}``).
+  own markup (:func:`forced_format`: its opener, text or special token, then the calls), else
+  (pythonic, or a backend without structural tags) as bare JSON (a ``json_schema`` of
+  ``{"name", "arguments"}``).
 * a forced tool with ``response_format``: the call decides the turn, so
   the call's schema is the constraint and the format (which applies to a text answer, which a
   forced turn cannot have) is dropped. OpenAI accepts the pair; the OpenAI Agents SDK sends it for
@@ -25,8 +26,9 @@ With ``--grammar-backend xgrammar|llguidance`` (comparison adapters without stru
 ``<|python_tag|>``, mistral's ``[TOOL_CALLS]``, granite's ``<|tool_call|>``) trigger on the token
 id (:func:`grammar_opener`: the grammar's vocabulary gives those tokens the bytes NUL + their text,
 :data:`~sglite.constrained.tokenizer_info.TRIGGER_SPECIAL_TOKENS`); the server then keeps special
-tokens in the output text, so the parsers see the opener. Their forced calls stay bare JSON (a
-grammar that forces a special token would jump-forward its text spelled out). Pythonic "auto"
+tokens in the output text, so the parsers see the opener. Their forced calls begin with the
+same token (NUL is the openers' alone in such a vocabulary, so the grammar cannot spell one out of
+text tokens, and jump-forward stops before it: the model samples the token). Pythonic "auto"
 calls are triggered by ``[<tool name>(`` and follow a grammar of Python literals built from the
 tool schemas (:mod:`sglite.server.tool_parsers.pythonic_grammar`); with the request's own
 constraint too, they are left free.
@@ -146,14 +148,18 @@ def forced_format(plan: ToolPlan, fmt: ToolCallFormat, engine=None) -> Optional[
     ``<tool_call>\\n{...}\\n</tool_call>``): only the plan's tools (a named choice: that one),
     one call, or several with ``parallel_tool_calls``. This is what the chat template renders for
     the assistant's calls on the next turn, so that turn's prompt extends this one's prompt and
-    output token for token (the radix cache hits). None where the family's opener is a special
-    token or absent (pythonic), or the grammar backend has no structural tags: then the call is
-    forced as bare JSON (``plan.schema``)."""
+    output token for token (the radix cache hits). A special-token opener (llama3's
+    ``<|python_tag|>``, mistral's ``[TOOL_CALLS]``, granite's ``<|tool_call|>``) is asked for by
+    its :func:`grammar_opener` form, so the turn begins with the token id itself, as the model
+    writes it natively. None where the family has no opener (pythonic), the opener is a special
+    token the grammar's vocabulary cannot trigger on, or the grammar backend has no structural
+    tags: then the call is forced as bare JSON (``plan.schema``)."""
     if engine is not None and not structural_tags_supported(engine):
         return None
-    if not fmt.opener or (engine is not None and not opener_is_text(engine, fmt.opener)):
+    opener = grammar_opener(engine, fmt)
+    if opener is None:
         return None
-    return calls_only_format(plan.tools, fmt, plan.parallel)
+    return calls_only_format(plan.tools, fmt, plan.parallel, opener)
 
 
 def apply_constraint(sp: dict, rename: dict, plan: ToolPlan, *, constrain_auto: bool = True,

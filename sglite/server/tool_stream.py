@@ -10,9 +10,9 @@ without the call wrapper ``{"name": ..., "arguments": ...}`` around it). A call 
 Where calls are parsed from (the plan's :class:`~sglite.server.tool_parsers.ToolCallFormat`):
 
 * forced mode (``tool_choice`` ``"required"`` or a named function): the output is the calls in
-  the family's markup (read as in auto mode; the grammar allows nothing else), or, where the
-  opener is a special token, one bare call object ``{"name": ..., "arguments": ...}`` (the
-  grammar puts ``name`` first, schema order);
+  the family's markup, its opener a special token or text (read as in auto mode; the grammar
+  allows nothing else), or, where the backend has no structural tags (or for pythonic), one bare
+  call object ``{"name": ..., "arguments": ...}`` (the grammar puts ``name`` first, schema order);
 * auto mode: text before the format's opener (``<tool_call>``, ``<|python_tag|>``,
   ``[TOOL_CALLS]``, ``<|tool_call|>``) is content; then call objects are streamed one by one
   (indices 0, 1, ...; only the first when ``parallel_tool_calls`` is false), stepping over what

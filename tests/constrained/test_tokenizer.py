@@ -83,6 +83,11 @@ def test_special_tool_openers_get_their_trigger_bytes(hf_tok):
     info = TokenizerInfo.from_hf(tok, len(tok), {EOS})
     assert info.token_bytes[tag_id] == b"\x00<|python_tag|>" and info.token_bytes[other_id] is None
     assert info.token_bytes[EOS] is None
+    # NUL marks the opener alone: the text tokens holding a NUL byte (here the byte token) get
+    # none, so no grammar can spell the opener out of text (they keep their bytes without openers)
+    plain = TokenizerInfo.from_hf(hf_tok, len(hf_tok), {EOS})
+    assert [i for i, b in enumerate(plain.token_bytes) if b and b"\x00" in b]
+    assert [i for i, b in enumerate(info.token_bytes) if b and b"\x00" in b] == [tag_id]
     fmt = {"type": "triggered_tags", "triggers": [special_trigger("<|python_tag|>")], "at_least_one": False,
            "stop_after_first": True, "tags": [{"type": "tag", "begin": special_trigger("<|python_tag|>"),
                                                "content": {"type": "json_schema", "json_schema": {

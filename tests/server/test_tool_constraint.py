@@ -150,6 +150,33 @@ def test_special_token_openers_trigger_on_the_token(grammar, name, token, after)
     assert sp == {"regex": "a+"}
 
 
+@pytest.mark.parametrize("name,token,after", [
+    ("llama3", "<|python_tag|>", '{"name": "get_weather", "parameters": {"city":"P"}}'),
+    ("mistral", "[TOOL_CALLS]", ' [{"name": "get_weather", "arguments": {"city":"P"}}]'),
+    ("granite", "<|tool_call|>", '[{"name": "get_weather", "arguments": {"city":"P"}}]'),
+])
+def test_forced_special_token_openers_are_the_token(grammar, name, token, after):
+    """A forced call of a special-token family is the family's markup from the token id on (what
+    the model writes natively), not bare JSON; nothing before the opener, nothing after the call."""
+    from sglite.constrained.tokenizer_info import special_trigger
+
+    engine = type("E", (), {"tokenizer": type("T", (), {"hf": type("H", (), {
+        "added_tokens_decoder": {5: type("K", (), {"content": token, "special": True})()}})()})()})()
+    for choice in ("required", "named"):
+        tools = [WEATHER, {"type": "function", "function": {"name": "noop", "parameters": {"type": "object"}}}]
+        plan = ToolPlan("forced", tools if choice == "required" else [WEATHER], {"type": "object"},
+                        fmt=get_format(name))
+        sp, rename = {"json_schema": "{}"}, {}
+        apply_constraint(sp, rename, plan, fmt=plan.fmt, engine=engine)
+        assert set(sp) == {"structural_tag"} and rename["grammar"] == "tools"
+        g = _compile(grammar, sp)
+        mark = special_trigger(token)
+        assert accepts(g, (mark + after).encode())
+        for bad in (after.strip(), token + after, "Sure. " + mark + after, mark + after + " done",
+                    mark + after.replace('"city"', '"town"')):
+            assert not accepts(g, bad.encode()), bad
+
+
 @pytest.mark.parametrize("name,text", [
     ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city":"P"}}, '
                 '{"name": "get_weather", "arguments": {"city":"Q"}}]'),

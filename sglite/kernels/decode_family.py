@@ -72,6 +72,13 @@ class FamilyFusedDecode(FusedDecode):
         return torch.stack([torch.stack([layer_norms(L).get(k, one).float() for k in NORM_KEYS])
                             for L in model.layers]).contiguous()  # [L, 4, H] float32
 
+    def forward(self, fb, k_buffers, v_buffers, hidden=None):
+        """As :meth:`.decode_fused.FusedDecode.forward`; a step with LoRA adapters (``fb.lora``)
+        returns None (the per-op path): the families' C++ layer has no LoRA deltas."""
+        if getattr(fb, "lora", None) is not None:
+            return None
+        return super().forward(fb, k_buffers, v_buffers, hidden)
+
     def hidden(self, fb, k_buffers, v_buffers) -> torch.Tensor:
         """[N, H] float32 final-normed hidden states of the step's decode rows (KV written)."""
         m, a = self.model, self.model.arch

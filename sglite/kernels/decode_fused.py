@@ -134,8 +134,6 @@ class FusedDecode:
 
         # a LoRA shrink / expand splits over threads from this many multiply-adds (0: always split)
         self.lora_split_min: int = getattr(self, "lora_split_min", LORA_SPLIT_MIN)
-        self.norms = torch.stack([torch.stack([L["in_norm"].float(), L["post_norm"].float()])
-                                  for L in model.layers]).contiguous()  # [L, 2, H] float32
         self.final_norm = model.norm.float().contiguous()  # [H]
         self.lin, self.bits = [], []
         for L in model.layers:

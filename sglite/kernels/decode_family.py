@@ -30,7 +30,7 @@ import torch
 from typing import Optional
 
 from . import decode_fused
-from .decode_fused import FusedDecode, load
+from .decode_fused import MAX_ROWS, FusedDecode, load
 
 NORM_KEYS = ("in_norm", "attn_out_norm", "ffn_in_norm", "ffn_out_norm")
 QK_KINDS = {"": 0, "head": 1, "full": 2}
@@ -71,6 +71,10 @@ class FamilyFusedDecode(FusedDecode):
         self.act = ACTS[getattr(a, "mlp_act", "silu")]
         return torch.stack([torch.stack([layer_norms(L).get(k, one).float() for k in NORM_KEYS])
                             for L in model.layers]).contiguous()  # [L, 4, H] float32
+
+    def max_rows(self) -> int:
+        """:data:`.decode_fused.MAX_ROWS`: the families' layer keeps the int8-activation GEMVs."""
+        return MAX_ROWS
 
     def forward(self, fb, k_buffers, v_buffers, hidden=None):
         """As :meth:`.decode_fused.FusedDecode.forward`; a step with LoRA adapters (``fb.lora``)

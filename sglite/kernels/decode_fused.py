@@ -77,9 +77,10 @@ from .cpu_build import load_cpp, read_source
 from .device import cpu_flags
 from .quant_layout import compact_scales, tile_rows, tileable_group
 from .quant_linear import QuantLinearWeight
-from . import cpu_attention, quant_cpu
+from . import cpu_attention, gemm_paths, quant_amx, quant_cpu
 
 MAX_ROWS = 32  # more decode rows: the per-op path (its GEMM on dequantized weights wins there)
+MAX_ROWS_AMX = 128  # with the AMX tile GEMM (quant_amx.h) for 32+ rows; csrc kMaxRows
 LINEAR_KEYS = ("qkv", "o", "gate_up", "down")
 _NO_ROWS = torch.empty(0, dtype=torch.int64)  # lora_rows of a step without adapters
 ATTN_SPLIT_MIN = 1 << 16  # K/V values per step (sum of lens x KV heads x head dim); see FusedDecode.attn_split_min
@@ -94,6 +95,8 @@ def load(portable: bool = False):
     simd = not portable and all(f in flags for f in quant_cpu.AVX_FLAGS)
     cflags = quant_cpu.CFLAGS_AVX + (("-mavx512vnni",) if quant_cpu.VNNI_FLAG in flags else ()) if simd \
         else quant_cpu.CFLAGS_PORTABLE
+    if simd and all(f in flags for f in quant_amx.REQUIRED_FLAGS):
+        cflags = cflags + ("-mamx-tile", "-mamx-bf16")  # quant_amx.h: the many-row steps' tile GEMM
     return load_cpp("sglite_decode_layer" + ("" if simd else "_portable"), read_source("decode_layer.cpp"), cflags,
                     functions=["decode_forward", "head_q8", "probe_gemvs", "decode_family_forward"])
 
@@ -174,7 +177,21 @@ class FusedDecode:
             x.float().contiguous(), self.norms, self.lin, self.bits, self.final_norm, cos, sin, list(k_buffers),
             list(v_buffers), fb.out_cache_loc.contiguous(), rt, fb.dec_req_pool_indices.contiguous(),
             fb.dec_seq_lens.contiguous(), Hq, Hkv, D, eps, sm, self.q8, self.tiled, self.num_threads(),
-            self.attn_split_min, ab, rows, spans, self.lora_split_min)
+            self.attn_split_min, ab, rows, spans, self.lora_split_min, self.amx_min())
+
+    def amx_min(self) -> int:
+        """Rows from which this step's tiled GEMMs run on the AMX tiles (quant_amx.h; bf16
+        activations, float32 sums), or 0: off (no AMX, a float32 or row-layout model, the
+        portable build, ``SGLITE_GEMM`` other than ``auto``; read per step, as the dispatcher)."""
+        if not (self.q8 and self.tiled and not self.portable and self.model.dtype == torch.bfloat16
+                and quant_amx.available() and gemm_paths.mode() == "auto"):
+            return 0
+        return gemm_paths.AMX_MIN_ROWS
+
+    def max_rows(self) -> int:
+        """Most decode rows of a fused step: :data:`MAX_ROWS_AMX` where the many-row GEMMs run on
+        AMX (:meth:`amx_min`), else :data:`MAX_ROWS`."""
+        return MAX_ROWS_AMX if self.amx_min() else MAX_ROWS
 
     def num_threads(self) -> int:
         """Threads of the C++ pool for this step: :attr:`threads`, or torch's intra-op count (the
@@ -190,7 +207,7 @@ class FusedDecode:
         if self.head_kind == "q8":  # quant_cpu.gemv_q8's arithmetic, on the decode's thread pool
             mins = w.mins if w.mins is not None else torch.empty(0, dtype=w.scales.dtype)
             return load(self.portable).head_q8(h.float().contiguous(), w.qweight, w.scales, mins, w.bits, w.tiled,
-                                                self.num_threads())
+                                                self.num_threads(), self.amx_min())
         if self.head_kind == "quant":
             return quant_cpu.linear(h.to(self.model.dtype), w, portable=self.portable).float()
         from .matmul import linear
@@ -203,7 +220,7 @@ class FusedDecode:
         tensor-parallel shard after load). ``hidden``: a list the step's [N, H] float32
         final-normed hidden states are appended to (speculative draft heads), or None."""
         n = fb.input_ids.shape[0]
-        if (self.model.tp is not None or fb.num_extend_tokens or not 1 <= n <= MAX_ROWS or not isinstance(k_buffers[0], torch.Tensor)
+        if (self.model.tp is not None or fb.num_extend_tokens or not 1 <= n <= self.max_rows() or not isinstance(k_buffers[0], torch.Tensor)
                 or k_buffers[0].dtype not in (torch.float32, torch.bfloat16)
                 or fb.dec_req_pool_indices.shape[0] != n):
             return None

@@ -159,6 +159,39 @@ def test_fused_bf16_int8_path_is_close(quantized_tiny):
         e.shutdown()
 
 
+@pytest.mark.skipif(not __import__("sglite.kernels.quant_amx", fromlist=["x"]).available(), reason="no AMX-BF16 here")
+def test_fused_many_rows_take_amx_and_stay_close(quantized_tiny):
+    """40 decode rows (past MAX_ROWS): with AMX the fused call takes them, its tiled GEMMs and head
+    on the tile GEMM (bf16 activations), close to the per-op path on the same batch."""
+    seen = []
+    e, fused = _checked_engine(quantized_tiny[4], "bfloat16", 0.1, seen)
+    try:
+        if not fused.tiled:
+            pytest.skip("the tiny model's weights are not in 16-row tiles")
+        assert fused.amx_min() == 32 and fused.max_rows() == decode_fused.MAX_ROWS_AMX
+        many = [[100 + 37 * i, 7 + i, 2000 + i] for i in range(40)]
+        e.generate(input_ids=many, sampling_params={"max_new_tokens": 3, "temperature": 0, "ignore_eos": True})
+        assert 40 in seen
+    finally:
+        e.shutdown()
+
+
+def test_head_q8_amx_rows_equal_the_tile_gemm():
+    from sglite.kernels import quant_amx
+    from sglite.kernels.quant_layout import tile_rows
+
+    if not quant_amx.available():
+        pytest.skip("no AMX-BF16 here")
+    w = make(64, 576, 8, seed=2)
+    compact_scales(w)
+    assert tile_rows(w)
+    x = torch.randn(40, 576, generator=torch.Generator().manual_seed(1))
+    mins = w.mins if w.mins is not None else torch.empty(0, dtype=w.scales.dtype)
+    got = decode_fused.load().head_q8(x, w.qweight, w.scales, mins, w.bits, w.tiled, 2, 32)
+    want = quant_amx.load().quant_gemm_amx(x.bfloat16(), w.qweight, w.scales, mins, w.bits, w.group_size, False)
+    assert torch.equal(got, want)  # same tiles, same sums; x rounded to bf16 the same way
+
+
 def _decode_batch(e):
     """A one-row decode ForwardBatch captured from a real step of ``e``."""
     got = []

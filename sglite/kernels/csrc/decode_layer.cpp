@@ -1,4 +1,4 @@
-// Fused batch-1 (1..32 rows) decode through every decoder layer of a Llama-family model with
+// Fused batch-1 (1..32 rows; up to 128 with the AMX tile GEMM, quant_amx.h) decode through every decoder layer of a Llama-family model with
 // group-quantized matmul weights, in one call (contract: sglite/kernels/decode_fused.py). Per
 // layer: RMSNorm, QKV GEMV, RoPE (rotate-half), K/V stored into the paged pool, paged decode
 // attention reading the pool in place (the sglite_cpu_attention op), o_proj + residual, RMSNorm,
@@ -13,6 +13,7 @@
 #include <c10/util/BFloat16.h>
 #include "quant_rows.h"
 #include "thread_pool.h"
+#include "quant_amx.h"
 #include "lora_fused.h"
 #ifdef SGQ_AVX512
 #include "avx512_math.h"
@@ -22,6 +23,8 @@ namespace {
 
 using namespace sglite_quant;
 using sglite_pool::PoolPar;
+
+constexpr int64_t kMaxRows = 128;  // decode rows of one call (decode_fused.MAX_ROWS_AMX; 32 without AMX)
 
 // y[m, :] = x[m, :] / sqrt(mean(x[m, :]^2) + eps) * w
 void rms_norm(const float* x, const float* w, int64_t M, int64_t H, float eps, float* y) {
@@ -66,8 +69,18 @@ QW weight(const std::vector<at::Tensor>& t, size_t i, int64_t bits, bool tiled) 
             (int)bits, gs, N, K, st == at::kHalf, tiled};
 }
 
-void gemv(const QW& w, const float* x, int64_t M, float* y, bool q8, const PoolPar& par) {
+// amx_min > 0 (AMX builds, 16-row tiles): M >= amx_min rows run the AMX-BF16 tile GEMM of quant_amx.h
+// (bf16 activations, float32 sums) instead of the int8-activation GEMV.
+void gemv(const QW& w, const float* x, int64_t M, float* y, bool q8, const PoolPar& par, int64_t amx_min = 0) {
   TORCH_CHECK(q8 || (!w.half && !w.tiled), "decode_forward: float16 scales and 16-row tiles need the int8-activation path");
+#ifdef SGQ_AMX
+  if (q8 && w.tiled && amx_min > 0 && M >= amx_min) {
+    std::vector<uint16_t> xd((M + 31) / 32 * 32 * w.K);
+    sglite_amx::pack_rows(x, M, w.K, xd.data());
+    sglite_amx::gemm(w, xd.data(), M, y, nullptr, par);
+    return;
+  }
+#endif
   if (q8) gemv_q8(w, x, M, y, false, par);
   else gemv_float(w, x, nullptr, M, y, par);
 }
@@ -147,9 +160,10 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
                           std::vector<at::Tensor> vbufs, at::Tensor out_loc, at::Tensor req_to_token, at::Tensor rows,
                           at::Tensor lens, int64_t Hq, int64_t Hkv, int64_t D, double eps, double sm_scale, bool q8,
                           bool tiled, int64_t threads, int64_t attn_split_min, std::vector<at::Tensor> lora_ab,
-                          at::Tensor lora_rows, std::vector<at::Tensor> lora_spans, int64_t lora_split_min) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= 32,
-              "decode_forward: x must be contiguous float32 [M <= 32, H]");
+                          at::Tensor lora_rows, std::vector<at::Tensor> lora_spans, int64_t lora_split_min,
+                          int64_t amx_min) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= kMaxRows,
+              "decode_forward: x must be contiguous float32 [M <= ", kMaxRows, ", H]");
   const int64_t M = x.size(0), H = x.size(1), L = (int64_t)kbufs.size();
   TORCH_CHECK((int64_t)lin.size() == 12 * L && (int64_t)bits.size() == 4 * L && (int64_t)vbufs.size() == L
               && norms.scalar_type() == at::kFloat && norms.is_contiguous() && norms.numel() == L * 2 * H,
@@ -185,7 +199,7 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
     const int64_t I = wd.K;
     rms_norm(xr, np_ + (2 * l) * H, M, H, (float)eps, h.data());
     qkv.resize(M * Nqkv);
-    gemv(wqkv, h.data(), M, qkv.data(), q8, par);
+    gemv(wqkv, h.data(), M, qkv.data(), q8, par, amx_min);
     lora.apply(l, 0, h.data(), H, qkv.data(), Nqkv, par);
     for (int64_t m = 0; m < M; ++m)  // RoPE on the q and k heads (rotate-half)
       for (int64_t hd = 0; hd < Hq + Hkv; ++hd) {
@@ -212,16 +226,16 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
     for (int64_t m = 0; m < M; ++m) std::memcpy(qp + m * Hq * D, qkv.data() + m * Nqkv, sizeof(float) * Hq * D);
     attention(attn, q_t, kb, vb, req_to_token, rows, lens, sm_scale, M, Hq, Hkv, D, (int)threads, attn_split_min,
               att.data());
-    gemv(wo, att.data(), M, tmp.data(), q8, par);
+    gemv(wo, att.data(), M, tmp.data(), q8, par, amx_min);
     lora.apply(l, 1, att.data(), Hq * D, tmp.data(), H, par);
     for (int64_t i = 0; i < M * H; ++i) xr[i] += tmp[i];
     rms_norm(xr, np_ + (2 * l + 1) * H, M, H, (float)eps, h.data());
     gu.resize(M * 2 * I);
     act.resize(M * I);
-    gemv(wgu, h.data(), M, gu.data(), q8, par);
+    gemv(wgu, h.data(), M, gu.data(), q8, par, amx_min);
     lora.apply(l, 2, h.data(), H, gu.data(), 2 * I, par);
     for (int64_t m = 0; m < M; ++m) silu_mul(gu.data() + m * 2 * I, gu.data() + m * 2 * I + I, I, act.data() + m * I);
-    gemv(wd, act.data(), M, tmp.data(), q8, par);
+    gemv(wd, act.data(), M, tmp.data(), q8, par, amx_min);
     lora.apply(l, 3, act.data(), I, tmp.data(), H, par);
     for (int64_t i = 0; i < M * H; ++i) xr[i] += tmp[i];
   }
@@ -234,16 +248,17 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
 // LM head of the fused decode on the same pool: y [M, N] float32 = q8(h) @ W_stored.T for h [M, K]
 // float32 (1 <= M <= 32) and a group-32 weight (codes, scales, mins (empty: none), float32 or
 // float16 scales, tiled: 16-row tiles); the same arithmetic as quant_gemv_q8 (quant_cpu.gemv_q8).
-at::Tensor head_q8(at::Tensor x, at::Tensor q, at::Tensor s, at::Tensor mn, int64_t bits, bool tiled, int64_t threads) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 32 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "head_q8: x must be contiguous float32 [M <= 32, K]");
+at::Tensor head_q8(at::Tensor x, at::Tensor q, at::Tensor s, at::Tensor mn, int64_t bits, bool tiled, int64_t threads,
+                   int64_t amx_min) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "head_q8: x must be contiguous float32 [M <= ", kMaxRows, ", K]");
   TORCH_CHECK(threads >= 1 && threads <= 1024, "head_q8: threads must be in [1, 1024], got ", threads);
   TORCH_CHECK(q.dim() == 2 && q.size(1) * 8 == x.size(1) * bits, "head_q8: codes must be [N, K * bits / 8]");
   const std::vector<at::Tensor> t{q, s, mn};
   const QW w = weight(t, 0, bits, tiled);
   TORCH_CHECK(!tiled || w.N % TILE == 0, "head_q8: a 16-row tiled weight needs N % 16 == 0");
   at::Tensor y = at::empty({x.size(0), w.N}, x.options());
-  gemv_q8(w, x.data_ptr<float>(), x.size(0), y.data_ptr<float>(), false, PoolPar{(int)threads});
+  gemv(w, x.data_ptr<float>(), x.size(0), y.data_ptr<float>(), true, PoolPar{(int)threads}, amx_min);
   return y;
 }
 

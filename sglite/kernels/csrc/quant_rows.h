@@ -19,6 +19,9 @@
 #if defined(SGQ_AVX512) && defined(__AVX512VNNI__)
 #define SGQ_VNNI 1
 #endif
+#if defined(SGQ_VNNI) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define SGQ_AMX 1  // quant_amx.h: the AMX-BF16 tile GEMM (built with -mamx-tile -mamx-bf16)
+#endif
 
 namespace sglite_quant {
 

@@ -1,0 +1,187 @@
+// AMX-BF16 GEMM over group-quantized weights in 16-row tiles, as a header: spliced into
+// quant_amx.cpp (the standalone op) and decode_layer.cpp (the fused decode's many-row GEMMs) when
+// they are built with -mamx-tile -mamx-bf16 (SGQ_AMX). Needs quant_rows.h (QW, BLK, TILE via
+// quant_tiles.h, load_tile_scales, with_bits / with_scale_type) first. Contract and torch reference:
+// sglite/kernels/quant_amx.py. What it holds:
+//   - a dequantizer from one 16-row weight tile (all K) into the AMX "B" layout in a per-thread
+//     scratch buffer (L1/L2 resident, never a whole weight): per 32-block, 16 tile rows of 64 bytes,
+//     row p holding for each output channel n the bf16 pair (W[n, 32j + 2p], W[n, 32j + 2p + 1]);
+//     each value is fma(code, scale, min) in float32, rounded once to bf16 (VCVTNE2PS2BF16);
+//   - the tile loop: 2 weight tiles (32 output channels) x 2 activation tiles (32 rows) held in 4
+//     float32 accumulator tiles, one TDPBF16PS per (row tile, weight tile, 32-block), so the
+//     dequantization of a weight tile is amortised over every activation row of the call.
+// Threads: tile pairs split by the caller's Par (thread_pool.h); each worker loads the tile
+// configuration itself (per-thread state) and releases it when its share is done.
+#pragma once
+#ifdef SGQ_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+
+namespace sglite_amx {
+
+using namespace sglite_quant;
+
+constexpr long ARCH_REQ_XCOMP_PERM = 0x1023;  // Linux: ask for a dynamically enabled XSAVE feature
+constexpr long XFEATURE_XTILEDATA = 18;       // the AMX tile data state
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0..3: C (16 x 16 float32), tmm4/5: A (16 rows x 32 bf16), tmm6/7: B (16 pair-rows x 16 channels)
+inline void configure_tiles() {
+  TileConfig cfg;
+  for (int i = 0; i < 8; ++i) {
+    cfg.rows[i] = 16;
+    cfg.colsb[i] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// w.q tile t, block j -> 16 rows x 64 bytes of AMX B layout at out (bf16 pairs per channel)
+template <int BITS, typename ST, bool G16>
+inline void dequant_block(const QW& w, int64_t t, int64_t j, int64_t nb, uint16_t* out) {
+  constexpr int NC = BLK * BITS / 32;  // 64-byte code vectors per block and tile
+  constexpr int GB = G16 ? 2 : 1;
+  const int64_t G = GB * nb;
+  const uint8_t* qt = w.q + t * nb * NC * 64 + j * NC * 64;
+  const ST* st = (const ST*)w.s + t * G * TILE;
+  const ST* mt = w.mn ? (const ST*)w.mn + t * G * TILE : nullptr;
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                       23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  __m512 s[GB], m[GB];
+  for (int h = 0; h < GB; ++h) {
+    s[h] = load_tile_scales(st + (GB * j + h) * TILE);
+    m[h] = mt ? load_tile_scales(mt + (GB * j + h) * TILE) : _mm512_setzero_ps();
+  }
+  const __m512i mask = _mm512_set1_epi32(BITS == 4 ? 0xF : 0xFF);
+  auto emit = [&](int row, __m512i qa, __m512i qb, int h) {  // channels (2 row, 2 row + 1) of the block
+    const __m512 wa = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qa), s[h], m[h]);
+    const __m512 wb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qb), s[h], m[h]);
+    const __m512i r = (__m512i)_mm512_cvtne2ps_pbh(wb, wa);  // [wa 0..15 | wb 0..15]
+    _mm512_store_si512((__m512i*)(out + row * 32), _mm512_permutexvar_epi16(idx, r));
+  };
+  for (int c = 0; c < NC; ++c) {
+    const __m512i v = _mm512_loadu_si512(qt + c * 64);  // lane n: bytes i = 0..3 of row n's group c
+    auto code = [&](int shift) { return _mm512_and_si512(_mm512_srli_epi32(v, shift), mask); };
+    if (BITS == 8) {  // byte i: channel 4c + i
+      const int h = G16 && c >= 4 ? 1 : 0;
+      emit(2 * c, code(0), code(8), h);
+      emit(2 * c + 1, code(16), code(24), h);
+    } else {  // byte i: low nibble channel 4c + i, high nibble channel 16 + 4c + i
+      emit(2 * c, code(0), code(8), 0);
+      emit(2 * c + 1, code(16), code(24), 0);
+      emit(8 + 2 * c, code(4), code(12), 0);
+      emit(8 + 2 * c + 1, code(20), code(28), 0);
+    }
+  }
+}
+
+// Every 32-block of tile t into buf (nb x 16 x 32 bf16).
+template <int BITS, typename ST, bool G16>
+void dequant_tile(const QW& w, int64_t t, int64_t nb, uint16_t* buf) {
+  for (int64_t j = 0; j < nb; ++j) dequant_block<BITS, ST, G16>(w, t, j, nb, buf + j * 512);
+}
+
+// y rows m0..m0+16*RT of tile pair (b0, b1) over K: x bf16 [.., K] (rows padded to a multiple of 32),
+// b0 / b1 the dequantized tiles (nb x 512 bf16), out [16*RT, 32] float32.
+template <int RT>
+inline void tile_pair(const uint16_t* x, int64_t K, const uint16_t* b0, const uint16_t* b1, float* out) {
+  const int64_t nb = K / BLK, ldx = K * 2;
+  _tile_zero(0);
+  _tile_zero(1);
+  if (RT == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t j = 0; j < nb; ++j) {
+    _tile_loadd(4, x + j * BLK, ldx);
+    _tile_loadd(6, b0 + j * 512, 64);
+    _tile_loadd(7, b1 + j * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (RT == 2) {
+      _tile_loadd(5, x + 16 * K + j * BLK, ldx);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, out, 128);
+  _tile_stored(1, out + 16, 128);
+  if (RT == 2) {
+    _tile_stored(2, out + 16 * 32, 128);
+    _tile_stored(3, out + 16 * 32 + 16, 128);
+  }
+}
+
+
+inline bool request_tiles() {
+  // Linux keeps the tile state off until the process asks (arch_prctl), once per process
+  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+// x: [Mp, K] bf16 bits, Mp = M rounded up to 32, rows >= M zero. Output rows 0..M-1 of [M, N]:
+// float32 into yf, or bf16 (one rounding) into ybf; exactly one of them non-null. Tile pairs split by par.
+template <typename Par>
+void gemm(const QW& w, const uint16_t* xd, int64_t M, float* yf, at::BFloat16* ybf, const Par& par) {
+  const int64_t N = w.N, K = w.K, nb = K / BLK, T = N / TILE, P = (T + 1) / 2;
+  par(0, P, 1, [&](int64_t p0, int64_t p1) {
+    configure_tiles();
+    // two dequantized tiles (64-byte aligned for the B loads) and one 32 x 32 float32 staging block
+    std::vector<uint16_t> bufv(2 * nb * 512 + 32);
+    uint16_t* b0 = (uint16_t*)(((uintptr_t)bufv.data() + 63) & ~(uintptr_t)63);
+    uint16_t* b1 = b0 + nb * 512;
+    alignas(64) float stage[32 * 32];
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t t = 2 * p, nt = std::min<int64_t>(2, T - t);
+      with_scale_type(w, [&](auto st) {
+        using ST = decltype(st);
+        with_bits(w.bits, [&](auto bb) {
+          constexpr int B = decltype(bb)::value;
+          for (int64_t u = 0; u < nt; ++u) {
+            uint16_t* bu = u ? b1 : b0;
+            if constexpr (B == 8) {
+              if (w.gs != BLK) { dequant_tile<8, ST, true>(w, t + u, nb, bu); continue; }
+            }
+            dequant_tile<B, ST, false>(w, t + u, nb, bu);
+          }
+        });
+      });
+      if (nt == 1) std::memset(b1, 0, nb * 512 * sizeof(uint16_t));
+      for (int64_t m0 = 0; m0 < M; m0 += 32) {
+        const int rt = M - m0 > 16 ? 2 : 1;
+        if (rt == 2) tile_pair<2>(xd + m0 * K, K, b0, b1, stage);
+        else tile_pair<1>(xd + m0 * K, K, b0, b1, stage);
+        const int64_t rows = std::min<int64_t>(16 * rt, M - m0), cols = nt * TILE;
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* src = stage + r * 32;
+          if (ybf) {
+            at::BFloat16* o = ybf + (m0 + r) * N + t * TILE;
+            for (int64_t u = 0; u < cols; u += TILE)  // VCVTNEPS2BF16: round to nearest even
+              _mm256_storeu_si256((__m256i*)(o + u), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(src + u)));
+          } else {
+            float* o = yf + (m0 + r) * N + t * TILE;
+            for (int64_t u = 0; u < cols; u += TILE) _mm512_storeu_ps(o + u, _mm512_load_ps(src + u));
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+// float32 rows x [M, K] -> bf16 bits (round to nearest even) in xd [Mp, K], Mp = M rounded up to 32, padding rows zero
+inline void pack_rows(const float* x, int64_t M, int64_t K, uint16_t* xd) {
+  const int64_t Mp = (M + 31) / 32 * 32;
+  for (int64_t i = 0; i + 16 <= M * K; i += 16)
+    _mm256_storeu_si256((__m256i*)(xd + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+  for (int64_t i = (M * K) / 16 * 16; i < M * K; ++i) xd[i] = c10::BFloat16(x[i]).x;
+  std::memset(xd + M * K, 0, (Mp - M) * K * sizeof(uint16_t));
+}
+
+}  // namespace sglite_amx
+#endif  // SGQ_AMX

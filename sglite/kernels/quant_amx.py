@@ -41,7 +41,8 @@ import torch.nn.functional as F
 
 from .cpu_build import load_cpp, read_source
 from .device import cpu_flags
-from .quant_gemm import CFLAGS as VNNI_CFLAGS, REQUIRED_FLAGS as VNNI_FLAGS
+from .quant_gemm import CFLAGS as VNNI_CFLAGS, REQUIRED_FLAGS as VNNI_FLAGS, call_tiled, check_tiled
+from .quant_gemm import supports as tiled_ok
 from .quant_layout import gather_input
 
 if TYPE_CHECKING:
@@ -71,7 +72,6 @@ def available() -> bool:
 
 def supports(w: QuantLinearWeight) -> bool:
     """Whether :func:`gemm` takes ``w`` (the tiles of :mod:`.quant_gemm`, same rule)."""
-    from .quant_gemm import supports as tiled_ok
     return tiled_ok(w)
 
 
@@ -86,19 +86,10 @@ def gemm(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
     Raises:
         RuntimeError: AMX is unavailable here or ``w`` is not tiled (names the field)."""
     mod = load()
-    if mod is None:
-        raise RuntimeError("quant_amx: the AMX kernel is unavailable on this CPU (needs amx_tile + amx_bf16)")
-    if not supports(w):
-        raise RuntimeError(f"quant_amx: weight must be CPU, tiled, group_size 32 (16 at 8 bits), N % 16 == 0; got "
-                           f"tiled={w.tiled} group_size={w.group_size} N={w.shape[0]} device={w.device}")
+    check_tiled("quant_amx", mod is not None, "the AMX kernel is unavailable on this CPU (needs amx_tile + amx_bf16)", w)
     if x.shape[0] == 0:
         return x.new_zeros((0, w.shape[0]))
-    xs = gather_input(x, w).to(torch.bfloat16)
-    mins = torch.empty(0) if w.mins is None else w.mins
-    y = mod.quant_gemm_amx(xs, w.qweight, w.scales, mins, w.bits, w.group_size, x.dtype == torch.bfloat16)
-    if y.dtype != x.dtype:
-        y = y.to(x.dtype)
-    return y if w.bias is None else y + w.bias.to(x.dtype)
+    return call_tiled(mod.quant_gemm_amx, gather_input(x, w).to(torch.bfloat16), x, w, x.dtype == torch.bfloat16)
 
 
 def reference(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:

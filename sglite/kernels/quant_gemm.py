@@ -94,18 +94,30 @@ def gemm(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
     Raises:
         RuntimeError: the kernel is unavailable or ``w`` is not tiled (names the field)."""
     mod = load()
-    if mod is None:
-        raise RuntimeError("quant_gemm: the VNNI kernel is unavailable on this CPU (see the logged warning)")
-    if not supports(w):
-        raise RuntimeError(f"quant_gemm: weight must be CPU, tiled, group_size 32 (16 at 8 bits), N % 16 == 0; got tiled={w.tiled} "
-                           f"group_size={w.group_size} N={w.shape[0]} device={w.device}")
+    check_tiled("quant_gemm", mod is not None, "the VNNI kernel is unavailable on this CPU (see the logged warning)", w)
     if x.shape[0] == 0:
         return x.new_zeros((0, w.shape[0]))
     xs = gather_input(x, w)
     if xs.dtype not in (torch.bfloat16, torch.float32):
         xs = xs.float()
+    return call_tiled(mod.quant_gemm_q8, xs, x, w, xs.dtype == torch.bfloat16)
+
+
+def check_tiled(name: str, loaded: bool, why: str, w: "QuantLinearWeight") -> None:
+    """Raise RuntimeError (prefixed ``name``) when the kernel did not load (``why``) or ``w`` is not
+    a tiled weight this module's GEMMs take (:func:`supports`), naming the fields."""
+    if not loaded:
+        raise RuntimeError(f"{name}: {why}")
+    if not supports(w):
+        raise RuntimeError(f"{name}: weight must be CPU, tiled, group_size 32 (16 at 8 bits), N % 16 == 0; got tiled={w.tiled} "
+                           f"group_size={w.group_size} N={w.shape[0]} device={w.device}")
+
+
+def call_tiled(op, xs: torch.Tensor, x: torch.Tensor, w: "QuantLinearWeight", out_bf16: bool) -> torch.Tensor:
+    """``op(xs, codes, scales, mins, bits, group_size, out_bf16)`` of a tiled-weight GEMM op (the
+    VNNI or the AMX one) on the gathered rows ``xs``, returned in x's dtype with the bias added."""
     mins = torch.empty(0) if w.mins is None else w.mins
-    y = mod.quant_gemm_q8(xs, w.qweight, w.scales, mins, w.bits, w.group_size, xs.dtype == torch.bfloat16)
+    y = op(xs, w.qweight, w.scales, mins, w.bits, w.group_size, out_bf16)
     if y.dtype != x.dtype:
         y = y.to(x.dtype)
     return y if w.bias is None else y + w.bias.to(x.dtype)

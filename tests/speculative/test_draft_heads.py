@@ -196,10 +196,13 @@ def test_shipped_heads_fit_the_default_model():
 @pytest.mark.slow  # the real default model
 def test_engine_eagle_with_no_other_argument_uses_the_shipped_heads():
     e = Engine(speculative_algorithm="EAGLE")
-    try:
-        prompt = e.apply_chat_template([{"role": "user", "content": "Why is the sky blue?"}])
-        out = e.generate(prompt, {"max_new_tokens": 48, "temperature": 0})
+    metas = []
+    try:  # a few prompts: one prompt's acceptance moves with the prefill's GEMM path (AMX or int8)
+        for q in ("Why is the sky blue?", "Explain how a bicycle stays upright.", "What is photosynthesis?"):
+            prompt = e.apply_chat_template([{"role": "user", "content": q}])
+            metas.append(e.generate(prompt, {"max_new_tokens": 48, "temperature": 0})["meta_info"])
     finally:
         e.shutdown()
-    m = out["meta_info"]
-    assert m["spec_verify_ct"] > 0 and m["spec_accept_length"] > 1.0
+    verifies = sum(m["spec_verify_ct"] for m in metas)
+    accepted = sum(m["spec_verify_ct"] * m["spec_accept_length"] for m in metas)
+    assert all(m["spec_verify_ct"] > 0 for m in metas) and accepted / verifies > 1.0

@@ -139,33 +139,18 @@ def write_llama_gguf(path, hf_dir, *, rope_freqs="auto", tensor_type: str = "F32
     values as is (e.g. inconsistent with the config), None = no tensor. Matmul weights in
     ``tensor_type`` (``F32`` or a type gguf-py quantizes, e.g. ``Q8_0``); ``metadata``: extra
     ``{key: value}`` pairs (ints, floats, strings). Returns ``path``."""
-    from pathlib import Path
-
     import gguf
     import numpy as np
-    from safetensors.torch import load_file
-    from transformers import AutoConfig
 
-    hf_dir = Path(hf_dir)
-    cfg = AutoConfig.from_pretrained(str(hf_dir))
-    sd = {k: v.float().numpy() for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
+    cfg, sd, w = open_gguf_writer(path, hf_dir, "llama")
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     rope = dict(getattr(cfg, "rope_parameters", None) or {})
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_dimension_count(hd)
     for key, value in (metadata or {}).items():
         vt = {str: gguf.GGUFValueType.STRING, int: gguf.GGUFValueType.UINT32}.get(type(value),
                                                                                  gguf.GGUFValueType.FLOAT32)
         w.add_key_value(key, value, vt)
-    _copy_default_tokenizer(w)
+    copy_default_tokenizer(w)
     w.add_vocab_size(cfg.vocab_size)
     qt = gguf.GGMLQuantizationType[tensor_type]
 
@@ -204,7 +189,35 @@ def write_llama_gguf(path, hf_dir, *, rope_freqs="auto", tensor_type: str = "F32
     return path
 
 
-def _copy_default_tokenizer(w) -> None:
+def open_gguf_writer(path, hf_dir, arch: str):
+    """Read the HF checkpoint ``hf_dir`` (``config.json`` + ``model.safetensors``) and open a
+    ``gguf.GGUFWriter`` on ``path`` for architecture ``arch`` with the fields every converted
+    decoder has (block count, context, embedding and feed-forward lengths, head counts, RoPE base,
+    RMSNorm eps). Returns ``(cfg, sd, w)``: the transformers config, the state dict as float32
+    numpy arrays by HF name, and the writer (the caller adds its own fields and tensors)."""
+    from pathlib import Path
+
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    hf_dir = Path(hf_dir)
+    cfg = AutoConfig.from_pretrained(str(hf_dir))
+    sd = {k: v.float().numpy() for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    return cfg, sd, w
+
+
+def copy_default_tokenizer(w) -> None:
     """Copy the default model's ``tokenizer.*`` GGUF fields into the open ``GGUFWriter`` ``w``."""
     import gguf
 
@@ -226,35 +239,21 @@ def write_qwen3_moe_gguf(path, hf_dir, *, expert_type: str = "F32", tokenizer: b
     ``expert_type`` (F32 or a type gguf-py quantizes); other tensors F32, the default model's GGUF
     tokenizer (``tokenizer=False``: none, for tests that only read the header or tensors; parsing
     that vocabulary takes ~20 s). Returns ``path``."""
-    from pathlib import Path
-
     import gguf
     import numpy as np
-    from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    hf_dir = Path(hf_dir)
-    cfg = AutoConfig.from_pretrained(str(hf_dir))
-    if cfg.mlp_only_layers or cfg.decoder_sparse_step != 1:
+    if (c := AutoConfig.from_pretrained(str(hf_dir))).mlp_only_layers or c.decoder_sparse_step != 1:
         raise ValueError("write_qwen3_moe_gguf: qwen3moe GGUF layers are all sparse (mlp_only_layers=[], "
                          "decoder_sparse_step=1)")
-    sd = {k: v.float().numpy() for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
-    w = gguf.GGUFWriter(str(path), "qwen3moe")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    cfg, sd, w = open_gguf_writer(path, hf_dir, "qwen3moe")
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
-    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_expert_count(cfg.num_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
     w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if tokenizer:
-        _copy_default_tokenizer(w)
+        copy_default_tokenizer(w)
     w.add_vocab_size(cfg.vocab_size)
     qt = gguf.GGMLQuantizationType[expert_type]
     w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])

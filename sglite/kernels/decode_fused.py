@@ -137,6 +137,7 @@ class FusedDecode:
 
         # a LoRA shrink / expand splits over threads from this many multiply-adds (0: always split)
         self.lora_split_min: int = getattr(self, "lora_split_min", LORA_SPLIT_MIN)
+        self._amx: Optional[bool] = None  # amx_min()'s static conditions, filled on first use
         self.final_norm = model.norm.float().contiguous()  # [H]
         self.lin, self.bits = [], []
         for L in model.layers:
@@ -183,10 +184,10 @@ class FusedDecode:
         """Rows from which this step's tiled GEMMs run on the AMX tiles (quant_amx.h; bf16
         activations, float32 sums), or 0: off (no AMX, a float32 or row-layout model, the
         portable build, ``SGLITE_GEMM`` other than ``auto``; read per step, as the dispatcher)."""
-        if not (self.q8 and self.tiled and not self.portable and self.model.dtype == torch.bfloat16
-                and quant_amx.available() and gemm_paths.mode() == "auto"):
-            return 0
-        return gemm_paths.AMX_MIN_ROWS
+        if self._amx is None:  # the static part, once (the build and the tile grant are per process)
+            self._amx = bool(self.q8 and self.tiled and not self.portable and self.model.dtype == torch.bfloat16
+                             and quant_amx.available())
+        return gemm_paths.AMX_MIN_ROWS if self._amx and gemm_paths.mode() == "auto" else 0
 
     def max_rows(self) -> int:
         """Most decode rows of a fused step: :data:`MAX_ROWS_AMX` where the many-row GEMMs run on

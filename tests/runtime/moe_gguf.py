@@ -17,31 +17,16 @@ def make_moe_gguf(path: Path, hf_dir: Path, expert_type: str = "Q8_0", tokenizer
     the tensors: parsing the default model's vocabulary takes ~20 s)."""
     import gguf
     import numpy as np
-    from safetensors.torch import load_file
-    from transformers import AutoConfig
 
-    from sglite.runtime.model_loader import default_model_path
+    from sglite.testing_gguf import copy_default_tokenizer, open_gguf_writer
 
-    cfg = AutoConfig.from_pretrained(str(hf_dir))
-    sd = {k: v.float().numpy() for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
-    w = gguf.GGUFWriter(str(path), "qwen2moe")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    cfg, sd, w = open_gguf_writer(path, hf_dir, "qwen2moe")
     w.add_expert_count(cfg.num_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
     w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    for key, f in (gguf.GGUFReader(str(default_model_path())).fields if tokenizer else {}).items():
-        if key.startswith("tokenizer."):
-            vt = gguf.GGUFValueType(f.types[0])
-            sub = gguf.GGUFValueType(f.types[-1]) if vt == gguf.GGUFValueType.ARRAY else None
-            w.add_key_value(key, f.contents(), vt, sub_type=sub)
+    if tokenizer:
+        copy_default_tokenizer(w)
     w.add_vocab_size(cfg.vocab_size)
     qt = gguf.GGMLQuantizationType[expert_type]
 

@@ -47,12 +47,6 @@ void add_scaled(float* x, const float* y, int64_t n, float s) {
   else for (int64_t i = 0; i < n; ++i) x[i] += y[i] * s;
 }
 
-template <typename T>
-void store_kv(at::Tensor& kb, at::Tensor& vb, const int64_t* loc, const float* qkv, int64_t M, int64_t Hq, int64_t Hkv,
-              int64_t D, int64_t Nqkv) {
-  store_rows<T>(kb, loc, qkv + Hq * D, M, Hkv, D, Nqkv);
-  store_rows<T>(vb, loc, qkv + (Hq + Hkv) * D, M, Hkv, D, Nqkv);
-}
 
 }  // namespace
 
@@ -123,29 +117,11 @@ at::Tensor decode_family_forward(
     }
     const float* cp = (loc_layer ? lcos : cos).data_ptr<float>();
     const float* sp = (loc_layer ? lsin : sin).data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m)  // RoPE on the q and k heads (rotate-half)
-      for (int64_t hd = 0; hd < Hq + Hkv; ++hd) {
-        float* v = qkv.data() + m * Nqkv + hd * D;
-        for (int64_t i = 0; i < half; ++i) {
-          const float c = cp[m * half + i], s = sp[m * half + i], a = v[i], b = v[i + half];
-          v[i] = a * c - b * s;
-          v[i + half] = b * c + a * s;
-        }
-      }
+    rope_rows(qkv.data(), M, Nqkv, Hq + Hkv, D, cp, sp);
     at::Tensor& kb = kbufs[l];
     at::Tensor& vb = vbufs[l];
-    TORCH_CHECK(kb.dim() == 3 && kb.size(1) == Hkv && kb.size(2) == D && kb.stride(2) == 1 && vb.sizes() == kb.sizes()
-                && vb.stride(2) == 1 && vb.scalar_type() == kb.scalar_type(),
-                "decode_family_forward: pool of layer ", l, " is not [S, Hkv, D]");
     const int64_t* loc = (loc_layer ? lout_loc : out_loc).data_ptr<int64_t>();
-    if (kb.scalar_type() == at::kBFloat16) {
-      store_kv<c10::BFloat16>(kb, vb, loc, qkv.data(), M, Hq, Hkv, D, Nqkv);
-    } else {
-      TORCH_CHECK(kb.scalar_type() == at::kFloat, "decode_family_forward: pool dtype must be float32 or bfloat16");
-      store_kv<float>(kb, vb, loc, qkv.data(), M, Hq, Hkv, D, Nqkv);
-    }
-    float* qp = q_t.data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m) std::memcpy(qp + m * Hq * D, qkv.data() + m * Nqkv, sizeof(float) * Hq * D);
+    store_kv_and_q(kb, vb, loc, qkv.data(), M, Hq, Hkv, D, Nqkv, q_t, "decode_family_forward", l);
     attention(attn, q_t, kb, vb, loc_layer ? lrt : req_to_token, loc_layer ? lrows : rows, lens, sm_scale, M, Hq, Hkv,
               D, (int)threads, attn_split_min, att.data(), loc_layer ? window : 0, softcap);
     gemv(wo, att.data(), M, tmp.data(), q8, par);

@@ -145,6 +145,40 @@ void store_rows(at::Tensor& buf, const int64_t* loc, const float* src, int64_t M
   }
 }
 
+// RoPE (rotate-half, Su et al. 2021) in place on the first `heads` heads (q, then k) of each of the
+// M rows of qkv [M, Nqkv] float32; cp / sp: the rows' cos / sin [M, D/2] float32.
+void rope_rows(float* qkv, int64_t M, int64_t Nqkv, int64_t heads, int64_t D, const float* cp, const float* sp) {
+  const int64_t half = D / 2;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t hd = 0; hd < heads; ++hd) {
+      float* v = qkv + m * Nqkv + hd * D;
+      for (int64_t i = 0; i < half; ++i) {
+        const float c = cp[m * half + i], s = sp[m * half + i], a = v[i], b = v[i + half];
+        v[i] = a * c - b * s;
+        v[i + half] = b * c + a * s;
+      }
+    }
+}
+
+// The k and v heads of the M qkv rows [M, Nqkv] (q: Hq heads, then Hkv k and Hkv v heads of D)
+// written into layer `l`'s pool at slots loc (kb / vb: [S, Hkv, D], float32 or bf16; checked, the
+// error prefixed `who`), and the q heads copied into q_t [M, Hq, D] float32.
+void store_kv_and_q(at::Tensor& kb, at::Tensor& vb, const int64_t* loc, const float* qkv, int64_t M, int64_t Hq,
+                    int64_t Hkv, int64_t D, int64_t Nqkv, at::Tensor& q_t, const char* who, int64_t l) {
+  TORCH_CHECK(kb.dim() == 3 && kb.size(1) == Hkv && kb.size(2) == D && kb.stride(2) == 1 && vb.sizes() == kb.sizes()
+              && vb.stride(2) == 1 && vb.scalar_type() == kb.scalar_type(), who, ": pool of layer ", l, " is not [S, Hkv, D]");
+  if (kb.scalar_type() == at::kBFloat16) {
+    store_rows<c10::BFloat16>(kb, loc, qkv + Hq * D, M, Hkv, D, Nqkv);
+    store_rows<c10::BFloat16>(vb, loc, qkv + (Hq + Hkv) * D, M, Hkv, D, Nqkv);
+  } else {
+    TORCH_CHECK(kb.scalar_type() == at::kFloat, who, ": pool dtype must be float32 or bfloat16");
+    store_rows<float>(kb, loc, qkv + Hq * D, M, Hkv, D, Nqkv);
+    store_rows<float>(vb, loc, qkv + (Hq + Hkv) * D, M, Hkv, D, Nqkv);
+  }
+  float* qp = q_t.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) std::memcpy(qp + m * Hq * D, qkv + m * Nqkv, sizeof(float) * Hq * D);
+}
+
 }  // namespace
 
 // x [M, H] float32 (the embedded tokens) -> [M, H] float32 hidden after the final RMSNorm.
@@ -182,7 +216,7 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
   const PoolPar par{(int)threads};
   const sglite_lora_fused::Step lora(std::move(lora_ab), std::move(lora_rows), std::move(lora_spans), L, M,
                                          lora_split_min);
-  const int64_t Nqkv = (Hq + 2 * Hkv) * D, half = D / 2;
+  const int64_t Nqkv = (Hq + 2 * Hkv) * D;
   at::Tensor out = x.clone();
   float* xr = out.data_ptr<float>();
   std::vector<float> h(M * H), qkv, att(M * Hq * D), tmp(M * H), gu, act;
@@ -201,29 +235,10 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
     qkv.resize(M * Nqkv);
     gemv(wqkv, h.data(), M, qkv.data(), q8, par, amx_min);
     lora.apply(l, 0, h.data(), H, qkv.data(), Nqkv, par);
-    for (int64_t m = 0; m < M; ++m)  // RoPE on the q and k heads (rotate-half)
-      for (int64_t hd = 0; hd < Hq + Hkv; ++hd) {
-        float* v = qkv.data() + m * Nqkv + hd * D;
-        for (int64_t i = 0; i < half; ++i) {
-          const float c = cp[m * half + i], s = sp[m * half + i], a = v[i], b = v[i + half];
-          v[i] = a * c - b * s;
-          v[i + half] = b * c + a * s;
-        }
-      }
+    rope_rows(qkv.data(), M, Nqkv, Hq + Hkv, D, cp, sp);
     at::Tensor& kb = kbufs[l];
     at::Tensor& vb = vbufs[l];
-    TORCH_CHECK(kb.dim() == 3 && kb.size(1) == Hkv && kb.size(2) == D && kb.stride(2) == 1 && vb.sizes() == kb.sizes()
-                && vb.stride(2) == 1 && vb.scalar_type() == kb.scalar_type(), "decode_forward: pool of layer ", l, " is not [S, Hkv, D]");
-    if (kb.scalar_type() == at::kBFloat16) {
-      store_rows<c10::BFloat16>(kb, loc, qkv.data() + Hq * D, M, Hkv, D, Nqkv);
-      store_rows<c10::BFloat16>(vb, loc, qkv.data() + (Hq + Hkv) * D, M, Hkv, D, Nqkv);
-    } else {
-      TORCH_CHECK(kb.scalar_type() == at::kFloat, "decode_forward: pool dtype must be float32 or bfloat16");
-      store_rows<float>(kb, loc, qkv.data() + Hq * D, M, Hkv, D, Nqkv);
-      store_rows<float>(vb, loc, qkv.data() + (Hq + Hkv) * D, M, Hkv, D, Nqkv);
-    }
-    float* qp = q_t.data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m) std::memcpy(qp + m * Hq * D, qkv.data() + m * Nqkv, sizeof(float) * Hq * D);
+    store_kv_and_q(kb, vb, loc, qkv.data(), M, Hq, Hkv, D, Nqkv, q_t, "decode_forward", l);
     attention(attn, q_t, kb, vb, req_to_token, rows, lens, sm_scale, M, Hq, Hkv, D, (int)threads, attn_split_min,
               att.data());
     gemv(wo, att.data(), M, tmp.data(), q8, par, amx_min);

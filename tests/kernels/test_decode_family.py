@@ -10,6 +10,7 @@ import torch
 from sglite.kernels import decode_family, decode_fused, quant_cpu
 from tests.runtime.test_families_gemma import FAMILIES as GEMMA
 from tests.runtime.test_families_olmo2_granite import FAMILIES as OTHERS
+from tests.kernels.test_decode_fused import check_fused_steps
 
 pytestmark = pytest.mark.skipif(not quant_cpu.available(), reason="the C++ quant kernel did not build here")
 FAMILIES = {**GEMMA, **OTHERS, "qwen3": ("qwen3", "Qwen3ForCausalLM", dict(attention_bias=False))}  # QK-norm on the Llama layer
@@ -38,21 +39,8 @@ def quantized(tmp_path_factory, real_checkpoint):
 
 
 def _checked(model, atol_rel, seen):
-    fused = model.decode_fused
-    assert isinstance(fused, decode_family.FamilyFusedDecode)
-
-    class Checked:
-        def forward(self, fb, kb, vb):
-            got = fused.forward(fb, kb, vb)
-            if got is not None:
-                ref = model._forward(fb, kb, vb)  # rewrites the same KV slots
-                err = (got - ref).abs().max().item() / (ref.abs().max().item() + 1e-6)
-                assert err <= atol_rel, err
-                seen.append(fb.input_ids.shape[0])
-            return got
-
-    model.decode_fused = Checked()
-    return fused
+    assert isinstance(model.decode_fused, decode_family.FamilyFusedDecode)
+    return check_fused_steps(model, atol_rel, seen)
 
 
 # the fast tier: Gemma 3 (sandwich norms, per-head QK-norm, local layers and RoPE, GeGLU); the slow

@@ -93,9 +93,17 @@ def _checked_engine(model_dir, dtype, atol_rel, seen):
     from sglite import Engine
 
     e = Engine(model_path=str(model_dir), dtype=dtype, max_total_tokens=2048)
-    model = e.runner.model
-    fused = model.decode_fused
+    fused = e.runner.model.decode_fused
     assert fused is not None and fused.q8 == (dtype == "bfloat16")
+    check_fused_steps(e.runner.model, atol_rel, seen)
+    return e, fused
+
+
+def check_fused_steps(model, atol_rel, seen):
+    """Replace ``model.decode_fused`` by a wrapper that checks every fused step's logits against the
+    per-op path on the same batch (relative max error <= ``atol_rel``) and appends the step's row
+    count to ``seen``; returns the wrapped fused decode."""
+    fused = model.decode_fused
 
     class Checked:
         def forward(self, fb, kb, vb):
@@ -108,7 +116,7 @@ def _checked_engine(model_dir, dtype, atol_rel, seen):
             return got
 
     model.decode_fused = Checked()
-    return e, fused
+    return fused
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -112,15 +112,18 @@ class EngineProtocol(Protocol):
                  input_ids: Optional[list] = None, return_logprob: bool = False,
                  logprob_start_len: Union[int, list] = -1, top_logprobs_num: int = 0,
                  token_ids_logprob: Optional[list[int]] = None, stream: bool = False,
-                 rid: Union[str, list, None] = None, incremental: bool = False) -> Any: ...
+                 rid: Union[str, list, None] = None, incremental: bool = False,
+                 lora_path: Union[str, list, None] = None) -> Any: ...
 
     async def async_generate(self, prompt: Union[str, list[str], None] = None,
                              sampling_params: Union[dict, list, None] = None, input_ids: Optional[list] = None,
                              return_logprob: bool = False, logprob_start_len: Union[int, list] = -1,
                              top_logprobs_num: int = 0, token_ids_logprob: Optional[list[int]] = None,
                              stream: bool = False, rid: Union[str, list, None] = None,
-                             incremental: bool = False) -> Any:
-        """The result (dict or list), or with ``stream=True`` an async iterator of dicts."""
+                             incremental: bool = False, lora_path: Union[str, list, None] = None) -> Any:
+        """The result (dict or list), or with ``stream=True`` an async iterator of dicts.
+        ``lora_path``: the LoRA adapter's name (a list: one per prompt); None or ``""``: the base
+        model. An adapter the engine does not serve raises InvalidRequestError naming ``lora_path``."""
         ...
 
     def cache_prefix(self, prompt: Optional[str] = None, input_ids: Optional[list[int]] = None) -> dict:

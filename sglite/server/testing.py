@@ -384,9 +384,15 @@ class FakeEngine:
 
     async def async_generate(self, prompt=None, sampling_params: Any = None, input_ids=None,
                              return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
-                             token_ids_logprob=None, stream: bool = False, rid=None, incremental: bool = False):
+                             token_ids_logprob=None, stream: bool = False, rid=None, incremental: bool = False,
+                             lora_path=None):
         """Await it: a result dict (a list for a batch or ``n > 1``), or (``stream=True``) an
-        async iterator of output dicts (cumulative unless ``incremental``; ``index`` when several)."""
+        async iterator of output dicts (cumulative unless ``incremental``; ``index`` when several).
+        ``lora_path``: the fake serves no adapters, so only None or ``""`` (the base model) pass,
+        as on an engine started without ``--lora-paths``."""
+        names = lora_path if isinstance(lora_path, list) else [lora_path]
+        if any(p not in (None, "") for p in names):
+            raise InvalidRequestError("lora_path: this engine serves no LoRA adapters", field="lora_path")
         text = prompt if prompt is not None or not input_ids or not isinstance(input_ids[0], int) else \
             self.tokenizer.decode(input_ids)  # the prompt text either way (turn_tokens may send ids)
         self.calls.append({"prompt": prompt, "input_ids": input_ids, "text": text, "sampling_params": sampling_params,

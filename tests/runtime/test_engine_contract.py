@@ -76,6 +76,38 @@ def test_tokenizer_and_chat_template(engine):
 
 
 # ----------------------------------------------------------------------------- generate
+def test_async_generate_takes_the_protocols_arguments(engine):
+    """Every argument the HTTP layer may pass (``lora_path`` included) is one both engines take:
+    a fake that lagged behind turned a fuzzed ``lora_path`` into a 500."""
+    import inspect
+
+    want = list(inspect.signature(EngineProtocol.async_generate).parameters)[1:]
+    for name in ("generate", "async_generate"):
+        params = inspect.signature(getattr(engine, name)).parameters
+        has_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        missing = [a for a in want if a not in params and not has_kw]
+        assert not missing, (name, missing)
+
+
+def test_lora_path_without_adapters(engine):
+    """No ``--lora-paths``: ``""`` and None are the base model; a name is refused naming the field,
+    before anything is scheduled."""
+    base = engine.generate(PROMPT, GREEDY)["text"]
+    assert engine.generate(PROMPT, GREEDY, lora_path="")["text"] == base
+    with pytest.raises(InvalidRequestError) as e:
+        engine.generate(PROMPT, GREEDY, lora_path="nope")
+    assert e.value.field == "lora_path"
+    assert _idle(engine)["available_tokens"] == engine.get_server_info()["max_total_tokens"]
+
+
+def test_lora_path_over_http(server):
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        ok = c.post("/generate", json={"text": PROMPT, "sampling_params": GREEDY, "lora_path": ""})
+        bad = c.post("/generate", json={"text": PROMPT, "sampling_params": GREEDY, "lora_path": "nope"})
+    assert ok.status_code == 200, ok.text
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path", bad.text
+
+
 def test_single_output_shape(engine):
     out = engine.generate(PROMPT, GREEDY)
     assert isinstance(out, dict) and isinstance(out["text"], str)

@@ -58,6 +58,16 @@ def base_rids(rid, n_in: int, is_list: bool) -> list[str]:
     return [item_rid(base, i) for i in range(n_in)] if is_list else [base]
 
 
+def base_model_only(lora_path, n: int) -> list:
+    """The adapters of ``n`` prompts on an engine that serves none: ``[None] * n`` when
+    ``lora_path`` (a name or a list of names) names only the base model (None or ``""``).
+    Raises InvalidRequestError naming ``lora_path`` otherwise."""
+    names = lora_path if isinstance(lora_path, list) else [lora_path]
+    if any(p not in (None, "") for p in names):
+        raise InvalidRequestError("lora_path: this engine serves no LoRA adapters", field="lora_path")
+    return [None] * n
+
+
 def matches_rid(rid: str, query: str) -> bool:
     """True when ``abort(query)`` covers request ``rid`` (itself, or ``query-...``)."""
     return rid == query or rid.startswith(query + "-")

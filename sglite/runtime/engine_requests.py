@@ -16,7 +16,7 @@ from ..config import EngineConfig
 from ..errors import CapacityError, InvalidRequestError, context_length_message
 from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
-from .engine_protocol import base_rids, sample_rid, sample_seed
+from .engine_protocol import base_model_only, base_rids, sample_rid, sample_seed
 from .logprob_options import NO_LOGPROBS, LogprobOptions
 from .req import Req
 
@@ -228,9 +228,7 @@ class RequestBuilder:
         if len(paths) != n:
             raise InvalidRequestError(f"lora_path: {len(paths)} given for {n} prompts", field="lora_path")
         if self.lora is None:
-            if any(p not in (None, "") for p in paths):
-                raise InvalidRequestError("lora_path: this engine serves no LoRA adapters", field="lora_path")
-            return [None] * n
+            return base_model_only(paths, n)
         return [self.lora.resolve(p) for p in paths]
 
     # ------------------------------------------------------------------ public

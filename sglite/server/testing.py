@@ -21,7 +21,7 @@ import time
 from typing import Any, Optional
 
 from ..errors import CapacityError, GrammarError, InvalidRequestError, context_length_message
-from ..runtime.engine_protocol import base_rids, matches_rid, sample_rid, sample_seed
+from ..runtime.engine_protocol import base_model_only, base_rids, matches_rid, sample_rid, sample_seed
 from ..runtime.engine_stream import BatchView, OutputEvent
 from ..runtime.logprob_options import LogprobOptions
 from ..sampling_params import SamplingParams
@@ -60,9 +60,8 @@ def example_instance(schema: Any, root: Any = None, depth: int = 0) -> Any:
         return {}
     if isinstance(schema.get("$ref"), str):
         return example_instance(_resolve(root, schema["$ref"]), root, depth + 1)
-    for key in ("const",):
-        if key in schema:
-            return schema[key]
+    if "const" in schema:
+        return schema["const"]
     if schema.get("enum"):
         return schema["enum"][0]
     for key in ("anyOf", "oneOf"):
@@ -81,11 +80,7 @@ def example_instance(schema: Any, root: Any = None, depth: int = 0) -> Any:
         return "a" * max(3, schema.get("minLength", 0))
     if t == "integer":
         return max(1, schema.get("minimum", 1))
-    if t == "number":
-        return 1.5
-    if t == "boolean":
-        return True
-    return None
+    return {"number": 1.5, "boolean": True}.get(t)
 
 
 class FakeEngine:
@@ -385,14 +380,10 @@ class FakeEngine:
     async def async_generate(self, prompt=None, sampling_params: Any = None, input_ids=None,
                              return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
                              token_ids_logprob=None, stream: bool = False, rid=None, incremental: bool = False,
-                             lora_path=None):
+                             lora_path=None):  # the fake serves no adapters: only None or "" (the base model)
         """Await it: a result dict (a list for a batch or ``n > 1``), or (``stream=True``) an
-        async iterator of output dicts (cumulative unless ``incremental``; ``index`` when several).
-        ``lora_path``: the fake serves no adapters, so only None or ``""`` (the base model) pass,
-        as on an engine started without ``--lora-paths``."""
-        names = lora_path if isinstance(lora_path, list) else [lora_path]
-        if any(p not in (None, "") for p in names):
-            raise InvalidRequestError("lora_path: this engine serves no LoRA adapters", field="lora_path")
+        async iterator of output dicts (cumulative unless ``incremental``; ``index`` when several)."""
+        base_model_only(lora_path, 1)
         text = prompt if prompt is not None or not input_ids or not isinstance(input_ids[0], int) else \
             self.tokenizer.decode(input_ids)  # the prompt text either way (turn_tokens may send ids)
         self.calls.append({"prompt": prompt, "input_ids": input_ids, "text": text, "sampling_params": sampling_params,

@@ -96,7 +96,7 @@ def test_select_scores_with_the_adapter_like_peft(setup):
     _check(per_call.run(backend=engine), choices, ref, None)
 
 
-def test_select_over_http_sends_lora_path(setup):
+def test_select_over_http_and_openai_sends_the_adapter(setup):
     from sglite.frontend.runtime_endpoint import RuntimeEndpoint
     from sglite.server.runner import ServerThread
     from sglite.server.settings import ServerConfig
@@ -113,6 +113,10 @@ def test_select_over_http_sends_lora_path(setup):
         try:
             _check(prog.run(backend=be, lora_path="a"), choices, ref, "a")
             _check(prog.run(backend=be), choices, ref, None)
+            base_id = be._get("/v1/models")["data"][0]["id"]
         finally:
             be.close()
+        oa = sglite.OpenAI(base_id, base_url=srv.url + "/v1", is_chat_model=False)  # the adapter as `model`
+        _check(prog.run(backend=oa, lora_path="a"), choices, ref, "a")
+        _check(prog.run(backend=oa), choices, ref, None)
 

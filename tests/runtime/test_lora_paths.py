@@ -1,7 +1,7 @@
 """LoRA adapters with the rest of the engine (issue 30's "works with the rest"), on the tiny random
 model with rank-4 q/v adapters: constrained decoding (regex and JSON schema), n > 1 sampling,
-streaming, speculative decoding (a STANDALONE draft without the adapter: drafts verified with the
-request's adapter give the non-speculative adapter's greedy tokens) and unloading (the adapter's
+streaming, speculative decoding (STANDALONE, EAGLE and NGRAM drafts run without the adapter; verified
+with the request's adapter they give the non-speculative adapter's greedy tokens) and unloading (the adapter's
 radix entries go, the base model's stay). Quantized bases: tests/runtime/test_lora_fused_peft.py."""
 import json
 import re
@@ -96,24 +96,46 @@ def test_unload_drops_only_the_adapters_cache_entries(setup):
     assert hit > 0
 
 
-def test_speculative_drafts_are_verified_with_the_adapter(setup, tiny_model_dir):
-    """STANDALONE self-speculation: the draft (the base model) runs without adapters, so with an
-    adapter its drafts are often rejected; the verified tokens are the adapter's all the same."""
+def _draft(alg, tiny_model_dir, root):
+    """The draft of ``alg`` for the tiny model: itself (STANDALONE), a random EAGLE head, or none (NGRAM)."""
+    if alg == "STANDALONE":
+        return {"speculative_draft_model_path": str(tiny_model_dir), "speculative_num_steps": 3}
+    if alg == "EAGLE":
+        import torch
+
+        from sglite.runtime.speculative.heads import EagleHead, save_heads
+
+        cfg = json.loads((tiny_model_dir / "config.json").read_text())
+        torch.manual_seed(0)
+        head = EagleHead(dict(hidden_size=cfg["hidden_size"], intermediate_size=96, num_attention_heads=4,
+                              num_key_value_heads=2, vocab_size=cfg["vocab_size"], rms_norm_eps=1e-6,
+                              rope_theta=10000.0))
+        save_heads(head, root / "eagle")
+        return {"speculative_draft_model_path": str(root / "eagle"), "speculative_num_steps": 3}
+    return {"speculative_num_draft_tokens": 4}
+
+
+@pytest.mark.parametrize("alg", ["STANDALONE", pytest.param("EAGLE", marks=pytest.mark.slow),
+                                 pytest.param("NGRAM", marks=pytest.mark.slow)])  # NGRAM fast: test_lora_units
+def test_speculative_drafts_are_verified_with_the_adapter(alg, setup, tiny_model_dir, tmp_path):
+    """Greedy tokens (plain and regex) with speculation equal the engine's without it, per adapter,
+    in a batch mixing an adapter and the base model. The drafts run without adapters (STANDALONE:
+    the base model itself, so the base row keeps more of its drafts than the adapter's rows)."""
     from sglite import Engine
 
     e, paths, kw = setup
     prompts = PROMPTS + ["A B C A B C A B C A B"]
     loras = ["a", None, "a"]
     sp = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+    rx = {"max_new_tokens": 32, "temperature": 0, "regex": r"[a-z]{1,6}( [a-z]{1,6}){2}\."}
     want = _ids(e.generate(prompt=prompts, sampling_params=sp, lora_path=loras))
-    with Engine(str(tiny_model_dir), lora_paths={"a": paths["a"]}, speculative_algorithm="STANDALONE",
-                speculative_draft_model_path=str(tiny_model_dir), speculative_num_steps=3, **kw) as s:
+    want_rx = e.generate(prompt=PROMPTS[0], sampling_params=rx, lora_path="a")["text"]
+    with Engine(str(tiny_model_dir), lora_paths={"a": paths["a"]}, speculative_algorithm=alg,
+                **_draft(alg, tiny_model_dir, tmp_path), **kw) as s:
         got = s.generate(prompt=prompts, sampling_params=sp, lora_path=loras)
         assert _ids(got) == want
         assert all(g["meta_info"]["spec_verify_ct"] > 0 for g in got)
-        # the base row's drafts (the same model) are all kept; the adapter's drafts are not
-        assert got[1]["meta_info"]["spec_accept_length"] > got[0]["meta_info"]["spec_accept_length"]
-        regex = r"[a-z]{1,6}( [a-z]{1,6}){2}\."
-        rx = {"max_new_tokens": 32, "temperature": 0, "regex": regex}
-        assert (s.generate(prompt=PROMPTS[0], sampling_params=rx, lora_path="a")["text"]
-                == e.generate(prompt=PROMPTS[0], sampling_params=rx, lora_path="a")["text"])
+        if alg == "STANDALONE":
+            assert got[1]["meta_info"]["spec_accept_length"] > got[0]["meta_info"]["spec_accept_length"]
+        assert s.generate(prompt=PROMPTS[0], sampling_params=rx, lora_path="a")["text"] == want_rx
+        assert s.get_server_info()["spec_draft_tokens"] > 0

@@ -83,3 +83,6 @@ def test_select_scores_with_the_adapter(engine):
     for kw, ref in (({"lora_path": "a"}, want), ({}, base)):
         meta = prog.run(backend=engine, **kw).get_meta_info("c")
         assert [[e[0] for e in c] for c in meta["input_token_logprobs"]] == [r["logprobs"] for r in ref]
+    with pytest.raises(sglite.InvalidRequestError) as ei:  # refused before anything is scheduled
+        engine.score("The sea is", choices, lora_path="nope")
+    assert ei.value.field == "lora_path"

@@ -1,0 +1,24 @@
+"""Print the results of ``compare.sh`` (one directory of serving JSONs and offline lines) as a table.
+
+    python benchmarks/llama_server/summary.py /tmp/llama_server_bench
+"""
+import json
+import sys
+from pathlib import Path
+
+
+def main() -> None:
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/llama_server_bench")
+    print("| run | output tok/s | output tokens | median TTFT ms | median TPOT ms |")
+    print("|---|---|---|---|---|")
+    for f in sorted(out.glob("serving_*.json")):
+        d = json.loads(f.read_text())
+        print(f"| serving {f.stem[8:]} | {d['output_throughput']:.1f} | {d.get('total_output_tokens', '?')} "
+              f"| {d.get('median_ttft_ms', float('nan')):.0f} | {d.get('median_tpot_ms', float('nan')):.1f} |")
+    for f in sorted(out.glob("offline_*.txt")):
+        line = f.read_text().strip().splitlines()[-1] if f.read_text().strip() else "(empty)"
+        print(f"| offline {f.stem[8:]} | {line} | | | |")
+
+
+if __name__ == "__main__":
+    main()

@@ -3,6 +3,7 @@
     python benchmarks/llama_server/summary.py /tmp/llama_server_bench
 """
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -16,8 +17,9 @@ def main() -> None:
         print(f"| serving {f.stem[8:]} | {d['output_throughput']:.1f} | {d.get('total_output_tokens', '?')} "
               f"| {d.get('median_ttft_ms', float('nan')):.0f} | {d.get('median_tpot_ms', float('nan')):.1f} |")
     for f in sorted(out.glob("offline_*.txt")):
-        line = f.read_text().strip().splitlines()[-1] if f.read_text().strip() else "(empty)"
-        print(f"| offline {f.stem[8:]} | {line} | | | |")
+        m = re.search(r"tokens=(\d+) ([\d.]+)s ([\d.]+) tok/s", f.read_text())
+        cells = f"{m[3]} | {m[1]} ({m[2]} s)" if m else "(no result) |"
+        print(f"| offline {f.stem[8:]} | {cells} | | |")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@
 # Serving: llama-server -np 16 (one run per thread count in $THREADS) and `sglite serve`, each loaded by
 #   `sglite bench serving --backend openai` (random 256/128 words/tokens, range 0.5, 16 clients, 64 prompts).
 # Offline: sglite's Engine.generate on the 48 x 64-token prompts (benchmarks/vllm_cpu/sglite_offline.py);
-#   llama-server -np 48 with the same 48 prompts sent at once (offline_client.py).
+#   llama-server -np 48 with the same 48 prompts sent at once (offline_client.py); and, when built
+#   (cmake --build build --target llama-batched-bench), llama-batched-bench on 48 x (107 + 64) tokens
+#   (107: the prompts' mean length), llama.cpp's decode without a server or sampling.
 # Both sides: greedy, ignore_eos (llama-server's token counts are checked: offline_client.py fails on a
 # short reply; the serving JSONs' total output tokens are printed side by side).
 # Environment: THREADS (llama.cpp thread counts tried, default "1 2"), SGLITE_THREADS (default: the
@@ -66,6 +68,16 @@ for part in $PARTS; do
         "$PY" "$HERE/offline_client.py" --base-url "$URL" | tee "$OUT/offline_llama_t$t.txt"
         stop
       done
+      if [ -x "$BIN/llama-batched-bench" ]; then  # llama.cpp's own batched decode, no server, no sampling
+        for t in $THREADS; do
+          echo "== offline llama-batched-bench t=$t ($(uptime | sed 's/.*load/load/'))"
+          # 48 sequences of 107 prompt tokens (the mean of the 48 prompts, BOS included) + 64 generated
+          "$BIN/llama-batched-bench" -m "$GGUF" -c 8448 -b 2048 -ub 512 -npp 107 -ntg 64 -npl 48 \
+            -t "$t" -tb "$t" 2>&1 | tee "$OUT/batched_bench_t$t.log" | grep -E "^\|" || true
+          awk -F'|' '$2+0 == 107 {printf "engine=llama-batched-bench tokens=%d %.2fs %.1f tok/s\n", \
+            $3 * $4, $10, $3 * $4 / $10}' "$OUT/batched_bench_t$t.log" | tee "$OUT/offline_batched_t$t.txt"
+        done
+      fi
       echo "== offline sglite ($(uptime | sed 's/.*load/load/'))"
       "$PY" "$ROOT/benchmarks/vllm_cpu/sglite_offline.py" --model-path "$GGUF" \
         ${SGLITE_THREADS:+--num-threads "$SGLITE_THREADS"} | tee "$OUT/offline_sglite.txt" ;;

@@ -23,6 +23,9 @@ OUT="${OUT:-/tmp/llama_server_bench}"
 PORT="${PORT:-30210}"
 URL="http://127.0.0.1:$PORT"
 mkdir -p "$OUT"
+if compgen -G "$OUT/serving_*.json" >/dev/null || compgen -G "$OUT/offline_*.txt" >/dev/null; then
+  echo "$OUT already holds results (summary.py would mix them in); set OUT to a fresh folder" >&2; exit 1
+fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 PID=""
 stop() { if [ -n "$PID" ]; then kill "$PID" 2>/dev/null || true; wait "$PID" 2>/dev/null || true; PID=""; fi; }

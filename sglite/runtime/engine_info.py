@@ -1,6 +1,8 @@
 """Snapshots the engine reports about itself: ``get_server_info`` and ``model_info`` payloads."""
 from __future__ import annotations
 
+from ..errors import InvalidRequestError
+
 
 def server_info(config, runner, scheduler) -> dict:
     """Config, KV capacity and usage, queue lengths and counters. Call on the loop thread (the
@@ -26,11 +28,19 @@ def server_info(config, runner, scheduler) -> dict:
 def model_info(checkpoint, runner, tokenizer) -> dict:
     """Model facts clients need: ``model_path`` (as given), ``context_length`` (tokens),
     ``vocab_size``, ``eos_token_ids``, ``bos_token_id`` (None when the tokenizer has none),
-    ``role_markers``, ``end_of_turn``, ``default_system_prompt``, ``dtype``, ``device``."""
+    ``role_markers``, ``end_of_turn``, ``default_system_prompt``, ``dtype``, ``device``.
+
+    A tokenizer without a usable chat template (e.g. a GGUF with no ``tokenizer.chat_template``:
+    raw completion only) gives ``role_markers`` ``{}`` and ``end_of_turn`` /
+    ``default_system_prompt`` None, what a client reads as "no chat markers"; chat requests are
+    still refused when they arrive (``InvalidRequestError`` naming ``chat_template``)."""
     tk = tokenizer
+    try:
+        chat = {"role_markers": {k: list(v) for k, v in tk.role_markers().items()},
+                "end_of_turn": tk.end_of_turn, "default_system_prompt": tk.default_system_prompt}
+    except InvalidRequestError:
+        chat = {"role_markers": {}, "end_of_turn": None, "default_system_prompt": None}
     return {"model_path": checkpoint.source, "context_length": runner.context_length,
             "vocab_size": runner.vocab_size, "eos_token_ids": sorted(tk.eos_token_ids),
             "bos_token_id": getattr(tk.hf, "bos_token_id", None),
-            "role_markers": {k: list(v) for k, v in tk.role_markers().items()},
-            "end_of_turn": tk.end_of_turn, "default_system_prompt": tk.default_system_prompt,
-            "dtype": str(runner.dtype).replace("torch.", ""), "device": runner.device}
+            **chat, "dtype": str(runner.dtype).replace("torch.", ""), "device": runner.device}

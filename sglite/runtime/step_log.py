@@ -5,7 +5,10 @@
 
 A prefill line for every step that carries prompt tokens; a decode line every
 ``decode_log_interval`` decode steps (SGLang's ``--decode-log-interval``, default 40), with the
-generation throughput over the steps since the previous decode line.
+generation throughput over the steps since the previous decode line. With a sliding-window pool
+(:mod:`sglite.runtime.swa_pool`) ``token usage`` is the full slot space's and a ``swa token usage``
+of the local slots follows it (as SGLang's hybrid pools log both): the smaller local space is not
+counted as full-pool use.
 """
 from __future__ import annotations
 
@@ -38,19 +41,23 @@ class StepLogger:
         prefill_line = chunks and log.isEnabledFor(logging.INFO)
         if not (prefill_line or decode_line):  # most steps: no line, no pool usage to read
             return
-        cap = kv.kv_pool.capacity
-        used = cap - kv.available_tokens()  # tokens neither free nor evictable (SGLang's num_used)
+        pool = kv.kv_pool
+        cap = pool.capacity
+        swa = getattr(pool, "swa_capacity", 0)
+        free = pool.full_free_tokens() if swa else kv.free_tokens()
+        used = cap - free - kv.cache.evictable_size  # tokens neither free nor evictable (SGLang's num_used)
         usage = used / cap if cap else 0.0
+        swa_part = f"{usage:.2f}, swa token usage: {pool.swa_used_tokens() / swa:.2f}" if swa else f"{usage:.2f}"
         if prefill_line:
             new_tokens = sum(e.n for e in chunks)
             cached = sum(e.req.cached_tokens for e in chunks if e.start == e.req.cached_tokens)
-            log.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
-                     "#running-req: %d, #queue-req: %d", len(chunks), new_tokens, cached, usage,
+            log.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %s, "
+                     "#running-req: %d, #queue-req: %d", len(chunks), new_tokens, cached, swa_part,
                      running - len(chunks), waiting)
         if not decode_line:
             return
         now = time.perf_counter()
         rate = self._tokens / max(now - self._since, 1e-9)
         self._tokens, self._since = 0, now
-        log.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
-                 "#queue-req: %d", running, used, usage, rate, waiting)
+        log.info("Decode batch. #running-req: %d, #token: %d, token usage: %s, gen throughput (token/s): %.2f, "
+                 "#queue-req: %d", running, used, swa_part, rate, waiting)

@@ -117,6 +117,10 @@ class SWATokenToKVPool(TokenToKVPool):
         """Tokens that can be appended now: the smaller of the free full slots and local slots."""
         return min(super().free_tokens(), len(self._swa_free))
 
+    def full_free_tokens(self) -> int:
+        """Free slots of the full (global layers') slot space alone."""
+        return super().free_tokens()
+
     # ------------------------------------------------------------------ allocation
     def alloc_extend(self, last_slot: Optional[int], seq_len: int, n_new: int) -> Optional[torch.Tensor]:
         """Full slots as :meth:`TokenToKVPool.alloc_extend`, each given a local slot; None (nothing

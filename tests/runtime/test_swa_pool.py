@@ -223,3 +223,18 @@ def test_kv_manager_window_rules_unit():
     assert len(slots) == 40  # r2's adopted window
     kvm.flush()
     assert pool.swa_used_tokens() == 0 and len(pool.free_page_set()) == pool.num_pages
+
+
+def test_batch_log_counts_each_slot_space(gemma3, caplog):
+    """The scheduler's lines give the full slot space's usage and the local one's beside it; the
+    smaller local space is not counted as full-pool use (an idle Gemma 3 270M server logged
+    ``token usage: 0.40``: capacity minus the local slots)."""
+    d, prompt, _ = gemma3
+    with engine(d, disable_radix_cache=True, chunked_prefill_size=WINDOW, context_length=128) as e:
+        pool = e.runner.token_to_kv_pool
+        assert pool.swa_capacity < pool.capacity
+        with caplog.at_level("INFO", logger="sglite.scheduler"):
+            e.generate(input_ids=prompt, sampling_params=dict(GREEDY, max_new_tokens=2))
+    first = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Prefill batch."))
+    full = -(-WINDOW // pool.page_size) * pool.page_size  # the first chunk's slots, whole pages
+    assert f"token usage: {full / pool.capacity:.2f}, swa token usage: {WINDOW / pool.swa_capacity:.2f}," in first

@@ -99,6 +99,28 @@ def test_no_chat_template(real_checkpoint):
         tok.apply_chat_template([{"role": "user", "content": "x"}])
 
 
+def test_model_info_without_chat_template(real_checkpoint, real_tokenizer):
+    """A model with no chat template (the Gemma 3 270M GGUF) still reports its model info, with no
+    markers, so ``sglite serve`` starts and serves raw completions (it crashed at start-up)."""
+    from transformers import AutoTokenizer
+
+    from sglite.frontend.chat_template import ChatTemplate
+    from sglite.runtime.engine_info import model_info
+
+    hf = AutoTokenizer.from_pretrained(real_checkpoint.model_dir)
+    hf.chat_template = None
+    ckpt = SimpleNamespace(source="m.gguf")
+    runner = SimpleNamespace(context_length=64, vocab_size=len(hf), dtype="torch.float32", device="cpu")
+    info = model_info(ckpt, runner, Tokenizer(hf))
+    assert (info["role_markers"], info["end_of_turn"], info["default_system_prompt"]) == ({}, None, None)
+    assert info["eos_token_ids"] == [hf.eos_token_id] and info["model_path"] == "m.gguf"
+    tpl = ChatTemplate.from_model_info(info)
+    assert tpl.prefix("user") == tpl.suffix("user") == "" and tpl.end_of_turn is None
+    with_template = model_info(ckpt, runner, real_tokenizer)  # the same call with a template: markers
+    assert with_template["role_markers"]["user"] == list(real_tokenizer.role_markers()["user"])
+    assert with_template["end_of_turn"] == real_tokenizer.end_of_turn == "<|im_end|>"
+
+
 def test_from_dir_without_tokenizer(tmp_path):
     with pytest.raises(InvalidRequestError, match="tokenizer"):
         Tokenizer.from_dir(tmp_path)

@@ -154,14 +154,16 @@ def family(tmp_path_factory, real_checkpoint):
     return get
 
 
-def test_configs_load_as_the_expected_variant(family):
+def test_configs_load_as_the_expected_variant(tmp_path, real_checkpoint):
     from transformers import AutoConfig
 
     from sglite.runtime.models.llama import LlamaArch
 
+    # the checkpoints alone (the ``family`` fixture would also run transformers on each one)
     for kind, want, dim in [("llama3", "llama3", 16), ("phi3_longrope", "longrope", 16), ("phi3", "default", 16),
                             ("phi4_partial", "longrope", 12)]:
-        arch = LlamaArch.from_hf_config(AutoConfig.from_pretrained(str(family(kind)[0])))
+        d = _model_dir(kind, tmp_path, real_checkpoint.model_dir)
+        arch = LlamaArch.from_hf_config(AutoConfig.from_pretrained(str(d)))
         assert (arch.rope.rope_type, arch.rope.dim) == (want, dim)
 
 

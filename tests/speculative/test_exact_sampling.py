@@ -15,6 +15,8 @@ from sglite.runtime.speculative.verify import Draws
 from sglite.sampling_params import SamplingParams
 from sglite.testing import homogeneity_p
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/speculative/conftest.py: tiny tensors in long loops
+
 
 def chi_square_p(counts, expected, n):
     """P-value of Pearson's chi-square test of ``counts`` (n draws) against ``expected``

@@ -8,7 +8,26 @@ default model (``real_engine``, the real weights, ``Engine()`` without a model p
 engines or servers in child processes, runs engines together (router, P/D, TP workers), or runs
 long loops (stress runs, the longer Triton interpreter sweeps) is marked ``slow`` (``make
 test-all`` and CI run both)."""
+import os
+
 import pytest
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``make test``: ``-n auto``, one worker per core) each worker starts with
+    its share of the CPUs as torch's intra-op threads (1 on a 2-core machine), not torch's default
+    of every core: two workers x two threads on two cores made each tiny-tensor op pay for waking
+    threads that wait for a core (sampling loops ~10x slower on a busy machine). Tests that check
+    several threads set the count themselves; an engine sets its own at start-up."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers and os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = os.cpu_count() or 1
+        torch.set_num_threads(max(1, cpus // workers))
 
 
 @pytest.fixture(scope="session")

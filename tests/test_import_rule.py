@@ -20,6 +20,7 @@ import ast
 import pathlib
 
 import networkx as nx
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PKG = ROOT / "sglite"
@@ -102,24 +103,30 @@ def edges():
             yield me, target, unit_of(me), unit_of(target)
 
 
+@pytest.fixture(scope="module")
+def all_edges():
+    """:func:`edges`, read once for the tests below (an AST pass over every module)."""
+    return list(edges())
+
+
 def test_every_unit_has_a_floor():
     units = {unit_of(module_name(p)) for p in PKG.rglob("*.py")} - {None}
     assert not units - set(FLOORS), f"top-level modules without a floor: {sorted(units - set(FLOORS))}"
 
 
-def test_no_import_runs_up_a_floor():
-    up = sorted(f"{a} -> {b}" for a, b, ua, ub in edges() if ua != ub and FLOORS[ub] > FLOORS[ua])
+def test_no_import_runs_up_a_floor(all_edges):
+    up = sorted(f"{a} -> {b}" for a, b, ua, ub in all_edges if ua != ub and FLOORS[ub] > FLOORS[ua])
     assert not up, "imports that run up a floor:\n" + "\n".join(up)
 
 
-def test_no_cycle_between_top_level_packages():
-    g = nx.DiGraph((ua, ub) for _, _, ua, ub in edges() if ua != ub)
+def test_no_cycle_between_top_level_packages(all_edges):
+    g = nx.DiGraph((ua, ub) for _, _, ua, ub in all_edges if ua != ub)
     cycles = list(nx.simple_cycles(g))
     assert not cycles, f"cycles between top-level packages: {cycles}"
 
 
-def test_no_cycle_inside_kernels():
-    g = nx.DiGraph((a, b) for a, b, ua, ub in edges() if ua == ub == "kernels" and a != b
+def test_no_cycle_inside_kernels(all_edges):
+    g = nx.DiGraph((a, b) for a, b, ua, ub in all_edges if ua == ub == "kernels" and a != b
                    and a != "sglite.kernels" and b != "sglite.kernels")
     cycles = list(nx.simple_cycles(g))
     assert not cycles, f"import cycles inside sglite.kernels: {cycles}"

@@ -11,7 +11,9 @@ from sglite.kernels import decode_fused, quant_cpu
 from sglite.kernels.quant_linear import QuantLinearWeight, compact_scales
 
 pytestmark = pytest.mark.skipif(not quant_cpu.available(), reason="the C++ quant kernel did not build here")
-BUILDS = [False, True]  # portable=False: VNNI where the CPU has it
+# portable=False: VNNI where the CPU has it. The portable build (a second compile of the extension)
+# runs in the slow tier; the fast tier checks the native build
+BUILDS = [False, pytest.param(True, marks=pytest.mark.slow)]
 
 
 def make(n, k, bits, seed, mins=True):
@@ -251,6 +253,7 @@ def test_float_model_is_not_fused(tiny_model_dir):
         assert e.runner.model.decode_fused is None  # float weights: the per-op path
 
 
+@pytest.mark.slow  # builds the portable extension (the fast tier: the native build)
 def test_portable_build_matches(quantized_tiny):
     from sglite import Engine
 

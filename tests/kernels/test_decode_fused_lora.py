@@ -90,7 +90,7 @@ def _engine(qdir, paths, seen, threads=None, portable=False):
     return e
 
 
-@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("portable", [False, pytest.param(True, marks=pytest.mark.slow)])  # portable: a second build
 def test_mixed_adapters_match_per_op_path(quantized_lora, portable):
     qdir, paths = quantized_lora
     names = ["all4", None, "qv8", "mlp2", "qkv3", "all4"]

@@ -16,7 +16,7 @@ PROMPT_IDS = [504, 3458, 3502, 314, 253, 5426, 1314, 28, 5248, 11633, 28, 690, 9
 CASES = {
     "gptq4_g32_act": QuantOptions(method="gptq", bits=4, group_size=32, desc_act=True),
     "gptq8_g64": QuantOptions(method="gptq", bits=8, group_size=64, sym=True),
-    "awq4_g32": QuantOptions(method="awq", bits=4, group_size=32),
+    "awq4_g32": QuantOptions(method="awq", bits=4, group_size=32, awq_grid=5),  # a 5-point alpha search: same path
     "rtn4_g64": QuantOptions(method="rtn", bits=4, group_size=64),
     "w8a8": QuantOptions(method="smoothquant", bits=8),
     "gptq_fp8": QuantOptions(method="gptq", bits=8, weight_format="fp8"),
@@ -28,11 +28,21 @@ KINDS = {"w8a8": {"Int8LinearWeight"}, "gptq_fp8": {"Fp8LinearWeight"}, "gptq_fp
          "rtn_fp8_block": {"Fp8BlockLinearWeight"}, "gptq_fp8_block": {"Fp8BlockLinearWeight"}}
 
 
+class _Quantized(dict):
+    """name -> checkpoint dir, each written on first use (a worker quantizes only what its tests read)."""
+
+    def __init__(self, src, root):
+        super().__init__()
+        self.src, self.root = src, root
+
+    def __missing__(self, name):
+        self[name] = quantize(str(self.src), self.root / name, CASES[name], n_samples=2, seq_len=48)
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def quantized(tiny_model_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("quantized")
-    return {name: quantize(str(tiny_model_dir), root / name, opts, n_samples=2, seq_len=48)
-            for name, opts in CASES.items()}
+    return _Quantized(tiny_model_dir, tmp_path_factory.mktemp("quantized"))
 
 
 def _dequantized_state(ckpt_dir):

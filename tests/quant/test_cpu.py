@@ -10,7 +10,9 @@ from sglite.kernels import quant_cpu
 from sglite.kernels.quant_linear import QuantLinearWeight, reference_linear
 
 pytestmark = pytest.mark.skipif(not quant_cpu.available(), reason="the C++ quant kernel did not build here")
-BUILDS = [False, True]  # portable=False: the AVX-512-BF16 build where the CPU has it
+# portable=False: the AVX-512-BF16 build where the CPU has it; the portable build (a second compile)
+# runs in the slow tier, the fast tier checks the native build
+BUILDS = [False, pytest.param(True, marks=pytest.mark.slow)]
 
 
 def make(n, k, bits, gs, seed, perm=True, mins=True, bias=False):

@@ -62,7 +62,7 @@ def test_refusals():
                                             t.mins[:8].contiguous(), 8, 32, False, True)
 
 
-@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("portable", [False, pytest.param(True, marks=pytest.mark.slow)])  # portable: a second build
 @pytest.mark.parametrize("bits,n,k,mins,half", [(4, 48, 96, True, True), (4, 64, 576, True, False),
                                                 (8, 32, 160, True, True), (8, 16, 64, False, False),
                                                 (4, 16, 32, False, True)])

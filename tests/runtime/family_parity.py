@@ -46,11 +46,16 @@ def engine(model_dir, **kw):
 
 def check_tokens_and_logprobs(family, model_class: str):
     """The first four prompts batched: HF's greedy tokens, prompt logprobs within 1e-4, on the
-    family's own model class and the per-op path (float weights: no fused decode)."""
+    family's own model class and the per-op path (float weights: no fused decode, and
+    ``decode_fused.prepare`` refuses to build one: checked here, in this engine, for
+    :func:`check_refusals`)."""
+    from sglite.kernels import decode_fused
+
     name, d, prompts, outs, logps = family
     with engine(d) as e:
         assert type(e.runner.model).__name__ == model_class
         assert e.runner.model.decode_fused is None
+        assert decode_fused.prepare(e.runner.model) is None
         res = e.generate(input_ids=prompts[:4], sampling_params=GREEDY, return_logprob=True, logprob_start_len=0)
     for i, r in enumerate(res):
         assert r["output_ids"] == outs[i], f"{name}: prompt {i} diverges from HF"
@@ -75,15 +80,13 @@ def check_matrix(family, radix: bool, chunk):
 
 
 def check_refusals(family, quantized_kv_refused: bool):
-    """Float weights never take the fused decode (the families' quantized weights do:
-    tests/kernels/test_decode_family.py); ``tp_size > 1`` (and, where the family lacks it, a
-    quantized KV cache) is refused naming the field, before weights load."""
+    """``tp_size > 1`` (and, where the family lacks it, a quantized KV cache) is refused naming the
+    field, before weights load. That float weights never take the fused decode is checked in
+    :func:`check_tokens_and_logprobs`'s engine (the families' quantized weights do take it:
+    tests/kernels/test_decode_family.py)."""
     from sglite.errors import InvalidRequestError
-    from sglite.kernels import decode_fused
 
     d = family[1]
-    with engine(d) as e:
-        assert decode_fused.prepare(e.runner.model) is None
     refused = [("tp_size", dict(tp_size=2))] + ([("kv_cache_dtype", dict(kv_cache_dtype="fp8_e4m3"))]
                                                 if quantized_kv_refused else [])
     for field, kw in refused:

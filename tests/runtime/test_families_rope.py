@@ -127,10 +127,8 @@ FULL_MATRIX = ("llama3", "phi3", "phi3_longrope")  # the others: one configurati
 
 
 @pytest.fixture(scope="module")
-def family(tmp_path_factory, real_checkpoint):
-    """kind -> (model dir, prompts, HF tokens, HF prompt log-probs), built on first use."""
-    from transformers import AutoModelForCausalLM
-
+def family_dirs(tmp_path_factory, real_checkpoint):
+    """kind -> (model dir, prompts), built on first use (no transformers run: see ``family``)."""
     from sglite.runtime.tokenizer import Tokenizer
 
     root, made = tmp_path_factory.mktemp("rope_families"), {}
@@ -142,6 +140,22 @@ def family(tmp_path_factory, real_checkpoint):
             # within Lo (or 2048), several long enough that generation runs past Lo
             prompts = _prompts(tok, 3, 5, LO if kind != "phi3" else 300, seed=len(kind))
             prompts.insert(1, _prompts(tok, 1, LO - 12, LO - 12, seed=len(kind))[0])
+            made[kind] = (d, prompts)
+        return made[kind]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def family(family_dirs):
+    """kind -> (model dir, prompts, HF tokens, HF prompt log-probs, HF model), built on first use."""
+    from transformers import AutoModelForCausalLM
+
+    made = {}
+
+    def get(kind):
+        if kind not in made:
+            d, prompts = family_dirs(kind)
             hf = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32)
             # Phi-3's generate() re-runs the whole sequence with the long factors once it passes Lo
             # (prepare_inputs_for_generation drops the cache); sglite keeps the cache, so its oracle is
@@ -154,14 +168,16 @@ def family(tmp_path_factory, real_checkpoint):
     return get
 
 
-def test_configs_load_as_the_expected_variant(family):
+def test_configs_load_as_the_expected_variant(family_dirs):
     from transformers import AutoConfig
 
     from sglite.runtime.models.llama import LlamaArch
 
+    # the checkpoints alone (``family`` would also run transformers on each one)
     for kind, want, dim in [("llama3", "llama3", 16), ("phi3_longrope", "longrope", 16), ("phi3", "default", 16),
                             ("phi4_partial", "longrope", 12)]:
-        arch = LlamaArch.from_hf_config(AutoConfig.from_pretrained(str(family(kind)[0])))
+        d = family_dirs(kind)[0]
+        arch = LlamaArch.from_hf_config(AutoConfig.from_pretrained(str(d)))
         assert (arch.rope.rope_type, arch.rope.dim) == (want, dim)
 
 
@@ -210,7 +226,7 @@ def test_longrope_prompt_longer_than_original_length(family, chunk):
 
 
 @pytest.mark.parametrize("kind", ["yarn", "dynamic", "llama3"])
-def test_fused_decode_reads_the_scaled_tables(family, kind, tmp_path):
+def test_fused_decode_reads_the_scaled_tables(family_dirs, kind, tmp_path):
     """The fused C++ decode (quantized model) gives the per-op path's tokens past Lo."""
     from sglite.kernels import decode_fused, quant_cpu
     from sglite.quant.calibrate import QuantOptions
@@ -218,7 +234,7 @@ def test_fused_decode_reads_the_scaled_tables(family, kind, tmp_path):
 
     if not quant_cpu.available():
         pytest.skip("the C++ quant kernel did not build here")
-    d, prompts, *_ = family(kind)
+    d, prompts = family_dirs(kind)  # the oracle is the per-op path: no transformers run needed
     q = quantize(str(d), tmp_path / "q", QuantOptions(method="rtn", bits=8, group_size=32), n_samples=1, seq_len=16)
     from sglite import Engine
 

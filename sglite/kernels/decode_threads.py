@@ -23,15 +23,12 @@ start on a quiet machine. ``--num-threads`` / ``EngineConfig.num_threads`` overr
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import os
 import time
-from typing import Iterator, Optional
-
-import torch
+from typing import Optional
 
 from .cpu_build import cache_root
 
@@ -42,26 +39,6 @@ ROUNDS = 40  # at most this many: rounds continue while the time budget lasts
 MIN_GAIN = 0.03  # a larger thread count must be this much faster than the best smaller one
 BUDGET_S = 0.3  # the probe starts no new round after this long (with REPS rounds done)
 BUSY_LOAD = 0.5  # 1-minute load average per usable CPU from which a probe counts as taken on a busy machine
-
-
-@contextlib.contextmanager
-def serial_torch() -> Iterator[None]:
-    """Run the torch ops inside on the calling thread only (``torch.set_num_threads(1)``, the old
-    count restored on exit; ~0.3 us a pair). For the small torch glue between sglite's C++ kernels
-    (row gathers, dtype casts, concatenations, RoPE table lookups): a torch op above its grain size
-    splits across torch's OpenMP team, and when another process holds a core the team's second
-    thread waits for a scheduler slice, so a 0.05 ms copy took 10-15 ms on the shared 2-core
-    machine (2026-12-06). sglite's own kernels read the thread count per call
-    (``csrc/thread_pool.h``): call none of them inside, or they run on one thread too."""
-    n = torch.get_num_threads()
-    if n == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
 def usable_cpus() -> int:

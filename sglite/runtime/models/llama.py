@@ -260,7 +260,7 @@ class LlamaModel:
         assert not (inv and ne), "batch-invariant forward given extend rows (see StepPlan.layout)"
         if self.tp is not None:  # vocab-parallel lookup (tensor parallelism)
             x = self.tp.embed(self.embed, fb.input_ids)  # [N, H]
-        with kernels.serial_torch():  # torch glue on this thread only (kernels.decode_threads.serial_torch)
+        with kernels.serial_torch():  # torch glue on this thread only (kernels.device.serial_torch)
             if self.tp is None:
                 x = self.embed_rows(fb.input_ids)  # [N, H]
             cos = self.cos[fb.positions].to(self.dtype)  # [N, D/2]

@@ -78,7 +78,7 @@ def gen(name: Optional[str] = None, max_tokens: Optional[int] = None, min_tokens
     if name is not None and not isinstance(name, str):
         raise InvalidRequestError(f"gen.name: must be a string, got {name!r}", field="name")
     if choices is not None:
-        return select(name, choices, 0.0 if temperature is None else temperature, choices_method)
+        return select(name, choices, 0.0 if temperature is None else temperature, choices_method, lora_path)
     if dtype is not None:
         if dtype not in _DTYPES:
             raise InvalidRequestError(f"gen.dtype: must be int, float, bool or str, got {dtype!r}", field="dtype")
@@ -122,12 +122,13 @@ def gen_string(name: Optional[str] = None, **kwargs):
 
 
 def select(name: Optional[str] = None, choices: Optional[list] = None, temperature: float = 0.0,
-           choices_method=None):
+           choices_method=None, lora_path: Optional[str] = None):
     """Choose one of ``choices`` by scoring each after the prefix (not constrained decoding).
 
     ``choices_method``: ``token_length_normalized`` (default), ``greedy_token_selection``,
     ``unconditional_likelihood_normalized`` (an object from :mod:`.choices` or its name).
-    Selection is argmax, so ``temperature`` must be 0.
+    Selection is argmax, so ``temperature`` must be 0. ``lora_path``: the LoRA adapter the
+    choices are scored with (None: ``run()``'s, else the base model; docs/lora.md).
 
     Raises:
         InvalidRequestError: no choices, a non-string choice, or temperature > 0.
@@ -141,7 +142,10 @@ def select(name: Optional[str] = None, choices: Optional[list] = None, temperatu
     if temperature is None or temperature > 1e-5:
         raise InvalidRequestError(f"select.temperature: selection is argmax, must be 0, got {temperature!r}",
                                   field="temperature")
-    return Select(name, list(choices), resolve_choices_method(choices_method), 0.0)
+    if lora_path is not None and not isinstance(lora_path, str):
+        raise InvalidRequestError(f"select.lora_path: must be an adapter's name, got {lora_path!r}",
+                                  field="lora_path")
+    return Select(name, list(choices), resolve_choices_method(choices_method), 0.0, lora_path)
 
 
 def _role(role: str, expr=None):

@@ -75,15 +75,18 @@ class Backend:
         """Prefill ``prefix`` into the prefix cache (generate with ``max_new_tokens=0``); its meta_info."""
         return self.generate(prefix, {"max_new_tokens": 0})["meta_info"]
 
-    def score(self, prompt: str, continuations: list, unconditional: bool = False) -> list:
+    def score(self, prompt: str, continuations: list, unconditional: bool = False, lora_path=None) -> list:
         """Per continuation: ``{"token_ids": [...], "logprobs": [...], "texts": [...] (optional),
-        "unconditional_logprobs": [...] (when asked)}``, the logprobs of its tokens given ``prompt``."""
+        "unconditional_logprobs": [...] (when asked)}``, the logprobs of its tokens given ``prompt``,
+        under the LoRA adapter ``lora_path`` (None: the base model)."""
         raise NotImplementedError
 
-    def select(self, prompt: str, choices: list, choices_method: ChoicesMethod) -> ChoicesDecision:
-        """Score every choice after ``prompt`` (prefix prefilled once) and decide with ``choices_method``."""
+    def select(self, prompt: str, choices: list, choices_method: ChoicesMethod, lora_path=None) -> ChoicesDecision:
+        """Score every choice after ``prompt`` (prefix prefilled once) and decide with ``choices_method``;
+        ``lora_path``: the LoRA adapter scoring them (None: the base model)."""
         need_uncond = choices_method.requires_unconditional_logprobs
-        scored = self.score(prompt, list(choices), unconditional=need_uncond)
+        scored = self.score(prompt, list(choices), unconditional=need_uncond,
+                            **({"lora_path": lora_path} if lora_path else {}))
         entries, uncond = [], []
         for r in scored:
             texts = r.get("texts") or [None] * len(r["token_ids"])
@@ -140,8 +143,9 @@ class EngineBackend(Backend):
         return self.engine.generate(**self._input(prompt), sampling_params=dict(sampling_params), stream=True,
                                     **logprob_kwargs(**logprob))
 
-    def score(self, prompt, continuations, unconditional=False):
-        return self.engine.score(prompt, list(continuations), unconditional=unconditional)
+    def score(self, prompt, continuations, unconditional=False, lora_path=None):
+        return self.engine.score(prompt, list(continuations), unconditional=unconditional,
+                                 **({"lora_path": lora_path} if lora_path else {}))
 
     def cache_prefix(self, prefix: str) -> dict:
         return self.engine.cache_prefix(prefix)  # Engine.cache_prefix: {"prompt_tokens", "cached_tokens"}

@@ -197,7 +197,9 @@ class StreamExecutor:
         elif isinstance(op, Gen):
             self._gen(op)
         elif isinstance(op, Select):
-            decision = self.backend.select(self.asm.text, list(op.choices), op.choices_method, **self._chat())
+            lora = op.lora_path or self.defaults.get("lora_path")
+            decision = self.backend.select(self.asm.text, list(op.choices), op.choices_method, **self._chat(),
+                                           **({"lora_path": lora} if lora else {}))
             self.asm.append(decision.decision)
             if op.name:
                 self.set_var(op.name, decision.decision, decision.meta_info)

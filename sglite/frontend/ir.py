@@ -130,12 +130,14 @@ class Select(Expr):
 
     ``choices_method`` is a :class:`~sglite.frontend.choices.ChoicesMethod`. The chosen string
     is appended to the text; the variable (and its meta) is set only when ``name`` is given.
+    ``lora_path`` names the LoRA adapter the choices are scored with (None: the run's).
     """
 
     name: Optional[str]
     choices: list
     choices_method: Any
     temperature: float = 0.0
+    lora_path: Optional[str] = None
 
 
 class Argument(Expr):

@@ -261,22 +261,25 @@ class OpenAI(Backend):
         yield self._result(last, text, usage, chat_api)
 
     # ------------------------------------------------------------------ select
-    def score(self, prompt, continuations, unconditional=False):
+    def score(self, prompt, continuations, unconditional=False, lora_path=None):
         """Logprobs of each continuation's tokens after ``prompt``, from ``/completions`` with
         ``echo`` + ``logprobs`` (one batched request).
+
+        ``lora_path`` (a LoRA adapter's name) is sent as the ``model``.
 
         Raises:
             InvalidRequestError: the server gave no prompt logprobs for a continuation.
         """
-        out = self._echo_scores([prompt + c for c in continuations], [len(prompt)] * len(continuations))
+        model = lora_path or self.model_name
+        out = self._echo_scores([prompt + c for c in continuations], [len(prompt)] * len(continuations), model)
         if unconditional:
-            unc = self._echo_scores(list(continuations), [0] * len(continuations))
+            unc = self._echo_scores(list(continuations), [0] * len(continuations), model)
             for r, u in zip(out, unc):
                 r["unconditional_logprobs"] = u["logprobs"]
         return out
 
-    def _echo_scores(self, texts: list, starts: list) -> list:
-        out = self._post("/completions", {"model": self.model_name, "prompt": texts, "max_tokens": 1, "echo": True,
+    def _echo_scores(self, texts: list, starts: list, model: str) -> list:
+        out = self._post("/completions", {"model": model, "prompt": texts, "max_tokens": 1, "echo": True,
                                           "logprobs": 0, "temperature": 0})
         res = []
         for c, text, start in zip(sorted(out["choices"], key=lambda c: c.get("index", 0)), texts, starts):
@@ -293,12 +296,12 @@ class OpenAI(Backend):
                         "texts": [t for _, t in entries]})
         return res
 
-    def select(self, prompt, choices, choices_method: ChoicesMethod, chat: Optional[ChatContext] = None
-               ) -> ChoicesDecision:
+    def select(self, prompt, choices, choices_method: ChoicesMethod, chat: Optional[ChatContext] = None,
+               lora_path: Optional[str] = None) -> ChoicesDecision:
         chat_api = self._use_chat(chat, "select")
         if not chat_api and self._echo_logprobs is not False:
             try:
-                decision = super().select(prompt, choices, choices_method)
+                decision = super().select(prompt, choices, choices_method, lora_path)
                 self._echo_logprobs = True
                 return decision
             except InvalidRequestError as e:
@@ -306,23 +309,24 @@ class OpenAI(Backend):
                     raise
                 logger.info("OpenAI backend: no echo logprobs (%s); select falls back to a constrained choice", e)
                 self._echo_logprobs = False
-        return self._constrained_select(prompt, list(choices), chat if chat_api else None)
+        return self._constrained_select(prompt, list(choices), chat if chat_api else None, lora_path)
 
-    def _constrained_select(self, prompt: str, choices: list, chat: Optional[ChatContext]) -> ChoicesDecision:
+    def _constrained_select(self, prompt: str, choices: list, chat: Optional[ChatContext],
+                            lora_path: Optional[str] = None) -> ChoicesDecision:
         sp = {"max_new_tokens": max(16, max(len(c) for c in choices)), "temperature": 0}
         if self.extra_body == "vllm":
-            out = self._post_choice(prompt, sp, chat, {"guided_choice": choices})
+            out = self._post_choice(prompt, sp, chat, {"guided_choice": choices}, lora_path)
         else:
             sp["regex"] = "(" + "|".join(re.escape(c) for c in choices) + ")"
-            out = self.generate(prompt, sp, chat=chat)
+            out = self.generate(prompt, sp, chat=chat, **({"lora_path": lora_path} if lora_path else {}))
         text = out["text"]
         decision = text if text in choices else max(
             choices, key=lambda c: (len(_common_prefix(c, text.strip())), -choices.index(c)))
         return ChoicesDecision(decision, {"method": "constrained", "generated": text,
                                           "normalized_prompt_logprobs": None})
 
-    def _post_choice(self, prompt, sp, chat, extra: dict) -> dict:
-        route, payload, chat_api = self._request(prompt, sp, {}, chat)
+    def _post_choice(self, prompt, sp, chat, extra: dict, lora_path: Optional[str] = None) -> dict:
+        route, payload, chat_api = self._request(prompt, sp, {"lora_path": lora_path} if lora_path else {}, chat)
         out = self._post(route, {**payload, **extra})
         c = out["choices"][0]
         return {"text": ((c.get("message") or {}).get("content") if chat_api else c.get("text")) or ""}

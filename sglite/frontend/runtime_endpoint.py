@@ -95,12 +95,13 @@ class RuntimeEndpoint(Backend):
                 self._check("/generate", res)
             yield from sse_objects(res, "/generate")
 
-    def score(self, prompt, continuations, unconditional=False):
-        prompt_tokens = self.cache_prefix(prompt)["prompt_tokens"]
+    def score(self, prompt, continuations, unconditional=False, lora_path=None):
+        lora = {"lora_path": lora_path} if lora_path else {}  # the adapter scores, and owns the cached prefix
+        prompt_tokens = self.generate(prompt, {"max_new_tokens": 0}, **lora)["meta_info"]["prompt_tokens"]
         start = max(prompt_tokens - 1, 0)
         objs = self._post("/generate", {"text": [prompt + c for c in continuations],
                                         "sampling_params": {"max_new_tokens": 0, "temperature": 0},
-                                        "return_logprob": True, "logprob_start_len": start})
+                                        "return_logprob": True, "logprob_start_len": start, **lora})
         out = []
         for obj in objs:
             entries = [e for e in obj["meta_info"]["input_token_logprobs"] if e[0] is not None]
@@ -114,7 +115,7 @@ class RuntimeEndpoint(Backend):
         if unconditional:
             objs = self._post("/generate", {"input_ids": [r["token_ids"] for r in out],
                                             "sampling_params": {"max_new_tokens": 0},
-                                            "return_logprob": True, "logprob_start_len": 0})
+                                            "return_logprob": True, "logprob_start_len": 0, **lora})
             for r, obj in zip(out, objs):
                 r["unconditional_logprobs"] = [e[0] for e in obj["meta_info"]["input_token_logprobs"]]
         return out

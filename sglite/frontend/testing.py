@@ -108,8 +108,9 @@ class FakeBackend(Backend):
     def cache_prefix(self, prefix):
         return self.generate(prefix, {"max_new_tokens": 0})["meta_info"]
 
-    def score(self, prompt, continuations, unconditional=False):
-        self._record("score", prompt, continuations=list(continuations), unconditional=unconditional)
+    def score(self, prompt, continuations, unconditional=False, lora_path=None):
+        self._record("score", prompt, continuations=list(continuations), unconditional=unconditional,
+                     **({"lora_path": lora_path} if lora_path else {}))
         out = []
         for c in continuations:
             if self.score_fn is not None:

@@ -20,6 +20,10 @@ The family's differences from the Llama layer run as data, read from the model's
 * attention logit soft-capping (Gemma 2) in the attention op; the LM head's divisor (Granite's
   ``logits_scaling``) and final soft-capping (Gemma 2) on the [M, V] logits after the head.
 
+LoRA adapters (``csrc/lora_fused.h``, as in :mod:`.decode_fused`): each projection's delta is added
+to its output before the family's norms; steps of up to :data:`.decode_fused.MAX_ROWS_AMX` rows
+where the tiled GEMMs run on AMX (:meth:`.decode_fused.FusedDecode.amx_min`).
+
 float32 models: logits equal the per-op path's (``FamilyModel._forward``, the reference) up to
 float32 summation order, greedy tokens identical (tests/kernels/test_decode_family.py).
 """
@@ -30,7 +34,7 @@ import torch
 from typing import Optional
 
 from . import decode_fused
-from .decode_fused import MAX_ROWS, FusedDecode, load
+from .decode_fused import _NO_ROWS, LINEAR_KEYS, FusedDecode, load
 
 NORM_KEYS = ("in_norm", "attn_out_norm", "ffn_in_norm", "ffn_out_norm")
 QK_KINDS = {"": 0, "head": 1, "full": 2}
@@ -72,19 +76,9 @@ class FamilyFusedDecode(FusedDecode):
         return torch.stack([torch.stack([layer_norms(L).get(k, one).float() for k in NORM_KEYS])
                             for L in model.layers]).contiguous()  # [L, 4, H] float32
 
-    def max_rows(self) -> int:
-        """:data:`.decode_fused.MAX_ROWS`: the families' layer keeps the int8-activation GEMVs."""
-        return MAX_ROWS
-
-    def forward(self, fb, k_buffers, v_buffers, hidden=None):
-        """As :meth:`.decode_fused.FusedDecode.forward`; a step with LoRA adapters (``fb.lora``)
-        returns None (the per-op path): the families' C++ layer has no LoRA deltas."""
-        if getattr(fb, "lora", None) is not None:
-            return None
-        return super().forward(fb, k_buffers, v_buffers, hidden)
-
     def hidden(self, fb, k_buffers, v_buffers) -> torch.Tensor:
-        """[N, H] float32 final-normed hidden states of the step's decode rows (KV written)."""
+        """[N, H] float32 final-normed hidden states of the step's decode rows (KV written), with
+        the rows' LoRA deltas when the step has adapters (``fb.lora``)."""
         m, a = self.model, self.model.arch
         x = m.embed_rows(fb.input_ids)  # [N, H] model dtype
         es = float(getattr(a, "embed_scale", 1.0))
@@ -103,12 +97,14 @@ class FamilyFusedDecode(FusedDecode):
         else:
             lrt, lloc, lrows = rt, loc, rows
         Hq, Hkv, D, eps, sm = self.dims
+        lora = getattr(fb, "lora", None)
+        ab, lrows_, spans = ([], _NO_ROWS, []) if lora is None else lora.fused_args(LINEAR_KEYS, x.shape[0])
         return load(self.portable).decode_family_forward(
             x.float().contiguous(), self.norms, self.norm_mask, self.qk_norms, self.qk_kind, self.lin, self.bits,
             self.final_norm, cos, sin, lcos, lsin, self.local, self.window, float(getattr(a, "attn_softcap", 0.0)),
             float(getattr(a, "residual_scale", 1.0)), self.act, list(k_buffers), list(v_buffers), loc, rt, rows,
             lloc, lrt, lrows, fb.dec_seq_lens.contiguous(), Hq, Hkv, D, eps, sm, self.q8, self.tiled,
-            self.num_threads(), self.attn_split_min)
+            self.num_threads(), self.attn_split_min, ab, lrows_, spans, self.lora_split_min, self.amx_min(), self.packed)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """:meth:`FusedDecode.head`, then the logits divisor and the final soft-capping."""

@@ -105,6 +105,14 @@ def _tileable(w) -> bool:
     return _quant_ok(w) and w.shape[0] % 16 == 0
 
 
+def _packed(w) -> torch.Tensor:
+    """``w``'s AMX bf16 copy (:func:`.quant_amx.repack`), or an empty int16 tensor: none."""
+    return w.amx_packed if getattr(w, "amx_packed", None) is not None else _NO_PACKED
+
+
+_NO_PACKED = torch.empty(0, dtype=torch.int16)
+
+
 def _quant_ok(w) -> bool:
     return (isinstance(w, QuantLinearWeight) and tileable_group(w.group_size, w.bits) and w.perm is None
             and w.bias is None and w.device.type == "cpu")
@@ -139,12 +147,15 @@ class FusedDecode:
         self.lora_split_min: int = getattr(self, "lora_split_min", LORA_SPLIT_MIN)
         self._amx: Optional[bool] = None  # amx_min()'s static conditions, filled on first use
         self.final_norm = model.norm.float().contiguous()  # [H]
-        self.lin, self.bits = [], []
+        self.lin, self.bits, self.packed = [], [], []
         for L in model.layers:
             for k in LINEAR_KEYS:
                 w = L[k]
                 self.lin += [w.qweight, w.scales, w.mins if w.mins is not None else torch.empty(0)]
                 self.bits.append(w.bits)
+                self.packed.append(_packed(w))
+        if not any(p.numel() for p in self.packed):
+            self.packed = []  # none repacked (quant_amx.repack): every call dequantizes
         self.dims = (a.num_heads, a.num_kv_heads, a.head_dim, float(a.rms_norm_eps), float(model.sm_scale))
         head = model.lm_head
         self.head_kind = ("q8" if q8 and _quant_ok(head) else "quant") if isinstance(head, QuantLinearWeight) else "float"
@@ -178,7 +189,7 @@ class FusedDecode:
             x.float().contiguous(), self.norms, self.lin, self.bits, self.final_norm, cos, sin, list(k_buffers),
             list(v_buffers), fb.out_cache_loc.contiguous(), rt, fb.dec_req_pool_indices.contiguous(),
             fb.dec_seq_lens.contiguous(), Hq, Hkv, D, eps, sm, self.q8, self.tiled, self.num_threads(),
-            self.attn_split_min, ab, rows, spans, self.lora_split_min, self.amx_min())
+            self.attn_split_min, ab, rows, spans, self.lora_split_min, self.amx_min(), self.packed)
 
     def amx_min(self) -> int:
         """Rows from which this step's tiled GEMMs run on the AMX tiles (quant_amx.h; bf16
@@ -208,7 +219,7 @@ class FusedDecode:
         if self.head_kind == "q8":  # quant_cpu.gemv_q8's arithmetic, on the decode's thread pool
             mins = w.mins if w.mins is not None else torch.empty(0, dtype=w.scales.dtype)
             return load(self.portable).head_q8(h.float().contiguous(), w.qweight, w.scales, mins, w.bits, w.tiled,
-                                                self.num_threads(), self.amx_min())
+                                                self.num_threads(), self.amx_min(), _packed(w))
         if self.head_kind == "quant":
             return quant_cpu.linear(h.to(self.model.dtype), w, portable=self.portable).float()
         from .matmul import linear
@@ -261,6 +272,8 @@ def prepare(model, portable: bool = False, family: Optional[type] = None) -> Opt
         changed = sum(compact_scales(w) for w in qws)
         if not portable and quant_cpu.vnni() and all(_tileable(L[k]) for L in model.layers for k in LINEAR_KEYS):
             changed += sum(tile_rows(w) for w in qws if _tileable(w))  # 16-row tiles (module docstring)
+            if model.dtype == torch.bfloat16:
+                changed += quant_amx.repack(qws)  # bf16 copies for the AMX GEMM where memory allows
         if changed:
             model.pack_hugepages()  # one fresh buffer: the replaced arrays' memory is released
     return (family if fam else FusedDecode)(model, q8=q8, portable=portable)

@@ -12,7 +12,8 @@ Paths (names as logged):
         ``gemv_q8``        1..8 rows: the int8-activation GEMV over the tiles (:func:`.quant_cpu.gemv_q8`);
         ``vnni_gemm``      more rows: the int8 GEMM (:mod:`.quant_gemm`, AVX-512 VNNI);
         ``amx_gemm``       bf16 activations, :data:`AMX_MIN_ROWS` rows or more, AMX-BF16 CPUs: the
-                           tile GEMM (:mod:`.quant_amx`, weight tiles dequantized into L1/L2);
+                           tile GEMM (:mod:`.quant_amx`, weight tiles dequantized into L1/L2, or
+                           read from the weight's repacked bf16 copy, below);
         ``dequant_gemm``   more rows without VNNI (or forced): dequantize, then ``F.linear``.
     Row-layout quantized weights keep the float GEMV (1..32 rows) and ``dequant_gemm`` (more).
 
@@ -27,6 +28,14 @@ Forcing: environment variable ``SGLITE_GEMM`` (read on every call, so tests can 
                          ``onednn_packed`` from 1 row);
     ``vnni``             ``auto`` without the AMX path (A/B runs of the tile units).
 An unknown value raises ValueError naming the variable and the known values.
+
+Repacking for AMX (``SGLITE_AMX_REPACK``, read when a model is prepared): ``auto`` (or unset) keeps
+a second copy of each tiled weight already dequantized into the tile GEMM's bf16 B layout (2 bytes
+a weight, :func:`.quant_amx.pack`) when all of them together take at most
+:data:`AMX_REPACK_FRACTION` of the available host memory; ``1`` always, ``0`` never. The
+``amx_gemm`` path then reads the bf16 tiles instead of dequantizing the codes on every call (the
+small-row GEMV paths keep reading the codes). The same trade as llama.cpp's CPU weight repacking
+(``--no-repack`` turns it off there).
 """
 from __future__ import annotations
 
@@ -41,6 +50,22 @@ Q8_GEMV_MAX_ROWS = 8  # quant_cpu.MAX_ROWS: the tiles' GEMV at 1..8 rows, the VN
 # (measured, one thread, the 17 SmolLM2-shaped Q4 matrices: M=16 GEMM 14.2 ms vs GEMV blocks 14.6,
 # M=32 34.6 vs 48.2 -- the GEMV re-streams the codes per 8-row block)
 AMX_MIN_ROWS = 32  # quant_amx: from here the tile GEMM beats the VNNI GEMM (docs/benchmarks.md, AMX table)
+
+
+REPACK_ENV = "SGLITE_AMX_REPACK"
+AMX_REPACK_FRACTION = 0.125  # at most this share of MemAvailable goes to the bf16 copies
+
+
+def amx_repack(packed_bytes: int, available_bytes: int) -> bool:
+    """Whether to keep the bf16 B-layout copies (module docstring) of tiled weights totalling
+    ``packed_bytes`` with ``available_bytes`` of host memory available. Raises ValueError for an
+    unknown ``SGLITE_AMX_REPACK`` value (naming it and the known ones)."""
+    v = os.environ.get(REPACK_ENV, "").strip() or "auto"
+    if v not in ("auto", "0", "1"):
+        raise ValueError(f"{REPACK_ENV} must be one of auto|0|1, got {v!r}")
+    if v != "auto":
+        return v == "1"
+    return mode() == "auto" and packed_bytes <= AMX_REPACK_FRACTION * available_bytes
 
 
 def mode() -> str:

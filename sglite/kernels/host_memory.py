@@ -24,6 +24,7 @@ import ctypes.util
 import functools
 import math
 import mmap
+import os
 import sys
 
 import torch
@@ -34,6 +35,18 @@ MIN_BYTES = 2 * HUGE_PAGE  # smaller buffers are not worth the alignment padding
 
 
 @functools.lru_cache(maxsize=1)
+def available_host_bytes() -> int:
+    """Available host memory in bytes: ``MemAvailable`` of /proc/meminfo, else free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
 def _libc():
     try:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)

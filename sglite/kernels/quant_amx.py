@@ -39,7 +39,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from . import gemm_paths
 from .cpu_build import load_cpp, read_source
+from .host_memory import available_host_bytes
 from .device import cpu_flags
 from .quant_gemm import CFLAGS as VNNI_CFLAGS, REQUIRED_FLAGS as VNNI_FLAGS, call_tiled, check_tiled
 from .quant_gemm import supports as tiled_ok
@@ -59,7 +61,7 @@ def load():
     if not all(f in cpu_flags() for f in REQUIRED_FLAGS):
         return None
     mod = load_cpp("sglite_quant_amx", read_source("quant_amx.cpp"), CFLAGS,
-                   functions=["quant_gemm_amx", "quant_amx_init"])
+                   functions=["quant_gemm_amx", "quant_amx_pack", "quant_amx_init"])
     if mod is None or not mod.quant_amx_init():
         return None
     return mod
@@ -89,7 +91,34 @@ def gemm(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
     check_tiled("quant_amx", mod is not None, "the AMX kernel is unavailable on this CPU (needs amx_tile + amx_bf16)", w)
     if x.shape[0] == 0:
         return x.new_zeros((0, w.shape[0]))
-    return call_tiled(mod.quant_gemm_amx, gather_input(x, w).to(torch.bfloat16), x, w, x.dtype == torch.bfloat16)
+    packed = _EMPTY if w.amx_packed is None else w.amx_packed
+    return call_tiled(lambda *a: mod.quant_gemm_amx(*a, packed), gather_input(x, w).to(torch.bfloat16), x, w,
+                      x.dtype == torch.bfloat16)
+
+
+_EMPTY = torch.empty(0, dtype=torch.int16)
+
+
+def pack(w: QuantLinearWeight) -> torch.Tensor:
+    """``w`` dequantized once into :func:`gemm`'s B layout: int16 (bf16 bits) [P * 2 * K / 32 * 512]
+    for P = ceil(N / 32) tile pairs (a lone last tile's partner zero), 64-byte aligned; the values
+    :func:`gemm` would dequantize on every call, so its output is unchanged. Raises RuntimeError
+    as :func:`gemm`."""
+    mod = load()
+    check_tiled("quant_amx", mod is not None, "the AMX kernel is unavailable on this CPU (needs amx_tile + amx_bf16)", w)
+    return mod.quant_amx_pack(w.qweight, w.scales, torch.empty(0) if w.mins is None else w.mins, w.bits, w.group_size)
+
+
+def repack(ws: list[QuantLinearWeight]) -> int:
+    """Give each tiled weight of ``ws`` its :func:`pack` copy (``w.amx_packed``) when AMX is here
+    and :func:`.gemm_paths.amx_repack` allows the bytes (2 per weight); returns how many got one."""
+    ws = [w for w in ws if w.tiled and w.amx_packed is None and supports(w)]
+    need = sum(2 * w.qweight.shape[0] * w.in_features for w in ws)
+    if not ws or not available() or not gemm_paths.amx_repack(need, available_host_bytes()):
+        return 0
+    for w in ws:
+        w.amx_packed = pack(w)
+    return len(ws)
 
 
 def reference(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:

@@ -299,21 +299,23 @@ class Engine:
         return self._loop.call(lambda: self.scheduler.kv.write_prefix(list(ids), k, v))
 
     # ------------------------------------------------------------------ scoring
-    def score(self, prompt: str, continuations: list[str], unconditional: bool = False) -> list[dict]:
-        """Log-probabilities of each continuation's tokens given ``prompt`` (prompt prefilled once).
+    def score(self, prompt: str, continuations: list[str], unconditional: bool = False,
+              lora_path: Optional[str] = None) -> list[dict]:
+        """Log-probabilities of each continuation's tokens given ``prompt`` (prompt prefilled once),
+        under the LoRA adapter ``lora_path`` (None: the base model).
 
         The continuation's tokens are those of ``tokenize(prompt + continuation)`` past its common
         prefix with ``tokenize(prompt)`` (so a merge across the boundary is handled).
         Returns a list of ``{"text", "token_ids", "logprobs": [float], "unconditional_logprobs"}``.
 
         Raises:
-            InvalidRequestError: empty ``continuations`` or a non-string entry.
+            InvalidRequestError: empty ``continuations`` or a non-string entry; an unknown ``lora_path``.
         """
         spec = self.requests.score_requests(prompt, continuations, unconditional)
         _, outs = self._run_to_completion(lambda sink_factory: self.requests.build(
             None, spec.sampling_params, spec.input_ids, None, sink_factory,
             logprobs=LogprobOptions(return_logprob=True), logprob_start_len=spec.logprob_start_lens,
-            shared_prefix=spec.prompt_ids))
+            shared_prefix=spec.prompt_ids, lora_path=lora_path))
         return spec.collect(outs)
 
     # ------------------------------------------------------------------ LoRA adapters

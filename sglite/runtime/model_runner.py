@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
 from sglite import kernels
+from sglite.kernels.host_memory import available_host_bytes
 
 from ..config import EngineConfig
 from ..errors import InvalidRequestError
@@ -53,14 +53,7 @@ def available_memory_bytes(device: str) -> int:
     if device.startswith("cuda"):
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         return int(free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return available_host_bytes()
 
 
 def pool_tokens(config: EngineConfig, context_length: int, bytes_per_token: int, available_bytes: int) -> int:

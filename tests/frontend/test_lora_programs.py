@@ -5,6 +5,7 @@ import pytest
 
 import sglite
 from sglite.frontend.backend import logprob_kwargs
+from sglite.frontend.testing import FakeBackend
 from tests.server.test_lora_server import tiny_adapter
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -49,3 +50,39 @@ def test_backends_send_lora_path():
     be.model_name, be.extra_body = "base", "sglang"
     assert be._body({"max_new_tokens": 3}, {"lora_path": "a"}, False)["model"] == "a"
     assert be._body({"max_new_tokens": 3}, {}, False)["model"] == "base"
+
+
+def test_select_lora_path_reaches_the_backend_and_is_checked():
+    be = FakeBackend()
+
+    @sglite.function
+    def prog(s):
+        s += "Q:"
+        s += sglite.select("c", choices=["x", "y"])
+        s += sglite.select("d", choices=["x", "y"], lora_path="b")
+
+    prog.run(backend=be, lora_path="a")
+    assert [r.get("lora_path") for r in be.requests if r["kind"] == "score"] == ["a", "b"]
+    prog.run(backend=be)
+    assert [r.get("lora_path") for r in be.requests if r["kind"] == "score"][2:] == [None, "b"]
+    with pytest.raises(sglite.InvalidRequestError, match="lora_path"):
+        sglite.select("c", choices=["x"], lora_path=["a"])
+
+
+def test_select_scores_with_the_adapter(engine):
+    choices = [" calm", " wild", " blue"]
+    want = engine.score("The sea is", choices, lora_path="a")
+    base = engine.score("The sea is", choices)
+    assert [r["logprobs"] for r in want] != [r["logprobs"] for r in base]
+
+    @sglite.function
+    def prog(s):
+        s += "The sea is"
+        s += sglite.select("c", choices=choices)
+
+    for kw, ref in (({"lora_path": "a"}, want), ({}, base)):
+        meta = prog.run(backend=engine, **kw).get_meta_info("c")
+        assert [[e[0] for e in c] for c in meta["input_token_logprobs"]] == [r["logprobs"] for r in ref]
+    with pytest.raises(sglite.InvalidRequestError) as ei:  # refused before anything is scheduled
+        engine.score("The sea is", choices, lora_path="nope")
+    assert ei.value.field == "lora_path"

@@ -195,9 +195,12 @@ def test_head_q8_amx_rows_equal_the_tile_gemm():
     assert tile_rows(w)
     x = torch.randn(40, 576, generator=torch.Generator().manual_seed(1))
     mins = w.mins if w.mins is not None else torch.empty(0, dtype=w.scales.dtype)
-    got = decode_fused.load().head_q8(x, w.qweight, w.scales, mins, w.bits, w.tiled, 2, 32)
-    want = quant_amx.load().quant_gemm_amx(x.bfloat16(), w.qweight, w.scales, mins, w.bits, w.group_size, False)
+    none = torch.empty(0, dtype=torch.int16)
+    got = decode_fused.load().head_q8(x, w.qweight, w.scales, mins, w.bits, w.tiled, 2, 32, none)
+    want = quant_amx.load().quant_gemm_amx(x.bfloat16(), w.qweight, w.scales, mins, w.bits, w.group_size, False, none)
     assert torch.equal(got, want)  # same tiles, same sums; x rounded to bf16 the same way
+    packed = decode_fused.load().head_q8(x, w.qweight, w.scales, mins, w.bits, w.tiled, 2, 32, quant_amx.pack(w))
+    assert torch.equal(packed, want)  # the repacked copy: the same bf16 tiles
 
 
 def _decode_batch(e):

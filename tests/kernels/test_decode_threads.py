@@ -30,7 +30,8 @@ def make(n, k, bits, seed, mins):
 
 def head(x, w, threads):
     mins = w.mins if w.mins is not None else torch.empty(0, dtype=w.scales.dtype)
-    return decode_fused.load().head_q8(x, w.qweight, w.scales, mins, w.bits, w.tiled, threads, 0)
+    return decode_fused.load().head_q8(x, w.qweight, w.scales, mins, w.bits, w.tiled, threads, 0,
+                                      torch.empty(0, dtype=torch.int16))
 
 
 @pytest.mark.parametrize("bits,n,k,mins,tiled", [(4, 37, 96, True, False), (4, 64, 576, True, True),

@@ -11,6 +11,7 @@ from sglite.kernels.quant_layout import compact_scales, tile_rows
 from sglite.runtime.gguf_blocks import NATIVE_TYPES, blocks_to_weight
 from sglite.testing import random_gguf_blocks
 
+NONE = torch.empty(0, dtype=torch.int16)  # no repacked copy: dequantize per call
 amx = pytest.mark.skipif(not quant_amx.available(), reason="no AMX-BF16 here")
 
 
@@ -35,11 +36,62 @@ def test_amx_gemm_matches_reference(type_name):
             tol = 2e-6 * k ** 0.5 * (r.abs().max().item() + 1e-6)
             y32 = quant_amx.load().quant_gemm_amx(x.contiguous(), w.qweight, w.scales,
                                                   torch.empty(0) if w.mins is None else w.mins,
-                                                  w.bits, w.group_size, False)
+                                                  w.bits, w.group_size, False, NONE)
             assert (y32 - r).abs().max().item() <= tol, (n, m)
             y = quant_amx.gemm(x, w)
             assert y.dtype == torch.bfloat16
             assert torch.equal(y, y32.bfloat16())  # one rounding of the float32 sums
+
+
+@amx
+@pytest.mark.parametrize("threads", [1, 2])
+def test_amx_gemm_runs_in_l2_blocks_of_pairs(threads):
+    """K = 4096: two dequantized tile pairs fill the kernel's L2 block, so 9 tiles (5 pairs, the
+    last one a single tile) run as several blocks per thread, each over every 32-row chunk."""
+    w = _weight("Q4_1", 144, 4096, 3)
+    x = torch.randn(70, 4096, generator=torch.Generator().manual_seed(4)).bfloat16()
+    prev = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        y32 = quant_amx.load().quant_gemm_amx(x, w.qweight, w.scales, w.mins, w.bits, w.group_size, False, NONE)
+        w.amx_packed = quant_amx.pack(w)
+        packed = quant_amx.gemm(x, w)
+    finally:
+        torch.set_num_threads(prev)
+    r = quant_amx.reference(x, w)
+    assert (y32 - r).abs().max().item() <= 2e-6 * 4096 ** 0.5 * r.abs().max().item()
+    assert torch.equal(packed, y32.bfloat16())  # the repacked copy, block by block too
+
+
+@amx
+@pytest.mark.parametrize("type_name", NATIVE_TYPES)
+def test_repacked_copy_gives_the_same_bits(type_name):
+    """``quant_amx.pack``: the values the GEMM dequantizes per call, so the output is bit-identical
+    (an odd tile count: the lone last tile's zero partner), and ``nbytes`` counts the copy."""
+    k = 512 if type_name.endswith("_K") else 96
+    w = _weight(type_name, 48, k, 7)
+    x = torch.randn(45, k, generator=torch.Generator().manual_seed(8)).bfloat16()
+    plain, before = quant_amx.gemm(x, w), w.nbytes()
+    w.amx_packed = quant_amx.pack(w)
+    assert w.amx_packed.dtype == torch.int16 and w.amx_packed.numel() == 2 * 2 * (k // 32) * 512  # 3 tiles: 2 pairs
+    assert w.nbytes() == before + 2 * w.amx_packed.numel()
+    assert torch.equal(quant_amx.gemm(x, w), plain)
+
+
+@amx
+def test_repack_policy(monkeypatch):
+    """``SGLITE_AMX_REPACK``: 0 never, 1 always, auto within the memory share; a bad value is refused."""
+    ws = [_weight("Q4_1", 32, 64, s) for s in (1, 2)]
+    monkeypatch.setenv("SGLITE_AMX_REPACK", "0")
+    assert quant_amx.repack(ws) == 0 and ws[0].amx_packed is None
+    monkeypatch.setenv("SGLITE_AMX_REPACK", "auto")
+    assert gemm_paths.amx_repack(100, 1000) and not gemm_paths.amx_repack(200, 1000)
+    monkeypatch.setenv("SGLITE_AMX_REPACK", "1")
+    assert quant_amx.repack(ws) == 2 and all(w.amx_packed is not None for w in ws)
+    assert quant_amx.repack(ws) == 0  # already packed
+    monkeypatch.setenv("SGLITE_AMX_REPACK", "yes")
+    with pytest.raises(ValueError, match="SGLITE_AMX_REPACK"):
+        gemm_paths.amx_repack(1, 1)
 
 
 @amx

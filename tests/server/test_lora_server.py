@@ -69,6 +69,8 @@ def test_load_and_unload_routes_are_admin_guarded(served):
         assert c.post("/load_lora_adapter", json=body).status_code == 401
         r = c.post("/load_lora_adapter", json=body, headers=ADMIN)
         assert r.status_code == 200 and set(r.json()["loaded_adapters"]) == {"a", "b"}
+        models = c.get("/v1/models").json()["data"]  # a run-time adapter is a model too
+        assert [m["id"] for m in models][1:] == ["a", "b"] and models[2]["parent"] == models[0]["id"]
         want = eng.generate(prompt="Hi there", sampling_params=GREEDY, lora_path="b")["text"]
         r = c.post("/v1/chat/completions", json={"model": "b", "messages": [{"role": "user", "content": "Hi"}],
                                                   "max_tokens": 3, "temperature": 0})
@@ -83,3 +85,20 @@ def test_load_and_unload_routes_are_admin_guarded(served):
         r = c.post("/unload_lora_adapter", json={"lora_name": "b"}, headers=ADMIN)
         assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"
         assert c.post("/v1/completions", json={"model": "b", "prompt": "x", "max_tokens": 2}).status_code == 404
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]][1:] == ["a"]
+
+
+def test_streaming_with_an_adapter(served):
+    """``/generate`` and ``/v1/completions`` streams with an adapter end in its non-streamed text."""
+    srv, eng, _ = served
+    want = eng.generate(prompt="The sea is", sampling_params=GREEDY, lora_path="a")["text"]
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        body = {"text": "The sea is", "sampling_params": GREEDY, "lora_path": "a", "stream": True}
+        with c.stream("POST", "/generate", json=body) as r:
+            events = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+        assert len(events) > 1 and events[-1]["text"] == want
+        body = {"model": "a", "prompt": "The sea is", "max_tokens": 6, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+        assert "".join(ch["choices"][0]["text"] for ch in chunks if ch.get("choices")) == want

@@ -53,7 +53,9 @@ void add_scaled(float* x, const float* y, int64_t n, float s) {
 // x [M, H] float32 (the embedded, scaled tokens) -> [M, H] float32 hidden after the final RMSNorm,
 // the K/V of every layer written. Options: the header comment; the rest as decode_forward's
 // arguments (cos/sin and lcos/lsin [M, D/2] float32; local [L] 0/1; lout_loc / lrows [M] int64,
-// lrt int32 for the local layers).
+// lrt int32 for the local layers). lora_* / amx_min / amx_packed as decode_forward's: the step's LoRA
+// deltas are added to each projection's output before the family's norms, and from amx_min rows
+// (AMX builds, tiled weights) the GEMMs run on the tiles.
 at::Tensor decode_family_forward(
     at::Tensor x, at::Tensor norms, int64_t norm_mask, std::vector<at::Tensor> qk_norms, int64_t qk_kind,
     std::vector<at::Tensor> lin, std::vector<int64_t> bits, at::Tensor final_norm, at::Tensor cos, at::Tensor sin,
@@ -61,13 +63,15 @@ at::Tensor decode_family_forward(
     int64_t act_kind, std::vector<at::Tensor> kbufs, std::vector<at::Tensor> vbufs, at::Tensor out_loc,
     at::Tensor req_to_token, at::Tensor rows, at::Tensor lout_loc, at::Tensor lrt, at::Tensor lrows, at::Tensor lens,
     int64_t Hq, int64_t Hkv, int64_t D, double eps, double sm_scale, bool q8, bool tiled, int64_t threads,
-    int64_t attn_split_min) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= 32,
-              "decode_family_forward: x must be contiguous float32 [M <= 32, H]");
+    int64_t attn_split_min, std::vector<at::Tensor> lora_ab, at::Tensor lora_rows, std::vector<at::Tensor> lora_spans,
+    int64_t lora_split_min, int64_t amx_min, std::vector<at::Tensor> amx_packed) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= kMaxRows,
+              "decode_family_forward: x must be contiguous float32 [M <= ", kMaxRows, ", H]");
   const int64_t M = x.size(0), H = x.size(1), L = (int64_t)kbufs.size(), half = D / 2;
   TORCH_CHECK((int64_t)lin.size() == 12 * L && (int64_t)bits.size() == 4 * L && (int64_t)vbufs.size() == L
               && (int64_t)local.size() == L && norms.scalar_type() == at::kFloat && norms.is_contiguous()
-              && norms.numel() == L * 4 * H, "decode_family_forward: per-layer inputs disagree with the layer count");
+              && norms.numel() == L * 4 * H && (amx_packed.empty() || (int64_t)amx_packed.size() == 4 * L),
+              "decode_family_forward: per-layer inputs disagree with the layer count");
   TORCH_CHECK(qk_kind >= 0 && qk_kind <= 2 && (qk_kind == 0 || (int64_t)qk_norms.size() == 2 * L),
               "decode_family_forward: qk_kind must be 0, 1 or 2 with 2 weights per layer");
   TORCH_CHECK(act_kind == 0 || act_kind == 1, "decode_family_forward: act_kind must be 0 (silu) or 1 (gelu_tanh)");
@@ -84,6 +88,8 @@ at::Tensor decode_family_forward(
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                         const at::Tensor&, double, int64_t, double)>();
   const PoolPar par{(int)threads};
+  const sglite_lora_fused::Step lora(std::move(lora_ab), std::move(lora_rows), std::move(lora_spans), L, M,
+                                     lora_split_min);
   const int64_t Nqkv = (Hq + 2 * Hkv) * D;
   const float rs = (float)residual_scale, ep = (float)eps;
   at::Tensor out = x.clone();
@@ -92,17 +98,20 @@ at::Tensor decode_family_forward(
   const float* np_ = norms.data_ptr<float>();
   at::Tensor q_t = at::empty({M, Hq, D}, x.options());
   for (int64_t l = 0; l < L; ++l) {
-    const QW wqkv = weight(lin, 12 * l, bits[4 * l], tiled), wo = weight(lin, 12 * l + 3, bits[4 * l + 1], tiled);
-    const QW wgu = weight(lin, 12 * l + 6, bits[4 * l + 2], tiled), wd = weight(lin, 12 * l + 9, bits[4 * l + 3], tiled);
+    QW wqkv = weight(lin, 12 * l, bits[4 * l], tiled), wo = weight(lin, 12 * l + 3, bits[4 * l + 1], tiled);
+    QW wgu = weight(lin, 12 * l + 6, bits[4 * l + 2], tiled), wd = weight(lin, 12 * l + 9, bits[4 * l + 3], tiled);
     TORCH_CHECK(wqkv.K == H && wqkv.N == Nqkv && wo.K == Hq * D && wo.N == H && wgu.K == H && wd.N == H
                 && wd.K * 2 == wgu.N, "decode_family_forward: layer ", l, " weight shapes disagree with the model");
+    QW* ws[4] = {&wqkv, &wo, &wgu, &wd};
+    for (int k = 0; k < 4; ++k) attach_packed(*ws[k], amx_packed, 4 * l + k);
     const int64_t I = wd.K;
     const float* nw = np_ + l * 4 * H;  // this layer's 4 norm weights
     const bool loc_layer = local[l] != 0;
     const float* hin = xr;
     if (norm_mask & 1) { rms_norm(xr, nw, M, H, ep, h.data()); hin = h.data(); }
     qkv.resize(M * Nqkv);
-    gemv(wqkv, hin, M, qkv.data(), q8, par);
+    gemv(wqkv, hin, M, qkv.data(), q8, par, amx_min);
+    lora.apply(l, 0, hin, H, qkv.data(), Nqkv, par);
     if (qk_kind) {
       const at::Tensor &qn = qk_norms[2 * l], &kn = qk_norms[2 * l + 1];
       const int64_t qw = qk_kind == 1 ? D : Hq * D, kw = qk_kind == 1 ? D : Hkv * D;
@@ -124,20 +133,23 @@ at::Tensor decode_family_forward(
     store_kv_and_q(kb, vb, loc, qkv.data(), M, Hq, Hkv, D, Nqkv, q_t, "decode_family_forward", l);
     attention(attn, q_t, kb, vb, loc_layer ? lrt : req_to_token, loc_layer ? lrows : rows, lens, sm_scale, M, Hq, Hkv,
               D, (int)threads, attn_split_min, att.data(), loc_layer ? window : 0, softcap);
-    gemv(wo, att.data(), M, tmp.data(), q8, par);
+    gemv(wo, att.data(), M, tmp.data(), q8, par, amx_min);
+    lora.apply(l, 1, att.data(), Hq * D, tmp.data(), H, par);
     if (norm_mask & 2) rms_norm(tmp.data(), nw + H, M, H, ep, tmp.data());
     add_scaled(xr, tmp.data(), M * H, rs);
     hin = xr;
     if (norm_mask & 4) { rms_norm(xr, nw + 2 * H, M, H, ep, h.data()); hin = h.data(); }
     gu.resize(M * 2 * I);
     act.resize(M * I);
-    gemv(wgu, hin, M, gu.data(), q8, par);
+    gemv(wgu, hin, M, gu.data(), q8, par, amx_min);
+    lora.apply(l, 2, hin, H, gu.data(), 2 * I, par);
     for (int64_t m = 0; m < M; ++m) {
       const float* g = gu.data() + m * 2 * I;
       if (act_kind == 1) gelu_tanh_mul(g, g + I, I, act.data() + m * I);
       else silu_mul(g, g + I, I, act.data() + m * I);
     }
-    gemv(wd, act.data(), M, tmp.data(), q8, par);
+    gemv(wd, act.data(), M, tmp.data(), q8, par, amx_min);
+    lora.apply(l, 3, act.data(), I, tmp.data(), H, par);
     if (norm_mask & 8) rms_norm(tmp.data(), nw + 3 * H, M, H, ep, tmp.data());
     add_scaled(xr, tmp.data(), M * H, rs);
   }

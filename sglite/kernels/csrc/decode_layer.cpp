@@ -69,6 +69,17 @@ QW weight(const std::vector<at::Tensor>& t, size_t i, int64_t bits, bool tiled) 
             (int)bits, gs, N, K, st == at::kHalf, tiled};
 }
 
+// pk[i] (when pk has entries and pk[i] is not empty): w repacked once by quant_amx_pack (bf16 bits as
+// int16, 64-byte aligned), read by the AMX GEMM instead of dequantizing the codes every call.
+void attach_packed(QW& w, const std::vector<at::Tensor>& pk, size_t i) {
+  if (pk.empty() || pk[i].numel() == 0) return;
+  const at::Tensor& t = pk[i];
+  TORCH_CHECK(w.tiled && t.scalar_type() == at::kShort && t.is_contiguous() && ((uintptr_t)t.data_ptr() & 63) == 0 &&
+              t.numel() == (w.N / TILE + 1) / 2 * 2 * (w.K / BLK) * 512,
+              "decode_forward: a packed AMX weight must be quant_amx_pack's tensor of its tiled weight");
+  w.packed = (const uint16_t*)t.data_ptr<int16_t>();
+}
+
 // amx_min > 0 (AMX builds, 16-row tiles): M >= amx_min rows run the AMX-BF16 tile GEMM of quant_amx.h
 // (bf16 activations, float32 sums) instead of the int8-activation GEMV.
 void gemv(const QW& w, const float* x, int64_t M, float* y, bool q8, const PoolPar& par, int64_t amx_min = 0) {
@@ -77,7 +88,7 @@ void gemv(const QW& w, const float* x, int64_t M, float* y, bool q8, const PoolP
   if (q8 && w.tiled && amx_min > 0 && M >= amx_min) {
     std::vector<uint16_t> xd((M + 31) / 32 * 32 * w.K);
     sglite_amx::pack_rows(x, M, w.K, xd.data());
-    sglite_amx::gemm(w, xd.data(), M, y, nullptr, par);
+    sglite_amx::gemm(w, xd.data(), M, y, nullptr, par, w.packed);
     return;
   }
 #endif
@@ -188,18 +199,20 @@ void store_kv_and_q(at::Tensor& kb, at::Tensor& vb, const int64_t* loc, const fl
 // out_cache_loc [M] int64); req_to_token [R, Lmax] int32; rows/lens [M] int64; tiled: every layer
 // weight is in 16-row tiles (quant_tiles.h; needs q8). lora_ab / lora_rows / lora_spans /
 // lora_split_min: the step's LoRA adapters (lora_fused.h's Step; an empty lora_ab: none, the base
-// model's path as before).
+// model's path as before). amx_packed: [4L] weights repacked for the AMX GEMM (attach_packed; an empty
+// list or empty tensors: dequantize per call).
 at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor> lin, std::vector<int64_t> bits,
                           at::Tensor final_norm, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> kbufs,
                           std::vector<at::Tensor> vbufs, at::Tensor out_loc, at::Tensor req_to_token, at::Tensor rows,
                           at::Tensor lens, int64_t Hq, int64_t Hkv, int64_t D, double eps, double sm_scale, bool q8,
                           bool tiled, int64_t threads, int64_t attn_split_min, std::vector<at::Tensor> lora_ab,
                           at::Tensor lora_rows, std::vector<at::Tensor> lora_spans, int64_t lora_split_min,
-                          int64_t amx_min) {
+                          int64_t amx_min, std::vector<at::Tensor> amx_packed) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= kMaxRows,
               "decode_forward: x must be contiguous float32 [M <= ", kMaxRows, ", H]");
   const int64_t M = x.size(0), H = x.size(1), L = (int64_t)kbufs.size();
   TORCH_CHECK((int64_t)lin.size() == 12 * L && (int64_t)bits.size() == 4 * L && (int64_t)vbufs.size() == L
+              && (amx_packed.empty() || (int64_t)amx_packed.size() == 4 * L)
               && norms.scalar_type() == at::kFloat && norms.is_contiguous() && norms.numel() == L * 2 * H,
               "decode_forward: per-layer inputs disagree with the layer count");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous()
@@ -226,10 +239,12 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
   const int64_t* loc = out_loc.data_ptr<int64_t>();
   at::Tensor q_t = at::empty({M, Hq, D}, x.options());
   for (int64_t l = 0; l < L; ++l) {
-    const QW wqkv = weight(lin, 12 * l, bits[4 * l], tiled), wo = weight(lin, 12 * l + 3, bits[4 * l + 1], tiled);
-    const QW wgu = weight(lin, 12 * l + 6, bits[4 * l + 2], tiled), wd = weight(lin, 12 * l + 9, bits[4 * l + 3], tiled);
+    QW wqkv = weight(lin, 12 * l, bits[4 * l], tiled), wo = weight(lin, 12 * l + 3, bits[4 * l + 1], tiled);
+    QW wgu = weight(lin, 12 * l + 6, bits[4 * l + 2], tiled), wd = weight(lin, 12 * l + 9, bits[4 * l + 3], tiled);
     TORCH_CHECK(wqkv.K == H && wqkv.N == Nqkv && wo.K == Hq * D && wo.N == H && wgu.K == H && wd.N == H
                 && wd.K * 2 == wgu.N, "decode_forward: layer ", l, " weight shapes disagree with the model");
+    QW* ws[4] = {&wqkv, &wo, &wgu, &wd};
+    for (int k = 0; k < 4; ++k) attach_packed(*ws[k], amx_packed, 4 * l + k);
     const int64_t I = wd.K;
     rms_norm(xr, np_ + (2 * l) * H, M, H, (float)eps, h.data());
     qkv.resize(M * Nqkv);
@@ -264,14 +279,15 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
 // float32 (1 <= M <= 32) and a group-32 weight (codes, scales, mins (empty: none), float32 or
 // float16 scales, tiled: 16-row tiles); the same arithmetic as quant_gemv_q8 (quant_cpu.gemv_q8).
 at::Tensor head_q8(at::Tensor x, at::Tensor q, at::Tensor s, at::Tensor mn, int64_t bits, bool tiled, int64_t threads,
-                   int64_t amx_min) {
+                   int64_t amx_min, at::Tensor amx_packed) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "head_q8: x must be contiguous float32 [M <= ", kMaxRows, ", K]");
   TORCH_CHECK(threads >= 1 && threads <= 1024, "head_q8: threads must be in [1, 1024], got ", threads);
   TORCH_CHECK(q.dim() == 2 && q.size(1) * 8 == x.size(1) * bits, "head_q8: codes must be [N, K * bits / 8]");
   const std::vector<at::Tensor> t{q, s, mn};
-  const QW w = weight(t, 0, bits, tiled);
+  QW w = weight(t, 0, bits, tiled);
   TORCH_CHECK(!tiled || w.N % TILE == 0, "head_q8: a 16-row tiled weight needs N % 16 == 0");
+  attach_packed(w, {amx_packed}, 0);
   at::Tensor y = at::empty({x.size(0), w.N}, x.options());
   gemv(w, x.data_ptr<float>(), x.size(0), y.data_ptr<float>(), true, PoolPar{(int)threads}, amx_min);
   return y;

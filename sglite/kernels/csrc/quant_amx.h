@@ -124,53 +124,90 @@ inline bool request_tiles() {
   return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
+// Dequantized tile pairs kept per thread and block: about half a 2 MiB L2, so the block's B tiles
+// are read from L2 while each 32-row activation chunk stays in L1 across the block's pairs.
+constexpr int64_t kBlockBytes = 1 << 19;
+
+// Output rows m0..m0+rows-1, channels t*16.. (cols of them) from the 32 x 32 float32 stage.
+inline void store_stage(const float* stage, int64_t m0, int64_t rows, int64_t cols, int64_t N, int64_t c0,
+                        float* yf, at::BFloat16* ybf) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = stage + r * 32;
+    if (ybf) {
+      at::BFloat16* o = ybf + (m0 + r) * N + c0;
+      for (int64_t u = 0; u < cols; u += TILE)  // VCVTNEPS2BF16: round to nearest even
+        _mm256_storeu_si256((__m256i*)(o + u), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(src + u)));
+    } else {
+      float* o = yf + (m0 + r) * N + c0;
+      for (int64_t u = 0; u < cols; u += TILE) _mm512_storeu_ps(o + u, _mm512_load_ps(src + u));
+    }
+  }
+}
+
+// Both tiles of pair p (tiles 2p, 2p + 1; the second zero past the last tile) into b (2 x nb x 512 bf16).
+inline void dequant_pair(const QW& w, int64_t p, int64_t nb, uint16_t* b) {
+  const int64_t T = w.N / TILE, t = 2 * p, nt = std::min<int64_t>(2, T - t);
+  with_scale_type(w, [&](auto st) {
+    using ST = decltype(st);
+    with_bits(w.bits, [&](auto bb) {
+      constexpr int B = decltype(bb)::value;
+      for (int64_t u = 0; u < nt; ++u) {
+        if constexpr (B == 8) {
+          if (w.gs != BLK) { dequant_tile<8, ST, true>(w, t + u, nb, b + u * nb * 512); continue; }
+        }
+        dequant_tile<B, ST, false>(w, t + u, nb, b + u * nb * 512);
+      }
+    });
+  });
+  if (nt == 1) std::memset(b + nb * 512, 0, nb * 512 * sizeof(uint16_t));
+}
+
 // x: [Mp, K] bf16 bits, Mp = M rounded up to 32, rows >= M zero. Output rows 0..M-1 of [M, N]:
-// float32 into yf, or bf16 (one rounding) into ybf; exactly one of them non-null. Tile pairs split by par.
+// float32 into yf, or bf16 (one rounding) into ybf; exactly one of them non-null. Tile pairs split
+// by par into contiguous shares; each share runs in blocks of pairs (kBlockBytes of dequantized
+// tiles, each weight dequantized once per call), and within a block the 32-row chunks are the outer
+// loop: the chunk's activation tiles are reused from L1 by every pair of the block, and the output
+// is written row segment by row segment (a 49152-channel LM head no longer touches a new page per row
+// and pair).
+// packed: the weight already in that layout (pack_b: every pair, 2 x nb x 512 bf16 each, 64-byte
+// aligned), or null to dequantize block by block here.
 template <typename Par>
-void gemm(const QW& w, const uint16_t* xd, int64_t M, float* yf, at::BFloat16* ybf, const Par& par) {
+void gemm(const QW& w, const uint16_t* xd, int64_t M, float* yf, at::BFloat16* ybf, const Par& par,
+          const uint16_t* packed = nullptr) {
   const int64_t N = w.N, K = w.K, nb = K / BLK, T = N / TILE, P = (T + 1) / 2;
+  const int64_t pair_elems = 2 * nb * 512, per_block = std::max<int64_t>(1, kBlockBytes / (pair_elems * 2));
   par(0, P, 1, [&](int64_t p0, int64_t p1) {
     configure_tiles();
-    // two dequantized tiles (64-byte aligned for the B loads) and one 32 x 32 float32 staging block
-    std::vector<uint16_t> bufv(2 * nb * 512 + 32);
-    uint16_t* b0 = (uint16_t*)(((uintptr_t)bufv.data() + 63) & ~(uintptr_t)63);
-    uint16_t* b1 = b0 + nb * 512;
+    const int64_t nblk = std::min(per_block, p1 - p0);
+    std::vector<uint16_t> bufv(packed ? 0 : nblk * pair_elems + 32);  // 64-byte aligned for the B loads
+    uint16_t* own = (uint16_t*)(((uintptr_t)bufv.data() + 63) & ~(uintptr_t)63);
     alignas(64) float stage[32 * 32];
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t t = 2 * p, nt = std::min<int64_t>(2, T - t);
-      with_scale_type(w, [&](auto st) {
-        using ST = decltype(st);
-        with_bits(w.bits, [&](auto bb) {
-          constexpr int B = decltype(bb)::value;
-          for (int64_t u = 0; u < nt; ++u) {
-            uint16_t* bu = u ? b1 : b0;
-            if constexpr (B == 8) {
-              if (w.gs != BLK) { dequant_tile<8, ST, true>(w, t + u, nb, bu); continue; }
-            }
-            dequant_tile<B, ST, false>(w, t + u, nb, bu);
-          }
-        });
-      });
-      if (nt == 1) std::memset(b1, 0, nb * 512 * sizeof(uint16_t));
+    for (int64_t pb = p0; pb < p1; pb += nblk) {
+      const int64_t pe = std::min(p1, pb + nblk);
+      uint16_t* buf = packed ? (uint16_t*)packed + pb * pair_elems : own;
+      if (!packed)
+        for (int64_t p = pb; p < pe; ++p) dequant_pair(w, p, nb, buf + (p - pb) * pair_elems);
       for (int64_t m0 = 0; m0 < M; m0 += 32) {
         const int rt = M - m0 > 16 ? 2 : 1;
-        if (rt == 2) tile_pair<2>(xd + m0 * K, K, b0, b1, stage);
-        else tile_pair<1>(xd + m0 * K, K, b0, b1, stage);
-        const int64_t rows = std::min<int64_t>(16 * rt, M - m0), cols = nt * TILE;
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* src = stage + r * 32;
-          if (ybf) {
-            at::BFloat16* o = ybf + (m0 + r) * N + t * TILE;
-            for (int64_t u = 0; u < cols; u += TILE)  // VCVTNEPS2BF16: round to nearest even
-              _mm256_storeu_si256((__m256i*)(o + u), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(src + u)));
-          } else {
-            float* o = yf + (m0 + r) * N + t * TILE;
-            for (int64_t u = 0; u < cols; u += TILE) _mm512_storeu_ps(o + u, _mm512_load_ps(src + u));
-          }
+        const int64_t rows = std::min<int64_t>(16 * rt, M - m0);
+        for (int64_t p = pb; p < pe; ++p) {
+          const uint16_t* b0 = buf + (p - pb) * pair_elems;
+          if (rt == 2) tile_pair<2>(xd + m0 * K, K, b0, b0 + nb * 512, stage);
+          else tile_pair<1>(xd + m0 * K, K, b0, b0 + nb * 512, stage);
+          store_stage(stage, m0, rows, std::min<int64_t>(2, T - 2 * p) * TILE, N, 2 * p * TILE, yf, ybf);
         }
       }
     }
     _tile_release();
+  });
+}
+
+// The whole weight in gemm's B layout (P pairs x 2 x nb x 512 bf16) into out, 64-byte aligned; pairs split by par.
+template <typename Par>
+void pack_b(const QW& w, uint16_t* out, const Par& par) {
+  const int64_t nb = w.K / BLK, P = (w.N / TILE + 1) / 2;
+  par(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) dequant_pair(w, p, nb, out + p * 2 * nb * 512);
   });
 }
 

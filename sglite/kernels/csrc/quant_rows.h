@@ -208,6 +208,7 @@ void rows_avx(const uint16_t* xp, int64_t K, const uint8_t* q, const float* s, c
 struct QW {
   const uint8_t* q; const float* s; const float* mn; int bits; int64_t gs, N, K; bool half = false;
   bool tiled = false;
+  const uint16_t* packed = nullptr;  // the AMX tile GEMM's B layout of this weight (quant_amx.h's pack_b), or none
 };
 
 // f(ST{}) with ST the scale storage of w: uint16_t (float16 bits, w.half) or float

@@ -197,7 +197,8 @@ class LlamaModel:
         if tied:
             self.embed = self.lm_head.weight
         qws = list({id(q): q for q in self.linear_weights() if isinstance(q, kernels.QuantLinearWeight)}.values())
-        parts = [(q, f) for q in qws for f in ("qweight", "scales", "mins") if getattr(q, f) is not None]
+        parts = [(q, f) for q in qws for f in ("qweight", "scales", "mins", "amx_packed")
+                 if getattr(q, f) is not None]
         for (q, f), t in zip(parts, hugepage_copies([getattr(q, f) for q, f in parts]) if parts else []):
             setattr(q, f, t)  # quantized codes, scales and offsets too (the embedding with them when tied)
         return True

@@ -10,3 +10,4 @@ from .quant_linear import QuantLinearWeight  # noqa: F401
 from .w8_linear import Fp8LinearWeight, Int8LinearWeight  # noqa: F401
 from .reference import bitmask_to_bool  # noqa: F401
 from .w8_linear import Fp8BlockLinearWeight  # noqa: F401  (block-wise fp8 checkpoints)
+from .device import serial_torch  # noqa: F401  (torch glue on the calling thread only)

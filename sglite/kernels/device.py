@@ -5,11 +5,16 @@ every implementation can ask it without importing one another).
 :func:`triton_available`: whether ``import triton`` succeeds (asked once per process; CUDA ops
 consult it on every call). :func:`cpu_flags`: the CPU's feature flags, which decide the C++
 builds (AVX-512-BF16 GEMV, VNNI int8 GEMV) and are hashed into every build tag.
+:func:`serial_torch`: torch's own ops on the calling thread only (the glue between the C++ kernels).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+from typing import Iterator
+
+import torch
 
 
 @functools.lru_cache(maxsize=1)
@@ -34,3 +39,22 @@ def cpu_flags() -> frozenset[str]:
         pass
     return frozenset()
 
+
+@contextlib.contextmanager
+def serial_torch() -> Iterator[None]:
+    """Run the torch ops inside on the calling thread only (``torch.set_num_threads(1)``, the old
+    count restored on exit; ~0.3 us a pair). For the small torch glue between sglite's C++ kernels
+    (row gathers, dtype casts, concatenations, RoPE table lookups): a torch op above its grain size
+    splits across torch's OpenMP team, and when another process holds a core the team's second
+    thread waits for a scheduler slice, so a 0.05 ms copy took 10-15 ms on the shared 2-core
+    machine (2026-12-06). sglite's own kernels read the thread count per call
+    (``csrc/thread_pool.h``): call none of them inside, or they run on one thread too."""
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)

@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 
 from . import cpu_gemv, kv_quant, reference
-from .device import triton_available
+from .device import serial_torch, triton_available
 from .matmul import LinearWeight, linear  # noqa: F401  (re-exported: the op of every matmul)
 
 IMPLS = ("torch", "triton", "cpp")
@@ -231,6 +231,9 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, *, batch_invariant: bool = False)
     """
     if g.device.type == "cpu" and (batch_invariant or (g.dtype == torch.bfloat16 and cpu_gemv.available())):
         return cpu_gemv.silu_mul(g, u)  # bf16: one pooled pass, torch's two roundings (silu, then the product)
+    if g.device.type == "cpu":  # torch's ops on this thread only (device.serial_torch: OpenMP stalls)
+        with serial_torch():
+            return torch.nn.functional.silu(g) * u
     return torch.nn.functional.silu(g) * u
 
 

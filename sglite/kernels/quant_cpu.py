@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from . import gemm_paths, quant_amx, quant_gemm
 from .quant_gemm import gemv_q8_reference, quantize_act_q8_reference  # noqa: F401  (re-exported)
 from .cpu_build import load_cpp, read_source
+from .device import serial_torch
 from .device import cpu_flags
 from .quant_layout import gather_input
 
@@ -147,8 +148,10 @@ def linear(x: torch.Tensor, w: QuantLinearWeight, invariant: bool = False, porta
     else:
         path = "gemv_q8" if m <= GEMV_MAX_ROWS else "dequant_gemm"
     if w.tiled and 1 <= m <= GEMV_MAX_ROWS and not invariant and path == "gemv_q8":  # the tiles' int8 GEMV
-        y = gemv_q8(gather_input(x, w), w, portable).to(x.dtype)
-        return y if w.bias is None else y + w.bias.to(x.dtype)
+        y = gemv_q8(gather_input(x, w), w, portable)
+        with serial_torch():  # a [M, V] LM-head cast: torch's OpenMP team stalls on a busy machine
+            y = y.to(x.dtype)
+            return y if w.bias is None else y + w.bias.to(x.dtype)
     if 1 <= m <= MAX_ROWS and w.perm is None and w.bias is None and x.dtype in _NATIVE and not portable and not w.tiled:
         return _mod(False).quant_gemv(x, w.qweight, _scales(w), _mins(w), w.bits, w.group_size)  # decode fast path
     xs = gather_input(x, w)

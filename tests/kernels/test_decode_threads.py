@@ -126,3 +126,26 @@ def test_thread_probe_pick_candidates_and_cache(quantized_tiny, monkeypatch, tmp
         assert dt.default_threads(fused) == 2
         assert json.loads((tmp_path / "thread_probe.json").read_text())[key]["load"] == 0.1
     assert dt.default_threads(None) == dt.fallback_threads()
+
+
+def test_serial_torch_runs_one_thread_and_restores_the_count():
+    """Inside ``serial_torch`` torch runs on one thread; the caller's count comes back on exit, after
+    an exception too, and a count of 1 stays 1."""
+    from sglite.kernels import serial_torch
+
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with serial_torch():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError, match="boom"):
+            with serial_torch():
+                raise RuntimeError("boom")
+        assert torch.get_num_threads() == 2
+        torch.set_num_threads(1)
+        with serial_torch():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(old)

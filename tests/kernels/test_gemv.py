@@ -158,3 +158,26 @@ def test_stale_build_lock_is_removed_and_a_live_one_waited_for(tmp_path):
     t = time.monotonic()
     assert cpu_build.clear_stale_lock(lock, poll_s=0.05) is False
     assert time.monotonic() - t >= 0.25 and not lock.exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_reads_row_strided_halves_in_place(dtype):
+    """The two halves of a fused gate_up product ([M, 2I] chunked: row stride 2I, unit stride along I)
+    give the bits of the contiguous inputs, for random shapes (I not a multiple of 16 included),
+    and a 3-D or column-strided input still goes through the contiguous path."""
+    if not cpu_gemv.available():
+        pytest.skip("C++ GEMV extension unavailable")
+    gen = torch.Generator().manual_seed(7)
+    for M, I in ((1, 5), (3, 37), (17, 64), (40, 1536), (0, 16)):
+        gu = torch.randn(M, 2 * I, generator=gen).to(dtype)
+        g, u = gu.chunk(2, dim=-1)
+        got = cpu_gemv.silu_mul(g, u)
+        assert got.is_contiguous() and got.shape == (M, I), (M, I)
+        assert torch.equal(got, cpu_gemv.silu_mul(g.contiguous(), u.contiguous())), (M, I)
+        torch.testing.assert_close(got.float(), (F.silu(g.float()) * u.float()).to(dtype).float(),
+                                   rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+    g3, u3 = torch.randn(2, 3, 40, generator=gen).to(dtype), torch.randn(2, 3, 40, generator=gen).to(dtype)
+    flat = cpu_gemv.silu_mul(g3.reshape(6, 40), u3.reshape(6, 40))
+    assert torch.equal(cpu_gemv.silu_mul(g3, u3), flat.view(2, 3, 40))
+    gt, ut = g3[0].t(), u3[0].t()  # unit stride along rows, not columns
+    assert torch.equal(cpu_gemv.silu_mul(gt, ut), cpu_gemv.silu_mul(gt.contiguous(), ut.contiguous()))

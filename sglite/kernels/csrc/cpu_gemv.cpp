@@ -278,27 +278,35 @@ inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
 inline __m256i round_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }  // round to nearest even
 }  // namespace
 
-// out = silu(g) * u elementwise (SwiGLU's activation), g/u [..] contiguous, same shape and dtype
-// (bf16 or fp32). silu is rounded to the dtype before the product, as F.silu(g) * u rounds. Every
-// element runs the same vector code (the tail masked), so a value never depends on its position.
+// out = silu(g) * u elementwise (SwiGLU's activation), same shape and dtype (bf16 or fp32). silu is
+// rounded to the dtype before the product, as F.silu(g) * u rounds. Every element runs the same
+// vector code (the tail masked), so a value never depends on its position. g and u are read in
+// place when they are [M, I] row-strided views with unit stride along I (the two halves of the fused
+// gate_up product): no torch copy, whose intra-op (OpenMP) threads stall for a scheduler slice when
+// another process holds a core; other layouts are made contiguous first. out is contiguous.
 torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u) {
   TORCH_CHECK(g.sizes() == u.sizes() && g.scalar_type() == u.scalar_type(), "silu_mul: g and u must match");
   const auto dt = g.scalar_type();
   TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat, "silu_mul: bf16 or fp32 only");
-  auto gc = g.contiguous(), uc = u.contiguous();
-  auto out = at::empty_like(gc);
-  const int64_t n = gc.numel();
-  sglite_pool::parallel_for(0, (n + 15) / 16, 2048, [&](int64_t c0, int64_t c1) {
+  const bool rows = g.dim() == 2 && g.stride(1) == 1 && u.stride(1) == 1 && g.size(1) > 0;
+  auto gc = rows ? g : g.contiguous(), uc = rows ? u : u.contiguous();
+  auto out = at::empty(g.sizes(), g.options().memory_format(at::MemoryFormat::Contiguous));
+  // as [M, I]: rows of I elements at row strides gs / us (the flat tensor is one row when not `rows`)
+  const int64_t M = rows ? g.size(0) : 1, I = rows ? g.size(1) : gc.numel();
+  const int64_t gs = rows ? g.stride(0) : 0, us = rows ? u.stride(0) : 0;
+  const int64_t per_row = (I + 15) / 16;
+  sglite_pool::parallel_for(0, M * per_row, 2048, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
-      const int64_t i = c * 16;
-      const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+      const int64_t r = c / per_row, i = (c - r * per_row) * 16;
+      const __mmask16 m = I - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (I - i)) - 1);
+      const int64_t go = r * gs + i, uo = r * us + i, oo = r * I + i;
       if (dt == at::kFloat) {
-        const __m512 s = silu16(_mm512_maskz_loadu_ps(m, gc.data_ptr<float>() + i));
-        _mm512_mask_storeu_ps(out.data_ptr<float>() + i, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, uc.data_ptr<float>() + i)));
+        const __m512 s = silu16(_mm512_maskz_loadu_ps(m, gc.data_ptr<float>() + go));
+        _mm512_mask_storeu_ps(out.data_ptr<float>() + oo, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, uc.data_ptr<float>() + uo)));
       } else {
-        const uint16_t* gp = bits(gc) + i;
-        const uint16_t* up = bits(uc) + i;
-        uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + i;
+        const uint16_t* gp = bits(gc) + go;
+        const uint16_t* up = bits(uc) + uo;
+        uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + oo;
         const __m256i s = round_bf16(silu16(load_bf16(gp, m)));  // silu rounded to bf16
         const __m512 sf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(s), 16));
         _mm256_mask_storeu_epi16(op, m, round_bf16(_mm512_mul_ps(sf, load_bf16(up, m))));

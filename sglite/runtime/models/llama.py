@@ -261,10 +261,11 @@ class LlamaModel:
         assert not (inv and ne), "batch-invariant forward given extend rows (see StepPlan.layout)"
         if self.tp is not None:  # vocab-parallel lookup (tensor parallelism)
             x = self.tp.embed(self.embed, fb.input_ids)  # [N, H]
-        else:
-            x = self.embed_rows(fb.input_ids)  # [N, H]
-        cos = self.cos[fb.positions].to(self.dtype)  # [N, D/2]
-        sin = self.sin[fb.positions].to(self.dtype)  # [N, D/2]
+        with kernels.serial_torch():  # torch glue on this thread only (kernels.device.serial_torch)
+            if self.tp is None:
+                x = self.embed_rows(fb.input_ids)  # [N, H]
+            cos = self.cos[fb.positions].to(self.dtype)  # [N, D/2]
+            sin = self.sin[fb.positions].to(self.dtype)  # [N, D/2]
         nl = len(self.layers)
         for li, L in enumerate(self.layers):
             if li == 0:  # later layers get h from the previous layer's fused residual add + norm
@@ -287,19 +288,29 @@ class LlamaModel:
                 parts.append(kernels.decode_attention(
                     q[ne:], k_buffers[li], v_buffers[li], fb.req_to_token, dec_rows, dec_lens,
                     self.sm_scale, batch_invariant=inv))  # [Nd, Hq, D]
-            o = parts[0] if len(parts) == 1 else torch.cat(parts)  # [N, Hq, D]
+            if len(parts) == 1:
+                o = parts[0]  # [N, Hq, D]
+            else:
+                with kernels.serial_torch():
+                    o = torch.cat(parts)  # [N, Hq, D]
             x, h = kernels.add_rms_norm(x, self._reduce(self._lin(o.reshape(-1, Hq * D), L, "o", li, fb)),
                                         L["post_norm"], a.rms_norm_eps, batch_invariant=inv)  # [N, H] each
             d = self._reduce(self._mlp(h, L, li, fb))  # [N, H]
             if li + 1 < nl:  # residual add fused with the next layer's input norm
                 x, h = kernels.add_rms_norm(x, d, self.layers[li + 1]["in_norm"], a.rms_norm_eps, batch_invariant=inv)
             else:
-                x = x + d
+                with kernels.serial_torch():
+                    x = x + d
         if hidden is not None:  # every token's final-normed state (the logits rows keep their own norm)
-            hidden.append(kernels.rms_norm(x, self.norm, a.rms_norm_eps, batch_invariant=inv).float())  # [N, H]
-        x = x[fb.logits_indices]  # [M, H]
+            hn = kernels.rms_norm(x, self.norm, a.rms_norm_eps, batch_invariant=inv)
+            with kernels.serial_torch():
+                hidden.append(hn.float())  # [N, H]
+        with kernels.serial_torch():
+            x = x[fb.logits_indices]  # [M, H]
         x = kernels.rms_norm(x, self.norm, a.rms_norm_eps, batch_invariant=inv)  # [M, H]
-        logits = kernels.linear(x, self.lm_head).float()  # [M, V] ([M, V/tp] on a tensor-parallel rank)
+        logits = kernels.linear(x, self.lm_head)  # [M, V] ([M, V/tp] on a tensor-parallel rank)
+        with kernels.serial_torch():
+            logits = logits.float()
         return logits if self.tp is None else self.tp.gather_logits(logits)
 
     def _mlp_weights(self, sd: dict, i: int, lin) -> dict:

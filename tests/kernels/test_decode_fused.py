@@ -7,7 +7,7 @@ int8 path close), and the fallbacks (SGLITE_KERNEL=torch, a failed build, steps 
 import pytest
 import torch
 
-from sglite.kernels import decode_fused, quant_cpu
+from sglite.kernels import decode_fused, gemm_paths, quant_cpu
 from sglite.kernels.quant_linear import QuantLinearWeight, compact_scales
 
 pytestmark = pytest.mark.skipif(not quant_cpu.available(), reason="the C++ quant kernel did not build here")
@@ -178,7 +178,7 @@ def test_fused_many_rows_take_amx_and_stay_close(quantized_tiny):
     try:
         if not fused.tiled:
             pytest.skip("the tiny model's weights are not in 16-row tiles")
-        assert fused.amx_min() == 32 and fused.max_rows() == decode_fused.MAX_ROWS_AMX
+        assert fused.amx_min() == gemm_paths.AMX_MIN_ROWS and fused.max_rows() == decode_fused.MAX_ROWS_AMX
         many = [[100 + 37 * i, 7 + i, 2000 + i] for i in range(40)]
         e.generate(input_ids=many, sampling_params={"max_new_tokens": 3, "temperature": 0, "ignore_eos": True})
         assert 40 in seen

@@ -80,7 +80,7 @@ from .quant_linear import QuantLinearWeight
 from . import cpu_attention, gemm_paths, quant_amx, quant_cpu
 
 MAX_ROWS = 32  # more decode rows: the per-op path (its GEMM on dequantized weights wins there)
-MAX_ROWS_AMX = 128  # with the AMX tile GEMM (quant_amx.h) for 32+ rows; csrc kMaxRows
+MAX_ROWS_AMX = 128  # with the AMX tile GEMM (quant_amx.h) from gemm_paths.AMX_MIN_ROWS rows; csrc kMaxRows
 LINEAR_KEYS = ("qkv", "o", "gate_up", "down")
 _NO_ROWS = torch.empty(0, dtype=torch.int64)  # lora_rows of a step without adapters
 ATTN_SPLIT_MIN = 1 << 16  # K/V values per step (sum of lens x KV heads x head dim); see FusedDecode.attn_split_min

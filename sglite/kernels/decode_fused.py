@@ -105,14 +105,6 @@ def _tileable(w) -> bool:
     return _quant_ok(w) and w.shape[0] % 16 == 0
 
 
-def _packed(w) -> torch.Tensor:
-    """``w``'s AMX bf16 copy (:func:`.quant_amx.repack`), or an empty int16 tensor: none."""
-    return w.amx_packed if getattr(w, "amx_packed", None) is not None else _NO_PACKED
-
-
-_NO_PACKED = torch.empty(0, dtype=torch.int16)
-
-
 def _quant_ok(w) -> bool:
     return (isinstance(w, QuantLinearWeight) and tileable_group(w.group_size, w.bits) and w.perm is None
             and w.bias is None and w.device.type == "cpu")
@@ -153,7 +145,7 @@ class FusedDecode:
                 w = L[k]
                 self.lin += [w.qweight, w.scales, w.mins if w.mins is not None else torch.empty(0)]
                 self.bits.append(w.bits)
-                self.packed.append(_packed(w))
+                self.packed.append(quant_amx.packed_arg(w))
         if not any(p.numel() for p in self.packed):
             self.packed = []  # none repacked (quant_amx.repack): every call dequantizes
         self.dims = (a.num_heads, a.num_kv_heads, a.head_dim, float(a.rms_norm_eps), float(model.sm_scale))
@@ -219,7 +211,7 @@ class FusedDecode:
         if self.head_kind == "q8":  # quant_cpu.gemv_q8's arithmetic, on the decode's thread pool
             mins = w.mins if w.mins is not None else torch.empty(0, dtype=w.scales.dtype)
             return load(self.portable).head_q8(h.float().contiguous(), w.qweight, w.scales, mins, w.bits, w.tiled,
-                                                self.num_threads(), self.amx_min(), _packed(w))
+                                                self.num_threads(), self.amx_min(), quant_amx.packed_arg(w))
         if self.head_kind == "quant":
             return quant_cpu.linear(h.to(self.model.dtype), w, portable=self.portable).float()
         from .matmul import linear

@@ -34,7 +34,6 @@ MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
 MIN_BYTES = 2 * HUGE_PAGE  # smaller buffers are not worth the alignment padding
 
 
-@functools.lru_cache(maxsize=1)
 def available_host_bytes() -> int:
     """Available host memory in bytes: ``MemAvailable`` of /proc/meminfo, else free pages."""
     try:
@@ -47,6 +46,7 @@ def available_host_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+@functools.lru_cache(maxsize=1)
 def _libc():
     try:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)

@@ -87,16 +87,28 @@ def gemm(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
         [M, N] in x's dtype.
     Raises:
         RuntimeError: AMX is unavailable here or ``w`` is not tiled (names the field)."""
-    mod = load()
-    check_tiled("quant_amx", mod is not None, "the AMX kernel is unavailable on this CPU (needs amx_tile + amx_bf16)", w)
+    mod = _loaded_for(w)
     if x.shape[0] == 0:
         return x.new_zeros((0, w.shape[0]))
-    packed = _EMPTY if w.amx_packed is None else w.amx_packed
+    packed = packed_arg(w)
     return call_tiled(lambda *a: mod.quant_gemm_amx(*a, packed), gather_input(x, w).to(torch.bfloat16), x, w,
                       x.dtype == torch.bfloat16)
 
 
-_EMPTY = torch.empty(0, dtype=torch.int16)
+NO_PACKED = torch.empty(0, dtype=torch.int16)  # the C++ ops' "no repacked copy": dequantize per call
+
+
+def packed_arg(w: QuantLinearWeight) -> torch.Tensor:
+    """The ``packed`` argument of the C++ tile GEMMs (``quant_gemm_amx``, the fused decode's
+    ``amx_packed``): ``w.amx_packed`` (:func:`pack`), or the empty int16 :data:`NO_PACKED`."""
+    return NO_PACKED if w.amx_packed is None else w.amx_packed
+
+
+def _loaded_for(w: QuantLinearWeight):
+    """The compiled module; RuntimeError (naming the field) when AMX is unavailable or ``w`` is not tiled."""
+    mod = load()
+    check_tiled("quant_amx", mod is not None, "the AMX kernel is unavailable on this CPU (needs amx_tile + amx_bf16)", w)
+    return mod
 
 
 def pack(w: QuantLinearWeight) -> torch.Tensor:
@@ -104,9 +116,7 @@ def pack(w: QuantLinearWeight) -> torch.Tensor:
     for P = ceil(N / 32) tile pairs (a lone last tile's partner zero), 64-byte aligned; the values
     :func:`gemm` would dequantize on every call, so its output is unchanged. Raises RuntimeError
     as :func:`gemm`."""
-    mod = load()
-    check_tiled("quant_amx", mod is not None, "the AMX kernel is unavailable on this CPU (needs amx_tile + amx_bf16)", w)
-    return mod.quant_amx_pack(w.qweight, w.scales, torch.empty(0) if w.mins is None else w.mins, w.bits, w.group_size)
+    return _loaded_for(w).quant_amx_pack(w.qweight, w.scales, torch.empty(0) if w.mins is None else w.mins, w.bits, w.group_size)
 
 
 def repack(ws: list[QuantLinearWeight]) -> int:

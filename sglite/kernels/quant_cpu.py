@@ -45,8 +45,7 @@ import torch.nn.functional as F
 from . import gemm_paths, quant_amx, quant_gemm
 from .quant_gemm import gemv_q8_reference, quantize_act_q8_reference  # noqa: F401  (re-exported)
 from .cpu_build import load_cpp, read_source
-from .device import serial_torch
-from .device import cpu_flags
+from .device import cpu_flags, serial_torch
 from .quant_layout import gather_input
 
 if TYPE_CHECKING:

@@ -37,8 +37,8 @@ layout), and ``SGLITE_GEMM=torch`` restores the dequantize path.
 Availability: built with ``-mavx512vnni`` when ``/proc/cpuinfo`` lists ``avx512_vnni`` and the
 AVX-512-BF16 set (:data:`.quant_cpu.AVX_FLAGS`); :func:`available` is False otherwise (the
 dispatcher then keeps the dequantize + ``F.linear`` path). On AMX CPUs the dispatcher gives bf16
-products of gemm_paths.AMX_MIN_ROWS (16) rows or more to :mod:`.quant_amx` instead (AMX-BF16 tiles over the same weight tiles); an
-AMX-INT8 microkernel is not built (per-32-block scales need a rescale of every 16x16 int32 tile
+products of :data:`.gemm_paths.AMX_MIN_ROWS` rows or more to :mod:`.quant_amx` instead (AMX-BF16
+tiles over the same weight tiles); an AMX-INT8 microkernel is not built (per-32-block scales need a rescale of every 16x16 int32 tile
 per block, which costs more than the bf16 tiles' dequantization from 48 rows up).
 """
 from __future__ import annotations

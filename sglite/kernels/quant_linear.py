@@ -92,8 +92,9 @@ class QuantLinearWeight:
         fmt: where it came from (``"gguf:Q4_1"``, ``"gptq"``, ...); reporting only.
         tiled: codes, scales and mins in 16-row tiles (:func:`tile_rows`).
         amx_packed: None, or the weight dequantized once into the AMX tile GEMM's bf16 B layout
-            (int16 [2 * N * K / 16 * 8], :func:`.quant_amx.repack`); read instead of the codes by
-            the ``amx_gemm`` path only.
+            (bf16 bits as int16 [ceil(N / 32) * 2 * K / 32 * 512], 64-byte aligned;
+            :func:`.quant_amx.repack`); read instead of the codes by the ``amx_gemm`` path only.
+            Set after construction; a copy made with ``dataclasses.replace`` starts without it.
     """
 
     qweight: torch.Tensor
@@ -107,7 +108,8 @@ class QuantLinearWeight:
     impl: str = "quant_ref"
     fmt: str = ""
     tiled: bool = False
-    amx_packed: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+    # derived from the codes (init=False: never passed, never carried by dataclasses.replace)
+    amx_packed: Optional[torch.Tensor] = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         self.validate()
@@ -189,7 +191,7 @@ class QuantLinearWeight:
     def to(self, device) -> "QuantLinearWeight":
         """A copy on ``device`` (same impl)."""
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return replace(self, amx_packed=None, qweight=mv(self.qweight), scales=mv(self.scales), mins=mv(self.mins),
+        return replace(self, qweight=mv(self.qweight), scales=mv(self.scales), mins=mv(self.mins),
                        perm=mv(self.perm), bias=mv(self.bias))
 
     # -- reference ----------------------------------------------------------------------------------
@@ -204,7 +206,7 @@ class QuantLinearWeight:
             return self
         n = self.shape[0]
         q, s, m = (None if t is None else t.reshape(n, -1).contiguous() for t in self._tile_views())
-        return replace(self, amx_packed=None, qweight=q, scales=s, mins=m, tiled=False)
+        return replace(self, qweight=q, scales=s, mins=m, tiled=False)
 
     def codes(self) -> torch.Tensor:
         """Unpacked codes [N, K] uint8, stored channel order (row layout)."""
@@ -235,9 +237,9 @@ class QuantLinearWeight:
         if self.tiled:  # gather the rows out of their tiles (only those rows' bytes are read)
             t, r = ids // TILE, ids % TILE
             q, s, m = (None if v is None else v[t, r].reshape(ids.numel(), -1).contiguous() for v in self._tile_views())
-            sub = replace(self, amx_packed=None, qweight=q, scales=s, mins=m, bias=None, tiled=False)
+            sub = replace(self, qweight=q, scales=s, mins=m, bias=None, tiled=False)
         else:
-            sub = replace(self, amx_packed=None, qweight=self.qweight[ids], scales=self.scales[ids],
+            sub = replace(self, qweight=self.qweight[ids], scales=self.scales[ids],
                           mins=None if self.mins is None else self.mins[ids], bias=None)
         return sub.dequantize(dtype)
 
@@ -245,7 +247,7 @@ class QuantLinearWeight:
         """A weight whose row ``i`` is this weight's row ``idx[i]`` (exact: rows are independent); row layout."""
         if self.tiled:
             return self.untiled().permute_rows(idx)
-        return replace(self, amx_packed=None, qweight=self.qweight[idx].contiguous(), scales=self.scales[idx].contiguous(),
+        return replace(self, qweight=self.qweight[idx].contiguous(), scales=self.scales[idx].contiguous(),
                        mins=None if self.mins is None else self.mins[idx].contiguous(),
                        bias=None if self.bias is None else self.bias[idx].contiguous())
 

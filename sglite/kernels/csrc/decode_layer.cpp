@@ -72,12 +72,9 @@ QW weight(const std::vector<at::Tensor>& t, size_t i, int64_t bits, bool tiled) 
 // pk[i] (when pk has entries and pk[i] is not empty): w repacked once by quant_amx_pack (bf16 bits as
 // int16, 64-byte aligned), read by the AMX GEMM instead of dequantizing the codes every call.
 void attach_packed(QW& w, const std::vector<at::Tensor>& pk, size_t i) {
-  if (pk.empty() || pk[i].numel() == 0) return;
-  const at::Tensor& t = pk[i];
-  TORCH_CHECK(w.tiled && t.scalar_type() == at::kShort && t.is_contiguous() && ((uintptr_t)t.data_ptr() & 63) == 0 &&
-              t.numel() == (w.N / TILE + 1) / 2 * 2 * (w.K / BLK) * 512,
-              "decode_forward: a packed AMX weight must be quant_amx_pack's tensor of its tiled weight");
-  w.packed = (const uint16_t*)t.data_ptr<int16_t>();
+  if (pk.empty()) return;
+  w.packed = sglite_amx::packed_data(pk[i], w.N, w.K, "decode_forward");
+  TORCH_CHECK(!w.packed || w.tiled, "decode_forward: a packed AMX weight needs its weight in 16-row tiles");
 }
 
 // amx_min > 0 (AMX builds, 16-row tiles): M >= amx_min rows run the AMX-BF16 tile GEMM of quant_amx.h
@@ -275,9 +272,11 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
   return y;
 }
 
-// LM head of the fused decode on the same pool: y [M, N] float32 = q8(h) @ W_stored.T for h [M, K]
-// float32 (1 <= M <= 32) and a group-32 weight (codes, scales, mins (empty: none), float32 or
-// float16 scales, tiled: 16-row tiles); the same arithmetic as quant_gemv_q8 (quant_cpu.gemv_q8).
+// LM head of the fused decode on the same pool: y [M, N] float32 = h @ W_stored.T for h [M, K] float32
+// (1 <= M <= kMaxRows) and a group-32 weight (codes, scales, mins (empty: none), float32 or float16
+// scales, tiled: 16-row tiles). Below amx_min rows (or amx_min 0) the arithmetic of quant_gemv_q8
+// (quant_cpu.gemv_q8: h rounded to int8 per 32-block); from amx_min rows the AMX tile GEMM (h rounded
+// to bf16), reading amx_packed (quant_amx_pack's tensor; empty: dequantize per call).
 at::Tensor head_q8(at::Tensor x, at::Tensor q, at::Tensor s, at::Tensor mn, int64_t bits, bool tiled, int64_t threads,
                    int64_t amx_min, at::Tensor amx_packed) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows && x.scalar_type() == at::kFloat && x.is_contiguous(),

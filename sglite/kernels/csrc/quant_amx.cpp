@@ -14,9 +14,7 @@ using namespace sglite_quant;
 
 bool quant_amx_init() { return sglite_amx::request_tiles(); }
 
-// y [M, N] = x @ W_stored.T (the caller adds the bias): x [M, K] bf16 (stored channel order), the
-// weight in 16-row tiles (group size 32, or 16 with 8-bit codes; N % 16 == 0), scales / mins
-// float32 or float16. Output bf16 (float32 accumulators rounded once) or float32 when !out_bf16.
+// The tiled weight (codes q [N, K * bits / 8], scales / mins float32 or float16; mins empty: none) as a QW.
 static sglite_quant::QW amx_weight(const at::Tensor& q, const at::Tensor& s, const at::Tensor& mn, int64_t bits, int64_t gs) {
   return QW{q.data_ptr<uint8_t>(), (const float*)s.data_ptr(), mn.numel() > 0 ? (const float*)mn.data_ptr() : nullptr,
             (int)bits, gs, q.size(0), q.size(1) * 8 / bits, s.scalar_type() == at::kHalf, true};
@@ -28,20 +26,24 @@ at::Tensor quant_amx_pack(at::Tensor q, at::Tensor s, at::Tensor mn, int64_t bit
   TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 2 && q.is_contiguous() && q.size(0) % TILE == 0 &&
               (q.size(1) * 8 / bits) % BLK == 0, "quant_amx_pack: qweight must be tiled uint8 [N % 16 == 0, K * bits / 8]");
   const QW w = amx_weight(q, s, mn, bits, gs);
-  const int64_t P = (w.N / TILE + 1) / 2;
-  at::Tensor out = at::empty({P * 2 * (w.K / BLK) * 512 + 32}, q.options().dtype(at::kShort));
+  const int64_t n = sglite_amx::packed_elems(w.N, w.K);
+  at::Tensor out = at::empty({n + 32}, q.options().dtype(at::kShort));
   const uintptr_t base = (uintptr_t)out.data_ptr<int16_t>(), off = ((base + 63) & ~(uintptr_t)63) - base;
-  at::Tensor view = out.narrow(0, off / 2, P * 2 * (w.K / BLK) * 512);
+  at::Tensor view = out.narrow(0, off / 2, n);
   sglite_amx::pack_b(w, (uint16_t*)view.data_ptr<int16_t>(), AtPar{});
   return view;
 }
 
+// y [M, N] = x @ W_stored.T (the caller adds the bias): x [M, K] bf16 (stored channel order), the
+// weight in 16-row tiles (group size 32, or 16 with 8-bit codes; N % 16 == 0), scales / mins
+// float32 or float16; packed: quant_amx_pack's tensor of the weight, or empty (dequantize per call).
+// Output bf16 (float32 accumulators rounded once) or float32 when !out_bf16.
 at::Tensor quant_gemm_amx(at::Tensor x, at::Tensor q, at::Tensor s, at::Tensor mn, int64_t bits, int64_t gs, bool out_bf16,
                           at::Tensor packed) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.scalar_type() == at::kBFloat16, "quant_gemm_amx: x must be bf16 [M >= 1, K]");
   TORCH_CHECK(bits == 4 || bits == 8, "quant_gemm_amx: bits must be 4 or 8");
   TORCH_CHECK(gs == BLK || (gs == 16 && bits == 8), "quant_gemm_amx: group_size must be 32 (or 16 with 8-bit codes), got ", gs);
-  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), nb = K / BLK, G = K / gs;
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = K / gs;
   TORCH_CHECK(K % BLK == 0 && q.scalar_type() == at::kByte && q.dim() == 2 && q.is_contiguous() &&
               q.size(1) * 8 == K * bits, "quant_gemm_amx: qweight must be contiguous uint8 [N, K * bits / 8], K % 32 == 0");
   TORCH_CHECK(N % TILE == 0, "quant_gemm_amx: the tiled weight needs N % 16 == 0, got N = ", N);
@@ -59,15 +61,9 @@ at::Tensor quant_gemm_amx(at::Tensor x, at::Tensor q, at::Tensor s, at::Tensor m
     xp = pad;
   }
   const uint16_t* xd = (const uint16_t*)xp.data_ptr<at::BFloat16>();
-  const QW w{q.data_ptr<uint8_t>(), (const float*)s.data_ptr(), mn.numel() > 0 ? (const float*)mn.data_ptr() : nullptr,
-             (int)bits, gs, N, K, half, true};
+  const QW w = amx_weight(q, s, mn, bits, gs);
   at::Tensor y = at::empty({M, N}, x.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
-  const uint16_t* pk = nullptr;
-  if (packed.numel() > 0) {
-    TORCH_CHECK(packed.scalar_type() == at::kShort && packed.numel() == (N / TILE + 1) / 2 * 2 * nb * 512 &&
-                ((uintptr_t)packed.data_ptr() & 63) == 0, "quant_gemm_amx: packed must be quant_amx_pack's tensor for this weight");
-    pk = (const uint16_t*)packed.data_ptr<int16_t>();
-  }
+  const uint16_t* pk = sglite_amx::packed_data(packed, N, K, "quant_gemm_amx");
   sglite_amx::gemm(w, xd, M, out_bf16 ? nullptr : y.data_ptr<float>(), out_bf16 ? y.data_ptr<at::BFloat16>() : nullptr, AtPar{}, pk);
   return y;
 }

@@ -13,6 +13,26 @@
 // Threads: tile pairs split by the caller's Par (thread_pool.h); each worker loads the tile
 // configuration itself (per-thread state) and releases it when its share is done.
 #pragma once
+
+namespace sglite_amx {
+
+// bf16 values of a weight [N, K] in gemm's B layout (pack_b): ceil(N / 32) tile pairs (a lone last
+// tile's partner zero) of 2 x K / 32 x 512.
+inline int64_t packed_elems(int64_t N, int64_t K) {
+  return (N / sglite_quant::TILE + 1) / 2 * 2 * (K / sglite_quant::BLK) * 512;
+}
+
+// t as the B layout of a weight [N, K] (quant_amx_pack's tensor: int16, contiguous, 64-byte aligned,
+// packed_elems long) -> its data; an empty t -> nullptr (dequantize per call). Errors prefixed `who`.
+inline const uint16_t* packed_data(const at::Tensor& t, int64_t N, int64_t K, const char* who) {
+  if (t.numel() == 0) return nullptr;
+  TORCH_CHECK(t.scalar_type() == at::kShort && t.is_contiguous() && ((uintptr_t)t.data_ptr() & 63) == 0 &&
+              t.numel() == packed_elems(N, K), who, ": a packed AMX weight must be quant_amx_pack's tensor of its weight");
+  return (const uint16_t*)t.data_ptr<int16_t>();
+}
+
+}  // namespace sglite_amx
+
 #ifdef SGQ_AMX
 #include <sys/syscall.h>
 #include <unistd.h>

@@ -144,8 +144,7 @@ class EngineBackend(Backend):
                                     **logprob_kwargs(**logprob))
 
     def score(self, prompt, continuations, unconditional=False, lora_path=None):
-        return self.engine.score(prompt, list(continuations), unconditional=unconditional,
-                                 **({"lora_path": lora_path} if lora_path else {}))
+        return self.engine.score(prompt, list(continuations), unconditional=unconditional, lora_path=lora_path)
 
     def cache_prefix(self, prefix: str) -> dict:
         return self.engine.cache_prefix(prefix)  # Engine.cache_prefix: {"prompt_tokens", "cached_tokens"}

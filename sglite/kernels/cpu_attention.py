@@ -73,10 +73,19 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
             and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1)
 
 
+CASCADE_MIN = 64  # shared keys from which a decode batch's common prefix is attended once (AMX)
+
+
+def default_cascade_min() -> int:
+    """The ``cascade_min`` of :func:`decode_attention` by default: :data:`CASCADE_MIN` when bf16
+    attention may use the AMX tiles (:func:`amx_mode`), else 0 (off)."""
+    return CASCADE_MIN if amx_mode() else 0
+
+
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      seq_lens: torch.Tensor, sm_scale: float, window: int = 0,
-                     softcap: float = 0.0) -> torch.Tensor:
+                     softcap: float = 0.0, cascade_min: Optional[int] = None) -> torch.Tensor:
     """Fused paged decode attention; same contract as :func:`.reference.decode_attention`.
 
     Args/returns: see the module docstring (q [B, Hq, D], pools [S, Hkv, D] float32/bfloat16,
@@ -84,6 +93,13 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     ``window`` > 0 (sliding-window layers): a request reads only its last ``window`` slots (the
     walk starts there, so slots before it are never touched: they may be freed); ``softcap`` > 0:
     ``cap * tanh(score / cap)`` on the scaled scores before the softmax (Gemma 2).
+    ``cascade_min`` (None: :func:`default_cascade_min`; 0: off): on a bf16 pool with the AMX tiles and no
+    window, rows whose slot rows share their first P >= cascade_min keys (a radix-cache prefix,
+    found per call: :func:`shared_prefix_groups`) attend those keys once per group on the tiles
+    (the group's rows x G heads as one query block), then each row its own keys, the two merged
+    by their softmax maxima and sums (the cascade / shared-prefix decomposition of Hydragen,
+    Juravsky et al. 2024, section 3; FlashInfer's cascade attention). Not batch-invariant (a
+    row's rounding depends on its group): deterministic callers pass 0.
     Raises:
         ValueError: mismatched shapes, Hq not a multiple of Hkv, a seq_len outside [1, Lmax].
         IndexError: a request row or a slot outside the table / pool.
@@ -95,13 +111,23 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                                           seq_lens, sm_scale, window, softcap)
     if req_to_token.dtype != torch.int32 or req_to_token.stride(-1) != 1:
         req_to_token = req_to_token.to(torch.int32).contiguous()
-    if window or softcap:
-        return ops.decode_attention(q, k_buffer, v_buffer, req_to_token,
-                                    req_pool_indices.to(torch.int64).contiguous(),
-                                    seq_lens.to(torch.int64).contiguous(), float(sm_scale), int(window), float(softcap))
-    return ops.decode_attention(q, k_buffer, v_buffer, req_to_token,
-                                req_pool_indices.to(torch.int64).contiguous(),
-                                seq_lens.to(torch.int64).contiguous(), float(sm_scale))
+    return ops.decode_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices.to(torch.int64).contiguous(),
+                                seq_lens.to(torch.int64).contiguous(), float(sm_scale), int(window), float(softcap),
+                                int(default_cascade_min() if cascade_min is None else cascade_min))
+
+
+def shared_prefix_groups(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                         min_shared: int = CASCADE_MIN) -> list[tuple[int, list[int]]]:
+    """The groups :func:`decode_attention` attends once: ``[(P, [batch rows])]``, rows whose slot
+    rows agree on keys ``[0, P)``, ``P >= min_shared``, each row keeping >= 1 key of its own
+    (bucketed by first slot; in a bucket the rows with the longest common prefix with its first
+    row, as many as maximise ``P (k - 1)``). Raises ValueError on malformed inputs."""
+    ops = load()
+    if ops is None:
+        raise RuntimeError("the C++ attention extension is unavailable")
+    out = ops.shared_prefix_groups(req_to_token.to(torch.int32).contiguous(), req_pool_indices.to(torch.int64).contiguous(),
+                                   seq_lens.to(torch.int64).contiguous(), int(min_shared))
+    return [(int(P), out[1 + g].tolist()) for g, P in enumerate(out[0].tolist())]
 
 
 @functools.lru_cache(maxsize=None)

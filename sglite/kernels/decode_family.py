@@ -104,7 +104,8 @@ class FamilyFusedDecode(FusedDecode):
             self.final_norm, cos, sin, lcos, lsin, self.local, self.window, float(getattr(a, "attn_softcap", 0.0)),
             float(getattr(a, "residual_scale", 1.0)), self.act, list(k_buffers), list(v_buffers), loc, rt, rows,
             lloc, lrt, lrows, fb.dec_seq_lens.contiguous(), Hq, Hkv, D, eps, sm, self.q8, self.tiled,
-            self.num_threads(), self.attn_split_min, ab, lrows_, spans, self.lora_split_min, self.amx_min(), self.packed)
+            self.num_threads(), self.attn_split_min, ab, lrows_, spans, self.lora_split_min, self.amx_min(), self.packed,
+            self.cascade_min())
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """:meth:`FusedDecode.head`, then the logits divisor and the final soft-capping."""

@@ -181,7 +181,7 @@ class FusedDecode:
             x.float().contiguous(), self.norms, self.lin, self.bits, self.final_norm, cos, sin, list(k_buffers),
             list(v_buffers), fb.out_cache_loc.contiguous(), rt, fb.dec_req_pool_indices.contiguous(),
             fb.dec_seq_lens.contiguous(), Hq, Hkv, D, eps, sm, self.q8, self.tiled, self.num_threads(),
-            self.attn_split_min, ab, rows, spans, self.lora_split_min, self.amx_min(), self.packed)
+            self.attn_split_min, ab, rows, spans, self.lora_split_min, self.amx_min(), self.packed, self.cascade_min())
 
     def amx_min(self) -> int:
         """Rows from which this step's tiled GEMMs run on the AMX tiles (quant_amx.h; bf16
@@ -191,6 +191,12 @@ class FusedDecode:
             self._amx = bool(self.q8 and self.tiled and not self.portable and self.model.dtype == torch.bfloat16
                              and quant_amx.available())
         return gemm_paths.AMX_MIN_ROWS if self._amx and gemm_paths.mode() == "auto" else 0
+
+    def cascade_min(self) -> int:
+        """Shared keys from which the step's rows that continue one cached prefix attend it once
+        per group (:func:`.cpu_attention.decode_attention`'s ``cascade_min``; bf16 pools on the AMX
+        tiles), or 0: off (float32 models; ``SGLITE_ATTN_AMX=0``; read per step)."""
+        return cpu_attention.default_cascade_min() if self.model.dtype == torch.bfloat16 and not self.portable else 0
 
     def max_rows(self) -> int:
         """Most decode rows of a fused step: :data:`MAX_ROWS_AMX` where the many-row GEMMs run on

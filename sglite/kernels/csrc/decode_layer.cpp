@@ -141,6 +141,17 @@ void attention(const AttnOp& attn, const at::Tensor& q, const at::Tensor& kb, co
   sglite_pool::Pool::get().run(n, n, share);
 }
 
+// Whether 2+ of the step's rows continue one cached prefix of >= cascade_min keys (the attention
+// op's shared_prefix_groups, decode_cascade.h), once per step: only such steps take the cascade's
+// single attention call per layer; the others keep the split above.
+inline int64_t step_cascade_min(const at::Tensor& rt, const at::Tensor& rows, const at::Tensor& lens, int64_t cascade_min) {
+  if (cascade_min <= 0 || rows.numel() < 2) return 0;
+  static auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("sglite_cpu_attention::shared_prefix_groups", "")
+      .typed<std::vector<at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>();
+  return op.call(rt, rows, lens, cascade_min)[0].numel() > 0 ? cascade_min : 0;
+}
+
 template <typename T> inline T cast_to(float v);
 template <> inline float cast_to<float>(float v) { return v; }
 template <> inline c10::BFloat16 cast_to<c10::BFloat16>(float v) { return c10::BFloat16(v); }
@@ -240,6 +251,7 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
   const float* np_ = norms.data_ptr<float>();
   const int64_t* loc = out_loc.data_ptr<int64_t>();
   at::Tensor q_t = at::empty({M, Hq, D}, x.options());
+  const int64_t casc = step_cascade_min(req_to_token, rows, lens, cascade_min);
   for (int64_t l = 0; l < L; ++l) {
     QW wqkv = weight(lin, 12 * l, bits[4 * l], tiled), wo = weight(lin, 12 * l + 3, bits[4 * l + 1], tiled);
     QW wgu = weight(lin, 12 * l + 6, bits[4 * l + 2], tiled), wd = weight(lin, 12 * l + 9, bits[4 * l + 3], tiled);
@@ -257,7 +269,7 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
     at::Tensor& vb = vbufs[l];
     store_kv_and_q(kb, vb, loc, qkv.data(), M, Hq, Hkv, D, Nqkv, q_t, "decode_forward", l);
     attention(attn, q_t, kb, vb, req_to_token, rows, lens, sm_scale, M, Hq, Hkv, D, (int)threads, attn_split_min,
-              att.data(), 0, 0.0, cascade_min);
+              att.data(), 0, 0.0, casc);
     gemv(wo, att.data(), M, tmp.data(), q8, par, amx_min);
     lora.apply(l, 1, att.data(), Hq * D, tmp.data(), H, par);
     for (int64_t i = 0; i < M * H; ++i) xr[i] += tmp[i];

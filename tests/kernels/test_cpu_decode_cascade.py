@@ -139,3 +139,17 @@ def test_groups_under_a_short_common_head(ops):
     assert sorted((P, len(r)) for P, r in found) == [(300, 2), (400, 3), (500, 4)]
     out = cpu_attention.decode_attention(q, k, v, rt, rows, lens, scale, cascade_min=64)
     torch.testing.assert_close(out.double(), oracle(q, k, v, rt, rows, lens, scale), atol=1.5e-2, rtol=1.5e-2)
+
+
+def test_cascade_with_softcap(ops):
+    """Soft-capping (Gemma 2) applies to the shared keys' scores on the tiles and to each row's own."""
+    q, k, v, rt, rows, lens, scale = make_batch([(150, [2, 5, 9])], [30], 8, 2, 64, seed=13)
+    q = q * 4  # large scores, so the cap matters
+    out = cpu_attention.decode_attention(q, k, v, rt, rows, lens, scale, 0, 5.0, cascade_min=64)
+    want = torch.empty(out.shape, dtype=torch.float64)
+    for b in range(len(rows)):
+        slots = rt[rows[b], :int(lens[b])].long()
+        for h in range(8):
+            s = q[b, h].double() @ k[slots, h // 4].double().T * scale
+            want[b, h] = torch.softmax(5.0 * torch.tanh(s / 5.0), -1) @ v[slots, h // 4].double()
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)

@@ -274,18 +274,30 @@ void scores(const Job<T>& j, const int32_t* slots, int64_t L, int h, const float
 // In place: row of L scores -> unnormalised weights exp(s - max); returns their sum (the max in *mx).
 inline float softmax_row(float* x, int64_t L, float* mx) {
   float m = -INFINITY, sum = 0;
-  for (int64_t t = 0; t < L; ++t) m = std::max(m, x[t]);
-  int64_t t = 0;
 #ifdef SGL_AVX512
-  __m512 vm = _mm512_set1_ps(m), vs = _mm512_setzero_ps();
-  for (; t + 16 <= L; t += 16) {
-    __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_loadu_ps(x + t), vm));
+  __m512 vmx = _mm512_set1_ps(-INFINITY);
+  int64_t t = 0;
+  for (; t + 16 <= L; t += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(x + t));
+  const __mmask16 tail = (__mmask16)((1u << (L - t)) - 1);
+  if (tail) vmx = _mm512_mask_max_ps(vmx, tail, vmx, _mm512_maskz_loadu_ps(tail, x + t));
+  m = _mm512_reduce_max_ps(vmx);
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 vs = _mm512_setzero_ps();
+  for (t = 0; t + 16 <= L; t += 16) {
+    const __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_loadu_ps(x + t), vm));
     _mm512_storeu_ps(x + t, e);
     vs = _mm512_add_ps(vs, e);
   }
+  if (tail) {  // the last L % 16 scores, masked (no scalar exp)
+    const __m512 e = _mm512_maskz_mov_ps(tail, exp_nonpos(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, x + t), vm)));
+    _mm512_mask_storeu_ps(x + t, tail, e);
+    vs = _mm512_add_ps(vs, e);
+  }
   sum = _mm512_reduce_add_ps(vs);
+#else
+  for (int64_t t = 0; t < L; ++t) m = std::max(m, x[t]);
+  for (int64_t t = 0; t < L; ++t) { x[t] = std::exp(x[t] - m); sum += x[t]; }
 #endif
-  for (; t < L; ++t) { x[t] = std::exp(x[t] - m); sum += x[t]; }
   *mx = m;
   return sum;
 }

@@ -410,7 +410,8 @@ void run(const Job<T>& j, int64_t B, int Hkv, int64_t max_len) {
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kb, const at::Tensor& vb,
                             const at::Tensor& rt, const at::Tensor& rows, const at::Tensor& lens,
-                            double sm_scale, int64_t window, double softcap, int64_t cascade_min) {
+                            double sm_scale, int64_t window, double softcap, int64_t cascade_min,
+                            const c10::optional<at::Tensor>& groups_in) {
   TORCH_CHECK_VALUE(q.dim() == 3 && kb.dim() == 3 && vb.dim() == 3, "decode_attention: q, k_buffer, v_buffer must be 3-D");
   TORCH_CHECK_VALUE(cascade_min >= 0, "decode_attention: cascade_min=", cascade_min, " must be >= 0");
   TORCH_CHECK_VALUE(window >= 0 && softcap >= 0, "decode_attention: window=", window, " and softcap=", softcap, " must be >= 0");
@@ -444,7 +445,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kb, const at:
                     G, (int)D, Dp, (float)sm_scale, window, (float)softcap};
 #ifdef SGL_AMX_ATTN
     if (cascade_min > 0 && window == 0 && G <= sglite_amx_attn::kMaxRows && B >= 2 && sglite_amx_attn::tiles_granted()) {
-      const std::vector<Group> groups = shared_prefix_groups(rtp, rt.stride(0), rp, lp, B, cascade_min);
+      const std::vector<Group> groups = groups_in.has_value() ? groups_from(*groups_in, lp, B)
+                                                              : shared_prefix_groups(rtp, rt.stride(0), rp, lp, B, cascade_min);
       if (!groups.empty()) {
         run_cascade(j, B, (int)Hkv, max_len, groups);
         return out;
@@ -466,8 +468,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kb, const at:
 TORCH_LIBRARY(sglite_cpu_attention, m) {
   m.def("decode_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, "
         "Tensor req_pool_indices, Tensor seq_lens, float sm_scale, int window=0, float softcap=0.0, "
-        "int cascade_min=0) -> Tensor");
-  m.def("shared_prefix_groups(Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, int min_shared) -> Tensor[]",
+        "int cascade_min=0, Tensor? groups=None) -> Tensor");
+  m.def("shared_prefix_groups(Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, int min_shared) -> Tensor",
         &shared_prefix_groups_op);
 }
 

@@ -180,6 +180,21 @@ void values_bf16(const Job<uint16_t>& j, const int32_t* slots, int64_t L, int h,
   __m512 acc[G][2 * NB];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < 2 * NB; ++c) acc[g][c] = _mm512_setzero_ps();
+  // The weights rounded to bf16 once, in place over the float32 scratch (row g's bf16 values at
+  // the start of its float row: each 16-value store lands on floats already read), a zero after an
+  // odd row so the last pair's second weight is 0; the caller's scratch is consumed.
+  for (int g = 0; g < G; ++g) {
+    float* pf = const_cast<float*>(p) + g * L;
+    uint16_t* pb = reinterpret_cast<uint16_t*>(pf);
+    int64_t t = 0;
+    for (; t + 16 <= L; t += 16) _mm256_storeu_si256((__m256i*)(pb + t), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(pf + t)));
+    if (t < L) {
+      const __mmask16 m = (__mmask16)((1u << (L - t)) - 1);
+      const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, pf + t));
+      _mm256_mask_storeu_epi16(pb + t, m, v);
+    }
+    if (L & 1) pb[L] = 0;
+  }
   const uint16_t* vh = j.v + h * j.vs1;
   for (int64_t t = 0; t < L; t += 2) {
     const bool two = t + 1 < L;
@@ -195,8 +210,8 @@ void values_bf16(const Job<uint16_t>& j, const int32_t* slots, int64_t L, int h,
       hi[b] = (__m512bh)_mm512_unpackhi_epi16(a, c);
     }
     for (int g = 0; g < G; ++g) {
-      const uint32_t w = (uint32_t)c10::BFloat16(p[g * L + t]).x |
-                         (two ? (uint32_t)c10::BFloat16(p[g * L + t + 1]).x << 16 : 0u);
+      uint32_t w;
+      std::memcpy(&w, reinterpret_cast<const uint16_t*>(p + g * L) + t, 4);  // (p[t], p[t + 1]) in bf16
       const __m512bh pw = (__m512bh)_mm512_set1_epi32((int)w);
       for (int b = 0; b < NB; ++b) {
         acc[g][2 * b] = _mm512_dpbf16_ps(acc[g][2 * b], lo[b], pw);

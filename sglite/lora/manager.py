@@ -21,6 +21,17 @@ from .pool import LoraBatch, LoraPool
 DEFAULT_MAX_RANK = 16
 
 
+def resolve_lora_dtype(lora_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The adapters' A / B storage dtype (vLLM's ``--lora-dtype``): ``bfloat16`` / ``float32`` as
+    named; ``auto`` = bfloat16 when the model's activations (``model_dtype``) are bfloat16, else
+    float32. Raises InvalidRequestError naming ``lora_dtype`` for another value."""
+    if lora_dtype == "auto":
+        return torch.bfloat16 if model_dtype == torch.bfloat16 else torch.float32
+    if lora_dtype in ("bfloat16", "float32"):
+        return getattr(torch, lora_dtype)
+    raise InvalidRequestError(f"lora_dtype: must be auto, bfloat16 or float32, got {lora_dtype!r}", field="lora_dtype")
+
+
 def initial_max_rank(max_lora_rank: Optional[int], lora_paths: tuple) -> int:
     """``max_lora_rank`` when given, else the largest ``r`` of the start-up adapters, else
     :data:`DEFAULT_MAX_RANK`."""
@@ -32,7 +43,8 @@ def initial_max_rank(max_lora_rank: Optional[int], lora_paths: tuple) -> int:
 
 class LoraManager:
     """Adapters by name plus their slots on ``device``. ``max_loras_per_batch``: slots (adapters
-    in one step); ``max_lora_rank``: the largest rank accepted."""
+    in one step); ``max_lora_rank``: the largest rank accepted; ``dtype``: the adapters' A / B
+    storage (:func:`resolve_lora_dtype`), whatever the model's activation dtype."""
 
     def __init__(self, shape: ModelShape, dtype: torch.dtype, device, max_loras_per_batch: int, max_lora_rank: int):
         self.shape, self.dtype = shape, dtype
@@ -94,10 +106,12 @@ class LoraManager:
     @classmethod
     def start(cls, config, shape: ModelShape, dtype: torch.dtype, device) -> "LoraManager":
         """The manager of an engine with ``config`` (``lora_paths``, ``max_loras_per_batch``,
-        ``max_lora_rank``), its start-up adapters loaded. Raises InvalidRequestError as
+        ``max_lora_rank``, ``lora_dtype``) over a model of activation ``dtype``, its start-up
+        adapters loaded. Raises InvalidRequestError as
         :meth:`read`."""
         paths = tuple(config.lora_paths or ())
-        m = cls(shape, dtype, device, config.max_loras_per_batch, initial_max_rank(config.max_lora_rank, paths))
+        m = cls(shape, resolve_lora_dtype(config.lora_dtype, dtype), device,
+                config.max_loras_per_batch, initial_max_rank(config.max_lora_rank, paths))
         for name, path in paths:
             m.add(m.read(name, path))
         return m

@@ -378,8 +378,6 @@ class EngineConfig:
         for name, path in self.lora_paths or ():
             if not os.path.isdir(path):
                 bad("lora_paths", f"adapter {name!r}: no such folder {path!r}")
-        if self.lora_paths and self.tp_size > 1:
-            bad("lora_paths", "LoRA adapters are not supported with tp_size > 1 yet")
 
     def _check_speculative(self, bad) -> None:
         alg = self.speculative_algorithm

@@ -64,6 +64,39 @@ def test_shards_sum_to_the_full_delta(tiny_model_dir, tmp_path, tp, modules):
             torch.testing.assert_close(summed, want)
 
 
+def test_manager_mirrors_loads_and_unloads(tiny_model_dir, tmp_path):
+    """The scheduler's manager repeats add / remove to its mirror (the workers); a failed load
+    leaves the adapter unserved."""
+    from sglite.lora import LoraManager
+    from sglite.runtime.model_loader import load_checkpoint
+
+    arch = LlamaArch.from_hf_config(load_checkpoint(str(tiny_model_dir)).hf_config)
+    path = write_adapter(tmp_path / "a", json.loads((tiny_model_dir / "config.json").read_text()), 4, SEVEN, 1)
+    calls = []
+
+    class Mirror:
+        fail = False
+
+        def load_lora(self, name, path, uid):
+            calls.append(("load", name, uid))
+            if self.fail:
+                raise RuntimeError("worker failed")
+
+        def unload_lora(self, name):
+            calls.append(("unload", name))
+
+    mirror = Mirror()
+    m = LoraManager(arch, torch.float32, "cpu", 2, 4, mirror)
+    a = m.read("a", str(path))
+    m.add(a)
+    m.remove("a")
+    assert calls == [("load", "a", a.uid), ("unload", "a")]
+    mirror.fail = True
+    with pytest.raises(RuntimeError, match="worker failed"):
+        m.add(m.read("a", str(path)))
+    assert m.names() == []
+
+
 # ---------------------------------------------------------------- worker processes (slow)
 PROMPTS = ["The sea is calm and", "Once upon a time there was", "def fibonacci(n):", "A list of colours: red,"]
 GREEDY = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}

@@ -128,10 +128,20 @@ void attention(const AttnOp& attn, const at::Tensor& q, const at::Tensor& kb, co
     const int64_t w = (h1 - h0) * G * D;
     for (int64_t m = m0; m < m1; ++m) std::memcpy(att + m * Hq * D + h0 * G * D, op + (m - m0) * w, sizeof(float) * w);
   };
+  // n contiguous shares of the flat task range (task = m * Hkv + h) of about equal work: a task
+  // costs its row's length plus a fixed 16 keys' worth (rows of a step differ in length by 10x)
   const int n = (int)std::min<int64_t>(threads, T);
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  std::vector<int64_t> bound(n + 1, T);
+  bound[0] = 0;
+  int64_t total = 0;
+  for (int64_t m = 0; m < M; ++m) total += (lp[m] + 16) * Hkv;
+  for (int64_t t = 0, acc = 0, c = 1; t < T && c < n; ++t) {
+    acc += lp[t / Hkv] + 16;
+    while (c < n && acc * n >= total * c) bound[c++] = t + 1;
+  }
   auto share = [&](int64_t c) {
-    int64_t a, b;
-    sglite_pool::split(0, T, (int)c, n, a, b);  // flat task range [a, b), task = m * Hkv + h
+    const int64_t a = bound[c], b = bound[c + 1];  // flat task range [a, b)
     if (a >= b) return;
     const int64_t ma = a / Hkv, ha = a % Hkv, mb = b / Hkv, hb = b % Hkv;
     if (ma == mb) return piece(ma, ma + 1, ha, hb);

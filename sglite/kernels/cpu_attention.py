@@ -154,6 +154,16 @@ def amx_mode() -> bool:
     return mode != "0"
 
 
+def describe() -> str:
+    """One line for the start-up log: which path a bf16 pool's attention takes here."""
+    if not amx_mode():
+        return "bf16 KV pool attention: AVX-512 (SGLITE_ATTN_AMX=0)"
+    if not amx_ready():
+        return "bf16 KV pool attention: AVX-512 (no AMX tiles here)"
+    return (f"bf16 KV pool attention: extend on the AMX tiles; decode rows sharing >= {CASCADE_MIN} cached "
+            "keys attend them once per group on the tiles (SGLITE_ATTN_AMX=auto)")
+
+
 def amx_ready() -> bool:
     """True when the extend kernel's build has the AMX attention path and the tiles are granted."""
     ops = load_extend()

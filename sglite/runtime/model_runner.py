@@ -137,6 +137,10 @@ class ModelRunner:
         probe = [lw.weight for lw in self.model.linear_weights()[:-1] if isinstance(lw, kernels.LinearWeight)]
         impl = kernels.choose_impl(config.cpu_decode_gemv, self.dtype, self.device, probe, deterministic)
         self.model.use_linear_impl(impl)
+        if cpu_bf16 and kernels.resolve_impl(None, torch.empty(0), "extend_attention") == "cpp":
+            from sglite.kernels import cpu_attention
+
+            log.info("%s", cpu_attention.describe())
         if impl == "invariant":
             log.info("deterministic inference: batch-invariant matmuls, attention and activations")
         elif impl != "torch":

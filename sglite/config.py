@@ -63,6 +63,12 @@ class EngineConfig:
             the prefill budget beside decoding requests (decode priority; 0 = every step mixes a
             chunk in). Trades a
             longer TTFT for long prompts against shorter stalls for requests already decoding.
+        max_mixed_prefill_tokens: most prompt tokens one step admits beside decoding requests:
+            the first waiting prompt is always admitted (chunked by ``chunked_prefill_size``), a
+            further one only when the step's prefill tokens stay within this (-1 / None: off, the
+            prefill budget alone). One 200-token arrival then runs its own short step instead of
+            sharing a twice as long one, so both its TTFT and the decoding requests' next token
+            come sooner. Without decoding requests (a burst into an idle engine) it does not apply.
         page_size: KV slots allocated and prefix-matched in whole pages of this many tokens.
             With ``kv_cache_dtype`` int8 / int4 a page holds whole key groups: 1 becomes
             ``kv_cache_quant_group_size``, other values must be multiples of it.
@@ -220,6 +226,7 @@ class EngineConfig:
     max_prefill_tokens: int = 8192
     chunked_prefill_size: Optional[int] = 512
     decode_steps_per_chunk: int = 2
+    max_mixed_prefill_tokens: Optional[int] = 256
     page_size: int = 1
     kv_cache_dtype: str = "auto"
     kv_cache_quant_group_size: int = 128
@@ -297,6 +304,9 @@ class EngineConfig:
             bad("cpu_decode_gemv", f"must be auto|cpp|fp16|off, got {self.cpu_decode_gemv!r}")
         if self.num_threads is not None and self.num_threads < 1:
             bad("num_threads", f"must be >= 1, got {self.num_threads}")
+        if self.max_mixed_prefill_tokens is not None and self.max_mixed_prefill_tokens != -1 \
+                and self.max_mixed_prefill_tokens < 1:
+            bad("max_mixed_prefill_tokens", f"must be -1 (off) or >= 1, got {self.max_mixed_prefill_tokens}")
         if self.decode_steps_per_chunk < 0:
             bad("decode_steps_per_chunk", f"must be >= 0, got {self.decode_steps_per_chunk}")
         if self.page_size < 1:
@@ -414,6 +424,12 @@ class EngineConfig:
         if unknown:
             raise InvalidRequestError(f"unknown engine option(s) {unknown}; known: {sorted(known)}", field=unknown[0])
         return cls(**kwargs)
+
+    @property
+    def mixed_prefill_cap(self) -> Optional[int]:
+        """Effective ``max_mixed_prefill_tokens``, or None when off."""
+        c = self.max_mixed_prefill_tokens
+        return None if c is None or c == -1 else c
 
     @property
     def chunk_size(self) -> Optional[int]:

@@ -94,6 +94,21 @@ def clear_stale_lock(lock: Path, stale_after_s: float = STALE_LOCK_S, poll_s: fl
         time.sleep(poll_s)
 
 
+def with_bindings(source: str, functions: Sequence[str]) -> str:
+    """``source`` plus its pybind module: each of ``functions`` bound through torch's
+    ``wrap_pybind_function_no_gil`` (torch's error translation, the GIL released while the kernel
+    runs). ``load_inline(functions=...)`` binds them holding the GIL, so a fused decode step (one
+    C++ call of tens of ms) stopped every other Python thread of the process -- the server's event
+    loop and request preparation -- for its whole length. The kernels touch no Python object;
+    calls from two threads at once were already possible (torch's own ops release the GIL), and
+    the decode thread pool runs a second caller serially (``csrc/thread_pool.h``)."""
+    for f in functions:
+        if not re.fullmatch(r"[A-Za-z_]\w*", f):
+            raise ValueError(f"load_cpp: function name {f!r} is not a C++ identifier")
+    binds = "\n".join(f'  m.def("{f}", torch::wrap_pybind_function_no_gil({f}), "{f}");' for f in functions)
+    return f"{source}\n\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{binds}\n}}\n"
+
+
 def load_cpp(name: str, source: str, extra_cflags: Sequence[str] = ("-O3",), *,
              functions: Optional[Sequence[str]] = None, ops_namespace: Optional[str] = None):
     """Build (or reuse) and load C++ ``source``; None after one logged warning on any failure.
@@ -102,7 +117,8 @@ def load_cpp(name: str, source: str, extra_cflags: Sequence[str] = ("-O3",), *,
         name: extension name (a Python identifier); the build lands in
             ``cache_root()/torch_extensions/<name>_<tag>``.
         source: C++ text. With ``functions``, torch's headers are included and pybind bindings
-            are generated for those function names; with ``ops_namespace`` the source registers
+            are generated for those function names (:func:`with_bindings`: the GIL is released
+            while one runs); with ``ops_namespace`` the source registers
             its own ``TORCH_LIBRARY(ops_namespace, ...)`` and includes what it needs.
         extra_cflags: compiler flags (e.g. ``-O3 -mavx512bf16``).
         functions: names of C++ functions to expose on the returned module.
@@ -116,13 +132,15 @@ def load_cpp(name: str, source: str, extra_cflags: Sequence[str] = ("-O3",), *,
     try:
         from torch.utils.cpp_extension import load_inline
 
+        if functions is not None:
+            source = with_bindings(source, functions)
         full = f"{name}_{build_tag(source, ' '.join(extra_cflags))}"
         build_dir = cache_root() / "torch_extensions" / full
         build_dir.mkdir(parents=True, exist_ok=True)
         clear_stale_lock(build_dir / "lock")
         if functions is not None:
-            return load_inline(name=full, cpp_sources=[source], functions=list(functions),
-                               extra_cflags=list(extra_cflags), build_directory=str(build_dir), verbose=False)
+            return load_inline(name=full, cpp_sources=[source], extra_cflags=list(extra_cflags),
+                               build_directory=str(build_dir), verbose=False)
         load_inline(name=full, cpp_sources=[source], extra_cflags=list(extra_cflags),
                     build_directory=str(build_dir), is_python_module=False, no_implicit_headers=True,
                     verbose=False)

@@ -147,6 +147,9 @@ class Scheduler:
         beside decoding requests, the next ``decode_steps_per_chunk`` steps are decode-only, so a
         long prompt stalls each decoding request for a fraction of the chunk time instead of the
         whole of it; steps that admit only short prompts never hold the next arrivals back.
+        Beside decoding requests a step admits the first waiting prompt and further ones only
+        within ``max_mixed_prefill_tokens`` (see :meth:`_admit`): arrivals get short steps of
+        their own instead of sharing one long step.
         """
         if not self.has_work():
             return None
@@ -253,6 +256,9 @@ class Scheduler:
         if not self.waiting:
             return
         budget = self._budget() - sum(e.n for e in entries if e.n > 1)
+        # beside decoding requests, prompts after the first fit whole within the mixed cap or wait
+        cap = self.config.mixed_prefill_cap if any(not e.req.prefilling for e in entries) else None
+        used = sum(e.n for e in entries if e.req.prefilling)
         order = order_waiting(self.config.schedule_policy, list(self.waiting), self.kv.cache)
         prefilling = [r for r in self.running if r.prefilling]
         adapters = {r.lora.uid for r in self.running if r.lora is not None}
@@ -268,6 +274,8 @@ class Scheduler:
             if self._shares_uncached_prefix(r, m, prefilling):
                 continue
             n = min(r.seq_len - m, budget)
+            if cap is not None and used > 0 and used + n > cap:
+                break  # the next step takes it: this one stays short (its arrivals' TTFT)
             # FIFO fairness: when the head does not fit, later requests do not overtake it
             if not self.kv.can_admit(m, n, len(self.running) + 1) or not self.kv.admit(r, prefix, node, n):
                 break
@@ -282,6 +290,7 @@ class Scheduler:
                 adapters.add(r.lora.uid)
             entries.append(StepEntry(r, n, m))
             budget -= n
+            used += n
 
     # ------------------------------------------------------------------ results
     def sample(self, plan: StepPlan, logits: torch.Tensor, bitmask: Optional[torch.Tensor] = None) -> Optional[SampleOutput]:

@@ -196,7 +196,9 @@ class FusedDecode:
         """As :meth:`amx_min` for the tiled LM head (:func:`.gemm_paths.fused_amx_min` of its shape:
         from 9 rows for a head of 8 MiB of codes or more), or 0: off."""
         w = self.model.lm_head
-        return gemm_paths.fused_amx_min(int(w.shape[0]), int(w.shape[1]), int(w.bits)) if self._amx_on() else 0
+        if self.head_kind != "q8" or not w.tiled or not self._amx_on():
+            return 0
+        return gemm_paths.fused_amx_min(int(w.shape[0]), int(w.shape[1]), int(w.bits))
 
     def _amx_on(self) -> bool:
         if self._amx is None:  # the static part, once (the build and the tile grant are per process)

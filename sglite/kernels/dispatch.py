@@ -240,7 +240,12 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, *, batch_invariant: bool = False)
 def gelu_tanh_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """GeGLU's activation with the tanh GELU (Shazeer 2020; Hendrycks & Gimpel 2016, eq. for the
     tanh approximation): ``gelu_tanh(g) * u``, as HF's ``gelu_pytorch_tanh`` (Gemma 2/3 MLPs).
-    g, u: [..., I] of one dtype; returns the same shape and dtype."""
+    g, u: [..., I] of one dtype; returns the same shape and dtype. bf16 on CPU:
+    :func:`.cpu_gemv.gelu_tanh_mul` (one pass, halves read in place; the tanh from the kernel's exp,
+    so a bf16 element may differ from torch's by one rounding step); float32 and elsewhere: torch's
+    ops (the reference, transformers' own)."""
+    if g.device.type == "cpu" and g.dtype == torch.bfloat16 and cpu_gemv.available():
+        return cpu_gemv.gelu_tanh_mul(g, u)
     return torch.nn.functional.gelu(g, approximate="tanh") * u
 
 

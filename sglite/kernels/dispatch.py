@@ -165,8 +165,9 @@ def _cpu_elementwise(x: torch.Tensor, op: str):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, batch_invariant: bool = False) -> torch.Tensor:
     """RMSNorm over the last dim (Zhang & Sennrich 2019): ``x / sqrt(mean(x^2) + eps) * weight``.
 
-    x: [..., H]; weight: [H]; returns x's shape and dtype. On CPU (float32/bf16, weight of x's
-    dtype, rows with unit stride): the C++ kernel :func:`.cpu_elementwise.add_rms_norm` (one pass
+    x: [..., H]; weight: [H] of x's dtype, or float32 with a bf16 x (then the float32 norm of x,
+    rounded once to bf16: ``rms_norm(x.float(), weight).to(bf16)``); returns x's shape and dtype.
+    On CPU (float32/bf16, rows with unit stride): the C++ kernel :func:`.cpu_elementwise.add_rms_norm` (one pass
     per row, torch's rounding, a fixed float32 reduction order: row-invariant); elsewhere
     ``F.rms_norm`` (on CPU also row-invariant: torch reduces each row with the same code whatever
     the row count; checked in tests/runtime/test_deterministic.py). ``batch_invariant`` on CUDA
@@ -182,6 +183,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, batch_invaria
         x2 = x if x.dim() == 2 else (x.view(-1, x.shape[-1]) if x.is_contiguous() else None)
         if x2 is not None and ce.norm_supported(x2, None, weight):
             return ce.add_rms_norm(x2, None, weight, eps)[1].view(x.shape)
+    if weight.dtype != x.dtype:  # a float32 weight on bf16 x: the float32 norm, one rounding
+        return torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
     return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
 
 

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+from typing import Optional
 
 import torch
 
@@ -71,10 +73,19 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
             and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1)
 
 
+CASCADE_MIN = 64  # shared keys from which a decode batch's common prefix is attended once (AMX)
+
+
+def default_cascade_min() -> int:
+    """The ``cascade_min`` of :func:`decode_attention` by default: :data:`CASCADE_MIN` when bf16
+    attention may use the AMX tiles (:func:`amx_mode`), else 0 (off)."""
+    return CASCADE_MIN if amx_mode() else 0
+
+
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      seq_lens: torch.Tensor, sm_scale: float, window: int = 0,
-                     softcap: float = 0.0) -> torch.Tensor:
+                     softcap: float = 0.0, cascade_min: Optional[int] = None) -> torch.Tensor:
     """Fused paged decode attention; same contract as :func:`.reference.decode_attention`.
 
     Args/returns: see the module docstring (q [B, Hq, D], pools [S, Hkv, D] float32/bfloat16,
@@ -82,6 +93,13 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     ``window`` > 0 (sliding-window layers): a request reads only its last ``window`` slots (the
     walk starts there, so slots before it are never touched: they may be freed); ``softcap`` > 0:
     ``cap * tanh(score / cap)`` on the scaled scores before the softmax (Gemma 2).
+    ``cascade_min`` (None: :func:`default_cascade_min`; 0: off): on a bf16 pool with the AMX tiles and no
+    window, rows whose slot rows share their first P >= cascade_min keys (a radix-cache prefix,
+    found per call: :func:`shared_prefix_groups`) attend those keys once per group on the tiles
+    (the group's rows x G heads as one query block), then each row its own keys, the two merged
+    by their softmax maxima and sums (the cascade / shared-prefix decomposition of Hydragen,
+    Juravsky et al. 2024, section 3; FlashInfer's cascade attention). Not batch-invariant (a
+    row's rounding depends on its group): deterministic callers pass 0.
     Raises:
         ValueError: mismatched shapes, Hq not a multiple of Hkv, a seq_len outside [1, Lmax].
         IndexError: a request row or a slot outside the table / pool.
@@ -93,13 +111,23 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                                           seq_lens, sm_scale, window, softcap)
     if req_to_token.dtype != torch.int32 or req_to_token.stride(-1) != 1:
         req_to_token = req_to_token.to(torch.int32).contiguous()
-    if window or softcap:
-        return ops.decode_attention(q, k_buffer, v_buffer, req_to_token,
-                                    req_pool_indices.to(torch.int64).contiguous(),
-                                    seq_lens.to(torch.int64).contiguous(), float(sm_scale), int(window), float(softcap))
-    return ops.decode_attention(q, k_buffer, v_buffer, req_to_token,
-                                req_pool_indices.to(torch.int64).contiguous(),
-                                seq_lens.to(torch.int64).contiguous(), float(sm_scale))
+    return ops.decode_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices.to(torch.int64).contiguous(),
+                                seq_lens.to(torch.int64).contiguous(), float(sm_scale), int(window), float(softcap),
+                                int(default_cascade_min() if cascade_min is None else cascade_min))
+
+
+def shared_prefix_groups(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                         min_shared: int = CASCADE_MIN) -> list[tuple[int, list[int]]]:
+    """The groups :func:`decode_attention` attends once: ``[(P, [batch rows])]``, rows whose slot
+    rows agree on keys ``[0, P)``, ``P >= min_shared``, each row keeping >= 1 key of its own
+    (bucketed by first slot; in a bucket the rows with the longest common prefix with its first
+    row, as many as maximise ``P (k - 1)``). Raises ValueError on malformed inputs."""
+    ops = load()
+    if ops is None:
+        raise RuntimeError("the C++ attention extension is unavailable")
+    out = ops.shared_prefix_groups(req_to_token.to(torch.int32).contiguous(), req_pool_indices.to(torch.int64).contiguous(),
+                                   seq_lens.to(torch.int64).contiguous(), int(min_shared))
+    return [(int(P), out[1 + g].tolist()) for g, P in enumerate(out[0].tolist())]
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,6 +138,22 @@ def load_extend():
                     ops_namespace="sglite_cpu_extend")
 
 
+def amx_mode() -> bool:
+    """Whether bf16-pool attention may run on the AMX tiles (``csrc/amx_attention.h``):
+    ``SGLITE_ATTN_AMX`` = ``auto`` (default: yes where the build has the AMX path and Linux grants
+    the tile state; the kernels check both) or ``0`` (the AVX-512 paths). Read per call."""
+    mode = os.environ.get("SGLITE_ATTN_AMX", "auto").strip().lower()
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"SGLITE_ATTN_AMX={mode!r}: expected auto, 0 or 1")
+    return mode != "0"
+
+
+def amx_ready() -> bool:
+    """True when the extend kernel's build has the AMX attention path and the tiles are granted."""
+    ops = load_extend()
+    return bool(ops is not None and ops.amx_ready())
+
+
 def extend_available() -> bool:
     """True when the extend-attention extension compiled (or was already built) and loaded."""
     return load_extend() is not None
@@ -118,7 +162,7 @@ def extend_available() -> bool:
 def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      prefix_lens: torch.Tensor, extend_lens: torch.Tensor, sm_scale: float,
-                     window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                     window: int = 0, softcap: float = 0.0, amx: Optional[bool] = None) -> torch.Tensor:
     """Paged extend (prefill) attention in C++; same contract as :func:`.reference.extend_attention`.
 
     Args:
@@ -133,6 +177,9 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
             only; a task starts at the tile of its first row's first visible key (keys before it
             are never read: they may be freed). 0: every key.
         softcap: > 0: ``cap * tanh(score / cap)`` on the scaled scores before the softmax (Gemma 2).
+        amx: bf16 pools on the AMX tiles (``csrc/amx_attention.h``) where the build has them and
+            Linux grants the tile state; None: :func:`amx_mode` (``SGLITE_ATTN_AMX``); False: the
+            AVX-512 path below.
     Returns:
         [N, Hq, D] in q's dtype. New token i of request b sees keys 0 .. prefix_lens[b] + i
         (the last ``window`` of them with a window).
@@ -154,6 +201,14 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     rounding. A row's result depends only on its own query, position and keys (tiles are anchored
     at key 0 of the request), never on the batch, the block it shares or the thread split.
     Head dims are padded to 64, 128 or 256 inside the kernel.
+
+    The AMX path (bf16 pools, G <= 64): the same tasks and anchoring, keys in blocks of up to 256;
+    S = Q K^T and P V run on TDPBF16PS tiles from K^T and V repacked per block (16 x 16 transposes
+    of bf16 pairs; key pairs interleaved per dimension), the masks and the online softmax in
+    float32 on AVX-512. The scaled query and the weights P are rounded to bf16 once (float32
+    sums): the same order of error as the reference's bf16 scores, and a row still depends only on
+    its own query, position and keys. 1.9-5.9x the AVX-512 path per layer on a 2-core Sapphire
+    Rapids VM (``SGLITE_ATTN_AMX=0`` compares; docs/benchmarks.md).
     Falls back to the reference when the extension is unavailable or the inputs are not covered.
     """
     ops = load_extend()
@@ -164,6 +219,4 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         req_to_token = req_to_token.to(torch.int32).contiguous()
     args = (q, k_buffer, v_buffer, req_to_token, req_pool_indices.to(torch.int64).contiguous(),
             prefix_lens.to(torch.int64).contiguous(), extend_lens.to(torch.int64).contiguous(), float(sm_scale))
-    if window or softcap:
-        return ops.extend_attention(*args, int(window), float(softcap))
-    return ops.extend_attention(*args)
+    return ops.extend_attention(*args, int(window), float(softcap), int(amx_mode() if amx is None else amx))

@@ -35,6 +35,7 @@ from typing import Optional
 
 from . import decode_fused
 from .decode_fused import _NO_ROWS, LINEAR_KEYS, FusedDecode, load
+from .device import serial_torch
 
 NORM_KEYS = ("in_norm", "attn_out_norm", "ffn_in_norm", "ffn_out_norm")
 QK_KINDS = {"": 0, "head": 1, "full": 2}
@@ -80,31 +81,34 @@ class FamilyFusedDecode(FusedDecode):
         """[N, H] float32 final-normed hidden states of the step's decode rows (KV written), with
         the rows' LoRA deltas when the step has adapters (``fb.lora``)."""
         m, a = self.model, self.model.arch
-        x = m.embed_rows(fb.input_ids)  # [N, H] model dtype
-        es = float(getattr(a, "embed_scale", 1.0))
-        if es != 1.0:  # as FamilyModel._forward: in the model dtype
-            x = x * (torch.tensor(es, dtype=x.dtype) if getattr(a, "embed_scale_in_dtype", False) else es)
-        pos = fb.positions
-        cos, sin = m.cos[pos].contiguous(), m.sin[pos].contiguous()  # [N, D/2] float32
-        lc, ls = getattr(m, "local_cos", m.cos), getattr(m, "local_sin", m.sin)
-        lcos, lsin = (cos, sin) if lc is m.cos else (lc[pos].contiguous(), ls[pos].contiguous())
-        rt = fb.req_to_token if fb.req_to_token.dtype == torch.int32 else fb.req_to_token.to(torch.int32)
-        rows, loc = fb.dec_req_pool_indices.contiguous(), fb.out_cache_loc.contiguous()
-        swa = fb.swa
-        if swa is not None:  # local layers: the hybrid pool's local slots
-            lrt = swa.req_to_token if swa.req_to_token.dtype == torch.int32 else swa.req_to_token.to(torch.int32)
-            lloc, lrows = swa.out_cache_loc.contiguous(), swa.dec_rows.contiguous()
-        else:
-            lrt, lloc, lrows = rt, loc, rows
+        with serial_torch():  # the torch glue on this thread (device.serial_torch: OpenMP stalls under load)
+            x = m.embed_rows(fb.input_ids)  # [N, H] model dtype
+            es = float(getattr(a, "embed_scale", 1.0))
+            if es != 1.0:  # as FamilyModel._forward: in the model dtype
+                x = x * (torch.tensor(es, dtype=x.dtype) if getattr(a, "embed_scale_in_dtype", False) else es)
+            pos = fb.positions
+            cos, sin = m.cos[pos].contiguous(), m.sin[pos].contiguous()  # [N, D/2] float32
+            lc, ls = getattr(m, "local_cos", m.cos), getattr(m, "local_sin", m.sin)
+            lcos, lsin = (cos, sin) if lc is m.cos else (lc[pos].contiguous(), ls[pos].contiguous())
+            rt = fb.req_to_token if fb.req_to_token.dtype == torch.int32 else fb.req_to_token.to(torch.int32)
+            rows, loc = fb.dec_req_pool_indices.contiguous(), fb.out_cache_loc.contiguous()
+            swa = fb.swa
+            if swa is not None:  # local layers: the hybrid pool's local slots
+                lrt = swa.req_to_token if swa.req_to_token.dtype == torch.int32 else swa.req_to_token.to(torch.int32)
+                lloc, lrows = swa.out_cache_loc.contiguous(), swa.dec_rows.contiguous()
+            else:
+                lrt, lloc, lrows = rt, loc, rows
+            x = x.float().contiguous()
         Hq, Hkv, D, eps, sm = self.dims
         lora = getattr(fb, "lora", None)
         ab, lrows_, spans = ([], _NO_ROWS, []) if lora is None else lora.fused_args(LINEAR_KEYS, x.shape[0])
         return load(self.portable).decode_family_forward(
-            x.float().contiguous(), self.norms, self.norm_mask, self.qk_norms, self.qk_kind, self.lin, self.bits,
+            x, self.norms, self.norm_mask, self.qk_norms, self.qk_kind, self.lin, self.bits,
             self.final_norm, cos, sin, lcos, lsin, self.local, self.window, float(getattr(a, "attn_softcap", 0.0)),
             float(getattr(a, "residual_scale", 1.0)), self.act, list(k_buffers), list(v_buffers), loc, rt, rows,
             lloc, lrt, lrows, fb.dec_seq_lens.contiguous(), Hq, Hkv, D, eps, sm, self.q8, self.tiled,
-            self.num_threads(), self.attn_split_min, ab, lrows_, spans, self.lora_split_min, self.amx_min(), self.packed)
+            self.num_threads(), self.attn_split_min, ab, lrows_, spans, self.lora_split_min, self.amx_min(), self.packed,
+            self.cascade_min())
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """:meth:`FusedDecode.head`, then the logits divisor and the final soft-capping."""

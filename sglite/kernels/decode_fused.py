@@ -74,7 +74,7 @@ from typing import Optional, Protocol
 import torch
 
 from .cpu_build import load_cpp, read_source
-from .device import cpu_flags
+from .device import cpu_flags, serial_torch
 from .quant_layout import compact_scales, tile_rows, tileable_group
 from .quant_linear import QuantLinearWeight
 from . import cpu_attention, gemm_paths, quant_amx, quant_cpu
@@ -171,19 +171,20 @@ class FusedDecode:
         """[N, H] float32 final-normed hidden states of the step's decode rows (KV written), with
         the rows' LoRA deltas when the step has adapters (``fb.lora``: a :class:`LoraStep`)."""
         m = self.model
-        x = m.embed_rows(fb.input_ids)  # [N, H]
-        cos, sin = m.cos[fb.positions].contiguous(), m.sin[fb.positions].contiguous()  # [N, D/2] float32
-        rt = fb.req_to_token
-        if rt.dtype != torch.int32:
-            rt = rt.to(torch.int32)
+        with serial_torch():  # the torch glue on this thread (device.serial_torch: OpenMP stalls under load)
+            x = m.embed_rows(fb.input_ids).float().contiguous()  # [N, H]
+            cos, sin = m.cos[fb.positions].contiguous(), m.sin[fb.positions].contiguous()  # [N, D/2] float32
+            rt = fb.req_to_token
+            if rt.dtype != torch.int32:
+                rt = rt.to(torch.int32)
         Hq, Hkv, D, eps, sm = self.dims
         lora = getattr(fb, "lora", None)
         ab, rows, spans = ([], _NO_ROWS, []) if lora is None else lora.fused_args(LINEAR_KEYS, x.shape[0])
         return load(self.portable).decode_forward(
-            x.float().contiguous(), self.norms, self.lin, self.bits, self.final_norm, cos, sin, list(k_buffers),
+            x, self.norms, self.lin, self.bits, self.final_norm, cos, sin, list(k_buffers),
             list(v_buffers), fb.out_cache_loc.contiguous(), rt, fb.dec_req_pool_indices.contiguous(),
             fb.dec_seq_lens.contiguous(), Hq, Hkv, D, eps, sm, self.q8, self.tiled, self.num_threads(),
-            self.attn_split_min, ab, rows, spans, self.lora_split_min, self.amx_min(), self.packed)
+            self.attn_split_min, ab, rows, spans, self.lora_split_min, self.amx_min(), self.packed, self.cascade_min())
 
     def amx_min(self) -> int:
         """Rows from which this step's tiled layer GEMMs run on the AMX tiles (quant_amx.h; bf16
@@ -205,6 +206,12 @@ class FusedDecode:
             self._amx = bool(self.q8 and self.tiled and not self.portable and self.model.dtype == torch.bfloat16
                              and quant_amx.available())
         return self._amx and gemm_paths.mode() == "auto"
+
+    def cascade_min(self) -> int:
+        """Shared keys from which the step's rows that continue one cached prefix attend it once
+        per group (:func:`.cpu_attention.decode_attention`'s ``cascade_min``; bf16 pools on the AMX
+        tiles), or 0: off (float32 models; ``SGLITE_ATTN_AMX=0``; read per step)."""
+        return cpu_attention.default_cascade_min() if self.model.dtype == torch.bfloat16 and not self.portable else 0
 
     def max_rows(self) -> int:
         """Most decode rows of a fused step: :data:`MAX_ROWS_AMX` where the many-row GEMMs run on
@@ -246,7 +253,8 @@ class FusedDecode:
         if hidden is not None:
             hidden.append(h)
         if fb.logits_indices.shape[0] != n:
-            h = h[fb.logits_indices]
+            with serial_torch():
+                h = h[fb.logits_indices].contiguous()
         return self.head(h.contiguous())
 
 

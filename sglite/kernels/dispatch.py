@@ -133,7 +133,8 @@ def decode_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_
         from . import cpu_attention
 
         if cpu_attention.supported(q, k_buffer, v_buffer):
-            return cpu_attention.decode_attention(*args)
+            return cpu_attention.decode_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
+                                                  sm_scale, window, softcap, cascade_min=0)  # per-row: no shared-prefix pass
     return reference.decode_attention_rowwise(*args)
 
 

@@ -82,7 +82,7 @@ def test_dispatcher_sends_window_and_softcap_to_cpp(dec_ops, ext_ops, monkeypatc
     calls = []
     for name in ("decode_attention", "extend_attention"):
         real = getattr(cpu_attention, name)
-        monkeypatch.setattr(cpu_attention, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+        monkeypatch.setattr(cpu_attention, name, lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw))
     case = make_case([(30, 9), (0, 5)], 4, 2, 32, torch.float32, True, seed=2)
     out = kernels.extend_attention(*case, window=6, softcap=20.0)
     torch.testing.assert_close(out, reference.extend_attention(*case, 6, 20.0), atol=2e-5, rtol=1e-4)

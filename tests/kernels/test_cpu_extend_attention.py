@@ -76,22 +76,31 @@ CASES = [  # ([(prefix, extend)], Hq, Hkv, D)
 ]
 
 
+@pytest.mark.parametrize("amx", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_major", [True, False])
 @pytest.mark.parametrize("lens,Hq,Hkv,D", CASES)
-def test_matches_reference_and_float64_oracle(ops, lens, Hq, Hkv, D, dtype, head_major):
+def test_matches_reference_and_float64_oracle(ops, lens, Hq, Hkv, D, dtype, head_major, amx):
+    """``amx``: a bf16 pool may take the AMX tiles (where this CPU has them; float32 pools never do)."""
     case = make_case(lens, Hq, Hkv, D, dtype, head_major, seed=len(lens) * 7 + D + Hq)
-    out = cpu_attention.extend_attention(*case)
+    out = cpu_attention.extend_attention(*case, amx=amx)
     assert out.shape == case[0].shape and out.dtype == dtype
     want = oracle(*case)
     ref = reference.extend_attention(*case).double()
+    err, ref_err = (out.double() - want).abs().mean(), (ref - want).abs().mean()
     if dtype == torch.float32:
         torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    elif amx and cpu_attention.amx_ready() and Hq // Hkv <= 64:
+        # the tiles round the scaled query and the softmax weights to bf16 (float32 sums), as
+        # SDPA in bf16 rounds the scores and the weights: the same order of error
+        torch.testing.assert_close(out.double(), want, atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(out.double(), ref, atol=4e-2, rtol=4e-2)
+        assert err <= 2 * ref_err + 1e-4
     else:  # one bf16 rounding of the output here; the reference (SDPA in bf16) rounds more
         torch.testing.assert_close(out.double(), want, atol=1e-2, rtol=1e-2)
         torch.testing.assert_close(out.double(), ref, atol=4e-2, rtol=4e-2)
-        assert (out.double() - want).abs().mean() <= (ref - want).abs().mean() + 1e-4
+        assert err <= ref_err + 1e-4
 
 
 def test_random_shapes_against_reference(ops):

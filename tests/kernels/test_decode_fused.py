@@ -220,6 +220,33 @@ def test_fused_thresholds_per_weight_and_few_row_amx_head(quantized_tiny, monkey
         e.shutdown()
 
 
+@pytest.mark.skipif(not __import__("sglite.kernels.cpu_attention", fromlist=["x"]).amx_ready(), reason="no AMX here")
+def test_fused_shared_prefix_rows_cascade_and_stay_close(quantized_tiny, monkeypatch):
+    """Decode rows continuing one cached 80-token prefix: the fused step attends it once per group
+    on the tiles (decode_cascade.h), close to the per-op path run row by row on the same batch."""
+    from sglite.kernels import cpu_attention
+
+    seen = []
+    e, fused = _checked_engine(quantized_tiny[4], "bfloat16", 0.1, seen)
+    try:
+        fused.cascade_min = lambda: 16
+        monkeypatch.setattr(cpu_attention, "default_cascade_min", lambda: 0)  # the per-op reference: per row
+        groups, hidden = [], fused.hidden
+
+        def spy(fb, kb, vb):
+            groups.append(cpu_attention.shared_prefix_groups(fb.req_to_token, fb.dec_req_pool_indices, fb.dec_seq_lens, 16))
+            return hidden(fb, kb, vb)
+
+        fused.hidden = spy
+        prefix = [100 + (7 * i) % 900 for i in range(80)]
+        sp = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+        e.generate(input_ids=[prefix], sampling_params=sp)  # cache the prefix
+        e.generate(input_ids=[prefix + [5 + i, 9 + i] for i in range(6)] + [prefix[:40] + [3]], sampling_params=sp)
+        assert 7 in seen and any(g and max(len(r) for _, r in g) >= 6 for g in groups), groups
+    finally:
+        e.shutdown()
+
+
 def test_head_q8_amx_rows_equal_the_tile_gemm():
     from sglite.kernels import quant_amx
     from sglite.kernels.quant_layout import tile_rows

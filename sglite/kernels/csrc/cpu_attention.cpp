@@ -19,6 +19,7 @@
 #include "avx512_math.h"
 #define SGL_AVX512 1
 #endif
+#include "amx_attention.h"
 
 namespace {
 
@@ -270,8 +271,8 @@ void scores(const Job<T>& j, const int32_t* slots, int64_t L, int h, const float
   }
 }
 
-// In place: row of L scores -> unnormalised weights exp(s - max); returns their sum.
-inline float softmax_row(float* x, int64_t L) {
+// In place: row of L scores -> unnormalised weights exp(s - max); returns their sum (the max in *mx).
+inline float softmax_row(float* x, int64_t L, float* mx) {
   float m = -INFINITY, sum = 0;
   for (int64_t t = 0; t < L; ++t) m = std::max(m, x[t]);
   int64_t t = 0;
@@ -285,6 +286,7 @@ inline float softmax_row(float* x, int64_t L) {
   sum = _mm512_reduce_add_ps(vs);
 #endif
   for (; t < L; ++t) { x[t] = std::exp(x[t] - m); sum += x[t]; }
+  *mx = m;
   return sum;
 }
 
@@ -317,11 +319,16 @@ void weighted_values(const Job<T>& j, const int32_t* slots, int64_t L, int h, co
   }
 }
 
+// Keys [first0, len) of row b (first0 > 0: keys [0, first0) were attended by the shared-prefix
+// pass, whose unnormalised output, max and sum for head h * G + g are part[(b * Hq + h * G + g) *
+// (Dp + 2) + {0..Dp-1, Dp, Dp + 1}]; merged here: o = (a1 e^(m1 - m) + a2 e^(m2 - m)) / (l1 e^(m1 - m)
+// + l2 e^(m2 - m)), m = max(m1, m2)). part == nullptr: the whole row, as before.
 template <typename T>
-bool attend(const Job<T>& j, const Tiled<T>& tiled, int64_t b, int h, float* qf, float* sc, float* acc) {
+bool attend(const Job<T>& j, const Tiled<T>& tiled, int64_t b, int h, float* qf, float* sc, float* acc,
+            int64_t first0 = 0, const float* part = nullptr) {
   const int G = j.G, D = j.D, Dp = j.Dp;
   const int64_t len = j.lens[b];
-  const int64_t first = (j.window > 0 && len > j.window) ? len - j.window : 0;  // sliding window
+  const int64_t first = std::max(first0, (j.window > 0 && len > j.window) ? len - j.window : (int64_t)0);  // sliding window
   const int64_t L = len - first;
   const int32_t* slots = j.rt + j.rows[b] * j.rts0 + first;
   for (int g = 0; g < G; ++g) {
@@ -343,23 +350,33 @@ bool attend(const Job<T>& j, const Tiled<T>& tiled, int64_t b, int h, float* qf,
     for (int64_t i = 0; i < (int64_t)G * L; ++i) sc[i] = cap * std::tanh(sc[i] * inv_cap);
   }
   for (int g = 0; g < G; ++g) {
-    const float inv = 1.f / softmax_row(sc + g * L, L);
-    acc[G * Dp + g] = inv;  // per-head 1/sum kept after the accumulators
+    float mx;
+    acc[G * Dp + g] = softmax_row(sc + g * L, L, &mx);  // per-head sum and max kept after the accumulators
+    acc[G * Dp + G + g] = mx;
   }
 #ifdef SGL_AVX512
   if (tiled.values) tiled.values(j, slots, L, h, sc, acc); else
 #endif
   weighted_values(j, slots, L, h, sc, acc);
   for (int g = 0; g < G; ++g) {
-    const float inv = acc[G * Dp + g];
     const int64_t off = (b * (int64_t)(j.Hq) + h * G + g) * D;
     const float* ag = acc + g * Dp;
+    float inv = 1.f / acc[G * Dp + g], a2 = 1.f, a1 = 0.f;
+    const float* p1 = part ? part + (b * (int64_t)j.Hq + h * G + g) * (Dp + 2) : nullptr;
+    if (p1) {
+      const float m1 = p1[Dp], l1 = p1[Dp + 1], m2 = acc[G * Dp + G + g], m = std::max(m1, m2);
+      a1 = std::exp(m1 - m);
+      a2 = std::exp(m2 - m);
+      inv = 1.f / (l1 * a1 + acc[G * Dp + g] * a2);
+    }
     if (j.out_bf16) {
       c10::BFloat16* o = (c10::BFloat16*)j.out + off;
-      for (int d = 0; d < D; ++d) o[d] = c10::BFloat16(ag[d] * inv);
+      if (p1) for (int d = 0; d < D; ++d) o[d] = c10::BFloat16((p1[d] * a1 + ag[d] * a2) * inv);
+      else for (int d = 0; d < D; ++d) o[d] = c10::BFloat16(ag[d] * inv);
     } else {
       float* o = (float*)j.out + off;
-      for (int d = 0; d < D; ++d) o[d] = ag[d] * inv;
+      if (p1) for (int d = 0; d < D; ++d) o[d] = (p1[d] * a1 + ag[d] * a2) * inv;
+      else for (int d = 0; d < D; ++d) o[d] = ag[d] * inv;
     }
   }
   return true;
@@ -370,17 +387,20 @@ void run(const Job<T>& j, int64_t B, int Hkv, int64_t max_len) {
   std::atomic<bool> bad{false};
   const Tiled<T> tiled = pick_tiled<T>(j.Dp, j.G);
   sglite_pool::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(j.G * j.Dp), sc(j.G * max_len), acc(j.G * j.Dp + j.G);
+    std::vector<float> qf(j.G * j.Dp), sc(j.G * max_len), acc(j.G * j.Dp + 2 * j.G);
     for (int64_t i = begin; i < end && !bad.load(std::memory_order_relaxed); ++i)
       if (!attend(j, tiled, i / Hkv, (int)(i % Hkv), qf.data(), sc.data(), acc.data())) bad = true;
   });
   TORCH_CHECK_INDEX(!bad, "decode_attention: req_to_token holds a slot outside the pool [0, ", j.S, ")");
 }
 
+#include "decode_cascade.h"
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kb, const at::Tensor& vb,
                             const at::Tensor& rt, const at::Tensor& rows, const at::Tensor& lens,
-                            double sm_scale, int64_t window, double softcap) {
+                            double sm_scale, int64_t window, double softcap, int64_t cascade_min) {
   TORCH_CHECK_VALUE(q.dim() == 3 && kb.dim() == 3 && vb.dim() == 3, "decode_attention: q, k_buffer, v_buffer must be 3-D");
+  TORCH_CHECK_VALUE(cascade_min >= 0, "decode_attention: cascade_min=", cascade_min, " must be >= 0");
   TORCH_CHECK_VALUE(window >= 0 && softcap >= 0, "decode_attention: window=", window, " and softcap=", softcap, " must be >= 0");
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = kb.size(1), S = kb.size(0);
   TORCH_CHECK_VALUE(vb.sizes() == kb.sizes() && kb.size(2) == D, "decode_attention: k_buffer/v_buffer must be [S, Hkv, D] with q's D");
@@ -410,6 +430,15 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kb, const at:
     Job<uint16_t> j{(const uint16_t*)kb.data_ptr(), (const uint16_t*)vb.data_ptr(), kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1), S,
                     q.data_ptr(), q_bf16, (int)Hq, q.stride(0), q.stride(1), out.data_ptr(), q_bf16, rtp, rt.stride(0), rp, lp,
                     G, (int)D, Dp, (float)sm_scale, window, (float)softcap};
+#ifdef SGL_AMX_ATTN
+    if (cascade_min > 0 && window == 0 && G <= sglite_amx_attn::kMaxRows && B >= 2 && sglite_amx_attn::tiles_granted()) {
+      const std::vector<Group> groups = shared_prefix_groups(rtp, rt.stride(0), rp, lp, B, cascade_min);
+      if (!groups.empty()) {
+        run_cascade(j, B, (int)Hkv, max_len, groups);
+        return out;
+      }
+    }
+#endif
     run(j, B, (int)Hkv, max_len);
   } else {
     Job<float> j{kb.data_ptr<float>(), vb.data_ptr<float>(), kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1), S,
@@ -424,7 +453,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kb, const at:
 
 TORCH_LIBRARY(sglite_cpu_attention, m) {
   m.def("decode_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, "
-        "Tensor req_pool_indices, Tensor seq_lens, float sm_scale, int window=0, float softcap=0.0) -> Tensor");
+        "Tensor req_pool_indices, Tensor seq_lens, float sm_scale, int window=0, float softcap=0.0, "
+        "int cascade_min=0) -> Tensor");
+  m.def("shared_prefix_groups(Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, int min_shared) -> Tensor[]",
+        &shared_prefix_groups_op);
 }
 
 TORCH_LIBRARY_IMPL(sglite_cpu_attention, CPU, m) { m.impl("decode_attention", &decode_attention); }

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #include "scalar_math.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -22,6 +23,7 @@
 #include "avx512_math.h"
 #define SGL_AVX512 1
 #endif
+#include "amx_attention.h"
 
 namespace {
 
@@ -282,8 +284,46 @@ bool run_task(const Ext<T>& j, const Task& tk, Scratch& w) {
   return true;
 }
 
+#ifdef SGL_AMX_ATTN
+// The task on the AMX tiles (bf16 pools): the same rows, keys and block anchoring (key 0, or the
+// window's first tile), in blocks of 64 keys (amx_attention.h).
+bool run_task_amx(const Ext<uint16_t>& j, const Task& tk, sglite_amx_attn::Work& w) {
+  namespace A = sglite_amx_attn;
+  const int G = j.G, D = j.D, Dp = (D + 31) & ~31;
+  const int R = (int)(tk.i1 - tk.i0) * G;
+  const int64_t pre = j.pre[tk.b], q0 = j.start[tk.b];
+  A::begin(w, R, Dp);
+  for (int r = 0; r < R; ++r) {
+    const int64_t i = tk.i0 + r / G;
+    w.qpos[r] = (int32_t)(pre + i);
+    const int64_t off = (q0 + i) * j.qs0 + (int64_t)(tk.h * G + r % G) * j.qs1;
+    if (j.q_bf16) A::set_query(w, r, (const uint16_t*)j.q + off, D, j.scale);
+    else A::set_query(w, r, (const float*)j.q + off, D, j.scale);
+  }
+  const int64_t first_q = pre + tk.i0, last_q = pre + tk.i1 - 1, wnd = j.window;
+  const int64_t kfirst = wnd > 0 ? std::max<int64_t>(0, first_q - wnd + 1) / A::KB * A::KB : 0;
+  if (!A::walk(w, R, D, Dp, j.k + tk.h * j.ks1, j.ks0, j.v + tk.h * j.vs1, j.vs0, j.rt + j.rows[tk.b] * j.rts0, j.S,
+               kfirst, tk.kend, first_q, last_q, wnd, j.softcap))
+    return false;
+  for (int r = 0; r < R; ++r) {
+    const int64_t i = tk.i0 + r / G;
+    const int64_t off = ((q0 + i) * j.Hq + tk.h * G + r % G) * D;
+    const float inv = 1.f / w.l[r];
+    const float* a = w.acc + (size_t)r * A::kMaxDp;
+    if (j.out_bf16) {
+      c10::BFloat16* o = (c10::BFloat16*)j.out + off;
+      for (int d = 0; d < D; ++d) o[d] = c10::BFloat16(a[d] * inv);
+    } else {
+      float* o = (float*)j.out + off;
+      for (int d = 0; d < D; ++d) o[d] = a[d] * inv;
+    }
+  }
+  return true;
+}
+#endif
+
 template <typename T>
-void run(const Ext<T>& j, const std::vector<Task>& tasks, int Rp_max) {
+void run(const Ext<T>& j, const std::vector<Task>& tasks, int Rp_max, bool amx) {
   std::atomic<bool> bad{false};
   std::atomic<int64_t> next{0};
   const int64_t n = (int64_t)tasks.size();
@@ -291,6 +331,18 @@ void run(const Ext<T>& j, const std::vector<Task>& tasks, int Rp_max) {
   // Workers pull tasks (longest first) from a shared counter: balanced whatever the lengths; each
   // row's arithmetic is fixed by its own task, so the split never changes a result.
   sglite_pool::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+#ifdef SGL_AMX_ATTN
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      if (amx) {
+        sglite_amx_attn::Work w;
+        sglite_amx_attn::configure();
+        for (int64_t i; !bad.load(std::memory_order_relaxed) && (i = next.fetch_add(1)) < n;)
+          if (!run_task_amx(j, tasks[i], w)) bad = true;
+        _tile_release();
+        return;
+      }
+    }
+#endif
     Scratch w(j.Dp, Rp_max);
     for (int64_t i; !bad.load(std::memory_order_relaxed) && (i = next.fetch_add(1)) < n;)
       if (!run_task(j, tasks[i], w)) bad = true;
@@ -298,9 +350,27 @@ void run(const Ext<T>& j, const std::vector<Task>& tasks, int Rp_max) {
   TORCH_CHECK_INDEX(!bad, "extend_attention: req_to_token holds a slot outside the pool [0, ", j.S, ")");
 }
 
+// Most query rows of an AMX task (a task holds at least one token's G heads).
+constexpr int sglite_amx_attn_rows() {
+#ifdef SGL_AMX_ATTN
+  return sglite_amx_attn::kMaxRows;
+#else
+  return 0;
+#endif
+}
+
+// True when this build has the AMX path and Linux granted the tile state.
+bool amx_ready() {
+#ifdef SGL_AMX_ATTN
+  return sglite_amx_attn::tiles_granted();
+#else
+  return false;
+#endif
+}
+
 at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& kb, const at::Tensor& vb, const at::Tensor& rt,
                             const at::Tensor& rows, const at::Tensor& pre, const at::Tensor& ext, double sm_scale,
-                            int64_t window, double softcap) {
+                            int64_t window, double softcap, int64_t amx) {
   TORCH_CHECK_VALUE(q.dim() == 3 && kb.dim() == 3 && vb.dim() == 3, "extend_attention: q, k_buffer, v_buffer must be 3-D");
   TORCH_CHECK_VALUE(window >= 0 && softcap >= 0, "extend_attention: window=", window, " and softcap=", softcap, " must be >= 0");
   const int64_t N = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = kb.size(1), S = kb.size(0);
@@ -347,12 +417,12 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& kb, const at:
     Ext<uint16_t> j{(const uint16_t*)kb.data_ptr(), (const uint16_t*)vb.data_ptr(), kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1), S,
                     q.data_ptr(), q_bf16, q.stride(0), q.stride(1), out.data_ptr(), q_bf16, (int)Hq, rt.data_ptr<int32_t>(), rt.stride(0),
                     rp, pp, start.data(), G, (int)D, Dp, (float)sm_scale, window, (float)softcap};
-    run(j, tasks, Rp_max);
+    run(j, tasks, Rp_max, amx != 0 && G <= sglite_amx_attn_rows() && amx_ready());
   } else {
     Ext<float> j{kb.data_ptr<float>(), vb.data_ptr<float>(), kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1), S,
                  q.data_ptr(), q_bf16, q.stride(0), q.stride(1), out.data_ptr(), q_bf16, (int)Hq, rt.data_ptr<int32_t>(), rt.stride(0),
                  rp, pp, start.data(), G, (int)D, Dp, (float)sm_scale, window, (float)softcap};
-    run(j, tasks, Rp_max);
+    run(j, tasks, Rp_max, false);
   }
   return out;
 }
@@ -362,7 +432,8 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& kb, const at:
 TORCH_LIBRARY(sglite_cpu_extend, m) {
   m.def("extend_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, "
         "Tensor req_pool_indices, Tensor prefix_lens, Tensor extend_lens, float sm_scale, int window=0, "
-        "float softcap=0.0) -> Tensor");
+        "float softcap=0.0, int amx=1) -> Tensor");
+  m.def("amx_ready() -> bool", &amx_ready);
 }
 
 TORCH_LIBRARY_IMPL(sglite_cpu_extend, CPU, m) { m.impl("extend_attention", &extend_attention); }

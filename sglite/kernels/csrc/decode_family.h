@@ -64,7 +64,8 @@ at::Tensor decode_family_forward(
     at::Tensor req_to_token, at::Tensor rows, at::Tensor lout_loc, at::Tensor lrt, at::Tensor lrows, at::Tensor lens,
     int64_t Hq, int64_t Hkv, int64_t D, double eps, double sm_scale, bool q8, bool tiled, int64_t threads,
     int64_t attn_split_min, std::vector<at::Tensor> lora_ab, at::Tensor lora_rows, std::vector<at::Tensor> lora_spans,
-    int64_t lora_split_min, int64_t amx_min, std::vector<at::Tensor> amx_packed) {
+    int64_t lora_split_min, int64_t amx_min, std::vector<at::Tensor> amx_packed,
+    int64_t cascade_min) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= kMaxRows,
               "decode_family_forward: x must be contiguous float32 [M <= ", kMaxRows, ", H]");
   const int64_t M = x.size(0), H = x.size(1), L = (int64_t)kbufs.size(), half = D / 2;
@@ -86,7 +87,7 @@ at::Tensor decode_family_forward(
   static auto attn = c10::Dispatcher::singleton()
       .findSchemaOrThrow("sglite_cpu_attention::decode_attention", "")
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                        const at::Tensor&, double, int64_t, double)>();
+                        const at::Tensor&, double, int64_t, double, int64_t)>();
   const PoolPar par{(int)threads};
   const sglite_lora_fused::Step lora(std::move(lora_ab), std::move(lora_rows), std::move(lora_spans), L, M,
                                      lora_split_min);
@@ -97,6 +98,7 @@ at::Tensor decode_family_forward(
   std::vector<float> h(M * H), qkv, att(M * Hq * D), tmp(M * H), gu, act;
   const float* np_ = norms.data_ptr<float>();
   at::Tensor q_t = at::empty({M, Hq, D}, x.options());
+  const int64_t casc = step_cascade_min(req_to_token, rows, lens, cascade_min);
   for (int64_t l = 0; l < L; ++l) {
     QW wqkv = weight(lin, 12 * l, bits[4 * l], tiled), wo = weight(lin, 12 * l + 3, bits[4 * l + 1], tiled);
     QW wgu = weight(lin, 12 * l + 6, bits[4 * l + 2], tiled), wd = weight(lin, 12 * l + 9, bits[4 * l + 3], tiled);
@@ -132,7 +134,7 @@ at::Tensor decode_family_forward(
     const int64_t* loc = (loc_layer ? lout_loc : out_loc).data_ptr<int64_t>();
     store_kv_and_q(kb, vb, loc, qkv.data(), M, Hq, Hkv, D, Nqkv, q_t, "decode_family_forward", l);
     attention(attn, q_t, kb, vb, loc_layer ? lrt : req_to_token, loc_layer ? lrows : rows, lens, sm_scale, M, Hq, Hkv,
-              D, (int)threads, attn_split_min, att.data(), loc_layer ? window : 0, softcap);
+              D, (int)threads, attn_split_min, att.data(), loc_layer ? window : 0, softcap, loc_layer ? 0 : casc);
     gemv(wo, att.data(), M, tmp.data(), q8, par, amx_min);
     lora.apply(l, 1, att.data(), Hq * D, tmp.data(), H, par);
     if (norm_mask & 2) rms_norm(tmp.data(), nw + H, M, H, ep, tmp.data());

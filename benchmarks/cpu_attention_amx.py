@@ -1,0 +1,92 @@
+"""Attention on the AMX tiles against the AVX-512 paths, per layer call, SmolLM2's heads (9 query,
+3 KV, head dim 64) and Gemma 3's (4, 1, 256), bf16 head-major pools (the engine's layout):
+
+- extend: 8 requests x 62 new tokens over 700 cached (an agent's late turn), one 2,048-token
+  prompt (causal), 4 x 100 over 300 (Gemma);
+- decode: 64 rows in 4 groups of 16 continuing one 600-token prefix each (the shared-prefix
+  serving workload), cascade (``cascade_min`` 64) against per row (0).
+
+    .venv/bin/python benchmarks/cpu_attention_amx.py [--threads N] [--repeats R]
+
+Median of R timed calls per side, the sides alternated three times; ms per call (one layer).
+"""
+import argparse
+import time
+
+import torch
+
+from sglite.kernels import cpu_attention
+
+
+def pool(S, Hkv, D, g):
+    return (torch.randn(Hkv, S, D, generator=g).bfloat16().transpose(0, 1),
+            torch.randn(Hkv, S, D, generator=g).bfloat16().transpose(0, 1))
+
+
+def extend_case(pre, ext, B, Hq, Hkv, D, g):
+    S = B * (pre + ext) + 8
+    k, v = pool(S, Hkv, D, g)
+    rt = (torch.randperm(S - 1, generator=g)[:B * (pre + ext)] + 1).to(torch.int32).view(B, pre + ext)
+    q = torch.randn(B * ext, Hq, D, generator=g).bfloat16()
+    return (q, k, v, rt, torch.arange(B), torch.full((B,), pre), torch.full((B,), ext), D ** -0.5)
+
+
+def shared_decode_case(groups, per, P, Hq, Hkv, D, g):
+    B = groups * per
+    own = torch.randint(10, 60, (B,), generator=g)
+    S = groups * P + int(own.sum()) + 8
+    k, v = pool(S, Hkv, D, g)
+    perm = (torch.randperm(S - 1, generator=g) + 1).to(torch.int32)
+    rt = torch.zeros(B, P + 60, dtype=torch.int32)
+    nxt = groups * P
+    for b in range(B):
+        gi, n = b % groups, int(own[b])
+        rt[b, :P] = perm[gi * P:(gi + 1) * P]
+        rt[b, P:P + n] = perm[nxt:nxt + n]
+        nxt += n
+    q = torch.randn(B, Hq, D, generator=g).bfloat16()
+    return (q, k, v, rt, torch.arange(B), P + own, D ** -0.5)
+
+
+def timed(fn, repeats):
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return sorted(ts)[len(ts) // 2] * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--repeats", type=int, default=7)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    if not cpu_attention.amx_ready():
+        raise SystemExit("no AMX attention here (needs amx_tile + amx_bf16 and the kernel build)")
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for name, args in [("extend 8 x 62 over 700 (9/3/64)", extend_case(700, 62, 8, 9, 3, 64, g)),
+                       ("extend 2,048-token prompt (9/3/64)", extend_case(0, 2048, 1, 9, 3, 64, g)),
+                       ("extend 4 x 100 over 300 (4/1/256)", extend_case(300, 100, 4, 4, 1, 256, g))]:
+        new, old = [], []
+        for _ in range(3):
+            new.append(timed(lambda: cpu_attention.extend_attention(*args, amx=True), a.repeats))
+            old.append(timed(lambda: cpu_attention.extend_attention(*args, amx=False), a.repeats))
+        rows.append((name, "AMX tiles", min(new), "AVX-512", min(old)))
+    for name, args in [("decode 64 rows, 4 x 16 sharing 600 (9/3/64)", shared_decode_case(4, 16, 600, 9, 3, 64, g)),
+                       ("decode 32 rows, 2 x 16 sharing 600 (4/1/256)", shared_decode_case(2, 16, 600, 4, 1, 256, g))]:
+        new, old = [], []
+        for _ in range(3):
+            new.append(timed(lambda: cpu_attention.decode_attention(*args, cascade_min=64), a.repeats))
+            old.append(timed(lambda: cpu_attention.decode_attention(*args, cascade_min=0), a.repeats))
+        rows.append((name, "cascade", min(new), "per row", min(old)))
+    print(f"threads={a.threads}, ms per call (one layer), best of 3 alternated medians of {a.repeats}")
+    print(f"| case | new | ms | old | ms | old / new |\n|---|---|---|---|---|---|")
+    for name, n1, t1, n0, t0 in rows:
+        print(f"| {name} | {n1} | {t1:.2f} | {n0} | {t0:.2f} | {t0 / t1:.1f}x |")
+
+
+if __name__ == "__main__":
+    main()

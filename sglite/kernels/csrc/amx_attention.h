@@ -1,0 +1,302 @@
+// Attention of up to 64 query rows against a run of paged keys on the AMX tiles (bf16 pools), as a
+// header spliced into cpu_extend_attention.cpp (extend tasks) and cpu_attention.cpp (the shared
+// prefix of a decode batch). Contract and torch reference: sglite/kernels/cpu_attention.py.
+//
+// One call walks keys in blocks of up to KB = 256 slots read in place from the pool through a slot list,
+// and keeps per row a running max m, sum l and unnormalised output acc (online softmax: Milakov &
+// Gimelshein 2018; tiled as in Dao et al. 2022, "FlashAttention", Alg. 1). Per block:
+//   - K^T is packed into the tiles' B layout: for each 32-wide slice of D and 16 keys, a 16 x 16
+//     transpose of 32-bit bf16 pairs (tile row p holds, for each key, its dims 2p and 2p + 1);
+//   - scores S [rows, 64] = Q [rows, Dp] . K^T: one TDPBF16PS per (16-row tile, 16-key tile,
+//     32-dim slice), Q pre-scaled and rounded to bf16 once per task (float32 sums);
+//   - masking (causal / window / past the run), soft-capping, and the online softmax in float32 on
+//     AVX-512; the weights P are rounded to bf16 (as the VDPBF16PS decode path does);
+//   - V is packed as key pairs interleaved per dimension (VPERMT2W), and acc += P . V runs one
+//     TDPBF16PS per (16-row tile, 16-dim tile, 32-key slice) on acc loaded into the tiles after
+//     its rows were rescaled by exp(m_old - m_new).
+// A row's result depends only on its own query, the keys it sees and the block anchoring (which
+// the caller fixes per request), never on the other rows of the task.
+#pragma once
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define SGL_AMX_ATTN 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include "avx512_math.h"
+
+namespace sglite_amx_attn {
+
+constexpr int KB = 256;       // keys per block at most (a multiple of 64; a short run packs and multiplies only the 64-key quads it fills)
+constexpr int kMaxRows = 64;  // query rows per call (4 row tiles)
+constexpr int kMaxDp = 256;   // padded head dim (a multiple of 32)
+
+// Linux keeps the tile state off until the process asks for it (arch_prctl, once per process).
+inline bool tiles_granted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+struct alignas(64) TileCfg {
+  uint8_t palette_id = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0..3: C (16 x 16 float32), tmm4: A (16 rows x 32 bf16), tmm5/6: B (16 pair-rows x 16 columns)
+inline void configure() {
+  TileCfg c;
+  for (int i = 0; i < 8; ++i) { c.rows[i] = 16; c.colsb[i] = 64; }
+  _tile_loadconfig(&c);
+}
+
+template <typename T> T* aligned(size_t n) { return (T*)std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64); }
+
+// Per-thread scratch and the running state of one call's rows.
+struct Work {
+  uint16_t* q;    // [kMaxRows][kMaxDp] bf16 queries (pre-scaled), zero past D and past the rows
+  uint16_t* kt;   // K^T B tiles: [Dp / 32][KB / 16] tiles of 512 bf16
+  uint16_t* vp;   // V B tiles: [KB / 32][Dp / 16] tiles of 512 bf16
+  float* s;       // [kMaxRows][KB] scores, then float32 weights
+  uint16_t* p;    // [kMaxRows][KB] bf16 weights (A tiles)
+  float* acc;     // [kMaxRows][kMaxDp] unnormalised outputs
+  alignas(64) float m[kMaxRows], l[kMaxRows], alpha[kMaxRows];
+  alignas(64) int32_t qpos[kMaxRows];  // last visible key position of each row (INT32_MAX: all)
+  Work() : q(aligned<uint16_t>(kMaxRows * kMaxDp)), kt(aligned<uint16_t>(kMaxDp / 32 * KB / 16 * 512)),
+           vp(aligned<uint16_t>(KB / 32 * kMaxDp / 16 * 512)), s(aligned<float>(kMaxRows * KB)),
+           p(aligned<uint16_t>(kMaxRows * KB)), acc(aligned<float>(kMaxRows * kMaxDp)) {}
+  ~Work() { std::free(q); std::free(kt); std::free(vp); std::free(s); std::free(p); std::free(acc); }
+  Work(const Work&) = delete;
+  Work& operator=(const Work&) = delete;
+};
+
+// Start a call: rows [0, R) (R <= 64) with Dp (a multiple of 32, >= D); the caller then fills
+// w.q rows [0, R) columns [0, D) (row stride kMaxDp) and w.qpos [0, R).
+inline void begin(Work& w, int R, int Dp) {
+  const int Rp = (R + 15) & ~15;
+  for (int r = 0; r < Rp; ++r) {
+    std::memset(w.q + (size_t)r * kMaxDp, 0, sizeof(uint16_t) * Dp);
+    std::memset(w.acc + (size_t)r * kMaxDp, 0, sizeof(float) * Dp);
+    w.m[r] = -INFINITY; w.l[r] = 0.f; w.qpos[r] = -1;
+  }
+}
+
+// Row r's query: x[0 .. D) * scale rounded to bf16 (T: float or bf16 bits).
+template <typename T> inline void set_query(Work& w, int r, const T* x, int D, float scale) {
+  uint16_t* q = w.q + (size_t)r * kMaxDp;
+  for (int d = 0; d < D; ++d) {
+    float v;
+    if constexpr (sizeof(T) == 2) { const uint32_t b = (uint32_t)x[d] << 16; std::memcpy(&v, &b, 4); }
+    else v = (float)x[d];
+    q[d] = c10::BFloat16(v * scale).x;
+  }
+}
+
+// Walk keys [k_begin, k_end) of one head (slots: the request's slot row, indexed by position),
+// blocks anchored at multiples of KB from `anchor`; `first_q` / `last_q`: the smallest / largest
+// row position (blocks ending at or before first_q need no causal mask). False on a bad slot.
+inline bool walk(Work& w, int R, int D, int Dp, const uint16_t* kh, int64_t s0k, const uint16_t* vh, int64_t s0v,
+                 const int32_t* slots, int64_t S, int64_t k_begin, int64_t k_end, int64_t first_q, int64_t last_q,
+                 int64_t window, float softcap);
+
+// 16 x 16 transpose of 32-bit lanes: r[i] lane j -> r[j] lane i.
+inline void transpose16(__m512i r[16]) {
+  __m512i a[16], b[16];
+  for (int i = 0; i < 8; ++i) {
+    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+    b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {  // b[4i + j] lane L: rows 4i..4i+3, column 4L + j
+    const __m512i c0 = _mm512_shuffle_i32x4(b[j], b[4 + j], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512i c1 = _mm512_shuffle_i32x4(b[j], b[4 + j], _MM_SHUFFLE(3, 2, 3, 2));
+    const __m512i c2 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512i c3 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], _MM_SHUFFLE(3, 2, 3, 2));
+    r[j] = _mm512_shuffle_i32x4(c0, c2, _MM_SHUFFLE(2, 0, 2, 0));
+    r[4 + j] = _mm512_shuffle_i32x4(c0, c2, _MM_SHUFFLE(3, 1, 3, 1));
+    r[8 + j] = _mm512_shuffle_i32x4(c1, c3, _MM_SHUFFLE(2, 0, 2, 0));
+    r[12 + j] = _mm512_shuffle_i32x4(c1, c3, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
+inline __mmask32 dmask(int rem) {  // bf16 lanes [0, rem) of 32
+  return rem >= 32 ? (__mmask32)0xFFFFFFFFu : (rem <= 0 ? (__mmask32)0 : (__mmask32)((1u << rem) - 1));
+}
+
+// Pack keys slots[0 .. n) (n <= KB; the rest zero) of one head: K^T tiles into w.kt, V tiles into
+// w.vp. base_k / base_v point at the head's row of slot 0; s0k / s0v: elements between slots.
+// False when a slot lies outside [0, S).
+inline bool pack_block(const uint16_t* base_k, int64_t s0k, const uint16_t* base_v, int64_t s0v,
+                       const int32_t* slots, int n, int64_t S, int D, int Dp, Work& w) {
+  for (int t = 0; t < n; ++t)
+    if (slots[t] < 0 || slots[t] >= S) return false;
+  const int nd = Dp / 32, n64 = (n + 63) & ~63;  // keys past n64 are never read
+  for (int kg = 0; kg < n64 / 16; ++kg)
+    for (int c = 0; c < nd; ++c) {
+      __m512i r[16];
+      for (int u = 0; u < 16; ++u) {
+        const int t = kg * 16 + u;
+        r[u] = t < n ? _mm512_maskz_loadu_epi16(dmask(D - 32 * c), base_k + slots[t] * s0k + 32 * c) : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      uint16_t* dst = w.kt + (size_t)(c * (KB / 16) + kg) * 512;
+      for (int u = 0; u < 16; ++u) _mm512_store_si512(dst + 32 * u, r[u]);
+    }
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                      39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  const int ndg = Dp / 16;
+  for (int pr = 0; pr < n64 / 2; ++pr) {
+    const int t0 = 2 * pr, kc = t0 / 32, p = (t0 % 32) / 2;
+    for (int c = 0; c < nd; ++c) {
+      const __m512i a = t0 < n ? _mm512_maskz_loadu_epi16(dmask(D - 32 * c), base_v + slots[t0] * s0v + 32 * c) : _mm512_setzero_si512();
+      const __m512i b = t0 + 1 < n ? _mm512_maskz_loadu_epi16(dmask(D - 32 * c), base_v + slots[t0 + 1] * s0v + 32 * c) : _mm512_setzero_si512();
+      uint16_t* dst = w.vp + (size_t)(kc * ndg + 2 * c) * 512 + 32 * p;
+      _mm512_store_si512(dst, _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_store_si512(dst + 512, _mm512_permutex2var_epi16(a, hi, b));
+    }
+  }
+  return true;
+}
+
+inline float hmax(__m512 a) { return _mm512_reduce_max_ps(a); }
+
+// One block of n keys at positions t0 .. t0 + n - 1 for rows [0, R): scores, mask, online softmax,
+// acc update. `full`: every row sees every key of the block (no masking needed).
+inline void block(Work& w, int R, int Dp, int n, int64_t t0, bool full, int64_t window, float softcap) {
+  const int Rt = (R + 15) / 16, nd = Dp / 32, ndg = Dp / 16, n64 = (n + 63) & ~63;  // keys past n64: skipped
+  // scores: C tiles 0..3 = 4 key tiles (64 keys) of one row tile at a time
+  for (int rt = 0; rt < Rt; ++rt)
+    for (int kq = 0; kq < n64 / 64; ++kq) {
+      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+      for (int c = 0; c < nd; ++c) {
+        _tile_loadd(4, w.q + (size_t)rt * 16 * kMaxDp + 32 * c, kMaxDp * 2);
+        const uint16_t* kt = w.kt + (size_t)(c * (KB / 16) + 4 * kq) * 512;
+        _tile_loadd(5, kt, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, kt + 512, 64);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(5, kt + 1024, 64);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(6, kt + 1536, 64);
+        _tile_dpbf16ps(3, 4, 6);
+      }
+      float* s = w.s + (size_t)rt * 16 * KB + 64 * kq;
+      _tile_stored(0, s, KB * 4);
+      _tile_stored(1, s + 16, KB * 4);
+      _tile_stored(2, s + 32, KB * 4);
+      _tile_stored(3, s + 48, KB * 4);
+    }
+  // softmax rows
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int r = 0; r < Rt * 16; ++r) {
+    float* s = w.s + (size_t)r * KB;
+    uint16_t* p = w.p + (size_t)r * KB;
+    if (r >= R) {  // padding rows: no weights
+      std::memset(p, 0, sizeof(uint16_t) * KB);
+      w.alpha[r] = 1.f;
+      continue;
+    }
+    if (softcap > 0.f) {
+      const float inv = 1.f / softcap;
+      for (int t = 0; t < n; ++t) s[t] = softcap * std::tanh(s[t] * inv);
+    }
+    __m512 v[KB / 16];
+    __mmask16 okm[KB / 16];
+    __m512 mx = _mm512_set1_ps(w.m[r]);
+    const int64_t qp = w.qpos[r];
+    for (int c = 0; c < n64 / 16; ++c) {
+      v[c] = _mm512_loadu_ps(s + 16 * c);
+      const int64_t k0 = t0 + 16 * c;
+      __mmask16 ok = 0xFFFF;
+      if (16 * c + 16 > n) ok = 16 * c >= n ? 0 : (__mmask16)((1u << (n - 16 * c)) - 1);
+      if (!full) {
+        const __m512i kp = _mm512_add_epi32(lane, _mm512_set1_epi32((int32_t)(k0 - t0)));  // key index in block
+        const int64_t hi_rel = qp - t0;  // keys with index <= hi_rel are visible
+        ok &= _mm512_cmple_epi32_mask(kp, _mm512_set1_epi32((int32_t)std::max<int64_t>(-1, std::min<int64_t>(KB, hi_rel))));
+        if (window > 0) {
+          const int64_t lo_rel = qp - window - t0;  // keys with index <= lo_rel are outside
+          ok &= _mm512_cmpgt_epi32_mask(kp, _mm512_set1_epi32((int32_t)std::max<int64_t>(-1, std::min<int64_t>(KB, lo_rel))));
+        }
+      }
+      okm[c] = ok;
+      v[c] = _mm512_mask_mov_ps(ninf, ok, v[c]);
+      mx = _mm512_max_ps(mx, v[c]);
+    }
+    const float m_new = hmax(mx), m_old = w.m[r];
+    if (m_new == -INFINITY) {  // nothing visible yet
+      std::memset(p, 0, sizeof(uint16_t) * KB);
+      w.alpha[r] = 1.f;
+      continue;
+    }
+    const float alpha = m_old == -INFINITY ? 0.f : std::exp(m_old - m_new);
+    const __m512 vm = _mm512_set1_ps(m_new);
+    __m512 sum = _mm512_setzero_ps();
+    for (int c = 0; c < n64 / 16; c += 2) {
+      const __m512 e0 = _mm512_maskz_mov_ps(okm[c], sglite_simd::exp_nonpos(_mm512_sub_ps(v[c], vm)));
+      const __m512 e1 = _mm512_maskz_mov_ps(okm[c + 1], sglite_simd::exp_nonpos(_mm512_sub_ps(v[c + 1], vm)));
+      sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+      _mm512_storeu_si512(p + 16 * c, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+    }
+    w.m[r] = m_new;
+    w.alpha[r] = alpha;
+    w.l[r] = w.l[r] * alpha + _mm512_reduce_add_ps(sum);
+  }
+  // acc = acc * alpha + P . V
+  for (int r = 0; r < R; ++r) {
+    if (w.alpha[r] == 1.f) continue;
+    const __m512 a = _mm512_set1_ps(w.alpha[r]);
+    float* ar = w.acc + (size_t)r * kMaxDp;
+    for (int d = 0; d < Dp; d += 16) _mm512_storeu_ps(ar + d, _mm512_mul_ps(_mm512_loadu_ps(ar + d), a));
+  }
+  for (int rt = 0; rt < Rt; ++rt) {
+    float* acc = w.acc + (size_t)rt * 16 * kMaxDp;
+    const uint16_t* pa = w.p + (size_t)rt * 16 * KB;
+    for (int g0 = 0; g0 < ndg; g0 += 4) {
+      const int ng = std::min(4, ndg - g0);
+      _tile_loadd(0, acc + 16 * g0, kMaxDp * 4);
+      if (ng > 1) _tile_loadd(1, acc + 16 * (g0 + 1), kMaxDp * 4);
+      if (ng > 2) _tile_loadd(2, acc + 16 * (g0 + 2), kMaxDp * 4);
+      if (ng > 3) _tile_loadd(3, acc + 16 * (g0 + 3), kMaxDp * 4);
+      for (int kc = 0; kc < n64 / 32; ++kc) {
+        _tile_loadd(4, pa + 32 * kc, KB * 2);
+        const uint16_t* vp = w.vp + (size_t)(kc * ndg + g0) * 512;
+        _tile_loadd(5, vp, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (ng > 1) { _tile_loadd(6, vp + 512, 64); _tile_dpbf16ps(1, 4, 6); }
+        if (ng > 2) { _tile_loadd(5, vp + 1024, 64); _tile_dpbf16ps(2, 4, 5); }
+        if (ng > 3) { _tile_loadd(6, vp + 1536, 64); _tile_dpbf16ps(3, 4, 6); }
+      }
+      _tile_stored(0, acc + 16 * g0, kMaxDp * 4);
+      if (ng > 1) _tile_stored(1, acc + 16 * (g0 + 1), kMaxDp * 4);
+      if (ng > 2) _tile_stored(2, acc + 16 * (g0 + 2), kMaxDp * 4);
+      if (ng > 3) _tile_stored(3, acc + 16 * (g0 + 3), kMaxDp * 4);
+    }
+  }
+}
+
+inline bool walk(Work& w, int R, int D, int Dp, const uint16_t* kh, int64_t s0k, const uint16_t* vh, int64_t s0v,
+                 const int32_t* slots, int64_t S, int64_t k_begin, int64_t k_end, int64_t first_q, int64_t last_q,
+                 int64_t window, float softcap) {
+  for (int64_t t0 = k_begin; t0 < k_end; t0 += KB) {
+    const int n = (int)std::min<int64_t>(KB, k_end - t0);
+    if (!pack_block(kh, s0k, vh, s0v, slots + t0, n, S, D, Dp, w)) return false;
+    const bool full = t0 + n - 1 <= first_q && (window <= 0 || t0 > last_q - window);
+    block(w, R, Dp, n, t0, full, window, softcap);
+  }
+  return true;
+}
+
+}  // namespace sglite_amx_attn
+#endif

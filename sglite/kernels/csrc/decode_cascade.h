@@ -1,0 +1,148 @@
+// Cascade (shared-prefix) decode attention, spliced into cpu_attention.cpp inside its anonymous
+// namespace after Job / Tiled / attend (contract: sglite/kernels/cpu_attention.py, decode_attention's
+// cascade_min). A decode batch whose rows continue one radix-cache prefix reads that prefix's K/V
+// once per group on the AMX tiles instead of once per row (Hydragen, Juravsky et al. 2024, sec. 3).
+#pragma once
+
+// Rows of the batch that share their first P keys' slots (radix-cache prefixes): groups of >= 2
+// rows whose slot rows agree on [0, P), P >= min_shared, each row keeping >= 1 key of its own. The
+// rows are sorted by their slot rows (lexicographically, up to each one's own last key), so rows
+// continuing one prefix are neighbours; a run of neighbours whose common prefixes are all >=
+// min_shared is a group, its P the smallest of them. Cost: O(B log B) memcmp of the prefixes.
+struct Group { int64_t P; std::vector<int64_t> rows; };
+
+// Common prefix of a[0 .. cap) and c[0 .. cap).
+inline int64_t common_prefix(const int32_t* a, const int32_t* c, int64_t cap) {
+  int64_t n = 0;
+  while (n + 64 <= cap && std::memcmp(a + n, c + n, 64 * sizeof(int32_t)) == 0) n += 64;
+  while (n < cap && a[n] == c[n]) ++n;
+  return n;
+}
+
+std::vector<Group> shared_prefix_groups(const int32_t* rt, int64_t rts0, const int64_t* rows, const int64_t* lens,
+                                        int64_t B, int64_t min_shared) {
+  std::vector<Group> out;
+  std::vector<int64_t> idx;
+  for (int64_t b = 0; b < B; ++b)
+    if (lens[b] > min_shared) idx.push_back(b);  // a row needs min_shared shared keys + one of its own
+  auto row = [&](int64_t b) { return rt + rows[b] * rts0; };
+  std::sort(idx.begin(), idx.end(), [&](int64_t a, int64_t b) {
+    const int64_t n = std::min(lens[a], lens[b]) - 1;
+    const int64_t k = common_prefix(row(a), row(b), n);
+    if (k < n) return row(a)[k] < row(b)[k];
+    return lens[a] != lens[b] ? lens[a] < lens[b] : a < b;
+  });
+  for (size_t i = 0; i < idx.size();) {
+    size_t e = i + 1;
+    int64_t P = INT64_MAX;
+    while (e < idx.size()) {
+      const int64_t a = idx[e - 1], b = idx[e];
+      const int64_t k = common_prefix(row(a), row(b), std::min(lens[a], lens[b]) - 1);
+      if (k < min_shared) break;
+      P = std::min(P, k);
+      ++e;
+    }
+    if (e - i >= 2) {
+      Group g{P, std::vector<int64_t>(idx.begin() + i, idx.begin() + e)};
+      std::sort(g.rows.begin(), g.rows.end());
+      out.push_back(std::move(g));
+    }
+    i = e;
+  }
+  return out;
+}
+
+#ifdef SGL_AMX_ATTN
+// Cascade decode on a bf16 pool: pass 1 attends each group's shared keys [0, P) once per (group,
+// KV head, chunk of up to 64 / G rows) on the AMX tiles, its queries the chunk's rows x the G
+// heads (amx_attention.h), keeping unnormalised outputs, maxima and sums; pass 2 runs every
+// (row, KV head) task over the row's own keys [P, len) (all of them outside the groups) and merges.
+// The split of the shared keys changes a row's rounding with the batch (not batch-invariant:
+// callers in deterministic mode pass cascade_min 0).
+void run_cascade(const Job<uint16_t>& j, int64_t B, int Hkv, int64_t max_len, const std::vector<Group>& groups) {
+  namespace A = sglite_amx_attn;
+  const int G = j.G, D = j.D, Dp = j.Dp, Dp32 = (D + 31) & ~31, Hq = j.Hq;
+  std::vector<int64_t> first(B, 0);
+  std::vector<float> part((size_t)B * Hq * (Dp + 2));
+  struct PTask { int64_t g; int h; int64_t r0, r1; };
+  std::vector<PTask> pt;
+  const int64_t per = std::max(1, A::kMaxRows / G);
+  for (int64_t g = 0; g < (int64_t)groups.size(); ++g) {
+    for (int64_t b : groups[g].rows) first[b] = groups[g].P;
+    for (int h = 0; h < Hkv; ++h)
+      for (int64_t r0 = 0; r0 < (int64_t)groups[g].rows.size(); r0 += per)
+        pt.push_back(PTask{g, h, r0, std::min<int64_t>((int64_t)groups[g].rows.size(), r0 + per)});
+  }
+  std::atomic<bool> bad{false};
+  std::atomic<int64_t> next{0};
+  const int64_t n = (int64_t)pt.size();
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  sglite_pool::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    A::Work w;
+    A::configure();
+    for (int64_t i; !bad.load(std::memory_order_relaxed) && (i = next.fetch_add(1)) < n;) {
+      const PTask& t = pt[i];
+      const Group& gr = groups[t.g];
+      const int R = (int)(t.r1 - t.r0) * G;
+      A::begin(w, R, Dp32);
+      for (int r = 0; r < R; ++r) {
+        const int64_t b = gr.rows[t.r0 + r / G];
+        const int64_t off = b * j.qs0 + (int64_t)(t.h * G + r % G) * j.qs1;
+        w.qpos[r] = INT32_MAX;
+        if (j.q_bf16) A::set_query(w, r, (const uint16_t*)j.q + off, D, j.scale);
+        else A::set_query(w, r, (const float*)j.q + off, D, j.scale);
+      }
+      const int32_t* slots = j.rt + j.rows[gr.rows[0]] * j.rts0;
+      if (!A::walk(w, R, D, Dp32, j.k + t.h * j.ks1, j.ks0, j.v + t.h * j.vs1, j.vs0, slots, j.S, 0, gr.P, gr.P, gr.P, 0,
+                   j.softcap)) {
+        bad = true;
+        break;
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t b = gr.rows[t.r0 + r / G];
+        float* dst = part.data() + (b * Hq + t.h * G + r % G) * (Dp + 2);
+        std::memcpy(dst, w.acc + (size_t)r * A::kMaxDp, sizeof(float) * D);
+        dst[Dp] = w.m[r];
+        dst[Dp + 1] = w.l[r];
+      }
+    }
+    _tile_release();
+  });
+  TORCH_CHECK_INDEX(!bad, "decode_attention: req_to_token holds a slot outside the pool [0, ", j.S, ")");
+  const Tiled<uint16_t> tiled = pick_tiled<uint16_t>(j.Dp, j.G);
+  sglite_pool::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(j.G * j.Dp), sc(j.G * max_len), acc(j.G * j.Dp + 2 * j.G);
+    for (int64_t i = begin; i < end && !bad.load(std::memory_order_relaxed); ++i) {
+      const int64_t b = i / Hkv;
+      if (!attend(j, tiled, b, (int)(i % Hkv), qf.data(), sc.data(), acc.data(), first[b], first[b] ? part.data() : nullptr))
+        bad = true;
+    }
+  });
+  TORCH_CHECK_INDEX(!bad, "decode_attention: req_to_token holds a slot outside the pool [0, ", j.S, ")");
+}
+#endif
+
+// The groups as tensors (tests, benchmarks): [P of each group] int64, then each group's rows int64.
+std::vector<at::Tensor> shared_prefix_groups_op(const at::Tensor& rt, const at::Tensor& rows, const at::Tensor& lens,
+                                                int64_t min_shared) {
+  TORCH_CHECK_VALUE(rt.dim() == 2 && rt.scalar_type() == at::kInt && rt.stride(1) == 1 && rows.scalar_type() == at::kLong
+                    && lens.scalar_type() == at::kLong && rows.is_contiguous() && lens.is_contiguous() && rows.numel() == lens.numel(),
+                    "shared_prefix_groups: req_to_token int32 [R, Lmax], req_pool_indices / seq_lens contiguous int64 [B]");
+  const int64_t B = rows.numel();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK_VALUE(rows.data_ptr<int64_t>()[b] >= 0 && rows.data_ptr<int64_t>()[b] < rt.size(0) && lens.data_ptr<int64_t>()[b] >= 1
+                      && lens.data_ptr<int64_t>()[b] <= rt.size(1), "shared_prefix_groups: row ", b, " outside the table");
+  const auto groups = shared_prefix_groups(rt.data_ptr<int32_t>(), rt.stride(0), rows.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                                           B, std::max<int64_t>(1, min_shared));
+  std::vector<at::Tensor> out;
+  at::Tensor P = at::empty({(int64_t)groups.size()}, rows.options());
+  for (size_t g = 0; g < groups.size(); ++g) P.data_ptr<int64_t>()[g] = groups[g].P;
+  out.push_back(P);
+  for (const auto& g : groups) {
+    at::Tensor r = at::empty({(int64_t)g.rows.size()}, rows.options());
+    std::memcpy(r.data_ptr<int64_t>(), g.rows.data(), sizeof(int64_t) * g.rows.size());
+    out.push_back(r);
+  }
+  return out;
+}
+

@@ -181,6 +181,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, batch_invaria
         return triton_norm.rms_norm(x, weight, eps)
     ce = _cpu_elementwise(x, "rms_norm")
     if ce is not None:
+        if weight.dtype != x.dtype and x.dim() != 2 and not x.is_contiguous():
+            x = x.contiguous()  # a copy in x's dtype for the kernel (not the float32 one)
         x2 = x if x.dim() == 2 else (x.view(-1, x.shape[-1]) if x.is_contiguous() else None)
         if x2 is not None and ce.norm_supported(x2, None, weight):
             return ce.add_rms_norm(x2, None, weight, eps)[1].view(x.shape)

@@ -21,7 +21,7 @@ def ops():
 def test_float32_weight_on_bf16_rows_is_the_float32_norm(ops, M, H):
     """A float32 weight on bf16 x (Gemma's float32 norms): the bits of the float32 norm of x.float()
     rounded once to bf16, on strided rows, with and without the residual; through kernels.rms_norm
-    too (3-D input; a non-contiguous one falls back to torch the same way)."""
+    too (3-D input; a non-contiguous one, as the per-head QK-norm's split, through a bf16 copy)."""
     g = torch.Generator().manual_seed(M * 7 + H)
     x = (torch.randn(M, H + 5, generator=g) * 3).bfloat16()[:, :H]
     r = torch.randn(M, H, generator=g).bfloat16()
@@ -35,8 +35,12 @@ def test_float32_weight_on_bf16_rows_is_the_float32_norm(ops, M, H):
     x3 = x.contiguous().view(M, 1, H).expand(M, 2, H).contiguous()
     old = kernels.rms_norm(x3.float(), w, 1e-6).to(torch.bfloat16)  # the float32 path it replaces
     assert torch.equal(kernels.rms_norm(x3, w, 1e-6), old)
-    xt = x3.transpose(0, 1)  # not contiguous: torch's norm on the float32 copy
+    xt = x3.transpose(0, 1)  # not contiguous: the kernel on a bf16 copy, the same bits
     assert torch.equal(kernels.rms_norm(xt, w, 1e-6), kernels.rms_norm(xt.float(), w, 1e-6).to(torch.bfloat16))
+    qkv = torch.randn(M, 3 * H, generator=g).bfloat16()  # per-head norms on a split of a fused projection
+    q = qkv[:, :2 * H].reshape(M, 2, H)
+    assert (M < 2 or not q.is_contiguous()) and torch.equal(kernels.rms_norm(q, w, 1e-6),
+                                                 kernels.rms_norm(q.float(), w, 1e-6).to(torch.bfloat16))
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("M,H", [(1, 576), (5, 37), (48, 576), (33, 2048), (3, 16)])

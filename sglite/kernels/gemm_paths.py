@@ -16,6 +16,8 @@ Paths (names as logged):
                            read from the weight's repacked bf16 copy, below);
         ``dequant_gemm``   more rows without VNNI (or forced): dequantize, then ``F.linear``.
     Row-layout quantized weights keep the float GEMV (1..32 rows) and ``dequant_gemm`` (more).
+    The fused C++ decode (``decode_fused``) has no int8 GEMM: its tiled products take the AMX tiles
+    from :func:`fused_amx_min` rows per weight (an LM head from 9, 8-bit codes from 12, else 16).
 
 Deterministic inference (``invariant`` / ``quant_invariant``) never comes here: those impls keep
 their batch-invariant kernels whatever this module says.

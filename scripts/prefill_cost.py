@@ -1,4 +1,4 @@
-"""CPU cost of one serving prefill, in-process (issue 27: a 16-client run's prefills are ~40 % of its CPU).
+"""CPU cost of one serving prefill, in-process (issue 27: about a third of a 16-client run's CPU).
 
 Runs ``--prompts`` single prompts of ``--prompt-len`` random tokens (greedy, one new token, so each
 is one prefill step and its logits row) one after another on an engine of ``--threads`` threads,

@@ -11,6 +11,7 @@ from .errors import InvalidRequestError
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3", "int8", "int4")
+LORA_DTYPES = ("auto", "bfloat16", "float32")
 GRAMMAR_BACKENDS = ("sglite", "xgrammar", "llguidance")
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "MEDUSA")
 SPECULATIVE_VERIFY = ("token", "block")
@@ -168,6 +169,9 @@ class EngineConfig:
         max_loras_per_batch: most distinct LoRA adapters in one step (adapter slots on the device).
         max_lora_rank: largest LoRA rank accepted (sizes the adapter slots); None = the largest
             rank among ``lora_paths``, 16 when none is given.
+        lora_dtype: ``auto`` | ``bfloat16`` | ``float32``: storage of the adapters' A / B weights
+            (vLLM's ``--lora-dtype``). ``auto`` = bfloat16 when the model's activations are
+            bfloat16, else float32. Kernels read them as float32 and sum in float32.
         tp_size: tensor-parallel degree: the engine's scheduler drives this many model worker
             processes, each holding 1/tp_size of the attention heads, MLP width, vocabulary and
             KV cache (torch.distributed: gloo on CPU, NCCL on CUDA; see ``docs/scaling.md``).
@@ -244,6 +248,7 @@ class EngineConfig:
     lora_paths: Optional[tuple] = None
     max_loras_per_batch: int = 8
     max_lora_rank: Optional[int] = None
+    lora_dtype: str = "auto"
     tp_size: int = 1
     nnodes: int = 1
     node_rank: int = 0
@@ -368,11 +373,11 @@ class EngineConfig:
             bad("max_loras_per_batch", f"must be >= 1, got {self.max_loras_per_batch}")
         if self.max_lora_rank is not None and not 1 <= self.max_lora_rank <= 256:
             bad("max_lora_rank", f"must be in [1, 256], got {self.max_lora_rank}")
+        if self.lora_dtype not in LORA_DTYPES:
+            bad("lora_dtype", f"must be one of {LORA_DTYPES}, got {self.lora_dtype!r}")
         for name, path in self.lora_paths or ():
             if not os.path.isdir(path):
                 bad("lora_paths", f"adapter {name!r}: no such folder {path!r}")
-        if self.lora_paths and self.tp_size > 1:
-            bad("lora_paths", "LoRA adapters are not supported with tp_size > 1 yet")
 
     def _check_speculative(self, bad) -> None:
         alg = self.speculative_algorithm

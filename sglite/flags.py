@@ -23,11 +23,11 @@ import re
 import sys
 from typing import Any, Iterable, Optional, Sequence
 
-from .config import (DTYPES, GRAMMAR_BACKENDS, KV_CACHE_DTYPES, SCHEDULE_POLICIES, SPECULATIVE_ALGORITHMS,
-                     SPECULATIVE_VERIFY, EngineConfig)
+from .config import (DTYPES, GRAMMAR_BACKENDS, KV_CACHE_DTYPES, LORA_DTYPES, SCHEDULE_POLICIES,
+                     SPECULATIVE_ALGORITHMS, SPECULATIVE_VERIFY, EngineConfig)
 
 CHOICES = {"dtype": DTYPES, "schedule_policy": SCHEDULE_POLICIES, "grammar_backend": GRAMMAR_BACKENDS,
-           "kv_cache_dtype": KV_CACHE_DTYPES,
+           "kv_cache_dtype": KV_CACHE_DTYPES, "lora_dtype": LORA_DTYPES,
            "cpu_decode_gemv": ("auto", "cpp", "fp16", "off"), "device": None,
            "log_level": ("debug", "info", "warning", "error", "critical"),
            "speculative_algorithm": SPECULATIVE_ALGORITHMS, "speculative_verify": SPECULATIVE_VERIFY}

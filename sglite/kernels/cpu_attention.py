@@ -99,7 +99,9 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     (the group's rows x G heads as one query block), then each row its own keys, the two merged
     by their softmax maxima and sums (the cascade / shared-prefix decomposition of Hydragen,
     Juravsky et al. 2024, section 3; FlashInfer's cascade attention). Not batch-invariant (a
-    row's rounding depends on its group): deterministic callers pass 0.
+    row's rounding depends on its group): deterministic callers pass 0. The C++ op also takes the
+    groups as an argument (``shared_prefix_groups``' int64 tensor, from the same slot table, rows
+    and lengths): the fused decode finds them once per step for its 30 layer calls.
     Raises:
         ValueError: mismatched shapes, Hq not a multiple of Hkv, a seq_len outside [1, Lmax].
         IndexError: a request row or a slot outside the table / pool.
@@ -125,9 +127,13 @@ def shared_prefix_groups(req_to_token: torch.Tensor, req_pool_indices: torch.Ten
     ops = load()
     if ops is None:
         raise RuntimeError("the C++ attention extension is unavailable")
-    out = ops.shared_prefix_groups(req_to_token.to(torch.int32).contiguous(), req_pool_indices.to(torch.int64).contiguous(),
-                                   seq_lens.to(torch.int64).contiguous(), int(min_shared))
-    return [(int(P), out[1 + g].tolist()) for g, P in enumerate(out[0].tolist())]
+    flat = ops.shared_prefix_groups(req_to_token.to(torch.int32).contiguous(), req_pool_indices.to(torch.int64).contiguous(),
+                                    seq_lens.to(torch.int64).contiguous(), int(min_shared)).tolist()
+    out, i = [], 1
+    for _ in range(flat[0]):  # [count, then per group P, k, its k rows]
+        out.append((flat[i], flat[i + 2:i + 2 + flat[i + 1]]))
+        i += 2 + flat[i + 1]
+    return out
 
 
 @functools.lru_cache(maxsize=None)

@@ -4,9 +4,11 @@
 ``lora_add(y, x, a, b, seg_lens, seg_slots)`` adds ``(x_i · A_sᵀ) · b_s`` to every row ``i`` of
 a segment of adapter slot ``s`` (Hu et al. 2021, "LoRA"; segments as S-LoRA's / Punica's SGMV),
 in place, rows of slot -1 untouched. x [N, K], y [N, O] (unit stride along the last dim), a
-[S, R, K], b [S, R, O] (B transposed) contiguous, one dtype: float32 or bfloat16. Sums in float32; the shrink
-result and the delta are rounded to the dtype as two chained torch matmuls round them, so float32
-agrees with the reference to ~1e-6 (the summation order differs).
+[S, R, K], b [S, R, O] (B transposed) contiguous. x and y share one dtype (the activations), a and b
+one (the adapter weights, ``--lora-dtype``), each float32 or bfloat16: bf16 weights are read as
+float32. Sums in float32; the shrink result and the delta are rounded to the activation dtype as
+the reference rounds them, so float32 agrees with the reference to ~1e-6 (the summation order
+differs).
 
 Errors: RuntimeError naming the argument for shapes, strides or dtypes outside the contract;
 IndexError for a slot outside ``[-1, S)``. Threads: the shared pool (``csrc/thread_pool.h``) over rows.
@@ -39,9 +41,10 @@ def available() -> bool:
 
 
 def supported(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the kernel covers these inputs (CPU, one float32/bf16 dtype, unit-stride rows)."""
-    return (x.device.type == "cpu" and x.dtype in _DTYPES and y.dtype == x.dtype and a.dtype == x.dtype
-            and b.dtype == x.dtype and x.dim() == 2 and y.dim() == 2 and x.stride(-1) == 1 and y.stride(-1) == 1)
+    """Whether the kernel covers these inputs (CPU; x, y one float32/bf16 dtype, a, b one float32/bf16
+    dtype; unit-stride rows)."""
+    return (x.device.type == "cpu" and x.dtype in _DTYPES and y.dtype == x.dtype and a.dtype in _DTYPES
+            and b.dtype == a.dtype and x.dim() == 2 and y.dim() == 2 and x.stride(-1) == 1 and y.stride(-1) == 1)
 
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seg_lens: torch.Tensor,

@@ -395,13 +395,20 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     slot (``seg_slots`` [G] int64 in ``[-1, S)``; -1: no adapter, the rows are left untouched).
     x: [N, K]; a: [S, R, K] (shrink); b: [S, R, O] (expand, stored transposed so the expand reads
     rows of O contiguous values; the LoRA scaling folded in);
-    y: [N, O] (mutated); all of x's dtype. The shrink result is rounded to that dtype before the
-    expand, as two chained matmuls would.
+    y: [N, O] (mutated), of x's dtype; a and b share one dtype (the adapter weights'
+    ``--lora-dtype``), which may differ from x's: then both matmuls run in float32. The shrink
+    result is rounded to x's dtype before the expand, as two chained matmuls would.
     """
+    same = a.dtype == x.dtype
     start = 0
     for n, s in zip(seg_lens.tolist(), seg_slots.tolist()):
         if s >= 0 and n:
-            t = x[start:start + n] @ a[s].t()  # [n, R]
-            y[start:start + n] += t @ b[s]  # [n, O]
+            xs = x[start:start + n]
+            if same:
+                t = xs @ a[s].t()  # [n, R]
+                y[start:start + n] += t @ b[s]  # [n, O]
+            else:  # float32 sums over the adapter's weights, rounded as the matmuls above round
+                t = (xs.float() @ a[s].float().t()).to(x.dtype)
+                y[start:start + n] += (t.float() @ b[s].float()).to(y.dtype)
         start += n
     return y

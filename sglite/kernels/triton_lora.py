@@ -2,8 +2,8 @@
 Hu et al. 2021, "LoRA"; the per-row adapter gather of S-LoRA / Punica's SGMV).
 
 One program per (row, block of ``BLOCK_O`` outputs): it reads the row's adapter slot (rows of
-slot -1 return at once), shrinks ``t = x_i · A_sᵀ`` over K in ``BLOCK_K`` tiles (float32 sums,
-rounded to the dtype as a matmul's output), then adds ``t · b_s`` (``b_s = B_sᵀ`` [R, O]) for its outputs (float32, the
+slot -1 return at once), shrinks ``t = x_i · A_sᵀ`` over K in ``BLOCK_K`` tiles (A / B in their own
+dtype, ``--lora-dtype``, read as float32; float32 sums, rounded to x's dtype as a matmul's output), then adds ``t · b_s`` (``b_s = B_sᵀ`` [R, O]) for its outputs (float32, the
 delta rounded to the dtype before the add). The shrink is recomputed per output block: cheap for
 LoRA ranks (R ≤ 64 per part) next to the expand.
 """
@@ -43,7 +43,8 @@ def _lora_add_kernel(X, A, B, Y, SLOT, K, O, R, stride_x, stride_y,
 def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seg_lens: torch.Tensor,
              seg_slots: torch.Tensor, *, block_k: int = 64, block_o: int = 64) -> torch.Tensor:
     """``y`` [N, O] with the LoRA delta of every adapted row added in place (see
-    :func:`sglite.kernels.reference.lora_add`; x [N, K], a [S, R, K], b [S, R, O], one dtype).
+    :func:`sglite.kernels.reference.lora_add`; x [N, K], a [S, R, K], b [S, R, O]; x and y one dtype,
+    a and b one dtype, read as float32: bf16 adapter weights under float32 activations work).
 
     Raises:
         ValueError: shapes that disagree, or ``seg_lens`` not summing to N.

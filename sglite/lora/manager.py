@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Optional, Union
+from typing import Optional, Protocol, Union
 
 import torch
 
@@ -21,6 +21,17 @@ from .pool import LoraBatch, LoraPool
 DEFAULT_MAX_RANK = 16
 
 
+def resolve_lora_dtype(lora_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The adapters' A / B storage dtype (vLLM's ``--lora-dtype``): ``bfloat16`` / ``float32`` as
+    named; ``auto`` = bfloat16 when the model's activations (``model_dtype``) are bfloat16, else
+    float32. Raises InvalidRequestError naming ``lora_dtype`` for another value."""
+    if lora_dtype == "auto":
+        return torch.bfloat16 if model_dtype == torch.bfloat16 else torch.float32
+    if lora_dtype in ("bfloat16", "float32"):
+        return getattr(torch, lora_dtype)
+    raise InvalidRequestError(f"lora_dtype: must be auto, bfloat16 or float32, got {lora_dtype!r}", field="lora_dtype")
+
+
 def initial_max_rank(max_lora_rank: Optional[int], lora_paths: tuple) -> int:
     """``max_lora_rank`` when given, else the largest ``r`` of the start-up adapters, else
     :data:`DEFAULT_MAX_RANK`."""
@@ -30,12 +41,26 @@ def initial_max_rank(max_lora_rank: Optional[int], lora_paths: tuple) -> int:
     return max([r for r in ranks if isinstance(r, int)] or [DEFAULT_MAX_RANK])
 
 
+class LoraMirror(Protocol):
+    """Where a manager's loads and unloads are repeated: the tensor-parallel workers, each holding
+    its shard (:class:`sglite.runtime.parallel.tp_client.TPRunnerClient`). Both raise
+    RuntimeError when a worker failed."""
+
+    def load_lora(self, name: str, path: str, uid: int) -> None: ...
+
+    def unload_lora(self, name: str) -> None: ...
+
+
 class LoraManager:
     """Adapters by name plus their slots on ``device``. ``max_loras_per_batch``: slots (adapters
-    in one step); ``max_lora_rank``: the largest rank accepted."""
+    in one step); ``max_lora_rank``: the largest rank accepted; ``dtype``: the adapters' A / B
+    storage (:func:`resolve_lora_dtype`), whatever the model's activation dtype; ``mirror``: a
+    :class:`LoraMirror` that :meth:`add` and :meth:`remove` repeat to (tensor parallelism: the
+    model, and so the slots, live in the workers; this manager's pool then stays empty)."""
 
-    def __init__(self, shape: ModelShape, dtype: torch.dtype, device, max_loras_per_batch: int, max_lora_rank: int):
-        self.shape, self.dtype = shape, dtype
+    def __init__(self, shape: ModelShape, dtype: torch.dtype, device, max_loras_per_batch: int, max_lora_rank: int,
+                 mirror: Optional[LoraMirror] = None):
+        self.shape, self.dtype, self.mirror = shape, dtype, mirror
         self.max_loras_per_batch, self.max_lora_rank = max_loras_per_batch, max_lora_rank
         self.pool = LoraPool(shape, dtype, device, max_loras_per_batch, max_lora_rank)
         self.adapters: dict[str, LoraAdapter] = {}
@@ -54,10 +79,13 @@ class LoraManager:
         return load_adapter(name, path, self.shape, self.max_lora_rank, self.dtype, uid)
 
     def add(self, adapter: LoraAdapter) -> None:
-        """Serve ``adapter`` under its name. Raises InvalidRequestError when the name is taken."""
+        """Serve ``adapter`` under its name (loaded by the mirror first, when there is one). Raises
+        InvalidRequestError when the name is taken; RuntimeError when the mirror failed."""
         with self._lock:
             if adapter.name in self.adapters:
                 raise InvalidRequestError(f"lora_name: adapter {adapter.name!r} is already loaded", field="lora_name")
+            if self.mirror is not None:
+                self.mirror.load_lora(adapter.name, adapter.path, adapter.uid)
             self.adapters = {**self.adapters, adapter.name: adapter}
 
     def remove(self, name: str) -> LoraAdapter:
@@ -71,6 +99,8 @@ class LoraManager:
             adapter = adapters.pop(name)
             self.adapters = adapters
         self.pool.drop(adapter)
+        if self.mirror is not None:
+            self.mirror.unload_lora(name)
         return adapter
 
     def names(self) -> list[str]:
@@ -92,12 +122,14 @@ class LoraManager:
         return self.pool.batch(segments)
 
     @classmethod
-    def start(cls, config, shape: ModelShape, dtype: torch.dtype, device) -> "LoraManager":
+    def start(cls, config, shape: ModelShape, dtype: torch.dtype, device,
+              mirror: Optional[LoraMirror] = None) -> "LoraManager":
         """The manager of an engine with ``config`` (``lora_paths``, ``max_loras_per_batch``,
-        ``max_lora_rank``), its start-up adapters loaded. Raises InvalidRequestError as
-        :meth:`read`."""
+        ``max_lora_rank``, ``lora_dtype``) over a model of activation ``dtype``, its start-up
+        adapters loaded (and mirrored). Raises InvalidRequestError as :meth:`read`."""
         paths = tuple(config.lora_paths or ())
-        m = cls(shape, dtype, device, config.max_loras_per_batch, initial_max_rank(config.max_lora_rank, paths))
+        m = cls(shape, resolve_lora_dtype(config.lora_dtype, dtype), device,
+                config.max_loras_per_batch, initial_max_rank(config.max_lora_rank, paths), mirror)
         for name, path in paths:
             m.add(m.read(name, path))
         return m

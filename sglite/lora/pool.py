@@ -2,8 +2,8 @@
 adapter memory, Sheng et al. 2023, §4, simplified to fixed slots).
 
 :class:`LoraPool` holds, per fused matmul ``key`` and layer, ``a`` [S, blocks·R, in] and ``b``
-[S, blocks·R, out] (B transposed) buffers in the model dtype (``S = max_loras_per_batch`` slots, ``R =
-max_lora_rank``, ``blocks`` the parts of the fused matmul: 3 for qkv, 2 for gate_up), allocated
+[S, blocks·R, out] (B transposed) buffers in the adapters' dtype (``--lora-dtype``; bf16 halves what
+a step reads; ``S = max_loras_per_batch`` slots, ``R = max_lora_rank``, ``blocks`` the parts of the fused matmul: 3 for qkv, 2 for gate_up), allocated
 on first use of that key. An adapter of rank r < R fills the first r rows of each rank block and
 zeros the rest, so every slot runs one segmented matmul per fused weight
 (:func:`sglite.kernels.lora_add`). Slots are handed out least recently used first; the scheduler

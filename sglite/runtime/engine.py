@@ -104,11 +104,13 @@ class Engine:
         check_kv_cache_dtype(cfg.kv_cache_dtype, ckpt.hf_config, device)  # before the weights load
         check_family_config(cfg, ckpt.hf_config)  # OLMo 2 / Granite / Gemma: no TP; Gemma: float KV
         self.runner: RunnerProtocol
-        self.lora: Optional[LoraManager] = None  # LoRA adapters (sglite.lora; tp_size 1 only)
+        self.lora: LoraManager  # LoRA adapters (sglite.lora)
         if cfg.tp_size > 1:  # the model lives in tp_size worker processes (sglite.runtime.parallel)
             from .parallel.tp_client import TPRunnerClient
             with timer.phase("tensor-parallel workers"):
                 self.runner = TPRunnerClient(cfg, ckpt)
+            with timer.phase("LoRA adapters"):  # each worker holds its shards (parallel/lora_tp.py)
+                self.lora = LoraManager.start(cfg, self.runner.arch, self.runner.dtype, "cpu", mirror=self.runner)
         else:
             with timer.phase("weights"):
                 sd = load_weights(ckpt, cfg.quantization, resolve_dtype(cfg.dtype, device), device)
@@ -322,9 +324,8 @@ class Engine:
     def load_lora_adapter(self, lora_name: str, lora_path: str) -> list[str]:
         """Serve the PEFT adapter at folder ``lora_path`` as ``lora_name`` (read and checked on the
         caller's thread); returns the loaded names. Raises InvalidRequestError naming the field
-        (see :mod:`sglite.lora.adapter`; ``lora_name`` when taken or with ``tp_size > 1``)."""
-        if self.lora is None:
-            raise InvalidRequestError("lora_name: LoRA adapters need tp_size 1", field="lora_name")
+        (see :mod:`sglite.lora.adapter`; ``lora_name`` when taken). With ``tp_size > 1`` every
+        worker loads its shard; RuntimeError when one failed."""
         adapter = self.lora.read(lora_name, lora_path)
         self._loop.call(lambda: self.lora.add(adapter))
         return self.lora.names()
@@ -332,8 +333,6 @@ class Engine:
     def unload_lora_adapter(self, lora_name: str) -> list[str]:
         """Stop serving ``lora_name`` and drop its radix-cache entries; returns the loaded names.
         Raises InvalidRequestError (``lora_name``) when unknown or used by unfinished requests."""
-        if self.lora is None:
-            raise InvalidRequestError(f"lora_name: no adapter {lora_name!r} is loaded", field="lora_name")
         self._loop.call(lambda: self.lora.unload(lora_name, self.scheduler))
         return self.lora.names()
 

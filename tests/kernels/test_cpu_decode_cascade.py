@@ -153,3 +153,18 @@ def test_cascade_with_softcap(ops):
             s = q[b, h].double() @ k[slots, h // 4].double().T * scale
             want[b, h] = torch.softmax(5.0 * torch.tanh(s / 5.0), -1) @ v[slots, h // 4].double()
     torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_groups_found_once_give_the_same_result(ops):
+    """A caller attending many layers passes shared_prefix_groups' tensor (found once per step):
+    the same bits as the op finding them; a malformed or mismatched one is a ValueError."""
+    q, k, v, rt, rows, lens, scale = make_batch([(300, [2, 3, 4]), (120, [5, 6])], [7], 9, 3, 64, seed=17)
+    rows, lens = rows.contiguous(), lens.contiguous()
+    flat = ops.shared_prefix_groups(rt, rows, lens, 64)
+    assert int(flat[0]) == 2
+    found = ops.decode_attention(q, k, v, rt, rows, lens, scale, 0, 0.0, 64, None)
+    assert torch.equal(ops.decode_attention(q, k, v, rt, rows, lens, scale, 0, 0.0, 64, flat), found)
+    for bad in (torch.tensor([1, 300, 1, 0]), torch.tensor([1, 300, 2, 0, 0]), torch.tensor([1, 300, 2, 0, 99]),
+                torch.tensor([2, 300, 2, 0, 1])):
+        with pytest.raises(ValueError, match="groups"):
+            ops.decode_attention(q, k, v, rt, rows, lens, scale, 0, 0.0, 64, bad)

@@ -59,12 +59,14 @@ def quantized_lora(tiny_model_dir, tmp_path_factory):
     return qdir, paths
 
 
-def _engine(qdir, paths, seen, threads=None, portable=False):
+def _engine(qdir, paths, seen, threads=None, portable=False, lora_dtype="auto"):
     """A float32 engine whose fused steps are checked against the per-op path on the same step
-    (and, with ``threads``, against the fused step on that many threads, bitwise)."""
+    (and, with ``threads``, against the fused step on that many threads, bitwise). ``lora_dtype``:
+    the adapters' A / B storage (bfloat16: both paths read bf16 weights under float32 activations)."""
     from sglite import Engine
 
-    e = Engine(model_path=str(qdir), dtype="float32", max_total_tokens=2048, lora_paths=paths, max_loras_per_batch=4)
+    e = Engine(model_path=str(qdir), dtype="float32", max_total_tokens=2048, lora_paths=paths, max_loras_per_batch=4,
+               lora_dtype=lora_dtype)
     model = e.runner.model
     fused = model.decode_fused
     assert fused is not None and not fused.q8
@@ -90,14 +92,17 @@ def _engine(qdir, paths, seen, threads=None, portable=False):
     return e
 
 
-@pytest.mark.parametrize("portable", [False, pytest.param(True, marks=pytest.mark.slow)])  # portable: a second build
-def test_mixed_adapters_match_per_op_path(quantized_lora, portable):
+@pytest.mark.parametrize("portable,lora_dtype", [(False, "auto"), (False, "bfloat16"),  # portable: a second build
+                                                 pytest.param(True, "auto", marks=pytest.mark.slow),
+                                                 pytest.param(True, "bfloat16", marks=pytest.mark.slow)])
+def test_mixed_adapters_match_per_op_path(quantized_lora, portable, lora_dtype):
     qdir, paths = quantized_lora
     names = ["all4", None, "qv8", "mlp2", "qkv3", "all4"]
     sp = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
     seen = []
-    e = _engine(qdir, paths, seen, portable=portable)
+    e = _engine(qdir, paths, seen, portable=portable, lora_dtype=lora_dtype)
     try:
+        assert e.lora.pool.dtype == (torch.bfloat16 if lora_dtype == "bfloat16" else torch.float32)
         got = [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=sp, lora_path=names)]
         assert (6, True) in seen  # a 6-row step of 4 adapters and a base row went through the fused path
         base = [o["output_ids"] for o in e.generate(input_ids=PROMPTS[:2], sampling_params=sp)]

@@ -9,12 +9,12 @@ from sglite import kernels
 from sglite.kernels import cpu_lora, reference
 
 
-def random_case(N, K, O, R, S, G, dtype, seed):
+def random_case(N, K, O, R, S, G, dtype, seed, wdtype=None):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(N, K, generator=g).to(dtype)
     y = torch.randn(N, O, generator=g).to(dtype)
-    a = (torch.randn(S, R, K, generator=g) / K ** 0.5).to(dtype)
-    b = torch.randn(S, R, O, generator=g).to(dtype)
+    a = (torch.randn(S, R, K, generator=g) / K ** 0.5).to(wdtype or dtype)  # wdtype: --lora-dtype
+    b = torch.randn(S, R, O, generator=g).to(wdtype or dtype)
     cuts = sorted(torch.randint(0, N + 1, (G - 1,), generator=g).tolist())
     lens = torch.tensor([e - s for s, e in zip([0] + cuts, cuts + [N])], dtype=torch.int64)
     slots = torch.randint(-1, S, (G,), generator=g, dtype=torch.int64)
@@ -40,12 +40,13 @@ def test_reference_is_per_row_lora(N, K, O, R, S, G):
     assert torch.equal(got[untouched], y[untouched])  # rows without an adapter pay nothing
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,wdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                          (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("N,K,O,R,S,G", [(1, 576, 960, 48, 2, 1), (9, 64, 128, 16, 3, 5), (40, 37, 23, 5, 5, 9),
                                          (5, 128, 64, 8, 1, 5)])
-def test_cpp_matches_reference(N, K, O, R, S, G, dtype):
+def test_cpp_matches_reference(N, K, O, R, S, G, dtype, wdtype):
     built(cpu_lora.load)
-    y, x, a, b, lens, slots = random_case(N, K, O, R, S, G, dtype, 7 * N + R)
+    y, x, a, b, lens, slots = random_case(N, K, O, R, S, G, dtype, 7 * N + R, wdtype)
     ref = reference.lora_add(y.clone(), x, a, b, lens, slots)
     out = y.clone()
     got = cpu_lora.lora_add(out, x, a, b, lens, slots)
@@ -56,6 +57,22 @@ def test_cpp_matches_reference(N, K, O, R, S, G, dtype):
         torch.testing.assert_close(got.float(), ref.float(), atol=5e-2, rtol=2e-2)
     untouched = torch.repeat_interleave(slots, lens) < 0
     assert torch.equal(got[untouched], y[untouched])
+
+
+@pytest.mark.parametrize("N,K,O,R,S,G", [(3, 48, 80, 16, 2, 2), (17, 96, 40, 8, 4, 5)])
+def test_bf16_weights_under_float32_activations(N, K, O, R, S, G):
+    """``--lora-dtype bfloat16`` on a float32 model: reference and C++ equal the float64 per-row math
+    on the bf16-rounded weights (they are read exactly, summed in float32)."""
+    built(cpu_lora.load)
+    y, x, a, b, lens, slots = random_case(N, K, O, R, S, G, torch.float32, 11 * N + K, torch.bfloat16)
+    want = per_row(y, x, a, b, lens, slots)
+    ref = reference.lora_add(y.clone(), x, a, b, lens, slots)
+    got = kernels.lora_add(y.clone(), x, a, b, lens, slots)
+    assert ref.dtype == got.dtype == torch.float32
+    torch.testing.assert_close(ref.double(), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    with pytest.raises(RuntimeError, match="a and b another"):
+        cpu_lora.load().lora_add(y.clone(), x, a, b.float(), lens, slots)
 
 
 def test_cpp_strided_rows_and_dispatch():

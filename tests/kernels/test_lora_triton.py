@@ -26,18 +26,19 @@ if not IN_PROCESS:
         assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-3000:]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,wdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                          (torch.float32, torch.bfloat16)])  # wdtype: --lora-dtype
 @pytest.mark.parametrize("N,K,O,R,S,lens,slots", [
     (5, 40, 70, 6, 2, [2, 1, 2], [1, -1, 0]),
     (3, 16, 8, 16, 3, [3], [2]),
     (4, 24, 33, 3, 1, [4], [-1]),
 ])
-def test_triton_matches_reference(N, K, O, R, S, lens, slots, dtype):
+def test_triton_matches_reference(N, K, O, R, S, lens, slots, dtype, wdtype):
     g = torch.Generator().manual_seed(N * 100 + O)
     x = torch.randn(N, K, generator=g).to(dtype)
     y = torch.randn(N, O, generator=g).to(dtype)
-    a = (torch.randn(S, R, K, generator=g) / K ** 0.5).to(dtype)
-    b = torch.randn(S, R, O, generator=g).to(dtype)
+    a = (torch.randn(S, R, K, generator=g) / K ** 0.5).to(wdtype)
+    b = torch.randn(S, R, O, generator=g).to(wdtype)
     lens, slots = torch.tensor(lens), torch.tensor(slots)
     ref = reference.lora_add(y.clone(), x, a, b, lens, slots)
     dev = torch.device(DEVICE)

@@ -54,7 +54,7 @@ def test_the_wire_is_a_json_header_and_raw_bytes():
     names = [row[0] for row in header["tensors"]]
     assert sorted(names) == sorted(ForwardBatch.__dataclass_fields__)
     assert all(row[3] % 8 == 0 for row in header["tensors"])  # aligned offsets
-    assert set(MESSAGES) == {"forward", "stop", "step_done"}
+    assert set(MESSAGES) == {"forward", "stop", "step_done", "load_lora", "unload_lora"}
 
 
 def _with_header(header: dict, payload: bytes = b"") -> torch.Tensor:
@@ -88,3 +88,20 @@ def test_only_known_messages_and_dtypes_encode():
     bad = ForwardBatch(**{**fb.__dict__, "input_ids": fb.input_ids.to(torch.complex64)})
     with pytest.raises(TypeError, match="cannot travel"):
         encode(Forward(bad))
+
+
+def test_lora_commands_round_trip():
+    from sglite.runtime.parallel.commands import LoadLora, UnloadLora
+
+    fb = _batch()
+    fb.lora_segments = [[3, None], [2, object()]]  # instance attributes: compact_batch leaves them out
+    lens, uids = torch.tensor([3, 2]), torch.tensor([0, 7])
+    got = decode(encode(Forward(compact_batch(fb), lens, uids)))
+    assert torch.equal(got.lora_lens, lens) and torch.equal(got.lora_uids, uids)
+    assert got.batch.lora_segments is None and decode(encode(Forward(compact_batch(fb)))).lora_lens is None
+    assert decode(encode(LoadLora("a", "/x/a", 3))) == LoadLora("a", "/x/a", 3)
+    assert decode(encode(UnloadLora("a"))) == UnloadLora("a")
+    with pytest.raises(ValueError, match="lora_lens and lora_uids"):
+        decode(encode(Forward(compact_batch(fb), lens, uids.int())))
+    with pytest.raises(ValueError, match="uid an integer"):
+        LoadLora.from_wire({"name": "a", "path": "/x", "uid": "3"}, {})

@@ -171,33 +171,54 @@ inline bool pack_block(const uint16_t* base_k, int64_t s0k, const uint16_t* base
 
 inline float hmax(__m512 a) { return _mm512_reduce_max_ps(a); }
 
+// e^x for x <= 0 as sglite_simd::exp_nonpos with a degree-4 polynomial (relative error < 5e-5,
+// far below the bf16 rounding the weights then get).
+inline __m512 exp4(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.f / 24), r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline void tile_zero_n(int t) {  // _tile_zero takes an immediate
+  switch (t) {
+    case 0: _tile_zero(0); break;
+    case 1: _tile_zero(1); break;
+    case 2: _tile_zero(2); break;
+    default: _tile_zero(3);
+  }
+}
+
 // One block of n keys at positions t0 .. t0 + n - 1 for rows [0, R): scores, mask, online softmax,
 // acc update. `full`: every row sees every key of the block (no masking needed).
 inline void block(Work& w, int R, int Dp, int n, int64_t t0, bool full, int64_t window, float softcap) {
   const int Rt = (R + 15) / 16, nd = Dp / 32, ndg = Dp / 16, n64 = (n + 63) & ~63;  // keys past n64: skipped
-  // scores: C tiles 0..3 = 4 key tiles (64 keys) of one row tile at a time
-  for (int rt = 0; rt < Rt; ++rt)
-    for (int kq = 0; kq < n64 / 64; ++kq) {
-      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-      for (int c = 0; c < nd; ++c) {
-        _tile_loadd(4, w.q + (size_t)rt * 16 * kMaxDp + 32 * c, kMaxDp * 2);
-        const uint16_t* kt = w.kt + (size_t)(c * (KB / 16) + 4 * kq) * 512;
-        _tile_loadd(5, kt, 64);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(6, kt + 512, 64);
-        _tile_dpbf16ps(1, 4, 6);
-        _tile_loadd(5, kt + 1024, 64);
-        _tile_dpbf16ps(2, 4, 5);
-        _tile_loadd(6, kt + 1536, 64);
-        _tile_dpbf16ps(3, 4, 6);
-      }
-      float* s = w.s + (size_t)rt * 16 * KB + 64 * kq;
-      _tile_stored(0, s, KB * 4);
-      _tile_stored(1, s + 16, KB * 4);
-      _tile_stored(2, s + 32, KB * 4);
-      _tile_stored(3, s + 48, KB * 4);
+  // scores: per 16-key tile, C tiles 0..Rt-1 = the row tiles; each K^T tile is loaded once (the
+  // queries, 8 KB at most, are re-read from L1 instead)
+  for (int kg = 0; kg < n64 / 16; ++kg) {
+    for (int rt = 0; rt < Rt; ++rt) tile_zero_n(rt);
+    for (int c = 0; c < nd; ++c) {
+      _tile_loadd(5, w.kt + (size_t)(c * (KB / 16) + kg) * 512, 64);
+      const uint16_t* qa = w.q + 32 * c;
+      _tile_loadd(4, qa, kMaxDp * 2);
+      _tile_dpbf16ps(0, 4, 5);
+      if (Rt > 1) { _tile_loadd(6, qa + 16 * kMaxDp, kMaxDp * 2); _tile_dpbf16ps(1, 6, 5); }
+      if (Rt > 2) { _tile_loadd(4, qa + 32 * kMaxDp, kMaxDp * 2); _tile_dpbf16ps(2, 4, 5); }
+      if (Rt > 3) { _tile_loadd(6, qa + 48 * kMaxDp, kMaxDp * 2); _tile_dpbf16ps(3, 6, 5); }
     }
-  // softmax rows
+    float* s = w.s + 16 * kg;
+    _tile_stored(0, s, KB * 4);
+    if (Rt > 1) _tile_stored(1, s + 16 * KB, KB * 4);
+    if (Rt > 2) _tile_stored(2, s + 32 * KB, KB * 4);
+    if (Rt > 3) _tile_stored(3, s + 48 * KB, KB * 4);
+  }
+  // softmax rows: masks, the block's row maxima and sums, bf16 weights
+  alignas(64) float m_next[kMaxRows], rsum[kMaxRows];
   const __m512 ninf = _mm512_set1_ps(-INFINITY);
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int r = 0; r < Rt * 16; ++r) {
@@ -205,7 +226,8 @@ inline void block(Work& w, int R, int Dp, int n, int64_t t0, bool full, int64_t 
     uint16_t* p = w.p + (size_t)r * KB;
     if (r >= R) {  // padding rows: no weights
       std::memset(p, 0, sizeof(uint16_t) * KB);
-      w.alpha[r] = 1.f;
+      m_next[r] = -INFINITY;
+      rsum[r] = 0.f;
       continue;
     }
     if (softcap > 0.f) {
@@ -234,24 +256,34 @@ inline void block(Work& w, int R, int Dp, int n, int64_t t0, bool full, int64_t 
       v[c] = _mm512_mask_mov_ps(ninf, ok, v[c]);
       mx = _mm512_max_ps(mx, v[c]);
     }
-    const float m_new = hmax(mx), m_old = w.m[r];
+    const float m_new = hmax(mx);
+    m_next[r] = m_new;
     if (m_new == -INFINITY) {  // nothing visible yet
       std::memset(p, 0, sizeof(uint16_t) * KB);
-      w.alpha[r] = 1.f;
+      rsum[r] = 0.f;
       continue;
     }
-    const float alpha = m_old == -INFINITY ? 0.f : std::exp(m_old - m_new);
     const __m512 vm = _mm512_set1_ps(m_new);
     __m512 sum = _mm512_setzero_ps();
     for (int c = 0; c < n64 / 16; c += 2) {
-      const __m512 e0 = _mm512_maskz_mov_ps(okm[c], sglite_simd::exp_nonpos(_mm512_sub_ps(v[c], vm)));
-      const __m512 e1 = _mm512_maskz_mov_ps(okm[c + 1], sglite_simd::exp_nonpos(_mm512_sub_ps(v[c + 1], vm)));
+      const __m512 e0 = _mm512_maskz_mov_ps(okm[c], exp4(_mm512_sub_ps(v[c], vm)));
+      const __m512 e1 = _mm512_maskz_mov_ps(okm[c + 1], exp4(_mm512_sub_ps(v[c + 1], vm)));
       sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
       _mm512_storeu_si512(p + 16 * c, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
     }
-    w.m[r] = m_new;
-    w.alpha[r] = alpha;
-    w.l[r] = w.l[r] * alpha + _mm512_reduce_add_ps(sum);
+    rsum[r] = _mm512_reduce_add_ps(sum);
+  }
+  // per 16 rows: alpha = exp(m_old - m_new) (0 when m_old = -inf; 1 when nothing is visible yet),
+  // l = l * alpha + the block's sum
+  for (int r = 0; r < Rt * 16; r += 16) {
+    const __m512 mo = _mm512_load_ps(w.m + r), mn = _mm512_load_ps(m_next + r);
+    const __mmask16 none = _mm512_cmp_ps_mask(mn, ninf, _CMP_EQ_OQ), fresh = _mm512_cmp_ps_mask(mo, ninf, _CMP_EQ_OQ);
+    __m512 al = sglite_simd::exp_nonpos(_mm512_sub_ps(mo, mn));
+    al = _mm512_mask_mov_ps(al, fresh, _mm512_setzero_ps());
+    al = _mm512_mask_mov_ps(al, none, _mm512_set1_ps(1.f));
+    _mm512_store_ps(w.alpha + r, al);
+    _mm512_store_ps(w.m + r, _mm512_mask_mov_ps(mn, none, mo));
+    _mm512_store_ps(w.l + r, _mm512_fmadd_ps(_mm512_load_ps(w.l + r), al, _mm512_load_ps(rsum + r)));
   }
   // acc = acc * alpha + P . V
   for (int r = 0; r < R; ++r) {
@@ -260,29 +292,26 @@ inline void block(Work& w, int R, int Dp, int n, int64_t t0, bool full, int64_t 
     float* ar = w.acc + (size_t)r * kMaxDp;
     for (int d = 0; d < Dp; d += 16) _mm512_storeu_ps(ar + d, _mm512_mul_ps(_mm512_loadu_ps(ar + d), a));
   }
-  for (int rt = 0; rt < Rt; ++rt) {
-    float* acc = w.acc + (size_t)rt * 16 * kMaxDp;
-    const uint16_t* pa = w.p + (size_t)rt * 16 * KB;
-    for (int g0 = 0; g0 < ndg; g0 += 4) {
-      const int ng = std::min(4, ndg - g0);
-      _tile_loadd(0, acc + 16 * g0, kMaxDp * 4);
-      if (ng > 1) _tile_loadd(1, acc + 16 * (g0 + 1), kMaxDp * 4);
-      if (ng > 2) _tile_loadd(2, acc + 16 * (g0 + 2), kMaxDp * 4);
-      if (ng > 3) _tile_loadd(3, acc + 16 * (g0 + 3), kMaxDp * 4);
-      for (int kc = 0; kc < n64 / 32; ++kc) {
-        _tile_loadd(4, pa + 32 * kc, KB * 2);
-        const uint16_t* vp = w.vp + (size_t)(kc * ndg + g0) * 512;
-        _tile_loadd(5, vp, 64);
-        _tile_dpbf16ps(0, 4, 5);
-        if (ng > 1) { _tile_loadd(6, vp + 512, 64); _tile_dpbf16ps(1, 4, 6); }
-        if (ng > 2) { _tile_loadd(5, vp + 1024, 64); _tile_dpbf16ps(2, 4, 5); }
-        if (ng > 3) { _tile_loadd(6, vp + 1536, 64); _tile_dpbf16ps(3, 4, 6); }
-      }
-      _tile_stored(0, acc + 16 * g0, kMaxDp * 4);
-      if (ng > 1) _tile_stored(1, acc + 16 * (g0 + 1), kMaxDp * 4);
-      if (ng > 2) _tile_stored(2, acc + 16 * (g0 + 2), kMaxDp * 4);
-      if (ng > 3) _tile_stored(3, acc + 16 * (g0 + 3), kMaxDp * 4);
+  // acc += P . V: per 16-dim tile, C tiles 0..Rt-1 = the row tiles; each V tile is loaded once
+  for (int dg = 0; dg < ndg; ++dg) {
+    float* acc = w.acc + 16 * dg;
+    _tile_loadd(0, acc, kMaxDp * 4);
+    if (Rt > 1) _tile_loadd(1, acc + 16 * kMaxDp, kMaxDp * 4);
+    if (Rt > 2) _tile_loadd(2, acc + 32 * kMaxDp, kMaxDp * 4);
+    if (Rt > 3) _tile_loadd(3, acc + 48 * kMaxDp, kMaxDp * 4);
+    for (int kc = 0; kc < n64 / 32; ++kc) {
+      _tile_loadd(5, w.vp + (size_t)(kc * ndg + dg) * 512, 64);
+      const uint16_t* pa = w.p + 32 * kc;
+      _tile_loadd(4, pa, KB * 2);
+      _tile_dpbf16ps(0, 4, 5);
+      if (Rt > 1) { _tile_loadd(6, pa + 16 * KB, KB * 2); _tile_dpbf16ps(1, 6, 5); }
+      if (Rt > 2) { _tile_loadd(4, pa + 32 * KB, KB * 2); _tile_dpbf16ps(2, 4, 5); }
+      if (Rt > 3) { _tile_loadd(6, pa + 48 * KB, KB * 2); _tile_dpbf16ps(3, 6, 5); }
     }
+    _tile_stored(0, acc, kMaxDp * 4);
+    if (Rt > 1) _tile_stored(1, acc + 16 * kMaxDp, kMaxDp * 4);
+    if (Rt > 2) _tile_stored(2, acc + 32 * kMaxDp, kMaxDp * 4);
+    if (Rt > 3) _tile_stored(3, acc + 48 * kMaxDp, kMaxDp * 4);
   }
 }
 

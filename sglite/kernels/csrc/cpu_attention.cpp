@@ -180,6 +180,21 @@ void values_bf16(const Job<uint16_t>& j, const int32_t* slots, int64_t L, int h,
   __m512 acc[G][2 * NB];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < 2 * NB; ++c) acc[g][c] = _mm512_setzero_ps();
+  // The weights rounded to bf16 once, in place over the float32 scratch (row g's bf16 values at
+  // the start of its float row: each 16-value store lands on floats already read), a zero after an
+  // odd row so the last pair's second weight is 0; the caller's scratch is consumed.
+  for (int g = 0; g < G; ++g) {
+    float* pf = const_cast<float*>(p) + g * L;
+    uint16_t* pb = reinterpret_cast<uint16_t*>(pf);
+    int64_t t = 0;
+    for (; t + 16 <= L; t += 16) _mm256_storeu_si256((__m256i*)(pb + t), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(pf + t)));
+    if (t < L) {
+      const __mmask16 m = (__mmask16)((1u << (L - t)) - 1);
+      const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, pf + t));
+      _mm256_mask_storeu_epi16(pb + t, m, v);
+    }
+    if (L & 1) pb[L] = 0;
+  }
   const uint16_t* vh = j.v + h * j.vs1;
   for (int64_t t = 0; t < L; t += 2) {
     const bool two = t + 1 < L;
@@ -195,8 +210,8 @@ void values_bf16(const Job<uint16_t>& j, const int32_t* slots, int64_t L, int h,
       hi[b] = (__m512bh)_mm512_unpackhi_epi16(a, c);
     }
     for (int g = 0; g < G; ++g) {
-      const uint32_t w = (uint32_t)c10::BFloat16(p[g * L + t]).x |
-                         (two ? (uint32_t)c10::BFloat16(p[g * L + t + 1]).x << 16 : 0u);
+      uint32_t w;
+      std::memcpy(&w, reinterpret_cast<const uint16_t*>(p + g * L) + t, 4);  // (p[t], p[t + 1]) in bf16
       const __m512bh pw = (__m512bh)_mm512_set1_epi32((int)w);
       for (int b = 0; b < NB; ++b) {
         acc[g][2 * b] = _mm512_dpbf16_ps(acc[g][2 * b], lo[b], pw);
@@ -274,18 +289,30 @@ void scores(const Job<T>& j, const int32_t* slots, int64_t L, int h, const float
 // In place: row of L scores -> unnormalised weights exp(s - max); returns their sum (the max in *mx).
 inline float softmax_row(float* x, int64_t L, float* mx) {
   float m = -INFINITY, sum = 0;
-  for (int64_t t = 0; t < L; ++t) m = std::max(m, x[t]);
-  int64_t t = 0;
 #ifdef SGL_AVX512
-  __m512 vm = _mm512_set1_ps(m), vs = _mm512_setzero_ps();
-  for (; t + 16 <= L; t += 16) {
-    __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_loadu_ps(x + t), vm));
+  __m512 vmx = _mm512_set1_ps(-INFINITY);
+  int64_t t = 0;
+  for (; t + 16 <= L; t += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(x + t));
+  const __mmask16 tail = (__mmask16)((1u << (L - t)) - 1);
+  if (tail) vmx = _mm512_mask_max_ps(vmx, tail, vmx, _mm512_maskz_loadu_ps(tail, x + t));
+  m = _mm512_reduce_max_ps(vmx);
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 vs = _mm512_setzero_ps();
+  for (t = 0; t + 16 <= L; t += 16) {
+    const __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_loadu_ps(x + t), vm));
     _mm512_storeu_ps(x + t, e);
     vs = _mm512_add_ps(vs, e);
   }
+  if (tail) {  // the last L % 16 scores, masked (no scalar exp)
+    const __m512 e = _mm512_maskz_mov_ps(tail, exp_nonpos(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, x + t), vm)));
+    _mm512_mask_storeu_ps(x + t, tail, e);
+    vs = _mm512_add_ps(vs, e);
+  }
   sum = _mm512_reduce_add_ps(vs);
+#else
+  for (int64_t t = 0; t < L; ++t) m = std::max(m, x[t]);
+  for (int64_t t = 0; t < L; ++t) { x[t] = std::exp(x[t] - m); sum += x[t]; }
 #endif
-  for (; t < L; ++t) { x[t] = std::exp(x[t] - m); sum += x[t]; }
   *mx = m;
   return sum;
 }
@@ -333,11 +360,21 @@ bool attend(const Job<T>& j, const Tiled<T>& tiled, int64_t b, int h, float* qf,
   const int32_t* slots = j.rt + j.rows[b] * j.rts0 + first;
   for (int g = 0; g < G; ++g) {
     const int64_t off = b * j.qs0 + (int64_t)(h * G + g) * j.qs1;
+#ifdef SGL_AVX512
+    const __m512 sc16 = _mm512_set1_ps(j.scale);
+    for (int d = 0; d < Dp; d += 16) {  // the same products as the scalar loop, zero past D
+      const int rem = D - d;
+      const __mmask16 m = rem >= 16 ? (__mmask16)0xFFFF : (rem <= 0 ? (__mmask16)0 : (__mmask16)((1u << rem) - 1));
+      const __m512 x = j.q_bf16 ? load16((const uint16_t*)j.q + off + d, m) : load16((const float*)j.q + off + d, m);
+      _mm512_storeu_ps(qf + g * Dp + d, _mm512_mul_ps(x, sc16));
+    }
+#else
     for (int d = 0; d < Dp; ++d) {
       float x = 0.f;
       if (d < D) x = j.q_bf16 ? widen(((const uint16_t*)j.q)[off + d]) : ((const float*)j.q)[off + d];
       qf[g * Dp + d] = x * j.scale;
     }
+#endif
   }
   for (int64_t t = 0; t < L; ++t)
     if (slots[t] < 0 || slots[t] >= j.S) return false;
@@ -369,6 +406,20 @@ bool attend(const Job<T>& j, const Tiled<T>& tiled, int64_t b, int h, float* qf,
       a2 = std::exp(m2 - m);
       inv = 1.f / (l1 * a1 + acc[G * Dp + g] * a2);
     }
+#ifdef SGL_AVX512
+    if (!j.out_bf16) {  // the same products as the scalar loops below, 16 at a time
+      float* o = (float*)j.out + off;
+      const __m512 vi = _mm512_set1_ps(inv), v1 = _mm512_set1_ps(a1), v2 = _mm512_set1_ps(a2);
+      for (int d = 0; d < D; d += 16) {
+        const __mmask16 m = D - d >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (D - d)) - 1);
+        const __m512 a = _mm512_maskz_loadu_ps(m, ag + d);
+        const __m512 y = p1 ? _mm512_mul_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, p1 + d), v1), _mm512_mul_ps(a, v2)), vi)
+                            : _mm512_mul_ps(a, vi);
+        _mm512_mask_storeu_ps(o + d, m, y);
+      }
+      continue;
+    }
+#endif
     if (j.out_bf16) {
       c10::BFloat16* o = (c10::BFloat16*)j.out + off;
       if (p1) for (int d = 0; d < D; ++d) o[d] = c10::BFloat16((p1[d] * a1 + ag[d] * a2) * inv);
@@ -398,7 +449,8 @@ void run(const Job<T>& j, int64_t B, int Hkv, int64_t max_len) {
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kb, const at::Tensor& vb,
                             const at::Tensor& rt, const at::Tensor& rows, const at::Tensor& lens,
-                            double sm_scale, int64_t window, double softcap, int64_t cascade_min) {
+                            double sm_scale, int64_t window, double softcap, int64_t cascade_min,
+                            const c10::optional<at::Tensor>& groups_in) {
   TORCH_CHECK_VALUE(q.dim() == 3 && kb.dim() == 3 && vb.dim() == 3, "decode_attention: q, k_buffer, v_buffer must be 3-D");
   TORCH_CHECK_VALUE(cascade_min >= 0, "decode_attention: cascade_min=", cascade_min, " must be >= 0");
   TORCH_CHECK_VALUE(window >= 0 && softcap >= 0, "decode_attention: window=", window, " and softcap=", softcap, " must be >= 0");
@@ -432,7 +484,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kb, const at:
                     G, (int)D, Dp, (float)sm_scale, window, (float)softcap};
 #ifdef SGL_AMX_ATTN
     if (cascade_min > 0 && window == 0 && G <= sglite_amx_attn::kMaxRows && B >= 2 && sglite_amx_attn::tiles_granted()) {
-      const std::vector<Group> groups = shared_prefix_groups(rtp, rt.stride(0), rp, lp, B, cascade_min);
+      const std::vector<Group> groups = groups_in.has_value() ? groups_from(*groups_in, lp, B)
+                                                              : shared_prefix_groups(rtp, rt.stride(0), rp, lp, B, cascade_min);
       if (!groups.empty()) {
         run_cascade(j, B, (int)Hkv, max_len, groups);
         return out;
@@ -454,8 +507,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kb, const at:
 TORCH_LIBRARY(sglite_cpu_attention, m) {
   m.def("decode_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, "
         "Tensor req_pool_indices, Tensor seq_lens, float sm_scale, int window=0, float softcap=0.0, "
-        "int cascade_min=0) -> Tensor");
-  m.def("shared_prefix_groups(Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, int min_shared) -> Tensor[]",
+        "int cascade_min=0, Tensor? groups=None) -> Tensor");
+  m.def("shared_prefix_groups(Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, int min_shared) -> Tensor",
         &shared_prefix_groups_op);
 }
 

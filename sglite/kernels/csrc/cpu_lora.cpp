@@ -1,7 +1,8 @@
 // Segmented LoRA on CPU (contract: sglite/kernels/cpu_lora.py): for each row of an adapter
-// segment, shrink t = x_i . A_s^T (float32 sums, rounded to the dtype), then y_i += t . b_s with
-// b_s = B_s^T [R, O] (float32 sums over r in order, the delta rounded to the dtype before the add).
-// Rows of slot -1 are skipped.
+// segment, shrink t = x_i . A_s^T (float32 sums, rounded to x's dtype), then y_i += t . b_s with
+// b_s = B_s^T [R, O] (float32 sums over r in order, the delta rounded to y's dtype before the add).
+// x / y (activations, T) and a / b (adapter weights, W: --lora-dtype) are each float32 or bf16,
+// independently; W values are read as float32. Rows of slot -1 are skipped.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include "thread_pool.h"
@@ -29,8 +30,8 @@ inline float dot16(const T* p, const U* q, int64_t n) {
   return acc[0];
 }
 
-template <typename T>
-void lora_rows(const T* x, const T* a, const T* b, T* y, const std::vector<int64_t>& row_slot,
+template <typename T, typename W>
+void lora_rows(const T* x, const W* a, const W* b, T* y, const std::vector<int64_t>& row_slot,
                int64_t K, int64_t R, int64_t O, int64_t sx, int64_t sy) {
   const int64_t N = (int64_t)row_slot.size();
   sglite_pool::parallel_for(0, N, 1, [&](int64_t lo, int64_t hi) {
@@ -39,14 +40,14 @@ void lora_rows(const T* x, const T* a, const T* b, T* y, const std::vector<int64
       const int64_t s = row_slot[i];
       if (s < 0) continue;
       const T* xi = x + i * sx;
-      const T* as = a + s * R * K;
-      const T* bs = b + s * R * O;
+      const W* as = a + s * R * K;
+      const W* bs = b + s * R * O;
       for (int64_t r = 0; r < R; ++r)
         t[r] = (float)(T)dot16(xi, as + r * K, K);  // rounded as the shrink matmul's output
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t r = 0; r < R; ++r) {  // expand: rows of b are O contiguous values (vectorised over o)
         const float tr = t[r];
-        const T* br = bs + r * O;
+        const W* br = bs + r * O;
         for (int64_t o = 0; o < O; ++o) acc[o] += tr * (float)br[o];
       }
       T* yi = y + i * sy;
@@ -62,8 +63,11 @@ at::Tensor lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& a, cons
   const int64_t N = x.size(0), K = x.size(1), S = a.size(0), R = a.size(1), O = b.size(2);
   TORCH_CHECK(a.size(2) == K && b.size(0) == S && b.size(1) == R && y.size(0) == N && y.size(1) == O,
               "lora_add: shapes disagree (x [N, K], y [N, O], a [S, R, K], b [S, R, O])");
-  TORCH_CHECK(x.scalar_type() == y.scalar_type() && a.scalar_type() == x.scalar_type() &&
-              b.scalar_type() == x.scalar_type(), "lora_add: x, y, a, b must share one dtype");
+  TORCH_CHECK(x.scalar_type() == y.scalar_type() && a.scalar_type() == b.scalar_type(),
+              "lora_add: x and y must share one dtype, a and b another");
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+              (a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16),
+              "lora_add: x, y, a, b must be float32 or bfloat16");
   TORCH_CHECK(x.stride(1) == 1 && y.stride(1) == 1 && a.is_contiguous() && b.is_contiguous(),
               "lora_add: rows of x and y need unit stride; a and b must be contiguous");
   TORCH_CHECK(seg_lens.numel() == seg_slots.numel(), "lora_add: seg_lens and seg_slots differ in length");
@@ -79,14 +83,16 @@ at::Tensor lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& a, cons
     row_slot.insert(row_slot.end(), lp[g], sp[g]);
   }
   TORCH_CHECK((int64_t)row_slot.size() == N, "lora_add: seg_lens sum to ", row_slot.size(), ", x has ", N, " rows");
-  if (x.scalar_type() == at::kBFloat16) {
-    lora_rows<bf16>(x.data_ptr<bf16>(), a.data_ptr<bf16>(), b.data_ptr<bf16>(), y.data_ptr<bf16>(), row_slot,
-                    K, R, O, x.stride(0), y.stride(0));
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kFloat, "lora_add: float32 or bfloat16 only");
-    lora_rows<float>(x.data_ptr<float>(), a.data_ptr<float>(), b.data_ptr<float>(), y.data_ptr<float>(),
-                     row_slot, K, R, O, x.stride(0), y.stride(0));
-  }
+  const bool xb = x.scalar_type() == at::kBFloat16, wb = a.scalar_type() == at::kBFloat16;
+  const int64_t sx = x.stride(0), sy = y.stride(0);
+  if (xb && wb)
+    lora_rows<bf16, bf16>(x.data_ptr<bf16>(), a.data_ptr<bf16>(), b.data_ptr<bf16>(), y.data_ptr<bf16>(), row_slot, K, R, O, sx, sy);
+  else if (xb)
+    lora_rows<bf16, float>(x.data_ptr<bf16>(), a.data_ptr<float>(), b.data_ptr<float>(), y.data_ptr<bf16>(), row_slot, K, R, O, sx, sy);
+  else if (wb)
+    lora_rows<float, bf16>(x.data_ptr<float>(), a.data_ptr<bf16>(), b.data_ptr<bf16>(), y.data_ptr<float>(), row_slot, K, R, O, sx, sy);
+  else
+    lora_rows<float, float>(x.data_ptr<float>(), a.data_ptr<float>(), b.data_ptr<float>(), y.data_ptr<float>(), row_slot, K, R, O, sx, sy);
   return y;
 }
 

@@ -122,9 +122,10 @@ void run_cascade(const Job<uint16_t>& j, int64_t B, int Hkv, int64_t max_len, co
 }
 #endif
 
-// The groups as tensors (tests, benchmarks): [P of each group] int64, then each group's rows int64.
-std::vector<at::Tensor> shared_prefix_groups_op(const at::Tensor& rt, const at::Tensor& rows, const at::Tensor& lens,
-                                                int64_t min_shared) {
+// The groups as one int64 tensor: [count, then per group P, its row count k, its k batch rows]
+// (decode_attention's `groups` argument: a caller that attends many layers over one batch finds
+// them once).
+at::Tensor shared_prefix_groups_op(const at::Tensor& rt, const at::Tensor& rows, const at::Tensor& lens, int64_t min_shared) {
   TORCH_CHECK_VALUE(rt.dim() == 2 && rt.scalar_type() == at::kInt && rt.stride(1) == 1 && rows.scalar_type() == at::kLong
                     && lens.scalar_type() == at::kLong && rows.is_contiguous() && lens.is_contiguous() && rows.numel() == lens.numel(),
                     "shared_prefix_groups: req_to_token int32 [R, Lmax], req_pool_indices / seq_lens contiguous int64 [B]");
@@ -134,15 +135,37 @@ std::vector<at::Tensor> shared_prefix_groups_op(const at::Tensor& rt, const at::
                       && lens.data_ptr<int64_t>()[b] <= rt.size(1), "shared_prefix_groups: row ", b, " outside the table");
   const auto groups = shared_prefix_groups(rt.data_ptr<int32_t>(), rt.stride(0), rows.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
                                            B, std::max<int64_t>(1, min_shared));
-  std::vector<at::Tensor> out;
-  at::Tensor P = at::empty({(int64_t)groups.size()}, rows.options());
-  for (size_t g = 0; g < groups.size(); ++g) P.data_ptr<int64_t>()[g] = groups[g].P;
-  out.push_back(P);
+  std::vector<int64_t> flat{(int64_t)groups.size()};
   for (const auto& g : groups) {
-    at::Tensor r = at::empty({(int64_t)g.rows.size()}, rows.options());
-    std::memcpy(r.data_ptr<int64_t>(), g.rows.data(), sizeof(int64_t) * g.rows.size());
-    out.push_back(r);
+    flat.push_back(g.P);
+    flat.push_back((int64_t)g.rows.size());
+    flat.insert(flat.end(), g.rows.begin(), g.rows.end());
   }
+  at::Tensor out = at::empty({(int64_t)flat.size()}, rows.options());
+  std::memcpy(out.data_ptr<int64_t>(), flat.data(), sizeof(int64_t) * flat.size());
   return out;
 }
 
+// The inverse, checked against the batch: each group >= 2 distinct rows in [0, B), P >= 1 and
+// shorter than each of its rows' lengths.
+std::vector<Group> groups_from(const at::Tensor& t, const int64_t* lens, int64_t B) {
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kLong && t.dim() == 1 && t.is_contiguous() && t.numel() >= 1,
+                    "decode_attention: groups must be shared_prefix_groups' int64 tensor");
+  const int64_t* p = t.data_ptr<int64_t>();
+  const int64_t n = t.numel(), count = p[0];
+  std::vector<Group> out;
+  int64_t i = 1;
+  std::vector<char> seen(B, 0);
+  for (int64_t g = 0; g < count; ++g) {
+    TORCH_CHECK_VALUE(i + 2 <= n && p[i + 1] >= 2 && i + 2 + p[i + 1] <= n, "decode_attention: malformed groups tensor");
+    Group gr{p[i], std::vector<int64_t>(p + i + 2, p + i + 2 + p[i + 1])};
+    for (int64_t b : gr.rows) {
+      TORCH_CHECK_VALUE(b >= 0 && b < B && !seen[b] && gr.P >= 1 && gr.P < lens[b], "decode_attention: groups disagree with the batch");
+      seen[b] = 1;
+    }
+    i += 2 + p[i + 1];
+    out.push_back(std::move(gr));
+  }
+  TORCH_CHECK_VALUE(i == n, "decode_attention: malformed groups tensor");
+  return out;
+}

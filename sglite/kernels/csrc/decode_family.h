@@ -87,7 +87,7 @@ at::Tensor decode_family_forward(
   static auto attn = c10::Dispatcher::singleton()
       .findSchemaOrThrow("sglite_cpu_attention::decode_attention", "")
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                        const at::Tensor&, double, int64_t, double, int64_t)>();
+                        const at::Tensor&, double, int64_t, double, int64_t, const c10::optional<at::Tensor>&)>();
   const PoolPar par{(int)threads};
   const sglite_lora_fused::Step lora(std::move(lora_ab), std::move(lora_rows), std::move(lora_spans), L, M,
                                      lora_split_min);
@@ -98,7 +98,7 @@ at::Tensor decode_family_forward(
   std::vector<float> h(M * H), qkv, att(M * Hq * D), tmp(M * H), gu, act;
   const float* np_ = norms.data_ptr<float>();
   at::Tensor q_t = at::empty({M, Hq, D}, x.options());
-  const int64_t casc = step_cascade_min(req_to_token, rows, lens, cascade_min);
+  const c10::optional<at::Tensor> groups = step_groups(req_to_token, rows, lens, cascade_min);
   for (int64_t l = 0; l < L; ++l) {
     QW wqkv = weight(lin, 12 * l, bits[4 * l], tiled), wo = weight(lin, 12 * l + 3, bits[4 * l + 1], tiled);
     QW wgu = weight(lin, 12 * l + 6, bits[4 * l + 2], tiled), wd = weight(lin, 12 * l + 9, bits[4 * l + 3], tiled);
@@ -134,7 +134,7 @@ at::Tensor decode_family_forward(
     const int64_t* loc = (loc_layer ? lout_loc : out_loc).data_ptr<int64_t>();
     store_kv_and_q(kb, vb, loc, qkv.data(), M, Hq, Hkv, D, Nqkv, q_t, "decode_family_forward", l);
     attention(attn, q_t, kb, vb, loc_layer ? lrt : req_to_token, loc_layer ? lrows : rows, lens, sm_scale, M, Hq, Hkv,
-              D, (int)threads, attn_split_min, att.data(), loc_layer ? window : 0, softcap, loc_layer ? 0 : casc);
+              D, (int)threads, attn_split_min, att.data(), loc_layer ? window : 0, softcap, loc_layer ? c10::nullopt : groups);
     gemv(wo, att.data(), M, tmp.data(), q8, par, amx_min);
     lora.apply(l, 1, att.data(), Hq * D, tmp.data(), H, par);
     if (norm_mask & 2) rms_norm(tmp.data(), nw + H, M, H, ep, tmp.data());

@@ -94,26 +94,28 @@ void gemv(const QW& w, const float* x, int64_t M, float* y, bool q8, const PoolP
 }
 
 using AttnOp = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                   const at::Tensor&, const at::Tensor&, double, int64_t, double, int64_t)>;
+                                                   const at::Tensor&, const at::Tensor&, double, int64_t, double, int64_t,
+                                                   const c10::optional<at::Tensor>&)>;
 
 // Paged decode attention of the step's M rows into att [M, Hq * D] float32: the M * Hkv (row, KV
 // head) tasks in n contiguous shares claimed by the pool's threads; a share is at most three calls of the
 // attention op (a partial row, whole rows, a partial row) on views of q, the pool and the rows.
 // The op computes every (row, KV head) task with the same code wherever it lies, so att does not
 // depend on the split; its own at::parallel_for is serial in these builds (no -fopenmp). Steps
-// that read fewer than split_min K/V values run it in one call on the calling thread. cascade_min > 0
-// (no window, 2+ rows): one call for the whole step, whose shared-prefix pass groups the rows that
-// continue one cached prefix (decode_cascade.h) and splits its own work over the op's threads.
+// that read fewer than split_min K/V values run it in one call on the calling thread. groups (the
+// step's shared-prefix groups, step_groups; no window): one call for the whole step, whose
+// shared-prefix pass (decode_cascade.h) splits its own work over the op's threads.
 void attention(const AttnOp& attn, const at::Tensor& q, const at::Tensor& kb, const at::Tensor& vb, const at::Tensor& rt,
                const at::Tensor& rows, const at::Tensor& lens, double sm, int64_t M, int64_t Hq, int64_t Hkv, int64_t D,
                int threads, int64_t split_min, float* att, int64_t window = 0, double softcap = 0.0,
-               int64_t cascade_min = 0) {
+               const c10::optional<at::Tensor>& groups = c10::nullopt) {
   const int64_t T = M * Hkv, G = Hq / Hkv;
   int64_t work = 0;  // K/V values the step reads: below split_min the op calls cost more than they share
   for (int64_t m = 0; m < M; ++m) work += lens.data_ptr<int64_t>()[m] * Hkv * D;
-  const int64_t casc = window == 0 && M >= 2 ? cascade_min : 0;
-  if (threads <= 1 || T <= 1 || work < split_min || casc > 0) {
-    at::Tensor o = attn.call(q, kb, vb, rt, rows, lens, sm, window, softcap, casc);  // [M, Hq, D] float32
+  const bool casc = window == 0 && groups.has_value();
+  if (threads <= 1 || T <= 1 || work < split_min || casc) {
+    at::Tensor o = attn.call(q, kb, vb, rt, rows, lens, sm, window, softcap, casc ? 1 : 0,
+                             casc ? groups : c10::nullopt);  // [M, Hq, D] float32
     std::memcpy(att, o.data_ptr<float>(), sizeof(float) * M * Hq * D);
     return;
   }
@@ -121,7 +123,7 @@ void attention(const AttnOp& attn, const at::Tensor& q, const at::Tensor& kb, co
   auto piece = [&](int64_t m0, int64_t m1, int64_t h0, int64_t h1) {
     if (m0 >= m1 || h0 >= h1) return;
     at::Tensor o = attn.call(q.slice(0, m0, m1).slice(1, h0 * G, h1 * G), kb.slice(1, h0, h1), vb.slice(1, h0, h1), rt,
-                             rows.slice(0, m0, m1), lens.slice(0, m0, m1), sm, window, softcap, 0);  // [m1 - m0, (h1 - h0) * G, D]
+                             rows.slice(0, m0, m1), lens.slice(0, m0, m1), sm, window, softcap, 0, c10::nullopt);  // [m1 - m0, (h1 - h0) * G, D]
     const float* op = o.data_ptr<float>();
     const int64_t w = (h1 - h0) * G * D;
     for (int64_t m = m0; m < m1; ++m) std::memcpy(att + m * Hq * D + h0 * G * D, op + (m - m0) * w, sizeof(float) * w);
@@ -141,15 +143,17 @@ void attention(const AttnOp& attn, const at::Tensor& q, const at::Tensor& kb, co
   sglite_pool::Pool::get().run(n, n, share);
 }
 
-// Whether 2+ of the step's rows continue one cached prefix of >= cascade_min keys (the attention
-// op's shared_prefix_groups, decode_cascade.h), once per step: only such steps take the cascade's
-// single attention call per layer; the others keep the split above.
-inline int64_t step_cascade_min(const at::Tensor& rt, const at::Tensor& rows, const at::Tensor& lens, int64_t cascade_min) {
-  if (cascade_min <= 0 || rows.numel() < 2) return 0;
+// The groups of the step's rows that continue one cached prefix of >= cascade_min keys (the
+// attention op's shared_prefix_groups, decode_cascade.h), found once per step; nullopt when there
+// are none (or cascade_min is 0): those steps keep the split attention above.
+inline c10::optional<at::Tensor> step_groups(const at::Tensor& rt, const at::Tensor& rows, const at::Tensor& lens,
+                                             int64_t cascade_min) {
+  if (cascade_min <= 0 || rows.numel() < 2) return c10::nullopt;
   static auto op = c10::Dispatcher::singleton()
       .findSchemaOrThrow("sglite_cpu_attention::shared_prefix_groups", "")
-      .typed<std::vector<at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>();
-  return op.call(rt, rows, lens, cascade_min)[0].numel() > 0 ? cascade_min : 0;
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>();
+  at::Tensor g = op.call(rt, rows, lens, cascade_min);
+  return g.data_ptr<int64_t>()[0] > 0 ? c10::optional<at::Tensor>(g) : c10::nullopt;
 }
 
 template <typename T> inline T cast_to(float v);
@@ -238,7 +242,7 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
   static auto attn = c10::Dispatcher::singleton()
       .findSchemaOrThrow("sglite_cpu_attention::decode_attention", "")
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                        const at::Tensor&, double, int64_t, double, int64_t)>();
+                        const at::Tensor&, double, int64_t, double, int64_t, const c10::optional<at::Tensor>&)>();
   const PoolPar par{(int)threads};
   const sglite_lora_fused::Step lora(std::move(lora_ab), std::move(lora_rows), std::move(lora_spans), L, M,
                                          lora_split_min);
@@ -251,7 +255,7 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
   const float* np_ = norms.data_ptr<float>();
   const int64_t* loc = out_loc.data_ptr<int64_t>();
   at::Tensor q_t = at::empty({M, Hq, D}, x.options());
-  const int64_t casc = step_cascade_min(req_to_token, rows, lens, cascade_min);
+  const c10::optional<at::Tensor> groups = step_groups(req_to_token, rows, lens, cascade_min);
   for (int64_t l = 0; l < L; ++l) {
     QW wqkv = weight(lin, 12 * l, bits[4 * l], tiled), wo = weight(lin, 12 * l + 3, bits[4 * l + 1], tiled);
     QW wgu = weight(lin, 12 * l + 6, bits[4 * l + 2], tiled), wd = weight(lin, 12 * l + 9, bits[4 * l + 3], tiled);
@@ -269,7 +273,7 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
     at::Tensor& vb = vbufs[l];
     store_kv_and_q(kb, vb, loc, qkv.data(), M, Hq, Hkv, D, Nqkv, q_t, "decode_forward", l);
     attention(attn, q_t, kb, vb, req_to_token, rows, lens, sm_scale, M, Hq, Hkv, D, (int)threads, attn_split_min,
-              att.data(), 0, 0.0, casc);
+              att.data(), 0, 0.0, groups);
     gemv(wo, att.data(), M, tmp.data(), q8, par, amx_min);
     lora.apply(l, 1, att.data(), Hq * D, tmp.data(), H, par);
     for (int64_t i = 0; i < M * H; ++i) xr[i] += tmp[i];

@@ -1,7 +1,8 @@
 """Messages on the tensor-parallel control channel, as typed records (nothing is unpickled).
 
 The scheduler (control rank 0) broadcasts a command to every worker: :class:`Forward` (run one
-step) or :class:`Stop`; after a ``Forward`` the worker of tensor-parallel rank 0 answers
+step), :class:`LoadLora` / :class:`UnloadLora` (LoRA adapters, answered by a status all-reduce) or
+:class:`Stop`; after a ``Forward`` the worker of tensor-parallel rank 0 answers
 :class:`StepDone` (and, when the step succeeded, the logits as a raw float32 tensor).
 
 Wire format of one message (:func:`encode` / :func:`decode`), a flat uint8 tensor::
@@ -35,19 +36,67 @@ class Forward:
         batch: the step's :class:`~sglite.runtime.forward_batch.ForwardBatch` on the CPU, its slot
             table compacted to the step's rows (``req_to_token`` [B, Lmax_step] int32; see
             :func:`sglite.runtime.parallel.tp_worker.compact_batch`).
+        lora_lens, lora_uids: the step's LoRA row runs when a row has an adapter (``[G]`` int64
+            each: rows of the run, and the adapter's uid, 0 for the base model; see
+            ``ForwardBatch.lora_segments``), else None.
     """
 
     batch: ForwardBatch
+    lora_lens: Optional[torch.Tensor] = None
+    lora_uids: Optional[torch.Tensor] = None
 
     def to_wire(self) -> tuple[dict, dict]:
-        return {}, dict(self.batch.__dict__)
+        tensors = {f.name: getattr(self.batch, f.name) for f in dataclasses.fields(ForwardBatch)}
+        if self.lora_lens is not None:
+            tensors.update(lora_lens=self.lora_lens, lora_uids=self.lora_uids)
+        return {}, tensors
 
     @classmethod
     def from_wire(cls, fields: dict, tensors: dict) -> "Forward":
         names = [f.name for f in dataclasses.fields(ForwardBatch)]
-        if sorted(tensors) != sorted(names):
-            raise ValueError(f"forward: tensors {sorted(tensors)}, expected {sorted(names)}")
-        return cls(ForwardBatch(**tensors))
+        lens, uids = tensors.pop("lora_lens", None), tensors.pop("lora_uids", None)
+        if sorted(tensors) != sorted(names) or (lens is None) != (uids is None):
+            raise ValueError(f"forward: tensors {sorted(tensors)}, expected {sorted(names)} (+ lora_lens, lora_uids)")
+        if lens is not None and (lens.dtype != torch.int64 or uids.dtype != torch.int64 or lens.shape != uids.shape):
+            raise ValueError("forward: lora_lens and lora_uids must be int64 tensors of one shape")
+        return cls(ForwardBatch(**tensors), lens, uids)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadLora:
+    """Every rank: load its shard of the PEFT adapter at ``path`` as ``name`` with radix uid
+    ``uid`` (the scheduler's; steps name adapters by it). Every rank then joins one MAX all-reduce
+    of its status (0: loaded, 1: failed, the cause in its log)."""
+
+    name: str
+    path: str
+    uid: int
+
+    def to_wire(self) -> tuple[dict, dict]:
+        return {"name": self.name, "path": self.path, "uid": self.uid}, {}
+
+    @classmethod
+    def from_wire(cls, fields: dict, tensors: dict) -> "LoadLora":
+        name, path, uid = fields.get("name"), fields.get("path"), fields.get("uid")
+        if not (isinstance(name, str) and isinstance(path, str) and isinstance(uid, int)):
+            raise ValueError("load_lora: name and path must be strings, uid an integer")
+        return cls(name, path, uid)
+
+
+@dataclasses.dataclass(frozen=True)
+class UnloadLora:
+    """Every rank: drop adapter ``name`` (then the status all-reduce, as :class:`LoadLora`)."""
+
+    name: str
+
+    def to_wire(self) -> tuple[dict, dict]:
+        return {"name": self.name}, {}
+
+    @classmethod
+    def from_wire(cls, fields: dict, tensors: dict) -> "UnloadLora":
+        if not isinstance(fields.get("name"), str):
+            raise ValueError("unload_lora: name must be a string")
+        return cls(fields["name"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +133,9 @@ class StepDone:
         return cls(err)
 
 
-Message = Union[Forward, Stop, StepDone]
-MESSAGES: dict[str, type] = {"forward": Forward, "stop": Stop, "step_done": StepDone}
+Message = Union[Forward, Stop, StepDone, LoadLora, UnloadLora]
+MESSAGES: dict[str, type] = {"forward": Forward, "stop": Stop, "step_done": StepDone, "load_lora": LoadLora,
+                             "unload_lora": UnloadLora}
 _NAMES = {cls: name for name, cls in MESSAGES.items()}
 
 

@@ -24,7 +24,7 @@ from ...errors import InvalidRequestError
 from ..kv_pool import ReqToTokenPool, TokenToKVPool, kv_bytes_per_token
 from ..models.llama import LlamaArch
 from ..quant_loader import resolve_quantization as _resolve_q
-from .commands import Forward, StepDone, Stop
+from .commands import Forward, LoadLora, StepDone, Stop, UnloadLora
 from .parallel_state import TPLayout
 from .tp_worker import BIG, compact_batch, worker_main
 
@@ -206,8 +206,12 @@ class TPRunnerClient:
         ctrl = self._ctrl[0]
         if ctrl is None:
             raise RuntimeError("tensor-parallel workers are stopped")
+        lens = uids = None
+        if fb.lora_segments is not None:  # the rows' adapters by uid (0: the base model)
+            lens = torch.tensor([n for n, _ in fb.lora_segments], dtype=torch.int64)
+            uids = torch.tensor([0 if a is None else a.uid for _, a in fb.lora_segments], dtype=torch.int64)
         with self._lock:
-            ctrl.broadcast_msg(Forward(compact_batch(fb)), self._alive)
+            ctrl.broadcast_msg(Forward(compact_batch(fb), lens, uids), self._alive)
             done = ctrl.recv_msg(1, self._alive)
             if not isinstance(done, StepDone):
                 raise RuntimeError(f"tensor-parallel rank 0 answered {type(done).__name__}, not StepDone")
@@ -215,6 +219,30 @@ class TPRunnerClient:
                 raise RuntimeError(f"tensor-parallel step failed on rank 0: {done.error}")
             out = torch.empty(fb.logits_indices.shape[0], self.vocab_size, dtype=torch.float32)
             return ctrl.recv(out, 1, self._alive)
+
+    def load_lora(self, name: str, path: str, uid: int) -> None:
+        """Every worker loads its shard of adapter ``name`` (:mod:`.lora_tp`) under radix ``uid``
+        (the :class:`~sglite.lora.LoraMirror` of the scheduler's manager). Raises RuntimeError
+        when a worker failed (its log has the cause; the ranks that loaded it drop it again)."""
+        if self._command(LoadLora(name, path, uid)):
+            self._command(UnloadLora(name))  # the ranks without it log a failure and go on
+            raise RuntimeError(f"LoRA adapter {name!r}: a tensor-parallel worker failed to load it (see its log)")
+
+    def unload_lora(self, name: str) -> None:
+        """Every worker drops adapter ``name``. Raises RuntimeError when a worker failed."""
+        if self._command(UnloadLora(name)):
+            raise RuntimeError(f"LoRA adapter {name!r}: a tensor-parallel worker failed to unload it (see its log)")
+
+    def _command(self, msg) -> int:
+        """Broadcast a LoRA command; the MAX of the ranks' statuses (0: all done)."""
+        import torch.distributed as dist
+
+        ctrl = self._ctrl[0]
+        if ctrl is None:
+            raise RuntimeError("tensor-parallel workers are stopped")
+        with self._lock:
+            ctrl.broadcast_msg(msg, self._alive)
+            return ctrl.all_reduce_int(0, dist.ReduceOp.MAX, self._alive)
 
     def close(self) -> None:
         """Stop the workers (idempotent)."""

@@ -9,8 +9,10 @@ rank 0 send the step's logits back to the scheduler.
 
 Commands (:mod:`sglite.runtime.parallel.commands`, typed records: a JSON header and raw tensors):
 :class:`~sglite.runtime.parallel.commands.Forward` with the step's ForwardBatch (``req_to_token``
-compacted to the step's rows, see :func:`compact_batch`), answered by rank 0 with
-:class:`~sglite.runtime.parallel.commands.StepDone` (then the logits); ``Stop``.
+compacted to the step's rows, see :func:`compact_batch`; the rows' LoRA adapters by uid), answered
+by rank 0 with :class:`~sglite.runtime.parallel.commands.StepDone` (then the logits);
+``LoadLora`` / ``UnloadLora`` (this rank's adapter shards, :mod:`.lora_tp`), answered by a status
+all-reduce of every rank and the scheduler; ``Stop``.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ def compact_batch(fb):
     need = torch.cat([fb.ext_prefix_lens + fb.ext_extend_lens, fb.dec_seq_lens])
     width = int(need.max()) if need.numel() else 1
     ne = fb.ext_req_pool_indices.shape[0]
-    out = {k: v for k, v in fb.__dict__.items()}
+    out = {f.name: getattr(fb, f.name) for f in dataclasses.fields(ForwardBatch)}  # not lora_segments / lora
     out["req_to_token"] = fb.req_to_token[uniq, :width].contiguous()
     out["ext_req_pool_indices"], out["dec_req_pool_indices"] = inv[:ne].long(), inv[ne:].long()
     return ForwardBatch(**out)
@@ -54,7 +56,9 @@ def worker_main(config_dict: dict, tp_rank: int, addr: str, log_level: str = "in
     from ..forward_batch import ForwardBatch
     from ..model_loader import load_checkpoint
     from ..model_runner import ModelRunner, available_memory_bytes, pool_tokens, resolve_device, resolve_dtype
-    from .commands import Forward, StepDone, Stop
+    from ..models.llama import LlamaArch
+    from .commands import Forward, LoadLora, StepDone, Stop, UnloadLora
+    from .lora_tp import WorkerLora
     from .control import DEFAULT_TIMEOUT, FILE_STORE, LOOPBACK, ControlChannel, open_store
     from .parallel_state import TPComm, TPLayout, load_shard, make_tp_group
 
@@ -93,6 +97,8 @@ def worker_main(config_dict: dict, tp_rank: int, addr: str, log_level: str = "in
                                             node_rank=0, dist_init_addr=None, quantization="none")
             runner = ModelRunner(local_cfg, hf_local, sd)
             runner.model.tp = TPComm(layout, group)
+            lora = WorkerLora(cfg, layout, LlamaArch.from_hf_config(ckpt.hf_config), runner.arch, runner.dtype,
+                              runner.device)  # adapters come as LoadLora commands (start-up ones too)
             del sd
         except Exception:
             log.exception("tensor-parallel rank %d failed to build its model", tp_rank)
@@ -105,10 +111,14 @@ def worker_main(config_dict: dict, tp_rank: int, addr: str, log_level: str = "in
         cmd = ctrl.broadcast_msg()
         if isinstance(cmd, Stop):
             break
+        if isinstance(cmd, (LoadLora, UnloadLora)):
+            ctrl.all_reduce_int(_lora_command(lora, cmd, tp_rank), dist.ReduceOp.MAX)
+            continue
         if not isinstance(cmd, Forward):
             raise RuntimeError(f"tensor-parallel rank {tp_rank}: unexpected command {type(cmd).__name__}")
         try:
             fb = ForwardBatch(**{k: v.to(device) for k, v in cmd.batch.__dict__.items()})
+            lora.attach(fb, cmd.lora_lens, cmd.lora_uids)  # fb.lora: this rank's shard of the step's adapters
             pool.begin_step(fb)  # a no-op on the plain pool (the only kind tensor parallelism runs)
             logits = runner.model.forward(fb, pool.k_buffers, pool.v_buffers)  # [M, V] float32
             err = None
@@ -119,3 +129,19 @@ def worker_main(config_dict: dict, tp_rank: int, addr: str, log_level: str = "in
             ctrl.send_msg(StepDone(err), 0)
             if err is None:
                 ctrl.send(logits.cpu(), 0)
+
+
+def _lora_command(lora, cmd, tp_rank: int) -> int:
+    """Run a :class:`~.commands.LoadLora` / :class:`~.commands.UnloadLora` on this rank's
+    :class:`~.lora_tp.WorkerLora`; returns its status for the all-reduce (0 done, 1 failed: logged)."""
+    from .commands import LoadLora
+
+    try:
+        if isinstance(cmd, LoadLora):
+            lora.load(cmd.name, cmd.path, cmd.uid)
+        else:
+            lora.unload(cmd.name)
+        return 0
+    except Exception:
+        log.exception("tensor-parallel rank %d: %s of LoRA adapter %r failed", tp_rank, type(cmd).__name__, cmd.name)
+        return 1

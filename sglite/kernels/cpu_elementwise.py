@@ -5,7 +5,9 @@ follows it (Zhang & Sennrich 2019) in one pass over each row: ``s = x + residual
 dtype, as torch's add) and ``out = rmsnorm(s) * weight`` with torch's ``F.rms_norm`` rounding
 (``dtype(s * rsqrt(mean(s^2) + eps) * weight)`` in float32, rounded once); ``residual=None`` is the
 plain RMSNorm (``s`` is then an empty tensor). x, residual: [M, H] float32 | bfloat16, unit stride
-along H; weight [H] contiguous, of x's dtype. The sum of squares is float32 with a fixed order
+along H; weight [H] contiguous, of x's dtype, or float32 with a bf16 x: then the norm is the float32
+one of x's exact float32 values, rounded once to bf16 (the bits of ``rms_norm(x.float(), weight)
+.to(bf16)`` without the two copies; Gemma's float32 norms). The sum of squares is float32 with a fixed order
 (16 lanes, element i to lane i % 16, then one fixed tree), so a row's bits depend only on that
 row: batch-invariant. It differs from torch's reduction order, so ``out`` agrees with
 ``F.rms_norm`` to the dtype's rounding (float32: ~1e-7 relative), not bit for bit.
@@ -55,9 +57,10 @@ def available() -> bool:
 
 def norm_supported(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor) -> bool:
     """Whether :func:`add_rms_norm`'s kernel covers these inputs (CPU, 2-D, one float32/bf16 dtype,
-    unit stride along H)."""
+    or bf16 x with a float32 weight; unit stride along H)."""
     return (x.device.type == "cpu" and x.dtype in _DTYPES and x.dim() == 2 and x.stride(-1) == 1
-            and weight.dtype == x.dtype and weight.dim() == 1
+            and (weight.dtype == x.dtype or (x.dtype == torch.bfloat16 and weight.dtype == torch.float32))
+            and weight.dim() == 1
             and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape
                                       and residual.stride(-1) == 1)))
 

@@ -140,11 +140,13 @@ class FusedDecode:
         self._amx: Optional[bool] = None  # amx_min()'s static conditions, filled on first use
         self.final_norm = model.norm.float().contiguous()  # [H]
         self.lin, self.bits, self.packed = [], [], []
+        self.shapes: list = []  # (n, k, bits) of every layer weight: gemm_paths.fused_layers_amx_min
         for L in model.layers:
             for k in LINEAR_KEYS:
                 w = L[k]
                 self.lin += [w.qweight, w.scales, w.mins if w.mins is not None else torch.empty(0)]
                 self.bits.append(w.bits)
+                self.shapes.append((int(w.shape[0]), int(w.shape[1]), int(w.bits)))
                 self.packed.append(quant_amx.packed_arg(w))
         if not any(p.numel() for p in self.packed):
             self.packed = []  # none repacked (quant_amx.repack): every call dequantizes
@@ -185,13 +187,25 @@ class FusedDecode:
             self.attn_split_min, ab, rows, spans, self.lora_split_min, self.amx_min(), self.packed, self.cascade_min())
 
     def amx_min(self) -> int:
-        """Rows from which this step's tiled GEMMs run on the AMX tiles (quant_amx.h; bf16
-        activations, float32 sums), or 0: off (no AMX, a float32 or row-layout model, the
-        portable build, ``SGLITE_GEMM`` other than ``auto``; read per step, as the dispatcher)."""
+        """Rows from which this step's tiled layer GEMMs run on the AMX tiles (quant_amx.h; bf16
+        activations, float32 sums; :func:`.gemm_paths.fused_layers_amx_min` of the layer weights),
+        or 0: off (no AMX, a float32 or row-layout model, the portable build, ``SGLITE_GEMM`` other
+        than ``auto``; read per step, as the dispatcher)."""
+        return gemm_paths.fused_layers_amx_min(self.shapes) if self._amx_on() else 0
+
+    def head_amx_min(self) -> int:
+        """As :meth:`amx_min` for the tiled LM head (:func:`.gemm_paths.fused_amx_min` of its shape:
+        from 9 rows for a head of 8 MiB of codes or more), or 0: off."""
+        w = self.model.lm_head
+        if self.head_kind != "q8" or not w.tiled or not self._amx_on():
+            return 0
+        return gemm_paths.fused_amx_min(int(w.shape[0]), int(w.shape[1]), int(w.bits))
+
+    def _amx_on(self) -> bool:
         if self._amx is None:  # the static part, once (the build and the tile grant are per process)
             self._amx = bool(self.q8 and self.tiled and not self.portable and self.model.dtype == torch.bfloat16
                              and quant_amx.available())
-        return gemm_paths.AMX_MIN_ROWS if self._amx and gemm_paths.mode() == "auto" else 0
+        return self._amx and gemm_paths.mode() == "auto"
 
     def cascade_min(self) -> int:
         """Shared keys from which the step's rows that continue one cached prefix attend it once
@@ -218,7 +232,7 @@ class FusedDecode:
         if self.head_kind == "q8":  # quant_cpu.gemv_q8's arithmetic, on the decode's thread pool
             mins = w.mins if w.mins is not None else torch.empty(0, dtype=w.scales.dtype)
             return load(self.portable).head_q8(h.float().contiguous(), w.qweight, w.scales, mins, w.bits, w.tiled,
-                                                self.num_threads(), self.amx_min(), quant_amx.packed_arg(w))
+                                                self.num_threads(), self.head_amx_min(), quant_amx.packed_arg(w))
         if self.head_kind == "quant":
             return quant_cpu.linear(h.to(self.model.dtype), w, portable=self.portable).float()
         from .matmul import linear

@@ -166,8 +166,9 @@ def _cpu_elementwise(x: torch.Tensor, op: str):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, batch_invariant: bool = False) -> torch.Tensor:
     """RMSNorm over the last dim (Zhang & Sennrich 2019): ``x / sqrt(mean(x^2) + eps) * weight``.
 
-    x: [..., H]; weight: [H]; returns x's shape and dtype. On CPU (float32/bf16, weight of x's
-    dtype, rows with unit stride): the C++ kernel :func:`.cpu_elementwise.add_rms_norm` (one pass
+    x: [..., H]; weight: [H] of x's dtype, or float32 with a bf16 x (then the float32 norm of x,
+    rounded once to bf16: ``rms_norm(x.float(), weight).to(bf16)``); returns x's shape and dtype.
+    On CPU (float32/bf16, rows with unit stride): the C++ kernel :func:`.cpu_elementwise.add_rms_norm` (one pass
     per row, torch's rounding, a fixed float32 reduction order: row-invariant); elsewhere
     ``F.rms_norm`` (on CPU also row-invariant: torch reduces each row with the same code whatever
     the row count; checked in tests/runtime/test_deterministic.py). ``batch_invariant`` on CUDA
@@ -180,9 +181,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, batch_invaria
         return triton_norm.rms_norm(x, weight, eps)
     ce = _cpu_elementwise(x, "rms_norm")
     if ce is not None:
+        if weight.dtype != x.dtype and x.dim() != 2 and not x.is_contiguous():
+            x = x.contiguous()  # a copy in x's dtype for the kernel (not the float32 one)
         x2 = x if x.dim() == 2 else (x.view(-1, x.shape[-1]) if x.is_contiguous() else None)
         if x2 is not None and ce.norm_supported(x2, None, weight):
             return ce.add_rms_norm(x2, None, weight, eps)[1].view(x.shape)
+    if weight.dtype != x.dtype:  # a float32 weight on bf16 x: the float32 norm, one rounding
+        return torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
     return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
@@ -241,7 +246,12 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, *, batch_invariant: bool = False)
 def gelu_tanh_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """GeGLU's activation with the tanh GELU (Shazeer 2020; Hendrycks & Gimpel 2016, eq. for the
     tanh approximation): ``gelu_tanh(g) * u``, as HF's ``gelu_pytorch_tanh`` (Gemma 2/3 MLPs).
-    g, u: [..., I] of one dtype; returns the same shape and dtype."""
+    g, u: [..., I] of one dtype; returns the same shape and dtype. bf16 on CPU:
+    :func:`.cpu_gemv.gelu_tanh_mul` (one pass, halves read in place; the tanh from the kernel's exp,
+    so a bf16 element may differ from torch's by one rounding step); float32 and elsewhere: torch's
+    ops (the reference, transformers' own)."""
+    if g.device.type == "cpu" and g.dtype == torch.bfloat16 and cpu_gemv.available():
+        return cpu_gemv.gelu_tanh_mul(g, u)
     return torch.nn.functional.gelu(g, approximate="tanh") * u
 
 

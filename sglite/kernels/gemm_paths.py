@@ -16,6 +16,8 @@ Paths (names as logged):
                            read from the weight's repacked bf16 copy, below);
         ``dequant_gemm``   more rows without VNNI (or forced): dequantize, then ``F.linear``.
     Row-layout quantized weights keep the float GEMV (1..32 rows) and ``dequant_gemm`` (more).
+    The fused C++ decode (``decode_fused``) has no int8 GEMM: its tiled products take the AMX tiles
+    from :func:`fused_amx_min` rows per weight (an LM head from 9, 8-bit codes from 12, else 16).
 
 Deterministic inference (``invariant`` / ``quant_invariant``) never comes here: those impls keep
 their batch-invariant kernels whatever this module says.
@@ -54,6 +56,18 @@ Q8_GEMV_MAX_ROWS = 8  # quant_cpu.MAX_ROWS: the tiles' GEMV at 1..8 rows, the VN
 # layers 27.0 vs 27.5 ms and its LM head 3.2 vs 5.6 ms; Gemma 3 270M's layers 18.9 vs 24.7 ms and
 # its 262,144 x 640 head 23.9 vs 48.5 ms (docs/benchmarks.md). At 8 rows the two are even.
 AMX_MIN_ROWS = 16
+
+# The fused decode (csrc/decode_layer.cpp ``gemv``; :meth:`.decode_fused.FusedDecode.amx_min`) has no
+# int8 GEMM: below its AMX threshold, 9+ rows run the int8 GEMV in blocks of 8 rows, one pass over the
+# weight's codes per block. So its threshold depends on the weight (:func:`fused_amx_min`). Measured
+# on captured fused Gemma 3 270M / default-model decode steps, one thread, CPU time, GEMV blocks vs
+# AMX tiles from the repacked bf16 copy (docs/models.md):
+FUSED_LARGE_BYTES = 8 << 20  # codes past the 2 MiB L2: every 8-row block streams them again from L3/DRAM
+FUSED_AMX_MIN_ROWS_LARGE = Q8_GEMV_MAX_ROWS + 1  # Gemma's 168 MB head at 9 rows 37.1 vs 21.9 ms, 14 rows
+# 45.6 vs 23.3; the default model's 28 MB head 2.4 vs 2.1 ms at 9 rows (8 rows: 22.4 vs 21.7, 1.3 vs 1.9)
+FUSED_AMX_MIN_ROWS_8BIT = 12  # 8-bit codes (Q5_0/Q6_K/Q8_0 in GGUF): Gemma's layers at 12-15 rows
+# 18.7-27.2 vs 18.9-22.1 ms, even at 10 (17.4 vs 18.6); 4-bit ones keep AMX_MIN_ROWS (default model's
+# layers at 12 rows 17.8 vs 20.3 ms, at 16 23.1 vs 22.8)
 
 
 REPACK_ENV = "SGLITE_AMX_REPACK"
@@ -109,6 +123,29 @@ def quant_path(rows: int, tiled: bool, vnni_gemm_ok: bool, amx_ok: bool = False)
     return "gemv_q8" if rows <= 32 else "dequant_gemm"  # the pre-GEMM paths (quant_cpu.GEMV_MAX_ROWS)
 
 
+def fused_amx_min(n: int, k: int, bits: int) -> int:
+    """Rows from which the fused decode's product with a tiled [n, k] weight of ``bits``-bit codes
+    runs on the AMX tiles: :data:`FUSED_AMX_MIN_ROWS_LARGE` for codes of at least
+    :data:`FUSED_LARGE_BYTES` (an LM head), :data:`FUSED_AMX_MIN_ROWS_8BIT` for 8-bit codes,
+    :data:`AMX_MIN_ROWS` else (module constants read per call, so A/B probes can set them)."""
+    if n * k * bits // 8 >= FUSED_LARGE_BYTES:
+        return min(FUSED_AMX_MIN_ROWS_LARGE, AMX_MIN_ROWS)
+    return min(FUSED_AMX_MIN_ROWS_8BIT, AMX_MIN_ROWS) if bits == 8 else AMX_MIN_ROWS
+
+
+def fused_layers_amx_min(weights) -> int:
+    """One threshold for all the layer GEMMs of a fused step (the C++ call takes one): the
+    :func:`fused_amx_min` of the (n, k, bits) ``weights`` that hold most of the weight elements
+    (ties: the larger threshold). Raises ValueError on an empty list."""
+    if not weights:
+        raise ValueError("fused_layers_amx_min: weights must not be empty")
+    share: dict = {}
+    for n, k, bits in weights:
+        r = fused_amx_min(n, k, bits)
+        share[r] = share.get(r, 0) + n * k
+    return max(share, key=lambda r: (share[r], r))
+
+
 def describe(gemv_ok: bool, packed_ok: bool, vnni_gemm_ok: bool, amx_ok: bool = False) -> str:
     """One line for the start-up log: the mode, the CPU features that matter and the path chosen per
     row count (1, 9, 33 rows) for float weights and for tiled quantized ones."""
@@ -118,4 +155,7 @@ def describe(gemv_ok: bool, packed_ok: bool, vnni_gemm_ok: bool, amx_ok: bool = 
     fl = ", ".join(f"{r}+ rows {float_path(r, gemv_ok and r <= FLOAT_GEMV_MAX_ROWS, packed_ok)}" for r in rows)
     qrows = (1, 9, AMX_MIN_ROWS) if amx_ok else rows
     qu = ", ".join(f"{r}+ rows {quant_path(r, True, vnni_gemm_ok, amx_ok)}" for r in qrows)
-    return f"{ENV}={mode()} cpu=[{feats}]; float weights: {fl}; quantized weights in 16-row tiles (bf16): {qu}"
+    fu = (f"; fused decode (bf16): amx_gemm from {fused_amx_min(1 << 30, 1, 8)} rows for codes >= "
+          f"{FUSED_LARGE_BYTES >> 20} MiB, {fused_amx_min(16, 32, 8)} for 8-bit codes, {fused_amx_min(16, 32, 4)} else"
+          if amx_ok and mode() == "auto" else "")
+    return f"{ENV}={mode()} cpu=[{feats}]; float weights: {fl}; quantized weights in 16-row tiles (bf16): {qu}{fu}"

@@ -16,6 +16,32 @@ def ops():
     return built(cpu_elementwise.load)
 
 
+
+@pytest.mark.parametrize("M,H", [(1, 640), (5, 37), (200, 640), (33, 256), (0, 16)])
+def test_float32_weight_on_bf16_rows_is_the_float32_norm(ops, M, H):
+    """A float32 weight on bf16 x (Gemma's float32 norms): the bits of the float32 norm of x.float()
+    rounded once to bf16, on strided rows, with and without the residual; through kernels.rms_norm
+    too (3-D input; a non-contiguous one, as the per-head QK-norm's split, through a bf16 copy)."""
+    g = torch.Generator().manual_seed(M * 7 + H)
+    x = (torch.randn(M, H + 5, generator=g) * 3).bfloat16()[:, :H]
+    r = torch.randn(M, H, generator=g).bfloat16()
+    w = 1.0 + torch.randn(H, generator=g)  # float32, as (1 + w)
+    assert cpu_elementwise.norm_supported(x, r, w) and not cpu_elementwise.norm_supported(x.float(), None, w.bfloat16())
+    _, want = cpu_elementwise.add_rms_norm(x.float(), None, w, 1e-6)
+    _, got = cpu_elementwise.add_rms_norm(x, None, w, 1e-6)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())
+    s, got_r = cpu_elementwise.add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(s, x + r) and torch.equal(got_r, cpu_elementwise.add_rms_norm(s.float(), None, w, 1e-6)[1].bfloat16())
+    x3 = x.contiguous().view(M, 1, H).expand(M, 2, H).contiguous()
+    old = kernels.rms_norm(x3.float(), w, 1e-6).to(torch.bfloat16)  # the float32 path it replaces
+    assert torch.equal(kernels.rms_norm(x3, w, 1e-6), old)
+    xt = x3.transpose(0, 1)  # not contiguous: the kernel on a bf16 copy, the same bits
+    assert torch.equal(kernels.rms_norm(xt, w, 1e-6), kernels.rms_norm(xt.float(), w, 1e-6).to(torch.bfloat16))
+    qkv = torch.randn(M, 3 * H, generator=g).bfloat16()  # per-head norms on a split of a fused projection
+    q = qkv[:, :2 * H].reshape(M, 2, H)
+    assert (M < 2 or not q.is_contiguous()) and torch.equal(kernels.rms_norm(q, w, 1e-6),
+                                                 kernels.rms_norm(q.float(), w, 1e-6).to(torch.bfloat16))
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("M,H", [(1, 576), (5, 37), (48, 576), (33, 2048), (3, 16)])
 def test_add_rms_norm_matches_reference(ops, M, H, dtype):

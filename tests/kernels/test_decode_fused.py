@@ -178,10 +178,44 @@ def test_fused_many_rows_take_amx_and_stay_close(quantized_tiny):
     try:
         if not fused.tiled:
             pytest.skip("the tiny model's weights are not in 16-row tiles")
-        assert fused.amx_min() == gemm_paths.AMX_MIN_ROWS and fused.max_rows() == decode_fused.MAX_ROWS_AMX
+        assert fused.amx_min() == gemm_paths.fused_layers_amx_min(fused.shapes) > 0
+        assert fused.max_rows() == decode_fused.MAX_ROWS_AMX
         many = [[100 + 37 * i, 7 + i, 2000 + i] for i in range(40)]
         e.generate(input_ids=many, sampling_params={"max_new_tokens": 3, "temperature": 0, "ignore_eos": True})
         assert 40 in seen
+    finally:
+        e.shutdown()
+
+
+@pytest.mark.skipif(not __import__("sglite.kernels.quant_amx", fromlist=["x"]).available(), reason="no AMX-BF16 here")
+def test_fused_thresholds_per_weight_and_few_row_amx_head(quantized_tiny, monkeypatch):
+    """The fused step's AMX thresholds come from the dispatcher per weight (8-bit layers: 12 rows; a
+    quantized head counted as large: 9 rows), and a 10-row step with its head on the tiles stays
+    close to the per-op path on the same head; SGLITE_GEMM=vnni turns both off."""
+    from sglite.kernels.quant_layout import tile_rows
+
+    seen = []
+    monkeypatch.setattr(gemm_paths, "FUSED_LARGE_BYTES", 1 << 20)  # the tiny 3 MB head counts as large
+    e, fused = _checked_engine(quantized_tiny[8], "bfloat16", 0.1, seen)
+    try:
+        model = e.runner.model
+        if not fused.tiled:
+            pytest.skip("the tiny model's weights are not in 16-row tiles")
+        assert fused.head_amx_min() == 0  # a float head: not the q8 head
+        head = make(*model.lm_head.shape, 8, seed=5)  # a quantized, tiled head for both paths
+        compact_scales(head)
+        assert tile_rows(head)
+        model.lm_head = head
+        fused = decode_fused.FusedDecode(model, q8=True)
+        model.decode_fused = fused
+        check_fused_steps(model, 0.1, seen)
+        assert (fused.amx_min(), fused.head_amx_min()) == (gemm_paths.FUSED_AMX_MIN_ROWS_8BIT,
+                                                           gemm_paths.FUSED_AMX_MIN_ROWS_LARGE)
+        rows = [[100 + 37 * i, 7 + i, 2000 + i] for i in range(10)]
+        e.generate(input_ids=rows, sampling_params={"max_new_tokens": 3, "temperature": 0, "ignore_eos": True})
+        assert 10 in seen
+        monkeypatch.setenv(gemm_paths.ENV, "vnni")
+        assert (fused.amx_min(), fused.head_amx_min()) == (0, 0)
     finally:
         e.shutdown()
 
@@ -228,6 +262,10 @@ def test_head_q8_amx_rows_equal_the_tile_gemm():
     got = decode_fused.load().head_q8(x, w.qweight, w.scales, mins, w.bits, w.tiled, 2, 32, none)
     want = quant_amx.load().quant_gemm_amx(x.bfloat16(), w.qweight, w.scales, mins, w.bits, w.group_size, False, none)
     assert torch.equal(got, want)  # same tiles, same sums; x rounded to bf16 the same way
+    for m in (9, 13):  # few rows from the head's own threshold (gemm_paths.fused_amx_min)
+        got = decode_fused.load().head_q8(x[:m].contiguous(), w.qweight, w.scales, mins, w.bits, w.tiled, 2, 9, none)
+        assert torch.equal(got, quant_amx.load().quant_gemm_amx(x[:m].bfloat16(), w.qweight, w.scales, mins, w.bits,
+                                                                 w.group_size, False, none))
     packed = decode_fused.load().head_q8(x, w.qweight, w.scales, mins, w.bits, w.tiled, 2, 32, quant_amx.pack(w))
     assert torch.equal(packed, want)  # the repacked copy: the same bf16 tiles
 

@@ -54,6 +54,31 @@ def test_paths_and_forcing(monkeypatch):
         gemm_paths.mode()
 
 
+def test_fused_amx_threshold_per_weight(monkeypatch):
+    """The fused decode's AMX threshold by rows x weight: an LM head of >= FUSED_LARGE_BYTES of codes
+    from 9 rows (its 8-row GEMV blocks would stream it again), 8-bit codes from 12, 4-bit from 16;
+    one threshold for a model's layers: the one holding most weight elements; printed."""
+    monkeypatch.delenv("SGLITE_GEMM", raising=False)
+    gemma_head, smol_head = (262144, 640, 8), (49152, 576, 8)
+    assert [gemm_paths.fused_amx_min(*w) for w in (gemma_head, smol_head)] == [9, 9]
+    assert gemm_paths.fused_amx_min(4096, 640, 8) == 12 and gemm_paths.fused_amx_min(3072, 576, 4) == 16
+    assert gemm_paths.fused_amx_min(49152, 576, 4) == 9  # 14 MB of 4-bit codes: large too
+    gemma_layer = [(1536, 640, 8), (640, 1024, 4), (4096, 640, 8), (640, 2048, 8)]
+    smol_layer = [(960, 576, 4), (576, 576, 4), (3072, 576, 4), (576, 1536, 4)]
+    assert gemm_paths.fused_layers_amx_min(gemma_layer * 18) == 12
+    assert gemm_paths.fused_layers_amx_min(smol_layer * 30) == 16
+    assert gemm_paths.fused_layers_amx_min([(64, 64, 8), (64, 64, 4)]) == 16  # a tie: the larger
+    with pytest.raises(ValueError, match="weights must not be empty"):
+        gemm_paths.fused_layers_amx_min([])
+    monkeypatch.setattr(gemm_paths, "AMX_MIN_ROWS", 4)  # never later than the general threshold
+    assert gemm_paths.fused_amx_min(*gemma_head) == 4 and gemm_paths.fused_amx_min(4096, 640, 8) == 4
+    monkeypatch.setattr(gemm_paths, "AMX_MIN_ROWS", 16)
+    line = gemm_paths.describe(True, True, True, amx_ok=True)
+    assert "fused decode (bf16): amx_gemm from 9 rows for codes >= 8 MiB, 12 for 8-bit codes, 16 else" in line
+    monkeypatch.setenv("SGLITE_GEMM", "vnni")
+    assert "fused decode" not in gemm_paths.describe(True, True, True, amx_ok=True)
+
+
 @pytest.mark.skipif(not packable, reason="oneDNN without bf16 here")
 def test_no_reorder_per_call():
     code = ("import torch\nfrom sglite.kernels.matmul import LinearWeight, linear\n"

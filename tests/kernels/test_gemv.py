@@ -181,3 +181,38 @@ def test_silu_mul_reads_row_strided_halves_in_place(dtype):
     assert torch.equal(cpu_gemv.silu_mul(g3, u3), flat.view(2, 3, 40))
     gt, ut = g3[0].t(), u3[0].t()  # unit stride along rows, not columns
     assert torch.equal(cpu_gemv.silu_mul(gt, ut), cpu_gemv.silu_mul(gt.contiguous(), ut.contiguous()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_mul_against_torch(dtype):
+    """GeGLU's activation against torch's ``F.gelu(g, approximate="tanh") * u`` on random shapes
+    (row-strided halves of a fused gate_up, I not a multiple of 16, values out to |g| = 12): float32
+    within 1e-5 (the tanh from the kernel's exp); bf16 each element equal to torch's or one rounding
+    step of the activation away (plus the tanh's 1e-7 in the far tails), and almost all equal; halves read in place give the contiguous bits."""
+    if not cpu_gemv.available():
+        pytest.skip("C++ GEMV extension unavailable")
+    gen = torch.Generator().manual_seed(11)
+    same = total = 0
+    for M, I in ((1, 5), (3, 37), (17, 64), (40, 2048), (0, 16)):
+        gu = (torch.randn(M, 2 * I, generator=gen) * 3).to(dtype)
+        gu[:, :3] = torch.tensor([-12.0, 0.0, 12.0], dtype=dtype)  # the tails of tanh and zero
+        g, u = gu.chunk(2, dim=-1)
+        got = cpu_gemv.gelu_tanh_mul(g, u)
+        assert got.is_contiguous() and got.shape == (M, I) and got.dtype == dtype, (M, I)
+        assert torch.equal(got, cpu_gemv.gelu_tanh_mul(g.contiguous(), u.contiguous())), (M, I)
+        want = F.gelu(g, approximate="tanh") * u
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # tanh abs. error ~1e-7, times u
+            continue
+        act = F.gelu(g.float(), approximate="tanh")  # float32 activation: the bf16 roundings bracket it
+        err = act.abs() * 2 ** -7 + 1e-7 * g.float().abs()  # a rounding step, plus the tanh's abs. error x |g| / 2 x 2
+        assert ((got.float() - want.float()).abs() <= err * u.float().abs() * 1.01).all(), (M, I)
+        same += int((got == want).sum())
+        total += got.numel()
+    if dtype == torch.bfloat16:
+        assert same >= 0.95 * total, (same, total)  # measured 97.9 %: the others in the negative tail, where 1 + tanh cancels
+    from sglite import kernels
+
+    g = torch.randn(4, 24, generator=gen).to(dtype)
+    assert torch.equal(kernels.gelu_tanh_mul(g, g), cpu_gemv.gelu_tanh_mul(g, g) if dtype == torch.bfloat16
+                       else F.gelu(g, approximate="tanh") * g)  # the dispatcher: C++ for bf16, torch for float32

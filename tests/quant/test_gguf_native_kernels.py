@@ -66,6 +66,27 @@ def test_int8_gemv_matches_reference(type_name, tiled):
     check_int8_gemv(type_name, tiled)
 
 
+def test_int8_gemv_reads_float16_scales_as_stored():
+    """quant_gemv_q8 checks float16 (compact) scales and mins as stored, with no float32 copy of
+    them: row layout and tiles against the reference; a malformed float16 scale tensor (not
+    contiguous, wrong count) is refused naming float16."""
+    n, k = _shape("Q4_1", 2)
+    for tiled in (False, True):
+        w = _weight("Q4_1", n, k, 2)
+        assert compact_scales(w) and w.scales.dtype == torch.float16
+        if tiled:
+            assert tile_rows(w)
+        x = torch.randn(5, k, generator=torch.Generator().manual_seed(2))
+        r = quant_cpu.gemv_q8_reference(x, w)
+        assert (quant_cpu.gemv_q8(x, w) - r).abs().max().item() <= 1e-5 * k ** 0.5 * (r.abs().max().item() + 1e-6)
+    mod, mins = quant_cpu.load(), w.mins if w.mins is not None else torch.empty(0, dtype=torch.float16)
+    bad = torch.zeros(w.scales.numel() * 2, dtype=torch.float16)[::2]  # the right count, not contiguous
+    with pytest.raises(RuntimeError, match="scales must be float16"):
+        mod.quant_gemv_q8(x, w.qweight, bad, mins, w.bits, w.group_size, False, w.tiled)
+    with pytest.raises(RuntimeError, match="scales must be float16"):
+        mod.quant_gemv_q8(x, w.qweight, w.scales.reshape(-1)[1:].contiguous(), mins, w.bits, w.group_size, False, w.tiled)
+
+
 @pytest.mark.slow  # the portable build is a second compile of the extension; the fast tier checks the native one
 @pytest.mark.parametrize("type_name", NATIVE_TYPES)
 def test_portable_build_matches_reference(type_name):

@@ -63,8 +63,10 @@ inline __m256i rne_bf16(__m512 v) {
 
 // Per row: h = x + r (rounded to T, written to sum when r is given), out = rmsnorm(h) * w with
 // torch's rounding (F.rms_norm on CPU): T(h * rsqrt(mean(h^2) + eps) * w), in float32, rounded once.
-template <typename T>
-void add_rms_rows(const T* x, int64_t xs, const T* r, int64_t rs, const T* w, T* sum, T* out, int64_t M, int64_t H, float eps) {
+// W: the weight's type, T or float (a bf16 x with a float32 weight: the float32 norm of the exact
+// float32 copy of x, rounded once to bf16 -- the bits of rms_norm(x.float(), w).to(bf16)).
+template <typename T, typename W = T>
+void add_rms_rows(const T* x, int64_t xs, const T* r, int64_t rs, const W* w, T* sum, T* out, int64_t M, int64_t H, float eps) {
   sglite_pool::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     std::vector<float> hf(H);
     for (int64_t m = m0; m < m1; ++m) {
@@ -86,10 +88,12 @@ void add_rms_rows(const T* x, int64_t xs, const T* r, int64_t rs, const T* w, T*
         }
         const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(sumsq(hf.data(), H) / (float)H + eps));
         uint16_t* ob = (uint16_t*)(out + m * H);
-        const uint16_t* wb = (const uint16_t*)w;
         for (int64_t i = 0; i < H; i += 16) {
           const __mmask16 mk = H - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (H - i)) - 1);
-          const __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, hf.data() + i), inv), ld_bf16(wb + i, mk));
+          __m512 wv;
+          if constexpr (std::is_same_v<W, float>) wv = _mm512_maskz_loadu_ps(mk, w + i);
+          else wv = ld_bf16((const uint16_t*)w + i, mk);
+          const __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, hf.data() + i), inv), wv);
           _mm256_mask_storeu_epi16(ob + i, mk, rne_bf16(y));
         }
         continue;
@@ -110,13 +114,15 @@ void add_rms_rows(const T* x, int64_t xs, const T* r, int64_t rs, const T* w, T*
 }
 
 // add_rms_norm(x [M, H], residual [M, H] or None, weight [H], eps) -> (sum [M, H] (empty without
-// residual), out [M, H]); x and residual need unit stride along H; weight of x's dtype.
+// residual), out [M, H]); x and residual need unit stride along H; weight of x's dtype, or float32
+// with a bf16 x (the float32 norm, one rounding: Gemma's norm_fp32 without two copies of x).
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& res,
                                                 const at::Tensor& w, double eps) {
   TORCH_CHECK_VALUE(x.dim() == 2 && x.stride(1) == 1, "add_rms_norm: x must be [M, H] with unit stride along H");
   const int64_t M = x.size(0), H = x.size(1);
-  TORCH_CHECK_VALUE(w.dim() == 1 && w.size(0) == H && w.is_contiguous() && w.scalar_type() == x.scalar_type(),
-                    "add_rms_norm: weight must be contiguous [", H, "] of x's dtype");
+  const bool w32 = x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kFloat;
+  TORCH_CHECK_VALUE(w.dim() == 1 && w.size(0) == H && w.is_contiguous() && (w.scalar_type() == x.scalar_type() || w32),
+                    "add_rms_norm: weight must be contiguous [", H, "] of x's dtype (or float32 with bf16 x)");
   const bool has_r = res.has_value() && res->defined();
   if (has_r)
     TORCH_CHECK_VALUE(res->sizes() == x.sizes() && res->stride(1) == 1 && res->scalar_type() == x.scalar_type(),
@@ -124,7 +130,11 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::
   at::Tensor out = at::empty({M, H}, x.options());
   at::Tensor sum = has_r ? at::empty({M, H}, x.options()) : at::empty({0}, x.options());
   if (M == 0) return {sum, out};
-  if (x.scalar_type() == at::kBFloat16) {
+  if (w32) {
+    add_rms_rows<bf16, float>((const bf16*)x.data_ptr(), x.stride(0), has_r ? (const bf16*)res->data_ptr() : nullptr,
+                              has_r ? res->stride(0) : 0, w.data_ptr<float>(), has_r ? (bf16*)sum.data_ptr() : nullptr,
+                              (bf16*)out.data_ptr(), M, H, (float)eps);
+  } else if (x.scalar_type() == at::kBFloat16) {
     add_rms_rows<bf16>((const bf16*)x.data_ptr(), x.stride(0), has_r ? (const bf16*)res->data_ptr() : nullptr,
                        has_r ? res->stride(0) : 0, (const bf16*)w.data_ptr(), has_r ? (bf16*)sum.data_ptr() : nullptr,
                        (bf16*)out.data_ptr(), M, H, (float)eps);

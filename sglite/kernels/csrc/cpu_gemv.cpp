@@ -272,22 +272,37 @@ inline __m512 silu16(__m512 g) {
   return _mm512_mul_ps(g, sig);
 }
 
+// gelu_tanh(x) = 0.5 x (1 + tanh(y)), y = sqrt(2/pi) (x + 0.044715 x^3) (Hendrycks & Gimpel 2016, the
+// tanh approximation; torch's gelu(approximate="tanh")) in float32, tanh(|y|) = (1 - e) / (1 + e) with
+// e = e^(-2|y|) (exp_nonpos: abs. error ~1e-7), sign restored: decode_family.h's formula.
+inline __m512 gelu_tanh16(__m512 x) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 y = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                 _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), x), _mm512_mul_ps(x, x), x));
+  const __m512 e = exp_nonpos(_mm512_mul_ps(_mm512_set1_ps(-2.f), _mm512_abs_ps(y)));
+  __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  t = _mm512_mask_sub_ps(t, _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_ps(), t);
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(one, t));
+}
+
 inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 inline __m256i round_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }  // round to nearest even
 }  // namespace
 
-// out = silu(g) * u elementwise (SwiGLU's activation), same shape and dtype (bf16 or fp32). silu is
-// rounded to the dtype before the product, as F.silu(g) * u rounds. Every element runs the same
+// out = act(g) * u elementwise (silu_mul: SwiGLU's activation; gelu_tanh_mul: GeGLU's), same shape
+// and dtype (bf16 or fp32). act(g) is rounded to the dtype before the product, as F.silu(g) * u rounds. Every element runs the same
 // vector code (the tail masked), so a value never depends on its position. g and u are read in
 // place when they are [M, I] row-strided views with unit stride along I (the two halves of the fused
 // gate_up product): no torch copy, whose intra-op (OpenMP) threads stall for a scheduler slice when
 // another process holds a core; other layouts are made contiguous first. out is contiguous.
-torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u) {
-  TORCH_CHECK(g.sizes() == u.sizes() && g.scalar_type() == u.scalar_type(), "silu_mul: g and u must match");
+// act16: the activation on 16 float32 lanes (silu16, gelu_tanh16); who: the op's name in errors.
+template <typename Act>
+torch::Tensor act_mul(torch::Tensor g, torch::Tensor u, const char* who, Act act16) {
+  TORCH_CHECK(g.sizes() == u.sizes() && g.scalar_type() == u.scalar_type(), who, ": g and u must match");
   const auto dt = g.scalar_type();
-  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat, "silu_mul: bf16 or fp32 only");
+  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat, who, ": bf16 or fp32 only");
   const bool rows = g.dim() == 2 && g.stride(1) == 1 && u.stride(1) == 1 && g.size(1) > 0;
   auto gc = rows ? g : g.contiguous(), uc = rows ? u : u.contiguous();
   auto out = at::empty(g.sizes(), g.options().memory_format(at::MemoryFormat::Contiguous));
@@ -301,13 +316,13 @@ torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u) {
       const __mmask16 m = I - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (I - i)) - 1);
       const int64_t go = r * gs + i, uo = r * us + i, oo = r * I + i;
       if (dt == at::kFloat) {
-        const __m512 s = silu16(_mm512_maskz_loadu_ps(m, gc.data_ptr<float>() + go));
+        const __m512 s = act16(_mm512_maskz_loadu_ps(m, gc.data_ptr<float>() + go));
         _mm512_mask_storeu_ps(out.data_ptr<float>() + oo, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, uc.data_ptr<float>() + uo)));
       } else {
         const uint16_t* gp = bits(gc) + go;
         const uint16_t* up = bits(uc) + uo;
         uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + oo;
-        const __m256i s = round_bf16(silu16(load_bf16(gp, m)));  // silu rounded to bf16
+        const __m256i s = round_bf16(act16(load_bf16(gp, m)));  // the activation rounded to bf16
         const __m512 sf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(s), 16));
         _mm256_mask_storeu_epi16(op, m, round_bf16(_mm512_mul_ps(sf, load_bf16(up, m))));
       }
@@ -315,3 +330,10 @@ torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u) {
   });
   return out;
 }
+
+torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u) { return act_mul(g, u, "silu_mul", silu16); }
+
+// out = gelu_tanh(g) * u (GeGLU's activation, Gemma's MLP), as silu_mul: the activation rounded to
+// the dtype before the product (as F.gelu(g, approximate="tanh") * u rounds), every element the same
+// vector code, row-strided halves read in place.
+torch::Tensor gelu_tanh_mul(torch::Tensor g, torch::Tensor u) { return act_mul(g, u, "gelu_tanh_mul", gelu_tanh16); }

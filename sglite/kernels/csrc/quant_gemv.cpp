@@ -11,23 +11,22 @@ namespace {
 
 using namespace sglite_quant;
 
-// half_ok: float16 scales / mins are accepted as stored (quant_gemv_q8 reads them so; checking
-// them never converts the tables: a [V, K/32] LM-head table widened on every call cost ms)
+// half: the scales and mins are float16 (quant_gemv_q8's compact ones), checked as stored (no
+// float32 copy of them per call: a 262,144-row LM head's would be 21 MB each)
 void check_weight(const at::Tensor& q, const at::Tensor& s, const at::Tensor& mn, int64_t bits,
-                  int64_t gs, int64_t K, bool half_ok = false) {
+                  int64_t gs, int64_t K, bool half = false) {
   TORCH_CHECK(bits == 4 || bits == 8, "quant: bits must be 4 or 8");
   TORCH_CHECK(K % BLK == 0 && ((gs > 0 && gs % BLK == 0 && K % gs == 0) || (gs == 16 && bits == 8)),
               "quant: group_size must be a multiple of 32 dividing K (or 16 with 8-bit codes), got ", gs);
   TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 2 && q.is_contiguous() && q.size(1) * 8 == K * bits,
               "quant: qweight must be contiguous uint8 [N, K * bits / 8]");
   const int64_t N = q.size(0), G = K / gs;
-  const auto st = s.scalar_type();
-  const bool s_ok = st == at::kFloat || (half_ok && st == at::kHalf);
-  TORCH_CHECK(s_ok && s.is_contiguous() && s.numel() == N * G, "quant: scales must be float32 [N, K / group_size]",
-              half_ok ? " (or float16)" : "");
+  const auto st = half ? at::kHalf : at::kFloat;
+  TORCH_CHECK(s.scalar_type() == st && s.is_contiguous() && s.numel() == N * G, "quant: scales must be ",
+              half ? "float16" : "float32", " [N, K / group_size]");
   if (mn.numel() > 0)  // an empty tensor stands for "no offsets" (cheaper to pass than None)
     TORCH_CHECK(mn.scalar_type() == st && mn.is_contiguous() && mn.numel() == N * G,
-                "quant: mins must be [N, K / group_size] of the scales' dtype");
+                "quant: mins must be ", half ? "float16" : "float32", " [N, K / group_size]");
 }
 
 }  // namespace
@@ -103,7 +102,7 @@ at::Tensor quant_gemv_q8(at::Tensor x, at::Tensor q, at::Tensor s, at::Tensor mn
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
   const bool half = s.scalar_type() == at::kHalf;  // float16 scales / mins (exact GGUF ones)
   TORCH_CHECK(!half || mn.numel() == 0 || mn.scalar_type() == at::kHalf, "quant_gemv_q8: scales and mins must share a dtype");
-  check_weight(q, s, mn, bits, gs, K, /*half_ok=*/true);
+  check_weight(q, s, mn, bits, gs, K, half);
   x = x.contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
   const QW w{q.data_ptr<uint8_t>(), (const float*)s.data_ptr(), mn.numel() > 0 ? (const float*)mn.data_ptr() : nullptr,

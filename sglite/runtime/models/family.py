@@ -131,6 +131,8 @@ class FamilyModel(LlamaModel):
         """RMSNorm of x [..., K] with weight w [K] (float32 math when ``norm_fp32``), x's dtype."""
         a = self.arch
         if a.norm_fp32:
+            if x.device.type == "cpu" and x.dtype == torch.bfloat16:  # the float32 norm, one rounding, no copies
+                return kernels.rms_norm(x, w, a.rms_norm_eps, batch_invariant=self.batch_invariant)
             return kernels.rms_norm(x.float(), w, a.rms_norm_eps, batch_invariant=self.batch_invariant).to(x.dtype)
         return kernels.rms_norm(x, w, a.rms_norm_eps, batch_invariant=self.batch_invariant)
 

@@ -30,28 +30,58 @@ inline float dot16(const T* p, const U* q, int64_t n) {
   return acc[0];
 }
 
+constexpr int64_t TILE = 8;    // rows of one segment sharing each load of A / b
+constexpr int64_t OCOLS = 256; // expand columns per pass (TILE x OCOLS float sums stay in L1)
+
+// One tile: rows [r0, r0 + n) of slot s (n <= TILE). Each A row and each b row is read once for
+// the tile (the per-row form read them once per row: ~20x the bytes on a prefill), converted to
+// float32 in a small buffer; every value is the same dot16 / in-order sum as one row alone, so the
+// result does not depend on the tiling or the thread split.
 template <typename T, typename W>
-void lora_rows(const T* x, const W* a, const W* b, T* y, const std::vector<int64_t>& row_slot,
-               int64_t K, int64_t R, int64_t O, int64_t sx, int64_t sy) {
-  const int64_t N = (int64_t)row_slot.size();
-  sglite_pool::parallel_for(0, N, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> t(R), acc(O);
-    for (int64_t i = lo; i < hi; ++i) {
-      const int64_t s = row_slot[i];
-      if (s < 0) continue;
-      const T* xi = x + i * sx;
-      const W* as = a + s * R * K;
-      const W* bs = b + s * R * O;
-      for (int64_t r = 0; r < R; ++r)
-        t[r] = (float)(T)dot16(xi, as + r * K, K);  // rounded as the shrink matmul's output
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t r = 0; r < R; ++r) {  // expand: rows of b are O contiguous values (vectorised over o)
-        const float tr = t[r];
-        const W* br = bs + r * O;
-        for (int64_t o = 0; o < O; ++o) acc[o] += tr * (float)br[o];
+void lora_tile(const T* x, const W* as, const W* bs, T* y, int64_t r0, int64_t n, int64_t K, int64_t R,
+               int64_t O, int64_t sx, int64_t sy, std::vector<float>& xf, std::vector<float>& wf,
+               std::vector<float>& t, std::vector<float>& acc) {
+  for (int64_t i = 0; i < n; ++i) {
+    const T* xi = x + (r0 + i) * sx;
+    float* d = xf.data() + i * K;
+    for (int64_t k = 0; k < K; ++k) d[k] = (float)xi[k];
+  }
+  for (int64_t r = 0; r < R; ++r) {  // shrink
+    const W* ar = as + r * K;
+    for (int64_t k = 0; k < K; ++k) wf[k] = (float)ar[k];
+    for (int64_t i = 0; i < n; ++i)
+      t[i * R + r] = (float)(T)dot16(xf.data() + i * K, wf.data(), K);  // rounded as the shrink matmul's output
+  }
+  for (int64_t o0 = 0; o0 < O; o0 += OCOLS) {  // expand, OCOLS columns at a time
+    const int64_t w = std::min(OCOLS, O - o0);
+    std::fill(acc.begin(), acc.begin() + n * OCOLS, 0.f);
+    for (int64_t r = 0; r < R; ++r) {
+      const W* br = bs + r * O + o0;
+      for (int64_t o = 0; o < w; ++o) wf[o] = (float)br[o];
+      for (int64_t i = 0; i < n; ++i) {
+        const float tr = t[i * R + r];
+        float* ai = acc.data() + i * OCOLS;
+        for (int64_t o = 0; o < w; ++o) ai[o] += tr * wf[o];
       }
-      T* yi = y + i * sy;
-      for (int64_t o = 0; o < O; ++o) yi[o] = (T)((float)yi[o] + (float)(T)acc[o]);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      T* yi = y + (r0 + i) * sy + o0;
+      const float* ai = acc.data() + i * OCOLS;
+      for (int64_t o = 0; o < w; ++o) yi[o] = (T)((float)yi[o] + (float)(T)ai[o]);
+    }
+  }
+}
+
+// tiles: (first row, rows, slot) of at most TILE rows within one adapted segment
+template <typename T, typename W>
+void lora_rows(const T* x, const W* a, const W* b, T* y, const std::vector<int64_t>& tiles, int64_t K, int64_t R,
+               int64_t O, int64_t sx, int64_t sy) {
+  const int64_t n_tiles = (int64_t)tiles.size() / 3;
+  sglite_pool::parallel_for(0, n_tiles, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> xf(TILE * K), wf(std::max(K, OCOLS)), t(TILE * R), acc(TILE * OCOLS);
+    for (int64_t j = lo; j < hi; ++j) {
+      const int64_t r0 = tiles[3 * j], n = tiles[3 * j + 1], s = tiles[3 * j + 2];
+      lora_tile<T, W>(x, a + s * R * K, b + s * R * O, y, r0, n, K, R, O, sx, sy, xf, wf, t, acc);
     }
   });
 }
@@ -73,26 +103,32 @@ at::Tensor lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& a, cons
   TORCH_CHECK(seg_lens.numel() == seg_slots.numel(), "lora_add: seg_lens and seg_slots differ in length");
   auto lens = seg_lens.to(at::kLong).contiguous();
   auto slots = seg_slots.to(at::kLong).contiguous();
-  std::vector<int64_t> row_slot;
-  row_slot.reserve(N);
+  std::vector<int64_t> tiles;  // (first row, rows, slot) per tile of an adapted segment
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t* sp = slots.data_ptr<int64_t>();
+  int64_t total = 0;
   for (int64_t g = 0; g < lens.numel(); ++g) {
     TORCH_CHECK(lp[g] >= 0, "lora_add: negative segment length");
     TORCH_CHECK_INDEX(sp[g] >= -1 && sp[g] < S, "lora_add: seg_slots entry ", sp[g], " outside [-1, ", S, ")");
-    row_slot.insert(row_slot.end(), lp[g], sp[g]);
+    if (sp[g] >= 0)
+      for (int64_t r = 0; r < lp[g]; r += TILE) {
+        tiles.push_back(total + r);
+        tiles.push_back(std::min(TILE, lp[g] - r));
+        tiles.push_back(sp[g]);
+      }
+    total += lp[g];
   }
-  TORCH_CHECK((int64_t)row_slot.size() == N, "lora_add: seg_lens sum to ", row_slot.size(), ", x has ", N, " rows");
+  TORCH_CHECK(total == N, "lora_add: seg_lens sum to ", total, ", x has ", N, " rows");
   const bool xb = x.scalar_type() == at::kBFloat16, wb = a.scalar_type() == at::kBFloat16;
   const int64_t sx = x.stride(0), sy = y.stride(0);
   if (xb && wb)
-    lora_rows<bf16, bf16>(x.data_ptr<bf16>(), a.data_ptr<bf16>(), b.data_ptr<bf16>(), y.data_ptr<bf16>(), row_slot, K, R, O, sx, sy);
+    lora_rows<bf16, bf16>(x.data_ptr<bf16>(), a.data_ptr<bf16>(), b.data_ptr<bf16>(), y.data_ptr<bf16>(), tiles, K, R, O, sx, sy);
   else if (xb)
-    lora_rows<bf16, float>(x.data_ptr<bf16>(), a.data_ptr<float>(), b.data_ptr<float>(), y.data_ptr<bf16>(), row_slot, K, R, O, sx, sy);
+    lora_rows<bf16, float>(x.data_ptr<bf16>(), a.data_ptr<float>(), b.data_ptr<float>(), y.data_ptr<bf16>(), tiles, K, R, O, sx, sy);
   else if (wb)
-    lora_rows<float, bf16>(x.data_ptr<float>(), a.data_ptr<bf16>(), b.data_ptr<bf16>(), y.data_ptr<float>(), row_slot, K, R, O, sx, sy);
+    lora_rows<float, bf16>(x.data_ptr<float>(), a.data_ptr<bf16>(), b.data_ptr<bf16>(), y.data_ptr<float>(), tiles, K, R, O, sx, sy);
   else
-    lora_rows<float, float>(x.data_ptr<float>(), a.data_ptr<float>(), b.data_ptr<float>(), y.data_ptr<float>(), row_slot, K, R, O, sx, sy);
+    lora_rows<float, float>(x.data_ptr<float>(), a.data_ptr<float>(), b.data_ptr<float>(), y.data_ptr<float>(), tiles, K, R, O, sx, sy);
   return y;
 }
 

@@ -57,49 +57,80 @@ inline __m512 ld16(const uint16_t* p, __mmask16 m) {  // 16 bf16 -> float32 (exa
 }
 inline __mmask16 lanes(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n > 0 ? n : 0)) - 1); }
 
-// t[row, q] = x[row] . a_row for the n rows rows[0..n) (8 at a time: one A load per 8 FMAs)
+// t[row, q] = x[row] . a_row for NB rows (NB a compile-time count: the accumulators stay in
+// registers; a run-time count made the compiler keep them on the stack)
+template <int NB, typename T>
+inline void shrink_tile(const T* ar, const float* x, int64_t K, const int64_t* rows, float* t, int64_t RT, int64_t q) {
+  __m512 acc[NB];
+  const float* xr[NB];
+  for (int i = 0; i < NB; ++i) { acc[i] = _mm512_setzero_ps(); xr[i] = x + rows[i] * K; }
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 m = lanes(K - k);
+    const __m512 a = ld16(ar + k, m);
+    for (int i = 0; i < NB; ++i) acc[i] = _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(m, xr[i] + k), acc[i]);
+  }
+  for (int i = 0; i < NB; ++i) t[rows[i] * RT + q] = _mm512_reduce_add_ps(acc[i]);
+}
+
+// the n rows rows[0..n), 8 at a time: one A load per 8 FMAs
 template <typename T>
 inline void shrink_rows(const T* ar, const float* x, int64_t K, const int64_t* rows, int64_t n, float* t, int64_t RT,
                         int64_t q) {
-  for (int64_t i0 = 0; i0 < n; i0 += 8) {
-    const int64_t nb = std::min<int64_t>(8, n - i0);
-    __m512 acc[8];
-    for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-      const __mmask16 m = lanes(K - k);
-      const __m512 a = ld16(ar + k, m);
-      for (int64_t i = 0; i < nb; ++i) acc[i] = _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(m, x + rows[i0 + i] * K + k), acc[i]);
-    }
-    for (int64_t i = 0; i < nb; ++i) t[rows[i0 + i] * RT + q] = _mm512_reduce_add_ps(acc[i]);
+  int64_t i0 = 0;
+  for (; i0 + 8 <= n; i0 += 8) shrink_tile<8>(ar, x, K, rows + i0, t, RT, q);
+  switch (n - i0) {
+    case 7: shrink_tile<7>(ar, x, K, rows + i0, t, RT, q); break;
+    case 6: shrink_tile<6>(ar, x, K, rows + i0, t, RT, q); break;
+    case 5: shrink_tile<5>(ar, x, K, rows + i0, t, RT, q); break;
+    case 4: shrink_tile<4>(ar, x, K, rows + i0, t, RT, q); break;
+    case 3: shrink_tile<3>(ar, x, K, rows + i0, t, RT, q); break;
+    case 2: shrink_tile<2>(ar, x, K, rows + i0, t, RT, q); break;
+    case 1: shrink_tile<1>(ar, x, K, rows + i0, t, RT, q); break;
+    default: break;
   }
 }
 
-// y[row, o0:o1] += sum over the rank rows qs of t[row, q] * b[q, o0:o1] for the n rows (4 at a
-// time, 64 columns in 4 vectors held in registers)
+// y[row, o0:o0+64] += sum over the rank rows qs of t[row, q] * b[q, o0:o0+64] for NB rows (4
+// vectors of 16 columns per row held in registers; NB compile-time, as shrink_tile)
+template <int NB, typename T>
+inline void expand_tile(const T* B, int64_t O, const int64_t* qs, int64_t nq, const float* t, int64_t RT,
+                        const int64_t* rows, int64_t o0, const __mmask16* mk, float* y) {
+  __m512 acc[NB][4];
+  const float* tr[NB];
+  for (int i = 0; i < NB; ++i) {
+    tr[i] = t + rows[i] * RT;
+    for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_setzero_ps();
+  }
+  for (int64_t e = 0; e < nq; ++e) {
+    const T* br = B + qs[e] * O + o0;
+    const int64_t q = qs[e] % RT;
+    __m512 b[4];
+    for (int v = 0; v < 4; ++v) b[v] = ld16(br + 16 * v, mk[v]);
+    for (int i = 0; i < NB; ++i) {
+      const __m512 tv = _mm512_set1_ps(tr[i][q]);
+      for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_fmadd_ps(tv, b[v], acc[i][v]);
+    }
+  }
+  for (int i = 0; i < NB; ++i) {
+    float* yi = y + rows[i] * O + o0;
+    for (int v = 0; v < 4; ++v)
+      _mm512_mask_storeu_ps(yi + 16 * v, mk[v], _mm512_add_ps(_mm512_maskz_loadu_ps(mk[v], yi + 16 * v), acc[i][v]));
+  }
+}
+
+// the n rows, 4 at a time: one b load per 4 x 4 FMAs, 64 columns [o0, o1)
 template <typename T>
 inline void expand_rows(const T* B, int64_t O, const int64_t* qs, int64_t nq, const float* t, int64_t RT,
                         const int64_t* rows, int64_t n, int64_t o0, int64_t o1, float* y) {
   __mmask16 mk[4];
   for (int v = 0; v < 4; ++v) mk[v] = lanes(o1 - o0 - 16 * v);
-  for (int64_t i0 = 0; i0 < n; i0 += 4) {
-    const int64_t nb = std::min<int64_t>(4, n - i0);
-    __m512 acc[4][4];
-    for (int i = 0; i < 4; ++i)
-      for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_setzero_ps();
-    for (int64_t e = 0; e < nq; ++e) {
-      const T* br = B + qs[e] * O + o0;
-      __m512 b[4];
-      for (int v = 0; v < 4; ++v) b[v] = ld16(br + 16 * v, mk[v]);
-      for (int64_t i = 0; i < nb; ++i) {
-        const __m512 tv = _mm512_set1_ps(t[rows[i0 + i] * RT + qs[e] % RT]);
-        for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_fmadd_ps(tv, b[v], acc[i][v]);
-      }
-    }
-    for (int64_t i = 0; i < nb; ++i) {
-      float* yi = y + rows[i0 + i] * O + o0;
-      for (int v = 0; v < 4; ++v)
-        _mm512_mask_storeu_ps(yi + 16 * v, mk[v], _mm512_add_ps(_mm512_maskz_loadu_ps(mk[v], yi + 16 * v), acc[i][v]));
-    }
+  int64_t i0 = 0;
+  for (; i0 + 4 <= n; i0 += 4) expand_tile<4>(B, O, qs, nq, t, RT, rows + i0, o0, mk, y);
+  switch (n - i0) {
+    case 3: expand_tile<3>(B, O, qs, nq, t, RT, rows + i0, o0, mk, y); break;
+    case 2: expand_tile<2>(B, O, qs, nq, t, RT, rows + i0, o0, mk, y); break;
+    case 1: expand_tile<1>(B, O, qs, nq, t, RT, rows + i0, o0, mk, y); break;
+    default: break;
   }
 }
 #else

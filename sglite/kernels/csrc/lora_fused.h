@@ -198,10 +198,13 @@ void apply_t(const T* A, const T* B, const int64_t* spans, int64_t blocks, int64
   par.threads = n_rows * (int64_t)tg.size() / G * O / blocks >= split_min ? pool.threads : 1;  // ~ the expand's work
   par(0, chunks, 1, [&](int64_t lo, int64_t hi) {
     std::vector<int64_t> qs;  // rank rows (as slot * RT + q) whose block writes this chunk
-    for (int64_t c = lo; c < hi; ++c) {
-      const int64_t o0 = c * COLS, o1 = std::min(O, o0 + COLS);
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t s = gslot[g];
+    // slot-major: one slot's ~R rows of b are streamed at a time (chunk-major interleaved every
+    // slot's rows, more streams than the prefetchers follow); rows of a group belong to no other
+    // group, so the order does not change a value
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t s = gslot[g];
+      for (int64_t c = lo; c < hi; ++c) {
+        const int64_t o0 = c * COLS, o1 = std::min(O, o0 + COLS);
         qs.clear();
         for (int64_t j = 0; j < blocks; ++j) {
           const int64_t* sp = spans + (s * blocks + j) * 3;

@@ -37,25 +37,32 @@ constexpr int64_t OCOLS = 256; // expand columns per pass (TILE x OCOLS float su
 // the tile (the per-row form read them once per row: ~20x the bytes on a prefill), converted to
 // float32 in a small buffer; every value is the same dot16 / in-order sum as one row alone, so the
 // result does not depend on the tiling or the thread split.
+// sp: the slot's [blocks, 3] spans (rank rows in use, output columns [lo, hi) of each rank block
+// of R / blocks rows): rows past a block's rank and chunks outside its columns are zero in A / b
+// and skipped (adding them would add exact zeros).
 template <typename T, typename W>
 void lora_tile(const T* x, const W* as, const W* bs, T* y, int64_t r0, int64_t n, int64_t K, int64_t R,
-               int64_t O, int64_t sx, int64_t sy, std::vector<float>& xf, std::vector<float>& wf,
-               std::vector<float>& t, std::vector<float>& acc) {
+               int64_t O, int64_t sx, int64_t sy, const int64_t* sp, int64_t blocks, std::vector<float>& xf,
+               std::vector<float>& wf, std::vector<float>& t, std::vector<float>& acc) {
+  const int64_t Rb = R / blocks;
   for (int64_t i = 0; i < n; ++i) {
     const T* xi = x + (r0 + i) * sx;
     float* d = xf.data() + i * K;
     for (int64_t k = 0; k < K; ++k) d[k] = (float)xi[k];
   }
-  for (int64_t r = 0; r < R; ++r) {  // shrink
-    const W* ar = as + r * K;
-    for (int64_t k = 0; k < K; ++k) wf[k] = (float)ar[k];
-    for (int64_t i = 0; i < n; ++i)
-      t[i * R + r] = (float)(T)dot16(xf.data() + i * K, wf.data(), K);  // rounded as the shrink matmul's output
-  }
+  for (int64_t j = 0; j < blocks; ++j)  // shrink
+    for (int64_t r = j * Rb; r < j * Rb + sp[3 * j] && sp[3 * j + 1] < sp[3 * j + 2]; ++r) {
+      const W* ar = as + r * K;
+      for (int64_t k = 0; k < K; ++k) wf[k] = (float)ar[k];
+      for (int64_t i = 0; i < n; ++i)
+        t[i * R + r] = (float)(T)dot16(xf.data() + i * K, wf.data(), K);  // rounded as the shrink matmul's output
+    }
   for (int64_t o0 = 0; o0 < O; o0 += OCOLS) {  // expand, OCOLS columns at a time
     const int64_t w = std::min(OCOLS, O - o0);
     std::fill(acc.begin(), acc.begin() + n * OCOLS, 0.f);
     for (int64_t r = 0; r < R; ++r) {
+      const int64_t* bj = sp + 3 * (r / Rb);
+      if (r % Rb >= bj[0] || std::max(o0, bj[1]) >= std::min(o0 + w, bj[2])) continue;  // zero over this chunk
       const W* br = bs + r * O + o0;
       for (int64_t o = 0; o < w; ++o) wf[o] = (float)br[o];
       for (int64_t i = 0; i < n; ++i) {
@@ -75,19 +82,20 @@ void lora_tile(const T* x, const W* as, const W* bs, T* y, int64_t r0, int64_t n
 // tiles: (first row, rows, slot) of at most TILE rows within one adapted segment
 template <typename T, typename W>
 void lora_rows(const T* x, const W* a, const W* b, T* y, const std::vector<int64_t>& tiles, int64_t K, int64_t R,
-               int64_t O, int64_t sx, int64_t sy) {
+               int64_t O, int64_t sx, int64_t sy, const int64_t* spans, int64_t blocks) {
   const int64_t n_tiles = (int64_t)tiles.size() / 3;
   sglite_pool::parallel_for(0, n_tiles, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> xf(TILE * K), wf(std::max(K, OCOLS)), t(TILE * R), acc(TILE * OCOLS);
     for (int64_t j = lo; j < hi; ++j) {
       const int64_t r0 = tiles[3 * j], n = tiles[3 * j + 1], s = tiles[3 * j + 2];
-      lora_tile<T, W>(x, a + s * R * K, b + s * R * O, y, r0, n, K, R, O, sx, sy, xf, wf, t, acc);
+      lora_tile<T, W>(x, a + s * R * K, b + s * R * O, y, r0, n, K, R, O, sx, sy, spans + s * blocks * 3, blocks, xf,
+                      wf, t, acc);
     }
   });
 }
 
 at::Tensor lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
-                    const at::Tensor& seg_lens, const at::Tensor& seg_slots) {
+                    const at::Tensor& seg_lens, const at::Tensor& seg_slots, const c10::optional<at::Tensor>& spans) {
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && a.dim() == 3 && b.dim() == 3,
               "lora_add: x [N, K], y [N, O], a [S, R, K], b [S, R, O] expected");
   const int64_t N = x.size(0), K = x.size(1), S = a.size(0), R = a.size(1), O = b.size(2);
@@ -119,23 +127,41 @@ at::Tensor lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& a, cons
     total += lp[g];
   }
   TORCH_CHECK(total == N, "lora_add: seg_lens sum to ", total, ", x has ", N, " rows");
+  // spans [S, blocks, 3] (optional): per slot and rank block the rank rows in use and the output
+  // columns [lo, hi) written; none: one block of all R rows over all O columns
+  std::vector<int64_t> whole;  // no spans: per slot one block {R, 0, O}
+  const int64_t* spp = nullptr;
+  int64_t blocks = 1;
+  if (spans.has_value() && spans->defined() && spans->numel() > 0) {
+    const at::Tensor& sp = *spans;
+    TORCH_CHECK(sp.scalar_type() == at::kLong && sp.is_contiguous() && sp.dim() == 3 && sp.size(0) == S && sp.size(2) == 3
+                && sp.size(1) > 0 && R % sp.size(1) == 0, "lora_add: spans must be int64 [S, blocks, 3] with blocks dividing R");
+    blocks = sp.size(1);
+    spp = sp.data_ptr<int64_t>();
+  } else {
+    for (int64_t i = 0; i < S; ++i) whole.insert(whole.end(), {R, (int64_t)0, O});
+    spp = whole.data();
+  }
+  for (int64_t i = 0; i < S * blocks; ++i)
+    TORCH_CHECK(spp[3 * i] >= 0 && spp[3 * i] <= R / blocks && spp[3 * i + 1] >= 0 && spp[3 * i + 2] <= O,
+                "lora_add: spans entry ", i, " outside [0, R / blocks] rank rows or [0, O) columns");
   const bool xb = x.scalar_type() == at::kBFloat16, wb = a.scalar_type() == at::kBFloat16;
   const int64_t sx = x.stride(0), sy = y.stride(0);
   if (xb && wb)
-    lora_rows<bf16, bf16>(x.data_ptr<bf16>(), a.data_ptr<bf16>(), b.data_ptr<bf16>(), y.data_ptr<bf16>(), tiles, K, R, O, sx, sy);
+    lora_rows<bf16, bf16>(x.data_ptr<bf16>(), a.data_ptr<bf16>(), b.data_ptr<bf16>(), y.data_ptr<bf16>(), tiles, K, R, O, sx, sy, spp, blocks);
   else if (xb)
-    lora_rows<bf16, float>(x.data_ptr<bf16>(), a.data_ptr<float>(), b.data_ptr<float>(), y.data_ptr<bf16>(), tiles, K, R, O, sx, sy);
+    lora_rows<bf16, float>(x.data_ptr<bf16>(), a.data_ptr<float>(), b.data_ptr<float>(), y.data_ptr<bf16>(), tiles, K, R, O, sx, sy, spp, blocks);
   else if (wb)
-    lora_rows<float, bf16>(x.data_ptr<float>(), a.data_ptr<bf16>(), b.data_ptr<bf16>(), y.data_ptr<float>(), tiles, K, R, O, sx, sy);
+    lora_rows<float, bf16>(x.data_ptr<float>(), a.data_ptr<bf16>(), b.data_ptr<bf16>(), y.data_ptr<float>(), tiles, K, R, O, sx, sy, spp, blocks);
   else
-    lora_rows<float, float>(x.data_ptr<float>(), a.data_ptr<float>(), b.data_ptr<float>(), y.data_ptr<float>(), tiles, K, R, O, sx, sy);
+    lora_rows<float, float>(x.data_ptr<float>(), a.data_ptr<float>(), b.data_ptr<float>(), y.data_ptr<float>(), tiles, K, R, O, sx, sy, spp, blocks);
   return y;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(sglite_cpu_lora, m) {
-  m.def("lora_add(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor seg_lens, Tensor seg_slots) -> Tensor(a!)");
+  m.def("lora_add(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor seg_lens, Tensor seg_slots, Tensor? spans=None) -> Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(sglite_cpu_lora, CPU, m) {

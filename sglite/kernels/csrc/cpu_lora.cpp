@@ -1,11 +1,13 @@
 // Segmented LoRA on CPU (contract: sglite/kernels/cpu_lora.py): for each row of an adapter
 // segment, shrink t = x_i . A_s^T (float32 sums, rounded to x's dtype), then y_i += t . b_s with
 // b_s = B_s^T [R, O] (float32 sums over r in order, the delta rounded to y's dtype before the add).
+// Tiles of up to 16 rows of one segment run the fused decode's blocked shrink / expand (lora_fused.h).
 // x / y (activations, T) and a / b (adapter weights, W: --lora-dtype) are each float32 or bf16,
 // independently; W values are read as float32. Rows of slot -1 are skipped.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include "thread_pool.h"
+#include "lora_fused.h"
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 #include <algorithm>
@@ -16,66 +18,51 @@ namespace {
 
 using bf16 = c10::BFloat16;
 
-// Dot product of n elements in float32 with 16 independent partial sums (element i to lane
-// i % 16, then a fixed tree): vectorises without reassociating, same order on every row.
-template <typename T, typename U>
-inline float dot16(const T* p, const U* q, int64_t n) {
-  float acc[16] = {0};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int j = 0; j < 16; ++j) acc[j] += (float)p[i + j] * (float)q[i + j];
-  for (int j = 0; i + j < n; ++j) acc[j] += (float)p[i + j] * (float)q[i + j];
-  for (int w = 8; w >= 1; w /= 2)
-    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
-  return acc[0];
-}
+constexpr int64_t TILE = 16;  // rows of one segment sharing each load of A / b
 
-constexpr int64_t TILE = 8;    // rows of one segment sharing each load of A / b
-constexpr int64_t OCOLS = 256; // expand columns per pass (TILE x OCOLS float sums stay in L1)
+inline const float* wptr(const float* p) { return p; }
+inline const uint16_t* wptr(const bf16* p) { return reinterpret_cast<const uint16_t*>(p); }  // bf16 bits
 
-// One tile: rows [r0, r0 + n) of slot s (n <= TILE). Each A row and each b row is read once for
-// the tile (the per-row form read them once per row: ~20x the bytes on a prefill), converted to
-// float32 in a small buffer; every value is the same dot16 / in-order sum as one row alone, so the
-// result does not depend on the tiling or the thread split.
-// sp: the slot's [blocks, 3] spans (rank rows in use, output columns [lo, hi) of each rank block
-// of R / blocks rows): rows past a block's rank and chunks outside its columns are zero in A / b
-// and skipped (adding them would add exact zeros).
+// One tile: rows [r0, r0 + n) of one slot (n <= TILE), with the register-blocked shrink / expand of
+// the fused decode (lora_fused.h: 8 rows per A load, 4 rows x 64 columns per b load; float32 sums).
+// Each A row and each b row is read once per tile (a per-row loop read them once per row); every
+// value is computed by the same code whatever the tile's other rows, so the result does not depend
+// on the tiling or the thread split. The shrink result is rounded to T (as the shrink matmul's
+// output), the delta to T before the add (as the reference). sp: the slot's [blocks, 3] spans (rank
+// rows in use, output columns [lo, hi) of each rank block of R / blocks rows): rows past a block's
+// rank and chunks outside its columns are zero in A / b and skipped (they would add exact zeros).
 template <typename T, typename W>
 void lora_tile(const T* x, const W* as, const W* bs, T* y, int64_t r0, int64_t n, int64_t K, int64_t R,
                int64_t O, int64_t sx, int64_t sy, const int64_t* sp, int64_t blocks, std::vector<float>& xf,
-               std::vector<float>& wf, std::vector<float>& t, std::vector<float>& acc) {
+               std::vector<float>& t, std::vector<float>& yf, std::vector<int64_t>& qs) {
+  namespace lf = sglite_lora_fused;
   const int64_t Rb = R / blocks;
+  int64_t idx[TILE];
   for (int64_t i = 0; i < n; ++i) {
+    idx[i] = i;
     const T* xi = x + (r0 + i) * sx;
     float* d = xf.data() + i * K;
     for (int64_t k = 0; k < K; ++k) d[k] = (float)xi[k];
   }
+  std::fill(t.begin(), t.begin() + n * R, 0.f);
   for (int64_t j = 0; j < blocks; ++j)  // shrink
-    for (int64_t r = j * Rb; r < j * Rb + sp[3 * j] && sp[3 * j + 1] < sp[3 * j + 2]; ++r) {
-      const W* ar = as + r * K;
-      for (int64_t k = 0; k < K; ++k) wf[k] = (float)ar[k];
-      for (int64_t i = 0; i < n; ++i)
-        t[i * R + r] = (float)(T)dot16(xf.data() + i * K, wf.data(), K);  // rounded as the shrink matmul's output
+    for (int64_t r = j * Rb; r < j * Rb + sp[3 * j] && sp[3 * j + 1] < sp[3 * j + 2]; ++r)
+      lf::shrink_rows(wptr(as) + r * K, xf.data(), K, idx, n, t.data(), R, r);
+  for (int64_t i = 0; i < n * R; ++i) t[i] = (float)(T)t[i];
+  std::fill(yf.begin(), yf.begin() + n * O, 0.f);
+  for (int64_t o0 = 0; o0 < O; o0 += lf::COLS) {  // expand, 64 columns at a time
+    const int64_t o1 = std::min(O, o0 + lf::COLS);
+    qs.clear();
+    for (int64_t j = 0; j < blocks; ++j) {
+      if (std::max(o0, sp[3 * j + 1]) >= std::min(o1, sp[3 * j + 2])) continue;  // b is zero over this chunk
+      for (int64_t r = 0; r < sp[3 * j]; ++r) qs.push_back(j * Rb + r);
     }
-  for (int64_t o0 = 0; o0 < O; o0 += OCOLS) {  // expand, OCOLS columns at a time
-    const int64_t w = std::min(OCOLS, O - o0);
-    std::fill(acc.begin(), acc.begin() + n * OCOLS, 0.f);
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t* bj = sp + 3 * (r / Rb);
-      if (r % Rb >= bj[0] || std::max(o0, bj[1]) >= std::min(o0 + w, bj[2])) continue;  // zero over this chunk
-      const W* br = bs + r * O + o0;
-      for (int64_t o = 0; o < w; ++o) wf[o] = (float)br[o];
-      for (int64_t i = 0; i < n; ++i) {
-        const float tr = t[i * R + r];
-        float* ai = acc.data() + i * OCOLS;
-        for (int64_t o = 0; o < w; ++o) ai[o] += tr * wf[o];
-      }
-    }
-    for (int64_t i = 0; i < n; ++i) {
-      T* yi = y + (r0 + i) * sy + o0;
-      const float* ai = acc.data() + i * OCOLS;
-      for (int64_t o = 0; o < w; ++o) yi[o] = (T)((float)yi[o] + (float)(T)ai[o]);
-    }
+    if (!qs.empty()) lf::expand_rows(wptr(bs), O, qs.data(), (int64_t)qs.size(), t.data(), R, idx, n, o0, o1, yf.data());
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    T* yi = y + (r0 + i) * sy;
+    const float* fi = yf.data() + i * O;
+    for (int64_t o = 0; o < O; ++o) yi[o] = (T)((float)yi[o] + (float)(T)fi[o]);
   }
 }
 
@@ -85,11 +72,12 @@ void lora_rows(const T* x, const W* a, const W* b, T* y, const std::vector<int64
                int64_t O, int64_t sx, int64_t sy, const int64_t* spans, int64_t blocks) {
   const int64_t n_tiles = (int64_t)tiles.size() / 3;
   sglite_pool::parallel_for(0, n_tiles, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> xf(TILE * K), wf(std::max(K, OCOLS)), t(TILE * R), acc(TILE * OCOLS);
+    std::vector<float> xf(TILE * K), t(TILE * R), yf(TILE * O);
+    std::vector<int64_t> qs;
     for (int64_t j = lo; j < hi; ++j) {
       const int64_t r0 = tiles[3 * j], n = tiles[3 * j + 1], s = tiles[3 * j + 2];
       lora_tile<T, W>(x, a + s * R * K, b + s * R * O, y, r0, n, K, R, O, sx, sy, spans + s * blocks * 3, blocks, xf,
-                      wf, t, acc);
+                      t, yf, qs);
     }
   });
 }

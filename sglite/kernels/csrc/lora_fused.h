@@ -104,6 +104,10 @@ inline void expand_tile(const T* B, int64_t O, const int64_t* qs, int64_t nq, co
   for (int64_t e = 0; e < nq; ++e) {
     const T* br = B + qs[e] * O + o0;
     const int64_t q = qs[e] % RT;
+    // the next chunk of this b row: each chunk reads ~R rows 2 O bytes apart, 128-256 bytes of
+    // each, too little per row for the hardware prefetchers to follow (prefetches never fault)
+    for (int64_t c = 0; c < COLS * (int64_t)sizeof(T); c += 64)
+      _mm_prefetch((const char*)(br + COLS) + c, _MM_HINT_T0);
     __m512 b[4];
     for (int v = 0; v < 4; ++v) b[v] = ld16(br + 16 * v, mk[v]);
     for (int i = 0; i < NB; ++i) {

@@ -45,9 +45,10 @@ void lora_tile(const T* x, const W* as, const W* bs, T* y, int64_t r0, int64_t n
     for (int64_t k = 0; k < K; ++k) d[k] = (float)xi[k];
   }
   std::fill(t.begin(), t.begin() + n * R, 0.f);
-  for (int64_t j = 0; j < blocks; ++j)  // shrink
-    for (int64_t r = j * Rb; r < j * Rb + sp[3 * j] && sp[3 * j + 1] < sp[3 * j + 2]; ++r)
-      lf::shrink_rows(wptr(as) + r * K, xf.data(), K, idx, n, t.data(), R, r);
+  for (int64_t j = 0; j < blocks; ++j)  // shrink, 4 rank rows at a time
+    for (int64_t r = j * Rb; r < j * Rb + sp[3 * j] && sp[3 * j + 1] < sp[3 * j + 2]; r += 4)
+      lf::shrink_rows_q(wptr(as) + r * K, std::min<int64_t>(4, j * Rb + sp[3 * j] - r), xf.data(), K, idx, n, t.data(),
+                        R, r);
   for (int64_t i = 0; i < n * R; ++i) t[i] = (float)(T)t[i];
   std::fill(yf.begin(), yf.begin() + n * O, 0.f);
   for (int64_t o0 = 0; o0 < O; o0 += lf::COLS) {  // expand, 64 columns at a time

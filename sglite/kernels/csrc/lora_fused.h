@@ -90,6 +90,56 @@ inline void shrink_rows(const T* ar, const float* x, int64_t K, const int64_t* r
   }
 }
 
+// t[row, q + j] = x[row] . a_(q + j) for NB rows and NQ consecutive rank rows (a rows K apart):
+// each x load feeds NQ FMAs and each A load NB (fewer loads per FMA than one rank row at a time);
+// every t value sums the same lanes in the same order as shrink_tile's
+template <int NB, int NQ, typename T>
+inline void shrink_tile_q(const T* ar, const float* x, int64_t K, const int64_t* rows, float* t, int64_t RT, int64_t q) {
+  __m512 acc[NB][NQ];
+  const float* xr[NB];
+  for (int i = 0; i < NB; ++i) {
+    xr[i] = x + rows[i] * K;
+    for (int j = 0; j < NQ; ++j) acc[i][j] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 m = lanes(K - k);
+    __m512 a[NQ];
+    for (int j = 0; j < NQ; ++j) a[j] = ld16(ar + j * K + k, m);
+    for (int i = 0; i < NB; ++i) {
+      const __m512 xv = _mm512_maskz_loadu_ps(m, xr[i] + k);
+      for (int j = 0; j < NQ; ++j) acc[i][j] = _mm512_fmadd_ps(a[j], xv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < NB; ++i)
+    for (int j = 0; j < NQ; ++j) t[rows[i] * RT + q + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+template <int NQ, typename T>
+inline void shrink_q(const T* ar, const float* x, int64_t K, const int64_t* rows, int64_t n, float* t, int64_t RT,
+                     int64_t q) {
+  int64_t i0 = 0;
+  for (; i0 + 4 <= n; i0 += 4) shrink_tile_q<4, NQ>(ar, x, K, rows + i0, t, RT, q);
+  switch (n - i0) {
+    case 3: shrink_tile_q<3, NQ>(ar, x, K, rows + i0, t, RT, q); break;
+    case 2: shrink_tile_q<2, NQ>(ar, x, K, rows + i0, t, RT, q); break;
+    case 1: shrink_tile_q<1, NQ>(ar, x, K, rows + i0, t, RT, q); break;
+    default: break;
+  }
+}
+
+// the nq (1..4) consecutive rank rows q.. of ar (K apart) for the n rows rows[0..n)
+template <typename T>
+inline void shrink_rows_q(const T* ar, int64_t nq, const float* x, int64_t K, const int64_t* rows, int64_t n, float* t,
+                          int64_t RT, int64_t q) {
+  switch (nq) {
+    case 4: shrink_q<4>(ar, x, K, rows, n, t, RT, q); break;
+    case 3: shrink_q<3>(ar, x, K, rows, n, t, RT, q); break;
+    case 2: shrink_q<2>(ar, x, K, rows, n, t, RT, q); break;
+    case 1: shrink_q<1>(ar, x, K, rows, n, t, RT, q); break;
+    default: break;
+  }
+}
+
 // y[row, o0:o0+64] += sum over the rank rows qs of t[row, q] * b[q, o0:o0+64] for NB rows (4
 // vectors of 16 columns per row held in registers; NB compile-time, as shrink_tile)
 template <int NB, typename T>
@@ -145,6 +195,12 @@ inline void shrink_rows(const T* ar, const float* x, int64_t K, const int64_t* r
 }
 
 template <typename T>
+inline void shrink_rows_q(const T* ar, int64_t nq, const float* x, int64_t K, const int64_t* rows, int64_t n, float* t,
+                          int64_t RT, int64_t q) {
+  for (int64_t j = 0; j < nq; ++j) shrink_rows(ar + j * K, x, K, rows, n, t, RT, q + j);
+}
+
+template <typename T>
 inline void expand_rows(const T* B, int64_t O, const int64_t* qs, int64_t nq, const float* t, int64_t RT,
                         const int64_t* rows, int64_t n, int64_t o0, int64_t o1, float* y) {
   float acc[COLS];
@@ -182,24 +238,32 @@ void apply_t(const T* A, const T* B, const int64_t* spans, int64_t blocks, int64
   if (G == 0) return;
   gbeg.push_back((int64_t)order.size());
   // shrink tasks: (group, rank row) over the rank rows each slot's blocks use
-  std::vector<int64_t> tg, tq;
+  constexpr int64_t QT = 4;  // rank rows per shrink task (shrink_rows_q)
+  std::vector<int64_t> tg, tq, tn;
+  int64_t ranks = 0;  // rank rows in use over the groups
   for (int64_t g = 0; g < G; ++g)
     for (int64_t j = 0; j < blocks; ++j) {
       const int64_t* sp = spans + (gslot[g] * blocks + j) * 3;
-      for (int64_t r = 0; r < sp[0] && sp[1] < sp[2]; ++r) { tg.push_back(g); tq.push_back(j * R + r); }
+      if (sp[1] >= sp[2]) continue;
+      for (int64_t r = 0; r < sp[0]; r += QT) {
+        tg.push_back(g);
+        tq.push_back(j * R + r);
+        tn.push_back(std::min(QT, sp[0] - r));
+      }
+      ranks += sp[0];
     }
   std::vector<float> t(M * RT, 0.f);
   const int64_t n_rows = (int64_t)order.size();
-  PoolPar par{n_rows * (int64_t)tg.size() * K >= split_min ? pool.threads : 1};
-  par(0, (int64_t)tg.size(), 8, [&](int64_t lo, int64_t hi) {
+  PoolPar par{n_rows * ranks * K >= split_min ? pool.threads : 1};
+  par(0, (int64_t)tg.size(), 2, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t g = tg[i];
-      shrink_rows(A + (gslot[g] * RT + tq[i]) * K, x, K, order.data() + gbeg[g], gbeg[g + 1] - gbeg[g], t.data(), RT,
-                  tq[i]);
+      shrink_rows_q(A + (gslot[g] * RT + tq[i]) * K, tn[i], x, K, order.data() + gbeg[g], gbeg[g + 1] - gbeg[g],
+                    t.data(), RT, tq[i]);
     }
   });
   const int64_t chunks = (O + COLS - 1) / COLS;
-  par.threads = n_rows * (int64_t)tg.size() / G * O / blocks >= split_min ? pool.threads : 1;  // ~ the expand's work
+  par.threads = n_rows * ranks / G * O / blocks >= split_min ? pool.threads : 1;  // ~ the expand's work
   par(0, chunks, 1, [&](int64_t lo, int64_t hi) {
     std::vector<int64_t> qs;  // rank rows (as slot * RT + q) whose block writes this chunk
     // slot-major: one slot's ~R rows of b are streamed at a time (chunk-major interleaved every

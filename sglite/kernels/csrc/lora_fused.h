@@ -6,7 +6,7 @@
 // gate/up) in float32 or bf16, read as float32; sums in float32. spans [S, blocks, 3] int64: per
 // slot and block the rank rows in use and the output columns [lo, hi) they write (zero rows and
 // columns of the stacked buffers are never read).
-// Threads: the shrink's (slot, rank row) tasks, then the expand's 64-column chunks, split over
+// Threads: the shrink's (slot, up to 4 rank rows) tasks, then the expand's 64-column chunks, split over
 // the pool (thread_pool.h) when the phase has at least split_min multiply-adds (below, one
 // fork/join costs more than it shares on a loaded machine: the calling thread runs it); every value is computed by one thread with the same code whatever
 // the split (t: one 16-lane dot over K; y: a sum over the rank rows in order), so the result does

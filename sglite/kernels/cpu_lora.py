@@ -11,7 +11,9 @@ the reference rounds them, so float32 agrees with the reference to ~1e-6 (the su
 differs).
 
 Errors: RuntimeError naming the argument for shapes, strides or dtypes outside the contract;
-IndexError for a slot outside ``[-1, S)``. Threads: the shared pool (``csrc/thread_pool.h``) over rows.
+IndexError for a slot outside ``[-1, S)``. Threads: the shared pool (``csrc/thread_pool.h``) over
+tiles of up to 8 rows of one segment (each A / b row is read once per tile, not once per row;
+every value is computed as for one row alone, so tiling and threads do not change the result).
 
 Build: :func:`.cpu_build.load_cpp` (``-O3 -march=native``), cached on disk; when the build fails
 one warning is logged and :func:`lora_add` runs the torch reference.
@@ -19,6 +21,7 @@ one warning is logged and :func:`lora_add` runs the torch reference.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 
@@ -48,10 +51,16 @@ def supported(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor
 
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seg_lens: torch.Tensor,
-             seg_slots: torch.Tensor) -> torch.Tensor:
+             seg_slots: torch.Tensor, spans: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``y`` with every adapted row's LoRA delta added in place (module docstring); falls back to
-    :func:`.reference.lora_add` outside the kernel's inputs or when the build failed."""
+    :func:`.reference.lora_add` outside the kernel's inputs or when the build failed.
+
+    ``spans`` (optional, [S, blocks, 3] int64, ``blocks`` dividing R): per slot and rank block of
+    ``R / blocks`` rows, the rank rows in use and the output columns ``[lo, hi)`` the block writes
+    (:class:`sglite.lora.pool.LoraPool`'s ``spans``); A rows and b columns outside them must be
+    zero, and are skipped (the result is the same: they would add exact zeros). RuntimeError for
+    entries outside the buffers."""
     ops = load()
     if ops is None or not supported(y, x, a, b):
         return reference.lora_add(y, x, a, b, seg_lens, seg_slots)
-    return ops.lora_add(y, x, a.contiguous(), b.contiguous(), seg_lens, seg_slots)
+    return ops.lora_add(y, x, a.contiguous(), b.contiguous(), seg_lens, seg_slots, spans)

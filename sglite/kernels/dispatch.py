@@ -278,11 +278,13 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
                                  act=lambda g, u: silu_mul(g, u, batch_invariant=batch_invariant))
 
 
-def lora_add(y, x, a, b, seg_lens, seg_slots, *, impl: Optional[str] = None):
+def lora_add(y, x, a, b, seg_lens, seg_slots, *, spans=None, impl: Optional[str] = None):
     """Segmented LoRA: ``y[i] += (x[i] · A_sᵀ) · b_s`` (``b_s = B_sᵀ``) for every row of a segment of adapter slot
     ``s`` (rows of slot -1 untouched), in place; see :func:`.reference.lora_add`. CUDA: the Triton
     kernel (:mod:`.triton_lora`); CPU: the C++ kernel (:mod:`.cpu_lora`) when it builds; the torch
-    reference otherwise (or with ``impl="torch"``)."""
+    reference otherwise (or with ``impl="torch"``). ``spans``: which rank rows and output columns of
+    ``a`` / ``b`` are non-zero (:func:`.cpu_lora.lora_add`; a hint the C++ kernel uses to skip zeros,
+    the other implementations ignore it: the result is the same)."""
     name = impl or os.environ.get("SGLITE_KERNEL") or ""
     if name and name not in IMPLS:
         raise ValueError(f"unknown kernel implementation {name!r}; known: {list(IMPLS)}")
@@ -291,7 +293,7 @@ def lora_add(y, x, a, b, seg_lens, seg_slots, *, impl: Optional[str] = None):
     if name != "torch" and x.device.type == "cpu":
         from . import cpu_lora
 
-        return cpu_lora.lora_add(y, x, a, b, seg_lens, seg_slots)  # the reference when the build failed
+        return cpu_lora.lora_add(y, x, a, b, seg_lens, seg_slots, spans)  # the reference when the build failed
     return reference.lora_add(y, x, a, b, seg_lens, seg_slots)
 
 

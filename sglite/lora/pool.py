@@ -138,7 +138,8 @@ class LoraBatch:
         s = self.slots.get(key)
         if s is None:
             return y
-        return kernels.lora_add(y, x, self.pool.a[key][layer], self.pool.b[key][layer], self.seg_lens, s)
+        return kernels.lora_add(y, x, self.pool.a[key][layer], self.pool.b[key][layer], self.seg_lens, s,
+                                spans=self.pool.spans[key])
 
     def fused_args(self, keys: tuple, num_rows: int) -> tuple[list, torch.Tensor, list]:
         """This step's adapters as the fused C++ decode takes them (:mod:`sglite.kernels.decode_fused`),

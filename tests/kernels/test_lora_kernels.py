@@ -43,7 +43,7 @@ def test_reference_is_per_row_lora(N, K, O, R, S, G):
 @pytest.mark.parametrize("dtype,wdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                           (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("N,K,O,R,S,G", [(1, 576, 960, 48, 2, 1), (9, 64, 128, 16, 3, 5), (40, 37, 23, 5, 5, 9),
-                                         (5, 128, 64, 8, 1, 5)])
+                                         (5, 128, 64, 8, 1, 5), (70, 96, 600, 16, 3, 3)])
 def test_cpp_matches_reference(N, K, O, R, S, G, dtype, wdtype):
     built(cpu_lora.load)
     y, x, a, b, lens, slots = random_case(N, K, O, R, S, G, dtype, 7 * N + R, wdtype)
@@ -75,6 +75,22 @@ def test_bf16_weights_under_float32_activations(N, K, O, R, S, G):
         cpu_lora.load().lora_add(y.clone(), x, a, b.float(), lens, slots)
 
 
+@pytest.mark.parametrize("dtype,wdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
+def test_cpp_tiles_do_not_change_values(dtype, wdtype):
+    """Rows of one segment share each A / b load (tiles of 8 rows, 256-column expand passes): every
+    row equals the same row run alone (a segment of one row), bitwise, long segments and O > 256."""
+    ops = built(cpu_lora.load)
+    y, x, a, b, lens, slots = random_case(45, 80, 530, 16, 3, 3, dtype, 5, wdtype)
+    slots = torch.tensor([0, 2, 1])
+    got = ops.lora_add(y.clone(), x, a, b, lens, slots)
+    rows = torch.repeat_interleave(slots, lens)
+    one = ops.lora_add(y.clone(), x, a, b, torch.ones(45, dtype=torch.int64), rows)
+    assert torch.equal(got, one)
+    ref = reference.lora_add(y.clone(), x, a, b, lens, slots)
+    torch.testing.assert_close(got.float(), ref.float(), atol=1e-4 if dtype == torch.float32 else 5e-2,
+                               rtol=1e-4 if dtype == torch.float32 else 2e-2)
+
+
 def test_cpp_strided_rows_and_dispatch():
     built(cpu_lora.load)
     y, x, a, b, lens, slots = random_case(6, 32, 24, 4, 2, 3, torch.float32, 3)
@@ -95,3 +111,30 @@ def test_cpp_input_errors():
         ops.lora_add(y, x, a, b, lens, torch.tensor([5, 0]))
     with pytest.raises(RuntimeError, match="shapes disagree"):
         ops.lora_add(y, x, a, b[:, :, :4], lens, slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_spans_skip_zero_blocks(dtype):
+    """Stacked rank blocks (as q / k / v in one fused matmul): with ``spans`` the kernel skips the
+    zero rank rows and columns and gives the same bits as without; spans outside the buffers are
+    refused."""
+    ops = built(cpu_lora.load)
+    y, x, a, b, lens, slots = random_case(30, 64, 300, 12, 2, 4, dtype, 9)
+    spans = torch.tensor([[[4, 0, 100], [2, 100, 140], [3, 140, 300]],
+                          [[1, 0, 100], [0, 0, 0], [4, 180, 300]]], dtype=torch.int64)
+    for s in range(2):  # zero what the spans say is unused
+        for j in range(3):
+            r, lo, hi = spans[s, j].tolist()
+            a[s, 4 * j + r:4 * j + 4] = 0
+            b[s, 4 * j:4 * j + 4] = 0
+            b[s, 4 * j:4 * j + r, lo:hi] = torch.randn(r, hi - lo).to(dtype)
+    want = ops.lora_add(y.clone(), x, a, b, lens, slots)
+    got = kernels.lora_add(y.clone(), x, a, b, lens, slots, spans=spans)
+    assert torch.equal(got, want)
+    ref = reference.lora_add(y.clone(), x, a, b, lens, slots)
+    torch.testing.assert_close(got.float(), ref.float(), atol=1e-4 if dtype == torch.float32 else 5e-2,
+                               rtol=1e-4 if dtype == torch.float32 else 2e-2)
+    with pytest.raises(RuntimeError, match="spans entry"):
+        ops.lora_add(y.clone(), x, a, b, lens, slots, spans + torch.tensor([0, 0, 400]))
+    with pytest.raises(RuntimeError, match="blocks dividing R"):
+        ops.lora_add(y.clone(), x, a, b, lens, slots, torch.zeros(2, 5, 3, dtype=torch.int64))  # 5 does not divide 12

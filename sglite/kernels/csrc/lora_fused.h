@@ -6,7 +6,7 @@
 // gate/up) in float32 or bf16, read as float32; sums in float32. spans [S, blocks, 3] int64: per
 // slot and block the rank rows in use and the output columns [lo, hi) they write (zero rows and
 // columns of the stacked buffers are never read).
-// Threads: the shrink's (slot, rank row) tasks, then the expand's 64-column chunks, split over
+// Threads: the shrink's (slot, up to 4 rank rows) tasks, then the expand's 64-column chunks, split over
 // the pool (thread_pool.h) when the phase has at least split_min multiply-adds (below, one
 // fork/join costs more than it shares on a loaded machine: the calling thread runs it); every value is computed by one thread with the same code whatever
 // the split (t: one 16-lane dot over K; y: a sum over the rank rows in order), so the result does
@@ -57,49 +57,134 @@ inline __m512 ld16(const uint16_t* p, __mmask16 m) {  // 16 bf16 -> float32 (exa
 }
 inline __mmask16 lanes(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n > 0 ? n : 0)) - 1); }
 
-// t[row, q] = x[row] . a_row for the n rows rows[0..n) (8 at a time: one A load per 8 FMAs)
+// t[row, q] = x[row] . a_row for NB rows (NB a compile-time count: the accumulators stay in
+// registers; a run-time count made the compiler keep them on the stack)
+template <int NB, typename T>
+inline void shrink_tile(const T* ar, const float* x, int64_t K, const int64_t* rows, float* t, int64_t RT, int64_t q) {
+  __m512 acc[NB];
+  const float* xr[NB];
+  for (int i = 0; i < NB; ++i) { acc[i] = _mm512_setzero_ps(); xr[i] = x + rows[i] * K; }
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 m = lanes(K - k);
+    const __m512 a = ld16(ar + k, m);
+    for (int i = 0; i < NB; ++i) acc[i] = _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(m, xr[i] + k), acc[i]);
+  }
+  for (int i = 0; i < NB; ++i) t[rows[i] * RT + q] = _mm512_reduce_add_ps(acc[i]);
+}
+
+// the n rows rows[0..n), 8 at a time: one A load per 8 FMAs
 template <typename T>
 inline void shrink_rows(const T* ar, const float* x, int64_t K, const int64_t* rows, int64_t n, float* t, int64_t RT,
                         int64_t q) {
-  for (int64_t i0 = 0; i0 < n; i0 += 8) {
-    const int64_t nb = std::min<int64_t>(8, n - i0);
-    __m512 acc[8];
-    for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-      const __mmask16 m = lanes(K - k);
-      const __m512 a = ld16(ar + k, m);
-      for (int64_t i = 0; i < nb; ++i) acc[i] = _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(m, x + rows[i0 + i] * K + k), acc[i]);
-    }
-    for (int64_t i = 0; i < nb; ++i) t[rows[i0 + i] * RT + q] = _mm512_reduce_add_ps(acc[i]);
+  int64_t i0 = 0;
+  for (; i0 + 8 <= n; i0 += 8) shrink_tile<8>(ar, x, K, rows + i0, t, RT, q);
+  switch (n - i0) {
+    case 7: shrink_tile<7>(ar, x, K, rows + i0, t, RT, q); break;
+    case 6: shrink_tile<6>(ar, x, K, rows + i0, t, RT, q); break;
+    case 5: shrink_tile<5>(ar, x, K, rows + i0, t, RT, q); break;
+    case 4: shrink_tile<4>(ar, x, K, rows + i0, t, RT, q); break;
+    case 3: shrink_tile<3>(ar, x, K, rows + i0, t, RT, q); break;
+    case 2: shrink_tile<2>(ar, x, K, rows + i0, t, RT, q); break;
+    case 1: shrink_tile<1>(ar, x, K, rows + i0, t, RT, q); break;
+    default: break;
   }
 }
 
-// y[row, o0:o1] += sum over the rank rows qs of t[row, q] * b[q, o0:o1] for the n rows (4 at a
-// time, 64 columns in 4 vectors held in registers)
+// t[row, q + j] = x[row] . a_(q + j) for NB rows and NQ consecutive rank rows (a rows K apart):
+// each x load feeds NQ FMAs and each A load NB (fewer loads per FMA than one rank row at a time);
+// every t value sums the same lanes in the same order as shrink_tile's
+template <int NB, int NQ, typename T>
+inline void shrink_tile_q(const T* ar, const float* x, int64_t K, const int64_t* rows, float* t, int64_t RT, int64_t q) {
+  __m512 acc[NB][NQ];
+  const float* xr[NB];
+  for (int i = 0; i < NB; ++i) {
+    xr[i] = x + rows[i] * K;
+    for (int j = 0; j < NQ; ++j) acc[i][j] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 m = lanes(K - k);
+    __m512 a[NQ];
+    for (int j = 0; j < NQ; ++j) a[j] = ld16(ar + j * K + k, m);
+    for (int i = 0; i < NB; ++i) {
+      const __m512 xv = _mm512_maskz_loadu_ps(m, xr[i] + k);
+      for (int j = 0; j < NQ; ++j) acc[i][j] = _mm512_fmadd_ps(a[j], xv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < NB; ++i)
+    for (int j = 0; j < NQ; ++j) t[rows[i] * RT + q + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+template <int NQ, typename T>
+inline void shrink_q(const T* ar, const float* x, int64_t K, const int64_t* rows, int64_t n, float* t, int64_t RT,
+                     int64_t q) {
+  int64_t i0 = 0;
+  for (; i0 + 4 <= n; i0 += 4) shrink_tile_q<4, NQ>(ar, x, K, rows + i0, t, RT, q);
+  switch (n - i0) {
+    case 3: shrink_tile_q<3, NQ>(ar, x, K, rows + i0, t, RT, q); break;
+    case 2: shrink_tile_q<2, NQ>(ar, x, K, rows + i0, t, RT, q); break;
+    case 1: shrink_tile_q<1, NQ>(ar, x, K, rows + i0, t, RT, q); break;
+    default: break;
+  }
+}
+
+// the nq (1..4) consecutive rank rows q.. of ar (K apart) for the n rows rows[0..n)
+template <typename T>
+inline void shrink_rows_q(const T* ar, int64_t nq, const float* x, int64_t K, const int64_t* rows, int64_t n, float* t,
+                          int64_t RT, int64_t q) {
+  switch (nq) {
+    case 4: shrink_q<4>(ar, x, K, rows, n, t, RT, q); break;
+    case 3: shrink_q<3>(ar, x, K, rows, n, t, RT, q); break;
+    case 2: shrink_q<2>(ar, x, K, rows, n, t, RT, q); break;
+    case 1: shrink_q<1>(ar, x, K, rows, n, t, RT, q); break;
+    default: break;
+  }
+}
+
+// y[row, o0:o0+64] += sum over the rank rows qs of t[row, q] * b[q, o0:o0+64] for NB rows (4
+// vectors of 16 columns per row held in registers; NB compile-time, as shrink_tile)
+template <int NB, typename T>
+inline void expand_tile(const T* B, int64_t O, const int64_t* qs, int64_t nq, const float* t, int64_t RT,
+                        const int64_t* rows, int64_t o0, const __mmask16* mk, float* y) {
+  __m512 acc[NB][4];
+  const float* tr[NB];
+  for (int i = 0; i < NB; ++i) {
+    tr[i] = t + rows[i] * RT;
+    for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_setzero_ps();
+  }
+  for (int64_t e = 0; e < nq; ++e) {
+    const T* br = B + qs[e] * O + o0;
+    const int64_t q = qs[e] % RT;
+    // the next chunk of this b row: each chunk reads ~R rows 2 O bytes apart, 128-256 bytes of
+    // each, too little per row for the hardware prefetchers to follow (prefetches never fault)
+    for (int64_t c = 0; c < COLS * (int64_t)sizeof(T); c += 64)
+      _mm_prefetch((const char*)(br + COLS) + c, _MM_HINT_T0);
+    __m512 b[4];
+    for (int v = 0; v < 4; ++v) b[v] = ld16(br + 16 * v, mk[v]);
+    for (int i = 0; i < NB; ++i) {
+      const __m512 tv = _mm512_set1_ps(tr[i][q]);
+      for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_fmadd_ps(tv, b[v], acc[i][v]);
+    }
+  }
+  for (int i = 0; i < NB; ++i) {
+    float* yi = y + rows[i] * O + o0;
+    for (int v = 0; v < 4; ++v)
+      _mm512_mask_storeu_ps(yi + 16 * v, mk[v], _mm512_add_ps(_mm512_maskz_loadu_ps(mk[v], yi + 16 * v), acc[i][v]));
+  }
+}
+
+// the n rows, 4 at a time: one b load per 4 x 4 FMAs, 64 columns [o0, o1)
 template <typename T>
 inline void expand_rows(const T* B, int64_t O, const int64_t* qs, int64_t nq, const float* t, int64_t RT,
                         const int64_t* rows, int64_t n, int64_t o0, int64_t o1, float* y) {
   __mmask16 mk[4];
   for (int v = 0; v < 4; ++v) mk[v] = lanes(o1 - o0 - 16 * v);
-  for (int64_t i0 = 0; i0 < n; i0 += 4) {
-    const int64_t nb = std::min<int64_t>(4, n - i0);
-    __m512 acc[4][4];
-    for (int i = 0; i < 4; ++i)
-      for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_setzero_ps();
-    for (int64_t e = 0; e < nq; ++e) {
-      const T* br = B + qs[e] * O + o0;
-      __m512 b[4];
-      for (int v = 0; v < 4; ++v) b[v] = ld16(br + 16 * v, mk[v]);
-      for (int64_t i = 0; i < nb; ++i) {
-        const __m512 tv = _mm512_set1_ps(t[rows[i0 + i] * RT + qs[e] % RT]);
-        for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_fmadd_ps(tv, b[v], acc[i][v]);
-      }
-    }
-    for (int64_t i = 0; i < nb; ++i) {
-      float* yi = y + rows[i0 + i] * O + o0;
-      for (int v = 0; v < 4; ++v)
-        _mm512_mask_storeu_ps(yi + 16 * v, mk[v], _mm512_add_ps(_mm512_maskz_loadu_ps(mk[v], yi + 16 * v), acc[i][v]));
-    }
+  int64_t i0 = 0;
+  for (; i0 + 4 <= n; i0 += 4) expand_tile<4>(B, O, qs, nq, t, RT, rows + i0, o0, mk, y);
+  switch (n - i0) {
+    case 3: expand_tile<3>(B, O, qs, nq, t, RT, rows + i0, o0, mk, y); break;
+    case 2: expand_tile<2>(B, O, qs, nq, t, RT, rows + i0, o0, mk, y); break;
+    case 1: expand_tile<1>(B, O, qs, nq, t, RT, rows + i0, o0, mk, y); break;
+    default: break;
   }
 }
 #else
@@ -107,6 +192,12 @@ template <typename T>
 inline void shrink_rows(const T* ar, const float* x, int64_t K, const int64_t* rows, int64_t n, float* t, int64_t RT,
                         int64_t q) {
   for (int64_t i = 0; i < n; ++i) t[rows[i] * RT + q] = dot16(x + rows[i] * K, ar, K);
+}
+
+template <typename T>
+inline void shrink_rows_q(const T* ar, int64_t nq, const float* x, int64_t K, const int64_t* rows, int64_t n, float* t,
+                          int64_t RT, int64_t q) {
+  for (int64_t j = 0; j < nq; ++j) shrink_rows(ar + j * K, x, K, rows, n, t, RT, q + j);
 }
 
 template <typename T>
@@ -147,30 +238,41 @@ void apply_t(const T* A, const T* B, const int64_t* spans, int64_t blocks, int64
   if (G == 0) return;
   gbeg.push_back((int64_t)order.size());
   // shrink tasks: (group, rank row) over the rank rows each slot's blocks use
-  std::vector<int64_t> tg, tq;
+  constexpr int64_t QT = 4;  // rank rows per shrink task (shrink_rows_q)
+  std::vector<int64_t> tg, tq, tn;
+  int64_t ranks = 0;  // rank rows in use over the groups
   for (int64_t g = 0; g < G; ++g)
     for (int64_t j = 0; j < blocks; ++j) {
       const int64_t* sp = spans + (gslot[g] * blocks + j) * 3;
-      for (int64_t r = 0; r < sp[0] && sp[1] < sp[2]; ++r) { tg.push_back(g); tq.push_back(j * R + r); }
+      if (sp[1] >= sp[2]) continue;
+      for (int64_t r = 0; r < sp[0]; r += QT) {
+        tg.push_back(g);
+        tq.push_back(j * R + r);
+        tn.push_back(std::min(QT, sp[0] - r));
+      }
+      ranks += sp[0];
     }
   std::vector<float> t(M * RT, 0.f);
   const int64_t n_rows = (int64_t)order.size();
-  PoolPar par{n_rows * (int64_t)tg.size() * K >= split_min ? pool.threads : 1};
-  par(0, (int64_t)tg.size(), 8, [&](int64_t lo, int64_t hi) {
+  PoolPar par{n_rows * ranks * K >= split_min ? pool.threads : 1};
+  par(0, (int64_t)tg.size(), 2, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t g = tg[i];
-      shrink_rows(A + (gslot[g] * RT + tq[i]) * K, x, K, order.data() + gbeg[g], gbeg[g + 1] - gbeg[g], t.data(), RT,
-                  tq[i]);
+      shrink_rows_q(A + (gslot[g] * RT + tq[i]) * K, tn[i], x, K, order.data() + gbeg[g], gbeg[g + 1] - gbeg[g],
+                    t.data(), RT, tq[i]);
     }
   });
   const int64_t chunks = (O + COLS - 1) / COLS;
-  par.threads = n_rows * (int64_t)tg.size() / G * O / blocks >= split_min ? pool.threads : 1;  // ~ the expand's work
+  par.threads = n_rows * ranks / G * O / blocks >= split_min ? pool.threads : 1;  // ~ the expand's work
   par(0, chunks, 1, [&](int64_t lo, int64_t hi) {
     std::vector<int64_t> qs;  // rank rows (as slot * RT + q) whose block writes this chunk
-    for (int64_t c = lo; c < hi; ++c) {
-      const int64_t o0 = c * COLS, o1 = std::min(O, o0 + COLS);
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t s = gslot[g];
+    // slot-major: one slot's ~R rows of b are streamed at a time (chunk-major interleaved every
+    // slot's rows, more streams than the prefetchers follow); rows of a group belong to no other
+    // group, so the order does not change a value
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t s = gslot[g];
+      for (int64_t c = lo; c < hi; ++c) {
+        const int64_t o0 = c * COLS, o1 = std::min(O, o0 + COLS);
         qs.clear();
         for (int64_t j = 0; j < blocks; ++j) {
           const int64_t* sp = spans + (s * blocks + j) * 3;

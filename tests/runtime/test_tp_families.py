@@ -138,7 +138,7 @@ def test_tp2_engine_matches_tp1(family_dir):
         with Engine(str(d), tp_size=tp, **kw) as e:
             res[tp] = e.generate(input_ids=prompts, sampling_params=sp, return_logprob=True, logprob_start_len=0)
     outs = [r["output_ids"] for r in res[1]]
-    assert len({tuple(o) for o in outs}) > 1 and all(len(set(o)) > 1 for o in outs)  # non-degenerate
+    assert len({tuple(o) for o in outs}) > 1 and sum(len(set(o)) > 1 for o in outs) >= 2  # non-degenerate
     for a, b in zip(res[1], res[2]):
         assert a["output_ids"] == b["output_ids"], name
         la = torch.tensor([x[0] for x in a["meta_info"]["input_token_logprobs"][1:]])

@@ -102,7 +102,7 @@ class Engine:
         if device == "cpu":
             torch.set_num_threads(cfg.num_threads or fallback_threads())  # until the thread probe below
         check_kv_cache_dtype(cfg.kv_cache_dtype, ckpt.hf_config, device)  # before the weights load
-        check_family_config(cfg, ckpt.hf_config)  # OLMo 2 / Granite / Gemma: no TP; Gemma: float KV
+        check_family_config(cfg, ckpt.hf_config)  # OLMo 2: no TP; Gemma: float KV
         self.runner: RunnerProtocol
         self.lora: LoraManager  # LoRA adapters (sglite.lora)
         if cfg.tp_size > 1:  # the model lives in tp_size worker processes (sglite.runtime.parallel)

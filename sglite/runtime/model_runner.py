@@ -74,7 +74,9 @@ class ModelRunner:
 
     Attributes:
         req_to_token_pool: ReqToTokenPool with ``max_running_requests + 8`` rows × context length.
-        token_to_kv_pool: TokenToKVPool sized from ``max_total_tokens`` or the memory budget.
+        token_to_kv_pool: TokenToKVPool sized from ``max_total_tokens`` or the memory budget (a
+            hybrid sliding-window pool, :mod:`.swa_pool`, for windowed models unless
+            ``hybrid_swa=False``: a tensor-parallel worker, whose scheduler plans one slot space).
     """
 
     measure_forward = True  # the model runs here: the speculative draft policy may time it
@@ -83,7 +85,7 @@ class ModelRunner:
     keep_hidden = False
     last_hidden = None
 
-    def __init__(self, config: EngineConfig, hf_config, state_dict: dict):
+    def __init__(self, config: EngineConfig, hf_config, state_dict: dict, hybrid_swa: bool = True):
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.arch = model_registry.arch_from_hf_config(hf_config)  # LlamaArch, or a family's FamilyArch
@@ -108,7 +110,7 @@ class ModelRunner:
             extra = kv_quant.residual_bytes(kvd, a.num_layers, a.num_kv_heads, a.head_dim, self.dtype, group, rows)
             tokens = pool_tokens(config, self.context_length, self.bytes_per_token,
                                  available_memory_bytes(self.device) - int(extra / config.mem_fraction_static))
-        if swa_pool.wants_hybrid(a, kvd):  # sliding-window layers: their own, smaller slot space
+        if hybrid_swa and swa_pool.wants_hybrid(a, kvd):  # sliding-window layers: their own, smaller slot space
             # the memory a full-attention pool of ``tokens`` would take; its full pool holds only the
             # global layers' K/V, so the same bytes buy more full-pool tokens (swa_pool.split_budget)
             cap = None if config.max_total_tokens else max(tokens, MAX_POOL_TOKENS)

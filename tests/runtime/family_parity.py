@@ -79,15 +79,16 @@ def check_matrix(family, radix: bool, chunk):
     assert (again["meta_info"]["cached_tokens"] > 0) == radix
 
 
-def check_refusals(family, quantized_kv_refused: bool):
-    """``tp_size > 1`` (and, where the family lacks it, a quantized KV cache) is refused naming the
-    field, before weights load. That float weights never take the fused decode is checked in
+def check_refusals(family, quantized_kv_refused: bool, tp_refused: bool = False):
+    """Where the family lacks them, ``tp_size > 1`` (OLMo 2 only: the others shard, see
+    tests/runtime/test_tp_families.py) and a quantized KV cache are refused naming the field,
+    before weights load. That float weights never take the fused decode is checked in
     :func:`check_tokens_and_logprobs`'s engine (the families' quantized weights do take it:
     tests/kernels/test_decode_family.py)."""
     from sglite.errors import InvalidRequestError
 
     d = family[1]
-    refused = [("tp_size", dict(tp_size=2))] + ([("kv_cache_dtype", dict(kv_cache_dtype="fp8_e4m3"))]
+    refused = ([("tp_size", dict(tp_size=2))] if tp_refused else []) + ([("kv_cache_dtype", dict(kv_cache_dtype="fp8_e4m3"))]
                                                 if quantized_kv_refused else [])
     for field, kw in refused:
         with pytest.raises(InvalidRequestError) as ei:

@@ -38,5 +38,5 @@ def test_matrix_alone_and_batched(family, radix, chunk):
     check_matrix(family, radix, chunk)
 
 
-def test_fused_decode_and_tensor_parallel_refused(family):
+def test_quantized_kv_cache_refused(family):
     check_refusals(family, quantized_kv_refused=True)

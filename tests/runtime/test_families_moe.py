@@ -8,7 +8,7 @@ token; the shared-expert gate scaled up so its sigmoid spans (0, 1)."""
 import pytest
 import torch
 
-from tests.runtime.family_parity import (GREEDY, MATRIX, build_family, check_matrix, check_refusals,
+from tests.runtime.family_parity import (GREEDY, MATRIX, build_family, check_matrix,
                                          check_tokens_and_logprobs, engine)
 
 FAMILIES = {
@@ -36,10 +36,6 @@ def test_tokens_and_prompt_logprobs_match_hf(family):
 @pytest.mark.parametrize("radix,chunk", MATRIX)
 def test_matrix_alone_and_batched(family, radix, chunk):
     check_matrix(family, radix, chunk)
-
-
-def test_fused_decode_and_tensor_parallel_refused(family):
-    check_refusals(family, quantized_kv_refused=False)
 
 
 def test_deterministic_inference_alone_equals_batched(family):

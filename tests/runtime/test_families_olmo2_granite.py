@@ -28,5 +28,9 @@ def test_matrix_alone_and_batched(family, radix, chunk):
     check_matrix(family, radix, chunk)
 
 
-def test_fused_decode_and_tensor_parallel_refused(family):
-    check_refusals(family, quantized_kv_refused=False)
+def test_tensor_parallel_refused_for_olmo2(family):
+    """OLMo 2's QK-norm spans every head: ``tp_size > 1`` refused (Granite shards:
+    tests/runtime/test_tp_families.py)."""
+    if family[0] != "olmo2":
+        pytest.skip("Granite runs tensor-parallel")
+    check_refusals(family, quantized_kv_refused=False, tp_refused=True)

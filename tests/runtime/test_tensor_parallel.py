@@ -10,6 +10,7 @@ from sglite.errors import InvalidRequestError
 from sglite.runtime.forward_batch import ForwardBatch
 from sglite.runtime.kv_pool import TokenToKVPool
 from sglite.runtime.model_loader import load_checkpoint, load_state_dict
+from sglite.runtime.models import registry
 from sglite.runtime.models.llama import LlamaArch, LlamaModel
 
 
@@ -82,8 +83,8 @@ def tp_logits_in_threads(ckpt, tp):
     def rank(r):
         try:
             lay = TPLayout.make(ckpt.hf_config, r, tp)
-            arch = LlamaArch.from_hf_config(lay.local_hf_config(ckpt.hf_config))
-            model = LlamaModel(arch, load_shard(ckpt, lay, torch.float32), torch.float32)
+            arch = registry.arch_from_hf_config(lay.local_hf_config(ckpt.hf_config))  # Llama or a family
+            model = registry.model_class(arch)(arch, load_shard(ckpt, lay, torch.float32), torch.float32)
             model.tp = TPComm(lay, make_tp_group(store, r, tp, "cpu"))
             out[r] = run_model(model, arch)
         except Exception as exc:  # surfaced below

@@ -19,8 +19,10 @@ view of the HF config) plus what the family changes, as data:
 :class:`FamilyModel` is a :class:`~.llama.LlamaModel` (same weights, KV layout, matmul
 implementations, hugepage packing) with this layer's forward (the per-op path, the reference); its
 decode steps take the families' fused C++ decode (:mod:`sglite.kernels.decode_family`,
-``fused_decode_family = True``) when the weights qualify. It refuses tensor parallelism
-(:func:`sglite.runtime.models.registry.check_engine_config`).
+``fused_decode_family = True``) when the weights qualify. Under tensor parallelism (``tp``, as
+:class:`~.llama.LlamaModel`) the attention output and MLP projections are all-reduced before their
+output norms and residual scale, the logits gathered before the divisor and soft-capping; OLMo 2
+(QK-norm across all heads) is refused (:func:`sglite.runtime.models.registry.check_engine_config`).
 """
 from __future__ import annotations
 
@@ -142,7 +144,7 @@ class FamilyModel(LlamaModel):
         inv, rs = self.batch_invariant, a.residual_scale
         ne, dec_rows, dec_lens = fb.num_extend_tokens, fb.dec_req_pool_indices, fb.dec_seq_lens
         assert not (inv and ne), "batch-invariant forward given extend rows (see StepPlan.layout)"
-        x = self.embed_rows(fb.input_ids)  # [N, H]
+        x = self.embed_rows(fb.input_ids) if self.tp is None else self.tp.embed(self.embed, fb.input_ids)  # [N, H]
         if a.embed_scale != 1.0:
             x = x * (torch.tensor(a.embed_scale, dtype=x.dtype) if a.embed_scale_in_dtype else a.embed_scale)
         rope = {False: (self.cos[fb.positions].to(self.dtype), self.sin[fb.positions].to(self.dtype))}  # [N, D/2]
@@ -178,19 +180,21 @@ class FamilyModel(LlamaModel):
                     q[ne:], k_buffers[li], v_buffers[li], table, drows, dec_lens,
                     self.sm_scale, batch_invariant=inv, window=window, softcap=a.attn_softcap))  # [Nd, Hq, D]
             o = parts[0] if len(parts) == 1 else torch.cat(parts)  # [N, Hq, D]
-            o = self._lin(o.reshape(-1, Hq * D), L, "o", li, fb)  # [N, H]
+            o = self._reduce(self._lin(o.reshape(-1, Hq * D), L, "o", li, fb))  # [N, H]
             if "attn_out_norm" in L:
                 o = self._rms(o, L["attn_out_norm"])
             x = x + (o * rs if rs != 1.0 else o)
             h = self._rms(x, L["ffn_in_norm"]) if "ffn_in_norm" in L else x
             g, u = self._lin(h, L, "gate_up", li, fb).chunk(2, dim=-1)  # [N, I] each
             act = kernels.gelu_tanh_mul(g, u) if a.mlp_act == "gelu_tanh" else kernels.silu_mul(g, u, batch_invariant=inv)
-            d = self._lin(act, L, "down", li, fb)  # [N, H]
+            d = self._reduce(self._lin(act, L, "down", li, fb))  # [N, H]
             if "ffn_out_norm" in L:
                 d = self._rms(d, L["ffn_out_norm"])
             x = x + (d * rs if rs != 1.0 else d)
         x = self._rms(x[fb.logits_indices], self.norm)  # [M, H]
-        logits = kernels.linear(x, self.lm_head)  # [M, V] in the model dtype
+        logits = kernels.linear(x, self.lm_head)  # [M, V] in the model dtype ([M, V/tp] on a rank)
+        if self.tp is not None:
+            logits = self.tp.gather_logits(logits)  # [M, V]
         if a.logits_divisor != 1.0:
             logits = logits / a.logits_divisor
         if a.final_softcap > 0:

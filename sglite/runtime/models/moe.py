@@ -21,7 +21,9 @@ tensors of transformers' in-memory modules (``mlp.experts.gate_up_proj`` [E, 2I,
 :class:`~sglite.kernels.QuantLinearWeight` (GGUF blocks kept quantized, one per expert).
 
 :class:`MoeModel` never takes the fused C++ decode (``fused_decode_ok = False``) and runs on one
-device (tensor parallelism is refused by :func:`.registry.check_engine_config`).
+device or over tensor-parallel ranks (every rank holds every expert's slice of the intermediate
+features: :mod:`sglite.runtime.parallel.parallel_state`; the MLP's partial sum is all-reduced by
+:class:`~.llama.LlamaModel`'s layer).
 """
 from __future__ import annotations
 

@@ -34,22 +34,25 @@ def model_class(arch: LlamaArch) -> type:
             "qwen3_moe": MoeModel}.get(getattr(arch, "family", "llama"), LlamaModel)
 
 
+#: families whose layer shards over tensor-parallel ranks (attention heads, MLP / expert widths)
+TP_ARCHS = granite.ARCHS + gemma.ARCHS + mixtral.ARCHS + qwen2_moe.ARCHS + qwen3_moe.ARCHS
 QUANT_KV = ("fp8_e4m3", "int8", "int4")  # quantized pools: no sliding window / soft-capping in their attention
 
 
 def check_engine_config(engine_cfg, hf_config) -> None:
     """Refuse, before weights load, what the families of this module do not run: tensor
-    parallelism (their layer is not sharded: OLMo 2's QK-norm spans every head; MoE experts are
-    not split across ranks) and, for sliding windows or soft-capping (Gemma 2/3), a quantized KV
-    cache. Raises InvalidRequestError naming
+    parallelism for the families outside :data:`TP_ARCHS` (OLMo 2: its QK-norm normalises q and
+    k across all heads, so a rank holding some heads cannot compute it) and, for sliding windows
+    or soft-capping (Gemma 2/3), a quantized KV cache. Raises InvalidRequestError naming
     ``tp_size`` / ``kv_cache_dtype``."""
     name = _name(hf_config)
     if name not in _FAMILIES:
         return
     tp = getattr(engine_cfg, "tp_size", 1) or 1
-    if tp > 1:
-        raise InvalidRequestError(f"tp_size={tp}: {name} runs on one device only (tp_size=1); "
-                                  f"tensor parallelism supports {list(SUPPORTED_ARCHS)}", field="tp_size")
+    if tp > 1 and name not in TP_ARCHS:
+        raise InvalidRequestError(f"tp_size={tp}: {name} runs on one device only (tp_size=1): its QK-norm "
+                                  "normalises q and k across all attention heads, which no rank holds; tensor "
+                                  f"parallelism supports {list(SUPPORTED_ARCHS) + list(TP_ARCHS)}", field="tp_size")
     arch = arch_from_hf_config(hf_config)
     kvd = getattr(engine_cfg, "kv_cache_dtype", "auto")
     if kvd in QUANT_KV and (any(getattr(arch, "local_layers", ())) or getattr(arch, "attn_softcap", 0) > 0):

@@ -10,6 +10,13 @@ ceil(V / tp)``): an embedding lookup is masked to the rank's rows and all-reduce
 logits all-gathered. Query heads are split evenly; KV heads are split evenly when
 ``tp_size <= num_kv_heads`` and replicated (each rank one KV head, ``tp_size / num_kv_heads``
 copies of each) when ``tp_size > num_kv_heads``. RMSNorm weights, q/k norms and RoPE are replicated.
+
+Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): every rank holds every expert, each expert's
+gate/up split by output rows (its intermediate features) and its down projection by input columns,
+like a dense MLP; the router and Qwen2-MoE's shared-expert gate are replicated (every rank routes
+every token alike), the shared expert is split like a dense MLP. A rank's MoE output is then a
+partial sum (the routing weights scale each expert's partial down projection), restored by the
+layer's all-reduce after the MLP.
 """
 from __future__ import annotations
 
@@ -40,6 +47,10 @@ class TPLayout:
     vocab: int  # padded vocabulary rows per rank (Vp)
     v_start: int
     vocab_size: int  # the model's full vocabulary (V)
+    expert_inter: int = 0  # each routed expert's intermediate features on this rank (MoE; 0: none)
+    e_start: int = 0
+    shared_inter: int = 0  # the shared expert's intermediate features on this rank (Qwen2-MoE)
+    s_start: int = 0
 
     @classmethod
     def make(cls, hf_config, tp_rank: int, tp_size: int) -> "TPLayout":
@@ -68,8 +79,17 @@ class TPLayout:
                 bad(f"it exceeds the model's {hkv} KV heads and is not a multiple of them")
             kvn, kv0 = 1, tp_rank // (tp_size // hkv)  # replicated KV heads
         vp = -(-vocab // tp_size)
+        moe = {}
+        if getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None):
+            ei = int(getattr(hf_config, "moe_intermediate_size", None) or inter)  # Mixtral: intermediate_size
+            si = int(getattr(hf_config, "shared_expert_intermediate_size", None) or 0)
+            for field, n in (("moe_intermediate_size", ei), ("shared_expert_intermediate_size", si)):
+                if n % tp_size:
+                    bad(f"the model's {field} {n} is not divisible by it")
+            moe = dict(expert_inter=ei // tp_size, e_start=tp_rank * (ei // tp_size),
+                       shared_inter=si // tp_size, s_start=tp_rank * (si // tp_size))
         return cls(tp_rank, tp_size, hq // tp_size, tp_rank * (hq // tp_size), kvn, kv0,
-                   inter // tp_size, tp_rank * (inter // tp_size), vp, tp_rank * vp, vocab)
+                   inter // tp_size, tp_rank * (inter // tp_size), vp, tp_rank * vp, vocab, **moe)
 
     def local_hf_config(self, hf_config):
         """A copy of ``hf_config`` with this rank's head counts, MLP width and vocabulary rows, so
@@ -79,6 +99,10 @@ class TPLayout:
         cfg.head_dim = head_dim
         cfg.num_attention_heads, cfg.num_key_value_heads = self.num_heads, self.num_kv_heads
         cfg.intermediate_size, cfg.vocab_size = self.intermediate, self.vocab
+        if getattr(hf_config, "moe_intermediate_size", None):  # Qwen-MoE (Mixtral's experts: intermediate_size)
+            cfg.moe_intermediate_size = self.expert_inter
+        if getattr(hf_config, "shared_expert_intermediate_size", None):
+            cfg.shared_expert_intermediate_size = self.shared_inter
         return cfg
 
     def shard(self, name: str, get_slice, shape: tuple, head_dim: int) -> torch.Tensor:
@@ -97,6 +121,9 @@ class TPLayout:
             half = shape[0] // 2
             return torch.cat([sl[self.i_start:self.i_start + self.intermediate],
                               sl[half + self.i_start:half + self.i_start + self.intermediate]])
+        moe = self._moe_shard(name, sl)
+        if moe is not None:
+            return moe
         if name.endswith(("q_proj.weight", "q_proj.bias")):
             return sl[self.q_start * D:(self.q_start + self.num_heads) * D]
         if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
@@ -111,7 +138,29 @@ class TPLayout:
             rows = sl[self.v_start:min(self.v_start + self.vocab, self.vocab_size)]
             pad = self.vocab - rows.shape[0]  # the last rank's padding rows (never looked up)
             return torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]) if pad > 0 else rows
-        return sl[:]  # norms: replicated
+        return sl[:]  # norms, routers, the shared-expert gate: replicated
+
+    def _moe_shard(self, name: str, sl):
+        """This rank's slice of an MoE expert weight (None when ``name`` is not one): per-expert
+        gate / up rows and down columns (Mixtral ``w1 / w3 / w2``, Qwen ``*_proj``), the stacked
+        ``mlp.experts.gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I] of the GGUF conversion
+        cache, and Qwen2-MoE's shared expert (its own width)."""
+        if ".shared_expert." in name:
+            a, b = self.s_start, self.s_start + self.shared_inter
+        elif ".experts." in name:
+            a, b = self.e_start, self.e_start + self.expert_inter
+        else:
+            return None
+        if name.endswith(("gate_proj.weight", "up_proj.weight", ".w1.weight", ".w3.weight")):
+            return sl[a:b]
+        if name.endswith(("down_proj.weight", ".w2.weight")):
+            return sl[:, a:b]
+        if name.endswith("experts.gate_up_proj"):  # [E, 2I, H]: this rank's gate rows, then its up rows
+            half = self.expert_inter * self.tp_size
+            return torch.cat([sl[:, a:b], sl[:, half + a:half + b]], dim=1)
+        if name.endswith("experts.down_proj"):  # [E, H, I]
+            return sl[:, :, a:b]
+        return None
 
 
 def load_shard(checkpoint, layout: TPLayout, dtype: torch.dtype) -> dict[str, torch.Tensor]:

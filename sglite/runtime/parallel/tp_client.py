@@ -22,7 +22,7 @@ import torch
 from ...config import EngineConfig
 from ...errors import InvalidRequestError
 from ..kv_pool import ReqToTokenPool, TokenToKVPool, kv_bytes_per_token
-from ..models.llama import LlamaArch
+from ..models.registry import arch_from_hf_config
 from ..quant_loader import resolve_quantization as _resolve_q
 from .commands import Forward, LoadLora, StepDone, Stop, UnloadLora
 from .parallel_state import TPLayout
@@ -127,7 +127,7 @@ class TPRunnerClient:
             raise InvalidRequestError(f"quantization={q!r}: tensor parallelism runs dense weights (use "
                                       "quantization=none; a .gguf model is dequantized)", field="quantization")
         hf = checkpoint.hf_config
-        self.arch = arch = LlamaArch.from_hf_config(hf)
+        self.arch = arch = arch_from_hf_config(hf)  # Llama, or a family that shards (registry)
         self.tp_size = tp = config.tp_size
         layout = TPLayout.make(hf, 0, tp)  # checks the split before anything starts
         from ..model_runner import resolve_device, resolve_dtype

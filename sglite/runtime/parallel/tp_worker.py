@@ -56,7 +56,7 @@ def worker_main(config_dict: dict, tp_rank: int, addr: str, log_level: str = "in
     from ..forward_batch import ForwardBatch
     from ..model_loader import load_checkpoint
     from ..model_runner import ModelRunner, available_memory_bytes, pool_tokens, resolve_device, resolve_dtype
-    from ..models.llama import LlamaArch
+    from ..models.registry import arch_from_hf_config
     from .commands import Forward, LoadLora, StepDone, Stop, UnloadLora
     from .lora_tp import WorkerLora
     from .control import DEFAULT_TIMEOUT, FILE_STORE, LOOPBACK, ControlChannel, open_store
@@ -95,9 +95,9 @@ def worker_main(config_dict: dict, tp_rank: int, addr: str, log_level: str = "in
         try:
             local_cfg = dataclasses.replace(cfg, max_total_tokens=tokens, device=device, tp_size=1, nnodes=1,
                                             node_rank=0, dist_init_addr=None, quantization="none")
-            runner = ModelRunner(local_cfg, hf_local, sd)
+            runner = ModelRunner(local_cfg, hf_local, sd, hybrid_swa=False)  # the scheduler plans one slot space
             runner.model.tp = TPComm(layout, group)
-            lora = WorkerLora(cfg, layout, LlamaArch.from_hf_config(ckpt.hf_config), runner.arch, runner.dtype,
+            lora = WorkerLora(cfg, layout, arch_from_hf_config(ckpt.hf_config), runner.arch, runner.dtype,
                               runner.device)  # adapters come as LoadLora commands (start-up ones too)
             del sd
         except Exception:

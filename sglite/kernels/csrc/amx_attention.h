@@ -185,6 +185,31 @@ inline __m512 exp4(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// C tiles 0..Rt-1 += A . B (tile 5), A = Rt row tiles of bf16 rows `a` (ld elements apart),
+// 16 rows per tile; A goes through tiles 4 and 6 alternately.
+inline void dp_row_tiles(int Rt, const uint16_t* a, int64_t ld) {
+  _tile_loadd(4, a, ld * 2);
+  _tile_dpbf16ps(0, 4, 5);
+  if (Rt > 1) { _tile_loadd(6, a + 16 * ld, ld * 2); _tile_dpbf16ps(1, 6, 5); }
+  if (Rt > 2) { _tile_loadd(4, a + 32 * ld, ld * 2); _tile_dpbf16ps(2, 4, 5); }
+  if (Rt > 3) { _tile_loadd(6, a + 48 * ld, ld * 2); _tile_dpbf16ps(3, 6, 5); }
+}
+
+// C tiles 0..Rt-1 to (STORE) or from float32 rows c, ld elements apart, 16 rows per tile.
+template <bool STORE> inline void c_row_tiles(int Rt, float* c, int64_t ld) {
+  if (STORE) {
+    _tile_stored(0, c, ld * 4);
+    if (Rt > 1) _tile_stored(1, c + 16 * ld, ld * 4);
+    if (Rt > 2) _tile_stored(2, c + 32 * ld, ld * 4);
+    if (Rt > 3) _tile_stored(3, c + 48 * ld, ld * 4);
+  } else {
+    _tile_loadd(0, c, ld * 4);
+    if (Rt > 1) _tile_loadd(1, c + 16 * ld, ld * 4);
+    if (Rt > 2) _tile_loadd(2, c + 32 * ld, ld * 4);
+    if (Rt > 3) _tile_loadd(3, c + 48 * ld, ld * 4);
+  }
+}
+
 inline void tile_zero_n(int t) {  // _tile_zero takes an immediate
   switch (t) {
     case 0: _tile_zero(0); break;
@@ -204,18 +229,9 @@ inline void block(Work& w, int R, int Dp, int n, int64_t t0, bool full, int64_t 
     for (int rt = 0; rt < Rt; ++rt) tile_zero_n(rt);
     for (int c = 0; c < nd; ++c) {
       _tile_loadd(5, w.kt + (size_t)(c * (KB / 16) + kg) * 512, 64);
-      const uint16_t* qa = w.q + 32 * c;
-      _tile_loadd(4, qa, kMaxDp * 2);
-      _tile_dpbf16ps(0, 4, 5);
-      if (Rt > 1) { _tile_loadd(6, qa + 16 * kMaxDp, kMaxDp * 2); _tile_dpbf16ps(1, 6, 5); }
-      if (Rt > 2) { _tile_loadd(4, qa + 32 * kMaxDp, kMaxDp * 2); _tile_dpbf16ps(2, 4, 5); }
-      if (Rt > 3) { _tile_loadd(6, qa + 48 * kMaxDp, kMaxDp * 2); _tile_dpbf16ps(3, 6, 5); }
+      dp_row_tiles(Rt, w.q + 32 * c, kMaxDp);
     }
-    float* s = w.s + 16 * kg;
-    _tile_stored(0, s, KB * 4);
-    if (Rt > 1) _tile_stored(1, s + 16 * KB, KB * 4);
-    if (Rt > 2) _tile_stored(2, s + 32 * KB, KB * 4);
-    if (Rt > 3) _tile_stored(3, s + 48 * KB, KB * 4);
+    c_row_tiles<true>(Rt, w.s + 16 * kg, KB);
   }
   // softmax rows: masks, the block's row maxima and sums, bf16 weights
   alignas(64) float m_next[kMaxRows], rsum[kMaxRows];
@@ -295,23 +311,12 @@ inline void block(Work& w, int R, int Dp, int n, int64_t t0, bool full, int64_t 
   // acc += P . V: per 16-dim tile, C tiles 0..Rt-1 = the row tiles; each V tile is loaded once
   for (int dg = 0; dg < ndg; ++dg) {
     float* acc = w.acc + 16 * dg;
-    _tile_loadd(0, acc, kMaxDp * 4);
-    if (Rt > 1) _tile_loadd(1, acc + 16 * kMaxDp, kMaxDp * 4);
-    if (Rt > 2) _tile_loadd(2, acc + 32 * kMaxDp, kMaxDp * 4);
-    if (Rt > 3) _tile_loadd(3, acc + 48 * kMaxDp, kMaxDp * 4);
+    c_row_tiles<false>(Rt, acc, kMaxDp);
     for (int kc = 0; kc < n64 / 32; ++kc) {
       _tile_loadd(5, w.vp + (size_t)(kc * ndg + dg) * 512, 64);
-      const uint16_t* pa = w.p + 32 * kc;
-      _tile_loadd(4, pa, KB * 2);
-      _tile_dpbf16ps(0, 4, 5);
-      if (Rt > 1) { _tile_loadd(6, pa + 16 * KB, KB * 2); _tile_dpbf16ps(1, 6, 5); }
-      if (Rt > 2) { _tile_loadd(4, pa + 32 * KB, KB * 2); _tile_dpbf16ps(2, 4, 5); }
-      if (Rt > 3) { _tile_loadd(6, pa + 48 * KB, KB * 2); _tile_dpbf16ps(3, 6, 5); }
+      dp_row_tiles(Rt, w.p + 32 * kc, KB);
     }
-    _tile_stored(0, acc, kMaxDp * 4);
-    if (Rt > 1) _tile_stored(1, acc + 16 * kMaxDp, kMaxDp * 4);
-    if (Rt > 2) _tile_stored(2, acc + 32 * kMaxDp, kMaxDp * 4);
-    if (Rt > 3) _tile_stored(3, acc + 48 * kMaxDp, kMaxDp * 4);
+    c_row_tiles<true>(Rt, acc, kMaxDp);
   }
 }
 

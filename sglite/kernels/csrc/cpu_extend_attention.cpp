@@ -230,6 +230,25 @@ void pv(const float* s, int Rp, int R, const float* vf, int Dp, int kn, const fl
 }
 #endif
 
+// The task's R rows out: acc row r (ld floats apart) / l[r], rounded once to the output dtype.
+template <typename T>
+void write_rows(const Ext<T>& j, const Task& tk, int R, const float* acc, int64_t ld, const float* l) {
+  const int G = j.G, D = j.D;
+  const int64_t q0 = j.start[tk.b];
+  for (int r = 0; r < R; ++r) {
+    const int64_t off = ((q0 + tk.i0 + r / G) * j.Hq + tk.h * G + r % G) * D;
+    const float inv = 1.f / l[r];
+    const float* a = acc + (size_t)r * ld;
+    if (j.out_bf16) {
+      c10::BFloat16* o = (c10::BFloat16*)j.out + off;
+      for (int d = 0; d < D; ++d) o[d] = c10::BFloat16(a[d] * inv);
+    } else {
+      float* o = (float*)j.out + off;
+      for (int d = 0; d < D; ++d) o[d] = a[d] * inv;
+    }
+  }
+}
+
 template <typename T>
 bool run_task(const Ext<T>& j, const Task& tk, Scratch& w) {
   const int G = j.G, D = j.D, Dp = j.Dp;
@@ -268,19 +287,7 @@ bool run_task(const Ext<T>& j, const Task& tk, Scratch& w) {
     softmax_tile(w.s.data(), Rp, kn, t0, full, wnd, w);
     pv(w.s.data(), Rp, R, w.vf.data(), Dp, kn, w.alpha.data(), w.acc.data());
   }
-  for (int r = 0; r < R; ++r) {
-    const int64_t i = tk.i0 + r / G;
-    const int64_t off = ((q0 + i) * j.Hq + tk.h * G + r % G) * D;
-    const float inv = 1.f / w.l[r];
-    const float* a = w.acc.data() + (size_t)r * Dp;
-    if (j.out_bf16) {
-      c10::BFloat16* o = (c10::BFloat16*)j.out + off;
-      for (int d = 0; d < D; ++d) o[d] = c10::BFloat16(a[d] * inv);
-    } else {
-      float* o = (float*)j.out + off;
-      for (int d = 0; d < D; ++d) o[d] = a[d] * inv;
-    }
-  }
+  write_rows(j, tk, R, w.acc.data(), Dp, w.l.data());
   return true;
 }
 
@@ -305,19 +312,7 @@ bool run_task_amx(const Ext<uint16_t>& j, const Task& tk, sglite_amx_attn::Work&
   if (!A::walk(w, R, D, Dp, j.k + tk.h * j.ks1, j.ks0, j.v + tk.h * j.vs1, j.vs0, j.rt + j.rows[tk.b] * j.rts0, j.S,
                kfirst, tk.kend, first_q, last_q, wnd, j.softcap))
     return false;
-  for (int r = 0; r < R; ++r) {
-    const int64_t i = tk.i0 + r / G;
-    const int64_t off = ((q0 + i) * j.Hq + tk.h * G + r % G) * D;
-    const float inv = 1.f / w.l[r];
-    const float* a = w.acc + (size_t)r * A::kMaxDp;
-    if (j.out_bf16) {
-      c10::BFloat16* o = (c10::BFloat16*)j.out + off;
-      for (int d = 0; d < D; ++d) o[d] = c10::BFloat16(a[d] * inv);
-    } else {
-      float* o = (float*)j.out + off;
-      for (int d = 0; d < D; ++d) o[d] = a[d] * inv;
-    }
-  }
+  write_rows(j, tk, R, w.acc, A::kMaxDp, w.l);
   return true;
 }
 #endif

@@ -20,13 +20,12 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #define SGL_AMX_ATTN 1
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include "amx_tiles.h"
 #include "avx512_math.h"
 
 namespace sglite_amx_attn {
@@ -35,25 +34,8 @@ constexpr int KB = 256;       // keys per block at most (a multiple of 64; a sho
 constexpr int kMaxRows = 64;  // query rows per call (4 row tiles)
 constexpr int kMaxDp = 256;   // padded head dim (a multiple of 32)
 
-// Linux keeps the tile state off until the process asks for it (arch_prctl, once per process).
-inline bool tiles_granted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return ok;
-}
-
-struct alignas(64) TileCfg {
-  uint8_t palette_id = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// tmm0..3: C (16 x 16 float32), tmm4: A (16 rows x 32 bf16), tmm5/6: B (16 pair-rows x 16 columns)
-inline void configure() {
-  TileCfg c;
-  for (int i = 0; i < 8; ++i) { c.rows[i] = 16; c.colsb[i] = 64; }
-  _tile_loadconfig(&c);
-}
+// Tiles (sglite_tiles::configure()'s shapes): tmm0..3 C (16 x 16 float32), tmm4 and tmm6 A (16
+// rows x 32 bf16), tmm5 B (16 pair-rows x 16 columns).
 
 template <typename T> T* aligned(size_t n) { return (T*)std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64); }
 
@@ -171,19 +153,6 @@ inline bool pack_block(const uint16_t* base_k, int64_t s0k, const uint16_t* base
 
 inline float hmax(__m512 a) { return _mm512_reduce_max_ps(a); }
 
-// e^x for x <= 0 as sglite_simd::exp_nonpos with a degree-4 polynomial (relative error < 5e-5,
-// far below the bf16 rounding the weights then get).
-inline __m512 exp4(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.f / 24), r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // C tiles 0..Rt-1 += A . B (tile 5), A = Rt row tiles of bf16 rows `a` (ld elements apart),
 // 16 rows per tile; A goes through tiles 4 and 6 alternately.
@@ -282,8 +251,8 @@ inline void block(Work& w, int R, int Dp, int n, int64_t t0, bool full, int64_t 
     const __m512 vm = _mm512_set1_ps(m_new);
     __m512 sum = _mm512_setzero_ps();
     for (int c = 0; c < n64 / 16; c += 2) {
-      const __m512 e0 = _mm512_maskz_mov_ps(okm[c], exp4(_mm512_sub_ps(v[c], vm)));
-      const __m512 e1 = _mm512_maskz_mov_ps(okm[c + 1], exp4(_mm512_sub_ps(v[c + 1], vm)));
+      const __m512 e0 = _mm512_maskz_mov_ps(okm[c], sglite_simd::exp_nonpos<4>(_mm512_sub_ps(v[c], vm)));
+      const __m512 e1 = _mm512_maskz_mov_ps(okm[c + 1], sglite_simd::exp_nonpos<4>(_mm512_sub_ps(v[c + 1], vm)));
       sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
       _mm512_storeu_si512(p + 16 * c, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
     }

@@ -100,7 +100,7 @@ void scores_tiled(const Job<T>& j, const int32_t* slots, int64_t L, int h, const
 }
 
 template <typename T, int NC, int G>
-void values_tiled(const Job<T>& j, const int32_t* slots, int64_t L, int h, const float* p, float* out) {
+void values_tiled(const Job<T>& j, const int32_t* slots, int64_t L, int h, float* p, float* out) {
   __m512 acc[G][NC], vv[NC];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_setzero_ps();
@@ -119,7 +119,7 @@ void values_tiled(const Job<T>& j, const int32_t* slots, int64_t L, int h, const
 
 template <typename T> struct Tiled {
   void (*scores)(const Job<T>&, const int32_t*, int64_t, int, const float*, float*);
-  void (*values)(const Job<T>&, const int32_t*, int64_t, int, const float*, float*);
+  void (*values)(const Job<T>&, const int32_t*, int64_t, int, float*, float*);  // p: the caller's scratch, may be consumed
 };
 
 template <typename T, int NC, int... Gs> Tiled<T> pick_g(int G, std::integer_sequence<int, Gs...>) {
@@ -128,116 +128,7 @@ template <typename T, int NC, int... Gs> Tiled<T> pick_g(int G, std::integer_seq
   return r;
 }
 
-#ifdef __AVX512BF16__
-#define SGL_BF16DOT 1
-// bf16 pools on AVX512-BF16 CPUs: the pre-scaled query and the softmax weights are rounded once to
-// bf16 (round to nearest even) and the products run on VDPBF16PS (two bf16 pairs per float32 lane),
-// summed in float32: a third of the instructions of widening K / V to float32 (the bf16 pool
-// already holds them as bf16). The same rounding of the query as llama.cpp's CPU attention, which
-// converts q to the cache type.
-inline __m512i load_bf16(const uint16_t* p, int rem) {  // 32 values; those at and past rem are zero
-  return _mm512_maskz_loadu_epi16(rem >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << rem) - 1), p);
-}
-
-template <int NB, int G>
-void scores_bf16(const Job<uint16_t>& j, const int32_t* slots, int64_t L, int h, const float* qf, float* sc) {
-  __m512bh qv[G][NB];
-  for (int g = 0; g < G; ++g)
-    for (int b = 0; b < NB; ++b)
-      qv[g][b] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qf + g * j.Dp + 32 * b + 16), _mm512_loadu_ps(qf + g * j.Dp + 32 * b));
-  const uint16_t* kh = j.k + h * j.ks1;
-  auto dots = [&](int64_t t, __m512* acc, int stride) {  // acc[g * stride] = the G lanes-sums of token t
-    const uint16_t* kr = kh + slots[t] * j.ks0;
-    __m512bh kv[NB];
-    for (int b = 0; b < NB; ++b) kv[b] = (__m512bh)load_bf16(kr + 32 * b, j.D - 32 * b);
-    for (int g = 0; g < G; ++g) {
-      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kv[0]);
-      for (int b = 1; b < NB; ++b) a = _mm512_dpbf16_ps(a, qv[g][b], kv[b]);
-      acc[g * stride] = a;
-    }
-  };
-  int64_t t = 0;
-  for (; t + 4 <= L; t += 4) {
-    __m512 acc[G][4];
-    for (int u = 0; u < 4; ++u) {
-      if (t + u + kPrefetch < L) prefetch_row(kh + slots[t + u + kPrefetch] * j.ks0, j.D);
-      dots(t + u, &acc[0][u], 4);
-    }
-    for (int g = 0; g < G; ++g) _mm_storeu_ps(sc + g * L + t, hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
-  }
-  for (; t < L; ++t) {
-    __m512 acc[G];
-    dots(t, acc, 1);
-    for (int g = 0; g < G; ++g) sc[g * L + t] = _mm512_reduce_add_ps(acc[g]);
-  }
-}
-
-// Token pairs (t, t + 1): their V rows interleaved by VPUNPCKL/HWD meet the weight pair
-// (p[t], p[t + 1]) in one VDPBF16PS per 16 output values; accumulator lane i of the "lo" half of
-// 32-block b holds dimension 32 b + 8 (i / 4) + i % 4, the "hi" half that + 4 (reordered on store).
-template <int NB, int G>
-void values_bf16(const Job<uint16_t>& j, const int32_t* slots, int64_t L, int h, const float* p, float* out) {
-  __m512 acc[G][2 * NB];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < 2 * NB; ++c) acc[g][c] = _mm512_setzero_ps();
-  // The weights rounded to bf16 once, in place over the float32 scratch (row g's bf16 values at
-  // the start of its float row: each 16-value store lands on floats already read), a zero after an
-  // odd row so the last pair's second weight is 0; the caller's scratch is consumed.
-  for (int g = 0; g < G; ++g) {
-    float* pf = const_cast<float*>(p) + g * L;
-    uint16_t* pb = reinterpret_cast<uint16_t*>(pf);
-    int64_t t = 0;
-    for (; t + 16 <= L; t += 16) _mm256_storeu_si256((__m256i*)(pb + t), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(pf + t)));
-    if (t < L) {
-      const __mmask16 m = (__mmask16)((1u << (L - t)) - 1);
-      const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, pf + t));
-      _mm256_mask_storeu_epi16(pb + t, m, v);
-    }
-    if (L & 1) pb[L] = 0;
-  }
-  const uint16_t* vh = j.v + h * j.vs1;
-  for (int64_t t = 0; t < L; t += 2) {
-    const bool two = t + 1 < L;
-    if (t + kPrefetch < L) prefetch_row(vh + slots[t + kPrefetch] * j.vs0, j.D);
-    if (t + 1 + kPrefetch < L) prefetch_row(vh + slots[t + 1 + kPrefetch] * j.vs0, j.D);
-    const uint16_t* v0 = vh + slots[t] * j.vs0;
-    const uint16_t* v1 = two ? vh + slots[t + 1] * j.vs0 : nullptr;
-    __m512bh lo[NB], hi[NB];
-    for (int b = 0; b < NB; ++b) {
-      const __m512i a = load_bf16(v0 + 32 * b, j.D - 32 * b);
-      const __m512i c = two ? load_bf16(v1 + 32 * b, j.D - 32 * b) : _mm512_setzero_si512();
-      lo[b] = (__m512bh)_mm512_unpacklo_epi16(a, c);
-      hi[b] = (__m512bh)_mm512_unpackhi_epi16(a, c);
-    }
-    for (int g = 0; g < G; ++g) {
-      uint32_t w;
-      std::memcpy(&w, reinterpret_cast<const uint16_t*>(p + g * L) + t, 4);  // (p[t], p[t + 1]) in bf16
-      const __m512bh pw = (__m512bh)_mm512_set1_epi32((int)w);
-      for (int b = 0; b < NB; ++b) {
-        acc[g][2 * b] = _mm512_dpbf16_ps(acc[g][2 * b], lo[b], pw);
-        acc[g][2 * b + 1] = _mm512_dpbf16_ps(acc[g][2 * b + 1], hi[b], pw);
-      }
-    }
-  }
-  for (int g = 0; g < G; ++g)
-    for (int b = 0; b < NB; ++b) {
-      alignas(64) float tl[16], th[16];
-      _mm512_store_ps(tl, acc[g][2 * b]);
-      _mm512_store_ps(th, acc[g][2 * b + 1]);
-      float* o = out + g * j.Dp + 32 * b;
-      for (int i = 0; i < 16; ++i) {
-        o[8 * (i / 4) + i % 4] = tl[i];
-        o[8 * (i / 4) + i % 4 + 4] = th[i];
-      }
-    }
-}
-
-template <int NB, int... Gs> Tiled<uint16_t> pick_bf16(int G, std::integer_sequence<int, Gs...>) {
-  Tiled<uint16_t> r{nullptr, nullptr};
-  ((G == Gs + 1 ? (void)(r = Tiled<uint16_t>{&scores_bf16<NB, Gs + 1>, &values_bf16<NB, Gs + 1>}) : (void)0), ...);
-  return r;
-}
-#endif
+#include "decode_bf16dot.h"
 
 // Tiled kernels for D in (48, 64] or (112, 128] and G <= 8 (bf16 pools on AVX512-BF16: the
 // VDPBF16PS ones); {nullptr, nullptr} otherwise.
@@ -319,7 +210,7 @@ inline float softmax_row(float* x, int64_t L, float* mx) {
 
 // acc[g * Dp + d] = sum_t p[g * L + t] * V[t, d]
 template <typename T>
-void weighted_values(const Job<T>& j, const int32_t* slots, int64_t L, int h, const float* p, float* acc) {
+void weighted_values(const Job<T>& j, const int32_t* slots, int64_t L, int h, float* p, float* acc) {
   const int G = j.G, D = j.D, Dp = j.Dp;
   std::fill(acc, acc + G * Dp, 0.f);
   for (int64_t t = 0; t < L; ++t) {
@@ -434,13 +325,19 @@ bool attend(const Job<T>& j, const Tiled<T>& tiled, int64_t b, int h, float* qf,
 }
 
 template <typename T>
-void run(const Job<T>& j, int64_t B, int Hkv, int64_t max_len) {
+// Every (row, KV head) task over the pool's threads. first / part (the cascade's second pass,
+// decode_cascade.h): row b starts at key first[b] and merges part's shared-prefix partials when
+// first[b] > 0; null: whole rows.
+void run(const Job<T>& j, int64_t B, int Hkv, int64_t max_len, const int64_t* first = nullptr,
+         const float* part = nullptr) {
   std::atomic<bool> bad{false};
   const Tiled<T> tiled = pick_tiled<T>(j.Dp, j.G);
   sglite_pool::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(j.G * j.Dp), sc(j.G * max_len), acc(j.G * j.Dp + 2 * j.G);
-    for (int64_t i = begin; i < end && !bad.load(std::memory_order_relaxed); ++i)
-      if (!attend(j, tiled, i / Hkv, (int)(i % Hkv), qf.data(), sc.data(), acc.data())) bad = true;
+    for (int64_t i = begin; i < end && !bad.load(std::memory_order_relaxed); ++i) {
+      const int64_t b = i / Hkv, f = first ? first[b] : 0;
+      if (!attend(j, tiled, b, (int)(i % Hkv), qf.data(), sc.data(), acc.data(), f, f ? part : nullptr)) bad = true;
+    }
   });
   TORCH_CHECK_INDEX(!bad, "decode_attention: req_to_token holds a slot outside the pool [0, ", j.S, ")");
 }
@@ -483,7 +380,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kb, const at:
                     q.data_ptr(), q_bf16, (int)Hq, q.stride(0), q.stride(1), out.data_ptr(), q_bf16, rtp, rt.stride(0), rp, lp,
                     G, (int)D, Dp, (float)sm_scale, window, (float)softcap};
 #ifdef SGL_AMX_ATTN
-    if (cascade_min > 0 && window == 0 && G <= sglite_amx_attn::kMaxRows && B >= 2 && sglite_amx_attn::tiles_granted()) {
+    if (cascade_min > 0 && window == 0 && G <= sglite_amx_attn::kMaxRows && B >= 2 && sglite_tiles::granted()) {
       const std::vector<Group> groups = groups_in.has_value() ? groups_from(*groups_in, lp, B)
                                                               : shared_prefix_groups(rtp, rt.stride(0), rp, lp, B, cascade_min);
       if (!groups.empty()) {

@@ -330,7 +330,7 @@ void run(const Ext<T>& j, const std::vector<Task>& tasks, int Rp_max, bool amx) 
     if constexpr (std::is_same_v<T, uint16_t>) {
       if (amx) {
         sglite_amx_attn::Work w;
-        sglite_amx_attn::configure();
+        sglite_tiles::configure();
         for (int64_t i; !bad.load(std::memory_order_relaxed) && (i = next.fetch_add(1)) < n;)
           if (!run_task_amx(j, tasks[i], w)) bad = true;
         _tile_release();
@@ -357,7 +357,7 @@ constexpr int sglite_amx_attn_rows() {
 // True when this build has the AMX path and Linux granted the tile state.
 bool amx_ready() {
 #ifdef SGL_AMX_ATTN
-  return sglite_amx_attn::tiles_granted();
+  return sglite_tiles::granted();
 #else
   return false;
 #endif

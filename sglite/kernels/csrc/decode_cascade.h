@@ -79,7 +79,7 @@ void run_cascade(const Job<uint16_t>& j, int64_t B, int Hkv, int64_t max_len, co
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
   sglite_pool::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     A::Work w;
-    A::configure();
+    sglite_tiles::configure();
     for (int64_t i; !bad.load(std::memory_order_relaxed) && (i = next.fetch_add(1)) < n;) {
       const PTask& t = pt[i];
       const Group& gr = groups[t.g];
@@ -109,16 +109,7 @@ void run_cascade(const Job<uint16_t>& j, int64_t B, int Hkv, int64_t max_len, co
     _tile_release();
   });
   TORCH_CHECK_INDEX(!bad, "decode_attention: req_to_token holds a slot outside the pool [0, ", j.S, ")");
-  const Tiled<uint16_t> tiled = pick_tiled<uint16_t>(j.Dp, j.G);
-  sglite_pool::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(j.G * j.Dp), sc(j.G * max_len), acc(j.G * j.Dp + 2 * j.G);
-    for (int64_t i = begin; i < end && !bad.load(std::memory_order_relaxed); ++i) {
-      const int64_t b = i / Hkv;
-      if (!attend(j, tiled, b, (int)(i % Hkv), qf.data(), sc.data(), acc.data(), first[b], first[b] ? part.data() : nullptr))
-        bad = true;
-    }
-  });
-  TORCH_CHECK_INDEX(!bad, "decode_attention: req_to_token holds a slot outside the pool [0, ", j.S, ")");
+  run(j, B, Hkv, max_len, first.data(), part.data());  // pass 2: each row's own keys, merged
 }
 #endif
 

@@ -12,7 +12,7 @@
 
 using namespace sglite_quant;
 
-bool quant_amx_init() { return sglite_amx::request_tiles(); }
+bool quant_amx_init() { return sglite_tiles::granted(); }
 
 // The tiled weight (codes q [N, K * bits / 8], scales / mins float32 or float16; mins empty: none) as a QW.
 static sglite_quant::QW amx_weight(const at::Tensor& q, const at::Tensor& s, const at::Tensor& mn, int64_t bits, int64_t gs) {

@@ -34,33 +34,14 @@ inline const uint16_t* packed_data(const at::Tensor& t, int64_t N, int64_t K, co
 }  // namespace sglite_amx
 
 #ifdef SGQ_AMX
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 
 namespace sglite_amx {
 
 using namespace sglite_quant;
 
-constexpr long ARCH_REQ_XCOMP_PERM = 0x1023;  // Linux: ask for a dynamically enabled XSAVE feature
-constexpr long XFEATURE_XTILEDATA = 18;       // the AMX tile data state
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// tmm0..3: C (16 x 16 float32), tmm4/5: A (16 rows x 32 bf16), tmm6/7: B (16 pair-rows x 16 channels)
-inline void configure_tiles() {
-  TileConfig cfg;
-  for (int i = 0; i < 8; ++i) {
-    cfg.rows[i] = 16;
-    cfg.colsb[i] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+// tmm0..3: C (16 x 16 float32), tmm4/5: A (16 rows x 32 bf16), tmm6/7: B (16 pair-rows x 16
+// channels), in sglite_tiles::configure()'s shapes.
 
 // w.q tile t, block j -> 16 rows x 64 bytes of AMX B layout at out (bf16 pairs per channel)
 template <int BITS, typename ST, bool G16>
@@ -139,10 +120,6 @@ inline void tile_pair(const uint16_t* x, int64_t K, const uint16_t* b0, const ui
 }
 
 
-inline bool request_tiles() {
-  // Linux keeps the tile state off until the process asks (arch_prctl), once per process
-  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
 
 // Dequantized tile pairs kept per thread and block: about half a 2 MiB L2, so the block's B tiles
 // are read from L2 while each 32-row activation chunk stays in L1 across the block's pairs.
@@ -197,7 +174,7 @@ void gemm(const QW& w, const uint16_t* xd, int64_t M, float* yf, at::BFloat16* y
   const int64_t N = w.N, K = w.K, nb = K / BLK, T = N / TILE, P = (T + 1) / 2;
   const int64_t pair_elems = 2 * nb * 512, per_block = std::max<int64_t>(1, kBlockBytes / (pair_elems * 2));
   par(0, P, 1, [&](int64_t p0, int64_t p1) {
-    configure_tiles();
+    sglite_tiles::configure();
     const int64_t nblk = std::min(per_block, p1 - p0);
     std::vector<uint16_t> bufv(packed ? 0 : nblk * pair_elems + 32);  // 64-byte aligned for the B loads
     uint16_t* own = (uint16_t*)(((uintptr_t)bufv.data() + 63) & ~(uintptr_t)63);

@@ -1,0 +1,116 @@
+// The decode attention's VDPBF16PS kernels for bf16 pools on AVX512-BF16 CPUs, spliced into
+// cpu_attention.cpp inside its anonymous namespace after Job / Tiled / hsum4 / prefetch_row
+// (contract: sglite/kernels/cpu_attention.py). Defines SGL_BF16DOT and pick_bf16 when the build
+// targets AVX512-BF16.
+#pragma once
+
+#ifdef __AVX512BF16__
+#define SGL_BF16DOT 1
+// bf16 pools on AVX512-BF16 CPUs: the pre-scaled query and the softmax weights are rounded once to
+// bf16 (round to nearest even) and the products run on VDPBF16PS (two bf16 pairs per float32 lane),
+// summed in float32: a third of the instructions of widening K / V to float32 (the bf16 pool
+// already holds them as bf16). The same rounding of the query as llama.cpp's CPU attention, which
+// converts q to the cache type.
+inline __m512i load_bf16(const uint16_t* p, int rem) {  // 32 values; those at and past rem are zero
+  return _mm512_maskz_loadu_epi16(rem >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << rem) - 1), p);
+}
+
+template <int NB, int G>
+void scores_bf16(const Job<uint16_t>& j, const int32_t* slots, int64_t L, int h, const float* qf, float* sc) {
+  __m512bh qv[G][NB];
+  for (int g = 0; g < G; ++g)
+    for (int b = 0; b < NB; ++b)
+      qv[g][b] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qf + g * j.Dp + 32 * b + 16), _mm512_loadu_ps(qf + g * j.Dp + 32 * b));
+  const uint16_t* kh = j.k + h * j.ks1;
+  auto dots = [&](int64_t t, __m512* acc, int stride) {  // acc[g * stride] = the G lanes-sums of token t
+    const uint16_t* kr = kh + slots[t] * j.ks0;
+    __m512bh kv[NB];
+    for (int b = 0; b < NB; ++b) kv[b] = (__m512bh)load_bf16(kr + 32 * b, j.D - 32 * b);
+    for (int g = 0; g < G; ++g) {
+      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kv[0]);
+      for (int b = 1; b < NB; ++b) a = _mm512_dpbf16_ps(a, qv[g][b], kv[b]);
+      acc[g * stride] = a;
+    }
+  };
+  int64_t t = 0;
+  for (; t + 4 <= L; t += 4) {
+    __m512 acc[G][4];
+    for (int u = 0; u < 4; ++u) {
+      if (t + u + kPrefetch < L) prefetch_row(kh + slots[t + u + kPrefetch] * j.ks0, j.D);
+      dots(t + u, &acc[0][u], 4);
+    }
+    for (int g = 0; g < G; ++g) _mm_storeu_ps(sc + g * L + t, hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
+  }
+  for (; t < L; ++t) {
+    __m512 acc[G];
+    dots(t, acc, 1);
+    for (int g = 0; g < G; ++g) sc[g * L + t] = _mm512_reduce_add_ps(acc[g]);
+  }
+}
+
+// Token pairs (t, t + 1): their V rows interleaved by VPUNPCKL/HWD meet the weight pair
+// (p[t], p[t + 1]) in one VDPBF16PS per 16 output values; accumulator lane i of the "lo" half of
+// 32-block b holds dimension 32 b + 8 (i / 4) + i % 4, the "hi" half that + 4 (reordered on store).
+template <int NB, int G>
+void values_bf16(const Job<uint16_t>& j, const int32_t* slots, int64_t L, int h, float* p, float* out) {
+  __m512 acc[G][2 * NB];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 2 * NB; ++c) acc[g][c] = _mm512_setzero_ps();
+  // The weights rounded to bf16 once, in place over the float32 scratch (row g's bf16 values at
+  // the start of its float row: each 16-value store lands on floats already read), a zero after an
+  // odd row so the last pair's second weight is 0; the caller's scratch is consumed.
+  for (int g = 0; g < G; ++g) {
+    float* pf = p + g * L;
+    uint16_t* pb = reinterpret_cast<uint16_t*>(pf);
+    int64_t t = 0;
+    for (; t + 16 <= L; t += 16) _mm256_storeu_si256((__m256i*)(pb + t), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(pf + t)));
+    if (t < L) {
+      const __mmask16 m = (__mmask16)((1u << (L - t)) - 1);
+      const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, pf + t));
+      _mm256_mask_storeu_epi16(pb + t, m, v);
+    }
+    if (L & 1) pb[L] = 0;
+  }
+  const uint16_t* vh = j.v + h * j.vs1;
+  for (int64_t t = 0; t < L; t += 2) {
+    const bool two = t + 1 < L;
+    if (t + kPrefetch < L) prefetch_row(vh + slots[t + kPrefetch] * j.vs0, j.D);
+    if (t + 1 + kPrefetch < L) prefetch_row(vh + slots[t + 1 + kPrefetch] * j.vs0, j.D);
+    const uint16_t* v0 = vh + slots[t] * j.vs0;
+    const uint16_t* v1 = two ? vh + slots[t + 1] * j.vs0 : nullptr;
+    __m512bh lo[NB], hi[NB];
+    for (int b = 0; b < NB; ++b) {
+      const __m512i a = load_bf16(v0 + 32 * b, j.D - 32 * b);
+      const __m512i c = two ? load_bf16(v1 + 32 * b, j.D - 32 * b) : _mm512_setzero_si512();
+      lo[b] = (__m512bh)_mm512_unpacklo_epi16(a, c);
+      hi[b] = (__m512bh)_mm512_unpackhi_epi16(a, c);
+    }
+    for (int g = 0; g < G; ++g) {
+      uint32_t w;
+      std::memcpy(&w, reinterpret_cast<const uint16_t*>(p + g * L) + t, 4);  // (p[t], p[t + 1]) in bf16
+      const __m512bh pw = (__m512bh)_mm512_set1_epi32((int)w);
+      for (int b = 0; b < NB; ++b) {
+        acc[g][2 * b] = _mm512_dpbf16_ps(acc[g][2 * b], lo[b], pw);
+        acc[g][2 * b + 1] = _mm512_dpbf16_ps(acc[g][2 * b + 1], hi[b], pw);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int b = 0; b < NB; ++b) {
+      alignas(64) float tl[16], th[16];
+      _mm512_store_ps(tl, acc[g][2 * b]);
+      _mm512_store_ps(th, acc[g][2 * b + 1]);
+      float* o = out + g * j.Dp + 32 * b;
+      for (int i = 0; i < 16; ++i) {
+        o[8 * (i / 4) + i % 4] = tl[i];
+        o[8 * (i / 4) + i % 4 + 4] = th[i];
+      }
+    }
+}
+
+template <int NB, int... Gs> Tiled<uint16_t> pick_bf16(int G, std::integer_sequence<int, Gs...>) {
+  Tiled<uint16_t> r{nullptr, nullptr};
+  ((G == Gs + 1 ? (void)(r = Tiled<uint16_t>{&scores_bf16<NB, Gs + 1>, &values_bf16<NB, Gs + 1>}) : (void)0), ...);
+  return r;
+}
+#endif

@@ -45,6 +45,8 @@ class EngineConfig:
         dtype: ``auto`` | ``float32`` | ``bfloat16`` | ``float16`` (weights, activations, KV).
         device: ``cpu`` | ``cuda`` | ``auto``.
         max_total_tokens: KV pool capacity in tokens; None derives it from ``mem_fraction_static``.
+            Sliding-window models (the hybrid pool): the memory of that many full-attention
+            tokens, whose full pool then holds more tokens (``swa_pool.split_budget``).
         mem_fraction_static: fraction of free device/host memory for weights + KV when
             ``max_total_tokens`` is None.
         max_running_requests: most requests decoding at once.

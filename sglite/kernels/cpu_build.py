@@ -101,7 +101,11 @@ def with_bindings(source: str, functions: Sequence[str]) -> str:
     C++ call of tens of ms) stopped every other Python thread of the process -- the server's event
     loop and request preparation -- for its whole length. The kernels touch no Python object;
     calls from two threads at once were already possible (torch's own ops release the GIL), and
-    the decode thread pool runs a second caller serially (``csrc/thread_pool.h``)."""
+    the decode thread pool runs a second caller serially (``csrc/thread_pool.h``).
+
+    Raises:
+        ValueError: a name in ``functions`` that is not a C++ identifier.
+    """
     for f in functions:
         if not re.fullmatch(r"[A-Za-z_]\w*", f):
             raise ValueError(f"load_cpp: function name {f!r} is not a C++ identifier")
@@ -125,15 +129,16 @@ def load_cpp(name: str, source: str, extra_cflags: Sequence[str] = ("-O3",), *,
         ops_namespace: instead of a module, return ``getattr(torch.ops, ops_namespace)``.
     Returns:
         The Python module (``functions``) or the ``torch.ops`` namespace (``ops_namespace``); None
-        when the build or the load failed. Raises ValueError when neither or both are given.
+        when the build or the load failed. Raises ValueError when neither or both are given, or
+        for a function name that is not a C++ identifier.
     """
     if (functions is None) == (ops_namespace is None):
         raise ValueError("load_cpp: pass exactly one of functions= or ops_namespace=")
+    if functions is not None:  # a bad name is the caller's error, not an unavailable kernel
+        source = with_bindings(source, functions)
     try:
         from torch.utils.cpp_extension import load_inline
 
-        if functions is not None:
-            source = with_bindings(source, functions)
         full = f"{name}_{build_tag(source, ' '.join(extra_cflags))}"
         build_dir = cache_root() / "torch_extensions" / full
         build_dir.mkdir(parents=True, exist_ok=True)

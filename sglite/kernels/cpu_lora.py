@@ -12,7 +12,7 @@ differs).
 
 Errors: RuntimeError naming the argument for shapes, strides or dtypes outside the contract;
 IndexError for a slot outside ``[-1, S)``. Threads: the shared pool (``csrc/thread_pool.h``) over
-tiles of up to 8 rows of one segment (each A / b row is read once per tile, not once per row;
+tiles of up to 16 rows of one segment (each A / b row is read once per tile, not once per row;
 every value is computed as for one row alone, so tiling and threads do not change the result).
 
 Build: :func:`.cpu_build.load_cpp` (``-O3 -march=native``), cached on disk; when the build fails

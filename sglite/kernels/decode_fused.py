@@ -138,6 +138,7 @@ class FusedDecode:
         # a LoRA shrink / expand splits over threads from this many multiply-adds (0: always split)
         self.lora_split_min: int = getattr(self, "lora_split_min", LORA_SPLIT_MIN)
         self._amx: Optional[bool] = None  # amx_min()'s static conditions, filled on first use
+        self._layers_amx: Optional[tuple] = None  # (gemm_paths.fused_constants(), the layers' threshold)
         self.final_norm = model.norm.float().contiguous()  # [H]
         self.lin, self.bits, self.packed = [], [], []
         self.shapes: list = []  # (n, k, bits) of every layer weight: gemm_paths.fused_layers_amx_min
@@ -191,7 +192,12 @@ class FusedDecode:
         activations, float32 sums; :func:`.gemm_paths.fused_layers_amx_min` of the layer weights),
         or 0: off (no AMX, a float32 or row-layout model, the portable build, ``SGLITE_GEMM`` other
         than ``auto``; read per step, as the dispatcher)."""
-        return gemm_paths.fused_layers_amx_min(self.shapes) if self._amx_on() else 0
+        if not self._amx_on():
+            return 0
+        key = gemm_paths.fused_constants()  # the fold over ~4L weights once per change of the constants
+        if self._layers_amx is None or self._layers_amx[0] != key:
+            self._layers_amx = (key, gemm_paths.fused_layers_amx_min(self.shapes))
+        return self._layers_amx[1]
 
     def head_amx_min(self) -> int:
         """As :meth:`amx_min` for the tiled LM head (:func:`.gemm_paths.fused_amx_min` of its shape:
@@ -216,7 +222,7 @@ class FusedDecode:
     def max_rows(self) -> int:
         """Most decode rows of a fused step: :data:`MAX_ROWS_AMX` where the many-row GEMMs run on
         AMX (:meth:`amx_min`), else :data:`MAX_ROWS`."""
-        return MAX_ROWS_AMX if self.amx_min() else MAX_ROWS
+        return MAX_ROWS_AMX if self._amx_on() else MAX_ROWS
 
     def num_threads(self) -> int:
         """Threads of the C++ pool for this step: :attr:`threads`, or torch's intra-op count (the

@@ -133,6 +133,12 @@ def fused_amx_min(n: int, k: int, bits: int) -> int:
     return min(FUSED_AMX_MIN_ROWS_8BIT, AMX_MIN_ROWS) if bits == 8 else AMX_MIN_ROWS
 
 
+def fused_constants() -> tuple:
+    """The module constants :func:`fused_amx_min` reads, as one tuple (a cache key for callers that
+    fold it over a fixed list of weights once per change, not once per step)."""
+    return AMX_MIN_ROWS, FUSED_LARGE_BYTES, FUSED_AMX_MIN_ROWS_LARGE, FUSED_AMX_MIN_ROWS_8BIT
+
+
 def fused_layers_amx_min(weights) -> int:
     """One threshold for all the layer GEMMs of a fused step (the C++ call takes one): the
     :func:`fused_amx_min` of the (n, k, bits) ``weights`` that hold most of the weight elements
@@ -155,7 +161,7 @@ def describe(gemv_ok: bool, packed_ok: bool, vnni_gemm_ok: bool, amx_ok: bool = 
     fl = ", ".join(f"{r}+ rows {float_path(r, gemv_ok and r <= FLOAT_GEMV_MAX_ROWS, packed_ok)}" for r in rows)
     qrows = (1, 9, AMX_MIN_ROWS) if amx_ok else rows
     qu = ", ".join(f"{r}+ rows {quant_path(r, True, vnni_gemm_ok, amx_ok)}" for r in qrows)
-    fu = (f"; fused decode (bf16): amx_gemm from {fused_amx_min(1 << 30, 1, 8)} rows for codes >= "
-          f"{FUSED_LARGE_BYTES >> 20} MiB, {fused_amx_min(16, 32, 8)} for 8-bit codes, {fused_amx_min(16, 32, 4)} else"
+    fu = (f"; fused decode (bf16): amx_gemm from {min(FUSED_AMX_MIN_ROWS_LARGE, AMX_MIN_ROWS)} rows for codes >= "
+          f"{FUSED_LARGE_BYTES >> 20} MiB, {min(FUSED_AMX_MIN_ROWS_8BIT, AMX_MIN_ROWS)} for 8-bit codes, {AMX_MIN_ROWS} else"
           if amx_ok and mode() == "auto" else "")
     return f"{ENV}={mode()} cpu=[{feats}]; float weights: {fl}; quantized weights in 16-row tiles (bf16): {qu}{fu}"

@@ -13,7 +13,7 @@ from typing import Optional, Protocol, Union
 
 import torch
 
-from ..config import parse_lora_paths  # noqa: F401  (re-exported)
+from ..config import LORA_DTYPES, parse_lora_paths  # noqa: F401  (parse_lora_paths re-exported)
 from ..errors import InvalidRequestError
 from .adapter import LoraAdapter, ModelShape, load_adapter, read_config
 from .pool import LoraBatch, LoraPool
@@ -27,9 +27,9 @@ def resolve_lora_dtype(lora_dtype: str, model_dtype: torch.dtype) -> torch.dtype
     float32. Raises InvalidRequestError naming ``lora_dtype`` for another value."""
     if lora_dtype == "auto":
         return torch.bfloat16 if model_dtype == torch.bfloat16 else torch.float32
-    if lora_dtype in ("bfloat16", "float32"):
+    if lora_dtype in LORA_DTYPES[1:]:
         return getattr(torch, lora_dtype)
-    raise InvalidRequestError(f"lora_dtype: must be auto, bfloat16 or float32, got {lora_dtype!r}", field="lora_dtype")
+    raise InvalidRequestError(f"lora_dtype: must be one of {LORA_DTYPES}, got {lora_dtype!r}", field="lora_dtype")
 
 
 def initial_max_rank(max_lora_rank: Optional[int], lora_paths: tuple) -> int:

@@ -57,10 +57,15 @@ class SWAView:
     dec_rows: torch.Tensor
 
 
+def _local_want(window: int, rows: int, context_length: int, page_size: int) -> int:
+    """Local slots a hybrid pool wants: ``rows x (2 x window + 2 pages) + 2 x context`` (the
+    windows running requests hold, plus in-flight prefill)."""
+    return rows * (2 * window + 2 * page_size) + 2 * context_length
+
+
 def swa_pool_tokens(full_tokens: int, window: int, rows: int, context_length: int, page_size: int) -> int:
-    """Local slots of a hybrid pool: ``rows x (2 x window + 2 pages) + 2 x context`` (the windows
-    running requests hold, plus in-flight prefill), at most ``full_tokens``."""
-    return int(min(full_tokens, rows * (2 * window + 2 * page_size) + 2 * context_length))
+    """Local slots of a hybrid pool: :func:`_local_want`, at most ``full_tokens``."""
+    return int(min(full_tokens, _local_want(window, rows, context_length, page_size)))
 
 
 def split_budget(budget_bytes: int, global_bytes: int, local_bytes: int, window: int, rows: int,
@@ -82,7 +87,7 @@ def split_budget(budget_bytes: int, global_bytes: int, local_bytes: int, window:
     """
     if local_bytes <= 0:
         raise ValueError(f"local_bytes must be > 0 on a hybrid pool, got {local_bytes}")
-    want = rows * (2 * window + 2 * page_size) + 2 * context_length
+    want = _local_want(window, rows, context_length, page_size)
     if global_bytes <= 0:
         full = budget_bytes // local_bytes
     else:

@@ -77,11 +77,11 @@ def test_bf16_weights_under_float32_activations(N, K, O, R, S, G):
 
 @pytest.mark.parametrize("dtype,wdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
 def test_cpp_tiles_do_not_change_values(dtype, wdtype):
-    """Rows of one segment share each A / b load (tiles of 8 rows, 256-column expand passes): every
+    """Rows of one segment share each A / b load (tiles of 16 rows, 64-column expand chunks): every
     row equals the same row run alone (a segment of one row), bitwise, long segments and O > 256."""
     ops = built(cpu_lora.load)
     y, x, a, b, lens, slots = random_case(45, 80, 530, 16, 3, 3, dtype, 5, wdtype)
-    slots = torch.tensor([0, 2, 1])
+    lens, slots = torch.tensor([20, 1, 24]), torch.tensor([0, 2, 1])  # segments across whole tiles and a remainder
     got = ops.lora_add(y.clone(), x, a, b, lens, slots)
     rows = torch.repeat_interleave(slots, lens)
     one = ops.lora_add(y.clone(), x, a, b, torch.ones(45, dtype=torch.int64), rows)

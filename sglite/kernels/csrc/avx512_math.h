@@ -19,4 +19,17 @@ inline __m512 exp_nonpos(__m512 x) {
   for (int k = DEG - 1; k >= 0; --k) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(inv_fact[k]));
   return _mm512_scalef_ps(p, n);
 }
+
+// gelu_tanh(x) = 0.5 x (1 + tanh(y)), y = sqrt(2/pi) (x + 0.044715 x^3) (Hendrycks & Gimpel 2016,
+// the tanh approximation; torch's gelu(approximate="tanh")) on 16 float32 lanes: tanh(|y|) =
+// (1 - e) / (1 + e) with e = e^(-2|y|) (exp_nonpos: abs. error ~1e-7), sign restored.
+inline __m512 gelu_tanh16(__m512 x) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 y = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                 _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), x), _mm512_mul_ps(x, x), x));
+  const __m512 e = exp_nonpos(_mm512_mul_ps(_mm512_set1_ps(-2.f), _mm512_abs_ps(y)));
+  __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  t = _mm512_mask_sub_ps(t, _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_ps(), t);
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(one, t));
+}
 }  // namespace sglite_simd

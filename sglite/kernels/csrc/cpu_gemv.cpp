@@ -272,18 +272,7 @@ inline __m512 silu16(__m512 g) {
   return _mm512_mul_ps(g, sig);
 }
 
-// gelu_tanh(x) = 0.5 x (1 + tanh(y)), y = sqrt(2/pi) (x + 0.044715 x^3) (Hendrycks & Gimpel 2016, the
-// tanh approximation; torch's gelu(approximate="tanh")) in float32, tanh(|y|) = (1 - e) / (1 + e) with
-// e = e^(-2|y|) (exp_nonpos: abs. error ~1e-7), sign restored: decode_family.h's formula.
-inline __m512 gelu_tanh16(__m512 x) {
-  const __m512 one = _mm512_set1_ps(1.f);
-  const __m512 y = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
-                                 _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), x), _mm512_mul_ps(x, x), x));
-  const __m512 e = exp_nonpos(_mm512_mul_ps(_mm512_set1_ps(-2.f), _mm512_abs_ps(y)));
-  __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
-  t = _mm512_mask_sub_ps(t, _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_ps(), t);
-  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(one, t));
-}
+using sglite_simd::gelu_tanh16;  // avx512_math.h: decode_family.h's formula too
 
 inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));

@@ -72,8 +72,10 @@ template <typename T, typename W>
 void lora_rows(const T* x, const W* a, const W* b, T* y, const std::vector<int64_t>& tiles, int64_t K, int64_t R,
                int64_t O, int64_t sx, int64_t sy, const int64_t* spans, int64_t blocks) {
   const int64_t n_tiles = (int64_t)tiles.size() / 3;
+  int64_t rows = 1;  // the longest tile: scratch for it only (a decode step's segments are often 1 row)
+  for (int64_t j = 0; j < n_tiles; ++j) rows = std::max(rows, tiles[3 * j + 1]);
   sglite_pool::parallel_for(0, n_tiles, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> xf(TILE * K), t(TILE * R), yf(TILE * O);
+    std::vector<float> xf(rows * K), t(rows * R), yf(rows * O);
     std::vector<int64_t> qs;
     for (int64_t j = lo; j < hi; ++j) {
       const int64_t r0 = tiles[3 * j], n = tiles[3 * j + 1], s = tiles[3 * j + 2];

@@ -24,16 +24,8 @@ void gelu_tanh_mul(const float* g, const float* u, int64_t n, float* act) {
   const float k0 = 0.7978845608028654f, k1 = 0.044715f;
   int64_t i = 0;
 #ifdef SGQ_AVX512
-  const __m512 one = _mm512_set1_ps(1.f), half = _mm512_set1_ps(0.5f), vk0 = _mm512_set1_ps(k0), vk1 = _mm512_set1_ps(k1);
-  for (; i + 16 <= n; i += 16) {
-    const __m512 x = _mm512_loadu_ps(g + i);
-    const __m512 y = _mm512_mul_ps(vk0, _mm512_fmadd_ps(_mm512_mul_ps(vk1, x), _mm512_mul_ps(x, x), x));
-    const __m512 e = sglite_simd::exp_nonpos(_mm512_mul_ps(_mm512_set1_ps(-2.f), _mm512_abs_ps(y)));
-    __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
-    t = _mm512_mask_sub_ps(t, _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_ps(), t);
-    _mm512_storeu_ps(act + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, t)),
-                                            _mm512_loadu_ps(u + i)));
-  }
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(act + i, _mm512_mul_ps(sglite_simd::gelu_tanh16(_mm512_loadu_ps(g + i)), _mm512_loadu_ps(u + i)));
 #endif
   for (; i < n; ++i) {
     const float x = g[i];

@@ -95,6 +95,22 @@ def test_repack_policy(monkeypatch):
 
 
 @amx
+def test_amx_gemm_takes_rows_off_a_cache_line_boundary():
+    """A view 16 bytes past a 64-byte boundary (as malloc's buffers are): the kernel copies it to an
+    aligned buffer first (a tile row must be one cache line), same bits as the aligned input."""
+    w = _weight("Q4_1", 64, 576, 3)
+    for m in (32, 45):
+        x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m)).bfloat16()
+        buf = torch.zeros(m * 576 + 32, dtype=torch.bfloat16)
+        off = (16 - buf.data_ptr() % 64) % 64 // 2
+        v = buf[off:off + m * 576].view(m, 576)
+        v.copy_(x)
+        assert v.data_ptr() % 64 == 16 and v.is_contiguous()
+        args = (w.qweight, w.scales, w.mins, w.bits, w.group_size, True, NONE)
+        assert torch.equal(quant_amx.load().quant_gemm_amx(v, *args), quant_amx.load().quant_gemm_amx(x, *args))
+
+
+@amx
 def test_amx_gemm_threads_agree():
     w = _weight("Q4_1", 96, 576, 1)
     x = torch.randn(40, 576, generator=torch.Generator().manual_seed(2)).bfloat16()

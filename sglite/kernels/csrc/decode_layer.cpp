@@ -83,9 +83,10 @@ void gemv(const QW& w, const float* x, int64_t M, float* y, bool q8, const PoolP
   TORCH_CHECK(q8 || (!w.half && !w.tiled), "decode_forward: float16 scales and 16-row tiles need the int8-activation path");
 #ifdef SGQ_AMX
   if (q8 && w.tiled && amx_min > 0 && M >= amx_min) {
-    std::vector<uint16_t> xd((M + 31) / 32 * 32 * w.K);
-    sglite_amx::pack_rows(x, M, w.K, xd.data());
-    sglite_amx::gemm(w, xd.data(), M, y, nullptr, par, w.packed);
+    std::vector<uint16_t> buf;
+    uint16_t* xd = sglite_amx::rows_buffer(buf, M, w.K);  // 64-byte aligned: one cache line per tile row
+    sglite_amx::pack_rows(x, M, w.K, xd);
+    sglite_amx::gemm(w, xd, M, y, nullptr, par, w.packed);
     return;
   }
 #endif

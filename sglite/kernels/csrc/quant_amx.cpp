@@ -54,8 +54,10 @@ at::Tensor quant_gemm_amx(at::Tensor x, at::Tensor q, at::Tensor s, at::Tensor m
               "quant_gemm_amx: mins must match scales' dtype and shape");
   const int64_t Mp = (M + 31) / 32 * 32;
   at::Tensor xp = x.contiguous();
-  if (Mp != M) {  // zero rows up to a multiple of 32: every tile load reads 16 full rows
-    at::Tensor pad = at::empty({Mp, K}, x.options());
+  if (Mp != M || ((uintptr_t)xp.data_ptr() & 63)) {  // zero rows up to a multiple of 32 (every tile load
+    // reads 16 full rows), and 64-byte aligned (a view's offset: tile rows would straddle cache lines)
+    at::Tensor pad = at::empty({Mp * K + 32}, x.options());
+    pad = pad.narrow(0, ((64 - ((uintptr_t)pad.data_ptr() & 63)) & 63) / 2, Mp * K).view({Mp, K});
     std::memcpy(pad.data_ptr(), xp.data_ptr(), M * K * 2);
     std::memset((uint16_t*)pad.data_ptr() + M * K, 0, (Mp - M) * K * 2);
     xp = pad;

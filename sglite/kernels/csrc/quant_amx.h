@@ -159,7 +159,7 @@ inline void dequant_pair(const QW& w, int64_t p, int64_t nb, uint16_t* b) {
   if (nt == 1) std::memset(b + nb * 512, 0, nb * 512 * sizeof(uint16_t));
 }
 
-// x: [Mp, K] bf16 bits, Mp = M rounded up to 32, rows >= M zero. Output rows 0..M-1 of [M, N]:
+// x: [Mp, K] bf16 bits, 64-byte aligned (rows_buffer), Mp = M rounded up to 32, rows >= M zero. Output rows 0..M-1 of [M, N]:
 // float32 into yf, or bf16 (one rounding) into ybf; exactly one of them non-null. Tile pairs split
 // by par into contiguous shares; each share runs in blocks of pairs (kBlockBytes of dequantized
 // tiles, each weight dequantized once per call), and within a block the 32-row chunks are the outer
@@ -173,6 +173,7 @@ void gemm(const QW& w, const uint16_t* xd, int64_t M, float* yf, at::BFloat16* y
           const uint16_t* packed = nullptr) {
   const int64_t N = w.N, K = w.K, nb = K / BLK, T = N / TILE, P = (T + 1) / 2;
   const int64_t pair_elems = 2 * nb * 512, per_block = std::max<int64_t>(1, kBlockBytes / (pair_elems * 2));
+  TORCH_CHECK(((uintptr_t)xd & 63) == 0, "sglite_amx::gemm: the activation rows must be 64-byte aligned (rows_buffer)");
   par(0, P, 1, [&](int64_t p0, int64_t p1) {
     sglite_tiles::configure();
     const int64_t nblk = std::min(per_block, p1 - p0);
@@ -206,6 +207,15 @@ void pack_b(const QW& w, uint16_t* out, const Par& par) {
   par(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) dequant_pair(w, p, nb, out + p * 2 * nb * 512);
   });
+}
+
+// Room for the tile GEMM's activation rows [Mp, K] bf16 (Mp = M rounded up to 32) in buf -> its
+// 64-byte aligned start. Every tile row is then one cache line: K % 32 == 0 makes each row's stride a
+// whole number of lines, and a tile load whose 64-byte rows straddle two lines (malloc's 16-byte
+// alignment) measured ~3x slower per load here (7.7 vs 24 ns CPU, docs/benchmarks.md).
+inline uint16_t* rows_buffer(std::vector<uint16_t>& buf, int64_t M, int64_t K) {
+  buf.resize((M + 31) / 32 * 32 * K + 32);
+  return (uint16_t*)(((uintptr_t)buf.data() + 63) & ~(uintptr_t)63);
 }
 
 // float32 rows x [M, K] -> bf16 bits (round to nearest even) in xd [Mp, K], Mp = M rounded up to 32, padding rows zero

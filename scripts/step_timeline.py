@@ -17,6 +17,7 @@ prompts sent at once by ``sglite bench serving``'s client in a second process).
 
     python scripts/step_timeline.py --workload shared-prefix --mode inproc [--steps] [--json OUT]
     python scripts/step_timeline.py --workload offline --mode http -- --max-running-requests 48
+    python scripts/step_timeline.py --mode http --client bench   # the issue's client, streaming
 
 Arguments after ``--`` are engine flags (``sglite serve``'s spelling). The machine's load moves
 wall times: compare runs A/B interleaved and read the CPU columns beside the wall ones.
@@ -167,11 +168,57 @@ def run_http(engine, tl: Timeline, ps: list[str], warm: list[str], port: int) ->
     return t, t1, cpu
 
 
+def run_bench_client(engine, tl: Timeline, port: int) -> tuple[float, float, float]:
+    """Serve ``engine`` on ``port``; ``sglite bench serving --dataset shared-prefix`` (streaming,
+    as the issue's measurement) is the client, in a second process. The timeline starts at the
+    client's ``/flush_cache`` (after its warm-up request)."""
+    import resource
+
+    import uvicorn
+
+    from sglite.server.app import create_app
+    from sglite.server.settings import ServerConfig
+
+    flush0, marks = engine.flush_cache, {}
+
+    def flush():
+        ok = flush0()
+        tl.rows.clear()
+        tl.on = True
+        marks["t"], marks["c"] = time.perf_counter(), time.process_time()
+        return ok
+
+    engine.flush_cache = flush
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, ServerConfig(port=port)), host="127.0.0.1",
+                                           port=port, log_level="warning"))
+    th = threading.Thread(target=server.run, daemon=True)
+    th.start()
+    while not server.started:
+        time.sleep(0.05)
+    u0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = subprocess.run([sys.executable, "-m", "sglite.cli", "bench", "serving", "--base-url",
+                          f"http://127.0.0.1:{port}", "--dataset", "shared-prefix", "--disable-tqdm"],
+                         capture_output=True, text=True)
+    t1, cpu = time.perf_counter(), time.process_time() - marks.get("c", 0.0)
+    u1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    server.should_exit = True
+    th.join(timeout=10)
+    if out.returncode != 0 or "t" not in marks:
+        raise SystemExit(f"client failed: {out.stdout[-2000:]} {out.stderr[-2000:]}")
+    print("\n".join(line for line in out.stdout.splitlines() if "req/s" in line or "Request throughput" in line
+                    or "TTFT" in line or "hit" in line.lower()))
+    print(f"client process CPU (warm-up included): {u1.ru_utime + u1.ru_stime - u0.ru_utime - u0.ru_stime:.2f} s")
+    return marks["t"], t1, cpu
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workload", choices=("shared-prefix", "offline"), default="shared-prefix")
     ap.add_argument("--mode", choices=("inproc", "http"), default="inproc")
     ap.add_argument("--port", type=int, default=30377)
+    ap.add_argument("--client", choices=("burst", "bench"), default="burst",
+                    help="http mode: one /generate per prompt, all at once (burst), or `sglite bench serving "
+                         "--dataset shared-prefix` (bench: streaming, its own prompts and warm-up)")
     ap.add_argument("--steps", action="store_true", help="print every step, not only the summary")
     ap.add_argument("--json", default=None, help="write the rows and the summary here")
     ap.add_argument("engine_args", nargs="*", help="engine flags after --, e.g. -- --schedule-policy lpm")
@@ -185,8 +232,12 @@ def main() -> None:
     tl = Timeline(engine)
     ps, warm = prompts(a.workload)
     try:
-        run = run_http if a.mode == "http" else run_inproc
-        t0, t1, cpu = run(engine, tl, ps, warm, a.port) if a.mode == "http" else run(engine, tl, ps, warm)
+        if a.mode == "http" and a.client == "bench":
+            t0, t1, cpu = run_bench_client(engine, tl, a.port)
+        elif a.mode == "http":
+            t0, t1, cpu = run_http(engine, tl, ps, warm, a.port)
+        else:
+            t0, t1, cpu = run_inproc(engine, tl, ps, warm)
         tl.on = False
         stats = engine.get_server_info()
     finally:

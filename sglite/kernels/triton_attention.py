@@ -90,6 +90,43 @@ def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, out_cache_loc: torc
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
+def _block_scores(q, KBuf, ReqToToken, row, stride_r2t, offs_n, nmask, kvh, stride_kbs, stride_kbh, offs_d, dmask,
+                  sm_scale, softcap, UPCAST: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One key block of a request row: its KV slots [BN], the K/V load mask [BN, BD] and the scaled
+    (and, with ``SOFTCAP``, soft-capped) scores of ``q`` [BQ, BD] against its keys, [BQ, BN] float32
+    (masking is the caller's)."""
+    slots = tl.load(ReqToToken + row * stride_r2t + offs_n, mask=nmask, other=0).to(tl.int64)
+    kvmask = nmask[:, None] & dmask[None, :]
+    k = tl.load(KBuf + slots[:, None] * stride_kbs + kvh * stride_kbh + offs_d[None, :],
+                mask=kvmask, other=0.0)  # [BN, BD]
+    if UPCAST:
+        k = k.to(tl.float32)
+    if IEEE:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    qk = qk * sm_scale
+    if SOFTCAP:  # cap * tanh(s / cap), tanh(x) = 2 sigmoid(2x) - 1
+        qk = softcap * (2.0 * tl.sigmoid(qk * (2.0 / softcap)) - 1.0)
+    return slots, kvmask, qk
+
+
+@triton.jit
+def _block_values(p, VBuf, slots, kvmask, kvh, stride_vbs, stride_vbh, offs_d,
+                  UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """``p`` [BQ, BN] (softmax numerators, float32) times the block's values: [BQ, BD] float32."""
+    v = tl.load(VBuf + slots[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :],
+                mask=kvmask, other=0.0)  # [BN, BD]
+    if UPCAST:
+        pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
+    elif IEEE:
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return pv
+
+
+@triton.jit
 def _decode_partial_kernel(Q, KBuf, VBuf, ReqToToken, ReqIdx, SeqLens, MidO, MidLse, sm_scale, window, softcap,
                            stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
                            stride_r2t, stride_mob, stride_moh, stride_mos, stride_lb, stride_lh,
@@ -128,32 +165,14 @@ def _decode_partial_kernel(Q, KBuf, VBuf, ReqToToken, ReqIdx, SeqLens, MidO, Mid
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)  # [BN] positions
         nmask = offs_n < end
-        slots = tl.load(ReqToToken + row * stride_r2t + offs_n, mask=nmask, other=0).to(tl.int64)
-        kvmask = nmask[:, None] & dmask[None, :]
-        k = tl.load(KBuf + slots[:, None] * stride_kbs + kvh * stride_kbh + offs_d[None, :],
-                    mask=kvmask, other=0.0)  # [BN, BD]
-        if UPCAST:
-            k = k.to(tl.float32)
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        qk = qk * sm_scale
-        if SOFTCAP:  # cap * tanh(s / cap), tanh(x) = 2 sigmoid(2x) - 1
-            qk = softcap * (2.0 * tl.sigmoid(qk * (2.0 / softcap)) - 1.0)
+        slots, kvmask, qk = _block_scores(q, KBuf, ReqToToken, row, stride_r2t, offs_n, nmask, kvh, stride_kbs,
+                                          stride_kbh, offs_d, dmask, sm_scale, softcap, UPCAST, IEEE, SOFTCAP)
         qk = tl.where(nmask[None, :], qk, float("-inf"))  # [BG, BN]
         m_new = tl.maximum(m_i, tl.max(qk, 1))  # [BG], finite: each chunk's first position is valid
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(qk - m_new[:, None])  # [BG, BN]
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(VBuf + slots[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :],
-                    mask=kvmask, other=0.0)  # [BN, BD]
-        if UPCAST:
-            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
-        elif IEEE:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
+        pv = _block_values(p, VBuf, slots, kvmask, kvh, stride_vbs, stride_vbh, offs_d, UPCAST, IEEE)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
@@ -314,22 +333,11 @@ def _extend_kernel(Q, KBuf, VBuf, Out, ReqToToken, ReqIdx, PrefixLens, ExtendLen
     for n0 in range(kv_start, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < kv_end
-        slots = tl.load(ReqToToken + row * stride_r2t + offs_n, mask=nmask, other=0).to(tl.int64)
-        kvmask = nmask[:, None] & dmask[None, :]
-        k = tl.load(KBuf + slots[:, None] * stride_kbs + kvh * stride_kbh + offs_d[None, :],
-                    mask=kvmask, other=0.0)  # [BN, BD]
-        if UPCAST:
-            k = k.to(tl.float32)
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
+        slots, kvmask, qk = _block_scores(q, KBuf, ReqToToken, row, stride_r2t, offs_n, nmask, kvh, stride_kbs,
+                                          stride_kbh, offs_d, dmask, sm_scale, softcap, UPCAST, IEEE, SOFTCAP)
         visible = nmask[None, :] & (offs_n[None, :] <= qpos[:, None])  # [BM, BN] causal w/ offset
         if WINDOW:
             visible = visible & (offs_n[None, :] > qpos[:, None] - window)
-        qk = qk * sm_scale
-        if SOFTCAP:  # cap * tanh(s / cap), tanh(x) = 2 sigmoid(2x) - 1
-            qk = softcap * (2.0 * tl.sigmoid(qk * (2.0 / softcap)) - 1.0)
         qk = tl.where(visible, qk, float("-inf"))
         # without a window key 0 is visible to every query row, so m_new is finite from the first
         # block on; with one a row may see nothing in a block: m_new stays -inf, read as 0 (alpha
@@ -339,14 +347,7 @@ def _extend_kernel(Q, KBuf, VBuf, Out, ReqToToken, ReqIdx, PrefixLens, ExtendLen
         alpha = tl.exp(m_i - m_use)
         p = tl.exp(qk - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(VBuf + slots[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :],
-                    mask=kvmask, other=0.0)
-        if UPCAST:
-            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
-        elif IEEE:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
+        pv = _block_values(p, VBuf, slots, kvmask, kvh, stride_vbs, stride_vbh, offs_d, UPCAST, IEEE)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 

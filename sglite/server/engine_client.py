@@ -14,7 +14,7 @@ import asyncio
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Awaitable, Optional
 
 from ..errors import InvalidRequestError, QueueFullError
 from ..config import EngineConfig
@@ -213,19 +213,7 @@ class EngineClient:
         Raises:
             ValueError: refused before scheduling (bad input, rid in flight); nothing to abort.
         """
-        fresh = not any(r in self.active for r in _rid_keys(call.rid))
-        self.active.update(_rid_keys(call.rid))
-        if self.request_log is not None:
-            self.request_log.received(call)
-        try:
-            out = await self.engine.async_generate(**call.kwargs(stream=False))
-        except (ValueError, QueueFullError):  # refused before scheduling: nothing to abort
-            if fresh:
-                self.release(call.rid)
-            raise
-        except BaseException:
-            self.abort(call.rid)
-            raise
+        out = await self._started(call, self.engine.async_generate(**call.kwargs(stream=False)))
         self.release(call.rid)
         outs = out if isinstance(out, list) else [out]
         for o in outs:
@@ -234,13 +222,23 @@ class EngineClient:
 
     async def open(self, call: GenCall, incremental: bool = False) -> EngineStream:
         """Start a streamed call and pull its first event (errors raise here, before any output)."""
+        async def first_event() -> tuple:
+            it = (await self.engine.async_generate(**call.kwargs(stream=True, incremental=incremental))).__aiter__()
+            return it, await it.__anext__()
+
+        it, first = await self._started(call, first_event())
+        return EngineStream(self, call, it, first, incremental)
+
+    async def _started(self, call: GenCall, start: Awaitable):
+        """Register ``call``'s rids as in flight, log its receipt and await ``start`` (the engine
+        call). A refusal before scheduling (ValueError, QueueFullError) releases the rids this call
+        registered (nothing to abort); any other failure or a cancellation aborts the call."""
         fresh = not any(r in self.active for r in _rid_keys(call.rid))
         self.active.update(_rid_keys(call.rid))
         if self.request_log is not None:
             self.request_log.received(call)
         try:
-            it = (await self.engine.async_generate(**call.kwargs(stream=True, incremental=incremental))).__aiter__()
-            first = await it.__anext__()
+            return await start
         except (ValueError, QueueFullError):  # refused before scheduling: nothing to abort
             if fresh:
                 self.release(call.rid)
@@ -248,7 +246,6 @@ class EngineClient:
         except BaseException:
             self.abort(call.rid)
             raise
-        return EngineStream(self, call, it, first, incremental)
 
 
 def _rid_keys(rid) -> list[str]:

@@ -65,12 +65,14 @@ class EngineConfig:
             the prefill budget beside decoding requests (decode priority; 0 = every step mixes a
             chunk in). Trades a
             longer TTFT for long prompts against shorter stalls for requests already decoding.
+            Not while more requests wait than decode (a burst, e.g. 64 requests sent at once).
         max_mixed_prefill_tokens: most prompt tokens one step admits beside decoding requests:
             the first waiting prompt is always admitted (chunked by ``chunked_prefill_size``), a
             further one only when the step's prefill tokens stay within this (-1 / None: off, the
             prefill budget alone). One 200-token arrival then runs its own short step instead of
             sharing a twice as long one, so both its TTFT and the decoding requests' next token
-            come sooner. Without decoding requests (a burst into an idle engine) it does not apply.
+            come sooner. Without decoding requests (a burst into an idle engine), or while more
+            requests wait than decode (a burst beside a few decoding ones), it does not apply.
         page_size: KV slots allocated and prefix-matched in whole pages of this many tokens.
             With ``kv_cache_dtype`` int8 / int4 a page holds whole key groups: 1 becomes
             ``kv_cache_quant_group_size``, other values must be multiples of it.

@@ -63,6 +63,7 @@ class Scheduler:
         self.small_extend = None if config.enable_deterministic_inference else SMALL_EXTEND
         self.step_log = StepLogger(config.decode_log_interval)
         self._decode_only_left = 0
+        self._bursting = False  # burst admission (see _note_burst)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.counters = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "retractions": 0,
@@ -149,11 +150,15 @@ class Scheduler:
         whole of it; steps that admit only short prompts never hold the next arrivals back.
         Beside decoding requests a step admits the first waiting prompt and further ones only
         within ``max_mixed_prefill_tokens`` (see :meth:`_admit`): arrivals get short steps of
-        their own instead of sharing one long step.
+        their own instead of sharing one long step. Neither applies during a burst (from a step
+        at which more requests wait than decode until the queue is empty, :meth:`_note_burst`):
+        a burst is admitted as fast as the prefill budget allows.
         """
         if not self.has_work():
             return None
-        decode_only = self._decode_only_left > 0 and any(not r.prefilling for r in self.running)
+        decoding = sum(1 for r in self.running if not r.prefilling)
+        self._note_burst(decoding)
+        decode_only = self._decode_only_left > 0 and decoding > 0 and not self._bursting
         entries = self._plan_running(decode_only)
         if decode_only:
             self._decode_only_left -= 1
@@ -165,11 +170,29 @@ class Scheduler:
         if not entries:
             return None
         plan = StepPlan(entries, decode_only).layout(self.small_extend)
-        if plan.has_chunk and plan.has_decode and self.config.chunk_size and self._fills_budget(entries):
+        if not self.waiting:
+            self._bursting = False
+        if plan.has_chunk and plan.has_decode and self.config.chunk_size and self._fills_budget(entries) \
+                and not self._bursting:
             self._decode_only_left = self.config.decode_steps_per_chunk
         self.counters["steps"] += 1
         self.step_log.log_step(plan, self.kv, len(self.running), len(self.waiting))
         return plan
+
+    def _note_burst(self, decoding: int) -> None:
+        """Start burst admission when more requests wait than decode (``decoding``: running
+        requests past their prompt), e.g. 64 requests sent at once or an offline batch larger than
+        one step's prefill budget; it lasts until the waiting queue is empty. Decode priority (the
+        decode-only steps, the mixed-prefill cap) holds every waiting request back to spare each
+        decoding one a slower next token: when the waiting ones are the majority that trade loses,
+        and spreading a burst over many capped steps leaves a long tail of small decode batches
+        (more steps for the same tokens). A burst is admitted within the prefill budget alone, as
+        into an idle engine (SGLang's prefill-first order). Kept until the queue drains, so the
+        second half of a burst is not capped once the first half decodes."""
+        if not self.waiting:
+            self._bursting = False
+        elif len(self.waiting) > decoding:
+            self._bursting = True
 
     def _fills_budget(self, entries: list[StepEntry]) -> bool:
         """True when the step's prefill tokens used the whole prefill budget (a long prompt's chunk,
@@ -257,7 +280,9 @@ class Scheduler:
             return
         budget = self._budget() - sum(e.n for e in entries if e.n > 1)
         # beside decoding requests, prompts after the first fit whole within the mixed cap or wait
-        cap = self.config.mixed_prefill_cap if any(not e.req.prefilling for e in entries) else None
+        # (not during a burst, see _note_burst)
+        decoding = any(not e.req.prefilling for e in entries)
+        cap = self.config.mixed_prefill_cap if decoding and not self._bursting else None
         used = sum(e.n for e in entries if e.req.prefilling)
         order = order_waiting(self.config.schedule_policy, list(self.waiting), self.kv.cache)
         prefilling = [r for r in self.running if r.prefilling]

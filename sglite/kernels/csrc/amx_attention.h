@@ -172,7 +172,26 @@ inline bool pack_block(const uint16_t* base_k, int64_t s0k, const uint16_t* base
   return true;
 }
 
-inline float hmax(__m512 a) { return _mm512_reduce_max_ps(a); }
+// Lane i of the result: the max (MAX) or the sum of the 16 lanes of v[i]; every row through the
+// same tree (quarters (0 + 2, 1 + 3), their two halves, then lanes (0 + 2, 1 + 3) within a quarter
+// and the last pair), so a row's result never depends on its neighbours. 46 operations for 16
+// rows, against 2 x 4 dependent shuffles and operations per row for _mm512_reduce_*.
+template <bool MAX> inline __m512 reduce16(const __m512 v[16]) {
+  auto op = [](__m512 a, __m512 b) { return MAX ? _mm512_max_ps(a, b) : _mm512_add_ps(a, b); };
+  __m512 u[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)  // rows 2i, 2i + 1: 8 lanes each
+    u[i] = op(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+              _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)  // quarter k: row 4i + k, 4 lanes
+    x[i] = op(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+              _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)  // quarter k: rows 8i + k, 8i + 4 + k, 2 lanes each
+    y[i] = op(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+              _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 z = op(_mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                      _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));  // lane 4k + j: row 4j + k
+  return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), z);
+}
 
 
 // C tiles 0..Rt-1 += A . B (tile 5), A = Rt row tiles of bf16 rows `a` (ld elements apart),
@@ -223,64 +242,75 @@ inline void block(Work& w, int R, int Dp, int n, int64_t t0, bool full, int64_t 
     }
     c_row_tiles<true>(Rt, w.s + 16 * kg, KB);
   }
-  // softmax rows: per row the chunks of 16 keys it can see at all ([c_lo, c_hi): the rest get zero
-  // weights and no exp), masks only on the chunks that cross the diagonal, the window's edge or the
-  // block's end; the block max (one pass), then 2^(s - m) with its sum and bf16 weights (a second)
-  alignas(64) float m_next[kMaxRows], rsum[kMaxRows];
+  // softmax, per 16 rows: per row the chunks of 16 keys it can see at all ([c_lo, c_hi): the rest
+  // get zero weights and no exp), masks only on the chunks that cross the diagonal, the window's
+  // edge or the block's end; the rows' max vectors (one pass), reduced for the 16 rows at once; then
+  // 2^(s - m), bf16 weights and the sum vectors (a second pass), reduced likewise
+  alignas(64) float m_next[kMaxRows], rsum[kMaxRows], bmax[16];
   const __m512 ninf = _mm512_set1_ps(-INFINITY);
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const int nc = n64 / 16;
-  for (int r = 0; r < Rt * 16; ++r) {
-    float* s = w.s + (size_t)r * KB;
-    uint16_t* p = w.p + (size_t)r * KB;
-    const float m_old = w.m[r];
-    m_next[r] = m_old;
-    rsum[r] = 0.f;
-    // keys (by index in the block) lo_rel < t <= hi are visible
-    int64_t hi = n - 1, lo_rel = -1;
-    if (r >= R) hi = -1;  // padding rows: no weights
-    else if (!full) {
-      hi = std::min<int64_t>(hi, (int64_t)w.qpos[r] - t0);
-      if (window > 0) lo_rel = std::max<int64_t>(-1, std::min<int64_t>(KB, (int64_t)w.qpos[r] - window - t0));
-    }
-    const int c_lo = (int)std::max<int64_t>(0, (lo_rel + 1) / 16), c_hi = hi < 0 ? 0 : (int)(hi / 16 + 1);
-    if (c_lo >= c_hi) {
-      std::memset(p, 0, sizeof(uint16_t) * KB);
-      continue;
-    }
-    if (softcap > 0.f) {  // on log2-unit scores: cap' = cap log2(e) gives log2(e) cap tanh(s / cap)
-      const float cap = softcap * kLog2e, inv = 1.f / cap;
-      for (int t = 16 * c_lo; t < 16 * c_hi; ++t) s[t] = cap * std::tanh(s[t] * inv);
-    }
-    __mmask16 okm[KB / 16];
-    __m512 mx = ninf;
-    for (int c = c_lo; c < c_hi; ++c) {
-      __m512 v = _mm512_loadu_ps(s + 16 * c);
-      okm[c] = 0xFFFF;
-      if (16 * c + 15 > hi || 16 * c <= lo_rel) {
-        const __m512i kp = _mm512_add_epi32(lane, _mm512_set1_epi32(16 * c));
-        okm[c] = _mm512_cmple_epi32_mask(kp, _mm512_set1_epi32((int32_t)hi)) & _mm512_cmpgt_epi32_mask(kp, _mm512_set1_epi32((int32_t)lo_rel));
-        v = _mm512_mask_mov_ps(ninf, okm[c], v);
+  for (int r0 = 0; r0 < Rt * 16; r0 += 16) {
+    __m512 red[16];
+    int c_lo[16], c_hi[16];
+    __mmask16 okm[16][KB / 16];
+    for (int i = 0; i < 16; ++i) {
+      const int r = r0 + i;
+      float* s = w.s + (size_t)r * KB;
+      // keys (by index in the block) lo_rel < t <= hi are visible
+      int64_t hi = n - 1, lo_rel = -1;
+      if (r >= R) hi = -1;  // padding rows: no weights
+      else if (!full) {
+        hi = std::min<int64_t>(hi, (int64_t)w.qpos[r] - t0);
+        if (window > 0) lo_rel = std::max<int64_t>(-1, std::min<int64_t>(KB, (int64_t)w.qpos[r] - window - t0));
       }
-      mx = _mm512_max_ps(mx, v);
+      c_lo[i] = (int)std::max<int64_t>(0, (lo_rel + 1) / 16);
+      c_hi[i] = hi < 0 ? 0 : (int)(hi / 16 + 1);
+      red[i] = ninf;
+      if (c_lo[i] >= c_hi[i]) continue;
+      if (softcap > 0.f) {  // on log2-unit scores: cap' = cap log2(e) gives log2(e) cap tanh(s / cap)
+        const float cap = softcap * kLog2e, inv = 1.f / cap;
+        for (int t = 16 * c_lo[i]; t < 16 * c_hi[i]; ++t) s[t] = cap * std::tanh(s[t] * inv);
+      }
+      __m512 mx = ninf;
+      for (int c = c_lo[i]; c < c_hi[i]; ++c) {
+        __m512 v = _mm512_loadu_ps(s + 16 * c);
+        okm[i][c] = 0xFFFF;
+        if (16 * c + 15 > hi || 16 * c <= lo_rel) {
+          const __m512i kp = _mm512_add_epi32(lane, _mm512_set1_epi32(16 * c));
+          okm[i][c] = _mm512_cmple_epi32_mask(kp, _mm512_set1_epi32((int32_t)hi)) & _mm512_cmpgt_epi32_mask(kp, _mm512_set1_epi32((int32_t)lo_rel));
+          v = _mm512_mask_mov_ps(ninf, okm[i][c], v);
+        }
+        mx = _mm512_max_ps(mx, v);
+      }
+      red[i] = mx;
     }
-    const float bm = hmax(mx);
-    if (bm == -INFINITY) {  // nothing visible (a window past the block's end)
-      std::memset(p, 0, sizeof(uint16_t) * KB);
-      continue;
+    // the running max moves only past m_old + kTau (also when m_old = -inf; a row that sees nothing
+    // here, block max -inf, keeps its own)
+    const __m512 mo = _mm512_load_ps(w.m + r0), bm = reduce16<true>(red);
+    _mm512_store_ps(bmax, bm);
+    _mm512_store_ps(m_next + r0, _mm512_mask_mov_ps(mo, _mm512_cmp_ps_mask(bm, _mm512_add_ps(mo, _mm512_set1_ps(kTau)), _CMP_GT_OQ), bm));
+    for (int i = 0; i < 16; ++i) {
+      uint16_t* p = w.p + (size_t)(r0 + i) * KB;
+      red[i] = _mm512_setzero_ps();
+      if (c_lo[i] >= c_hi[i] || bmax[i] == -INFINITY) {  // nothing visible
+        std::memset(p, 0, sizeof(uint16_t) * KB);
+        continue;
+      }
+      const float* s = w.s + (size_t)(r0 + i) * KB;
+      const __m512 vm = _mm512_set1_ps(m_next[r0 + i]);
+      const int lo = c_lo[i], hi = c_hi[i];
+      __m512 sum = _mm512_setzero_ps();
+      for (int c = 0; c < nc; c += 2) {
+        __m512 e0 = _mm512_setzero_ps(), e1 = _mm512_setzero_ps();
+        if (c >= lo && c < hi) e0 = _mm512_maskz_mov_ps(okm[i][c], sglite_simd::exp2_deg3(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * c), vm)));
+        if (c + 1 >= lo && c + 1 < hi) e1 = _mm512_maskz_mov_ps(okm[i][c + 1], sglite_simd::exp2_deg3(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * c + 16), vm)));
+        sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+        _mm512_storeu_si512(p + 16 * c, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+      }
+      red[i] = sum;
     }
-    const float m_use = bm > m_old + kTau ? bm : m_old;  // also when m_old = -inf
-    m_next[r] = m_use;
-    const __m512 vm = _mm512_set1_ps(m_use);
-    __m512 sum = _mm512_setzero_ps();
-    for (int c = 0; c < nc; c += 2) {
-      __m512 e0 = _mm512_setzero_ps(), e1 = _mm512_setzero_ps();
-      if (c >= c_lo && c < c_hi) e0 = _mm512_maskz_mov_ps(okm[c], sglite_simd::exp2_deg3(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * c), vm)));
-      if (c + 1 >= c_lo && c + 1 < c_hi) e1 = _mm512_maskz_mov_ps(okm[c + 1], sglite_simd::exp2_deg3(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * c + 16), vm)));
-      sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
-      _mm512_storeu_si512(p + 16 * c, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-    }
-    rsum[r] = _mm512_reduce_add_ps(sum);
+    _mm512_store_ps(rsum + r0, reduce16<false>(red));
   }
   // per 16 rows: alpha = 2^(m_old - m_new) (exactly 1 when the max stayed, 0 when m_old = -inf),
   // l = l * alpha + the block's sum

@@ -9,11 +9,13 @@
 //     transpose of 32-bit bf16 pairs (tile row p holds, for each key, its dims 2p and 2p + 1);
 //   - scores S [rows, 64] = Q [rows, Dp] . K^T: one TDPBF16PS per (16-row tile, 16-key tile,
 //     32-dim slice), Q pre-scaled and rounded to bf16 once per task (float32 sums);
-//   - masking (causal / window / past the run), soft-capping, and the online softmax in float32 on
-//     AVX-512; the weights P are rounded to bf16 (as the VDPBF16PS decode path does);
+//   - masking (causal / window / past the run; only the 16-key chunks that cross an edge), soft-
+//     capping, and the online softmax in float32 on AVX-512, in log2 units (log2(e) folded into
+//     the query scale; weights 2^(s - m) by a degree-3 polynomial, relative error 7.5e-5, then
+//     rounded to bf16 as the VDPBF16PS decode path does; the running max moves lazily, kTau);
 //   - V is packed as key pairs interleaved per dimension (VPERMT2W), and acc += P . V runs one
 //     TDPBF16PS per (16-row tile, 16-dim tile, 32-key slice) on acc loaded into the tiles after
-//     its rows were rescaled by exp(m_old - m_new).
+//     its rows were rescaled by 2^(m_old - m_new) (only the rows whose max moved).
 // A row's result depends only on its own query, the keys it sees and the block anchoring (which
 // the caller fixes per request), never on the other rows of the task.
 #pragma once
@@ -68,16 +70,35 @@ inline void begin(Work& w, int R, int Dp) {
   }
 }
 
-// Row r's query: x[0 .. D) * scale rounded to bf16 (T: float or bf16 bits).
+constexpr float kLog2e = 1.44269504088896341f, kLn2 = 0.693147180559945309f;
+// Lazy rescaling: a row's running max moves only when a block's max exceeds it by more than kTau
+// (log2 units), so most blocks leave acc and l alone; weights then reach 2^kTau at most (float32 and
+// bf16 share the exponent range; the result, acc / l, is the same softmax whatever the shift).
+constexpr float kTau = 8.f;
+
+// Row r's query: x[0 .. D) * scale * log2(e) rounded to bf16 (T: float or bf16 bits): scores come
+// out in log2 units, so the weights are 2^(s - m) (exp2_deg3, no multiply per score) and w.m holds
+// log2-unit maxima (m_natural converts).
 template <typename T> inline void set_query(Work& w, int r, const T* x, int D, float scale) {
   uint16_t* q = w.q + (size_t)r * kMaxDp;
-  for (int d = 0; d < D; ++d) {
+  const float s2 = scale * kLog2e;
+  int d = 0;
+  for (; d + 16 <= D; d += 16) {
+    __m512 v;
+    if constexpr (sizeof(T) == 2) v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(x + d))), 16));
+    else v = _mm512_loadu_ps(x + d);
+    _mm256_storeu_si256((__m256i*)(q + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, _mm512_set1_ps(s2))));
+  }
+  for (; d < D; ++d) {
     float v;
     if constexpr (sizeof(T) == 2) { const uint32_t b = (uint32_t)x[d] << 16; std::memcpy(&v, &b, 4); }
     else v = (float)x[d];
-    q[d] = c10::BFloat16(v * scale).x;
+    q[d] = c10::BFloat16(v * s2).x;
   }
 }
+
+// Row r's running max in natural-log units (for merging with softmax partials computed elsewhere).
+inline float m_natural(const Work& w, int r) { return w.m[r] * kLn2; }
 
 // Walk keys [k_begin, k_end) of one head (slots: the request's slot row, indexed by position),
 // blocks anchored at multiples of KB from `anchor`; `first_q` / `last_q`: the smallest / largest
@@ -151,7 +172,26 @@ inline bool pack_block(const uint16_t* base_k, int64_t s0k, const uint16_t* base
   return true;
 }
 
-inline float hmax(__m512 a) { return _mm512_reduce_max_ps(a); }
+// Lane i of the result: the max (MAX) or the sum of the 16 lanes of v[i]; every row through the
+// same tree (quarters (0 + 2, 1 + 3), their two halves, then lanes (0 + 2, 1 + 3) within a quarter
+// and the last pair), so a row's result never depends on its neighbours. 46 operations for 16
+// rows, against 2 x 4 dependent shuffles and operations per row for _mm512_reduce_*.
+template <bool MAX> inline __m512 reduce16(const __m512 v[16]) {
+  auto op = [](__m512 a, __m512 b) { return MAX ? _mm512_max_ps(a, b) : _mm512_add_ps(a, b); };
+  __m512 u[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)  // rows 2i, 2i + 1: 8 lanes each
+    u[i] = op(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+              _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)  // quarter k: row 4i + k, 4 lanes
+    x[i] = op(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+              _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)  // quarter k: rows 8i + k, 8i + 4 + k, 2 lanes each
+    y[i] = op(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+              _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 z = op(_mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                      _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));  // lane 4k + j: row 4j + k
+  return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), z);
+}
 
 
 // C tiles 0..Rt-1 += A . B (tile 5), A = Rt row tiles of bf16 rows `a` (ld elements apart),
@@ -202,72 +242,87 @@ inline void block(Work& w, int R, int Dp, int n, int64_t t0, bool full, int64_t 
     }
     c_row_tiles<true>(Rt, w.s + 16 * kg, KB);
   }
-  // softmax rows: masks, the block's row maxima and sums, bf16 weights
-  alignas(64) float m_next[kMaxRows], rsum[kMaxRows];
+  // softmax, per 16 rows: per row the chunks of 16 keys it can see at all ([c_lo, c_hi): the rest
+  // get zero weights and no exp), masks only on the chunks that cross the diagonal, the window's
+  // edge or the block's end; the rows' max vectors (one pass), reduced for the 16 rows at once; then
+  // 2^(s - m), bf16 weights and the sum vectors (a second pass), reduced likewise
+  alignas(64) float m_next[kMaxRows], rsum[kMaxRows], bmax[16];
   const __m512 ninf = _mm512_set1_ps(-INFINITY);
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  for (int r = 0; r < Rt * 16; ++r) {
-    float* s = w.s + (size_t)r * KB;
-    uint16_t* p = w.p + (size_t)r * KB;
-    if (r >= R) {  // padding rows: no weights
-      std::memset(p, 0, sizeof(uint16_t) * KB);
-      m_next[r] = -INFINITY;
-      rsum[r] = 0.f;
-      continue;
-    }
-    if (softcap > 0.f) {
-      const float inv = 1.f / softcap;
-      for (int t = 0; t < n; ++t) s[t] = softcap * std::tanh(s[t] * inv);
-    }
-    __m512 v[KB / 16];
-    __mmask16 okm[KB / 16];
-    __m512 mx = _mm512_set1_ps(w.m[r]);
-    const int64_t qp = w.qpos[r];
-    for (int c = 0; c < n64 / 16; ++c) {
-      v[c] = _mm512_loadu_ps(s + 16 * c);
-      const int64_t k0 = t0 + 16 * c;
-      __mmask16 ok = 0xFFFF;
-      if (16 * c + 16 > n) ok = 16 * c >= n ? 0 : (__mmask16)((1u << (n - 16 * c)) - 1);
-      if (!full) {
-        const __m512i kp = _mm512_add_epi32(lane, _mm512_set1_epi32((int32_t)(k0 - t0)));  // key index in block
-        const int64_t hi_rel = qp - t0;  // keys with index <= hi_rel are visible
-        ok &= _mm512_cmple_epi32_mask(kp, _mm512_set1_epi32((int32_t)std::max<int64_t>(-1, std::min<int64_t>(KB, hi_rel))));
-        if (window > 0) {
-          const int64_t lo_rel = qp - window - t0;  // keys with index <= lo_rel are outside
-          ok &= _mm512_cmpgt_epi32_mask(kp, _mm512_set1_epi32((int32_t)std::max<int64_t>(-1, std::min<int64_t>(KB, lo_rel))));
-        }
+  const int nc = n64 / 16;
+  for (int r0 = 0; r0 < Rt * 16; r0 += 16) {
+    __m512 red[16];
+    int c_lo[16], c_hi[16];
+    __mmask16 okm[16][KB / 16];
+    for (int i = 0; i < 16; ++i) {
+      const int r = r0 + i;
+      float* s = w.s + (size_t)r * KB;
+      // keys (by index in the block) lo_rel < t <= hi are visible
+      int64_t hi = n - 1, lo_rel = -1;
+      if (r >= R) hi = -1;  // padding rows: no weights
+      else if (!full) {
+        hi = std::min<int64_t>(hi, (int64_t)w.qpos[r] - t0);
+        if (window > 0) lo_rel = std::max<int64_t>(-1, std::min<int64_t>(KB, (int64_t)w.qpos[r] - window - t0));
       }
-      okm[c] = ok;
-      v[c] = _mm512_mask_mov_ps(ninf, ok, v[c]);
-      mx = _mm512_max_ps(mx, v[c]);
+      c_lo[i] = (int)std::max<int64_t>(0, (lo_rel + 1) / 16);
+      c_hi[i] = hi < 0 ? 0 : (int)(hi / 16 + 1);
+      red[i] = ninf;
+      if (c_lo[i] >= c_hi[i]) continue;
+      if (softcap > 0.f) {  // on log2-unit scores: cap' = cap log2(e) gives log2(e) cap tanh(s / cap)
+        const float cap = softcap * kLog2e, inv = 1.f / cap;
+        for (int t = 16 * c_lo[i]; t < 16 * c_hi[i]; ++t) s[t] = cap * std::tanh(s[t] * inv);
+      }
+      __m512 mx = ninf;
+      for (int c = c_lo[i]; c < c_hi[i]; ++c) {
+        __m512 v = _mm512_loadu_ps(s + 16 * c);
+        okm[i][c] = 0xFFFF;
+        if (16 * c + 15 > hi || 16 * c <= lo_rel) {
+          const __m512i kp = _mm512_add_epi32(lane, _mm512_set1_epi32(16 * c));
+          okm[i][c] = _mm512_cmple_epi32_mask(kp, _mm512_set1_epi32((int32_t)hi)) & _mm512_cmpgt_epi32_mask(kp, _mm512_set1_epi32((int32_t)lo_rel));
+          v = _mm512_mask_mov_ps(ninf, okm[i][c], v);
+        }
+        mx = _mm512_max_ps(mx, v);
+      }
+      red[i] = mx;
     }
-    const float m_new = hmax(mx);
-    m_next[r] = m_new;
-    if (m_new == -INFINITY) {  // nothing visible yet
-      std::memset(p, 0, sizeof(uint16_t) * KB);
-      rsum[r] = 0.f;
-      continue;
+    // the running max moves only past m_old + kTau (also when m_old = -inf; a row that sees nothing
+    // here, block max -inf, keeps its own)
+    const __m512 mo = _mm512_load_ps(w.m + r0), bm = reduce16<true>(red);
+    _mm512_store_ps(bmax, bm);
+    _mm512_store_ps(m_next + r0, _mm512_mask_mov_ps(mo, _mm512_cmp_ps_mask(bm, _mm512_add_ps(mo, _mm512_set1_ps(kTau)), _CMP_GT_OQ), bm));
+    for (int i = 0; i < 16; ++i) {
+      uint16_t* p = w.p + (size_t)(r0 + i) * KB;
+      red[i] = _mm512_setzero_ps();
+      if (c_lo[i] >= c_hi[i] || bmax[i] == -INFINITY) {  // nothing visible
+        std::memset(p, 0, sizeof(uint16_t) * KB);
+        continue;
+      }
+      const float* s = w.s + (size_t)(r0 + i) * KB;
+      const __m512 vm = _mm512_set1_ps(m_next[r0 + i]);
+      const int lo = c_lo[i], hi = c_hi[i];
+      __m512 sum = _mm512_setzero_ps();
+      for (int c = 0; c < nc; c += 2) {
+        __m512 e0 = _mm512_setzero_ps(), e1 = _mm512_setzero_ps();
+        if (c >= lo && c < hi) e0 = _mm512_maskz_mov_ps(okm[i][c], sglite_simd::exp2_deg3(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * c), vm)));
+        if (c + 1 >= lo && c + 1 < hi) e1 = _mm512_maskz_mov_ps(okm[i][c + 1], sglite_simd::exp2_deg3(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * c + 16), vm)));
+        sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+        _mm512_storeu_si512(p + 16 * c, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+      }
+      red[i] = sum;
     }
-    const __m512 vm = _mm512_set1_ps(m_new);
-    __m512 sum = _mm512_setzero_ps();
-    for (int c = 0; c < n64 / 16; c += 2) {
-      const __m512 e0 = _mm512_maskz_mov_ps(okm[c], sglite_simd::exp_nonpos<4>(_mm512_sub_ps(v[c], vm)));
-      const __m512 e1 = _mm512_maskz_mov_ps(okm[c + 1], sglite_simd::exp_nonpos<4>(_mm512_sub_ps(v[c + 1], vm)));
-      sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
-      _mm512_storeu_si512(p + 16 * c, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-    }
-    rsum[r] = _mm512_reduce_add_ps(sum);
+    _mm512_store_ps(rsum + r0, reduce16<false>(red));
   }
-  // per 16 rows: alpha = exp(m_old - m_new) (0 when m_old = -inf; 1 when nothing is visible yet),
+  // per 16 rows: alpha = 2^(m_old - m_new) (exactly 1 when the max stayed, 0 when m_old = -inf),
   // l = l * alpha + the block's sum
   for (int r = 0; r < Rt * 16; r += 16) {
     const __m512 mo = _mm512_load_ps(w.m + r), mn = _mm512_load_ps(m_next + r);
-    const __mmask16 none = _mm512_cmp_ps_mask(mn, ninf, _CMP_EQ_OQ), fresh = _mm512_cmp_ps_mask(mo, ninf, _CMP_EQ_OQ);
-    __m512 al = sglite_simd::exp_nonpos(_mm512_sub_ps(mo, mn));
+    const __mmask16 same = _mm512_cmp_ps_mask(mn, mo, _CMP_EQ_OQ) | _mm512_cmp_ps_mask(mn, ninf, _CMP_EQ_OQ);
+    const __mmask16 fresh = _mm512_cmp_ps_mask(mo, ninf, _CMP_EQ_OQ);
+    __m512 al = sglite_simd::exp_nonpos(_mm512_mul_ps(_mm512_sub_ps(mo, mn), _mm512_set1_ps(kLn2)));
     al = _mm512_mask_mov_ps(al, fresh, _mm512_setzero_ps());
-    al = _mm512_mask_mov_ps(al, none, _mm512_set1_ps(1.f));
+    al = _mm512_mask_mov_ps(al, same, _mm512_set1_ps(1.f));
     _mm512_store_ps(w.alpha + r, al);
-    _mm512_store_ps(w.m + r, _mm512_mask_mov_ps(mn, none, mo));
+    _mm512_store_ps(w.m + r, mn);
     _mm512_store_ps(w.l + r, _mm512_fmadd_ps(_mm512_load_ps(w.l + r), al, _mm512_load_ps(rsum + r)));
   }
   // acc = acc * alpha + P . V

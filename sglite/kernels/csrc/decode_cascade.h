@@ -102,7 +102,7 @@ void run_cascade(const Job<uint16_t>& j, int64_t B, int Hkv, int64_t max_len, co
         const int64_t b = gr.rows[t.r0 + r / G];
         float* dst = part.data() + (b * Hq + t.h * G + r % G) * (Dp + 2);
         std::memcpy(dst, w.acc + (size_t)r * A::kMaxDp, sizeof(float) * D);
-        dst[Dp] = w.m[r];
+        dst[Dp] = A::m_natural(w, r);
         dst[Dp + 1] = w.l[r];
       }
     }

@@ -200,9 +200,12 @@ class _EagleKV:
 
 class EagleProposer(_HeadBase):
     """``EAGLE`` (module docstring). ``num_steps``: tree depth; ``topk``: nodes expanded per depth
-    and children per node; ``num_draft_tokens``: nodes kept after reranking."""
+    and children per node; ``num_draft_tokens``: nodes kept after reranking. ``branch_below_root``
+    (attribute, default True): False keeps only the chains off the root (each root child followed
+    down its most confident kept child: the verify path before nested trees), for A/B runs."""
 
     source = "eagle"
+    branch_below_root = True
 
     def __init__(self, module, model, draft_vocab=None, num_steps: int = 4, topk: int = 4, num_draft_tokens: int = 8):
         super().__init__(module, model, draft_vocab)
@@ -293,7 +296,8 @@ class EagleProposer(_HeadBase):
                     nodes.append((int(self.ids[j]), ni, nodes[ni][2] + s, nodes[ni][3] + 1))
                     cands.append(len(nodes) - 1)
             frontier = sorted(cands, key=lambda i: -nodes[i][2])[:k]
-        return _chains(nodes, min(room, self.num_draft_tokens), k, self.source)
+        chains = _chains(nodes, min(room, self.num_draft_tokens), k, self.source)
+        return chains if self.branch_below_root else [c for c in chains if c[2] == ROOT]
 
 
 def _chains(nodes: list, budget: int, width: int, source: str) -> list:

@@ -4,7 +4,7 @@ greedy, on the held-out open chat questions (``sglite bench spec``'s ``chat`` an
 
     python scripts/spec_heads_measure.py [--max-new-tokens 96] [--num-prompts 16]
         [--algorithms EAGLE MEDUSA] [--eagle-heads DIR] [--medusa-heads DIR] [--root-chains]
-        [--num-steps 4 --eagle-topk 4 --num-draft-tokens 8]
+        [--num-steps 4 --eagle-topk 4 --num-draft-tokens 8] [--dtype float32]
 
 Per prompt, every engine generates in turn (the order rotating per prompt, so drift of the shared
 machine hits all alike; the radix cache emptied before each). Reports per engine: tokens/s
@@ -32,17 +32,21 @@ def main() -> None:
     p.add_argument("--eagle-heads", default=None, help="EAGLE head folder (default: the shipped heads)")
     p.add_argument("--medusa-heads", default=None, help="MEDUSA head folder (default: the shipped heads)")
     p.add_argument("--root-chains", action="store_true", help="also EAGLE with chains off the root only")
+    p.add_argument("--dtype", default=None, help="engine dtype (float32: greedy must match plain token for token)")
     p.add_argument("--num-steps", type=int, default=None)
     p.add_argument("--eagle-topk", type=int, default=None)
     p.add_argument("--num-draft-tokens", type=int, default=None)
     a = p.parse_args()
     tree = {k: v for k, v in (("speculative_num_steps", a.num_steps), ("speculative_eagle_topk", a.eagle_topk),
                               ("speculative_num_draft_tokens", a.num_draft_tokens)) if v is not None}
-    engines = {"plain": Engine(log_level="warning")}
+    if a.dtype:
+        tree["dtype"] = a.dtype
+    engines = {"plain": Engine(log_level="warning", **({"dtype": a.dtype} if a.dtype else {}))}
     for alg in a.algorithms:
         heads = a.eagle_heads if alg == "EAGLE" else a.medusa_heads
         kw = {"speculative_draft_model_path": heads} if heads else {}
-        engines[alg] = Engine(log_level="warning", speculative_algorithm=alg, **kw, **(tree if alg == "EAGLE" else {}))
+        engines[alg] = Engine(log_level="warning", speculative_algorithm=alg, **kw,
+                               **(tree if alg == "EAGLE" else {"dtype": a.dtype} if a.dtype else {}))
         if alg == "EAGLE" and a.root_chains:
             engines["EAGLE-root"] = Engine(log_level="warning", speculative_algorithm=alg, **kw, **tree)
             engines["EAGLE-root"].scheduler.spec.proposer.branch_below_root = False

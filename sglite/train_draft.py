@@ -180,11 +180,14 @@ def train(method: str, head, model, data: list[tuple], vocab: torch.Tensor, args
     t0 = time.perf_counter()
     limit = getattr(args, "train_minutes", None)
     for step in range(args.steps):
-        if limit is not None and time.perf_counter() - t0 > 60 * limit:
-            break  # out of time: the steps done are the report's len(losses)
+        frac = step / max(1, args.steps)  # how far training is: by steps, or by time when limited
+        if limit is not None:
+            frac = max(frac, (time.perf_counter() - t0) / (60 * limit))
+            if frac >= 1:
+                break  # out of time: the steps done are the report's steps_done
         # warm-up over 20 steps, then cosine down to a tenth (the peak rate late in training
         # only shakes the weights: 2026-12-06, the longer runs)
-        lr = args.lr * min(1.0, (step + 1) / 20) * (0.55 + 0.45 * math.cos(math.pi * step / max(1, args.steps)))
+        lr = args.lr * min(1.0, (step + 1) / 20) * (0.55 + 0.45 * math.cos(math.pi * frac))
         for g in opt.param_groups:
             g["lr"] = lr
         pick = torch.randint(len(windows), (args.batch,), generator=gen).tolist()
@@ -313,7 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=None,
                    help="a .pt file: the generations (tokens, features, labels) are saved there, or read if it exists")
     p.add_argument("--train-minutes", type=float, default=None,
-                   help="stop training after this many minutes (the steps done are reported; default: none)")
+                   help="stop training after this many minutes; the learning rate then decays by time "
+                        "(the steps done are reported; default: none)")
     p.add_argument("--seed", type=int, default=0)
     return p
 

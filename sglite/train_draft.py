@@ -6,7 +6,8 @@
    (batched, its own :class:`~sglite.runtime.model_runner.ModelRunner` in the engine's default
    dtype and quantization, so the features are the ones served); every position's final-normed
    hidden state and the target's own greedy next token (the teacher label) are kept.
-2. **Training** (AdamW, float32, a ``tqdm`` bar). EAGLE (Li et al. 2024, §3): from
+2. **Training** (AdamW, float32, warm-up then cosine decay to a tenth of ``--lr``, a ``tqdm`` bar;
+   ``--train-minutes`` stops it early). EAGLE (Li et al. 2024, §3): from
    ``(embed(x_{t+1}), f_t)`` predict ``f_{t+1}`` (smooth L1) and its token (cross-entropy through
    the target's LM head, weight ``--cls-weight``). Medusa (Cai et al. 2024, §2.2.1, Medusa-1):
    head ``k`` on ``f_t`` predicts the target's token at ``t + 1 + k`` (cross-entropy, weight
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -175,8 +177,17 @@ def train(method: str, head, model, data: list[tuple], vocab: torch.Tensor, args
     gen = torch.Generator().manual_seed(args.seed)
     losses = []
     head.train()
+    t0 = time.perf_counter()
+    limit = getattr(args, "train_minutes", None)
     for step in range(args.steps):
-        lr = args.lr * min(1.0, (step + 1) / 20)
+        frac = step / max(1, args.steps)  # how far training is: by steps, or by time when limited
+        if limit is not None:
+            frac = max(frac, (time.perf_counter() - t0) / (60 * limit))
+            if frac >= 1:
+                break  # out of time: the steps done are the report's steps_done
+        # warm-up over 20 steps, then cosine down to a tenth (the peak rate late in training
+        # only shakes the weights: 2026-12-06, the longer runs)
+        lr = args.lr * min(1.0, (step + 1) / 20) * (0.55 + 0.45 * math.cos(math.pi * frac))
         for g in opt.param_groups:
             g["lr"] = lr
         pick = torch.randint(len(windows), (args.batch,), generator=gen).tolist()
@@ -304,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of the saved weights (default: bfloat16)")
     p.add_argument("--data", default=None,
                    help="a .pt file: the generations (tokens, features, labels) are saved there, or read if it exists")
+    p.add_argument("--train-minutes", type=float, default=None,
+                   help="stop training after this many minutes; the learning rate then decays by time "
+                        "(the steps done are reported; default: none)")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -352,6 +366,7 @@ def main(argv=None) -> int:
     times["acceptance_s"] = time.perf_counter() - t2
     report = {"method": args.method, "model_path": args.model_path, "args": vars(args), "seconds": times,
               "tokens": sum(int(x.numel()) for x, _, _ in data), "draft_vocab": int(vocab.numel()),
+              "steps_done": len(losses),
               "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
               "acceptance": acc}
     (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")

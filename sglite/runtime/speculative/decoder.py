@@ -57,7 +57,7 @@ from .policy import AcceptModel, StepCost, probe_forward
 from .proposer import TREE_BRANCHES, DraftModelProposer, LookupProposer, Proposer
 from .state import SpecState
 from .text_lookup import TokenText
-from .tree import TreeDraft, tree_contexts, verify_tree
+from .tree import ROOT, TreeDraft, cut_tree, prune, tree_contexts, verify_tree
 from .verify import Draws, greedy_walk, row_logits, verify_chain, verify_seed
 
 log = logging.getLogger("sglite.speculative")
@@ -73,6 +73,7 @@ class _Verdict:
     drafted: int  # tokens of that chain (all drafted nodes for a plain chain)
     forced: list  # per chain, the depths of its jump-forward tokens
     lens: list  # per chain, its length
+    kept: list  # per chain, its accepted nodes
 
 
 class SpecDecoder:
@@ -118,6 +119,7 @@ class SpecDecoder:
             DraftModelProposer(draft_model) if draft_model is not None else
             LookupProposer(self.token_text, out, TREE_BRANCHES if config.page_size == 1 else 1))
         self.runner = runner  # EAGLE / MEDUSA: its ``last_hidden`` feeds the proposer's ``observe``
+        self.trees = getattr(config, "page_size", 1) == 1  # token trees move slots within a row: page size 1 only
 
     @property
     def stats(self) -> dict:
@@ -144,8 +146,10 @@ class SpecDecoder:
         cands = [e for e in decoding if self._eligible(e)]
         if not cands or not self.budget.open_step(entries, len(decoding)):
             return
-        for e, chains, sources, masks in self.budget.choose(self._propose(cands), entries):
-            self._place(e, chains, sources, masks)
+        props = self._propose(cands)
+        parents = {id(p[0]): p[4] for p in props}  # where each chain hangs (head trees branch below the root)
+        for e, chains, sources, masks in self.budget.choose([p[:4] for p in props], entries):
+            self._place(e, chains, sources, masks, parents.get(id(e)))
 
     def _eligible(self, e: StepEntry) -> bool:
         r = e.req
@@ -167,14 +171,18 @@ class SpecDecoder:
         return max(0, min(left, self.kv.req_pool.max_context - 8 - (e.start + e.n)))
 
     def _propose(self, cands: list[StepEntry]) -> list[tuple]:
-        """Per candidate entry ``(entry, chains, sources, masks)``: the proposer's chains walked
-        through the request's grammar (``masks``: per-position grammar masks of sampled grammar
-        requests, else None)."""
+        """Per candidate entry ``(entry, chains, sources, masks, parents)``: the proposer's chains
+        walked through the request's grammar (``masks``: per-position grammar masks of sampled
+        grammar requests, else None; ``parents``: where each chain hangs, :class:`.tree.TreeDraft`;
+        a grammar request keeps the chains off the root only)."""
         proposals = []
         rooms = [self._room(e) for e in cands]
         for e, found in zip(cands, self.proposer.propose(cands, rooms, self.budget)):
-            chains, sources = [c for c, _ in found], [s for _, s in found]
             r = e.req
+            if r.grammar is not None:  # the grammar walk follows chains from the root only
+                found = [c for c in found if len(c) < 3 or tuple(c[2]) == ROOT]
+            chains, sources = [c[0] for c in found], [c[1] for c in found]
+            parents = [tuple(c[2]) if len(c) > 2 else ROOT for c in found]
             if r.spec is None:
                 r.spec = SpecState()
             walk = bool(chains) and r.grammar is not None
@@ -185,18 +193,29 @@ class SpecDecoder:
                 chains, chain_masks = self.grammar_walk.walk(r, chains, need_masks=r.params.temperature > 1e-6,
                                                              sources=sources, limit=self._forced_room(e), close=close,
                                                              close_points=r.spec.close_points)
-            proposals.append((e, chains, sources, chain_masks))
+            proposals.append((e, chains, sources, chain_masks, parents))
         return proposals
 
-    def _place(self, e: StepEntry, chains: list, sources: list, chain_masks) -> None:
+    def _place(self, e: StepEntry, chains: list, sources: list, chain_masks, parents=None) -> None:
         """Attach one entry's chains (cut to the budget's rows left): KV reserved past the
         pending tokens, scratch rows for a tree's extra chains (fewer chains when the table is
-        short), the entry grown by the draft tokens. Nothing attached when the pool is short."""
+        short; a chain below a dropped or cut one goes too), the entry grown by the draft tokens.
+        Nothing attached when the pool is short. ``parents``: per chain, where it hangs
+        (:class:`.tree.TreeDraft`; None: all off the root)."""
         r = e.req
-        chains = self.budget.fit(chains, sources)
+        nested = parents is not None and any(p != ROOT for p in parents)
+        chains = cut_tree(chains, self.budget.rows_left) if nested else self.budget.fit(chains, sources)
         keep = [i for i, c in enumerate(chains) if c]
+        if nested:
+            keep = prune(chains, parents, keep)[0]
+        keep = keep if self.trees else keep[:1]
         rows = self.kv.borrow_rows(len(keep) - 1) if len(keep) > 1 else []
         keep = keep[:1 + len(rows)]
+        tree_parents = None
+        if nested:
+            keep, tree_parents = prune(chains, parents, keep)
+            self.release_scratch(rows[max(0, len(keep) - 1):])
+            rows = rows[:max(0, len(keep) - 1)]
         chains = [chains[i] for i in keep]
         n_nodes = sum(len(c) for c in chains)
         if not chains or not self.kv.reserve_more(r, n_nodes):
@@ -209,9 +228,11 @@ class SpecDecoder:
         r.spec.set_draft(sources, keep, masks)
         root_pos = e.start + e.n - 1
         if len(chains) > 1:
-            e.tree = TreeDraft(chains, [r.kv.row] + rows, rows)
-            for dst, start, n in e.tree.scratch_spans(root_pos):
-                self.kv.fill_scratch_row(dst, r.kv.row, root_pos + 1, start, n)
+            e.tree = TreeDraft(chains, [r.kv.row] + rows, rows, tree_parents or [])
+            table = self.kv.req_pool.req_to_token
+            for dst, nodes in e.tree.scratch_paths():  # the prefix, then the node's path's slots
+                self.kv.fill_scratch_row(dst, r.kv.row, root_pos + 1, root_pos + 1, 0)
+                self.kv.write_slots(dst, root_pos + 1, table[r.kv.row, [root_pos + 1 + i for i in nodes]])
         e.draft = tuple(t for c in chains for t in c)
         e.skip_rows = _rows_before_forced(chains, r.spec.sources)
         self.counters["spec_head_rows_skipped"] += len(e.skip_rows)
@@ -274,7 +295,9 @@ class SpecDecoder:
         if tree is not None:
             self._settle_tree(r, e.start + e.n - nodes - 1, tree, chain, a)
             self.counters["spec_tree_steps"] += 1
-        return _Verdict(tokens, a, chain, len(tree.chains[chain]) if tree is not None else nodes, forced, lens)
+        drafted = tree.base[chain] + len(tree.chains[chain]) if tree is not None else nodes
+        kept = tree.kept_per_chain(chain, a) if tree is not None else [a]
+        return _Verdict(tokens, a, chain, drafted, forced, lens, kept)
 
     def _append(self, r, tokens: list[int]) -> tuple[Optional[object], int]:
         """Append verified tokens one by one until the request finishes: (finish reason or None,
@@ -299,7 +322,7 @@ class SpecDecoder:
                                                  a, v.tokens)
         for b, (srcs, n) in enumerate(zip(st.sources, lens)):
             n = min(n, min(forced[b], default=n))  # forced tokens teach the acceptance model nothing
-            self.accept.record(srcs[:n], min(kept, n) if b == chain else 0, st.own)
+            self.accept.record(srcs[:n], min(v.kept[b] + (kept - a if b == chain else 0), n), st.own)
         if st.close_points:  # closes not drafted: learn them anyway
             self.accept.add(CLOSE, *self.grammar_walk.close_outcomes(st.close_points[chain], a, v.tokens), own=st.own)
         st.end_verify()

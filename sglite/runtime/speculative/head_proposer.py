@@ -14,9 +14,11 @@ nodes of the accepted chain). A draft then reads them:
   the draft's probabilities along the path) are expanded by their ``topk`` best children for
   ``num_steps`` depths, and all nodes are reranked: the ``num_draft_tokens`` best form the draft.
 
-The verify path takes chains with distinct first tokens (:mod:`.tree`), so a head tree is
-verified as its root branches, each followed down its most confident child (deeper side branches
-are dropped). Drafts are point masses: verification stays exact whatever the heads predict.
+EAGLE's kept nodes go to the verify path as they are: a tree branching at any depth, written as
+chains each hanging off a node of an earlier one (:class:`.tree.TreeDraft`), all verified in one
+target step. A request with a grammar keeps the chains off the root only (its grammar walk
+follows chains from the root). Drafts are point masses: verification stays exact whatever the
+heads predict.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from .budget import DraftBudget
 from .draft_fast import FastEagle, FastLMHead, FastMedusa
 from .proposer import Chain
 from .state import SpecState
+from .tree import ROOT
 
 # Medusa's static tree: per chain, the rank taken from each head (root branches: distinct first ranks)
 MEDUSA_TREE = ((0, 0, 0, 0, 0), (1, 0, 0), (2, 0))
@@ -140,9 +143,9 @@ class _HeadBase:
             r.spec.feats.put(e.start, hidden[off:off + pending])
             if e.draft and id(e) in verdicts:
                 chain, a = verdicts[id(e)]
-                if a:
-                    first = off + pending + (sum(len(c) for c in e.tree.chains[:chain]) if e.tree is not None else 0)
-                    r.spec.feats.put(e.start + pending, hidden[first:first + a])
+                if a:  # the accepted nodes' rows (a tree's path may cross chains)
+                    nodes = e.tree.accepted(chain, a) if e.tree is not None else range(a)
+                    r.spec.feats.put(e.start + pending, hidden[[off + pending + i for i in nodes]])
             off += e.n
 
 
@@ -197,9 +200,12 @@ class _EagleKV:
 
 class EagleProposer(_HeadBase):
     """``EAGLE`` (module docstring). ``num_steps``: tree depth; ``topk``: nodes expanded per depth
-    and children per node; ``num_draft_tokens``: nodes kept after reranking."""
+    and children per node; ``num_draft_tokens``: nodes kept after reranking. ``branch_below_root``
+    (attribute, default True): False keeps only the chains off the root (each root child followed
+    down its most confident kept child: the verify path before nested trees), for A/B runs."""
 
     source = "eagle"
+    branch_below_root = True
 
     def __init__(self, module, model, draft_vocab=None, num_steps: int = 4, topk: int = 4, num_draft_tokens: int = 8):
         super().__init__(module, model, draft_vocab)
@@ -290,29 +296,41 @@ class EagleProposer(_HeadBase):
                     nodes.append((int(self.ids[j]), ni, nodes[ni][2] + s, nodes[ni][3] + 1))
                     cands.append(len(nodes) - 1)
             frontier = sorted(cands, key=lambda i: -nodes[i][2])[:k]
-        return _chains(nodes, min(room, self.num_draft_tokens), k, self.source)
+        chains = _chains(nodes, min(room, self.num_draft_tokens), k, self.source)
+        return chains if self.branch_below_root else [c for c in chains if c[2] == ROOT]
 
 
-def _chains(nodes: list, budget: int, width: int, source: str) -> list[Chain]:
-    """The ``budget`` most confident nodes (a tree: a child is never above its parent), as
-    chains with distinct first tokens: each root child in order of confidence, followed down its
-    most confident kept child; at most ``budget`` tokens in all."""
-    keep = set(sorted(range(len(nodes)), key=lambda i: -nodes[i][2])[:budget])
-    kids: dict = {}
-    for i in sorted(keep, key=lambda i: -nodes[i][2]):
-        if nodes[i][1] in keep or nodes[i][1] < 0:
-            kids.setdefault(nodes[i][1], []).append(i)
-    chains, left = [], budget
-    for first in kids.get(-1, [])[:width]:
-        c, i = [], first
-        while i is not None and len(c) < left:
-            c.append(nodes[i][0])
-            i = kids.get(i, [None])[0]
-        if c:
-            chains.append((c, [source] * len(c)))
-            left -= len(c)
-        if left < 1:
+def _chains(nodes: list, budget: int, width: int, source: str) -> list:
+    """The ``budget`` most confident nodes (EAGLE-2's rerank; a node whose parent is not kept is
+    dropped) as a tree of chains: chain 0 follows the most confident child from the root down;
+    each other kept child starts a chain ``(tokens, sources, (parent chain, parent depth))``
+    that follows its most confident child (:class:`.tree.TreeDraft`'s parents), chains in order
+    of their first node's confidence, at most ``width`` children per node."""
+    order = sorted(range(len(nodes)), key=lambda i: -nodes[i][2])
+    keep: set = set()
+    for i in order:
+        if len(keep) >= budget:
             break
+        if nodes[i][1] < 0 or nodes[i][1] in keep:
+            keep.add(i)
+    kids: dict = {}
+    for i in order:
+        if i in keep and len(kids.setdefault(nodes[i][1], [])) < width:
+            kids[nodes[i][1]].append(i)
+    chains: list = []
+    starts = [(first, ROOT) for first in kids.get(-1, [])[:1]]
+    while starts:  # the most confident pending start first; its parent's chain is already placed
+        starts.sort(key=lambda s: -nodes[s[0]][2])
+        i, parent = starts.pop(0)
+        b, c = len(chains), []
+        while i is not None:
+            c.append(nodes[i][0])
+            ks = kids.get(i, [])
+            starts.extend((k, (b, len(c))) for k in ks[1:])
+            i = ks[0] if ks else None
+        chains.append((c, [source] * len(c), parent))
+        if len(chains) == 1:
+            starts.extend((k, ROOT) for k in kids.get(-1, [])[1:])
     return chains
 
 

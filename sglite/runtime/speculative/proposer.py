@@ -33,6 +33,7 @@ TEXT_TRUST_CHARS = 8  # a text match this long drafts the full length, whatever 
 STRONG_NGRAM = 3  # an n-gram match this long looks for drafts whatever the request's backoff
 
 Chain = tuple[list[int], list[str]]  # draft token ids, the source of each
+# a head tree's chain may carry a third item: (parent chain, parent depth), :class:`.tree.TreeDraft`'s parents
 
 
 class Proposer(Protocol):

@@ -1,0 +1,93 @@
+"""Acceptance length and speed of the EAGLE / MEDUSA heads against plain decoding at batch 1,
+greedy, on the held-out open chat questions (``sglite bench spec``'s ``chat`` and
+``chat_heldout`` sets: no head was trained on them).
+
+    python scripts/spec_heads_measure.py [--max-new-tokens 96] [--num-prompts 16]
+        [--algorithms EAGLE MEDUSA] [--eagle-heads DIR] [--medusa-heads DIR] [--root-chains]
+        [--num-steps 4 --eagle-topk 4 --num-draft-tokens 8] [--dtype float32]
+
+Per prompt, every engine generates in turn (the order rotating per prompt, so drift of the shared
+machine hits all alike; the radix cache emptied before each). Reports per engine: tokens/s
+(total tokens over total wall time, ``time.perf_counter``), the ratio to plain, the median of
+the per-prompt ratios, the accept length (tokens per verify step, bonus included: SGLang's
+``accept_length``) and how many outputs are token-identical to plain. ``--root-chains`` adds an
+``EAGLE-root`` engine whose trees keep the chains off the root only (the verify path before
+trees branched below it), for A/B. Wall times on a shared machine are noisy: say so beside them.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def main() -> None:
+    from sglite import Engine
+    from sglite.bench.spec import CHAT, heldout
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--num-prompts", type=int, default=16, help="held-out questions (at most 16)")
+    p.add_argument("--algorithms", nargs="+", default=["EAGLE", "MEDUSA"], choices=("EAGLE", "MEDUSA"))
+    p.add_argument("--eagle-heads", default=None, help="EAGLE head folder (default: the shipped heads)")
+    p.add_argument("--medusa-heads", default=None, help="MEDUSA head folder (default: the shipped heads)")
+    p.add_argument("--root-chains", action="store_true", help="also EAGLE with chains off the root only")
+    p.add_argument("--dtype", default=None, help="engine dtype (float32: greedy must match plain token for token)")
+    p.add_argument("--num-steps", type=int, default=None)
+    p.add_argument("--eagle-topk", type=int, default=None)
+    p.add_argument("--num-draft-tokens", type=int, default=None)
+    a = p.parse_args()
+    tree = {k: v for k, v in (("speculative_num_steps", a.num_steps), ("speculative_eagle_topk", a.eagle_topk),
+                              ("speculative_num_draft_tokens", a.num_draft_tokens)) if v is not None}
+    if a.dtype:
+        tree["dtype"] = a.dtype
+    engines = {"plain": Engine(log_level="warning", **({"dtype": a.dtype} if a.dtype else {}))}
+    for alg in a.algorithms:
+        heads = a.eagle_heads if alg == "EAGLE" else a.medusa_heads
+        kw = {"speculative_draft_model_path": heads} if heads else {}
+        engines[alg] = Engine(log_level="warning", speculative_algorithm=alg, **kw,
+                               **(tree if alg == "EAGLE" else {"dtype": a.dtype} if a.dtype else {}))
+        if alg == "EAGLE" and a.root_chains:
+            engines["EAGLE-root"] = Engine(log_level="warning", speculative_algorithm=alg, **kw, **tree)
+            engines["EAGLE-root"].scheduler.spec.proposer.branch_below_root = False
+    base = engines["plain"]
+    questions = (CHAT + heldout()["chat"])[:a.num_prompts]
+    prompts = [base.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+    sp = {"max_new_tokens": a.max_new_tokens, "temperature": 0}
+    for e in engines.values():  # warm-up
+        e.generate(prompts[0], {"max_new_tokens": 8, "temperature": 0})
+    names = list(engines)
+    stats = {n: {"tok": 0, "s": 0.0, "steps": 0, "acc": 0, "same": 0, "per": []} for n in names}
+    for i, pr in enumerate(prompts):
+        outs = {}
+        for n in names[i % len(names):] + names[:i % len(names)]:
+            e = engines[n]
+            e.flush_cache()
+            t = time.perf_counter()
+            o = e.generate(pr, sp)
+            dt = time.perf_counter() - t
+            outs[n] = o
+            st = stats[n]
+            st["tok"] += len(o["output_ids"])
+            st["s"] += dt
+            st["per"].append(len(o["output_ids"]) / dt)
+            st["steps"] += o["meta_info"].get("spec_verify_ct", 0)
+            st["acc"] += o["meta_info"].get("spec_accepted_tokens", 0)
+        for n in names:
+            stats[n]["same"] += outs[n]["output_ids"] == outs["plain"]["output_ids"]
+    bt = stats["plain"]["tok"] / stats["plain"]["s"]
+    print(f"{len(prompts)} held-out chat prompts x {a.max_new_tokens} tokens, batch 1, greedy "
+          f"(wall clock on a shared machine: noisy)")
+    for n in names:
+        st = stats[n]
+        tps = st["tok"] / st["s"]
+        ratios = [x / y for x, y in zip(st["per"], stats["plain"]["per"])]
+        acc = (st["acc"] + st["steps"]) / st["steps"] if st["steps"] else float("nan")
+        print(f"{n:11s} {tps:7.1f} tok/s  x{tps / bt:.2f} (median per prompt x{statistics.median(ratios):.2f})  "
+              f"accept length {acc:.2f} ({st['steps']} verify steps)  identical {st['same']}/{len(prompts)}")
+    for e in engines.values():
+        e.shutdown()
+
+
+if __name__ == "__main__":
+    main()

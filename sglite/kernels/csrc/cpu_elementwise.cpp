@@ -77,6 +77,7 @@ void add_rms_rows(const T* x, int64_t xs, const T* r, int64_t rs, const W* w, T*
         const uint16_t* xb = (const uint16_t*)xr;
         const uint16_t* rb = r ? (const uint16_t*)(r + m * rs) : nullptr;
         uint16_t* sb = r ? (uint16_t*)(sum + m * H) : nullptr;
+        __m512 acc = _mm512_setzero_ps();  // sumsq's lanes and order, summed in this same pass
         for (int64_t i = 0; i < H; i += 16) {
           const __mmask16 mk = H - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (H - i)) - 1);
           __m512 h = ld_bf16(xb + i, mk);
@@ -86,8 +87,9 @@ void add_rms_rows(const T* x, int64_t xs, const T* r, int64_t rs, const W* w, T*
             h = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hs), 16));
           }
           _mm512_mask_storeu_ps(hf.data() + i, mk, h);
+          acc = _mm512_fmadd_ps(h, h, acc);  // masked-off lanes hold 0, as sumsq's masked tail
         }
-        const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(sumsq(hf.data(), H) / (float)H + eps));
+        const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / (float)H + eps));
         uint16_t* ob = (uint16_t*)(out + m * H);
         for (int64_t i = 0; i < H; i += 16) {
           const __mmask16 mk = H - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (H - i)) - 1);

@@ -10,8 +10,8 @@ Phases. Every scheduler step runs inside ``sglite::step`` with ``sglite::schedul
 detokenize, stop checks) ranges (:func:`phase`: a shared no-op context when no session runs, so the
 hot path pays one global read). While a session runs, the public ops of :mod:`sglite.kernels` are
 wrapped in ``sglite::gemm`` (``linear``), ``sglite::attention`` (``decode_attention``,
-``extend_attention``, ``store_kv``), ``sglite::elementwise`` (``rms_norm``, ``silu_mul``,
-``gelu_tanh_mul``) and ``sglite::fused_decode`` (the fused C++ decode, GEMM and attention together)
+``extend_attention``, ``store_kv``), ``sglite::elementwise`` (``rms_norm``, ``add_rms_norm``,
+``rope_store_kv``, ``silu_mul``, ``gelu_tanh_mul``) and ``sglite::fused_decode`` (the fused C++ decode, GEMM and attention together)
 ranges; the wrappers are removed when the last session stops, so they cost nothing otherwise.
 
 The phase table (:func:`phase_summary`) splits the steps' wall time into GEMM, attention,
@@ -46,7 +46,7 @@ _saved: dict = {}  # kernels attributes replaced by probes while a session runs
 #: phase table rows: (row, the record_function ranges summed into it)
 CATEGORIES = (("GEMM", ("sglite::gemm",)),
               ("attention", ("sglite::attention",)),
-              ("elementwise (norm, activation)", ("sglite::elementwise",)),
+              ("elementwise (norm, activation, RoPE)", ("sglite::elementwise",)),
               ("fused decode (C++: GEMM + attention)", ("sglite::fused_decode",)),
               ("sampling", ("sglite::sample",)),
               ("scheduling (plan + batch tensors)", ("sglite::schedule", "sglite::build_batch")),
@@ -55,7 +55,8 @@ OTHER = "Python/other"
 _PROBES = {"linear": "sglite::gemm", "decode_attention": "sglite::attention",
            "extend_attention": "sglite::attention", "store_kv": "sglite::attention",
            "rms_norm": "sglite::elementwise", "silu_mul": "sglite::elementwise",
-           "gelu_tanh_mul": "sglite::elementwise"}
+           "gelu_tanh_mul": "sglite::elementwise", "add_rms_norm": "sglite::elementwise",
+           "rope_store_kv": "sglite::elementwise"}
 
 
 def phase(name: str):

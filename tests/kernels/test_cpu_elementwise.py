@@ -88,7 +88,8 @@ def _rope_case(N, Hq, Hkv, D, dtype, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("N,Hq,Hkv,D", [(1, 9, 3, 64), (37, 9, 3, 64), (5, 16, 2, 128), (4, 4, 1, 256), (3, 2, 2, 6)])
+@pytest.mark.parametrize("N,Hq,Hkv,D", [(1, 9, 3, 64), (37, 9, 3, 64), (5, 16, 2, 128), (4, 4, 1, 256), (3, 2, 2, 6),
+                                        (7, 5, 1, 80), (2, 3, 3, 34)])  # D/2 = 40, 17: a full vector, then a masked tail
 def test_rope_store_kv_is_bit_identical_to_reference(ops, N, Hq, Hkv, D, dtype):
     qk, v, cos, sin, kb, vb, loc = _rope_case(N, Hq, Hkv, D, dtype, seed=N + D)
     kb2, vb2 = kb.clone(), vb.clone()

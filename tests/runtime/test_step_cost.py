@@ -94,3 +94,26 @@ def test_phase_summary_rows_add_up_to_the_step():
     assert rows[OTHER]["us"] == 2000 - 900 - 300 - 100 - 80 - 20
     assert rows["step total"]["us_per_step"] == 1000.0
     assert sum(v["us"] for k, v in rows.items() if k != "step total") == 2000.0
+
+
+def test_profile_counts_the_fused_norm_and_rope_as_elementwise(tmp_path):
+    """add_rms_norm and rope_store_kv (the extend path's fused C++ kernels) are probed as
+    elementwise while a session runs (they used to fall into Python/other), and unwrapped after."""
+    from sglite import kernels
+    from sglite.runtime.profiler import ProfileSession, phase
+
+    x, r, w = torch.randn(4, 32), torch.randn(4, 32), torch.ones(32)
+    qk, v = torch.randn(3, 3, 8), torch.randn(3, 1, 8)
+    cos, sin = torch.ones(3, 4), torch.zeros(3, 4)
+    kb, vb = torch.zeros(5, 1, 8), torch.zeros(5, 1, 8)
+    s = ProfileSession(output_dir=str(tmp_path), activities=["CPU"])
+    s.start()
+    with phase("step"):
+        kernels.add_rms_norm(x, r, w, 1e-6)
+        kernels.rope_store_kv(qk, v, cos, sin, kb, vb, torch.tensor([0, 2, 4]), 2)
+    s.step_done()
+    res = s.stop()
+    names = [ev.name for ev in s._prof.events()]
+    assert names.count("sglite::elementwise") == 2
+    assert res.phases["elementwise (norm, activation, RoPE)"]["us"] > 0
+    assert not hasattr(kernels.add_rms_norm, "__wrapped__") and not hasattr(kernels.rope_store_kv, "__wrapped__")

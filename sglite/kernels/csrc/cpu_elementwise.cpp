@@ -9,6 +9,7 @@
 #include <torch/library.h>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <tuple>
 #include <type_traits>
@@ -76,6 +77,7 @@ void add_rms_rows(const T* x, int64_t xs, const T* r, int64_t rs, const W* w, T*
         const uint16_t* xb = (const uint16_t*)xr;
         const uint16_t* rb = r ? (const uint16_t*)(r + m * rs) : nullptr;
         uint16_t* sb = r ? (uint16_t*)(sum + m * H) : nullptr;
+        __m512 acc = _mm512_setzero_ps();  // sumsq's lanes and order, summed in this same pass
         for (int64_t i = 0; i < H; i += 16) {
           const __mmask16 mk = H - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (H - i)) - 1);
           __m512 h = ld_bf16(xb + i, mk);
@@ -85,8 +87,9 @@ void add_rms_rows(const T* x, int64_t xs, const T* r, int64_t rs, const W* w, T*
             h = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hs), 16));
           }
           _mm512_mask_storeu_ps(hf.data() + i, mk, h);
+          acc = _mm512_fmadd_ps(h, h, acc);  // masked-off lanes hold 0, as sumsq's masked tail
         }
-        const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(sumsq(hf.data(), H) / (float)H + eps));
+        const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / (float)H + eps));
         uint16_t* ob = (uint16_t*)(out + m * H);
         for (int64_t i = 0; i < H; i += 16) {
           const __mmask16 mk = H - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (H - i)) - 1);
@@ -148,10 +151,36 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::
 }
 
 // Rotate-half RoPE of one head in T (each product and the sum rounded to T, as HF's
-// x1 * c - x2 * s, x2 * c + x1 * s in the tensor dtype).
+// x1 * c - x2 * s, x2 * c + x1 * s in the tensor dtype). The AVX-512 build runs 16 lanes at a time
+// with the same roundings (products rounded to T, then the sum; float32: no fused multiply-add).
 template <typename T>
 inline void rotate(const T* x, const T* c, const T* s, T* o, int64_t half) {
-  for (int64_t i = 0; i < half; ++i) {
+  int64_t i = 0;
+#ifdef SGL_AVX512
+  for (; i < half; i += 16) {
+    const __mmask16 mk = half - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (half - i)) - 1);
+    if constexpr (std::is_same_v<T, bf16>) {
+      const uint16_t *xb = (const uint16_t*)x, *cb = (const uint16_t*)c, *sb = (const uint16_t*)s;
+      const __m512 x1 = ld_bf16(xb + i, mk), x2 = ld_bf16(xb + half + i, mk);
+      const __m512 ci = ld_bf16(cb + i, mk), si = ld_bf16(sb + i, mk);
+      const auto r = [](__m512 v) {  // v rounded to bf16, back as float32 (exact)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rne_bf16(v)), 16));
+      };
+      uint16_t* ob = (uint16_t*)o;
+      _mm256_mask_storeu_epi16(ob + i, mk, rne_bf16(_mm512_sub_ps(r(_mm512_mul_ps(x1, ci)), r(_mm512_mul_ps(x2, si)))));
+      _mm256_mask_storeu_epi16(ob + half + i, mk,
+                               rne_bf16(_mm512_add_ps(r(_mm512_mul_ps(x2, ci)), r(_mm512_mul_ps(x1, si)))));
+    } else {
+      const float *xf = (const float*)x, *cf = (const float*)c, *sf = (const float*)s;
+      const __m512 x1 = _mm512_maskz_loadu_ps(mk, xf + i), x2 = _mm512_maskz_loadu_ps(mk, xf + half + i);
+      const __m512 ci = _mm512_maskz_loadu_ps(mk, cf + i), si = _mm512_maskz_loadu_ps(mk, sf + i);
+      float* of = (float*)o;
+      _mm512_mask_storeu_ps(of + i, mk, _mm512_sub_ps(_mm512_mul_ps(x1, ci), _mm512_mul_ps(x2, si)));
+      _mm512_mask_storeu_ps(of + half + i, mk, _mm512_add_ps(_mm512_mul_ps(x2, ci), _mm512_mul_ps(x1, si)));
+    }
+  }
+#endif
+  for (; i < half; ++i) {
     const float x1 = f(x[i]), x2 = f(x[i + half]), ci = f(c[i]), si = f(s[i]);
     o[i] = cast<T>(f(cast<T>(x1 * ci)) - f(cast<T>(x2 * si)));
     o[i + half] = cast<T>(f(cast<T>(x2 * ci)) + f(cast<T>(x1 * si)));
@@ -164,18 +193,20 @@ bool rope_rows(const at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos,
   const int64_t N = qk.size(0), H = qk.size(1), D = qk.size(2), Hkv = H - Hq, half = D / 2, S = kb.size(0);
   const T *qkp = (const T*)qk.data_ptr(), *vp = (const T*)v.data_ptr(), *cp = (const T*)cos.data_ptr(), *sp = (const T*)sin.data_ptr();
   T *kbp = (T*)kb.data_ptr(), *vbp = (T*)vb.data_ptr(), *qp = (T*)q.data_ptr();
+  // strides read once, outside the rows' loop
+  const int64_t qs0 = qk.stride(0), qs1 = qk.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
+  const int64_t cs = cos.stride(0), ss = sin.stride(0), ks0 = kb.stride(0), ks1 = kb.stride(1);
+  const int64_t vbs0 = vb.stride(0), vbs1 = vb.stride(1);
   std::atomic<bool> bad{false};
   sglite_pool::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const int64_t slot = loc[n];
       if (slot < 0 || slot >= S) { bad = true; return; }
-      const T *c = cp + n * cos.stride(0), *s = sp + n * sin.stride(0);
-      for (int64_t h = 0; h < Hq; ++h) rotate(qkp + n * qk.stride(0) + h * qk.stride(1), c, s, qp + (n * Hq + h) * D, half);
+      const T *c = cp + n * cs, *s = sp + n * ss;
+      for (int64_t h = 0; h < Hq; ++h) rotate(qkp + n * qs0 + h * qs1, c, s, qp + (n * Hq + h) * D, half);
       for (int64_t h = 0; h < Hkv; ++h) {
-        rotate(qkp + n * qk.stride(0) + (Hq + h) * qk.stride(1), c, s, kbp + slot * kb.stride(0) + h * kb.stride(1), half);
-        const T* vr = vp + n * v.stride(0) + h * v.stride(1);
-        T* vo = vbp + slot * vb.stride(0) + h * vb.stride(1);
-        for (int64_t d = 0; d < D; ++d) vo[d] = vr[d];
+        rotate(qkp + n * qs0 + (Hq + h) * qs1, c, s, kbp + slot * ks0 + h * ks1, half);
+        std::memcpy(vbp + slot * vbs0 + h * vbs1, vp + n * vs0 + h * vs1, D * sizeof(T));
       }
     }
   });

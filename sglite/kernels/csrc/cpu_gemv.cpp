@@ -263,13 +263,13 @@ torch::Tensor linear_invariant(torch::Tensor x, torch::Tensor w, c10::optional<t
 namespace {
 using sglite_simd::exp_nonpos;
 
-// silu(g) in float32 without overflow: e = e^-|g|; sigmoid = 1/(1+e) for g >= 0, e/(1+e) otherwise.
+// silu(g) in float32 without overflow: e = e^-|g|, inv = 1/(1+e); sigmoid = inv for g >= 0, e * inv
+// otherwise (one division per 16 lanes; decode_layer.cpp's silu_mul computes the same).
 inline __m512 silu16(__m512 g) {
   const __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), e);
+  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), e));
   const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-  const __m512 sig = _mm512_mask_blend_ps(neg, _mm512_div_ps(_mm512_set1_ps(1.f), d), _mm512_div_ps(e, d));
-  return _mm512_mul_ps(g, sig);
+  return _mm512_mul_ps(g, _mm512_mask_mul_ps(inv, neg, e, inv));
 }
 
 using sglite_simd::gelu_tanh16;  // avx512_math.h: decode_family.h's formula too
@@ -299,22 +299,30 @@ torch::Tensor act_mul(torch::Tensor g, torch::Tensor u, const char* who, Act act
   const int64_t M = rows ? g.size(0) : 1, I = rows ? g.size(1) : gc.numel();
   const int64_t gs = rows ? g.stride(0) : 0, us = rows ? u.stride(0) : 0;
   const int64_t per_row = (I + 15) / 16;
+  const bool f32 = dt == at::kFloat;
+  // base pointers read once (data_ptr<T>() checks the dtype on every call)
+  const char* gb = static_cast<const char*>(gc.data_ptr());
+  const char* ub = static_cast<const char*>(uc.data_ptr());
+  char* ob = static_cast<char*>(out.data_ptr());
   sglite_pool::parallel_for(0, M * per_row, 2048, [&](int64_t c0, int64_t c1) {
+    int64_t r = c0 / per_row, i = (c0 - r * per_row) * 16;
     for (int64_t c = c0; c < c1; ++c) {
-      const int64_t r = c / per_row, i = (c - r * per_row) * 16;
       const __mmask16 m = I - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (I - i)) - 1);
       const int64_t go = r * gs + i, uo = r * us + i, oo = r * I + i;
-      if (dt == at::kFloat) {
-        const __m512 s = act16(_mm512_maskz_loadu_ps(m, gc.data_ptr<float>() + go));
-        _mm512_mask_storeu_ps(out.data_ptr<float>() + oo, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, uc.data_ptr<float>() + uo)));
+      if (f32) {
+        const __m512 s = act16(_mm512_maskz_loadu_ps(m, reinterpret_cast<const float*>(gb) + go));
+        _mm512_mask_storeu_ps(reinterpret_cast<float*>(ob) + oo, m,
+                              _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, reinterpret_cast<const float*>(ub) + uo)));
       } else {
-        const uint16_t* gp = bits(gc) + go;
-        const uint16_t* up = bits(uc) + uo;
-        uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + oo;
+        const uint16_t* gp = reinterpret_cast<const uint16_t*>(gb) + go;
+        const uint16_t* up = reinterpret_cast<const uint16_t*>(ub) + uo;
+        uint16_t* op = reinterpret_cast<uint16_t*>(ob) + oo;
         const __m256i s = round_bf16(act16(load_bf16(gp, m)));  // the activation rounded to bf16
         const __m512 sf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(s), 16));
         _mm256_mask_storeu_epi16(op, m, round_bf16(_mm512_mul_ps(sf, load_bf16(up, m))));
       }
+      i += 16;
+      if (i >= I) i = 0, ++r;
     }
   });
   return out;

@@ -29,7 +29,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -120,19 +119,19 @@ def run_inproc(engine, tl: Timeline, ps: list[str], warm: list[str]) -> tuple[fl
     return t, time.perf_counter(), time.process_time() - c
 
 
-def run_http(engine, tl: Timeline, ps: list[str], warm: list[str], port: int) -> tuple[float, float, float]:
-    """Serve ``engine`` on ``port`` in this process; a client process sends ``ps`` at once."""
-    import uvicorn
-
+def serve(engine, port: int):
+    """``engine``'s HTTP app on 127.0.0.1:``port`` in a thread of this process, started."""
     from sglite.server.app import create_app
+    from sglite.server.runner import UvicornThread, bind_listener
     from sglite.server.settings import ServerConfig
 
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, ServerConfig(port=port)), host="127.0.0.1",
-                                           port=port, log_level="warning"))
-    th = threading.Thread(target=server.run, daemon=True)
-    th.start()
-    while not server.started:
-        time.sleep(0.05)
+    app = create_app(engine, ServerConfig(port=port))
+    return UvicornThread(app, bind_listener("127.0.0.1", port), "step-timeline-server").start()
+
+
+def run_http(engine, tl: Timeline, ps: list[str], warm: list[str], port: int) -> tuple[float, float, float]:
+    """Serve ``engine`` on ``port`` in this process; a client process sends ``ps`` at once."""
+    server = serve(engine, port)
     client = (
         "import asyncio, json, sys, time\n"
         "import httpx\n"
@@ -161,8 +160,7 @@ def run_http(engine, tl: Timeline, ps: list[str], warm: list[str], port: int) ->
     line = proc.stdout.readline()
     t1, cpu = time.perf_counter(), time.process_time() - c
     proc.wait()
-    server.should_exit = True
-    th.join(timeout=10)
+    server.stop()
     if not line.startswith("DONE"):
         raise SystemExit(f"client failed: {line!r}")
     return t, t1, cpu
@@ -174,11 +172,6 @@ def run_bench_client(engine, tl: Timeline, port: int) -> tuple[float, float, flo
     client's ``/flush_cache`` (after its warm-up request)."""
     import resource
 
-    import uvicorn
-
-    from sglite.server.app import create_app
-    from sglite.server.settings import ServerConfig
-
     flush0, marks = engine.flush_cache, {}
 
     def flush():
@@ -189,20 +182,14 @@ def run_bench_client(engine, tl: Timeline, port: int) -> tuple[float, float, flo
         return ok
 
     engine.flush_cache = flush
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, ServerConfig(port=port)), host="127.0.0.1",
-                                           port=port, log_level="warning"))
-    th = threading.Thread(target=server.run, daemon=True)
-    th.start()
-    while not server.started:
-        time.sleep(0.05)
+    server = serve(engine, port)
     u0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = subprocess.run([sys.executable, "-m", "sglite.cli", "bench", "serving", "--base-url",
                           f"http://127.0.0.1:{port}", "--dataset", "shared-prefix", "--disable-tqdm"],
                          capture_output=True, text=True)
     t1, cpu = time.perf_counter(), time.process_time() - marks.get("c", 0.0)
     u1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    server.should_exit = True
-    th.join(timeout=10)
+    server.stop()
     if out.returncode != 0 or "t" not in marks:
         raise SystemExit(f"client failed: {out.stdout[-2000:]} {out.stderr[-2000:]}")
     print("\n".join(line for line in out.stdout.splitlines() if "req/s" in line or "Request throughput" in line

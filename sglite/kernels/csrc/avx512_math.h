@@ -23,7 +23,7 @@ inline __m512 exp_nonpos(__m512 x) {
 // 2^x on 16 float32 lanes for finite x < 128 (2^x underflows to 0 below -149; -inf or NaN give
 // NaN: callers mask those lanes): n = round(x), r = x - n in [-1/2, 1/2] (exact), 2^n * p(r) with p
 // the degree-3 polynomial of least maximum relative error for 2^r on [-1/2, 1/2] (Remez exchange;
-// max relative error 7.5e-5 with these float32 coefficients, tests/kernels/test_exp2_poly.py
+// max relative error 7.5e-5 with these float32 coefficients, tests/kernels/test_amx_softmax.py
 // evaluates them from this file). For softmax weights that are rounded to bf16 (half an ulp: 2^-9
 // = 2.0e-3 relative, 26x larger); callers fold log2(e) into the scores (one multiply per query
 // element, none per score).

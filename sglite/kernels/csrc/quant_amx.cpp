@@ -52,17 +52,15 @@ at::Tensor quant_gemm_amx(at::Tensor x, at::Tensor q, at::Tensor s, at::Tensor m
               "quant_gemm_amx: scales must be float32 or float16 [N, K / group_size]");
   TORCH_CHECK(mn.numel() == 0 || (mn.scalar_type() == s.scalar_type() && mn.is_contiguous() && mn.numel() == N * G),
               "quant_gemm_amx: mins must match scales' dtype and shape");
-  const int64_t Mp = (M + 31) / 32 * 32;
-  at::Tensor xp = x.contiguous();
-  if (Mp != M || ((uintptr_t)xp.data_ptr() & 63)) {  // zero rows up to a multiple of 32 (every tile load
-    // reads 16 full rows), and 64-byte aligned (a view's offset: tile rows would straddle cache lines)
-    at::Tensor pad = at::empty({Mp * K + 32}, x.options());
-    pad = pad.narrow(0, ((64 - ((uintptr_t)pad.data_ptr() & 63)) & 63) / 2, Mp * K).view({Mp, K});
-    std::memcpy(pad.data_ptr(), xp.data_ptr(), M * K * 2);
-    std::memset((uint16_t*)pad.data_ptr() + M * K, 0, (Mp - M) * K * 2);
-    xp = pad;
-  }
+  const at::Tensor xp = x.contiguous();
   const uint16_t* xd = (const uint16_t*)xp.data_ptr<at::BFloat16>();
+  std::vector<uint16_t> buf;
+  if (M % 32 != 0 || ((uintptr_t)xd & 63)) {  // rows_buffer: zero rows up to a multiple of 32 (every tile
+    // load reads 16 full rows), 64-byte aligned (a view's offset: tile rows would straddle cache lines)
+    uint16_t* al = sglite_amx::rows_buffer(buf, M, K);
+    std::memcpy(al, xd, M * K * 2);
+    xd = al;
+  }
   const QW w = amx_weight(q, s, mn, bits, gs);
   at::Tensor y = at::empty({M, N}, x.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
   const uint16_t* pk = sglite_amx::packed_data(packed, N, K, "quant_gemm_amx");

@@ -212,7 +212,8 @@ void pack_b(const QW& w, uint16_t* out, const Par& par) {
 // Room for the tile GEMM's activation rows [Mp, K] bf16 (Mp = M rounded up to 32) in buf -> its
 // 64-byte aligned start. Every tile row is then one cache line: K % 32 == 0 makes each row's stride a
 // whole number of lines, and a tile load whose 64-byte rows straddle two lines (malloc's 16-byte
-// alignment) measured ~3x slower per load here (7.7 vs 24 ns CPU, docs/benchmarks.md).
+// alignment) measured ~3x slower per load here (7.7 vs 24 ns CPU, docs/benchmarks.md). A fresh (empty)
+// buf comes back zero-filled, padding rows included (std::vector::resize value-initialises).
 inline uint16_t* rows_buffer(std::vector<uint16_t>& buf, int64_t M, int64_t K) {
   buf.resize((M + 31) / 32 * 32 * K + 32);
   return (uint16_t*)(((uintptr_t)buf.data() + 63) & ~(uintptr_t)63);

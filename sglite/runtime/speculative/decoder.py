@@ -114,12 +114,13 @@ class SpecDecoder:
         self.cost = cost if draft_model is None and proposer is None else None
         self.budget: DraftBudget = (MeasuredCost(self.cost, self.accept) if self.cost is not None
                                     else RowBlock(row_block))
-        # token trees (several n-gram candidates per step) need a slot per position: page size 1
+        # token trees (several candidates per step; they move slots within a row) need a slot per
+        # position: page size 1 only
+        self.trees = config.page_size == 1
         self.proposer: Proposer = proposer or (
             DraftModelProposer(draft_model) if draft_model is not None else
-            LookupProposer(self.token_text, out, TREE_BRANCHES if config.page_size == 1 else 1))
+            LookupProposer(self.token_text, out, TREE_BRANCHES if self.trees else 1))
         self.runner = runner  # EAGLE / MEDUSA: its ``last_hidden`` feeds the proposer's ``observe``
-        self.trees = getattr(config, "page_size", 1) == 1  # token trees move slots within a row: page size 1 only
 
     @property
     def stats(self) -> dict:
@@ -206,16 +207,14 @@ class SpecDecoder:
         nested = parents is not None and any(p != ROOT for p in parents)
         chains = cut_tree(chains, self.budget.rows_left) if nested else self.budget.fit(chains, sources)
         keep = [i for i, c in enumerate(chains) if c]
-        if nested:
-            keep = prune(chains, parents, keep)[0]
+        tree_parents = None
+        if nested:  # prune lists a parent before its children: every prefix of keep stays a tree
+            keep, tree_parents = prune(chains, parents, keep)
         keep = keep if self.trees else keep[:1]
         rows = self.kv.borrow_rows(len(keep) - 1) if len(keep) > 1 else []
         keep = keep[:1 + len(rows)]
-        tree_parents = None
-        if nested:
-            keep, tree_parents = prune(chains, parents, keep)
-            self.release_scratch(rows[max(0, len(keep) - 1):])
-            rows = rows[:max(0, len(keep) - 1)]
+        if tree_parents is not None:
+            tree_parents = tree_parents[:len(keep)]
         chains = [chains[i] for i in keep]
         n_nodes = sum(len(c) for c in chains)
         if not chains or not self.kv.reserve_more(r, n_nodes):

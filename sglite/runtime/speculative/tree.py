@@ -62,6 +62,7 @@ class TreeDraft:
             self.offsets.append(off)
             self.base.append(0 if pc < 0 else self.base[pc] + pd)
             off += len(c)
+        self.owner = [(b, j) for b, c in enumerate(self.chains) for j in range(len(c))]  # node -> (chain, index)
         self.kids: dict[int, list[int]] = {-1: []}  # node (layout index; -1: the root) -> child nodes
         for b, c in enumerate(self.chains):
             if not c:
@@ -94,12 +95,11 @@ class TreeDraft:
 
     def chain_of(self, node: int) -> tuple[int, int]:
         """``(chain, index in it)`` of a node's layout index."""
-        b = max(i for i, o in enumerate(self.offsets) if o <= node and len(self.chains[i]))
-        return b, node - self.offsets[b]
+        return self.owner[node]
 
     def depths(self) -> list[int]:
         """Per node (layout order), its depth below the root (1: a child of the root)."""
-        return [self.base[b] + j + 1 for b, c in enumerate(self.chains) for j in range(len(c))]
+        return [self.base[b] + j + 1 for b, j in self.owner]
 
     def paths(self) -> list[list[int]]:
         """Per node (layout order), the node tokens from the root's child down to it."""

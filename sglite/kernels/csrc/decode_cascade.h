@@ -53,63 +53,85 @@ std::vector<Group> shared_prefix_groups(const int32_t* rt, int64_t rts0, const i
 }
 
 #ifdef SGL_AMX_ATTN
-// Cascade decode on a bf16 pool: pass 1 attends each group's shared keys [0, P) once per (group,
-// KV head, chunk of up to 64 / G rows) on the AMX tiles, its queries the chunk's rows x the G
-// heads (amx_attention.h), keeping unnormalised outputs, maxima and sums; pass 2 runs every
-// (row, KV head) task over the row's own keys [P, len) (all of them outside the groups) and merges.
+// Cascade decode on a bf16 pool, one fork/join: a task is either a chunk of a group (one KV head,
+// up to 64 / G of its rows) or one (row, KV head) of a row outside every group. A chunk attends
+// the group's shared keys [0, P) once on the AMX tiles, its queries the chunk's rows x the G heads
+// (amx_attention.h), then each of its rows' own keys [P, len) with the AVX-512 per-row kernel,
+// merged with the tiles' unnormalised outputs, maxima and sums in place (attend's Prefix): no
+// partials leave the thread, no second pass waits for the first. Threads claim tasks from one
+// counter, the costliest first (longest-processing-time order: chunks, then the other rows by
+// length), so the last tasks claimed are the short ones. A row's result depends only on its own
+// query, keys and its group's P (tile rows never mix), not on the chunking or the thread count.
 // The split of the shared keys changes a row's rounding with the batch (not batch-invariant:
 // callers in deterministic mode pass cascade_min 0).
 void run_cascade(const Job<uint16_t>& j, int64_t B, int Hkv, int64_t max_len, const std::vector<Group>& groups) {
   namespace A = sglite_amx_attn;
-  const int G = j.G, D = j.D, Dp = j.Dp, Dp32 = (D + 31) & ~31, Hq = j.Hq;
-  std::vector<int64_t> first(B, 0);
-  std::vector<float> part((size_t)B * Hq * (Dp + 2));
-  struct PTask { int64_t g; int h; int64_t r0, r1; };
-  std::vector<PTask> pt;
-  const int64_t per = std::max(1, A::kMaxRows / G);
-  for (int64_t g = 0; g < (int64_t)groups.size(); ++g) {
-    for (int64_t b : groups[g].rows) first[b] = groups[g].P;
-    for (int h = 0; h < Hkv; ++h)
-      for (int64_t r0 = 0; r0 < (int64_t)groups[g].rows.size(); r0 += per)
-        pt.push_back(PTask{g, h, r0, std::min<int64_t>((int64_t)groups[g].rows.size(), r0 + per)});
+  const int G = j.G, D = j.D, Dp32 = (D + 31) & ~31;
+  struct Task { int64_t cost; int32_t g, h, r0, r1; };  // g >= 0: rows [r0, r1) of group g; g < 0: batch row r0
+  std::vector<Task> tasks;
+  std::vector<char> grouped(B, 0);
+  const int per = std::max(1, A::kMaxRows / G);
+  for (int g = 0; g < (int)groups.size(); ++g) {
+    const Group& gr = groups[g];
+    const int k = (int)gr.rows.size();
+    for (int64_t b : gr.rows) grouped[b] = 1;
+    for (int r0 = 0; r0 < k; r0 += per) {
+      const int r1 = std::min(k, r0 + per);
+      int64_t own = 0;
+      for (int r = r0; r < r1; ++r) own += j.lens[gr.rows[r]] - gr.P;
+      for (int h = 0; h < Hkv; ++h) tasks.push_back(Task{gr.P * (r1 - r0) + 4 * own + 16 * (r1 - r0), g, h, r0, r1});
+    }
   }
+  for (int64_t b = 0; b < B; ++b)
+    if (!grouped[b])
+      for (int h = 0; h < Hkv; ++h) tasks.push_back(Task{4 * j.lens[b] + 16, -1, h, (int32_t)b, (int32_t)b + 1});
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
+  const Tiled<uint16_t> tiled = pick_tiled<uint16_t>(j.Dp, G);
   std::atomic<bool> bad{false};
   std::atomic<int64_t> next{0};
-  const int64_t n = (int64_t)pt.size();
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
-  sglite_pool::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    A::Work w;
-    sglite_tiles::configure();
-    for (int64_t i; !bad.load(std::memory_order_relaxed) && (i = next.fetch_add(1)) < n;) {
-      const PTask& t = pt[i];
+  const int64_t n = (int64_t)tasks.size();
+  const int workers = (int)std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  auto body = [&](int64_t) {
+    std::unique_ptr<A::Work> w;  // made on the first chunk this thread claims
+    std::vector<float> qf((size_t)G * j.Dp), sc((size_t)G * max_len), acc((size_t)G * j.Dp + 2 * G);
+    float mn[A::kMaxRows];
+    for (int64_t i; !bad.load(std::memory_order_relaxed) && (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
+      const Task& t = tasks[i];
+      if (t.g < 0) {
+        if (!attend(j, tiled, t.r0, t.h, qf.data(), sc.data(), acc.data())) bad = true;
+        continue;
+      }
+      if (!w) {
+        w = std::make_unique<A::Work>();
+        sglite_tiles::configure();
+      }
       const Group& gr = groups[t.g];
-      const int R = (int)(t.r1 - t.r0) * G;
-      A::begin(w, R, Dp32);
+      const int R = (t.r1 - t.r0) * G;
+      A::begin(*w, R, Dp32);
       for (int r = 0; r < R; ++r) {
         const int64_t b = gr.rows[t.r0 + r / G];
         const int64_t off = b * j.qs0 + (int64_t)(t.h * G + r % G) * j.qs1;
-        w.qpos[r] = INT32_MAX;
-        if (j.q_bf16) A::set_query(w, r, (const uint16_t*)j.q + off, D, j.scale);
-        else A::set_query(w, r, (const float*)j.q + off, D, j.scale);
+        w->qpos[r] = INT32_MAX;
+        if (j.q_bf16) A::set_query(*w, r, (const uint16_t*)j.q + off, D, j.scale);
+        else A::set_query(*w, r, (const float*)j.q + off, D, j.scale);
       }
       const int32_t* slots = j.rt + j.rows[gr.rows[0]] * j.rts0;
-      if (!A::walk(w, R, D, Dp32, j.k + t.h * j.ks1, j.ks0, j.v + t.h * j.vs1, j.vs0, slots, j.S, 0, gr.P, gr.P, gr.P, 0,
+      if (!A::walk(*w, R, D, Dp32, j.k + t.h * j.ks1, j.ks0, j.v + t.h * j.vs1, j.vs0, slots, j.S, 0, gr.P, gr.P, gr.P, 0,
                    j.softcap)) {
         bad = true;
         break;
       }
-      for (int r = 0; r < R; ++r) {
-        const int64_t b = gr.rows[t.r0 + r / G];
-        float* dst = part.data() + (b * Hq + t.h * G + r % G) * (Dp + 2);
-        std::memcpy(dst, w.acc + (size_t)r * A::kMaxDp, sizeof(float) * D);
-        dst[Dp] = A::m_natural(w, r);
-        dst[Dp + 1] = w.l[r];
+      for (int r = 0; r < R; ++r) mn[r] = A::m_natural(*w, r);
+      for (int i2 = t.r0; i2 < t.r1; ++i2) {  // each row's own keys, merged with its tile rows
+        const int r = (i2 - t.r0) * G;
+        const Prefix pre{w->acc + (size_t)r * A::kMaxDp, A::kMaxDp, mn + r, w->l + r};
+        if (!attend(j, tiled, gr.rows[i2], t.h, qf.data(), sc.data(), acc.data(), gr.P, &pre)) bad = true;
       }
     }
-    _tile_release();
-  });
+    if (w) _tile_release();
+  };
+  sglite_pool::Pool::get().run(workers, workers, body);
   TORCH_CHECK_INDEX(!bad, "decode_attention: req_to_token holds a slot outside the pool [0, ", j.S, ")");
-  run(j, B, Hkv, max_len, first.data(), part.data());  // pass 2: each row's own keys, merged
 }
 #endif
 

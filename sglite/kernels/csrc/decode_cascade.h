@@ -5,10 +5,16 @@
 #pragma once
 
 // Rows of the batch that share their first P keys' slots (radix-cache prefixes): groups of >= 2
-// rows whose slot rows agree on [0, P), P >= min_shared, each row keeping >= 1 key of its own. The
-// rows are sorted by their slot rows (lexicographically, up to each one's own last key), so rows
-// continuing one prefix are neighbours; a run of neighbours whose common prefixes are all >=
-// min_shared is a group, its P the smallest of them. Cost: O(B log B) memcmp of the prefixes.
+// rows whose slot rows agree on [0, P), P >= min_shared, each row keeping >= 1 key of its own. In
+// the rows' lexicographic order (of their slot rows up to each one's own last key) a group is a
+// maximal run of neighbours whose common prefixes are all >= min_shared, its P the smallest of
+// them. Found without that sort: two rows (each longer than min_shared) have a common prefix >=
+// min_shared exactly when their first min_shared slots agree, so the runs are the classes of
+// equal first-min_shared slots (rows bucketed by a hash of those, then compared), and the smallest
+// neighbour prefix of a run is the class's common prefix: min over its rows of (len - 1) and of
+// the prefix each shares with the class's first row. Groups come out in the lexicographic order
+// of their first min_shared slots, rows ascending. Cost: O(B log B + sum of the rows' P) int
+// compares (the sort compared P-long prefixes O(B log B) times).
 struct Group { int64_t P; std::vector<int64_t> rows; };
 
 // Common prefix of a[0 .. cap) and c[0 .. cap).
@@ -21,34 +27,42 @@ inline int64_t common_prefix(const int32_t* a, const int32_t* c, int64_t cap) {
 
 std::vector<Group> shared_prefix_groups(const int32_t* rt, int64_t rts0, const int64_t* rows, const int64_t* lens,
                                         int64_t B, int64_t min_shared) {
-  std::vector<Group> out;
-  std::vector<int64_t> idx;
-  for (int64_t b = 0; b < B; ++b)
-    if (lens[b] > min_shared) idx.push_back(b);  // a row needs min_shared shared keys + one of its own
+  struct Cand { uint64_t hash; int64_t b; };
+  std::vector<Cand> idx;
   auto row = [&](int64_t b) { return rt + rows[b] * rts0; };
-  std::sort(idx.begin(), idx.end(), [&](int64_t a, int64_t b) {
-    const int64_t n = std::min(lens[a], lens[b]) - 1;
-    const int64_t k = common_prefix(row(a), row(b), n);
-    if (k < n) return row(a)[k] < row(b)[k];
-    return lens[a] != lens[b] ? lens[a] < lens[b] : a < b;
+  const size_t head = sizeof(int32_t) * (size_t)min_shared;
+  for (int64_t b = 0; b < B; ++b)
+    if (lens[b] > min_shared) {  // a row needs min_shared shared keys + one of its own
+      uint64_t h = 1469598103934665603ull;
+      const int32_t* r = row(b);
+      for (int64_t t = 0; t < min_shared; ++t) h = (h ^ (uint32_t)r[t]) * 1099511628211ull;
+      idx.push_back(Cand{h, b});
+    }
+  std::sort(idx.begin(), idx.end(), [&](const Cand& x, const Cand& y) {
+    if (x.hash != y.hash) return x.hash < y.hash;
+    const int c = std::memcmp(row(x.b), row(y.b), head);
+    return c != 0 ? c < 0 : x.b < y.b;
   });
+  std::vector<Group> out;
   for (size_t i = 0; i < idx.size();) {
     size_t e = i + 1;
-    int64_t P = INT64_MAX;
-    while (e < idx.size()) {
-      const int64_t a = idx[e - 1], b = idx[e];
-      const int64_t k = common_prefix(row(a), row(b), std::min(lens[a], lens[b]) - 1);
-      if (k < min_shared) break;
-      P = std::min(P, k);
-      ++e;
-    }
+    while (e < idx.size() && idx[e].hash == idx[i].hash && std::memcmp(row(idx[i].b), row(idx[e].b), head) == 0) ++e;
     if (e - i >= 2) {
-      Group g{P, std::vector<int64_t>(idx.begin() + i, idx.begin() + e)};
-      std::sort(g.rows.begin(), g.rows.end());
-      out.push_back(std::move(g));
+      Group g{INT64_MAX, {}};
+      const int64_t b0 = idx[i].b;
+      for (size_t k = i; k < e; ++k) {
+        const int64_t b = idx[k].b;
+        g.rows.push_back(b);
+        g.P = std::min(g.P, lens[b] - 1);
+      }
+      for (size_t k = i + 1; k < e; ++k) g.P = std::min(g.P, common_prefix(row(b0), row(idx[k].b), g.P));
+      out.push_back(std::move(g));  // rows ascending: the sort's tie-break
     }
     i = e;
   }
+  std::sort(out.begin(), out.end(), [&](const Group& x, const Group& y) {  // the lexicographic order of the runs
+    return std::lexicographical_compare(row(x.rows[0]), row(x.rows[0]) + min_shared, row(y.rows[0]), row(y.rows[0]) + min_shared);
+  });
   return out;
 }
 

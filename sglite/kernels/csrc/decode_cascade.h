@@ -67,12 +67,154 @@ std::vector<Group> shared_prefix_groups(const int32_t* rt, int64_t rts0, const i
 }
 
 #ifdef SGL_AMX_ATTN
+// One grouped row's own keys slots[0 .. L) for the G heads of one KV head (kh / vh: the head's K /
+// V row of slot 0), continuing the tiles' online softmax of its rows r0 .. r0 + G - 1 in w (after
+// A::walk over the shared keys); the G outputs go to out (q's dtype, D values each, head stride
+// D). The tiles' bf16 query (pre-scaled by scale * log2(e)) meets each K row on VDPBF16PS
+// (float32 sums, 4 keys per horizontal reduction, the G heads per K row load), scores in log2
+// units (soft-capped as on the tiles); per head m = max(tiles' max, own max), weights 2^(s - m)
+// (exp2_deg3) summed in float32 and rounded to bf16 as on the tiles, then acc = acc_tiles
+// 2^(m_tiles - m) + P V (values_bf16's key-pair VDPBF16PS) over l = l_tiles 2^(m_tiles - m) +
+// sum p. sc: scratch of G * L + 1 floats. next / nL: the next row's own slots (checked), whose K
+// and V rows are prefetched one key per key scored here (a row's few keys are scattered in the
+// pool: without it each row would start on cache misses). False on a slot outside [0, S).
+template <int NB, int G>
+bool own_keys(const sglite_amx_attn::Work& w, int r0, int D, const uint16_t* kh, int64_t s0k, const uint16_t* vh,
+              int64_t s0v, const int32_t* slots, int64_t L, int64_t S, float softcap, float* sc, void* out, bool out_bf16,
+              const int32_t* next, int64_t nL) {
+  namespace A = sglite_amx_attn;
+  for (int64_t t = 0; t < L; ++t)
+    if (slots[t] < 0 || slots[t] >= S) return false;
+  auto prefetch_next = [&](int64_t t) {
+    if (t < nL && next[t] >= 0 && next[t] < S) {
+      prefetch_row(kh + next[t] * s0k, D);
+      prefetch_row(vh + next[t] * s0v, D);
+    }
+  };
+  __m512bh qv[G][NB];
+  for (int g = 0; g < G; ++g)
+    for (int b = 0; b < NB; ++b) qv[g][b] = (__m512bh)_mm512_loadu_si512(w.q + (size_t)(r0 + g) * A::kMaxDp + 32 * b);
+  auto dots = [&](int64_t t, __m512* acc, int stride) {  // acc[g * stride]: the G heads' lane sums of key t
+    const uint16_t* kr = kh + slots[t] * s0k;
+    __m512bh kv[NB];
+    for (int b = 0; b < NB; ++b) kv[b] = (__m512bh)load_bf16(kr + 32 * b, D - 32 * b);
+    for (int g = 0; g < G; ++g) {
+      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kv[0]);
+      for (int b = 1; b < NB; ++b) a = _mm512_dpbf16_ps(a, qv[g][b], kv[b]);
+      acc[g * stride] = a;
+    }
+  };
+  int64_t t = 0;
+  for (; t + 4 <= L; t += 4) {
+    __m512 acc[G][4];
+    for (int u = 0; u < 4; ++u) {
+      if (t + u + kPrefetch < L) prefetch_row(kh + slots[t + u + kPrefetch] * s0k, D);
+      prefetch_next(t + u);
+      dots(t + u, &acc[0][u], 4);
+    }
+    for (int g = 0; g < G; ++g) _mm_storeu_ps(sc + g * L + t, hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
+  }
+  for (; t < L; ++t) {
+    __m512 acc[G];
+    prefetch_next(t);
+    dots(t, acc, 1);
+    for (int g = 0; g < G; ++g) sc[g * L + t] = _mm512_reduce_add_ps(acc[g]);
+  }
+  for (; t < nL; ++t) prefetch_next(t);
+  if (softcap > 0.f) {  // on log2-unit scores, as on the tiles
+    const float cap = softcap * A::kLog2e, inv = 1.f / cap;
+    for (int64_t i = 0; i < G * L; ++i) sc[i] = cap * std::tanh(sc[i] * inv);
+  }
+  float alpha[G], inv[G];
+  for (int g = 0; g < G; ++g) {  // max; weights, their sum; bf16 weights in place (values_bf16's layout)
+    float* s = sc + g * L;
+    __m512 vmx = _mm512_set1_ps(-INFINITY);
+    for (t = 0; t + 16 <= L; t += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(s + t));
+    const __mmask16 tail = (__mmask16)((1u << (L - t)) - 1);
+    if (tail) vmx = _mm512_mask_max_ps(vmx, tail, vmx, _mm512_maskz_loadu_ps(tail, s + t));
+    const float mo = w.m[r0 + g], m = std::max(mo, _mm512_reduce_max_ps(vmx));
+    const __m512 vm = _mm512_set1_ps(m);
+    __m512 vs = _mm512_setzero_ps();
+    uint16_t* pb = reinterpret_cast<uint16_t*>(s);
+    for (t = 0; t + 16 <= L; t += 16) {
+      const __m512 e = sglite_simd::exp2_deg3(_mm512_sub_ps(_mm512_loadu_ps(s + t), vm));
+      vs = _mm512_add_ps(vs, e);
+      _mm256_storeu_si256((__m256i*)(pb + t), (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    if (tail) {
+      const __m512 e = _mm512_maskz_mov_ps(tail, sglite_simd::exp2_deg3(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), vm)));
+      vs = _mm512_add_ps(vs, e);
+      _mm256_mask_storeu_epi16(pb + t, tail, (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    if (L & 1) pb[L] = 0;
+    alpha[g] = mo == m ? 1.f : (mo == -INFINITY ? 0.f : std::exp2(mo - m));
+    inv[g] = 1.f / (w.l[r0 + g] * alpha[g] + _mm512_reduce_add_ps(vs));
+  }
+  __m512 acc[G][2 * NB];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 2 * NB; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (t = 0; t < L; t += 2) {
+    const bool two = t + 1 < L;
+    if (t + kPrefetch < L) prefetch_row(vh + slots[t + kPrefetch] * s0v, D);
+    if (t + 1 + kPrefetch < L) prefetch_row(vh + slots[t + 1 + kPrefetch] * s0v, D);
+    const uint16_t* v0 = vh + slots[t] * s0v;
+    const uint16_t* v1 = two ? vh + slots[t + 1] * s0v : nullptr;
+    __m512bh lo[NB], hi[NB];
+    for (int b = 0; b < NB; ++b) {
+      const __m512i x = load_bf16(v0 + 32 * b, D - 32 * b);
+      const __m512i y = two ? load_bf16(v1 + 32 * b, D - 32 * b) : _mm512_setzero_si512();
+      lo[b] = (__m512bh)_mm512_unpacklo_epi16(x, y);
+      hi[b] = (__m512bh)_mm512_unpackhi_epi16(x, y);
+    }
+    for (int g = 0; g < G; ++g) {
+      uint32_t pw;
+      std::memcpy(&pw, reinterpret_cast<const uint16_t*>(sc + g * L) + t, 4);
+      const __m512bh p = (__m512bh)_mm512_set1_epi32((int)pw);
+      for (int b = 0; b < NB; ++b) {
+        acc[g][2 * b] = _mm512_dpbf16_ps(acc[g][2 * b], lo[b], p);
+        acc[g][2 * b + 1] = _mm512_dpbf16_ps(acc[g][2 * b + 1], hi[b], p);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    alignas(64) float pv[32 * NB];
+    for (int b = 0; b < NB; ++b) {  // lane i of lo: dim 32 b + 8 (i / 4) + i % 4; of hi: that + 4
+      alignas(64) float tl[16], th[16];
+      _mm512_store_ps(tl, acc[g][2 * b]);
+      _mm512_store_ps(th, acc[g][2 * b + 1]);
+      for (int i = 0; i < 16; ++i) {
+        pv[32 * b + 8 * (i / 4) + i % 4] = tl[i];
+        pv[32 * b + 8 * (i / 4) + i % 4 + 4] = th[i];
+      }
+    }
+    const float* ar = w.acc + (size_t)(r0 + g) * A::kMaxDp;
+    const __m512 va = _mm512_set1_ps(alpha[g]), vi = _mm512_set1_ps(inv[g]);
+    for (int d = 0; d < D; d += 16) {
+      const __mmask16 m = D - d >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (D - d)) - 1);
+      const __m512 y = _mm512_mul_ps(_mm512_fmadd_ps(_mm512_loadu_ps(ar + d), va, _mm512_load_ps(pv + d)), vi);
+      if (out_bf16) _mm256_mask_storeu_epi16((uint16_t*)out + (int64_t)g * D + d, m, (__m256i)_mm512_cvtneps_pbh(y));
+      else _mm512_mask_storeu_ps((float*)out + (int64_t)g * D + d, m, y);
+    }
+  }
+  return true;
+}
+
+using OwnKeys = bool (*)(const sglite_amx_attn::Work&, int, int, const uint16_t*, int64_t, const uint16_t*, int64_t,
+                         const int32_t*, int64_t, int64_t, float, float*, void*, bool, const int32_t*, int64_t);
+// own_keys for a padded head dim of 64 or 128 and G <= 8; nullptr otherwise (attend with a Prefix).
+template <int... Gs> OwnKeys pick_own(int Dp32, int G, std::integer_sequence<int, Gs...>) {
+  OwnKeys f = nullptr;
+  ((G == Gs + 1 ? (void)(f = Dp32 == 64 ? &own_keys<2, Gs + 1> : Dp32 == 128 ? &own_keys<4, Gs + 1> : nullptr) : (void)0), ...);
+  return f;
+}
+
 // Cascade decode on a bf16 pool, one fork/join: a task is either a chunk of a group (one KV head,
 // up to 64 / G of its rows) or one (row, KV head) of a row outside every group. A chunk attends
 // the group's shared keys [0, P) once on the AMX tiles, its queries the chunk's rows x the G heads
-// (amx_attention.h), then each of its rows' own keys [P, len) with the AVX-512 per-row kernel,
-// merged with the tiles' unnormalised outputs, maxima and sums in place (attend's Prefix): no
-// partials leave the thread, no second pass waits for the first. Threads claim tasks from one
+// (amx_attention.h), then each of its rows' own keys [P, len) on AVX-512, continuing the tiles'
+// online softmax in place (own_keys; other head dims or G > 8: attend, merging with the tiles'
+// unnormalised outputs, maxima and sums through a Prefix): no partials leave the thread, no
+// second pass waits for the first, no B x Hq partials buffer. Threads claim tasks from one
 // counter, the costliest first (longest-processing-time order: chunks, then the other rows by
 // length), so the last tasks claimed are the short ones. A row's result depends only on its own
 // query, keys and its group's P (tile rows never mix), not on the chunking or the thread count.
@@ -101,14 +243,15 @@ void run_cascade(const Job<uint16_t>& j, int64_t B, int Hkv, int64_t max_len, co
       for (int h = 0; h < Hkv; ++h) tasks.push_back(Task{4 * j.lens[b] + 16, -1, h, (int32_t)b, (int32_t)b + 1});
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
   const Tiled<uint16_t> tiled = pick_tiled<uint16_t>(j.Dp, G);
+  const OwnKeys own = pick_own(Dp32, G, std::make_integer_sequence<int, 8>{});
   std::atomic<bool> bad{false};
   std::atomic<int64_t> next{0};
   const int64_t n = (int64_t)tasks.size();
   const int workers = (int)std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
   auto body = [&](int64_t) {
     std::unique_ptr<A::Work> w;  // made on the first chunk this thread claims
-    std::vector<float> qf((size_t)G * j.Dp), sc((size_t)G * max_len), acc((size_t)G * j.Dp + 2 * G);
-    float mn[A::kMaxRows];
+    std::vector<float> qf((size_t)G * j.Dp), sc((size_t)G * max_len + 1), acc((size_t)G * j.Dp + 2 * G);
+    std::vector<float> mn(G);
     for (int64_t i; !bad.load(std::memory_order_relaxed) && (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
       const Task& t = tasks[i];
       if (t.g < 0) {
@@ -135,11 +278,22 @@ void run_cascade(const Job<uint16_t>& j, int64_t B, int Hkv, int64_t max_len, co
         bad = true;
         break;
       }
-      for (int r = 0; r < R; ++r) mn[r] = A::m_natural(*w, r);
-      for (int i2 = t.r0; i2 < t.r1; ++i2) {  // each row's own keys, merged with its tile rows
+      for (int i2 = t.r0; i2 < t.r1; ++i2) {  // each row's own keys, continuing its tile rows
+        const int64_t b = gr.rows[i2];
         const int r = (i2 - t.r0) * G;
-        const Prefix pre{w->acc + (size_t)r * A::kMaxDp, A::kMaxDp, mn + r, w->l + r};
-        if (!attend(j, tiled, gr.rows[i2], t.h, qf.data(), sc.data(), acc.data(), gr.P, &pre)) bad = true;
+        bool ok;
+        if (own) {
+          const size_t esz = j.out_bf16 ? 2 : 4;
+          const int64_t nb = i2 + 1 < t.r1 ? gr.rows[i2 + 1] : -1;
+          ok = own(*w, r, D, j.k + t.h * j.ks1, j.ks0, j.v + t.h * j.vs1, j.vs0, j.rt + j.rows[b] * j.rts0 + gr.P,
+                   j.lens[b] - gr.P, j.S, j.softcap, sc.data(), (char*)j.out + esz * ((b * j.Hq + (int64_t)t.h * G) * D),
+                   j.out_bf16, nb < 0 ? nullptr : j.rt + j.rows[nb] * j.rts0 + gr.P, nb < 0 ? 0 : j.lens[nb] - gr.P);
+        } else {
+          for (int g = 0; g < G; ++g) mn[g] = A::m_natural(*w, r + g);
+          const Prefix pre{w->acc + (size_t)r * A::kMaxDp, A::kMaxDp, mn.data(), w->l + r};
+          ok = attend(j, tiled, b, t.h, qf.data(), sc.data(), acc.data(), gr.P, &pre);
+        }
+        if (!ok) bad = true;
       }
     }
     if (w) _tile_release();

@@ -19,6 +19,7 @@ struct Group { int64_t P; std::vector<int64_t> rows; };
 
 // Common prefix of a[0 .. cap) and c[0 .. cap).
 inline int64_t common_prefix(const int32_t* a, const int32_t* c, int64_t cap) {
+  if (std::memcmp(a, c, sizeof(int32_t) * cap) == 0) return cap;  // the usual answer in a group: one pass
   int64_t n = 0;
   while (n + 64 <= cap && std::memcmp(a + n, c + n, 64 * sizeof(int32_t)) == 0) n += 64;
   while (n < cap && a[n] == c[n]) ++n;
@@ -33,10 +34,16 @@ std::vector<Group> shared_prefix_groups(const int32_t* rt, int64_t rts0, const i
   const size_t head = sizeof(int32_t) * (size_t)min_shared;
   for (int64_t b = 0; b < B; ++b)
     if (lens[b] > min_shared) {  // a row needs min_shared shared keys + one of its own
-      uint64_t h = 1469598103934665603ull;
-      const int32_t* r = row(b);
-      for (int64_t t = 0; t < min_shared; ++t) h = (h ^ (uint32_t)r[t]) * 1099511628211ull;
-      idx.push_back(Cand{h, b});
+      const int32_t* r = row(b);  // FNV-style over 64-bit words, four independent lanes
+      uint64_t h[4] = {1469598103934665603ull, 7ull, 11ull, 13ull};
+      int64_t t = 0;
+      for (; t + 2 <= min_shared; t += 2) {
+        uint64_t x;
+        std::memcpy(&x, r + t, 8);
+        h[(t / 2) & 3] = (h[(t / 2) & 3] ^ x) * 1099511628211ull;
+      }
+      if (t < min_shared) h[0] = (h[0] ^ (uint32_t)r[t]) * 1099511628211ull;
+      idx.push_back(Cand{((h[0] * 31 + h[1]) * 31 + h[2]) * 31 + h[3], b});
     }
   std::sort(idx.begin(), idx.end(), [&](const Cand& x, const Cand& y) {
     if (x.hash != y.hash) return x.hash < y.hash;

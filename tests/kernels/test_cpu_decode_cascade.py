@@ -235,6 +235,7 @@ def oracle_by_row(q, k, v, rt, rows, lens, scale):
     (9, 3, 64, [45, 3]),     # G = 3: a group of 45 rows in three chunks (21, 21, 3) on own_keys
     (16, 1, 64, [10, 2]),    # G = 16: 4 rows a chunk, three chunks; the own keys through attend
     (8, 2, 128, [17, 5]),    # G = 4, D 128: own_keys' 4-block form, 16 rows a chunk
+    (4, 1, 64, [16]),        # one group, one KV head: one chunk at 1 thread, two of 8 rows at 2
 ])
 def test_cascade_chunks_threads_and_dtypes(ops, Hq, Hkv, D, sizes):
     """Groups spanning several 64 / G-row chunks, rows with one own key, rows outside every group
@@ -242,7 +243,7 @@ def test_cascade_chunks_threads_and_dtypes(ops, Hq, Hkv, D, sizes):
     at 1 and 2 threads (tile rows never mix, a task runs on one thread, whichever thread claims it)
     and with its group alone in the batch."""
     owns = [[1 + (7 * i) % 23 for i in range(n)] for n in sizes]
-    case = make_batch([(300, owns[0]), (150, owns[1])], [1, 40, 333], Hq, Hkv, D, seed=D + Hq)
+    case = make_batch([(P, own) for P, own in zip((300, 150), owns)], [1, 40, 333], Hq, Hkv, D, seed=D + Hq)
     q, k, v, rt, rows, lens, scale = case
     prev = torch.get_num_threads()
     try:

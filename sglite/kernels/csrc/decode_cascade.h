@@ -233,7 +233,18 @@ void run_cascade(const Job<uint16_t>& j, int64_t B, int Hkv, int64_t max_len, co
   struct Task { int64_t cost; int32_t g, h, r0, r1; };  // g >= 0: rows [r0, r1) of group g; g < 0: batch row r0
   std::vector<Task> tasks;
   std::vector<char> grouped(B, 0);
-  const int per = std::max(1, A::kMaxRows / G);
+  // rows a chunk: 64 / G, halved while there are fewer chunk tasks than threads and a chunk keeps
+  // >= 16 query rows (one small group on one KV head would leave threads idle; the chunks' extra
+  // K / V packing costs less than the idle thread). Rows never mix on the tiles, so the chunking
+  // changes no result.
+  const int threads = at::get_num_threads();
+  auto chunk_tasks = [&](int p) {
+    int64_t c = 0;
+    for (const Group& gr : groups) c += ((int64_t)gr.rows.size() + p - 1) / p;
+    return c * Hkv;
+  };
+  int per = std::max(1, A::kMaxRows / G);
+  while (chunk_tasks(per) < threads && (per / 2) * G >= 16) per /= 2;
   for (int g = 0; g < (int)groups.size(); ++g) {
     const Group& gr = groups[g];
     const int k = (int)gr.rows.size();
@@ -254,7 +265,7 @@ void run_cascade(const Job<uint16_t>& j, int64_t B, int Hkv, int64_t max_len, co
   std::atomic<bool> bad{false};
   std::atomic<int64_t> next{0};
   const int64_t n = (int64_t)tasks.size();
-  const int workers = (int)std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  const int workers = (int)std::max<int64_t>(1, std::min<int64_t>(threads, n));
   auto body = [&](int64_t) {
     std::unique_ptr<A::Work> w;  // made on the first chunk this thread claims
     std::vector<float> qf((size_t)G * j.Dp), sc((size_t)G * max_len + 1), acc((size_t)G * j.Dp + 2 * G);

@@ -17,7 +17,9 @@
 //     TDPBF16PS per (16-row tile, 16-dim tile, 32-key slice) on acc loaded into the tiles after
 //     its rows were rescaled by 2^(m_old - m_new) (only the rows whose max moved).
 // A row's result depends only on its own query, the keys it sees and the block anchoring (which
-// the caller fixes per request), never on the other rows of the task.
+// the caller fixes per request), never on the other rows of the task. walk packs each block
+// itself; a caller whose calls share keys packs them once (pack_to into a buffer of
+// packed_block_elems blocks) and walks them with walk_packed: the same tiles, the same bits.
 #pragma once
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #define SGL_AMX_ATTN 1

@@ -358,6 +358,11 @@ inline void block(Work& w, const uint16_t* kt, const uint16_t* vp, int R, int Dp
   }
 }
 
+// The block packed in w.kt / w.vp (pack_block).
+inline void block(Work& w, int R, int Dp, int n, int64_t t0, bool full, int64_t window, float softcap) {
+  block(w, w.kt, w.vp, R, Dp, n, t0, full, window, softcap);
+}
+
 inline bool walk(Work& w, int R, int D, int Dp, const uint16_t* kh, int64_t s0k, const uint16_t* vh, int64_t s0v,
                  const int32_t* slots, int64_t S, int64_t k_begin, int64_t k_end, int64_t first_q, int64_t last_q,
                  int64_t window, float softcap) {
@@ -365,7 +370,7 @@ inline bool walk(Work& w, int R, int D, int Dp, const uint16_t* kh, int64_t s0k,
     const int n = (int)std::min<int64_t>(KB, k_end - t0);
     if (!pack_block(kh, s0k, vh, s0v, slots + t0, n, S, D, Dp, w)) return false;
     const bool full = t0 + n - 1 <= first_q && (window <= 0 || t0 > last_q - window);
-    block(w, w.kt, w.vp, R, Dp, n, t0, full, window, softcap);
+    block(w, R, Dp, n, t0, full, window, softcap);
   }
   return true;
 }

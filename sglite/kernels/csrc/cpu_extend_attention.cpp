@@ -292,9 +292,63 @@ bool run_task(const Ext<T>& j, const Task& tk, Scratch& w) {
 }
 
 #ifdef SGL_AMX_ATTN
+// One call's packed keys (amx_attention.h's pack_to layout): for each request that more than one
+// task per KV head reads (extend > 64 / G tokens), its keys [kbase, pre + extend) per KV head in
+// blocks of KB anchored at kbase (the first task's first block: key 0, or the window's first
+// block), packed once (in parallel over blocks) instead of once per task. A task then reads the
+// same tiles it would have packed itself, plus, in its last block, finite keys past its own last
+// one where it would have had zeros: their weights are exactly zero, so no bit of a result moves.
+struct PackPlan {
+  std::vector<int64_t> kbase, blk0, nblk;  // per request: first packed key, first block in buf, blocks per head (0: none)
+  std::vector<int64_t> jobs;               // (request, head, block) as (b * Hkv + h) * nblk_max + i
+  int64_t nblk_max = 0;
+  uint16_t* buf = nullptr;
+  size_t be = 0;  // bf16 elements per block
+  PackPlan() = default;
+  PackPlan(const PackPlan&) = delete;
+  PackPlan& operator=(const PackPlan&) = delete;
+  ~PackPlan() { std::free(buf); }
+};
+
+constexpr size_t kPackCapBytes = (size_t)256 << 20;  // one call's packed keys at most; requests past it pack per task
+
+void plan_pack(const Ext<uint16_t>& j, int64_t B, const int64_t* ext, int64_t qb, int Hkv, PackPlan& p) {
+  namespace A = sglite_amx_attn;
+  const int Dp = (j.D + 31) & ~31;
+  p.be = A::packed_block_elems(Dp);
+  p.kbase.assign(B, 0); p.blk0.assign(B, 0); p.nblk.assign(B, 0);
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    if (ext[b] <= qb) continue;  // one task per head: nothing to share
+    const int64_t pre = j.pre[b], kb = j.window > 0 ? std::max<int64_t>(0, pre - j.window + 1) / A::KB * A::KB : 0;
+    const int64_t nb = (pre + ext[b] - kb + A::KB - 1) / A::KB;
+    if ((size_t)(total + nb * Hkv) * p.be * 2 > kPackCapBytes) continue;
+    p.kbase[b] = kb; p.blk0[b] = total; p.nblk[b] = nb;
+    total += nb * Hkv;
+    p.nblk_max = std::max(p.nblk_max, nb);
+  }
+  if (total == 0) return;
+  p.buf = A::aligned<uint16_t>((size_t)total * p.be);
+  for (int64_t b = 0; b < B; ++b)
+    for (int h = 0; h < Hkv; ++h)
+      for (int64_t i = 0; i < p.nblk[b]; ++i) p.jobs.push_back((b * Hkv + h) * p.nblk_max + i);
+}
+
+// Pack job `job` of the plan (a KB-key block of one request's head); false on a bad slot.
+bool pack_job(const Ext<uint16_t>& j, const PackPlan& p, int Hkv, int64_t job) {
+  namespace A = sglite_amx_attn;
+  const int64_t i = job % p.nblk_max, bh = job / p.nblk_max, b = bh / Hkv;
+  const int h = (int)(bh % Hkv), Dp = (j.D + 31) & ~31;
+  const int64_t t0 = p.kbase[b] + i * A::KB, kend = j.pre[b] + (j.start[b + 1] - j.start[b]);
+  uint16_t* kt = p.buf + (size_t)(p.blk0[b] + h * p.nblk[b] + i) * p.be;
+  return A::pack_to(j.k + h * j.ks1, j.ks0, j.v + h * j.vs1, j.vs0, j.rt + j.rows[b] * j.rts0 + t0,
+                    (int)std::min<int64_t>(A::KB, kend - t0), j.S, j.D, Dp, kt, kt + (size_t)A::KB * Dp);
+}
+
 // The task on the AMX tiles (bf16 pools): the same rows, keys and block anchoring (key 0, or the
-// window's first tile), in blocks of 64 keys (amx_attention.h).
-bool run_task_amx(const Ext<uint16_t>& j, const Task& tk, sglite_amx_attn::Work& w) {
+// window's first block), in blocks of up to KB keys (amx_attention.h), packed by the task itself
+// or read from the plan's buffer.
+bool run_task_amx(const Ext<uint16_t>& j, const Task& tk, const PackPlan& p, sglite_amx_attn::Work& w) {
   namespace A = sglite_amx_attn;
   const int G = j.G, D = j.D, Dp = (D + 31) & ~31;
   const int R = (int)(tk.i1 - tk.i0) * G;
@@ -309,20 +363,45 @@ bool run_task_amx(const Ext<uint16_t>& j, const Task& tk, sglite_amx_attn::Work&
   }
   const int64_t first_q = pre + tk.i0, last_q = pre + tk.i1 - 1, wnd = j.window;
   const int64_t kfirst = wnd > 0 ? std::max<int64_t>(0, first_q - wnd + 1) / A::KB * A::KB : 0;
-  if (!A::walk(w, R, D, Dp, j.k + tk.h * j.ks1, j.ks0, j.v + tk.h * j.vs1, j.vs0, j.rt + j.rows[tk.b] * j.rts0, j.S,
-               kfirst, tk.kend, first_q, last_q, wnd, j.softcap))
+  if (!p.nblk.empty() && p.nblk[tk.b] > 0)
+    A::walk_packed(w, R, Dp, p.buf + (size_t)(p.blk0[tk.b] + tk.h * p.nblk[tk.b]) * p.be, p.kbase[tk.b], kfirst, tk.kend,
+                   first_q, last_q, wnd, j.softcap);
+  else if (!A::walk(w, R, D, Dp, j.k + tk.h * j.ks1, j.ks0, j.v + tk.h * j.vs1, j.vs0, j.rt + j.rows[tk.b] * j.rts0, j.S,
+                    kfirst, tk.kend, first_q, last_q, wnd, j.softcap))
     return false;
   write_rows(j, tk, R, w.acc, A::kMaxDp, w.l);
   return true;
 }
+#else
+struct PackPlan {};
 #endif
 
+// amx: 0 the AVX-512 path; 1 the AMX tiles with each request's keys packed once per call
+// (plan_pack); 2 the AMX tiles, every task packing its own keys.
 template <typename T>
-void run(const Ext<T>& j, const std::vector<Task>& tasks, int Rp_max, bool amx) {
+void run(const Ext<T>& j, const std::vector<Task>& tasks, int Rp_max, int amx, int64_t B, const int64_t* ext,
+         int64_t qb, int Hkv) {
   std::atomic<bool> bad{false};
   std::atomic<int64_t> next{0};
   const int64_t n = (int64_t)tasks.size();
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+#ifdef SGL_AMX_ATTN
+  PackPlan plan;
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (amx == 1) plan_pack(j, B, ext, qb, Hkv, plan);
+    const int64_t nj = (int64_t)plan.jobs.size();
+    if (nj > 0) {
+      std::atomic<int64_t> nextj{0};
+      sglite_pool::parallel_for(0, std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), nj)), 1, [&](int64_t, int64_t) {
+        for (int64_t i; !bad.load(std::memory_order_relaxed) && (i = nextj.fetch_add(1)) < nj;)
+          if (!pack_job(j, plan, Hkv, plan.jobs[i])) bad = true;
+      });
+      TORCH_CHECK_INDEX(!bad, "extend_attention: req_to_token holds a slot outside the pool [0, ", j.S, ")");
+    }
+  }
+#else
+  (void)B; (void)ext; (void)qb; (void)Hkv;
+#endif
   // Workers pull tasks (longest first) from a shared counter: balanced whatever the lengths; each
   // row's arithmetic is fixed by its own task, so the split never changes a result.
   sglite_pool::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
@@ -332,7 +411,7 @@ void run(const Ext<T>& j, const std::vector<Task>& tasks, int Rp_max, bool amx) 
         sglite_amx_attn::Work w;
         sglite_tiles::configure();
         for (int64_t i; !bad.load(std::memory_order_relaxed) && (i = next.fetch_add(1)) < n;)
-          if (!run_task_amx(j, tasks[i], w)) bad = true;
+          if (!run_task_amx(j, tasks[i], plan, w)) bad = true;
         _tile_release();
         return;
       }
@@ -386,7 +465,7 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& kb, const at:
   const int64_t *rp = rows.data_ptr<int64_t>(), *pp = pre.data_ptr<int64_t>(), *ep = ext.data_ptr<int64_t>();
   const int G = (int)(Hq / Hkv), Dp = D <= 64 ? 64 : (D <= 128 ? 128 : 256);
   const int64_t qb = std::max<int64_t>(1, kMaxRows / G);  // new tokens per task
-  std::vector<int64_t> start(B);
+  std::vector<int64_t> start(B + 1);
   std::vector<Task> tasks;
   int64_t total = 0;
   for (int64_t b = 0; b < B; ++b) {
@@ -401,6 +480,7 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& kb, const at:
         tasks.push_back(Task{b, h, i0, i1, pp[b] + i1});
       }
   }
+  start[B] = total;
   TORCH_CHECK_VALUE(total == N, "extend_attention: q has ", N, " rows but extend_lens sum to ", total);
   at::Tensor out = at::empty({N, Hq, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   if (tasks.empty()) return out;
@@ -412,12 +492,12 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& kb, const at:
     Ext<uint16_t> j{(const uint16_t*)kb.data_ptr(), (const uint16_t*)vb.data_ptr(), kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1), S,
                     q.data_ptr(), q_bf16, q.stride(0), q.stride(1), out.data_ptr(), q_bf16, (int)Hq, rt.data_ptr<int32_t>(), rt.stride(0),
                     rp, pp, start.data(), G, (int)D, Dp, (float)sm_scale, window, (float)softcap};
-    run(j, tasks, Rp_max, amx != 0 && G <= sglite_amx_attn_rows() && amx_ready());
+    run(j, tasks, Rp_max, amx != 0 && G <= sglite_amx_attn_rows() && amx_ready() ? (amx == 2 ? 2 : 1) : 0, B, ep, qb, (int)Hkv);
   } else {
     Ext<float> j{kb.data_ptr<float>(), vb.data_ptr<float>(), kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1), S,
                  q.data_ptr(), q_bf16, q.stride(0), q.stride(1), out.data_ptr(), q_bf16, (int)Hq, rt.data_ptr<int32_t>(), rt.stride(0),
                  rp, pp, start.data(), G, (int)D, Dp, (float)sm_scale, window, (float)softcap};
-    run(j, tasks, Rp_max, false);
+    run(j, tasks, Rp_max, 0, B, ep, qb, (int)Hkv);
   }
   return out;
 }
@@ -427,7 +507,7 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& kb, const at:
 TORCH_LIBRARY(sglite_cpu_extend, m) {
   m.def("extend_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, "
         "Tensor req_pool_indices, Tensor prefix_lens, Tensor extend_lens, float sm_scale, int window=0, "
-        "float softcap=0.0, int amx=1) -> Tensor");
+        "float softcap=0.0, int amx=1) -> Tensor");  // amx: 0 AVX-512, 1 AMX (keys packed once per call), 2 AMX (per task)
   m.def("amx_ready() -> bool", &amx_ready);
 }
 

@@ -114,6 +114,10 @@ def test_cascade_rows_keep_their_own_keys_and_bad_slots_raise(ops):
     bad[rows, 5] = k.shape[0] + 3  # in every row: the shared prefix holds a slot outside the pool
     with pytest.raises(IndexError, match="outside the pool"):
         cpu_attention.decode_attention(q, k, v, bad, rows, lens, scale, cascade_min=64)
+    bad = rt.clone()
+    bad[rows[1], int(lens[1]) - 1] = -2  # one grouped row's own (last) key: own_keys' check
+    with pytest.raises(IndexError, match="outside the pool"):
+        cpu_attention.decode_attention(q, k, v, bad, rows, lens, scale, cascade_min=64)
     with pytest.raises(ValueError, match="cascade_min"):
         ops.decode_attention(q, k, v, rt, rows, lens, scale, 0, 0.0, -1)
 

@@ -66,6 +66,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    ap.add_argument("--cases", choices=("all", "extend", "decode"), default="all",
+                    help="which rows to time (the inputs are the same either way)")
     a = ap.parse_args()
     clock = time.process_time if a.clock == "cpu" else time.perf_counter
     torch.set_num_threads(a.threads)
@@ -76,6 +78,8 @@ def main() -> None:
     for name, args in [("extend 8 x 62 over 700 (9/3/64)", extend_case(700, 62, 8, 9, 3, 64, g)),
                        ("extend 2,048-token prompt (9/3/64)", extend_case(0, 2048, 1, 9, 3, 64, g)),
                        ("extend 4 x 100 over 300 (4/1/256)", extend_case(300, 100, 4, 4, 1, 256, g))]:
+        if a.cases == "decode":
+            continue
         new, old, per_task = [], [], []
         for _ in range(3):
             new.append(timed(lambda: cpu_attention.extend_attention(*args, amx=True), a.repeats, clock))
@@ -86,6 +90,8 @@ def main() -> None:
         rows.append((name, "K/V packed once", min(new), "packed per task", min(per_task)))
     for name, args in [("decode 64 rows, 4 x 16 sharing 600 (9/3/64)", shared_decode_case(4, 16, 600, 9, 3, 64, g)),
                        ("decode 32 rows, 2 x 16 sharing 600 (4/1/256)", shared_decode_case(2, 16, 600, 4, 1, 256, g))]:
+        if a.cases == "extend":
+            continue
         new, old = [], []
         for _ in range(3):
             new.append(timed(lambda: cpu_attention.decode_attention(*args, cascade_min=64), a.repeats, clock))

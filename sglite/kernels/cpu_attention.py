@@ -121,9 +121,10 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
 def shared_prefix_groups(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                          min_shared: int = CASCADE_MIN) -> list[tuple[int, list[int]]]:
     """The groups :func:`decode_attention` attends once: ``[(P, [batch rows])]``, rows whose slot
-    rows agree on keys ``[0, P)``, ``P >= min_shared``, each row keeping >= 1 key of its own
-    (bucketed by first slot; in a bucket the rows with the longest common prefix with its first
-    row, as many as maximise ``P (k - 1)``). Raises ValueError on malformed inputs."""
+    rows agree on keys ``[0, P)``, ``P >= min_shared``, each row keeping >= 1 key of its own: the
+    rows whose first ``min_shared`` slots agree form one group (>= 2 rows), ``P`` their whole common
+    prefix (at most each row's length - 1); groups in the lexicographic order of those slots, rows
+    ascending. Raises ValueError on malformed inputs."""
     ops = load()
     if ops is None:
         raise RuntimeError("the C++ attention extension is unavailable")

@@ -9,7 +9,9 @@
 2. **Training** (AdamW, float32, warm-up then cosine decay to a tenth of ``--lr``, a ``tqdm`` bar;
    ``--train-minutes`` stops it early). EAGLE (Li et al. 2024, §3): from
    ``(embed(x_{t+1}), f_t)`` predict ``f_{t+1}`` (smooth L1) and its token (cross-entropy through
-   the target's LM head, weight ``--cls-weight``). Medusa (Cai et al. 2024, §2.2.1, Medusa-1):
+   the target's LM head against the target's distribution on ``f_{t+1}``, ``--labels soft``, or its
+   greedy token, ``hard``; weight ``--cls-weight``); ``--ttt-steps`` adds passes on the head's own
+   predicted features, masked as the proposer's tree (:func:`draft_passes`). Medusa (Cai et al. 2024, §2.2.1, Medusa-1):
    head ``k`` on ``f_t`` predicts the target's token at ``t + 1 + k`` (cross-entropy, weight
    ``0.8^k``), residual blocks zero-initialised. Logits are over a *draft vocabulary*: the
    ``--draft-vocab`` most frequent teacher tokens (saved with the heads; drafting is then cheap).
@@ -382,7 +384,10 @@ def main(argv=None) -> int:
     from .runtime.speculative.heads import save_heads
     from .runtime.tokenizer import Tokenizer
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.ttt_steps < 1:
+        parser.error(f"--ttt-steps must be at least 1, got {args.ttt_steps}")
     torch.manual_seed(args.seed)
     times, t0 = {}, time.perf_counter()
     n_all = args.num_prompts + args.held_out

@@ -98,7 +98,9 @@ def main() -> None:
         ratios = [x / y for x, y in zip(st["per"], stats["plain"]["per"])]
         acc = (st["acc"] + st["steps"]) / st["steps"] if st["steps"] else float("nan")
         print(f"{n:13s} {tps:7.1f} tok/s  x{tps / bt:.2f} (median per prompt x{statistics.median(ratios):.2f})  "
-              f"accept length {acc:.2f} ({st['steps']} verify steps)  identical {st['same']}/{len(prompts)}")
+              f"accept length {acc:.2f} ({st['steps']} verify steps)  identical {st['same']}/{len(prompts)}  "
+              f"{st['tok']} tokens, {1e3 * st['s'] / st['tok']:.2f} ms/token"
+              + (f", {1e3 * st['s'] / st['steps']:.2f} ms/verify step" if st["steps"] else ""))
     for e in engines.values():
         e.shutdown()
 

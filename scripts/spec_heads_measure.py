@@ -3,8 +3,8 @@ greedy, on the held-out open chat questions (``sglite bench spec``'s ``chat`` an
 ``chat_heldout`` sets: no head was trained on them).
 
     python scripts/spec_heads_measure.py [--max-new-tokens 96] [--num-prompts 16]
-        [--algorithms EAGLE MEDUSA] [--eagle-heads DIR] [--medusa-heads DIR] [--root-chains]
-        [--num-steps 4 --eagle-topk 4 --num-draft-tokens 8] [--dtype float32]
+        [--algorithms EAGLE MEDUSA] [--eagle-heads DIR [DIR ...]] [--medusa-heads DIR] [--root-chains]
+        [--num-steps 4 --eagle-topk 4 --num-draft-tokens 8] [--trees 3,1,3 2,1,2] [--dtype float32]
 
 Per prompt, every engine generates in turn (the order rotating per prompt, so drift of the shared
 machine hits all alike; the radix cache emptied before each). Reports per engine: tokens/s
@@ -29,13 +29,17 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--num-prompts", type=int, default=16, help="held-out questions (at most 16)")
     p.add_argument("--algorithms", nargs="+", default=["EAGLE", "MEDUSA"], choices=("EAGLE", "MEDUSA"))
-    p.add_argument("--eagle-heads", default=None, help="EAGLE head folder (default: the shipped heads)")
+    p.add_argument("--eagle-heads", nargs="+", default=None,
+                   help="EAGLE head folders (default: the shipped heads); several: one engine each, "
+                        "named EAGLE, EAGLE-2, ... in this order")
     p.add_argument("--medusa-heads", default=None, help="MEDUSA head folder (default: the shipped heads)")
     p.add_argument("--root-chains", action="store_true", help="also EAGLE with chains off the root only")
     p.add_argument("--dtype", default=None, help="engine dtype (float32: greedy must match plain token for token)")
     p.add_argument("--num-steps", type=int, default=None)
     p.add_argument("--eagle-topk", type=int, default=None)
     p.add_argument("--num-draft-tokens", type=int, default=None)
+    p.add_argument("--trees", nargs="+", default=[], metavar="S,K,N",
+                   help="more EAGLE engines (the first heads), one per tree: num-steps,eagle-topk,num-draft-tokens")
     a = p.parse_args()
     tree = {k: v for k, v in (("speculative_num_steps", a.num_steps), ("speculative_eagle_topk", a.eagle_topk),
                               ("speculative_num_draft_tokens", a.num_draft_tokens)) if v is not None}
@@ -43,12 +47,22 @@ def main() -> None:
         tree["dtype"] = a.dtype
     engines = {"plain": Engine(log_level="warning", **({"dtype": a.dtype} if a.dtype else {}))}
     for alg in a.algorithms:
-        heads = a.eagle_heads if alg == "EAGLE" else a.medusa_heads
-        kw = {"speculative_draft_model_path": heads} if heads else {}
-        engines[alg] = Engine(log_level="warning", speculative_algorithm=alg, **kw,
-                               **(tree if alg == "EAGLE" else {"dtype": a.dtype} if a.dtype else {}))
+        for i, heads in enumerate((a.eagle_heads or [None]) if alg == "EAGLE" else [a.medusa_heads]):
+            kw = {"speculative_draft_model_path": heads} if heads else {}
+            engines[alg if i == 0 else f"{alg}-{i + 1}"] = Engine(
+                log_level="warning", speculative_algorithm=alg, **kw,
+                **(tree if alg == "EAGLE" else {"dtype": a.dtype} if a.dtype else {}))
+        for t in a.trees if alg == "EAGLE" else []:
+            st, tk, nd = (int(v) for v in t.split(","))
+            first = (a.eagle_heads or [None])[0]
+            engines[f"EAGLE[{t}]"] = Engine(
+                log_level="warning", speculative_algorithm=alg, speculative_num_steps=st, speculative_eagle_topk=tk,
+                speculative_num_draft_tokens=nd, **({"dtype": a.dtype} if a.dtype else {}),
+                **({"speculative_draft_model_path": first} if first else {}))
         if alg == "EAGLE" and a.root_chains:
-            engines["EAGLE-root"] = Engine(log_level="warning", speculative_algorithm=alg, **kw, **tree)
+            first = (a.eagle_heads or [None])[0]  # the first heads, with chains off the root only
+            engines["EAGLE-root"] = Engine(log_level="warning", speculative_algorithm=alg, **tree,
+                                           **({"speculative_draft_model_path": first} if first else {}))
             engines["EAGLE-root"].scheduler.spec.proposer.branch_below_root = False
     base = engines["plain"]
     questions = (CHAT + heldout()["chat"])[:a.num_prompts]
@@ -83,8 +97,10 @@ def main() -> None:
         tps = st["tok"] / st["s"]
         ratios = [x / y for x, y in zip(st["per"], stats["plain"]["per"])]
         acc = (st["acc"] + st["steps"]) / st["steps"] if st["steps"] else float("nan")
-        print(f"{n:11s} {tps:7.1f} tok/s  x{tps / bt:.2f} (median per prompt x{statistics.median(ratios):.2f})  "
-              f"accept length {acc:.2f} ({st['steps']} verify steps)  identical {st['same']}/{len(prompts)}")
+        print(f"{n:13s} {tps:7.1f} tok/s  x{tps / bt:.2f} (median per prompt x{statistics.median(ratios):.2f})  "
+              f"accept length {acc:.2f} ({st['steps']} verify steps)  identical {st['same']}/{len(prompts)}  "
+              f"{st['tok']} tokens, {1e3 * st['s'] / st['tok']:.2f} ms/token"
+              + (f", {1e3 * st['s'] / st['steps']:.2f} ms/verify step" if st["steps"] else ""))
     for e in engines.values():
         e.shutdown()
 

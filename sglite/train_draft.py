@@ -9,7 +9,9 @@
 2. **Training** (AdamW, float32, warm-up then cosine decay to a tenth of ``--lr``, a ``tqdm`` bar;
    ``--train-minutes`` stops it early). EAGLE (Li et al. 2024, §3): from
    ``(embed(x_{t+1}), f_t)`` predict ``f_{t+1}`` (smooth L1) and its token (cross-entropy through
-   the target's LM head, weight ``--cls-weight``). Medusa (Cai et al. 2024, §2.2.1, Medusa-1):
+   the target's LM head against the target's distribution on ``f_{t+1}``, ``--labels soft``, or its
+   greedy token, ``hard``; weight ``--cls-weight``); ``--ttt-steps`` adds passes on the head's own
+   predicted features, masked as the proposer's tree (:func:`draft_passes`). Medusa (Cai et al. 2024, §2.2.1, Medusa-1):
    head ``k`` on ``f_t`` predicts the target's token at ``t + 1 + k`` (cross-entropy, weight
    ``0.8^k``), residual blocks zero-initialised. Logits are over a *draft vocabulary*: the
    ``--draft-vocab`` most frequent teacher tokens (saved with the heads; drafting is then cheap).
@@ -205,25 +207,71 @@ def train(method: str, head, model, data: list[tuple], vocab: torch.Tensor, args
     return losses
 
 
+def draft_passes(head, embs: list, feat: torch.Tensor, pos: torch.Tensor) -> list:
+    """The EAGLE head's outputs over ``len(embs)`` chained passes of a window, as the proposer's
+    tree computes them along a path (:mod:`.runtime.speculative.head_proposer`).
+
+    Args:
+        head: an :class:`~.runtime.speculative.heads.EagleHead`.
+        embs: per pass ``d`` [B, n, H]: the embeddings of ``x_{t+1+d}`` for rows ``t``.
+        feat: [B, n, H] the real features ``f_t``; pos: [B, n] int64 positions ``t``.
+    Returns:
+        per pass [B, n, H]: pass 0 ``g_{t+1}`` from ``(f_t, x_{t+1})``; pass ``d`` from
+        ``(g_{t+d}, x_{t+d+1})`` (the previous pass's output, detached) at position ``t + d``,
+        attending to pass 0's rows up to ``t`` and its own path's rows of passes 1..d.
+    """
+    n, outs = feat.shape[1], []
+    out, past = feat, None
+    for d, emb in enumerate(embs):
+        if d == 0:
+            out, past = head(emb, feat, pos)
+        else:
+            mask = torch.cat([torch.ones(n, n, dtype=torch.bool).tril()]
+                             + [torch.eye(n, dtype=torch.bool)] * d, dim=1)  # [n, (d + 1) n]
+            out, (k, v) = head(emb, out.detach(), pos + d, past, mask)
+            past = (torch.cat((past[0], k), 1), torch.cat((past[1], v), 1))
+        outs.append(out)
+    return outs
+
+
 def _eagle_loss(head, model, data, wins, args, w_d, to_draft):
-    embs, feats, nxt, labels, pos = [], [], [], [], []
+    """EAGLE's loss on ``wins`` (``(sequence, start)``). Pass 0: inputs ``(f_t, x_{t+1})`` at
+    position ``t`` (real features, with noise) predict ``f_{t+1}`` and its token. ``--ttt-steps
+    K`` > 1 adds passes 1..K-1 as the proposer runs them at tree depth ``d + 1``: inputs
+    ``(g, x_{t+d+1})`` with ``g`` the previous pass's *predicted* feature (detached), at position
+    ``t + d``, attending to the real rows up to ``t`` and the path's own earlier rows (the tree
+    mask), predicting ``f_{t+d+1}`` (training-time test: the depths past the first see the head's
+    own features, as at inference)."""
+    steps = max(1, getattr(args, "ttt_steps", 1))
+    soft = getattr(args, "labels", "hard") == "soft"
+    embs, feats, tgts, labels, pos = [[] for _ in range(steps)], [], [[] for _ in range(steps)], [[] for _ in range(steps)], []
     for i, s in wins:
         x, f, y = data[i]
-        n = min(args.window, f.shape[0] - 1 - s)
-        with torch.no_grad():
-            embs.append(model.embed_rows(x[s + 1:s + 1 + n]).float())
+        n = max(1, min(args.window, f.shape[0] - steps - s))
         feats.append(f[s:s + n])
-        nxt.append(f[s + 1:s + 1 + n])
-        labels.append(to_draft[y[s + 1:s + 1 + n]])
         pos.append(torch.arange(s, s + n))
-    n = min(e.shape[0] for e in embs)
+        for d in range(steps):
+            with torch.no_grad():
+                embs[d].append(model.embed_rows(x[s + 1 + d:s + 1 + d + n]).float())
+            tgts[d].append(f[s + 1 + d:s + 1 + d + n])
+            labels[d].append(to_draft[y[s + 1 + d:s + 1 + d + n]])
+    n = min(e.shape[0] for e in embs[-1])
     cut = lambda ts: torch.stack([t[:n] for t in ts])  # noqa: E731
     f_in = cut(feats)
     f_in = f_in + args.noise * torch.randn_like(f_in)  # EAGLE's feature noise (robust to its own errors)
-    out, _ = head(cut(embs), f_in, cut(pos))
-    reg = F.smooth_l1_loss(out, cut(nxt))
-    cls = F.cross_entropy((out @ w_d.T).flatten(0, 1), cut(labels).flatten(), ignore_index=-100)
-    return reg + args.cls_weight * cls
+    total = 0.0
+    for d, out in enumerate(draft_passes(head, [cut(e) for e in embs], f_in, cut(pos))):
+        f_next = cut(tgts[d])
+        reg = F.smooth_l1_loss(out, f_next)
+        logp = torch.log_softmax(out @ w_d.T, dim=-1)  # [B, n, Vd]
+        if soft:  # the target's distribution on f_{t+1} (EAGLE's p), over the draft vocabulary
+            with torch.no_grad():
+                p = torch.softmax(f_next @ w_d.T, dim=-1)
+            cls = -(p * logp).sum(-1).mean()
+        else:
+            cls = F.nll_loss(logp.flatten(0, 1), cut(labels[d]).flatten(), ignore_index=-100)
+        total = total + reg + args.cls_weight * cls
+    return total / steps
 
 
 def _medusa_loss(head, data, wins, args, w_d, to_draft):
@@ -306,6 +354,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=128, help="positions per window (default: 128)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default: 1e-3)")
     p.add_argument("--cls-weight", type=float, default=0.5, help="EAGLE: weight of the token loss (default: 0.5)")
+    p.add_argument("--labels", choices=("soft", "hard"), default="soft",
+                   help="EAGLE: the token loss's target: the target's distribution over the draft vocabulary "
+                        "(soft, EAGLE's recipe) or its greedy token (hard) (default: soft)")
+    p.add_argument("--ttt-steps", type=int, default=1,
+                   help="EAGLE: passes per window; passes after the first read the head's own predicted "
+                        "features, as tree depths 2.. do at inference (default: 1)")
     p.add_argument("--noise", type=float, default=0.05, help="EAGLE: std of the noise on input features (default: 0.05)")
     p.add_argument("--medusa-heads", type=int, default=4, help="Medusa: number of heads (default: 4)")
     p.add_argument("--intermediate-size", type=int, default=None, help="EAGLE: MLP width (default: the target's)")
@@ -313,8 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--accept-tokens", type=int, default=64, help="tokens per held-back prompt (default: 64)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16",
                    help="dtype of the saved weights (default: bfloat16)")
-    p.add_argument("--data", default=None,
-                   help="a .pt file: the generations (tokens, features, labels) are saved there, or read if it exists")
+    p.add_argument("--data", nargs="+", default=None,
+                   help="a .pt file: the generations (tokens, features, labels) are saved there, or read if it "
+                        "exists; several existing files: all are read and trained on together")
     p.add_argument("--train-minutes", type=float, default=None,
                    help="stop training after this many minutes; the learning rate then decays by time "
                         "(the steps done are reported; default: none)")
@@ -329,7 +384,10 @@ def main(argv=None) -> int:
     from .runtime.speculative.heads import save_heads
     from .runtime.tokenizer import Tokenizer
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.ttt_steps < 1:
+        parser.error(f"--ttt-steps must be at least 1, got {args.ttt_steps}")
     torch.manual_seed(args.seed)
     times, t0 = {}, time.perf_counter()
     n_all = args.num_prompts + args.held_out
@@ -341,14 +399,17 @@ def main(argv=None) -> int:
     eos = {int(e) for e in (ckpt.hf_config.eos_token_id if isinstance(ckpt.hf_config.eos_token_id, list)
                             else [ckpt.hf_config.eos_token_id]) if e is not None}
     model = runner.model
-    if args.data and Path(args.data).is_file():  # generations of an earlier run (same flags)
-        data = torch.load(args.data)
+    if args.data and len(args.data) > 1 and not all(Path(d).is_file() for d in args.data):
+        raise ValueError(f"--data: several files are read only, and {[d for d in args.data if not Path(d).is_file()]} "
+                         f"do not exist")
+    if args.data and all(Path(d).is_file() for d in args.data):  # generations of earlier runs
+        data = [seq for d in args.data for seq in torch.load(d)]
     else:
         with tqdm(total=len(train_p) * args.new_tokens, desc="generate", unit="tok") as bar:
             seqs = generate(runner, train_p, args.new_tokens, args.gen_batch, eos, bar)
         data = [(x, f, teacher_labels(model, f)) for x, f in seqs]
         if args.data:
-            torch.save(data, args.data)
+            torch.save(data, args.data[0])
     times["generate_s"] = time.perf_counter() - t0
     counts = torch.bincount(torch.cat([y for _, _, y in data]), minlength=model.arch.vocab_size)
     vocab = counts.argsort(descending=True)[:min(args.draft_vocab, int((counts > 0).sum()))].sort().values

@@ -6,6 +6,7 @@ the output), with grammars and stop strings too; mismatched heads are refused na
 Oracle: the same engine without speculation, and the KV manager's invariants after every step
 (``check_invariants``)."""
 import json
+import math
 
 import pytest
 import torch
@@ -206,3 +207,44 @@ def test_engine_eagle_with_no_other_argument_uses_the_shipped_heads():
     verifies = sum(m["spec_verify_ct"] for m in metas)
     accepted = sum(m["spec_verify_ct"] * m["spec_accept_length"] for m in metas)
     assert all(m["spec_verify_ct"] > 0 for m in metas) and accepted / verifies > 1.0
+
+
+def test_training_passes_match_the_proposers_path():
+    """``train-draft --ttt-steps``: pass ``d`` of a window computes, for every row, what the
+    proposer's tree computes for that row's path at depth ``d + 1`` (its own predicted feature in,
+    the real rows up to the row and the path's earlier draft rows attended to)."""
+    from sglite.train_draft import draft_passes
+
+    torch.manual_seed(0)
+    m = EagleHead({"hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 4, "num_key_value_heads": 2,
+                   "vocab_size": 100, "rope_theta": 10000.0}).eval()
+    n = 5
+    embs, feat, pos = [torch.randn(1, n, 32) for _ in range(3)], torch.randn(1, n, 32), torch.arange(3, 3 + n)[None]
+    with torch.no_grad():
+        outs = draft_passes(m, embs, feat, pos)
+        for j in range(n):
+            g, (k, v) = m(embs[0][:, :j + 1], feat[:, :j + 1], pos[:, :j + 1])  # the catch-up's rows
+            g = g[:, -1:]
+            for d in (1, 2):
+                g, (k2, v2) = m(embs[d][:, j:j + 1], g, pos[:, j:j + 1] + d, (k, v))  # one path: all attended
+                k, v = torch.cat((k, k2), 1), torch.cat((v, v2), 1)
+                torch.testing.assert_close(outs[d][0, j], g[0, 0])
+
+
+def test_train_draft_eagle_soft_ttt_and_several_data_files(tiny_model_dir, tmp_path):
+    """EAGLE with the soft loss and two training-time-test passes trains (finite losses, heads that
+    load), and ``--data A B`` trains on both saved generations (twice the tokens)."""
+    from sglite.cli import main
+
+    common = ["train-draft", "--method", "eagle", "--model-path", str(tiny_model_dir), "--num-prompts", "3",
+              "--held-out", "0", "--new-tokens", "8", "--steps", "2", "--batch", "2", "--window", "6",
+              "--prompt-tokens", "8", "--no-chat", "--labels", "soft", "--ttt-steps", "2"]
+    data = tmp_path / "d.pt"
+    assert main(common + ["--output", str(tmp_path / "a"), "--data", str(data)]) == 0
+    one = json.loads((tmp_path / "a" / "train_report.json").read_text())
+    assert main(common + ["--output", str(tmp_path / "b"), "--data", str(data), str(data)]) == 0
+    two = json.loads((tmp_path / "b" / "train_report.json").read_text())
+    assert two["tokens"] == 2 * one["tokens"] and all(math.isfinite(r["loss_last"]) for r in (one, two))
+    module, _ = load_heads(tmp_path / "b", 64, json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"],
+                           "eagle")
+    assert isinstance(module, EagleHead)

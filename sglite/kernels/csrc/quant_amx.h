@@ -172,7 +172,7 @@ inline void dequant_pair(const QW& w, int64_t p, int64_t nb, uint16_t* b) {
 // Blocks a K-loop dequantizes ahead of the one its tiles multiply: block j + KLOOP_AHEAD's vector
 // work runs beside block j's tile products, and its stores have retired by the time they are
 // loaded as B tiles.
-constexpr int64_t KLOOP_AHEAD = 4;
+constexpr int64_t KLOOP_AHEAD = 2;
 
 // tile_pair<RT> for pair p (tiles t = 2p and t + 1, nt of them; a lone last tile's partner zero)
 // straight from the codes: block j of both tiles is dequantized (dequant_block) into b (the pair's
@@ -250,7 +250,7 @@ inline void kloop_pair(const QW& w, int64_t p, int rt, int64_t nb, const uint16_
 // Pairs a K-loop share keeps dequantized at once for its later 32-row chunks (M > 32): the
 // chunks after the first reuse them from L1/L2.
 inline int64_t kloop_block_pairs(int64_t M, int64_t pair_bytes) {
-  return M <= 32 ? 1 : std::max<int64_t>(1, KLOOP_BLOCK_BYTES / pair_bytes);
+  return M <= 64 ? 1 : std::max<int64_t>(1, KLOOP_BLOCK_BYTES / pair_bytes);
 }
 
 // x: [Mp, K] bf16 bits, 64-byte aligned (rows_buffer), Mp = M rounded up to 32, rows >= M zero. Output rows 0..M-1 of [M, N]:

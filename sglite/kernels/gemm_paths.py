@@ -12,8 +12,8 @@ Paths (names as logged):
         ``gemv_q8``        1..8 rows: the int8-activation GEMV over the tiles (:func:`.quant_cpu.gemv_q8`);
         ``vnni_gemm``      more rows: the int8 GEMM (:mod:`.quant_gemm`, AVX-512 VNNI);
         ``amx_gemm``       bf16 activations, :data:`AMX_MIN_ROWS` rows or more, AMX-BF16 CPUs: the
-                           tile GEMM (:mod:`.quant_amx`, weight tiles dequantized into L1/L2, or
-                           read from the weight's repacked bf16 copy, below);
+                           tile GEMM (:mod:`.quant_amx`, the codes dequantized block by block
+                           inside its K loop; a repacked bf16 copy only on request, below);
         ``dequant_gemm``   more rows without VNNI (or forced): dequantize, then ``F.linear``.
     Row-layout quantized weights keep the float GEMV (1..32 rows) and ``dequant_gemm`` (more).
     The fused C++ decode (``decode_fused``) has no int8 GEMM: its tiled products take the AMX tiles
@@ -31,13 +31,14 @@ Forcing: environment variable ``SGLITE_GEMM`` (read on every call, so tests can 
     ``vnni``             ``auto`` without the AMX path (A/B runs of the tile units).
 An unknown value raises ValueError naming the variable and the known values.
 
-Repacking for AMX (``SGLITE_AMX_REPACK``, read when a model is prepared): ``auto`` (or unset) keeps
-a second copy of each tiled weight already dequantized into the tile GEMM's bf16 B layout (2 bytes
-a weight, :func:`.quant_amx.pack`) when all of them together take at most
-:data:`AMX_REPACK_FRACTION` of the available host memory; ``1`` always, ``0`` never. The
-``amx_gemm`` path then reads the bf16 tiles instead of dequantizing the codes on every call (the
-small-row GEMV paths keep reading the codes). The same trade as llama.cpp's CPU weight repacking
-(``--no-repack`` turns it off there).
+Repacking for AMX (``SGLITE_AMX_REPACK``, read when a model is prepared): ``auto`` (or unset) and
+``0`` keep no second copy: the ``amx_gemm`` path reads the 4/8-bit codes and dequantizes each
+32-block inside its K loop, beside the tile products (:mod:`.quant_amx`), which measured faster
+than a bf16 copy repacked at load into the tiles' B layout at every row count tried (16-512 rows,
+docs/benchmarks.md, 2026-12-06; the copy took 212 MB for the default model and streamed 2 bytes a
+weight against ~0.6). ``1`` still keeps the copy (2 bytes a weight, :func:`.quant_amx.pack`), for
+A/B runs: then ``amx_gemm`` reads the bf16 tiles instead (the small-row GEMV paths read the codes
+either way).
 """
 from __future__ import annotations
 
@@ -71,19 +72,15 @@ FUSED_AMX_MIN_ROWS_8BIT = 12  # 8-bit codes (Q5_0/Q6_K/Q8_0 in GGUF): Gemma's la
 
 
 REPACK_ENV = "SGLITE_AMX_REPACK"
-AMX_REPACK_FRACTION = 0.125  # at most this share of MemAvailable goes to the bf16 copies
 
 
-def amx_repack(packed_bytes: int, available_bytes: int) -> bool:
-    """Whether to keep the bf16 B-layout copies (module docstring) of tiled weights totalling
-    ``packed_bytes`` with ``available_bytes`` of host memory available. Raises ValueError for an
-    unknown ``SGLITE_AMX_REPACK`` value (naming it and the known ones)."""
+def amx_repack() -> bool:
+    """Whether to keep the bf16 B-layout copies of tiled weights (module docstring): only with
+    ``SGLITE_AMX_REPACK=1``. Raises ValueError for an unknown value (naming it and the known ones)."""
     v = os.environ.get(REPACK_ENV, "").strip() or "auto"
     if v not in ("auto", "0", "1"):
         raise ValueError(f"{REPACK_ENV} must be one of auto|0|1, got {v!r}")
-    if v != "auto":
-        return v == "1"
-    return mode() == "auto" and packed_bytes <= AMX_REPACK_FRACTION * available_bytes
+    return v == "1"
 
 
 def mode() -> str:

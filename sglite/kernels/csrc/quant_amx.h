@@ -9,7 +9,13 @@
 //     each value is fma(code, scale, min) in float32, rounded once to bf16 (VCVTNE2PS2BF16);
 //   - the tile loop: 2 weight tiles (32 output channels) x 2 activation tiles (32 rows) held in 4
 //     float32 accumulator tiles, one TDPBF16PS per (row tile, weight tile, 32-block), so the
-//     dequantization of a weight tile is amortised over every activation row of the call.
+//     dequantization of a weight tile is amortised over every activation row of the call;
+//   - the K loop (kloop_pair, the default): the first 32-row chunk of each tile pair dequantizes
+//     block j + KLOOP_AHEAD of both tiles while the tile unit multiplies block j, and prefetches the
+//     next pair's codes into L2, so the codes (~0.6 bytes a weight at 4 bits) stream once and the
+//     vector work hides behind the products and the memory stream; later chunks reuse the pair's
+//     dequantized tiles. pack_b's whole-weight copy (2 bytes a weight) is kept only on request
+//     (SGLITE_AMX_REPACK=1, gemm_paths.py): same products in the same order, the same bits.
 // Threads: tile pairs split by the caller's Par (thread_pool.h); each worker loads the tile
 // configuration itself (per-thread state) and releases it when its share is done.
 #pragma once
@@ -130,10 +136,6 @@ inline void tile_pair(const uint16_t* x, int64_t K, const uint16_t* b0, const ui
 // Dequantized tile pairs kept per thread and block: about half a 2 MiB L2, so the block's B tiles
 // are read from L2 while each 32-row activation chunk stays in L1 across the block's pairs.
 constexpr int64_t kBlockBytes = 1 << 19;
-// The K-loop path's block for its later row chunks (kloop_block_pairs).
-#ifndef KLOOP_BLOCK_BYTES
-#define KLOOP_BLOCK_BYTES (1 << 19)
-#endif
 
 // Output rows m0..m0+rows-1, channels t*16.. (cols of them) from the 32 x 32 float32 stage.
 inline void store_stage(const float* stage, int64_t m0, int64_t rows, int64_t cols, int64_t N, int64_t c0,
@@ -247,10 +249,14 @@ inline void kloop_pair(const QW& w, int64_t p, int rt, int64_t nb, const uint16_
   });
 }
 
-// Pairs a K-loop share keeps dequantized at once for its later 32-row chunks (M > 32): the
-// chunks after the first reuse them from L1/L2.
+// Pairs a K-loop share keeps dequantized at once for its later 32-row chunks: up to 64 rows one
+// (the second chunk reads the pair just dequantized from L1/L2, right after the first), past 64 a
+// kBlockBytes block of pairs, chunks outer (each chunk's activation tiles reused across the block).
+// Measured on the default model's 30 layers, one thread, CPU time (docs/benchmarks.md): one pair up
+// to 64 rows 16.0 / 16.9 ms at 48 / 64 rows against 18.6 / 19.7 with 512 KiB blocks; at 512 rows
+// 512 KiB blocks 84.6 ms against one pair 95.9.
 inline int64_t kloop_block_pairs(int64_t M, int64_t pair_bytes) {
-  return M <= 64 ? 1 : std::max<int64_t>(1, KLOOP_BLOCK_BYTES / pair_bytes);
+  return M <= 64 ? 1 : std::max<int64_t>(1, kBlockBytes / pair_bytes);
 }
 
 // x: [Mp, K] bf16 bits, 64-byte aligned (rows_buffer), Mp = M rounded up to 32, rows >= M zero. Output rows 0..M-1 of [M, N]:

@@ -79,7 +79,16 @@ inline void dequant_block(const QW& w, int64_t t, int64_t j, int64_t nb, uint16_
     const __m512i v = _mm512_loadu_si512(qt + c * 64);  // lane n: bytes i = 0..3 of row n's group c
     auto code = [&](int shift) {
       if (BITS == 4) return _mm512_permutexvar_ps(shift ? _mm512_srli_epi32(v, shift) : v, lut);
-      return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, shift), mask));
+      // 8-bit: byte 0 masked, byte 3 shifted down, bytes 1 / 2 moved down and zero-extended by one
+      // VPSHUFB each (port 5, beside the shifts and conversions on port 0)
+      if (shift == 0) return _mm512_cvtepi32_ps(_mm512_and_si512(v, mask));
+      if (shift == 24) return _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 24));
+      const int i = shift / 8;
+      const __m512i sel = _mm512_set_epi32(0x80808000 | (12 + i), 0x80808000 | (8 + i), 0x80808000 | (4 + i), 0x80808000 | i,
+                                           0x80808000 | (12 + i), 0x80808000 | (8 + i), 0x80808000 | (4 + i), 0x80808000 | i,
+                                           0x80808000 | (12 + i), 0x80808000 | (8 + i), 0x80808000 | (4 + i), 0x80808000 | i,
+                                           0x80808000 | (12 + i), 0x80808000 | (8 + i), 0x80808000 | (4 + i), 0x80808000 | i);
+      return _mm512_cvtepi32_ps(_mm512_shuffle_epi8(v, sel));
     };
     if (BITS == 8) {  // byte i: channel 4c + i
       const int h = G16 && c >= 4 ? 1 : 0;

@@ -289,8 +289,10 @@ void gemm(const QW& w, const uint16_t* xd, int64_t M, float* yf, at::BFloat16* y
   par(0, P, 1, [&](int64_t p0, int64_t p1) {
     sglite_tiles::configure();
     const int64_t nblk = std::min(per_block, p1 - p0);
-    std::vector<uint16_t> bufv(packed ? 0 : nblk * pair_elems + 32);  // 64-byte aligned for the B loads
-    uint16_t* own = (uint16_t*)(((uintptr_t)bufv.data() + 63) & ~(uintptr_t)63);
+    // uninitialised (every B tile is written before it is loaded): a zero-filled vector would clear
+    // up to 512 KiB per call and thread; 64-byte aligned for the B loads
+    std::unique_ptr<uint16_t[]> bufv(packed ? nullptr : new uint16_t[nblk * pair_elems + 32]);
+    uint16_t* own = (uint16_t*)(((uintptr_t)bufv.get() + 63) & ~(uintptr_t)63);
     alignas(64) float stage[32 * 32];
     for (int64_t pb = p0; pb < p1; pb += nblk) {
       const int64_t pe = std::min(p1, pb + nblk);

@@ -2,7 +2,8 @@
 3 KV, head dim 64) and Gemma 3's (4, 1, 256), bf16 head-major pools (the engine's layout):
 
 - extend: 8 requests x 62 new tokens over 700 cached (an agent's late turn), one 2,048-token
-  prompt (causal), 4 x 100 over 300 (Gemma);
+  prompt (causal), 4 x 100 over 300 (Gemma); each also with the K/V packed into tile layout once
+  per call (the default) against once per task (``pack_kv=False``);
 - decode: 64 rows in 4 groups of 16 continuing one 600-token prefix each (the shared-prefix
   serving workload), cascade (``cascade_min`` 64) against per row (0).
 
@@ -65,6 +66,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    ap.add_argument("--cases", choices=("all", "extend", "decode"), default="all",
+                    help="which rows to time (the inputs are the same either way)")
     a = ap.parse_args()
     clock = time.process_time if a.clock == "cpu" else time.perf_counter
     torch.set_num_threads(a.threads)
@@ -75,13 +78,20 @@ def main() -> None:
     for name, args in [("extend 8 x 62 over 700 (9/3/64)", extend_case(700, 62, 8, 9, 3, 64, g)),
                        ("extend 2,048-token prompt (9/3/64)", extend_case(0, 2048, 1, 9, 3, 64, g)),
                        ("extend 4 x 100 over 300 (4/1/256)", extend_case(300, 100, 4, 4, 1, 256, g))]:
-        new, old = [], []
+        if a.cases == "decode":
+            continue
+        new, old, per_task = [], [], []
         for _ in range(3):
             new.append(timed(lambda: cpu_attention.extend_attention(*args, amx=True), a.repeats, clock))
             old.append(timed(lambda: cpu_attention.extend_attention(*args, amx=False), a.repeats, clock))
+            per_task.append(timed(lambda: cpu_attention.extend_attention(*args, amx=True, pack_kv=False),
+                                  a.repeats, clock))
         rows.append((name, "AMX tiles", min(new), "AVX-512", min(old)))
+        rows.append((name, "K/V packed once", min(new), "packed per task", min(per_task)))
     for name, args in [("decode 64 rows, 4 x 16 sharing 600 (9/3/64)", shared_decode_case(4, 16, 600, 9, 3, 64, g)),
                        ("decode 32 rows, 2 x 16 sharing 600 (4/1/256)", shared_decode_case(2, 16, 600, 4, 1, 256, g))]:
+        if a.cases == "extend":
+            continue
         new, old = [], []
         for _ in range(3):
             new.append(timed(lambda: cpu_attention.decode_attention(*args, cascade_min=64), a.repeats, clock))

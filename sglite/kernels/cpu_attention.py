@@ -121,9 +121,10 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
 def shared_prefix_groups(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                          min_shared: int = CASCADE_MIN) -> list[tuple[int, list[int]]]:
     """The groups :func:`decode_attention` attends once: ``[(P, [batch rows])]``, rows whose slot
-    rows agree on keys ``[0, P)``, ``P >= min_shared``, each row keeping >= 1 key of its own
-    (bucketed by first slot; in a bucket the rows with the longest common prefix with its first
-    row, as many as maximise ``P (k - 1)``). Raises ValueError on malformed inputs."""
+    rows agree on keys ``[0, P)``, ``P >= min_shared``, each row keeping >= 1 key of its own: the
+    rows whose first ``min_shared`` slots agree form one group (>= 2 rows), ``P`` their whole common
+    prefix (at most each row's length - 1); groups in the lexicographic order of those slots, rows
+    ascending. Raises ValueError on malformed inputs."""
     ops = load()
     if ops is None:
         raise RuntimeError("the C++ attention extension is unavailable")
@@ -178,7 +179,8 @@ def extend_available() -> bool:
 def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      prefix_lens: torch.Tensor, extend_lens: torch.Tensor, sm_scale: float,
-                     window: int = 0, softcap: float = 0.0, amx: Optional[bool] = None) -> torch.Tensor:
+                     window: int = 0, softcap: float = 0.0, amx: Optional[bool] = None,
+                     pack_kv: bool = True) -> torch.Tensor:
     """Paged extend (prefill) attention in C++; same contract as :func:`.reference.extend_attention`.
 
     Args:
@@ -196,6 +198,10 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         amx: bf16 pools on the AMX tiles (``csrc/amx_attention.h``) where the build has them and
             Linux grants the tile state; None: :func:`amx_mode` (``SGLITE_ATTN_AMX``); False: the
             AVX-512 path below.
+        pack_kv: on the AMX path, pack each request's K/V into tile layout once per call (per KV
+            head, blocks of 256 keys, in parallel over blocks; requests with one task per head and
+            any past 256 MB of packed keys pack per task) instead of once per task; False: every
+            task packs the keys it reads (the results are bitwise the same: a test compares).
     Returns:
         [N, Hq, D] in q's dtype. New token i of request b sees keys 0 .. prefix_lens[b] + i
         (the last ``window`` of them with a window).
@@ -219,8 +225,9 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     Head dims are padded to 64, 128 or 256 inside the kernel.
 
     The AMX path (bf16 pools, G <= 64): the same tasks and anchoring, keys in blocks of up to 256;
-    S = Q K^T and P V run on TDPBF16PS tiles from K^T and V repacked per block (16 x 16 transposes
-    of bf16 pairs; key pairs interleaved per dimension), the masks and the online softmax in
+    S = Q K^T and P V run on TDPBF16PS tiles from K^T and V packed into tile layout (16 x 16
+    transposes of bf16 pairs; key pairs interleaved per dimension) once per call for each request
+    and KV head (``pack_kv``), not once per task, the masks and the online softmax in
     float32 on AVX-512. The scaled query and the weights P are rounded to bf16 once (float32
     sums): the same order of error as the reference's bf16 scores, and a row still depends only on
     its own query, position and keys. 1.9-5.9x the AVX-512 path per layer on a 2-core Sapphire
@@ -235,4 +242,5 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         req_to_token = req_to_token.to(torch.int32).contiguous()
     args = (q, k_buffer, v_buffer, req_to_token, req_pool_indices.to(torch.int64).contiguous(),
             prefix_lens.to(torch.int64).contiguous(), extend_lens.to(torch.int64).contiguous(), float(sm_scale))
-    return ops.extend_attention(*args, int(window), float(softcap), int(amx_mode() if amx is None else amx))
+    mode = int(amx_mode() if amx is None else amx)
+    return ops.extend_attention(*args, int(window), float(softcap), mode if pack_kv or not mode else 2)

@@ -114,6 +114,10 @@ def test_cascade_rows_keep_their_own_keys_and_bad_slots_raise(ops):
     bad[rows, 5] = k.shape[0] + 3  # in every row: the shared prefix holds a slot outside the pool
     with pytest.raises(IndexError, match="outside the pool"):
         cpu_attention.decode_attention(q, k, v, bad, rows, lens, scale, cascade_min=64)
+    bad = rt.clone()
+    bad[rows[1], int(lens[1]) - 1] = -2  # one grouped row's own (last) key: own_keys' check
+    with pytest.raises(IndexError, match="outside the pool"):
+        cpu_attention.decode_attention(q, k, v, bad, rows, lens, scale, cascade_min=64)
     with pytest.raises(ValueError, match="cascade_min"):
         ops.decode_attention(q, k, v, rt, rows, lens, scale, 0, 0.0, -1)
 
@@ -168,3 +172,103 @@ def test_groups_found_once_give_the_same_result(ops):
                 torch.tensor([2, 300, 2, 0, 1])):
         with pytest.raises(ValueError, match="groups"):
             ops.decode_attention(q, k, v, rt, rows, lens, scale, 0, 0.0, 64, bad)
+
+
+def groups_by_sort(rt, rows, lens, min_shared):
+    """The grouping's definition: rows (len > min_shared) in lexicographic order of their slot rows;
+    maximal runs of neighbours whose common prefix (capped at the shorter length - 1) is >=
+    min_shared; P the smallest of them; rows ascending."""
+    cand = [b for b in range(len(rows)) if int(lens[b]) > min_shared]
+    seq = {b: rt[rows[b], :int(lens[b])].tolist() for b in cand}
+
+    def lcp(a, b):
+        cap, n = min(len(seq[a]), len(seq[b])) - 1, 0
+        while n < cap and seq[a][n] == seq[b][n]:
+            n += 1
+        return n
+    cand.sort(key=lambda b: (seq[b][:-1], len(seq[b]), b))
+    out, i = [], 0
+    while i < len(cand):
+        e, P = i + 1, None
+        while e < len(cand) and lcp(cand[e - 1], cand[e]) >= min_shared:
+            P = lcp(cand[e - 1], cand[e]) if P is None else min(P, lcp(cand[e - 1], cand[e]))
+            e += 1
+        if e - i >= 2:
+            out.append((P, sorted(cand[i:e])))
+        i = e
+    return out
+
+
+def test_groups_match_the_sorted_runs_definition(ops):
+    """shared_prefix_groups finds the classes of equal first-min_shared slots without sorting
+    whole prefixes: the same groups, P and order as the lexicographic-runs definition, on random
+    tables with few distinct slots (many ties, prefixes diverging anywhere, short rows)."""
+    g = torch.Generator().manual_seed(23)
+    nonempty = 0
+    for _ in range(150):
+        B, L = int(torch.randint(1, 24, (1,), generator=g)), int(torch.randint(2, 40, (1,), generator=g))
+        base = torch.randint(0, 4, (int(torch.randint(1, 5, (1,), generator=g)), L), generator=g, dtype=torch.int32)
+        rt = base[torch.randint(0, base.shape[0], (B + 2,), generator=g)].clone()
+        for r in range(B + 2):
+            d = int(torch.randint(0, L + 1, (1,), generator=g))
+            rt[r, d:] = torch.randint(0, 3, (L - d,), generator=g, dtype=torch.int32)
+        rows = torch.randint(0, B + 2, (B,), generator=g)
+        lens = torch.randint(1, L + 1, (B,), generator=g)
+        m = int(torch.randint(1, 12, (1,), generator=g))
+        want = groups_by_sort(rt, rows, lens, m)
+        assert cpu_attention.shared_prefix_groups(rt, rows, lens, min_shared=m) == want
+        nonempty += bool(want)
+    assert nonempty > 50
+
+
+def oracle_by_row(q, k, v, rt, rows, lens, scale):
+    """:func:`oracle` with a row's Hq heads at once (float64)."""
+    B, Hq, D = q.shape
+    G = Hq // k.shape[1]
+    out = torch.empty(B, Hq, D, dtype=torch.float64)
+    for b in range(B):
+        slots = rt[rows[b], :int(lens[b])].long()
+        kk = k[slots].double().repeat_interleave(G, 1)  # [L, Hq, D]
+        vv = v[slots].double().repeat_interleave(G, 1)
+        p = torch.softmax(torch.einsum("hd,lhd->hl", q[b].double(), kk) * scale, -1)
+        out[b] = torch.einsum("hl,lhd->hd", p, vv)
+    return out
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,sizes", [
+    (9, 3, 64, [45, 3]),     # G = 3: a group of 45 rows in three chunks (21, 21, 3) on own_keys
+    (16, 1, 64, [10, 2]),    # G = 16: 4 rows a chunk, three chunks; the own keys through attend
+    (8, 2, 128, [17, 5]),    # G = 4, D 128: own_keys' 4-block form, 16 rows a chunk
+    (4, 1, 64, [16]),        # one group, one KV head: one chunk at 1 thread, two of 8 rows at 2
+])
+def test_cascade_chunks_threads_and_dtypes(ops, Hq, Hkv, D, sizes):
+    """Groups spanning several 64 / G-row chunks, rows with one own key, rows outside every group
+    mixed in: the float64 oracle holds for bf16 and float32 queries; every row's bits are the same
+    at 1 and 2 threads (tile rows never mix, a task runs on one thread, whichever thread claims it)
+    and with its group alone in the batch."""
+    owns = [[1 + (7 * i) % 23 for i in range(n)] for n in sizes]
+    case = make_batch([(P, own) for P, own in zip((300, 150), owns)], [1, 40, 333], Hq, Hkv, D, seed=D + Hq)
+    q, k, v, rt, rows, lens, scale = case
+    prev = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # the oracle's many tiny ops: no thread wake-ups on a busy machine
+        want = oracle_by_row(*case)
+        outs = {}
+        for th in (1, 2):
+            torch.set_num_threads(th)
+            for qd in (torch.bfloat16, torch.float32):
+                outs[th, qd] = cpu_attention.decode_attention(q.to(qd), k, v, rt, rows, lens, scale, cascade_min=64)
+        for qd in (torch.bfloat16, torch.float32):
+            assert torch.equal(outs[1, qd], outs[2, qd])
+            assert outs[1, qd].dtype == qd
+            torch.testing.assert_close(outs[1, qd].double(), want, atol=1.5e-2, rtol=1.5e-2)
+        rowwise = cpu_attention.decode_attention(q, k, v, rt, rows, lens, scale, cascade_min=0).double()
+        assert (outs[1, torch.bfloat16].double() - want).abs().mean() <= 2 * (rowwise - want).abs().mean() + 1e-4
+        # one group alone (other chunking of the other group's absence): the same bits for its rows
+        found = cpu_attention.shared_prefix_groups(rt, rows, lens, min_shared=64)
+        big = max(found, key=lambda x: len(x[1]))[1]
+        sel = torch.tensor(big)
+        alone = cpu_attention.decode_attention(q[sel], k, v, rt, rows[sel], lens[sel], scale, cascade_min=64)
+        assert torch.equal(alone, outs[2, torch.bfloat16][sel])
+    finally:
+        torch.set_num_threads(prev)

@@ -17,7 +17,9 @@
 //     TDPBF16PS per (16-row tile, 16-dim tile, 32-key slice) on acc loaded into the tiles after
 //     its rows were rescaled by 2^(m_old - m_new) (only the rows whose max moved).
 // A row's result depends only on its own query, the keys it sees and the block anchoring (which
-// the caller fixes per request), never on the other rows of the task.
+// the caller fixes per request), never on the other rows of the task. walk packs each block
+// itself; a caller whose calls share keys packs them once (pack_to into a buffer of
+// packed_block_elems blocks) and walks them with walk_packed: the same tiles, the same bits.
 #pragma once
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #define SGL_AMX_ATTN 1
@@ -139,8 +141,10 @@ inline __mmask32 dmask(int rem) {  // bf16 lanes [0, rem) of 32
 // Pack keys slots[0 .. n) (n <= KB; the rest zero) of one head: K^T tiles into w.kt, V tiles into
 // w.vp. base_k / base_v point at the head's row of slot 0; s0k / s0v: elements between slots.
 // False when a slot lies outside [0, S).
-inline bool pack_block(const uint16_t* base_k, int64_t s0k, const uint16_t* base_v, int64_t s0v,
-                       const int32_t* slots, int n, int64_t S, int D, int Dp, Work& w) {
+// pack_to: the same into kt / vp, each KB x Dp bf16 (64-byte aligned), e.g. a block of a buffer
+// that several calls read (packed_block_elems, walk_packed).
+inline bool pack_to(const uint16_t* base_k, int64_t s0k, const uint16_t* base_v, int64_t s0v,
+                    const int32_t* slots, int n, int64_t S, int D, int Dp, uint16_t* kt, uint16_t* vp) {
   for (int t = 0; t < n; ++t)
     if (slots[t] < 0 || slots[t] >= S) return false;
   const int nd = Dp / 32, n64 = (n + 63) & ~63;  // keys past n64 are never read
@@ -152,7 +156,7 @@ inline bool pack_block(const uint16_t* base_k, int64_t s0k, const uint16_t* base
         r[u] = t < n ? _mm512_maskz_loadu_epi16(dmask(D - 32 * c), base_k + slots[t] * s0k + 32 * c) : _mm512_setzero_si512();
       }
       transpose16(r);
-      uint16_t* dst = w.kt + (size_t)(c * (KB / 16) + kg) * 512;
+      uint16_t* dst = kt + (size_t)(c * (KB / 16) + kg) * 512;
       for (int u = 0; u < 16; ++u) _mm512_store_si512(dst + 32 * u, r[u]);
     }
   const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
@@ -164,13 +168,21 @@ inline bool pack_block(const uint16_t* base_k, int64_t s0k, const uint16_t* base
     for (int c = 0; c < nd; ++c) {
       const __m512i a = t0 < n ? _mm512_maskz_loadu_epi16(dmask(D - 32 * c), base_v + slots[t0] * s0v + 32 * c) : _mm512_setzero_si512();
       const __m512i b = t0 + 1 < n ? _mm512_maskz_loadu_epi16(dmask(D - 32 * c), base_v + slots[t0 + 1] * s0v + 32 * c) : _mm512_setzero_si512();
-      uint16_t* dst = w.vp + (size_t)(kc * ndg + 2 * c) * 512 + 32 * p;
+      uint16_t* dst = vp + (size_t)(kc * ndg + 2 * c) * 512 + 32 * p;
       _mm512_store_si512(dst, _mm512_permutex2var_epi16(a, lo, b));
       _mm512_store_si512(dst + 512, _mm512_permutex2var_epi16(a, hi, b));
     }
   }
   return true;
 }
+
+inline bool pack_block(const uint16_t* base_k, int64_t s0k, const uint16_t* base_v, int64_t s0v,
+                       const int32_t* slots, int n, int64_t S, int D, int Dp, Work& w) {
+  return pack_to(base_k, s0k, base_v, s0v, slots, n, S, D, Dp, w.kt, w.vp);
+}
+
+// bf16 elements of one packed block in a shared buffer: K^T tiles (KB x Dp), then V tiles (KB x Dp).
+inline size_t packed_block_elems(int Dp) { return (size_t)2 * KB * Dp; }
 
 // Lane i of the result: the max (MAX) or the sum of the 16 lanes of v[i]; every row through the
 // same tree (quarters (0 + 2, 1 + 3), their two halves, then lanes (0 + 2, 1 + 3) within a quarter
@@ -230,14 +242,16 @@ inline void tile_zero_n(int t) {  // _tile_zero takes an immediate
 
 // One block of n keys at positions t0 .. t0 + n - 1 for rows [0, R): scores, mask, online softmax,
 // acc update. `full`: every row sees every key of the block (no masking needed).
-inline void block(Work& w, int R, int Dp, int n, int64_t t0, bool full, int64_t window, float softcap) {
+// kt / vp: the block's packed K^T and V tiles (pack_to's layout).
+inline void block(Work& w, const uint16_t* kt, const uint16_t* vp, int R, int Dp, int n, int64_t t0, bool full,
+                  int64_t window, float softcap) {
   const int Rt = (R + 15) / 16, nd = Dp / 32, ndg = Dp / 16, n64 = (n + 63) & ~63;  // keys past n64: skipped
   // scores: per 16-key tile, C tiles 0..Rt-1 = the row tiles; each K^T tile is loaded once (the
   // queries, 8 KB at most, are re-read from L1 instead)
   for (int kg = 0; kg < n64 / 16; ++kg) {
     for (int rt = 0; rt < Rt; ++rt) tile_zero_n(rt);
     for (int c = 0; c < nd; ++c) {
-      _tile_loadd(5, w.kt + (size_t)(c * (KB / 16) + kg) * 512, 64);
+      _tile_loadd(5, kt + (size_t)(c * (KB / 16) + kg) * 512, 64);
       dp_row_tiles(Rt, w.q + 32 * c, kMaxDp);
     }
     c_row_tiles<true>(Rt, w.s + 16 * kg, KB);
@@ -337,11 +351,16 @@ inline void block(Work& w, int R, int Dp, int n, int64_t t0, bool full, int64_t 
     float* acc = w.acc + 16 * dg;
     c_row_tiles<false>(Rt, acc, kMaxDp);
     for (int kc = 0; kc < n64 / 32; ++kc) {
-      _tile_loadd(5, w.vp + (size_t)(kc * ndg + dg) * 512, 64);
+      _tile_loadd(5, vp + (size_t)(kc * ndg + dg) * 512, 64);
       dp_row_tiles(Rt, w.p + 32 * kc, KB);
     }
     c_row_tiles<true>(Rt, acc, kMaxDp);
   }
+}
+
+// The block packed in w.kt / w.vp (pack_block).
+inline void block(Work& w, int R, int Dp, int n, int64_t t0, bool full, int64_t window, float softcap) {
+  block(w, w.kt, w.vp, R, Dp, n, t0, full, window, softcap);
 }
 
 inline bool walk(Work& w, int R, int D, int Dp, const uint16_t* kh, int64_t s0k, const uint16_t* vh, int64_t s0v,
@@ -354,6 +373,21 @@ inline bool walk(Work& w, int R, int D, int Dp, const uint16_t* kh, int64_t s0k,
     block(w, R, Dp, n, t0, full, window, softcap);
   }
   return true;
+}
+
+// walk over keys already packed: block i of `packed` (packed_block_elems(Dp) apart) holds keys
+// kbase + i KB .. (pack_to over at least the keys [k_begin, k_end) need, anchored at kbase; keys
+// past a block's fill that a call's last block still reads are multiplied by zero weights, so
+// they change no bit of a result as long as they are finite). The rest as walk; never fails.
+inline void walk_packed(Work& w, int R, int Dp, const uint16_t* packed, int64_t kbase, int64_t k_begin, int64_t k_end,
+                        int64_t first_q, int64_t last_q, int64_t window, float softcap) {
+  const size_t be = packed_block_elems(Dp);
+  for (int64_t t0 = k_begin; t0 < k_end; t0 += KB) {
+    const int n = (int)std::min<int64_t>(KB, k_end - t0);
+    const uint16_t* kt = packed + (size_t)((t0 - kbase) / KB) * be;
+    const bool full = t0 + n - 1 <= first_q && (window <= 0 || t0 > last_q - window);
+    block(w, kt, kt + (size_t)KB * Dp, R, Dp, n, t0, full, window, softcap);
+  }
 }
 
 }  // namespace sglite_amx_attn

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 #include <algorithm>
 #include <atomic>
+#include <memory>
 #include <utility>
 #include <cmath>
 #include <cstdint>
@@ -237,13 +238,17 @@ void weighted_values(const Job<T>& j, const int32_t* slots, int64_t L, int h, fl
   }
 }
 
+// The shared-prefix pass's partial result for one (row, KV head) task (decode_cascade.h): for head
+// g of the group, the unnormalised output acc[g * ld .. + D), the running max m[g] (natural-log
+// units) and sum l[g].
+struct Prefix { const float* acc; int64_t ld; const float* m; const float* l; };
+
 // Keys [first0, len) of row b (first0 > 0: keys [0, first0) were attended by the shared-prefix
-// pass, whose unnormalised output, max and sum for head h * G + g are part[(b * Hq + h * G + g) *
-// (Dp + 2) + {0..Dp-1, Dp, Dp + 1}]; merged here: o = (a1 e^(m1 - m) + a2 e^(m2 - m)) / (l1 e^(m1 - m)
-// + l2 e^(m2 - m)), m = max(m1, m2)). part == nullptr: the whole row, as before.
+// pass, whose partials for the task are `pre`; merged here: o = (a1 e^(m1 - m) + a2 e^(m2 - m)) /
+// (l1 e^(m1 - m) + l2 e^(m2 - m)), m = max(m1, m2)). pre == nullptr: the whole row.
 template <typename T>
 bool attend(const Job<T>& j, const Tiled<T>& tiled, int64_t b, int h, float* qf, float* sc, float* acc,
-            int64_t first0 = 0, const float* part = nullptr) {
+            int64_t first0 = 0, const Prefix* pre = nullptr) {
   const int G = j.G, D = j.D, Dp = j.Dp;
   const int64_t len = j.lens[b];
   const int64_t first = std::max(first0, (j.window > 0 && len > j.window) ? len - j.window : (int64_t)0);  // sliding window
@@ -290,9 +295,9 @@ bool attend(const Job<T>& j, const Tiled<T>& tiled, int64_t b, int h, float* qf,
     const int64_t off = (b * (int64_t)(j.Hq) + h * G + g) * D;
     const float* ag = acc + g * Dp;
     float inv = 1.f / acc[G * Dp + g], a2 = 1.f, a1 = 0.f;
-    const float* p1 = part ? part + (b * (int64_t)j.Hq + h * G + g) * (Dp + 2) : nullptr;
+    const float* p1 = pre ? pre->acc + g * pre->ld : nullptr;
     if (p1) {
-      const float m1 = p1[Dp], l1 = p1[Dp + 1], m2 = acc[G * Dp + G + g], m = std::max(m1, m2);
+      const float m1 = pre->m[g], l1 = pre->l[g], m2 = acc[G * Dp + G + g], m = std::max(m1, m2);
       a1 = std::exp(m1 - m);
       a2 = std::exp(m2 - m);
       inv = 1.f / (l1 * a1 + acc[G * Dp + g] * a2);
@@ -324,20 +329,15 @@ bool attend(const Job<T>& j, const Tiled<T>& tiled, int64_t b, int h, float* qf,
   return true;
 }
 
+// Every (row, KV head) task over the pool's threads.
 template <typename T>
-// Every (row, KV head) task over the pool's threads. first / part (the cascade's second pass,
-// decode_cascade.h): row b starts at key first[b] and merges part's shared-prefix partials when
-// first[b] > 0; null: whole rows.
-void run(const Job<T>& j, int64_t B, int Hkv, int64_t max_len, const int64_t* first = nullptr,
-         const float* part = nullptr) {
+void run(const Job<T>& j, int64_t B, int Hkv, int64_t max_len) {
   std::atomic<bool> bad{false};
   const Tiled<T> tiled = pick_tiled<T>(j.Dp, j.G);
   sglite_pool::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(j.G * j.Dp), sc(j.G * max_len), acc(j.G * j.Dp + 2 * j.G);
-    for (int64_t i = begin; i < end && !bad.load(std::memory_order_relaxed); ++i) {
-      const int64_t b = i / Hkv, f = first ? first[b] : 0;
-      if (!attend(j, tiled, b, (int)(i % Hkv), qf.data(), sc.data(), acc.data(), f, f ? part : nullptr)) bad = true;
-    }
+    for (int64_t i = begin; i < end && !bad.load(std::memory_order_relaxed); ++i)
+      if (!attend(j, tiled, i / Hkv, (int)(i % Hkv), qf.data(), sc.data(), acc.data())) bad = true;
   });
   TORCH_CHECK_INDEX(!bad, "decode_attention: req_to_token holds a slot outside the pool [0, ", j.S, ")");
 }

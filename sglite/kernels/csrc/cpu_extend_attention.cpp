@@ -43,192 +43,7 @@ template <typename T> struct Ext {
   int64_t window; float softcap;  // window > 0: keys (pos - window, pos] only; softcap > 0: cap * tanh(s / cap)
 };
 
-// Per-thread scratch: Qt [Dp][Rp] (queries transposed, pre-scaled), kf/vf [KT][Dp] (the tile's K and
-// V rows widened to float32), s [KT][Rp] (scores, then weights), acc [Rp][Dp], per-row m, l, alpha.
-struct Scratch {
-  std::vector<float> qt, kf, vf, s, acc, m, l, alpha; std::vector<int32_t> qpos;
-  Scratch(int Dp, int Rp) : qt((size_t)Dp * Rp), kf((size_t)KT * Dp), vf((size_t)KT * Dp), s((size_t)KT * Rp),
-                            acc((size_t)Rp * Dp), m(Rp), l(Rp), alpha(Rp), qpos(Rp) {}
-};
-
-#ifdef SGL_AVX512
-inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16(const uint16_t* p, __mmask16 m) {  // bf16 bits -> float32 (exact)
-  __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-}
-#endif
-
-// Widen the tile's rows t0 .. t0+kn-1 of one head into dst [KT][Dp] (zero past D and past kn up to
-// a multiple of 4); false when a slot lies outside the pool.
-template <typename T>
-bool load_tile(const T* base, int64_t s0, const int32_t* slots, int64_t S, int kn, int D, int Dp, float* dst) {
-  const int kn4 = (kn + 3) & ~3;
-  for (int t = 0; t < kn; ++t) {
-    const int64_t sl = slots[t];
-    if (sl < 0 || sl >= S) return false;
-    const T* src = base + sl * s0;
-    float* d = dst + (size_t)t * Dp;
-#ifdef SGL_AVX512
-    for (int c = 0; c < Dp; c += 16) {
-      const int rem = D - c;
-      const __mmask16 m = rem >= 16 ? (__mmask16)0xFFFF : (rem <= 0 ? (__mmask16)0 : (__mmask16)((1u << rem) - 1));
-      _mm512_storeu_ps(d + c, load16(src + c, m));
-    }
-#else
-    for (int i = 0; i < D; ++i) d[i] = widen(src[i]);
-    for (int i = D; i < Dp; ++i) d[i] = 0.f;
-#endif
-  }
-  std::fill(dst + (size_t)kn * Dp, dst + (size_t)kn4 * Dp, 0.f);
-  return true;
-}
-
-#ifdef SGL_AVX512
-using sglite_simd::exp_nonpos;
-
-// s[(t+u)*Rp + 16(rb0+n) ..] = sum_d kf[t+u][d] * qt[d][16(rb0+n) ..] for 4 keys and NB row blocks.
-template <int NB>
-void score_block(const float* kf, int Dp, const float* qt, int Rp, int rb0, int t, int D, float* s) {
-  __m512 a[4][NB];
-  for (int u = 0; u < 4; ++u)
-    for (int n = 0; n < NB; ++n) a[u][n] = _mm512_setzero_ps();
-  const float* k0 = kf + (size_t)t * Dp;
-  for (int d = 0; d < D; ++d) {
-    __m512 qv[NB];
-    for (int n = 0; n < NB; ++n) qv[n] = _mm512_loadu_ps(qt + (size_t)d * Rp + 16 * (rb0 + n));
-    for (int u = 0; u < 4; ++u) {
-      const __m512 kb = _mm512_set1_ps(k0[(size_t)u * Dp + d]);
-      for (int n = 0; n < NB; ++n) a[u][n] = _mm512_fmadd_ps(kb, qv[n], a[u][n]);
-    }
-  }
-  for (int u = 0; u < 4; ++u)
-    for (int n = 0; n < NB; ++n) _mm512_storeu_ps(s + (size_t)(t + u) * Rp + 16 * (rb0 + n), a[u][n]);
-}
-
-void scores(const float* kf, int Dp, const float* qt, int Rp, int kn, int D, float* s) {
-  const int nrb = Rp / 16, kn4 = (kn + 3) & ~3;
-  for (int t = 0; t < kn4; t += 4)
-    for (int rb = 0; rb < nrb; rb += 4) {
-      switch (std::min(4, nrb - rb)) {
-        case 4: score_block<4>(kf, Dp, qt, Rp, rb, t, D, s); break;
-        case 3: score_block<3>(kf, Dp, qt, Rp, rb, t, D, s); break;
-        case 2: score_block<2>(kf, Dp, qt, Rp, rb, t, D, s); break;
-        default: score_block<1>(kf, Dp, qt, Rp, rb, t, D, s);
-      }
-    }
-}
-
-// Online-softmax update of 16 rows at a time: masks keys past each row's position, turns scores
-// into weights exp(s - m_new) in place, and updates m, l and alpha = exp(m_old - m_new).
-void softmax_tile(float* s, int Rp, int kn, int64_t t0, bool full, int64_t window, Scratch& w) {
-  const __m512 ninf = _mm512_set1_ps(-INFINITY);
-  for (int r = 0; r < Rp; r += 16) {
-    const __m512i qp = _mm512_loadu_si512(w.qpos.data() + r);
-    const __m512i lo = _mm512_sub_epi32(qp, _mm512_set1_epi32((int32_t)window));  // keys <= lo: outside
-    const __m512 m_old = _mm512_loadu_ps(w.m.data() + r);
-    __m512 mx = m_old;
-    for (int t = 0; t < kn; ++t) {
-      __m512 sv = _mm512_loadu_ps(s + (size_t)t * Rp + r);
-      if (!full) {
-        const __m512i kt = _mm512_set1_epi32((int32_t)(t0 + t));
-        __mmask16 hid = _mm512_cmpgt_epi32_mask(kt, qp);
-        if (window > 0) hid |= _mm512_cmple_epi32_mask(kt, lo);
-        sv = _mm512_mask_mov_ps(sv, hid, ninf);
-        _mm512_storeu_ps(s + (size_t)t * Rp + r, sv);
-      }
-      mx = _mm512_max_ps(mx, sv);
-    }
-    // m_old = -inf: ~0, times l = acc = 0; a row that has seen no key yet (mx = -inf, a window's
-    // first tiles) gets alpha 0 instead of exp(-inf + inf) = NaN
-    const __mmask16 none = _mm512_cmp_ps_mask(mx, ninf, _CMP_EQ_OQ);
-    const __m512 alpha = _mm512_mask_mov_ps(exp_nonpos(_mm512_sub_ps(m_old, mx)), none, _mm512_setzero_ps());
-    __m512 sum = _mm512_setzero_ps();
-    for (int t = 0; t < kn; ++t) {
-      const __m512 sv = _mm512_loadu_ps(s + (size_t)t * Rp + r);
-      const __mmask16 seen = _mm512_cmp_ps_mask(sv, ninf, _CMP_NEQ_OQ);
-      const __m512 p = _mm512_maskz_mov_ps(seen, exp_nonpos(_mm512_sub_ps(sv, mx)));
-      _mm512_storeu_ps(s + (size_t)t * Rp + r, p);
-      sum = _mm512_add_ps(sum, p);
-    }
-    _mm512_storeu_ps(w.m.data() + r, mx);
-    _mm512_storeu_ps(w.alpha.data() + r, alpha);
-    _mm512_storeu_ps(w.l.data() + r, _mm512_fmadd_ps(_mm512_loadu_ps(w.l.data() + r), alpha, sum));
-  }
-}
-
-// acc[r] = acc[r] * alpha[r] + sum_t s[t][r] * vf[t] for RB rows from r0 (Dp = 16 NC).
-template <int NC, int RB>
-void pv_block(const float* s, int Rp, int r0, const float* vf, int kn, const float* alpha, float* acc) {
-  constexpr int Dp = 16 * NC;
-  __m512 a[RB][NC];
-  for (int i = 0; i < RB; ++i) {
-    const __m512 al = _mm512_set1_ps(alpha[r0 + i]);
-    for (int c = 0; c < NC; ++c) a[i][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)(r0 + i) * Dp + 16 * c), al);
-  }
-  for (int t = 0; t < kn; ++t) {
-    __m512 vv[NC];
-    for (int c = 0; c < NC; ++c) vv[c] = _mm512_loadu_ps(vf + (size_t)t * Dp + 16 * c);
-    for (int i = 0; i < RB; ++i) {
-      const __m512 w = _mm512_set1_ps(s[(size_t)t * Rp + r0 + i]);
-      for (int c = 0; c < NC; ++c) a[i][c] = _mm512_fmadd_ps(w, vv[c], a[i][c]);
-    }
-  }
-  for (int i = 0; i < RB; ++i)
-    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + (size_t)(r0 + i) * Dp + 16 * c, a[i][c]);
-}
-
-template <int NC>
-void pv_rows(const float* s, int Rp, int R, const float* vf, int kn, const float* alpha, float* acc) {
-  constexpr int RB = NC <= 4 ? 4 : (NC <= 8 ? 2 : 1);
-  int r = 0;
-  for (; r + RB <= R; r += RB) pv_block<NC, RB>(s, Rp, r, vf, kn, alpha, acc);
-  for (; r < R; ++r) pv_block<NC, 1>(s, Rp, r, vf, kn, alpha, acc);
-}
-
-void pv(const float* s, int Rp, int R, const float* vf, int Dp, int kn, const float* alpha, float* acc) {
-  if (Dp == 64) pv_rows<4>(s, Rp, R, vf, kn, alpha, acc);
-  else if (Dp == 128) pv_rows<8>(s, Rp, R, vf, kn, alpha, acc);
-  else pv_rows<16>(s, Rp, R, vf, kn, alpha, acc);
-}
-#else
-void scores(const float* kf, int Dp, const float* qt, int Rp, int kn, int D, float* s) {
-  const int kn4 = (kn + 3) & ~3;
-  for (int t = 0; t < kn4; ++t)
-    for (int r = 0; r < Rp; ++r) {
-      float a = 0.f;
-      for (int d = 0; d < D; ++d) a += kf[(size_t)t * Dp + d] * qt[(size_t)d * Rp + r];
-      s[(size_t)t * Rp + r] = a;
-    }
-}
-
-void softmax_tile(float* s, int Rp, int kn, int64_t t0, bool full, int64_t window, Scratch& w) {
-  for (int r = 0; r < Rp; ++r) {
-    float mx = w.m[r];
-    for (int t = 0; t < kn; ++t) {
-      float& sv = s[(size_t)t * Rp + r];
-      if (!full && (t0 + t > w.qpos[r] || (window > 0 && t0 + t <= w.qpos[r] - window))) sv = -INFINITY;
-      mx = std::max(mx, sv);
-    }
-    const float alpha = mx == -INFINITY ? 0.f : std::exp(w.m[r] - mx);
-    float sum = 0.f;
-    for (int t = 0; t < kn; ++t) {
-      float& sv = s[(size_t)t * Rp + r];
-      sv = sv == -INFINITY ? 0.f : std::exp(sv - mx);
-      sum += sv;
-    }
-    w.m[r] = mx; w.alpha[r] = alpha; w.l[r] = w.l[r] * alpha + sum;
-  }
-}
-
-void pv(const float* s, int Rp, int R, const float* vf, int Dp, int kn, const float* alpha, float* acc) {
-  for (int r = 0; r < R; ++r) {
-    float* a = acc + (size_t)r * Dp;
-    for (int d = 0; d < Dp; ++d) a[d] *= alpha[r];
-    for (int t = 0; t < kn; ++t) sglite_scalar::axpy(s[(size_t)t * Rp + r], vf + (size_t)t * Dp, a, Dp);
-  }
-}
-#endif
+#include "extend_flash.h"
 
 // The task's R rows out: acc row r (ld floats apart) / l[r], rounded once to the output dtype.
 template <typename T>
@@ -292,9 +107,63 @@ bool run_task(const Ext<T>& j, const Task& tk, Scratch& w) {
 }
 
 #ifdef SGL_AMX_ATTN
+// One call's packed keys (amx_attention.h's pack_to layout): for each request that more than one
+// task per KV head reads (extend > 64 / G tokens), its keys [kbase, pre + extend) per KV head in
+// blocks of KB anchored at kbase (the first task's first block: key 0, or the window's first
+// block), packed once (in parallel over blocks) instead of once per task. A task then reads the
+// same tiles it would have packed itself, plus, in its last block, finite keys past its own last
+// one where it would have had zeros: their weights are exactly zero, so no bit of a result moves.
+struct PackPlan {
+  std::vector<int64_t> kbase, blk0, nblk;  // per request: first packed key, first block in buf, blocks per head (0: none)
+  std::vector<int64_t> jobs;               // (request, head, block) as (b * Hkv + h) * nblk_max + i
+  int64_t nblk_max = 0;
+  uint16_t* buf = nullptr;
+  size_t be = 0;  // bf16 elements per block
+  PackPlan() = default;
+  PackPlan(const PackPlan&) = delete;
+  PackPlan& operator=(const PackPlan&) = delete;
+  ~PackPlan() { std::free(buf); }
+};
+
+constexpr size_t kPackCapBytes = (size_t)256 << 20;  // one call's packed keys at most; requests past it pack per task
+
+void plan_pack(const Ext<uint16_t>& j, int64_t B, const int64_t* ext, int64_t qb, int Hkv, PackPlan& p) {
+  namespace A = sglite_amx_attn;
+  const int Dp = (j.D + 31) & ~31;
+  p.be = A::packed_block_elems(Dp);
+  p.kbase.assign(B, 0); p.blk0.assign(B, 0); p.nblk.assign(B, 0);
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    if (ext[b] <= qb) continue;  // one task per head: nothing to share
+    const int64_t pre = j.pre[b], kb = j.window > 0 ? std::max<int64_t>(0, pre - j.window + 1) / A::KB * A::KB : 0;
+    const int64_t nb = (pre + ext[b] - kb + A::KB - 1) / A::KB;
+    if ((size_t)(total + nb * Hkv) * p.be * 2 > kPackCapBytes) continue;
+    p.kbase[b] = kb; p.blk0[b] = total; p.nblk[b] = nb;
+    total += nb * Hkv;
+    p.nblk_max = std::max(p.nblk_max, nb);
+  }
+  if (total == 0) return;
+  p.buf = A::aligned<uint16_t>((size_t)total * p.be);
+  for (int64_t b = 0; b < B; ++b)
+    for (int h = 0; h < Hkv; ++h)
+      for (int64_t i = 0; i < p.nblk[b]; ++i) p.jobs.push_back((b * Hkv + h) * p.nblk_max + i);
+}
+
+// Pack job `job` of the plan (a KB-key block of one request's head); false on a bad slot.
+bool pack_job(const Ext<uint16_t>& j, const PackPlan& p, int Hkv, int64_t job) {
+  namespace A = sglite_amx_attn;
+  const int64_t i = job % p.nblk_max, bh = job / p.nblk_max, b = bh / Hkv;
+  const int h = (int)(bh % Hkv), Dp = (j.D + 31) & ~31;
+  const int64_t t0 = p.kbase[b] + i * A::KB, kend = j.pre[b] + (j.start[b + 1] - j.start[b]);
+  uint16_t* kt = p.buf + (size_t)(p.blk0[b] + h * p.nblk[b] + i) * p.be;
+  return A::pack_to(j.k + h * j.ks1, j.ks0, j.v + h * j.vs1, j.vs0, j.rt + j.rows[b] * j.rts0 + t0,
+                    (int)std::min<int64_t>(A::KB, kend - t0), j.S, j.D, Dp, kt, kt + (size_t)A::KB * Dp);
+}
+
 // The task on the AMX tiles (bf16 pools): the same rows, keys and block anchoring (key 0, or the
-// window's first tile), in blocks of 64 keys (amx_attention.h).
-bool run_task_amx(const Ext<uint16_t>& j, const Task& tk, sglite_amx_attn::Work& w) {
+// window's first block), in blocks of up to KB keys (amx_attention.h), packed by the task itself
+// or read from the plan's buffer.
+bool run_task_amx(const Ext<uint16_t>& j, const Task& tk, const PackPlan& p, sglite_amx_attn::Work& w) {
   namespace A = sglite_amx_attn;
   const int G = j.G, D = j.D, Dp = (D + 31) & ~31;
   const int R = (int)(tk.i1 - tk.i0) * G;
@@ -309,20 +178,45 @@ bool run_task_amx(const Ext<uint16_t>& j, const Task& tk, sglite_amx_attn::Work&
   }
   const int64_t first_q = pre + tk.i0, last_q = pre + tk.i1 - 1, wnd = j.window;
   const int64_t kfirst = wnd > 0 ? std::max<int64_t>(0, first_q - wnd + 1) / A::KB * A::KB : 0;
-  if (!A::walk(w, R, D, Dp, j.k + tk.h * j.ks1, j.ks0, j.v + tk.h * j.vs1, j.vs0, j.rt + j.rows[tk.b] * j.rts0, j.S,
-               kfirst, tk.kend, first_q, last_q, wnd, j.softcap))
+  if (!p.nblk.empty() && p.nblk[tk.b] > 0)
+    A::walk_packed(w, R, Dp, p.buf + (size_t)(p.blk0[tk.b] + tk.h * p.nblk[tk.b]) * p.be, p.kbase[tk.b], kfirst, tk.kend,
+                   first_q, last_q, wnd, j.softcap);
+  else if (!A::walk(w, R, D, Dp, j.k + tk.h * j.ks1, j.ks0, j.v + tk.h * j.vs1, j.vs0, j.rt + j.rows[tk.b] * j.rts0, j.S,
+                    kfirst, tk.kend, first_q, last_q, wnd, j.softcap))
     return false;
   write_rows(j, tk, R, w.acc, A::kMaxDp, w.l);
   return true;
 }
+#else
+struct PackPlan {};
 #endif
 
+// amx: 0 the AVX-512 path; 1 the AMX tiles with each request's keys packed once per call
+// (plan_pack); 2 the AMX tiles, every task packing its own keys.
 template <typename T>
-void run(const Ext<T>& j, const std::vector<Task>& tasks, int Rp_max, bool amx) {
+void run(const Ext<T>& j, const std::vector<Task>& tasks, int Rp_max, int amx, int64_t B, const int64_t* ext,
+         int64_t qb, int Hkv) {
   std::atomic<bool> bad{false};
   std::atomic<int64_t> next{0};
   const int64_t n = (int64_t)tasks.size();
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+#ifdef SGL_AMX_ATTN
+  PackPlan plan;
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (amx == 1) plan_pack(j, B, ext, qb, Hkv, plan);
+    const int64_t nj = (int64_t)plan.jobs.size();
+    if (nj > 0) {
+      std::atomic<int64_t> nextj{0};
+      sglite_pool::parallel_for(0, std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), nj)), 1, [&](int64_t, int64_t) {
+        for (int64_t i; !bad.load(std::memory_order_relaxed) && (i = nextj.fetch_add(1)) < nj;)
+          if (!pack_job(j, plan, Hkv, plan.jobs[i])) bad = true;
+      });
+      TORCH_CHECK_INDEX(!bad, "extend_attention: req_to_token holds a slot outside the pool [0, ", j.S, ")");
+    }
+  }
+#else
+  (void)B; (void)ext; (void)qb; (void)Hkv;
+#endif
   // Workers pull tasks (longest first) from a shared counter: balanced whatever the lengths; each
   // row's arithmetic is fixed by its own task, so the split never changes a result.
   sglite_pool::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
@@ -332,7 +226,7 @@ void run(const Ext<T>& j, const std::vector<Task>& tasks, int Rp_max, bool amx) 
         sglite_amx_attn::Work w;
         sglite_tiles::configure();
         for (int64_t i; !bad.load(std::memory_order_relaxed) && (i = next.fetch_add(1)) < n;)
-          if (!run_task_amx(j, tasks[i], w)) bad = true;
+          if (!run_task_amx(j, tasks[i], plan, w)) bad = true;
         _tile_release();
         return;
       }
@@ -386,7 +280,7 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& kb, const at:
   const int64_t *rp = rows.data_ptr<int64_t>(), *pp = pre.data_ptr<int64_t>(), *ep = ext.data_ptr<int64_t>();
   const int G = (int)(Hq / Hkv), Dp = D <= 64 ? 64 : (D <= 128 ? 128 : 256);
   const int64_t qb = std::max<int64_t>(1, kMaxRows / G);  // new tokens per task
-  std::vector<int64_t> start(B);
+  std::vector<int64_t> start(B + 1);
   std::vector<Task> tasks;
   int64_t total = 0;
   for (int64_t b = 0; b < B; ++b) {
@@ -401,6 +295,7 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& kb, const at:
         tasks.push_back(Task{b, h, i0, i1, pp[b] + i1});
       }
   }
+  start[B] = total;
   TORCH_CHECK_VALUE(total == N, "extend_attention: q has ", N, " rows but extend_lens sum to ", total);
   at::Tensor out = at::empty({N, Hq, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   if (tasks.empty()) return out;
@@ -412,12 +307,12 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& kb, const at:
     Ext<uint16_t> j{(const uint16_t*)kb.data_ptr(), (const uint16_t*)vb.data_ptr(), kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1), S,
                     q.data_ptr(), q_bf16, q.stride(0), q.stride(1), out.data_ptr(), q_bf16, (int)Hq, rt.data_ptr<int32_t>(), rt.stride(0),
                     rp, pp, start.data(), G, (int)D, Dp, (float)sm_scale, window, (float)softcap};
-    run(j, tasks, Rp_max, amx != 0 && G <= sglite_amx_attn_rows() && amx_ready());
+    run(j, tasks, Rp_max, amx != 0 && G <= sglite_amx_attn_rows() && amx_ready() ? (amx == 2 ? 2 : 1) : 0, B, ep, qb, (int)Hkv);
   } else {
     Ext<float> j{kb.data_ptr<float>(), vb.data_ptr<float>(), kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1), S,
                  q.data_ptr(), q_bf16, q.stride(0), q.stride(1), out.data_ptr(), q_bf16, (int)Hq, rt.data_ptr<int32_t>(), rt.stride(0),
                  rp, pp, start.data(), G, (int)D, Dp, (float)sm_scale, window, (float)softcap};
-    run(j, tasks, Rp_max, false);
+    run(j, tasks, Rp_max, 0, B, ep, qb, (int)Hkv);
   }
   return out;
 }
@@ -427,7 +322,7 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& kb, const at:
 TORCH_LIBRARY(sglite_cpu_extend, m) {
   m.def("extend_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, "
         "Tensor req_pool_indices, Tensor prefix_lens, Tensor extend_lens, float sm_scale, int window=0, "
-        "float softcap=0.0, int amx=1) -> Tensor");
+        "float softcap=0.0, int amx=1) -> Tensor");  // amx: 0 AVX-512, 1 AMX (keys packed once per call), 2 AMX (per task)
   m.def("amx_ready() -> bool", &amx_ready);
 }
 

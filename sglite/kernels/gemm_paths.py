@@ -12,8 +12,8 @@ Paths (names as logged):
         ``gemv_q8``        1..8 rows: the int8-activation GEMV over the tiles (:func:`.quant_cpu.gemv_q8`);
         ``vnni_gemm``      more rows: the int8 GEMM (:mod:`.quant_gemm`, AVX-512 VNNI);
         ``amx_gemm``       bf16 activations, :data:`AMX_MIN_ROWS` rows or more, AMX-BF16 CPUs: the
-                           tile GEMM (:mod:`.quant_amx`, weight tiles dequantized into L1/L2, or
-                           read from the weight's repacked bf16 copy, below);
+                           tile GEMM (:mod:`.quant_amx`, the codes dequantized block by block
+                           inside its K loop; a repacked bf16 copy only on request, below);
         ``dequant_gemm``   more rows without VNNI (or forced): dequantize, then ``F.linear``.
     Row-layout quantized weights keep the float GEMV (1..32 rows) and ``dequant_gemm`` (more).
     The fused C++ decode (``decode_fused``) has no int8 GEMM: its tiled products take the AMX tiles
@@ -31,13 +31,14 @@ Forcing: environment variable ``SGLITE_GEMM`` (read on every call, so tests can 
     ``vnni``             ``auto`` without the AMX path (A/B runs of the tile units).
 An unknown value raises ValueError naming the variable and the known values.
 
-Repacking for AMX (``SGLITE_AMX_REPACK``, read when a model is prepared): ``auto`` (or unset) keeps
-a second copy of each tiled weight already dequantized into the tile GEMM's bf16 B layout (2 bytes
-a weight, :func:`.quant_amx.pack`) when all of them together take at most
-:data:`AMX_REPACK_FRACTION` of the available host memory; ``1`` always, ``0`` never. The
-``amx_gemm`` path then reads the bf16 tiles instead of dequantizing the codes on every call (the
-small-row GEMV paths keep reading the codes). The same trade as llama.cpp's CPU weight repacking
-(``--no-repack`` turns it off there).
+Repacking for AMX (``SGLITE_AMX_REPACK``, read when a model is prepared): ``auto`` (or unset) and
+``0`` keep no second copy: the ``amx_gemm`` path reads the 4/8-bit codes and dequantizes each
+32-block inside its K loop, beside the tile products (:mod:`.quant_amx`), which measured faster
+than a bf16 copy repacked at load into the tiles' B layout at every row count tried (16-512 rows,
+docs/benchmarks.md, 2026-12-06; the copy took 212 MB for the default model and streamed 2 bytes a
+weight against ~0.6). ``1`` still keeps the copy (2 bytes a weight, :func:`.quant_amx.pack`), for
+A/B runs: then ``amx_gemm`` reads the bf16 tiles instead (the small-row GEMV paths read the codes
+either way).
 """
 from __future__ import annotations
 
@@ -51,39 +52,38 @@ FLOAT_GEMV_MAX_ROWS = 8  # cpu_gemv.MAX_ROWS (the register budget of the bf16 GE
 Q8_GEMV_MAX_ROWS = 8  # quant_cpu.MAX_ROWS: the tiles' GEMV at 1..8 rows, the VNNI GEMM above
 # (measured, one thread, the 17 SmolLM2-shaped Q4 matrices: M=16 GEMM 14.2 ms vs GEMV blocks 14.6,
 # M=32 34.6 vs 48.2 -- the GEMV re-streams the codes per 8-row block)
-# quant_amx: from here the tile GEMM (with its repacked bf16 copy) is at least as fast as the VNNI
-# GEMM. Measured on a captured 16-row fused decode step, one thread, CPU time: default model's
-# layers 27.0 vs 27.5 ms and its LM head 3.2 vs 5.6 ms; Gemma 3 270M's layers 18.9 vs 24.7 ms and
-# its 262,144 x 640 head 23.9 vs 48.5 ms (docs/benchmarks.md). At 8 rows the two are even.
-AMX_MIN_ROWS = 16
+# quant_amx: from here the tile GEMM (the K loop on the codes) is faster than the VNNI GEMM. Measured
+# 2026-12-06 on the AMX Xeon, one thread, CPU time, median of 7 alternated passes of kernels.linear
+# over the default model's matrices (LM head included): 9 / 10 / 12 / 14 / 15 rows 15.8 / 15.6 /
+# 16.4 / 16.1 / 16.5 ms from 9 rows against 17.4 / 18.5 / 17.2 / 20.4 / 20.9 from 16
+# (docs/benchmarks.md). Below 9 rows the GEMV (Q8_GEMV_MAX_ROWS) keeps them.
+AMX_MIN_ROWS = Q8_GEMV_MAX_ROWS + 1
 
 # The fused decode (csrc/decode_layer.cpp ``gemv``; :meth:`.decode_fused.FusedDecode.amx_min`) has no
 # int8 GEMM: below its AMX threshold, 9+ rows run the int8 GEMV in blocks of 8 rows, one pass over the
-# weight's codes per block. So its threshold depends on the weight (:func:`fused_amx_min`). Measured
-# on captured fused Gemma 3 270M / default-model decode steps, one thread, CPU time, GEMV blocks vs
-# AMX tiles from the repacked bf16 copy (docs/models.md):
+# weight's codes per block. So its threshold may depend on the weight (:func:`fused_amx_min`). With
+# the tiles read from a repacked bf16 copy (before 2026-12-06) it did (a large LM head from 9 rows,
+# 8-bit codes from 12, 4-bit ones from 16); with the K loop on the codes every kind wins from 9 rows.
+# Measured on captured fused decode steps (scripts/fused_amx_crossover.py), one thread, CPU time,
+# median of 5, GEMV blocks vs tiles: default model's layers at 9 / 10 / 12 / 16 rows 14.9 / 18.1 /
+# 20.9 / 21.4 vs 13.8 / 13.5 / 15.6 / 16.2 ms (8 rows: 15.2 vs 14.6); Gemma 3 270M's (mostly 8-bit
+# codes) 24.5 / 22.0 / 26.0 / 29.7 vs 16.3 / 17.4 / 16.5 / 19.1 ms; its 262,144 x 640 head 43.8 vs
+# 22.4 ms at 9 rows (docs/models.md).
 FUSED_LARGE_BYTES = 8 << 20  # codes past the 2 MiB L2: every 8-row block streams them again from L3/DRAM
-FUSED_AMX_MIN_ROWS_LARGE = Q8_GEMV_MAX_ROWS + 1  # Gemma's 168 MB head at 9 rows 37.1 vs 21.9 ms, 14 rows
-# 45.6 vs 23.3; the default model's 28 MB head 2.4 vs 2.1 ms at 9 rows (8 rows: 22.4 vs 21.7, 1.3 vs 1.9)
-FUSED_AMX_MIN_ROWS_8BIT = 12  # 8-bit codes (Q5_0/Q6_K/Q8_0 in GGUF): Gemma's layers at 12-15 rows
-# 18.7-27.2 vs 18.9-22.1 ms, even at 10 (17.4 vs 18.6); 4-bit ones keep AMX_MIN_ROWS (default model's
-# layers at 12 rows 17.8 vs 20.3 ms, at 16 23.1 vs 22.8)
+FUSED_AMX_MIN_ROWS_LARGE = Q8_GEMV_MAX_ROWS + 1
+FUSED_AMX_MIN_ROWS_8BIT = Q8_GEMV_MAX_ROWS + 1
 
 
 REPACK_ENV = "SGLITE_AMX_REPACK"
-AMX_REPACK_FRACTION = 0.125  # at most this share of MemAvailable goes to the bf16 copies
 
 
-def amx_repack(packed_bytes: int, available_bytes: int) -> bool:
-    """Whether to keep the bf16 B-layout copies (module docstring) of tiled weights totalling
-    ``packed_bytes`` with ``available_bytes`` of host memory available. Raises ValueError for an
-    unknown ``SGLITE_AMX_REPACK`` value (naming it and the known ones)."""
+def amx_repack() -> bool:
+    """Whether to keep the bf16 B-layout copies of tiled weights (module docstring): only with
+    ``SGLITE_AMX_REPACK=1``. Raises ValueError for an unknown value (naming it and the known ones)."""
     v = os.environ.get(REPACK_ENV, "").strip() or "auto"
     if v not in ("auto", "0", "1"):
         raise ValueError(f"{REPACK_ENV} must be one of auto|0|1, got {v!r}")
-    if v != "auto":
-        return v == "1"
-    return mode() == "auto" and packed_bytes <= AMX_REPACK_FRACTION * available_bytes
+    return v == "1"
 
 
 def mode() -> str:
@@ -159,7 +159,7 @@ def describe(gemv_ok: bool, packed_ok: bool, vnni_gemm_ok: bool, amx_ok: bool = 
     feats = ",".join(x for x in ("avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8") if x in f) or "none"
     rows = (1, 9, 33)
     fl = ", ".join(f"{r}+ rows {float_path(r, gemv_ok and r <= FLOAT_GEMV_MAX_ROWS, packed_ok)}" for r in rows)
-    qrows = (1, 9, AMX_MIN_ROWS) if amx_ok else rows
+    qrows = tuple(sorted({1, 9, AMX_MIN_ROWS})) if amx_ok else rows
     qu = ", ".join(f"{r}+ rows {quant_path(r, True, vnni_gemm_ok, amx_ok)}" for r in qrows)
     fu = (f"; fused decode (bf16): amx_gemm from {min(FUSED_AMX_MIN_ROWS_LARGE, AMX_MIN_ROWS)} rows for codes >= "
           f"{FUSED_LARGE_BYTES >> 20} MiB, {min(FUSED_AMX_MIN_ROWS_8BIT, AMX_MIN_ROWS)} for 8-bit codes, {AMX_MIN_ROWS} else"

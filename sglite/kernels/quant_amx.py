@@ -6,17 +6,20 @@ dequantized copy of the weight.
 ``gemm(x, w)``: x [M, K] bf16 (any M >= 1; the stored channel order is applied here) -> [M, N] bf16,
 ``~ x @ W.T + bias``:
     1. per pair of 16-row weight tiles (32 output channels), every 32-block of the two tiles is
-       dequantized into a per-thread scratch buffer in the AMX "B" layout: ``fma(code, scale, min)``
-       in float32, rounded once to bf16 (round to nearest even), the bf16 pairs of channels
-       (2p, 2p + 1) side by side. 2 x K / 32 KiB of scratch (36 KiB at K = 576): it stays in L1/L2,
-       and the weight's bytes stream from memory once per call whatever M;
+       dequantized inside the K loop of the pair's first 32 rows, ``KLOOP_AHEAD`` blocks ahead of
+       the block the tiles multiply (the vector units dequantize while the tile unit multiplies; the
+       next pair's codes are prefetched into L2), into a per-thread buffer in the AMX "B" layout:
+       ``fma(code, scale, min)`` in float32 (4-bit codes to float32 through a 16-entry ``VPERMPS``
+       table), rounded once to bf16 (round to nearest even), the bf16 pairs of channels (2p, 2p + 1)
+       side by side. 2 x K / 32 KiB a pair (36 KiB at K = 576); later row chunks reuse it, and the
+       weight's codes (~0.6 bytes a weight at 4 bits) stream from memory once per call whatever M;
     2. every 32 activation rows (zero-padded to a multiple of 32) meet the pair in four 16 x 16
        float32 accumulator tiles, one ``TDPBF16PS`` per (row tile, weight tile, 32-block): 16 x 16 x 32
        multiply-adds an instruction;
     3. the accumulators are rounded once to bf16 (``VCVTNEPS2BF16``).
-So the dequantization (about 11 vector instructions per 32 weights) is amortised over M / 16 tile
-products; below about 32 rows the int8 GEMV/GEMM of :mod:`.quant_gemm` is cheaper (the dispatcher's
-threshold, :data:`.gemm_paths.AMX_MIN_ROWS`, measured).
+So the dequantization (about 9 vector instructions per 32 weights) runs beside the tile products;
+below :data:`.gemm_paths.AMX_MIN_ROWS` rows the int8 GEMV/GEMM of :mod:`.quant_gemm` is used (the
+dispatcher's threshold, measured).
 
 Numerics: the product of bf16 activations with the bf16-rounded dequantized weight, summed in
 float32 (tile order) -- the dequantized bf16 path (``W_stored`` rounded to bf16, ``F.linear``) up to
@@ -41,7 +44,6 @@ import torch.nn.functional as F
 
 from . import gemm_paths
 from .cpu_build import load_cpp, read_source
-from .host_memory import available_host_bytes
 from .device import cpu_flags
 from .quant_gemm import CFLAGS as VNNI_CFLAGS, REQUIRED_FLAGS as VNNI_FLAGS, call_tiled, check_tiled
 from .quant_gemm import supports as tiled_ok
@@ -120,11 +122,11 @@ def pack(w: QuantLinearWeight) -> torch.Tensor:
 
 
 def repack(ws: list[QuantLinearWeight]) -> int:
-    """Give each tiled weight of ``ws`` its :func:`pack` copy (``w.amx_packed``) when AMX is here
-    and :func:`.gemm_paths.amx_repack` allows the bytes (2 per weight); returns how many got one."""
+    """Give each tiled weight of ``ws`` its :func:`pack` copy (``w.amx_packed``, 2 bytes a weight)
+    when AMX is here and :func:`.gemm_paths.amx_repack` asks for it (``SGLITE_AMX_REPACK=1``, A/B
+    runs only: the K loop on the codes is faster); returns how many got one."""
     ws = [w for w in ws if w.tiled and w.amx_packed is None and supports(w)]
-    need = sum(2 * w.qweight.shape[0] * w.in_features for w in ws)
-    if not ws or not available() or not gemm_paths.amx_repack(need, available_host_bytes()):
+    if not ws or not available() or not gemm_paths.amx_repack():
         return 0
     for w in ws:
         w.amx_packed = pack(w)

@@ -55,16 +55,23 @@ def test_paths_and_forcing(monkeypatch):
 
 
 def test_fused_amx_threshold_per_weight(monkeypatch):
-    """The fused decode's AMX threshold by rows x weight: an LM head of >= FUSED_LARGE_BYTES of codes
-    from 9 rows (its 8-row GEMV blocks would stream it again), 8-bit codes from 12, 4-bit from 16;
-    one threshold for a model's layers: the one holding most weight elements; printed."""
+    """The fused decode's AMX threshold by rows x weight: today 9 rows for every weight (the K loop on
+    the codes); with the constants set apart (as they were for the repacked bf16 copy), an LM head of
+    >= FUSED_LARGE_BYTES of codes from the large threshold (its 8-row GEMV blocks would stream it
+    again), 8-bit codes from theirs, 4-bit from the general one; one threshold for a model's layers:
+    the one holding most weight elements; printed."""
     monkeypatch.delenv("SGLITE_GEMM", raising=False)
     gemma_head, smol_head = (262144, 640, 8), (49152, 576, 8)
+    gemma_layer = [(1536, 640, 8), (640, 1024, 4), (4096, 640, 8), (640, 2048, 8)]
+    smol_layer = [(960, 576, 4), (576, 576, 4), (3072, 576, 4), (576, 1536, 4)]
+    assert gemm_paths.AMX_MIN_ROWS == gemm_paths.Q8_GEMV_MAX_ROWS + 1
+    assert {gemm_paths.fused_amx_min(*w) for w in (gemma_head, smol_head, (4096, 640, 8), (3072, 576, 4))} == {9}
+    assert gemm_paths.fused_layers_amx_min(gemma_layer * 18) == gemm_paths.fused_layers_amx_min(smol_layer * 30) == 9
+    monkeypatch.setattr(gemm_paths, "AMX_MIN_ROWS", 16)
+    monkeypatch.setattr(gemm_paths, "FUSED_AMX_MIN_ROWS_8BIT", 12)
     assert [gemm_paths.fused_amx_min(*w) for w in (gemma_head, smol_head)] == [9, 9]
     assert gemm_paths.fused_amx_min(4096, 640, 8) == 12 and gemm_paths.fused_amx_min(3072, 576, 4) == 16
     assert gemm_paths.fused_amx_min(49152, 576, 4) == 9  # 14 MB of 4-bit codes: large too
-    gemma_layer = [(1536, 640, 8), (640, 1024, 4), (4096, 640, 8), (640, 2048, 8)]
-    smol_layer = [(960, 576, 4), (576, 576, 4), (3072, 576, 4), (576, 1536, 4)]
     assert gemm_paths.fused_layers_amx_min(gemma_layer * 18) == 12
     assert gemm_paths.fused_layers_amx_min(smol_layer * 30) == 16
     assert gemm_paths.fused_layers_amx_min([(64, 64, 8), (64, 64, 4)]) == 16  # a tie: the larger

@@ -79,19 +79,44 @@ def test_repacked_copy_gives_the_same_bits(type_name):
 
 
 @amx
+@pytest.mark.parametrize("type_name", NATIVE_TYPES)
+def test_k_loop_equals_the_repacked_copy_bitwise(type_name):
+    """The default path (the codes dequantized inside the K loop: ``packed`` empty) against the
+    repacked bf16 copy: the same bits in float32 and bf16 outputs, on random shapes -- rows 1..64
+    (one or two 32-row chunks of a one-pair block) and past 64 (blocks of pairs), odd tile counts
+    (a lone last tile with a zero partner), K of 1 to 40 blocks, both scale dtypes, 1 and 2 threads."""
+    rng = np.random.default_rng(11)
+    mod = quant_amx.load()
+    prev = torch.get_num_threads()
+    try:
+        for case in range(3):
+            tiles = int(rng.choice([1, 3, 5, 7]))
+            k = 256 * int(rng.integers(1, 4)) if type_name.endswith("_K") else 32 * int(rng.integers(1, 41))
+            w = _weight(type_name, 16 * tiles, k, 20 + case, compact=bool(case % 2))
+            packed, mins = quant_amx.pack(w), torch.empty(0) if w.mins is None else w.mins
+            for m in sorted({int(rng.integers(1, 33)), int(rng.integers(33, 65)), 64, int(rng.integers(65, 130))}):
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+                torch.set_num_threads(1 + m % 2)
+                for out_bf16 in (False, True):
+                    args = (x, w.qweight, w.scales, mins, w.bits, w.group_size, out_bf16)
+                    assert torch.equal(mod.quant_gemm_amx(*args, NONE), mod.quant_gemm_amx(*args, packed)), (tiles, k, m)
+    finally:
+        torch.set_num_threads(prev)
+
+
+@amx
 def test_repack_policy(monkeypatch):
-    """``SGLITE_AMX_REPACK``: 0 never, 1 always, auto within the memory share; a bad value is refused."""
+    """``SGLITE_AMX_REPACK``: 0 and auto never (the K loop reads the codes), 1 always; a bad value is refused."""
     ws = [_weight("Q4_1", 32, 64, s) for s in (1, 2)]
-    monkeypatch.setenv("SGLITE_AMX_REPACK", "0")
-    assert quant_amx.repack(ws) == 0 and ws[0].amx_packed is None
-    monkeypatch.setenv("SGLITE_AMX_REPACK", "auto")
-    assert gemm_paths.amx_repack(100, 1000) and not gemm_paths.amx_repack(200, 1000)
+    for v in ("0", "auto", ""):
+        monkeypatch.setenv("SGLITE_AMX_REPACK", v)
+        assert quant_amx.repack(ws) == 0 and ws[0].amx_packed is None and not gemm_paths.amx_repack()
     monkeypatch.setenv("SGLITE_AMX_REPACK", "1")
     assert quant_amx.repack(ws) == 2 and all(w.amx_packed is not None for w in ws)
     assert quant_amx.repack(ws) == 0  # already packed
     monkeypatch.setenv("SGLITE_AMX_REPACK", "yes")
     with pytest.raises(ValueError, match="SGLITE_AMX_REPACK"):
-        gemm_paths.amx_repack(1, 1)
+        gemm_paths.amx_repack()
 
 
 @amx

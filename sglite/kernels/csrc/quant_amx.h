@@ -9,7 +9,13 @@
 //     each value is fma(code, scale, min) in float32, rounded once to bf16 (VCVTNE2PS2BF16);
 //   - the tile loop: 2 weight tiles (32 output channels) x 2 activation tiles (32 rows) held in 4
 //     float32 accumulator tiles, one TDPBF16PS per (row tile, weight tile, 32-block), so the
-//     dequantization of a weight tile is amortised over every activation row of the call.
+//     dequantization of a weight tile is amortised over every activation row of the call;
+//   - the K loop (kloop_pair, the default): the first 32-row chunk of each tile pair dequantizes
+//     block j + KLOOP_AHEAD of both tiles while the tile unit multiplies block j, and prefetches the
+//     next pair's codes into L2, so the codes (~0.6 bytes a weight at 4 bits) stream once and the
+//     vector work hides behind the products and the memory stream; later chunks reuse the pair's
+//     dequantized tiles. pack_b's whole-weight copy (2 bytes a weight) is kept only on request
+//     (SGLITE_AMX_REPACK=1, gemm_paths.py): same products in the same order, the same bits.
 // Threads: tile pairs split by the caller's Par (thread_pool.h); each worker loads the tile
 // configuration itself (per-thread state) and releases it when its share is done.
 #pragma once
@@ -59,16 +65,31 @@ inline void dequant_block(const QW& w, int64_t t, int64_t j, int64_t nb, uint16_
     s[h] = load_tile_scales(st + (GB * j + h) * TILE);
     m[h] = mt ? load_tile_scales(mt + (GB * j + h) * TILE) : _mm512_setzero_ps();
   }
-  const __m512i mask = _mm512_set1_epi32(BITS == 4 ? 0xF : 0xFF);
-  auto emit = [&](int row, __m512i qa, __m512i qb, int h) {  // channels (2 row, 2 row + 1) of the block
-    const __m512 wa = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qa), s[h], m[h]);
-    const __m512 wb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qb), s[h], m[h]);
+  const __m512i mask = _mm512_set1_epi32(0xFF);
+  // float32 of the 16 4-bit codes: VPERMPS reads only an index's low 4 bits, so this table is the
+  // mask and the conversion in one instruction (exactly float(code), as VCVTDQ2PS gives)
+  const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  auto emit = [&](int row, __m512 qa, __m512 qb, int h) {  // channels (2 row, 2 row + 1) of the block
+    const __m512 wa = _mm512_fmadd_ps(qa, s[h], m[h]);
+    const __m512 wb = _mm512_fmadd_ps(qb, s[h], m[h]);
     const __m512i r = (__m512i)_mm512_cvtne2ps_pbh(wb, wa);  // [wa 0..15 | wb 0..15]
     _mm512_store_si512((__m512i*)(out + row * 32), _mm512_permutexvar_epi16(idx, r));
   };
   for (int c = 0; c < NC; ++c) {
     const __m512i v = _mm512_loadu_si512(qt + c * 64);  // lane n: bytes i = 0..3 of row n's group c
-    auto code = [&](int shift) { return _mm512_and_si512(_mm512_srli_epi32(v, shift), mask); };
+    auto code = [&](int shift) {
+      if (BITS == 4) return _mm512_permutexvar_ps(shift ? _mm512_srli_epi32(v, shift) : v, lut);
+      // 8-bit: byte 0 masked, byte 3 shifted down, bytes 1 / 2 moved down and zero-extended by one
+      // VPSHUFB each (port 5, beside the shifts and conversions on port 0)
+      if (shift == 0) return _mm512_cvtepi32_ps(_mm512_and_si512(v, mask));
+      if (shift == 24) return _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 24));
+      const int i = shift / 8;
+      const __m512i sel = _mm512_set_epi32(0x80808000 | (12 + i), 0x80808000 | (8 + i), 0x80808000 | (4 + i), 0x80808000 | i,
+                                           0x80808000 | (12 + i), 0x80808000 | (8 + i), 0x80808000 | (4 + i), 0x80808000 | i,
+                                           0x80808000 | (12 + i), 0x80808000 | (8 + i), 0x80808000 | (4 + i), 0x80808000 | i,
+                                           0x80808000 | (12 + i), 0x80808000 | (8 + i), 0x80808000 | (4 + i), 0x80808000 | i);
+      return _mm512_cvtepi32_ps(_mm512_shuffle_epi8(v, sel));
+    };
     if (BITS == 8) {  // byte i: channel 4c + i
       const int h = G16 && c >= 4 ? 1 : 0;
       emit(2 * c, code(0), code(8), h);
@@ -159,38 +180,130 @@ inline void dequant_pair(const QW& w, int64_t p, int64_t nb, uint16_t* b) {
   if (nt == 1) std::memset(b + nb * 512, 0, nb * 512 * sizeof(uint16_t));
 }
 
+// Blocks a K-loop dequantizes ahead of the one its tiles multiply: block j + KLOOP_AHEAD's vector
+// work runs beside block j's tile products, and its stores have retired by the time they are
+// loaded as B tiles.
+constexpr int64_t KLOOP_AHEAD = 2;
+
+// tile_pair<RT> for pair p (tiles t = 2p and t + 1, nt of them; a lone last tile's partner zero)
+// straight from the codes: block j of both tiles is dequantized (dequant_block) into b (the pair's
+// 2 x nb x 512 bf16, the B layout of pack_b) KLOOP_AHEAD blocks before its products, inside the
+// same K loop, so the vector units dequantize while the tile unit multiplies. b then holds the
+// pair's B tiles for the caller's later row chunks (tile_pair). Same products in the same order as
+// tile_pair on pack_b's copy: bit-identical output.
+template <int RT, int BITS, typename ST, bool G16>
+inline void kloop_pair_t(const QW& w, int64_t t, int64_t nt, int64_t nb, const uint16_t* x, uint16_t* b, float* out) {
+  const int64_t K = w.K, ldx = K * 2;
+  uint16_t* b1 = b + nb * 512;
+  if (nt == 1) std::memset(b1, 0, nb * 512 * sizeof(uint16_t));
+  // the next pair's codes, scales and mins of block j into L2 (t1) while this pair's block j is
+  // dequantized: DRAM latency off the K loop's critical path
+  constexpr int NC = BLK * BITS / 32, GB = G16 ? 2 : 1;
+  const int64_t tn = t + 2, ntn = std::max<int64_t>(0, std::min<int64_t>(2, w.N / TILE - tn));
+  auto deq = [&](int64_t j) {
+    for (int64_t u = 0; u < ntn; ++u) {
+      const uint8_t* qn = w.q + (tn + u) * nb * NC * 64 + j * NC * 64;
+      for (int c = 0; c < NC; ++c) _mm_prefetch((const char*)(qn + c * 64), _MM_HINT_T1);
+      const int64_t so = ((tn + u) * GB * nb + GB * j) * TILE;
+      _mm_prefetch((const char*)((const ST*)w.s + so), _MM_HINT_T1);
+      if (w.mn) _mm_prefetch((const char*)((const ST*)w.mn + so), _MM_HINT_T1);
+    }
+    dequant_block<BITS, ST, G16>(w, t, j, nb, b + j * 512);
+    if (nt == 2) dequant_block<BITS, ST, G16>(w, t + 1, j, nb, b1 + j * 512);
+  };
+  for (int64_t j = 0; j < std::min(KLOOP_AHEAD, nb); ++j) deq(j);
+  _tile_zero(0);
+  _tile_zero(1);
+  if (RT == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t j = 0; j < nb; ++j) {
+    _tile_loadd(4, x + j * BLK, ldx);
+    _tile_loadd(6, b + j * 512, 64);
+    _tile_loadd(7, b1 + j * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (RT == 2) {
+      _tile_loadd(5, x + 16 * K + j * BLK, ldx);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    if (j + KLOOP_AHEAD < nb) deq(j + KLOOP_AHEAD);
+  }
+  _tile_stored(0, out, 128);
+  _tile_stored(1, out + 16, 128);
+  if (RT == 2) {
+    _tile_stored(2, out + 16 * 32, 128);
+    _tile_stored(3, out + 16 * 32 + 16, 128);
+  }
+}
+
+// kloop_pair_t for pair p of w with rt (1 or 2) row tiles of x, dispatched on w's bits, group size
+// and scale type.
+inline void kloop_pair(const QW& w, int64_t p, int rt, int64_t nb, const uint16_t* x, uint16_t* b, float* out) {
+  const int64_t t = 2 * p, nt = std::min<int64_t>(2, w.N / TILE - t);
+  with_scale_type(w, [&](auto st) {
+    using ST = decltype(st);
+    with_bits(w.bits, [&](auto bb) {
+      constexpr int B = decltype(bb)::value;
+      auto run = [&](auto g16) {
+        constexpr bool G = decltype(g16)::value;
+        if (rt == 2) kloop_pair_t<2, B, ST, G>(w, t, nt, nb, x, b, out);
+        else kloop_pair_t<1, B, ST, G>(w, t, nt, nb, x, b, out);
+      };
+      if (B == 8 && w.gs != BLK) run(std::true_type{});
+      else run(std::false_type{});
+    });
+  });
+}
+
+// Pairs a K-loop share keeps dequantized at once for its later 32-row chunks: up to 64 rows one
+// (the second chunk reads the pair just dequantized from L1/L2, right after the first), past 64 a
+// kBlockBytes block of pairs, chunks outer (each chunk's activation tiles reused across the block).
+// Measured on the default model's 30 layers, one thread, CPU time (docs/benchmarks.md): one pair up
+// to 64 rows 16.0 / 16.9 ms at 48 / 64 rows against 18.6 / 19.7 with 512 KiB blocks; at 512 rows
+// 512 KiB blocks 84.6 ms against one pair 95.9.
+inline int64_t kloop_block_pairs(int64_t M, int64_t pair_bytes) {
+  return M <= 64 ? 1 : std::max<int64_t>(1, kBlockBytes / pair_bytes);
+}
+
 // x: [Mp, K] bf16 bits, 64-byte aligned (rows_buffer), Mp = M rounded up to 32, rows >= M zero. Output rows 0..M-1 of [M, N]:
 // float32 into yf, or bf16 (one rounding) into ybf; exactly one of them non-null. Tile pairs split
-// by par into contiguous shares; each share runs in blocks of pairs (kBlockBytes of dequantized
-// tiles, each weight dequantized once per call), and within a block the 32-row chunks are the outer
-// loop: the chunk's activation tiles are reused from L1 by every pair of the block, and the output
-// is written row segment by row segment (a 49152-channel LM head no longer touches a new page per row
-// and pair).
+// by par into contiguous shares; each share runs in blocks of pairs, and within a block the 32-row
+// chunks are the outer loop: the chunk's activation tiles are reused from L1 by every pair of the
+// block, and the output is written row segment by row segment (a 49152-channel LM head no longer
+// touches a new page per row and pair).
 // packed: the weight already in that layout (pack_b: every pair, 2 x nb x 512 bf16 each, 64-byte
-// aligned), or null to dequantize block by block here.
+// aligned), blocks of kBlockBytes; or null: the first row chunk of each pair runs the K loop
+// (kloop_pair: the codes dequantized block by block beside the products, into a per-thread buffer
+// of kloop_block_pairs pairs) and the later chunks read that buffer. Each weight's codes are read
+// and dequantized once per call either way.
 template <typename Par>
 void gemm(const QW& w, const uint16_t* xd, int64_t M, float* yf, at::BFloat16* ybf, const Par& par,
           const uint16_t* packed = nullptr) {
   const int64_t N = w.N, K = w.K, nb = K / BLK, T = N / TILE, P = (T + 1) / 2;
-  const int64_t pair_elems = 2 * nb * 512, per_block = std::max<int64_t>(1, kBlockBytes / (pair_elems * 2));
+  const int64_t pair_elems = 2 * nb * 512;
+  const int64_t per_block = packed ? std::max<int64_t>(1, kBlockBytes / (pair_elems * 2)) : kloop_block_pairs(M, pair_elems * 2);
   TORCH_CHECK(((uintptr_t)xd & 63) == 0, "sglite_amx::gemm: the activation rows must be 64-byte aligned (rows_buffer)");
   par(0, P, 1, [&](int64_t p0, int64_t p1) {
     sglite_tiles::configure();
     const int64_t nblk = std::min(per_block, p1 - p0);
-    std::vector<uint16_t> bufv(packed ? 0 : nblk * pair_elems + 32);  // 64-byte aligned for the B loads
-    uint16_t* own = (uint16_t*)(((uintptr_t)bufv.data() + 63) & ~(uintptr_t)63);
+    // uninitialised (every B tile is written before it is loaded): a zero-filled vector would clear
+    // up to 512 KiB per call and thread; 64-byte aligned for the B loads
+    std::unique_ptr<uint16_t[]> bufv(packed ? nullptr : new uint16_t[nblk * pair_elems + 32]);
+    uint16_t* own = (uint16_t*)(((uintptr_t)bufv.get() + 63) & ~(uintptr_t)63);
     alignas(64) float stage[32 * 32];
     for (int64_t pb = p0; pb < p1; pb += nblk) {
       const int64_t pe = std::min(p1, pb + nblk);
-      uint16_t* buf = packed ? (uint16_t*)packed + pb * pair_elems : own;
-      if (!packed)
-        for (int64_t p = pb; p < pe; ++p) dequant_pair(w, p, nb, buf + (p - pb) * pair_elems);
+      const uint16_t* buf = packed ? packed + pb * pair_elems : own;
       for (int64_t m0 = 0; m0 < M; m0 += 32) {
         const int rt = M - m0 > 16 ? 2 : 1;
         const int64_t rows = std::min<int64_t>(16 * rt, M - m0);
         for (int64_t p = pb; p < pe; ++p) {
           const uint16_t* b0 = buf + (p - pb) * pair_elems;
-          if (rt == 2) tile_pair<2>(xd + m0 * K, K, b0, b0 + nb * 512, stage);
+          if (!packed && m0 == 0) kloop_pair(w, p, rt, nb, xd, own + (p - pb) * pair_elems, stage);
+          else if (rt == 2) tile_pair<2>(xd + m0 * K, K, b0, b0 + nb * 512, stage);
           else tile_pair<1>(xd + m0 * K, K, b0, b0 + nb * 512, stage);
           store_stage(stage, m0, rows, std::min<int64_t>(2, T - 2 * p) * TILE, N, 2 * p * TILE, yf, ybf);
         }

@@ -221,20 +221,6 @@ def test_groups_match_the_sorted_runs_definition(ops):
     assert nonempty > 50
 
 
-def oracle_by_row(q, k, v, rt, rows, lens, scale):
-    """:func:`oracle` with a row's Hq heads at once (float64)."""
-    B, Hq, D = q.shape
-    G = Hq // k.shape[1]
-    out = torch.empty(B, Hq, D, dtype=torch.float64)
-    for b in range(B):
-        slots = rt[rows[b], :int(lens[b])].long()
-        kk = k[slots].double().repeat_interleave(G, 1)  # [L, Hq, D]
-        vv = v[slots].double().repeat_interleave(G, 1)
-        p = torch.softmax(torch.einsum("hd,lhd->hl", q[b].double(), kk) * scale, -1)
-        out[b] = torch.einsum("hl,lhd->hd", p, vv)
-    return out
-
-
 @pytest.mark.parametrize("Hq,Hkv,D,sizes", [
     (9, 3, 64, [45, 3]),     # G = 3: a group of 45 rows in three chunks (21, 21, 3) on own_keys
     (16, 1, 64, [10, 2]),    # G = 16: 4 rows a chunk, three chunks; the own keys through attend
@@ -252,7 +238,7 @@ def test_cascade_chunks_threads_and_dtypes(ops, Hq, Hkv, D, sizes):
     prev = torch.get_num_threads()
     try:
         torch.set_num_threads(1)  # the oracle's many tiny ops: no thread wake-ups on a busy machine
-        want = oracle_by_row(*case)
+        want = oracle(*case)
         outs = {}
         for th in (1, 2):
             torch.set_num_threads(th)

@@ -15,6 +15,19 @@ inline __m512i load_bf16(const uint16_t* p, int rem) {  // 32 values; those at a
   return _mm512_maskz_loadu_epi16(rem >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << rem) - 1), p);
 }
 
+// acc[g * stride] = the G lane-sum vectors of one bf16 key row kr (D values) against the G bf16
+// queries qv[g][0 .. NB) (VDPBF16PS, float32 sums; hsum4 / a lane sum finishes each score).
+template <int NB, int G>
+inline void key_dots(const __m512bh (&qv)[G][NB], const uint16_t* kr, int D, __m512* acc, int stride) {
+  __m512bh kv[NB];
+  for (int b = 0; b < NB; ++b) kv[b] = (__m512bh)load_bf16(kr + 32 * b, D - 32 * b);
+  for (int g = 0; g < G; ++g) {
+    __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kv[0]);
+    for (int b = 1; b < NB; ++b) a = _mm512_dpbf16_ps(a, qv[g][b], kv[b]);
+    acc[g * stride] = a;
+  }
+}
+
 template <int NB, int G>
 void scores_bf16(const Job<uint16_t>& j, const int32_t* slots, int64_t L, int h, const float* qf, float* sc) {
   __m512bh qv[G][NB];
@@ -23,14 +36,7 @@ void scores_bf16(const Job<uint16_t>& j, const int32_t* slots, int64_t L, int h,
       qv[g][b] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qf + g * j.Dp + 32 * b + 16), _mm512_loadu_ps(qf + g * j.Dp + 32 * b));
   const uint16_t* kh = j.k + h * j.ks1;
   auto dots = [&](int64_t t, __m512* acc, int stride) {  // acc[g * stride] = the G lanes-sums of token t
-    const uint16_t* kr = kh + slots[t] * j.ks0;
-    __m512bh kv[NB];
-    for (int b = 0; b < NB; ++b) kv[b] = (__m512bh)load_bf16(kr + 32 * b, j.D - 32 * b);
-    for (int g = 0; g < G; ++g) {
-      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kv[0]);
-      for (int b = 1; b < NB; ++b) a = _mm512_dpbf16_ps(a, qv[g][b], kv[b]);
-      acc[g * stride] = a;
-    }
+    key_dots<NB, G>(qv, kh + slots[t] * j.ks0, j.D, acc, stride);
   };
   int64_t t = 0;
   for (; t + 4 <= L; t += 4) {

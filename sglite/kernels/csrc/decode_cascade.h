@@ -102,14 +102,7 @@ bool own_keys(const sglite_amx_attn::Work& w, int r0, int D, const uint16_t* kh,
   for (int g = 0; g < G; ++g)
     for (int b = 0; b < NB; ++b) qv[g][b] = (__m512bh)_mm512_loadu_si512(w.q + (size_t)(r0 + g) * A::kMaxDp + 32 * b);
   auto dots = [&](int64_t t, __m512* acc, int stride) {  // acc[g * stride]: the G heads' lane sums of key t
-    const uint16_t* kr = kh + slots[t] * s0k;
-    __m512bh kv[NB];
-    for (int b = 0; b < NB; ++b) kv[b] = (__m512bh)load_bf16(kr + 32 * b, D - 32 * b);
-    for (int g = 0; g < G; ++g) {
-      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kv[0]);
-      for (int b = 1; b < NB; ++b) a = _mm512_dpbf16_ps(a, qv[g][b], kv[b]);
-      acc[g * stride] = a;
-    }
+    key_dots<NB, G>(qv, kh + slots[t] * s0k, D, acc, stride);
   };
   int64_t t = 0;
   for (; t + 4 <= L; t += 4) {

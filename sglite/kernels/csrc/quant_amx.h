@@ -109,29 +109,41 @@ void dequant_tile(const QW& w, int64_t t, int64_t nb, uint16_t* buf) {
   for (int64_t j = 0; j < nb; ++j) dequant_block<BITS, ST, G16>(w, t, j, nb, buf + j * 512);
 }
 
-// y rows m0..m0+16*RT of tile pair (b0, b1) over K: x bf16 [.., K] (rows padded to a multiple of 32),
-// b0 / b1 the dequantized tiles (nb x 512 bf16), out [16*RT, 32] float32.
+// Zero the RT x 2 float32 accumulator tiles (tmm0, tmm1; tmm2, tmm3 when RT == 2).
 template <int RT>
-inline void tile_pair(const uint16_t* x, int64_t K, const uint16_t* b0, const uint16_t* b1, float* out) {
-  const int64_t nb = K / BLK, ldx = K * 2;
+inline void zero_acc() {
   _tile_zero(0);
   _tile_zero(1);
   if (RT == 2) {
     _tile_zero(2);
     _tile_zero(3);
   }
-  for (int64_t j = 0; j < nb; ++j) {
-    _tile_loadd(4, x + j * BLK, ldx);
-    _tile_loadd(6, b0 + j * 512, 64);
-    _tile_loadd(7, b1 + j * 512, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    if (RT == 2) {
-      _tile_loadd(5, x + 16 * K + j * BLK, ldx);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
+}
+
+// One 32-block j of the 2 x 2 plan: the RT activation tiles of rows x (K bf16 apart) times the
+// pair's weight tiles b0 / b1 (512 bf16 each) into the accumulators.
+template <int RT>
+inline void block_step(const uint16_t* x, int64_t K, int64_t j, const uint16_t* b0, const uint16_t* b1) {
+  const int64_t ldx = K * 2;
+  _tile_loadd(4, x + j * BLK, ldx);
+  _tile_loadd(6, b0, 64);
+  _tile_loadd(7, b1, 64);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  if (RT == 2) {
+    _tile_loadd(5, x + 16 * K + j * BLK, ldx);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
   }
+}
+
+// y rows m0..m0+16*RT of tile pair (b0, b1) over K: x bf16 [.., K] (rows padded to a multiple of 32),
+// b0 / b1 the dequantized tiles (nb x 512 bf16), out [16*RT, 32] float32.
+template <int RT>
+inline void tile_pair(const uint16_t* x, int64_t K, const uint16_t* b0, const uint16_t* b1, float* out) {
+  const int64_t nb = K / BLK;
+  zero_acc<RT>();
+  for (int64_t j = 0; j < nb; ++j) block_step<RT>(x, K, j, b0 + j * 512, b1 + j * 512);
   _tile_stored(0, out, 128);
   _tile_stored(1, out + 16, 128);
   if (RT == 2) {
@@ -193,7 +205,7 @@ constexpr int64_t KLOOP_AHEAD = 2;
 // tile_pair on pack_b's copy: bit-identical output.
 template <int RT, int BITS, typename ST, bool G16>
 inline void kloop_pair_t(const QW& w, int64_t t, int64_t nt, int64_t nb, const uint16_t* x, uint16_t* b, float* out) {
-  const int64_t K = w.K, ldx = K * 2;
+  const int64_t K = w.K;
   uint16_t* b1 = b + nb * 512;
   if (nt == 1) std::memset(b1, 0, nb * 512 * sizeof(uint16_t));
   // the next pair's codes, scales and mins of block j into L2 (t1) while this pair's block j is
@@ -212,23 +224,9 @@ inline void kloop_pair_t(const QW& w, int64_t t, int64_t nt, int64_t nb, const u
     if (nt == 2) dequant_block<BITS, ST, G16>(w, t + 1, j, nb, b1 + j * 512);
   };
   for (int64_t j = 0; j < std::min(KLOOP_AHEAD, nb); ++j) deq(j);
-  _tile_zero(0);
-  _tile_zero(1);
-  if (RT == 2) {
-    _tile_zero(2);
-    _tile_zero(3);
-  }
+  zero_acc<RT>();
   for (int64_t j = 0; j < nb; ++j) {
-    _tile_loadd(4, x + j * BLK, ldx);
-    _tile_loadd(6, b + j * 512, 64);
-    _tile_loadd(7, b1 + j * 512, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    if (RT == 2) {
-      _tile_loadd(5, x + 16 * K + j * BLK, ldx);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
+    block_step<RT>(x, K, j, b + j * 512, b1 + j * 512);
     if (j + KLOOP_AHEAD < nb) deq(j + KLOOP_AHEAD);
   }
   _tile_stored(0, out, 128);

@@ -21,13 +21,15 @@ speedup ``(1 - a^(g+1)) / ((1 - a)(g c + 1))`` greater than 1, with the measured
 standing for the numerator and the draft's cost ``c`` (there: a draft model's pass; here the
 head's) counted with the verify step's own extra, all three times measured rather than assumed.
 A request the rule turns off drafts again after ``PROBE_EVERY`` plain steps (a re-probe), so one
-whose text becomes predictable (a quote, code, a list) starts drafting again; a probe after which
-drafting still does not pay doubles the wait (up to ``PROBE_MAX``: in open chat a probe costs a
-head pass over the positions it missed plus a verify step for less than one kept token), one that
-pays resets it; a new request starts with the wait of the engine's last probe (after a run of open
-chat most requests never probe; a predictable one waits at most ``PROBE_MAX`` plain steps, or none
-while the acceptance of every request makes ``E`` pay). The engine's first steps time a drafted, a plain and a drafted step, in turn. Greedy output is
-unaffected either way: the gate only decides whether drafts are proposed; verification stays exact.
+whose text becomes predictable (a quote, code, a list) starts drafting again. A probe that did not
+pay by itself (its kept tokens against ``h + x``) doubles the wait, up to ``PROBE_MAX`` (in open
+chat a probe costs a head pass over the positions it missed plus a verify step, for less than one
+kept token); one that paid is followed by another at the next step, until the request's own
+estimate says drafting pays. A new request starts with the wait of the engine's last probe (after
+a run of open chat most requests never probe; a predictable one waits at most ``PROBE_MAX`` plain
+steps, or none while the acceptance of every request makes ``E`` pay). The engine's first steps
+time a drafted, a plain and a drafted step, in turn. Greedy output is unaffected either way: the
+gate only decides whether drafts are proposed; verification stays exact.
 """
 from __future__ import annotations
 
@@ -95,8 +97,13 @@ class HeadGate:
             return True  # time a drafted step (before any, and once a plain step was timed) ...
         if self.plain is None:
             return False  # ... and a plain one
-        cost = self.head + max(self.extra, MIN_COST * self.plain)
-        return (self.expected_tokens(st) - 1.0) * self.plain > cost
+        return (self.expected_tokens(st) - 1.0) * self.plain > self.cost()
+
+    def cost(self) -> float:
+        """``h + x``: seconds a drafted step adds per drafting request (0 before any timing)."""
+        if self.plain is None or self.head is None or self.extra is None:
+            return 0.0
+        return self.head + max(self.extra, MIN_COST * self.plain)
 
     def wants(self, spec) -> bool:
         """Whether the request with this :class:`.SpecState` runs the head this step: when the
@@ -141,6 +148,9 @@ class HeadGate:
         spec.gate = st
         st.acc, st.steps = OWN_DECAY * st.acc + accepted, OWN_DECAY * st.steps + 1.0
         self.g_acc, self.g_steps = GLOBAL_DECAY * self.g_acc + accepted, GLOBAL_DECAY * self.g_steps + 1.0
-        if st.probing:  # a probe: drafting pays again (the wait resets) or not (it doubles)
-            st.wait = self.wait = PROBE_EVERY if self.pays(st) else min(PROBE_MAX, 2 * st.wait)
+        if st.probing:  # a probe that paid by itself: probe again next step; else wait twice as long
+            if self.plain is not None and accepted * self.plain > self.cost():
+                st.wait, self.wait = 0, PROBE_EVERY
+            else:
+                st.wait = self.wait = min(PROBE_MAX, max(PROBE_EVERY, 2 * st.wait))
             st.probing = False

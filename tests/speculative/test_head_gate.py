@@ -125,6 +125,7 @@ def test_engine_gate_with_a_fake_head(right, tiny_model_dir, eagle_dir):
         want = base.generate(input_ids=ids, sampling_params=sp)["output_ids"]
         dec = spec.scheduler.spec
         assert dec.gate is not None
+        dec.gate = HeadGate()  # the real gate (the session's engines get an open one: tests/conftest.py)
         fake = dec.proposer = _FakeHead(want, spec.tokenizer.vocab_size, right)
         got = spec.generate(input_ids=ids, sampling_params=sp)["output_ids"]
         assert got == want

@@ -4,6 +4,7 @@ greedy, on the held-out open chat questions (``sglite bench spec``'s ``chat`` an
 
     python scripts/spec_heads_measure.py [--max-new-tokens 96] [--num-prompts 16]
         [--algorithms EAGLE MEDUSA] [--eagle-heads DIR [DIR ...]] [--medusa-heads DIR] [--root-chains]
+        [--ungated]
         [--num-steps 4 --eagle-topk 4 --num-draft-tokens 8] [--trees 3,1,3 2,1,2] [--dtype float32]
 
 Per prompt, every engine generates in turn (the order rotating per prompt, so drift of the shared
@@ -12,7 +13,9 @@ machine hits all alike; the radix cache emptied before each). Reports per engine
 the per-prompt ratios, the accept length (tokens per verify step, bonus included: SGLang's
 ``accept_length``) and how many outputs are token-identical to plain. ``--root-chains`` adds an
 ``EAGLE-root`` engine whose trees keep the chains off the root only (the verify path before
-trees branched below it), for A/B. Wall times on a shared machine are noisy: say so beside them.
+trees branched below it), for A/B; ``--ungated`` adds ``EAGLE-ungated`` / ``MEDUSA-ungated``
+engines without the head gate (:mod:`sglite.runtime.speculative.head_gate`: every step drafts, as
+before the gate), for A/B. Wall times on a shared machine are noisy: say so beside them.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ def main() -> None:
                         "named EAGLE, EAGLE-2, ... in this order")
     p.add_argument("--medusa-heads", default=None, help="MEDUSA head folder (default: the shipped heads)")
     p.add_argument("--root-chains", action="store_true", help="also EAGLE with chains off the root only")
+    p.add_argument("--ungated", action="store_true", help="also each algorithm without the head gate (A/B)")
     p.add_argument("--dtype", default=None, help="engine dtype (float32: greedy must match plain token for token)")
     p.add_argument("--num-steps", type=int, default=None)
     p.add_argument("--eagle-topk", type=int, default=None)
@@ -64,6 +68,12 @@ def main() -> None:
             engines["EAGLE-root"] = Engine(log_level="warning", speculative_algorithm=alg, **tree,
                                            **({"speculative_draft_model_path": first} if first else {}))
             engines["EAGLE-root"].scheduler.spec.proposer.branch_below_root = False
+    for alg in a.algorithms if a.ungated else []:
+        kw = {"speculative_draft_model_path": (a.eagle_heads or [None])[0] if alg == "EAGLE" else a.medusa_heads}
+        engines[f"{alg}-ungated"] = Engine(
+            log_level="warning", speculative_algorithm=alg, **{k: v for k, v in kw.items() if v},
+            **(tree if alg == "EAGLE" else {"dtype": a.dtype} if a.dtype else {}))
+        engines[f"{alg}-ungated"].scheduler.spec.gate = None
     base = engines["plain"]
     questions = (CHAT + heldout()["chat"])[:a.num_prompts]
     prompts = [base.apply_chat_template([{"role": "user", "content": q}]) for q in questions]

@@ -79,6 +79,25 @@ def _flat_speculative_step_costs():
         yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _open_head_gate():
+    """EAGLE / MEDUSA engines run their head only when its measured cost pays
+    (:mod:`sglite.runtime.speculative.head_gate`): load-dependent again, and random test heads'
+    drafts are never kept, so the gate would turn them off and leave the verify paths untested.
+    Every engine of the session gets a gate that is always open; ``tests/speculative/test_head_gate.py``
+    tests the real one (it sets ``SpecDecoder.gate`` itself)."""
+    from sglite.runtime.speculative import decoder
+    from sglite.runtime.speculative.head_gate import HeadGate
+
+    class OpenGate(HeadGate):
+        def pays(self, st) -> bool:
+            return True
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(decoder, "HeadGate", OpenGate)
+        yield
+
+
 @pytest.fixture(scope="session")
 def real_engine(real_checkpoint):
     """ONE engine on the default model for the whole test session (float32: parity-grade)."""

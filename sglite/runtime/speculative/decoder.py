@@ -52,6 +52,7 @@ from ..runner_protocol import RunnerProtocol
 from ..step_plan import SMALL_EXTEND, StepEntry, StepPlan
 from .block import verify_block
 from .budget import DraftBudget, MeasuredCost, RowBlock
+from .head_gate import HeadGate
 from .grammar_walk import CLOSE, CLOSE_MIN_RATE, FORCED, GrammarWalk
 from .policy import AcceptModel, StepCost, probe_forward
 from .proposer import TREE_BRANCHES, DraftModelProposer, LookupProposer, Proposer
@@ -121,6 +122,8 @@ class SpecDecoder:
             DraftModelProposer(draft_model) if draft_model is not None else
             LookupProposer(self.token_text, out, TREE_BRANCHES if self.trees else 1))
         self.runner = runner  # EAGLE / MEDUSA: its ``last_hidden`` feeds the proposer's ``observe``
+        # EAGLE / MEDUSA: whether a request runs its (costly) head at all this step (.head_gate)
+        self.gate: Optional[HeadGate] = HeadGate() if getattr(self.proposer, "costs_forward", False) else None
 
     @property
     def stats(self) -> dict:
@@ -134,23 +137,42 @@ class SpecDecoder:
         admission, before ``StepPlan.layout``."""
         now = time.perf_counter()
         self.budget.step_began(now)
+        if self.gate is not None:
+            self.gate.step_began(now)
+        heads = 0
         try:
-            self._attach(entries)
+            heads = self._attach(entries)
         finally:
             self.budget.step_drafted(now, entries)
+            if self.gate is not None:
+                decode_only = bool(entries) and not any(e.req.prefilling for e in entries)
+                self.gate.step_ended(now, len(entries) if decode_only else 0, heads)
 
-    def _attach(self, entries: list[StepEntry]) -> None:
+    def _attach(self, entries: list[StepEntry]) -> int:
+        """Attach the step's drafts; returns for how many requests the proposer ran."""
         self.release_scratch()  # rows a failed step left borrowed
         decoding = [e for e in entries if not e.req.prefilling]
         if not decoding or len(decoding) > self.max_batch:
-            return
+            return 0
         cands = [e for e in decoding if self._eligible(e)]
+        if self.gate is not None:  # a head's forward is spent before its drafts are weighed: gate first
+            cands = [e for e in cands if self.gate.wants(self._spec(e.req))]
         if not cands or not self.budget.open_step(entries, len(decoding)):
-            return
+            return 0
+        t0 = time.perf_counter()
         props = self._propose(cands)
+        if self.gate is not None:
+            self.gate.head_ran(time.perf_counter() - t0)
         parents = {id(p[0]): p[4] for p in props}  # where each chain hangs (head trees branch below the root)
         for e, chains, sources, masks in self.budget.choose([p[:4] for p in props], entries):
             self._place(e, chains, sources, masks, parents.get(id(e)))
+        return len(cands)
+
+    @staticmethod
+    def _spec(r) -> SpecState:
+        if r.spec is None:
+            r.spec = SpecState()
+        return r.spec
 
     def _eligible(self, e: StepEntry) -> bool:
         r = e.req
@@ -325,6 +347,8 @@ class SpecDecoder:
         if st.close_points:  # closes not drafted: learn them anyway
             self.accept.add(CLOSE, *self.grammar_walk.close_outcomes(st.close_points[chain], a, v.tokens), own=st.own)
         st.end_verify()
+        if self.gate is not None:
+            self.gate.record(st, a)
         self.counters["spec_verify_steps"] += 1
         self.counters["spec_draft_tokens"] += len(e.draft)
         self.counters["spec_accepted_tokens"] += a

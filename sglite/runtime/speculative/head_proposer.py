@@ -97,6 +97,7 @@ class _HeadBase:
     """
 
     source = "head"
+    costs_forward = True  # its candidates cost a forward: the decoder's .head_gate decides first
 
     def __init__(self, module, model, draft_vocab: Optional[torch.Tensor]):
         self.module, self.model = module, model

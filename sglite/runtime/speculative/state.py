@@ -48,6 +48,8 @@ class SpecState:
         wait: steps still skipped before the next look (the backoff, :meth:`may_look`).
         looked: whether the current step looked for drafts (a miss is then counted if none is
             chosen).
+        gate: ``EAGLE`` / ``MEDUSA``: the head gate's bookkeeping of this request
+            (:class:`.head_gate.GateState`, changed by :class:`.head_gate.HeadGate` only), or None.
     """
 
     index: Optional[NgramIndex] = None
@@ -68,6 +70,7 @@ class SpecState:
     misses: int = 0
     wait: int = 0
     looked: bool = False
+    gate: Any = None
 
     def ensure_index(self) -> NgramIndex:
         """The request's n-gram index (``NGRAM``), created empty on first use."""

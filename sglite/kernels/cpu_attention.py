@@ -124,7 +124,16 @@ def shared_prefix_groups(req_to_token: torch.Tensor, req_pool_indices: torch.Ten
     rows agree on keys ``[0, P)``, ``P >= min_shared``, each row keeping >= 1 key of its own: the
     rows whose first ``min_shared`` slots agree form one group (>= 2 rows), ``P`` their whole common
     prefix (at most each row's length - 1); groups in the lexicographic order of those slots, rows
-    ascending. Raises ValueError on malformed inputs."""
+    ascending.
+
+    Args:
+        req_to_token: int32 [pool rows, max context], the slot table.
+        req_pool_indices: [B] integer, each batch row's table row.
+        seq_lens: [B] integer, each batch row's length in keys.
+        min_shared: keys two rows must share from position 0 to group (``P`` is in keys too).
+    Raises:
+        ValueError: malformed inputs (shapes, dtypes, rows outside the table).
+        RuntimeError: the C++ attention extension is unavailable."""
     ops = load()
     if ops is None:
         raise RuntimeError("the C++ attention extension is unavailable")

@@ -17,7 +17,8 @@ Paths (names as logged):
         ``dequant_gemm``   more rows without VNNI (or forced): dequantize, then ``F.linear``.
     Row-layout quantized weights keep the float GEMV (1..32 rows) and ``dequant_gemm`` (more).
     The fused C++ decode (``decode_fused``) has no int8 GEMM: its tiled products take the AMX tiles
-    from :func:`fused_amx_min` rows per weight (an LM head from 9, 8-bit codes from 12, else 16).
+    from :func:`fused_amx_min` rows per weight (9 for every kind since the K-loop tiles; the
+    per-kind constants stay as A/B knobs).
 
 Deterministic inference (``invariant`` / ``quant_invariant``) never comes here: those impls keep
 their batch-invariant kernels whatever this module says.

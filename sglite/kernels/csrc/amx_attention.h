@@ -363,13 +363,19 @@ inline void block(Work& w, int R, int Dp, int n, int64_t t0, bool full, int64_t 
   block(w, w.kt, w.vp, R, Dp, n, t0, full, window, softcap);
 }
 
+// Whether every row (positions first_q .. last_q) sees all n keys of the block at t0: it ends at or
+// before the first row's position and, with a window, starts inside the last row's window.
+inline bool block_full(int64_t t0, int n, int64_t first_q, int64_t last_q, int64_t window) {
+  return t0 + n - 1 <= first_q && (window <= 0 || t0 > last_q - window);
+}
+
 inline bool walk(Work& w, int R, int D, int Dp, const uint16_t* kh, int64_t s0k, const uint16_t* vh, int64_t s0v,
                  const int32_t* slots, int64_t S, int64_t k_begin, int64_t k_end, int64_t first_q, int64_t last_q,
                  int64_t window, float softcap) {
   for (int64_t t0 = k_begin; t0 < k_end; t0 += KB) {
     const int n = (int)std::min<int64_t>(KB, k_end - t0);
     if (!pack_block(kh, s0k, vh, s0v, slots + t0, n, S, D, Dp, w)) return false;
-    const bool full = t0 + n - 1 <= first_q && (window <= 0 || t0 > last_q - window);
+    const bool full = block_full(t0, n, first_q, last_q, window);
     block(w, R, Dp, n, t0, full, window, softcap);
   }
   return true;
@@ -385,7 +391,7 @@ inline void walk_packed(Work& w, int R, int Dp, const uint16_t* packed, int64_t 
   for (int64_t t0 = k_begin; t0 < k_end; t0 += KB) {
     const int n = (int)std::min<int64_t>(KB, k_end - t0);
     const uint16_t* kt = packed + (size_t)((t0 - kbase) / KB) * be;
-    const bool full = t0 + n - 1 <= first_q && (window <= 0 || t0 > last_q - window);
+    const bool full = block_full(t0, n, first_q, last_q, window);
     block(w, kt, kt + (size_t)KB * Dp, R, Dp, n, t0, full, window, softcap);
   }
 }

@@ -120,6 +120,17 @@ inline void zero_acc() {
   }
 }
 
+// The RT x 2 accumulator tiles into out [16 RT, 32] float32 (128 bytes a row).
+template <int RT>
+inline void store_acc(float* out) {
+  _tile_stored(0, out, 128);
+  _tile_stored(1, out + 16, 128);
+  if (RT == 2) {
+    _tile_stored(2, out + 16 * 32, 128);
+    _tile_stored(3, out + 16 * 32 + 16, 128);
+  }
+}
+
 // One 32-block j of the 2 x 2 plan: the RT activation tiles of rows x (K bf16 apart) times the
 // pair's weight tiles b0 / b1 (512 bf16 each) into the accumulators.
 template <int RT>
@@ -144,12 +155,7 @@ inline void tile_pair(const uint16_t* x, int64_t K, const uint16_t* b0, const ui
   const int64_t nb = K / BLK;
   zero_acc<RT>();
   for (int64_t j = 0; j < nb; ++j) block_step<RT>(x, K, j, b0 + j * 512, b1 + j * 512);
-  _tile_stored(0, out, 128);
-  _tile_stored(1, out + 16, 128);
-  if (RT == 2) {
-    _tile_stored(2, out + 16 * 32, 128);
-    _tile_stored(3, out + 16 * 32 + 16, 128);
-  }
+  store_acc<RT>(out);
 }
 
 
@@ -229,12 +235,7 @@ inline void kloop_pair_t(const QW& w, int64_t t, int64_t nt, int64_t nb, const u
     block_step<RT>(x, K, j, b + j * 512, b1 + j * 512);
     if (j + KLOOP_AHEAD < nb) deq(j + KLOOP_AHEAD);
   }
-  _tile_stored(0, out, 128);
-  _tile_stored(1, out + 16, 128);
-  if (RT == 2) {
-    _tile_stored(2, out + 16 * 32, 128);
-    _tile_stored(3, out + 16 * 32 + 16, 128);
-  }
+  store_acc<RT>(out);
 }
 
 // kloop_pair_t for pair p of w with rt (1 or 2) row tiles of x, dispatched on w's bits, group size

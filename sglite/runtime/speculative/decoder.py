@@ -156,7 +156,7 @@ class SpecDecoder:
             return 0
         cands = [e for e in decoding if self._eligible(e)]
         if self.gate is not None:  # a head's forward is spent before its drafts are weighed: gate first
-            cands = [e for e in cands if self.gate.wants(self._spec(e.req))]
+            cands = [e for e in cands if self.gate.wants(SpecState.of(e.req))]
         if not cands or not self.budget.open_step(entries, len(decoding)):
             return 0
         t0 = time.perf_counter()
@@ -167,12 +167,6 @@ class SpecDecoder:
         for e, chains, sources, masks in self.budget.choose([p[:4] for p in props], entries):
             self._place(e, chains, sources, masks, parents.get(id(e)))
         return len(cands)
-
-    @staticmethod
-    def _spec(r) -> SpecState:
-        if r.spec is None:
-            r.spec = SpecState()
-        return r.spec
 
     def _eligible(self, e: StepEntry) -> bool:
         r = e.req
@@ -206,8 +200,7 @@ class SpecDecoder:
                 found = [c for c in found if len(c) < 3 or tuple(c[2]) == ROOT]
             chains, sources = [c[0] for c in found], [c[1] for c in found]
             parents = [tuple(c[2]) if len(c) > 2 else ROOT for c in found]
-            if r.spec is None:
-                r.spec = SpecState()
+            SpecState.of(r)
             walk = bool(chains) and r.grammar is not None
             close = walk and self.accept.rate(CLOSE, r.spec.own) >= CLOSE_MIN_RATE
             r.spec.begin_draft(track_closes=walk and not close)  # closes not drafted: points kept

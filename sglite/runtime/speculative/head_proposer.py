@@ -136,9 +136,7 @@ class _HeadBase:
         off = 0
         for e in plan.entries:
             r = e.req
-            if r.spec is None:
-                r.spec = SpecState()
-            if r.spec.feats is None:
+            if SpecState.of(r).feats is None:
                 r.spec.feats = FeatureLog(self.hidden)
             pending = e.n - len(e.draft)
             r.spec.feats.put(e.start, hidden[off:off + pending])

@@ -108,9 +108,7 @@ class LookupProposer:
             if r.spec is not None:
                 r.spec.mark_look(False)
             return []
-        if r.spec is None:
-            r.spec = SpecState()
-        st = r.spec
+        st = SpecState.of(r)
         index = st.ensure_index()
         index.sync(r.seq_len, r.tokens)
         tt, width = self.token_text, self.width

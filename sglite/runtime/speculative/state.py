@@ -72,6 +72,13 @@ class SpecState:
     looked: bool = False
     gate: Any = None
 
+    @staticmethod
+    def of(req) -> "SpecState":
+        """``req.spec``, created (empty) on first use."""
+        if req.spec is None:
+            req.spec = SpecState()
+        return req.spec
+
     def ensure_index(self) -> NgramIndex:
         """The request's n-gram index (``NGRAM``), created empty on first use."""
         if self.index is None:

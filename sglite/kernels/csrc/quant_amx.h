@@ -132,53 +132,85 @@ inline void store_acc(float* out) {
 }
 
 // One 32-block j of the 2 x 2 plan: the RT activation tiles of rows x (K bf16 apart) times the
-// pair's weight tiles b0 / b1 (512 bf16 each) into the accumulators.
+// pair's weight tiles b0 / b1 (512 bf16 each) into the accumulators. The activation tiles are
+// loaded with the streaming hint (TILELOADDT1): each is used once per pair, while the pair's B tiles
+// are reused by every 32-row chunk of the row block and so should stay in L1 (measured: with plain
+// loads of both, the A chunk and the B pair (36 KiB each at K = 576) evicted each other from the
+// 48 KiB L1 and every tile load waited on L2, docs/benchmarks.md).
 template <int RT>
 inline void block_step(const uint16_t* x, int64_t K, int64_t j, const uint16_t* b0, const uint16_t* b1) {
   const int64_t ldx = K * 2;
-  _tile_loadd(4, x + j * BLK, ldx);
+  _tile_stream_loadd(4, x + j * BLK, ldx);
   _tile_loadd(6, b0, 64);
   _tile_loadd(7, b1, 64);
   _tile_dpbf16ps(0, 4, 6);
   _tile_dpbf16ps(1, 4, 7);
   if (RT == 2) {
-    _tile_loadd(5, x + 16 * K + j * BLK, ldx);
+    _tile_stream_loadd(5, x + 16 * K + j * BLK, ldx);
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
   }
 }
 
 // y rows m0..m0+16*RT of tile pair (b0, b1) over K: x bf16 [.., K] (rows padded to a multiple of 32),
-// b0 / b1 the dequantized tiles (nb x 512 bf16), out [16*RT, 32] float32.
-template <int RT>
-inline void tile_pair(const uint16_t* x, int64_t K, const uint16_t* b0, const uint16_t* b1, float* out) {
+// b0 / b1 the dequantized tiles (nb x 512 bf16), out [16*RT, 32] float32; side(j) runs after block
+// j's products (the previous chunk's output rows, Pending, written while the tile unit multiplies).
+template <int RT, typename Side>
+inline void tile_pair(const uint16_t* x, int64_t K, const uint16_t* b0, const uint16_t* b1, float* out, const Side& side) {
   const int64_t nb = K / BLK;
   zero_acc<RT>();
-  for (int64_t j = 0; j < nb; ++j) block_step<RT>(x, K, j, b0 + j * 512, b1 + j * 512);
+  for (int64_t j = 0; j < nb; ++j) {
+    block_step<RT>(x, K, j, b0 + j * 512, b1 + j * 512);
+    side(j);
+  }
   store_acc<RT>(out);
 }
 
-
-
 // Dequantized tile pairs kept per thread and block: about half a 2 MiB L2, so the block's B tiles
 // are read from L2 while each 32-row activation chunk stays in L1 across the block's pairs.
-constexpr int64_t kBlockBytes = 1 << 19;
+constexpr int64_t kBlockBytes = 1 << 20;
 
-// Output rows m0..m0+rows-1, channels t*16.. (cols of them) from the 32 x 32 float32 stage.
-inline void store_stage(const float* stage, int64_t m0, int64_t rows, int64_t cols, int64_t N, int64_t c0,
-                        float* yf, at::BFloat16* ybf) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* src = stage + r * 32;
-    if (ybf) {
-      at::BFloat16* o = ybf + (m0 + r) * N + c0;
-      for (int64_t u = 0; u < cols; u += TILE)  // VCVTNEPS2BF16: round to nearest even
-        _mm256_storeu_si256((__m256i*)(o + u), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(src + u)));
-    } else {
-      float* o = yf + (m0 + r) * N + c0;
-      for (int64_t u = 0; u < cols; u += TILE) _mm512_storeu_ps(o + u, _mm512_load_ps(src + u));
+// Rows a block of pairs sweeps pair by pair: for each pair its 32-row chunks of the block in turn,
+// so the pair's B tiles (36 KiB at K = 576) are reused from L1 by the block's 4 chunks and the
+// activation tiles stream from L2 (128 rows x K bf16: 144 KiB at K = 576, 384 KiB at 1,536).
+// Measured against chunks outer / pairs inner (the A chunk reused instead): 2,048 x 576 x 576, one
+// thread, CPU time, the products and output alone: 7.6 against 10.8 ns a TDPBF16PS (docs/benchmarks.md).
+// Only for pairs of at most kL1PairBytes (K <= 640): a larger pair does not stay in L1 anyway, and
+// there (K = 1,536, 96 KiB a pair) the chunks run one at a time over the block's pairs, as before
+// (measured the same or slightly better than a row block, with or without splitting K).
+constexpr int64_t kRowBlock = 128, kL1PairBytes = 40 << 10;
+
+// A 32 x 32 float32 stage (one 32-row chunk x one tile pair, store_acc's layout) whose rows still
+// wait for the output: rows m0..m0+rows-1, channels c0..c0+cols-1 of y [M, N] (float32 yf, or bf16
+// ybf rounded once, VCVTNEPS2BF16: round to nearest even). The gemm writes a
+// chunk's rows during the next chunk's K loop (rows_at), so the conversions and the stores run
+// beside the tile products instead of after the tile stores (measured: the write after the stores
+// was a quarter of the time at 2,048 rows, docs/benchmarks.md).
+struct Pending {
+  const float* stage = nullptr;
+  int64_t m0 = 0, rows = 0, cols = 0, c0 = 0;
+
+  // Stage rows r0..r1-1 (those below rows) into the output.
+  void write(int64_t r0, int64_t r1, int64_t N, float* yf, at::BFloat16* ybf) const {
+    for (int64_t r = r0; r < std::min(r1, rows); ++r) {
+      const float* src = stage + r * 32;
+      if (ybf) {
+        at::BFloat16* o = ybf + (m0 + r) * N + c0;
+        // two 32-byte stores: one 64-byte VCVTNE2PS2BF16 store measured 35 % slower here
+        for (int64_t u = 0; u < cols; u += TILE)
+          _mm256_storeu_si256((__m256i*)(o + u), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(src + u)));
+      } else {
+        float* o = yf + (m0 + r) * N + c0;
+        for (int64_t u = 0; u < cols; u += TILE) _mm512_storeu_ps(o + u, _mm512_load_ps(src + u));
+      }
     }
   }
-}
+
+  // The rows due after block j of a K loop: per (ceil(32 / blocks)) a block, all 32 by the last.
+  void rows_at(int64_t j, int64_t per, int64_t N, float* yf, at::BFloat16* ybf) const {
+    if (stage) write(j * per, (j + 1) * per, N, yf, ybf);
+  }
+};
 
 // Both tiles of pair p (tiles 2p, 2p + 1; the second zero past the last tile) into b (2 x nb x 512 bf16).
 inline void dequant_pair(const QW& w, int64_t p, int64_t nb, uint16_t* b) {
@@ -209,8 +241,9 @@ constexpr int64_t KLOOP_AHEAD = 2;
 // same K loop, so the vector units dequantize while the tile unit multiplies. b then holds the
 // pair's B tiles for the caller's later row chunks (tile_pair). Same products in the same order as
 // tile_pair on pack_b's copy: bit-identical output.
-template <int RT, int BITS, typename ST, bool G16>
-inline void kloop_pair_t(const QW& w, int64_t t, int64_t nt, int64_t nb, const uint16_t* x, uint16_t* b, float* out) {
+template <int RT, int BITS, typename ST, bool G16, typename Side>
+inline void kloop_pair_t(const QW& w, int64_t t, int64_t nt, int64_t nb, const uint16_t* x, uint16_t* b, float* out,
+                         const Side& side) {
   const int64_t K = w.K;
   uint16_t* b1 = b + nb * 512;
   if (nt == 1) std::memset(b1, 0, nb * 512 * sizeof(uint16_t));
@@ -234,13 +267,16 @@ inline void kloop_pair_t(const QW& w, int64_t t, int64_t nt, int64_t nb, const u
   for (int64_t j = 0; j < nb; ++j) {
     block_step<RT>(x, K, j, b + j * 512, b1 + j * 512);
     if (j + KLOOP_AHEAD < nb) deq(j + KLOOP_AHEAD);
+    side(j);
   }
   store_acc<RT>(out);
 }
 
 // kloop_pair_t for pair p of w with rt (1 or 2) row tiles of x, dispatched on w's bits, group size
-// and scale type.
-inline void kloop_pair(const QW& w, int64_t p, int rt, int64_t nb, const uint16_t* x, uint16_t* b, float* out) {
+// and scale type; side as tile_pair's.
+template <typename Side>
+inline void kloop_pair(const QW& w, int64_t p, int rt, int64_t nb, const uint16_t* x, uint16_t* b, float* out,
+                       const Side& side) {
   const int64_t t = 2 * p, nt = std::min<int64_t>(2, w.N / TILE - t);
   with_scale_type(w, [&](auto st) {
     using ST = decltype(st);
@@ -248,8 +284,8 @@ inline void kloop_pair(const QW& w, int64_t p, int rt, int64_t nb, const uint16_
       constexpr int B = decltype(bb)::value;
       auto run = [&](auto g16) {
         constexpr bool G = decltype(g16)::value;
-        if (rt == 2) kloop_pair_t<2, B, ST, G>(w, t, nt, nb, x, b, out);
-        else kloop_pair_t<1, B, ST, G>(w, t, nt, nb, x, b, out);
+        if (rt == 2) kloop_pair_t<2, B, ST, G>(w, t, nt, nb, x, b, out, side);
+        else kloop_pair_t<1, B, ST, G>(w, t, nt, nb, x, b, out, side);
       };
       if (B == 8 && w.gs != BLK) run(std::true_type{});
       else run(std::false_type{});
@@ -284,6 +320,8 @@ void gemm(const QW& w, const uint16_t* xd, int64_t M, float* yf, at::BFloat16* y
   const int64_t N = w.N, K = w.K, nb = K / BLK, T = N / TILE, P = (T + 1) / 2;
   const int64_t pair_elems = 2 * nb * 512;
   const int64_t per_block = packed ? std::max<int64_t>(1, kBlockBytes / (pair_elems * 2)) : kloop_block_pairs(M, pair_elems * 2);
+  const int64_t rb = pair_elems * 2 <= kL1PairBytes ? kRowBlock : 32;  // kRowBlock
+  const int64_t per_step = (32 + nb - 1) / nb;  // Pending::rows_at
   TORCH_CHECK(((uintptr_t)xd & 63) == 0, "sglite_amx::gemm: the activation rows must be 64-byte aligned (rows_buffer)");
   par(0, P, 1, [&](int64_t p0, int64_t p1) {
     sglite_tiles::configure();
@@ -292,22 +330,31 @@ void gemm(const QW& w, const uint16_t* xd, int64_t M, float* yf, at::BFloat16* y
     // up to 512 KiB per call and thread; 64-byte aligned for the B loads
     std::unique_ptr<uint16_t[]> bufv(packed ? nullptr : new uint16_t[nblk * pair_elems + 32]);
     uint16_t* own = (uint16_t*)(((uintptr_t)bufv.get() + 63) & ~(uintptr_t)63);
-    alignas(64) float stage[32 * 32];
+    alignas(64) float stage[2][32 * 32];
+    int st_cur = 0;
+    Pending pend;  // the chunk whose output rows are written during the next chunk's K loop
     for (int64_t pb = p0; pb < p1; pb += nblk) {
       const int64_t pe = std::min(p1, pb + nblk);
       const uint16_t* buf = packed ? packed + pb * pair_elems : own;
-      for (int64_t m0 = 0; m0 < M; m0 += 32) {
-        const int rt = M - m0 > 16 ? 2 : 1;
-        const int64_t rows = std::min<int64_t>(16 * rt, M - m0);
+      for (int64_t r0 = 0; r0 < M; r0 += rb) {
+        const int64_t r1 = std::min(M, r0 + rb);
         for (int64_t p = pb; p < pe; ++p) {
           const uint16_t* b0 = buf + (p - pb) * pair_elems;
-          if (!packed && m0 == 0) kloop_pair(w, p, rt, nb, xd, own + (p - pb) * pair_elems, stage);
-          else if (rt == 2) tile_pair<2>(xd + m0 * K, K, b0, b0 + nb * 512, stage);
-          else tile_pair<1>(xd + m0 * K, K, b0, b0 + nb * 512, stage);
-          store_stage(stage, m0, rows, std::min<int64_t>(2, T - 2 * p) * TILE, N, 2 * p * TILE, yf, ybf);
+          for (int64_t m0 = r0; m0 < r1; m0 += 32) {
+            const int rt = M - m0 > 16 ? 2 : 1;
+            float* st = stage[st_cur];
+            const Pending prev = pend;
+            auto side = [&](int64_t j) { prev.rows_at(j, per_step, N, yf, ybf); };
+            if (!packed && m0 == 0) kloop_pair(w, p, rt, nb, xd, own + (p - pb) * pair_elems, st, side);
+            else if (rt == 2) tile_pair<2>(xd + m0 * K, K, b0, b0 + nb * 512, st, side);
+            else tile_pair<1>(xd + m0 * K, K, b0, b0 + nb * 512, st, side);
+            pend = Pending{st, m0, std::min<int64_t>(16 * rt, M - m0), std::min<int64_t>(2, T - 2 * p) * TILE, 2 * p * TILE};
+            st_cur ^= 1;
+          }
         }
       }
     }
+    pend.write(0, 32, N, yf, ybf);
     _tile_release();
   });
 }

@@ -75,6 +75,20 @@ FUSED_AMX_MIN_ROWS_LARGE = Q8_GEMV_MAX_ROWS + 1
 FUSED_AMX_MIN_ROWS_8BIT = Q8_GEMV_MAX_ROWS + 1
 
 
+SILU_ENV = "SGLITE_AMX_SILU"
+
+
+def amx_silu() -> bool:
+    """Whether the ``amx_gemm`` path may write SwiGLU's activation straight from a fused gate/up
+    product (:func:`.quant_amx.gemm_silu_mul`, bit-identical to the product then ``silu_mul``):
+    ``SGLITE_AMX_SILU`` ``auto`` (or unset) or ``1`` yes, ``0`` no (A/B runs). Read per call. Raises
+    ValueError for an unknown value (naming it and the known ones)."""
+    v = os.environ.get(SILU_ENV, "").strip() or "auto"
+    if v not in ("auto", "0", "1"):
+        raise ValueError(f"{SILU_ENV} must be one of auto|0|1, got {v!r}")
+    return v != "0"
+
+
 REPACK_ENV = "SGLITE_AMX_REPACK"
 
 

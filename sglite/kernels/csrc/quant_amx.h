@@ -1,6 +1,6 @@
 // AMX-BF16 GEMM over group-quantized weights in 16-row tiles, as a header: spliced into
 // quant_amx.cpp (the standalone op) and decode_layer.cpp (the fused decode's many-row GEMMs) when
-// they are built with -mamx-tile -mamx-bf16 (SGQ_AMX). Needs quant_rows.h (QW, BLK, TILE via
+// they are built with -mamx-tile -mamx-bf16 (SGQ_AMX). Needs avx512_math.h (the silu epilogue's exp) and quant_rows.h (QW, BLK, TILE via
 // quant_tiles.h, load_tile_scales, with_bits / with_scale_type) first. Contract and torch reference:
 // sglite/kernels/quant_amx.py. What it holds:
 //   - a dequantizer from one 16-row weight tile (all K) into the AMX "B" layout in a per-thread
@@ -180,21 +180,45 @@ constexpr int64_t kBlockBytes = 1 << 20;
 // (measured the same or slightly better than a row block, with or without splitting K).
 constexpr int64_t kRowBlock = 128, kL1PairBytes = 40 << 10;
 
+// float32 -> bf16 (round to nearest even) -> float32
+inline __m512 bf16_round(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+// bf16 of silu(bf16(g)) * bf16(u) for 16 float32 sums g, u: what the unfused path gives (the gate/up
+// GEMM's bf16 output, then cpu_gemv.cpp's silu_mul: silu16's formula, e = e^-|g| (exp_nonpos),
+// sigmoid = 1 / (1 + e) for g >= 0 and e / (1 + e) below, silu rounded to bf16, then the product).
+inline __m256i silu_bf16(__m512 g, __m512 u) {
+  g = bf16_round(g);
+  const __m512 e = sglite_simd::exp_nonpos(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), e));
+  const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+  const __m512 s = bf16_round(_mm512_mul_ps(g, _mm512_mask_mul_ps(inv, neg, e, inv)));
+  return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, bf16_round(u)));
+}
+
 // A 32 x 32 float32 stage (one 32-row chunk x one tile pair, store_acc's layout) whose rows still
 // wait for the output: rows m0..m0+rows-1, channels c0..c0+cols-1 of y [M, N] (float32 yf, or bf16
 // ybf rounded once, VCVTNEPS2BF16: round to nearest even). The gemm writes a
 // chunk's rows during the next chunk's K loop (rows_at), so the conversions and the stores run
 // beside the tile products instead of after the tile stores (measured: the write after the stores
 // was a quarter of the time at 2,048 rows, docs/benchmarks.md).
+// With gate (the silu_mul epilogue, gemm's silu): stage holds the up half's sums of these rows and
+// gate the gate half's, and the output is silu_mul of their bf16 roundings (silu_bf16).
 struct Pending {
   const float* stage = nullptr;
+  const float* gate = nullptr;
   int64_t m0 = 0, rows = 0, cols = 0, c0 = 0;
 
   // Stage rows r0..r1-1 (those below rows) into the output.
   void write(int64_t r0, int64_t r1, int64_t N, float* yf, at::BFloat16* ybf) const {
     for (int64_t r = r0; r < std::min(r1, rows); ++r) {
       const float* src = stage + r * 32;
-      if (ybf) {
+      if (gate) {
+        at::BFloat16* o = ybf + (m0 + r) * N + c0;
+        for (int64_t u = 0; u < cols; u += TILE)
+          _mm256_storeu_si256((__m256i*)(o + u), silu_bf16(_mm512_load_ps(gate + r * 32 + u), _mm512_load_ps(src + u)));
+      } else if (ybf) {
         at::BFloat16* o = ybf + (m0 + r) * N + c0;
         // two 32-byte stores: one 64-byte VCVTNE2PS2BF16 store measured 35 % slower here
         for (int64_t u = 0; u < cols; u += TILE)
@@ -316,45 +340,60 @@ inline int64_t kloop_block_pairs(int64_t M, int64_t pair_bytes) {
 // and dequantized once per call either way.
 template <typename Par>
 void gemm(const QW& w, const uint16_t* xd, int64_t M, float* yf, at::BFloat16* ybf, const Par& par,
-          const uint16_t* packed = nullptr) {
+          const uint16_t* packed = nullptr, bool silu = false) {
   const int64_t N = w.N, K = w.K, nb = K / BLK, T = N / TILE, P = (T + 1) / 2;
   const int64_t pair_elems = 2 * nb * 512;
   const int64_t per_block = packed ? std::max<int64_t>(1, kBlockBytes / (pair_elems * 2)) : kloop_block_pairs(M, pair_elems * 2);
   const int64_t rb = pair_elems * 2 <= kL1PairBytes ? kRowBlock : 32;  // kRowBlock
   const int64_t per_step = (32 + nb - 1) / nb;  // Pending::rows_at
   TORCH_CHECK(((uintptr_t)xd & 63) == 0, "sglite_amx::gemm: the activation rows must be 64-byte aligned (rows_buffer)");
-  par(0, P, 1, [&](int64_t p0, int64_t p1) {
+  TORCH_CHECK(!silu || (N % 64 == 0 && ybf), "sglite_amx::gemm: silu needs N % 64 == 0 and a bf16 output");
+  // silu: the output is [M, N / 2]; the threads split the gate half's pairs, and each share runs its
+  // pairs in the order gate 0, up 0, gate 1, up 1, .. (v even: gate pair v / 2; odd: up pair P / 2 + v / 2)
+  const int64_t NO = silu ? N / 2 : N, H = P / 2;
+  auto pair_of = [&](int64_t v) { return silu ? v / 2 + (v % 2) * H : v; };
+  par(0, silu ? H : P, 1, [&](int64_t s0, int64_t s1) {
+    const int64_t p0 = silu ? 2 * s0 : s0, p1 = silu ? 2 * s1 : s1;
     sglite_tiles::configure();
-    const int64_t nblk = std::min(per_block, p1 - p0);
+    // silu: gate and up pairs in the same block (an even count), so the up pair's chunks follow the
+    // gate pair's within each row block
+    const int64_t nblk = std::min(silu ? std::max<int64_t>(2, per_block / 2 * 2) : per_block, p1 - p0);
     // uninitialised (every B tile is written before it is loaded): a zero-filled vector would clear
     // up to 512 KiB per call and thread; 64-byte aligned for the B loads
     std::unique_ptr<uint16_t[]> bufv(packed ? nullptr : new uint16_t[nblk * pair_elems + 32]);
     uint16_t* own = (uint16_t*)(((uintptr_t)bufv.get() + 63) & ~(uintptr_t)63);
     alignas(64) float stage[2][32 * 32];
+    std::unique_ptr<float[]> gatev(silu ? new float[(kRowBlock / 32) * 32 * 32 + 16] : nullptr);  // silu: the gate pair's chunks of the row block
+    float* gate = (float*)(((uintptr_t)gatev.get() + 63) & ~(uintptr_t)63);
     int st_cur = 0;
     Pending pend;  // the chunk whose output rows are written during the next chunk's K loop
     for (int64_t pb = p0; pb < p1; pb += nblk) {
       const int64_t pe = std::min(p1, pb + nblk);
-      const uint16_t* buf = packed ? packed + pb * pair_elems : own;
       for (int64_t r0 = 0; r0 < M; r0 += rb) {
         const int64_t r1 = std::min(M, r0 + rb);
-        for (int64_t p = pb; p < pe; ++p) {
-          const uint16_t* b0 = buf + (p - pb) * pair_elems;
+        for (int64_t v = pb; v < pe; ++v) {
+          const int64_t p = pair_of(v);
+          const bool is_gate = silu && v % 2 == 0;
+          uint16_t* mine = own + (v - pb) * pair_elems;
+          const uint16_t* b0 = packed ? packed + p * pair_elems : mine;
           for (int64_t m0 = r0; m0 < r1; m0 += 32) {
             const int rt = M - m0 > 16 ? 2 : 1;
-            float* st = stage[st_cur];
+            float* st = is_gate ? gate + (m0 - r0) / 32 * 32 * 32 : stage[st_cur];
             const Pending prev = pend;
-            auto side = [&](int64_t j) { prev.rows_at(j, per_step, N, yf, ybf); };
-            if (!packed && m0 == 0) kloop_pair(w, p, rt, nb, xd, own + (p - pb) * pair_elems, st, side);
+            auto side = [&](int64_t j) { prev.rows_at(j, per_step, NO, yf, ybf); };
+            if (!packed && m0 == 0) kloop_pair(w, p, rt, nb, xd, mine, st, side);
             else if (rt == 2) tile_pair<2>(xd + m0 * K, K, b0, b0 + nb * 512, st, side);
             else tile_pair<1>(xd + m0 * K, K, b0, b0 + nb * 512, st, side);
-            pend = Pending{st, m0, std::min<int64_t>(16 * rt, M - m0), std::min<int64_t>(2, T - 2 * p) * TILE, 2 * p * TILE};
+            pend = Pending{};  // written by now (rows_at: all rows by the last block)
+            if (is_gate) continue;  // the up pair's chunk writes it
+            pend = Pending{st, silu ? gate + (m0 - r0) / 32 * 32 * 32 : nullptr, m0, std::min<int64_t>(16 * rt, M - m0),
+                           std::min<int64_t>(2, T - 2 * p) * TILE, 2 * (silu ? p - H : p) * TILE};
             st_cur ^= 1;
           }
         }
       }
     }
-    pend.write(0, 32, N, yf, ybf);
+    pend.write(0, 32, NO, yf, ybf);
     _tile_release();
   });
 }

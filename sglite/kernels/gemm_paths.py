@@ -32,6 +32,10 @@ Forcing: environment variable ``SGLITE_GEMM`` (read on every call, so tests can 
     ``vnni``             ``auto`` without the AMX path (A/B runs of the tile units).
 An unknown value raises ValueError naming the variable and the known values.
 
+SwiGLU from the gate/up product (``SGLITE_AMX_SILU``, read per call): ``auto`` (or unset) and ``1``
+let an ``amx_gemm`` product of a fused gate/up weight write ``silu(g) * u`` from its output stage
+(:func:`.quant_amx.gemm_silu_mul`, bit-identical), ``0`` keeps the product then ``silu_mul`` (A/B runs).
+
 Repacking for AMX (``SGLITE_AMX_REPACK``, read when a model is prepared): ``auto`` (or unset) and
 ``0`` keep no second copy: the ``amx_gemm`` path reads the 4/8-bit codes and dequantizes each
 32-block inside its K loop, beside the tile products (:mod:`.quant_amx`), which measured faster

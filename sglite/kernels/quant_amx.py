@@ -16,7 +16,12 @@ dequantized copy of the weight.
     2. every 32 activation rows (zero-padded to a multiple of 32) meet the pair in four 16 x 16
        float32 accumulator tiles, one ``TDPBF16PS`` per (row tile, weight tile, 32-block): 16 x 16 x 32
        multiply-adds an instruction;
-    3. the accumulators are rounded once to bf16 (``VCVTNEPS2BF16``).
+    3. the accumulators are rounded once to bf16 (``VCVTNEPS2BF16``), a chunk's rows written while
+       the next chunk's products run. With K <= 640 each pair sweeps the chunks of a 128-row block
+       in turn (its tiles stay in L1; the activation tiles stream from L2).
+``gemm_silu_mul(x, w)``: a fused gate/up weight's product written as SwiGLU's activation
+``silu(g) * u`` [M, I] by step 3 (no [M, 2I] output, no second pass), bit-identical to :func:`gemm`
+then ``silu_mul``; the ``llama`` MLP takes it through ``kernels.linear_silu``.
 So the dequantization (about 9 vector instructions per 32 weights) runs beside the tile products;
 below :data:`.gemm_paths.AMX_MIN_ROWS` rows the int8 GEMV/GEMM of :mod:`.quant_gemm` is used (the
 dispatcher's threshold, measured).

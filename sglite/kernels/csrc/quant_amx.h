@@ -1,8 +1,8 @@
 // AMX-BF16 GEMM over group-quantized weights in 16-row tiles, as a header: spliced into
 // quant_amx.cpp (the standalone op) and decode_layer.cpp (the fused decode's many-row GEMMs) when
-// they are built with -mamx-tile -mamx-bf16 (SGQ_AMX). Needs avx512_math.h (the silu epilogue's exp) and quant_rows.h (QW, BLK, TILE via
-// quant_tiles.h, load_tile_scales, with_bits / with_scale_type) first. Contract and torch reference:
-// sglite/kernels/quant_amx.py. What it holds:
+// they are built with -mamx-tile -mamx-bf16 (SGQ_AMX). Needs avx512_math.h (silu_bf16's exp) and
+// quant_rows.h (QW, BLK, TILE via quant_tiles.h, load_tile_scales, with_bits / with_scale_type)
+// first. Contract and torch reference: sglite/kernels/quant_amx.py. What it holds:
 //   - a dequantizer from one 16-row weight tile (all K) into the AMX "B" layout in a per-thread
 //     scratch buffer (L1/L2 resident, never a whole weight): per 32-block, 16 tile rows of 64 bytes,
 //     row p holding for each output channel n the bf16 pair (W[n, 32j + 2p], W[n, 32j + 2p + 1]);
@@ -15,7 +15,12 @@
 //     next pair's codes into L2, so the codes (~0.6 bytes a weight at 4 bits) stream once and the
 //     vector work hides behind the products and the memory stream; later chunks reuse the pair's
 //     dequantized tiles. pack_b's whole-weight copy (2 bytes a weight) is kept only on request
-//     (SGLITE_AMX_REPACK=1, gemm_paths.py): same products in the same order, the same bits.
+//     (SGLITE_AMX_REPACK=1, gemm_paths.py): same products in the same order, the same bits;
+//   - the loop order (gemm): for K <= 640 each pair sweeps the 32-row chunks of a 128-row block
+//     (its B tiles reused from L1, the activation tiles streamed from L2), and each chunk's output
+//     is converted and written during the next chunk's K loop (Pending), beside the tile products;
+//   - an output stage for a fused gate/up weight (gemm's silu): silu(g) * u written from the two
+//     halves' sums (silu_bf16), bit-identical to the bf16 product followed by cpu_gemv's silu_mul.
 // Threads: tile pairs split by the caller's Par (thread_pool.h); each worker loads the tile
 // configuration itself (per-thread state) and releases it when its share is done.
 #pragma once
@@ -166,8 +171,9 @@ inline void tile_pair(const uint16_t* x, int64_t K, const uint16_t* b0, const ui
   store_acc<RT>(out);
 }
 
-// Dequantized tile pairs kept per thread and block: about half a 2 MiB L2, so the block's B tiles
-// are read from L2 while each 32-row activation chunk stays in L1 across the block's pairs.
+// Dequantized tile pairs kept per thread and block: half the 2 MiB L2, so the block's B tiles are
+// read from L2 by every row block (1 MiB measured 5-10 % faster than 512 KiB at 2,048 rows, the
+// activations then streamed fewer times; 1.5 MiB slower).
 constexpr int64_t kBlockBytes = 1 << 20;
 
 // Rows a block of pairs sweeps pair by pair: for each pair its 32-row chunks of the block in turn,
@@ -319,20 +325,23 @@ inline void kloop_pair(const QW& w, int64_t p, int rt, int64_t nb, const uint16_
 
 // Pairs a K-loop share keeps dequantized at once for its later 32-row chunks: up to 64 rows one
 // (the second chunk reads the pair just dequantized from L1/L2, right after the first), past 64 a
-// kBlockBytes block of pairs, chunks outer (each chunk's activation tiles reused across the block).
-// Measured on the default model's 30 layers, one thread, CPU time (docs/benchmarks.md): one pair up
-// to 64 rows 16.0 / 16.9 ms at 48 / 64 rows against 18.6 / 19.7 with 512 KiB blocks; at 512 rows
-// 512 KiB blocks 84.6 ms against one pair 95.9.
+// kBlockBytes block of pairs (gemm's loop order within it). Measured on the default model's 30
+// layers, one thread, CPU time (docs/benchmarks.md): one pair up to 64 rows 16.0 / 16.9 ms at 48 /
+// 64 rows against 18.6 / 19.7 with 512 KiB blocks; at 512 rows 512 KiB blocks 84.6 ms against one
+// pair 95.9 (before the row blocks; 1 MiB blocks since, 2,048 rows 8.2 against 8.7 ms a layer).
 inline int64_t kloop_block_pairs(int64_t M, int64_t pair_bytes) {
   return M <= 64 ? 1 : std::max<int64_t>(1, kBlockBytes / pair_bytes);
 }
 
 // x: [Mp, K] bf16 bits, 64-byte aligned (rows_buffer), Mp = M rounded up to 32, rows >= M zero. Output rows 0..M-1 of [M, N]:
 // float32 into yf, or bf16 (one rounding) into ybf; exactly one of them non-null. Tile pairs split
-// by par into contiguous shares; each share runs in blocks of pairs, and within a block the 32-row
-// chunks are the outer loop: the chunk's activation tiles are reused from L1 by every pair of the
-// block, and the output is written row segment by row segment (a 49152-channel LM head no longer
-// touches a new page per row and pair).
+// by par into contiguous shares; each share runs in blocks of pairs; within a block, row blocks of
+// kRowBlock rows (K <= 640; else of one 32-row chunk), within those each pair in turn over the row
+// block's chunks (so with larger K the chunks are the outer loop, each reused by every pair of the
+// block). A chunk's output is written, row segment by row segment, during the next chunk's K loop.
+// silu: w a gate/up weight [2I, K] (N % 64 == 0, gate rows first) and the output [M, I] bf16 silu(g) * u
+// (silu_bf16); the shares split the gate pairs, each running gate pair i then up pair P / 2 + i
+// in the same block, the gate chunks' sums kept in a per-thread buffer of one row block.
 // packed: the weight already in that layout (pack_b: every pair, 2 x nb x 512 bf16 each, 64-byte
 // aligned), blocks of kBlockBytes; or null: the first row chunk of each pair runs the K loop
 // (kloop_pair: the codes dequantized block by block beside the products, into a per-thread buffer

@@ -184,7 +184,10 @@ constexpr int64_t kBlockBytes = 1 << 20;
 // Only for pairs of at most kL1PairBytes (K <= 640): a larger pair does not stay in L1 anyway, and
 // there (K = 1,536, 96 KiB a pair) the chunks run one at a time over the block's pairs, as before
 // (measured the same or slightly better than a row block, with or without splitting K).
-constexpr int64_t kRowBlock = 128, kL1PairBytes = 40 << 10;
+// Nor for outputs wider than kRowBlockMaxN: a pair's chunks would then write 64 bytes into each of
+// 128 rows a page or more apart (an LM head: 96 KiB a row), a TLB miss per row; chunk by chunk, each
+// row's segment of the block's pairs is contiguous (measured on the 49,152 x 576 head, 256 rows).
+constexpr int64_t kRowBlock = 128, kL1PairBytes = 40 << 10, kRowBlockMaxN = 8192;
 
 // float32 -> bf16 (round to nearest even) -> float32
 inline __m512 bf16_round(__m512 v) {
@@ -353,7 +356,7 @@ void gemm(const QW& w, const uint16_t* xd, int64_t M, float* yf, at::BFloat16* y
   const int64_t N = w.N, K = w.K, nb = K / BLK, T = N / TILE, P = (T + 1) / 2;
   const int64_t pair_elems = 2 * nb * 512;
   const int64_t per_block = packed ? std::max<int64_t>(1, kBlockBytes / (pair_elems * 2)) : kloop_block_pairs(M, pair_elems * 2);
-  const int64_t rb = pair_elems * 2 <= kL1PairBytes ? kRowBlock : 32;  // kRowBlock
+  const int64_t rb = pair_elems * 2 <= kL1PairBytes && N <= kRowBlockMaxN ? kRowBlock : 32;  // kRowBlock
   const int64_t per_step = (32 + nb - 1) / nb;  // Pending::rows_at
   TORCH_CHECK(((uintptr_t)xd & 63) == 0, "sglite_amx::gemm: the activation rows must be 64-byte aligned (rows_buffer)");
   TORCH_CHECK(!silu || (N % 64 == 0 && ybf), "sglite_amx::gemm: silu needs N % 64 == 0 and a bf16 output");

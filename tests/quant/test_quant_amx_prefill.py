@@ -137,3 +137,14 @@ def test_silu_output_stage_refuses_other_weights():
         quant_amx.gemm_silu_mul(x.float(), _weight("Q4_1", 64, 96, 1))
     with pytest.raises(RuntimeError, match="N % 64"):
         quant_amx.load().quant_gemm_amx_silu(x, w.qweight, w.scales, _mins(w), w.bits, w.group_size, NONE)
+
+
+@amx
+def test_silu_output_stage_reads_the_repacked_copy():
+    """With ``w.amx_packed`` (``SGLITE_AMX_REPACK=1``) the stage reads each half's pairs from the copy:
+    the same bits as from the codes."""
+    w = _weight("Q4_1", 192, 96, 4)
+    x = torch.randn(150, 96, generator=torch.Generator().manual_seed(6)).bfloat16()
+    plain = quant_amx.gemm_silu_mul(x, w)
+    w.amx_packed = quant_amx.pack(w)
+    assert torch.equal(quant_amx.gemm_silu_mul(x, w), plain)

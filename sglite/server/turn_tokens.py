@@ -76,10 +76,15 @@ class Segment:
     key: str = ""  # the message's key (:func:`message_key`)
 
 
-def context_key(key: str, prompt_text: str) -> str:
-    """The key of a turn generated after ``prompt_text`` (its message key ``key``)."""
-    h = hashlib.sha256(prompt_text.encode("utf-8", "surrogatepass"))
-    h.update(key.encode())
+def _text_hash(text: str = ""):
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass"))
+
+
+def context_key(key: str, prompt_hash) -> str:
+    """The key of a turn with message key ``key`` generated after the prompt text hashed in
+    ``prompt_hash`` (a sha256 object over its UTF-8 bytes, :func:`_text_hash`; not changed)."""
+    h = prompt_hash.copy()
+    h.update(b"\0" + key.encode())
     return h.hexdigest()
 
 
@@ -123,7 +128,7 @@ class TurnTokens:
         key = message_key(content, calls)
         seg = Segment(text, cand, key)
         with self._lock:
-            for table, k in ((self._items, key), (self._by_context, None if prompt is None else context_key(key, prompt))):
+            for table, k in ((self._items, key), (self._by_context, None if prompt is None else context_key(key, _text_hash(prompt)))):
                 if k is None:
                     continue
                 table.pop(k, None)
@@ -144,8 +149,9 @@ class TurnTokens:
                 self._items.move_to_end(key)
             return seg
 
-    def _in_context(self, seg: Segment, preceding: str) -> Segment:
-        """The turn of ``seg``'s message generated after exactly ``preceding``, else ``seg``."""
+    def _in_context(self, seg: Segment, preceding) -> Segment:
+        """The turn of ``seg``'s message generated after exactly the text hashed in ``preceding``
+        (a sha256 object), else ``seg``."""
         ck = context_key(seg.key, preceding)
         with self._lock:
             own = self._by_context.get(ck)
@@ -174,15 +180,17 @@ class TurnTokens:
         tokenized; each turn is the one generated after exactly the text before it, where known
         (see the module docstring). None when a placeholder is missing, repeated or out of order
         (the template dropped or moved a message: render the messages as they are instead)."""
-        texts, ids, pos = [], [], 0
+        texts, ids, pos, so_far = [], [], 0, _text_hash()
         for i, seg in enumerate(segments):
             mark = f"{_OPEN}{i}{_CLOSE}"
             at = rendered.find(mark, pos)
             if at < 0 or rendered.find(mark, at + 1) >= 0:
                 return None
             texts.append(rendered[pos:at])
-            seg = self._in_context(seg, "".join(texts))
+            so_far.update(texts[-1].encode("utf-8", "surrogatepass"))
+            seg = self._in_context(seg, so_far)
             texts.append(seg.text)
+            so_far.update(seg.text.encode("utf-8", "surrogatepass"))
             ids += self._encode(rendered[pos:at]) + seg.ids
             pos = at + len(mark)
         tail = rendered[pos:]

@@ -28,11 +28,13 @@ differently from the prompt it generated after) the latest turn with that messag
 
 Not remembered: outputs with a reasoning split (templates such as Qwen3's drop past thinking, so
 the prefix cannot extend the output anyway), and outputs whose ids do not decode to their text
-(a stop string cut the text). Bound: ``max_entries`` turns (least recently used dropped first).
+(a stop string cut the text). Bound: ``max_entries`` turns in each table (least recently used
+dropped first), their ids kept as int32 arrays.
 """
 from __future__ import annotations
 
 import hashlib
+from array import array
 import json
 import threading
 from collections import OrderedDict
@@ -72,7 +74,7 @@ class Segment:
     """One remembered assistant turn placed in a prompt: its raw text and generated token ids."""
 
     text: str
-    ids: list[int]
+    ids: array  # int32 token ids (4 bytes each: 4,096 turns of 8k tokens stay ~130 MB)
     key: str = ""  # the message's key (:func:`message_key`)
 
 
@@ -126,7 +128,7 @@ class TurnTokens:
         else:
             return False
         key = message_key(content, calls)
-        seg = Segment(text, cand, key)
+        seg = Segment(text, array("i", cand), key)
         with self._lock:
             for table, k in ((self._items, key), (self._by_context, None if prompt is None else context_key(key, _text_hash(prompt)))):
                 if k is None:
@@ -191,7 +193,8 @@ class TurnTokens:
             seg = self._in_context(seg, so_far)
             texts.append(seg.text)
             so_far.update(seg.text.encode("utf-8", "surrogatepass"))
-            ids += self._encode(rendered[pos:at]) + seg.ids
+            ids += self._encode(rendered[pos:at])
+            ids += seg.ids
             pos = at + len(mark)
         tail = rendered[pos:]
         if _OPEN in tail:

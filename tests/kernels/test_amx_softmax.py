@@ -16,12 +16,19 @@ from sglite.kernels import cpu_attention
 HEADER = Path(cpu_attention.__file__).parent / "csrc" / "avx512_math.h"
 
 
-def exp2_deg3_coefficients():
-    """c3, c2, c1, c0 of exp2_deg3's Horner chain, as written in the header."""
+def exp2_deg3_coefficients(name="exp2_deg3("):
+    """c3, c2, c1, c0 of exp2_deg3's Horner chain (or exp2_deg3_maskz's), as written in the header."""
     src = HEADER.read_text()
-    body = src[src.index("inline __m512 exp2_deg3"):]
+    body = src[src.index("inline __m512 " + name):]
     body = body[:body.index("\n}\n")]
     return [float(c) for c in re.findall(r"_mm512_set1_ps\(([0-9.e+-]+)f\)", body)]
+
+
+def test_masked_exp2_uses_the_same_polynomial():
+    """exp2_deg3_maskz (the attention's form: the mask on the final VSCALEFPS) spells the same four
+    coefficients as exp2_deg3, which the next test evaluates."""
+    assert len(exp2_deg3_coefficients()) == 4
+    assert exp2_deg3_coefficients("exp2_deg3_maskz(") == exp2_deg3_coefficients()
 
 
 def test_exp2_polynomial_error_is_far_below_bf16_rounding():

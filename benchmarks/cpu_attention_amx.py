@@ -5,7 +5,10 @@
   prompt (causal), 4 x 100 over 300 (Gemma); each also with the K/V packed into tile layout once
   per call (the default) against once per task (``pack_kv=False``);
 - decode: 64 rows in 4 groups of 16 continuing one 600-token prefix each (the shared-prefix
-  serving workload), cascade (``cascade_min`` 64) against per row (0).
+  serving workload), cascade (``cascade_min`` 64) against per row (0);
+- chunks (``--cases chunks`` only): the four calls of a 2,048-token prompt under the engine's
+  512-token chunked prefill (512 new over 0, 512, 1,024 and 1,536 cached), AMX against AVX-512,
+  and their sum (one layer of the prompt's prefill).
 
     .venv/bin/python benchmarks/cpu_attention_amx.py [--threads N] [--repeats R] [--clock cpu]
 
@@ -66,8 +69,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
-    ap.add_argument("--cases", choices=("all", "extend", "decode"), default="all",
-                    help="which rows to time (the inputs are the same either way)")
+    ap.add_argument("--cases", choices=("all", "extend", "decode", "chunks"), default="all",
+                    help="which rows to time (the inputs of all / extend / decode are the same either way)")
     a = ap.parse_args()
     clock = time.process_time if a.clock == "cpu" else time.perf_counter
     torch.set_num_threads(a.threads)
@@ -75,10 +78,21 @@ def main() -> None:
         raise SystemExit("no AMX attention here (needs amx_tile + amx_bf16 and the kernel build)")
     g = torch.Generator().manual_seed(0)
     rows = []
+    if a.cases == "chunks":
+        tot_new = tot_old = 0.0
+        for pre in (0, 512, 1024, 1536):
+            args = extend_case(pre, 512, 1, 9, 3, 64, g)
+            new, old = [], []
+            for _ in range(3):
+                new.append(timed(lambda: cpu_attention.extend_attention(*args, amx=True), a.repeats, clock))
+                old.append(timed(lambda: cpu_attention.extend_attention(*args, amx=False), a.repeats, clock))
+            rows.append((f"extend 512 new over {pre} cached (9/3/64)", "AMX tiles", min(new), "AVX-512", min(old)))
+            tot_new, tot_old = tot_new + min(new), tot_old + min(old)
+        rows.append(("the four chunks of a 2,048-token prompt (one layer)", "AMX tiles", tot_new, "AVX-512", tot_old))
     for name, args in [("extend 8 x 62 over 700 (9/3/64)", extend_case(700, 62, 8, 9, 3, 64, g)),
                        ("extend 2,048-token prompt (9/3/64)", extend_case(0, 2048, 1, 9, 3, 64, g)),
                        ("extend 4 x 100 over 300 (4/1/256)", extend_case(300, 100, 4, 4, 1, 256, g))]:
-        if a.cases == "decode":
+        if a.cases in ("decode", "chunks"):
             continue
         new, old, per_task = [], [], []
         for _ in range(3):
@@ -90,7 +104,7 @@ def main() -> None:
         rows.append((name, "K/V packed once", min(new), "packed per task", min(per_task)))
     for name, args in [("decode 64 rows, 4 x 16 sharing 600 (9/3/64)", shared_decode_case(4, 16, 600, 9, 3, 64, g)),
                        ("decode 32 rows, 2 x 16 sharing 600 (4/1/256)", shared_decode_case(2, 16, 600, 4, 1, 256, g))]:
-        if a.cases == "extend":
+        if a.cases in ("extend", "chunks"):
             continue
         new, old = [], []
         for _ in range(3):

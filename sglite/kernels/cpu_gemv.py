@@ -55,8 +55,8 @@ code (a degree-6 polynomial exp, the tail masked), because torch's ``F.silu`` co
 vectorised body with Sleef's exp and the tail with ``std::exp``, so an element's bits depend on
 where the batch puts it (measured: 104 of 257 rows differ at row length 37, fp32).
 
-Build: :func:`.cpu_build.load_cpp` with ``-O3 -mavx512f -mavx512bw -mavx512vl -mavx512bf16
--ffp-contract=off`` (no compiler-fused multiply-adds: the code computes what it says),
+Build: :func:`.cpu_build.load_cpp` with ``-O3 -mavx512f -mavx512bw -mavx512vl -mavx512dq
+-mavx512bf16 -ffp-contract=off`` (DQ: silu's VREDUCEPS; every AVX-512 BF16 CPU has it) (no compiler-fused multiply-adds: the code computes what it says),
 only when ``/proc/cpuinfo`` lists ``avx512f``, ``avx512bw`` and ``avx512_bf16``; otherwise (or when
 the build fails) :func:`load` returns None and :func:`gemv` runs ``F.linear``.
 """
@@ -73,7 +73,7 @@ from .device import cpu_flags
 
 MAX_ROWS = 8  # rows of x the kernel takes (register budget: two float32 accumulators per row)
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
-CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-ffp-contract=off")
+CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-ffp-contract=off")
 
 
 @functools.lru_cache(maxsize=None)

@@ -379,7 +379,7 @@ def remember_output(ctx, prep: PreparedCall, text: str, output_ids: Optional[lis
     if memory is None or prep.plan.reasoning is not None:
         return
     calls = [(c["function"]["name"], c["function"]["arguments"]) for c in parsed.tool_calls]
-    memory.remember(parsed.content, calls, text, output_ids)
+    memory.remember(parsed.content, calls, text, output_ids, prompt=prep.prompt)
 
 
 # ----------------------------------------------------------------------------- outputs

@@ -171,9 +171,12 @@ def render_prompt(engine, messages: list[dict], plan: ToolPlan, add_generation_p
     if plan.mode == "none":
         return engine.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **kw)
     # whether the template shows the tools: judged on the messages as given (the calls kept as
-    # text name the tools themselves)
+    # text name the tools themselves), against the same messages rendered without tools, so a
+    # name that the messages mention (instructions saying "call get_weather") is not taken for
+    # the template's tool list
     text = engine.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=plan.tools, **kw)
-    if all(n in text for n in plan.names):
+    plain = engine.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kw)
+    if all(text.count(n) > plain.count(n) for n in plan.names):
         return text if msgs == messages else \
             engine.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tools=plan.tools, **kw)
     section = tools_system_prompt(plan.tools, plan.fmt)

@@ -19,13 +19,22 @@ and its token ids are spliced in where the placeholder lands: the prompt's ids a
 tokenizer's ids of the text between the spliced turns plus each turn's generated ids. Turn N+1's
 ids then extend turn N's prompt ids plus its output ids, token for token, whatever the template.
 
+The same message can come from several conversations (two agents asking for the same city get
+the same call) with different ids: where the model chose the split, it depends on the context.
+So each turn is also remembered under the prompt text it was generated from, and the splice
+takes, for each placeholder, the turn generated after exactly the text that precedes it (the
+conversation's own ids); only when no such turn is known (a template that renders the history
+differently from the prompt it generated after) the latest turn with that message is used.
+
 Not remembered: outputs with a reasoning split (templates such as Qwen3's drop past thinking, so
 the prefix cannot extend the output anyway), and outputs whose ids do not decode to their text
-(a stop string cut the text). Bound: ``max_entries`` turns (least recently used dropped first).
+(a stop string cut the text). Bound: ``max_entries`` turns in each table (least recently used
+dropped first), their ids kept as int32 arrays.
 """
 from __future__ import annotations
 
 import hashlib
+from array import array
 import json
 import threading
 from collections import OrderedDict
@@ -65,7 +74,20 @@ class Segment:
     """One remembered assistant turn placed in a prompt: its raw text and generated token ids."""
 
     text: str
-    ids: list[int]
+    ids: array  # int32 token ids (4 bytes each: 4,096 turns of 8k tokens stay ~130 MB)
+    key: str = ""  # the message's key (:func:`message_key`)
+
+
+def _text_hash(text: str = ""):
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass"))
+
+
+def context_key(key: str, prompt_hash) -> str:
+    """The key of a turn with message key ``key`` generated after the prompt text hashed in
+    ``prompt_hash`` (a sha256 object over its UTF-8 bytes, :func:`_text_hash`; not changed)."""
+    h = prompt_hash.copy()
+    h.update(b"\0" + key.encode())
+    return h.hexdigest()
 
 
 class TurnTokens:
@@ -82,7 +104,8 @@ class TurnTokens:
         if max_entries < 0:
             raise ValueError(f"max_entries: must be >= 0, got {max_entries}")
         self.tokenizer, self.max_entries = tokenizer, max_entries
-        self._items: OrderedDict[str, Segment] = OrderedDict()
+        self._items: OrderedDict[str, Segment] = OrderedDict()     # message key -> the latest turn
+        self._by_context: OrderedDict[str, Segment] = OrderedDict()  # context_key -> the turn
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -90,11 +113,12 @@ class TurnTokens:
             return len(self._items)
 
     def remember(self, content: Optional[str], calls: Sequence[tuple[str, Any]], text: str,
-                 output_ids: Optional[Sequence[int]]) -> bool:
+                 output_ids: Optional[Sequence[int]], prompt: Optional[str] = None) -> bool:
         """Remember one generated turn: the parsed message (``content``, ``calls``) the client
-        will send back, the output ``text`` and its ``output_ids``. A trailing stop token that is
-        not in the text (an end-of-turn token: the template writes it after the content) is left
-        out. Returns False (nothing kept) when the ids do not decode to ``text``."""
+        will send back, the output ``text`` and its ``output_ids``, and the ``prompt`` text it was
+        generated after (None: kept only as the latest turn of its message). A trailing stop token
+        that is not in the text (an end-of-turn token: the template writes it after the content)
+        is left out. Returns False (nothing kept) when the ids do not decode to ``text``."""
         if self.max_entries == 0 or not output_ids or not text:
             return False
         ids = list(output_ids)
@@ -104,11 +128,15 @@ class TurnTokens:
         else:
             return False
         key = message_key(content, calls)
+        seg = Segment(text, array("i", cand), key)
         with self._lock:
-            self._items.pop(key, None)
-            self._items[key] = Segment(text, cand)
-            while len(self._items) > self.max_entries:
-                self._items.popitem(last=False)
+            for table, k in ((self._items, key), (self._by_context, None if prompt is None else context_key(key, _text_hash(prompt)))):
+                if k is None:
+                    continue
+                table.pop(k, None)
+                table[k] = seg
+                while len(table) > self.max_entries:
+                    table.popitem(last=False)
         return True
 
     def lookup(self, msg: dict) -> Optional[Segment]:
@@ -122,6 +150,16 @@ class TurnTokens:
             if seg is not None:
                 self._items.move_to_end(key)
             return seg
+
+    def _in_context(self, seg: Segment, preceding) -> Segment:
+        """The turn of ``seg``'s message generated after exactly the text hashed in ``preceding``
+        (a sha256 object), else ``seg``."""
+        ck = context_key(seg.key, preceding)
+        with self._lock:
+            own = self._by_context.get(ck)
+            if own is not None:
+                self._by_context.move_to_end(ck)
+        return own or seg
 
     def substitute(self, messages: list[dict], keep_last: bool = False) -> tuple[list[dict], list[Segment]]:
         """Copies of ``messages`` where each remembered assistant message is a placeholder (its
@@ -141,16 +179,22 @@ class TurnTokens:
     def splice(self, rendered: str, segments: Sequence[Segment]) -> Optional[tuple[str, list[int]]]:
         """``(prompt text, prompt ids)`` of a prompt rendered from :meth:`substitute`'s messages:
         each placeholder replaced by its turn's raw text (and ids), the text between them
-        tokenized. None when a placeholder is missing, repeated or out of order (the template
-        dropped or moved a message: render the messages as they are instead)."""
-        texts, ids, pos = [], [], 0
+        tokenized; each turn is the one generated after exactly the text before it, where known
+        (see the module docstring). None when a placeholder is missing, repeated or out of order
+        (the template dropped or moved a message: render the messages as they are instead)."""
+        texts, ids, pos, so_far = [], [], 0, _text_hash()
         for i, seg in enumerate(segments):
             mark = f"{_OPEN}{i}{_CLOSE}"
             at = rendered.find(mark, pos)
             if at < 0 or rendered.find(mark, at + 1) >= 0:
                 return None
-            texts += [rendered[pos:at], seg.text]
-            ids += self._encode(rendered[pos:at]) + seg.ids
+            texts.append(rendered[pos:at])
+            so_far.update(texts[-1].encode("utf-8", "surrogatepass"))
+            seg = self._in_context(seg, so_far)
+            texts.append(seg.text)
+            so_far.update(seg.text.encode("utf-8", "surrogatepass"))
+            ids += self._encode(rendered[pos:at])
+            ids += seg.ids
             pos = at + len(mark)
         tail = rendered[pos:]
         if _OPEN in tail:

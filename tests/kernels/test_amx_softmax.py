@@ -16,20 +16,27 @@ from sglite.kernels import cpu_attention
 HEADER = Path(cpu_attention.__file__).parent / "csrc" / "avx512_math.h"
 
 
-def exp2_deg3_coefficients():
-    """c3, c2, c1, c0 of exp2_deg3's Horner chain, as written in the header."""
+def exp2_deg3_coefficients(name="exp2_deg3("):
+    """c3, c2, c1, c0 of exp2_deg3's Horner chain (or exp2_deg3_maskz's), as written in the header."""
     src = HEADER.read_text()
-    body = src[src.index("inline __m512 exp2_deg3"):]
+    body = src[src.index("inline __m512 " + name):]
     body = body[:body.index("\n}\n")]
     return [float(c) for c in re.findall(r"_mm512_set1_ps\(([0-9.e+-]+)f\)", body)]
 
 
+def test_masked_exp2_uses_the_same_polynomial():
+    """exp2_deg3_maskz (the attention's form: the mask on the final VSCALEFPS) spells the same four
+    coefficients as exp2_deg3, which the next test evaluates."""
+    assert len(exp2_deg3_coefficients()) == 4
+    assert exp2_deg3_coefficients("exp2_deg3_maskz(") == exp2_deg3_coefficients()
+
+
 def test_exp2_polynomial_error_is_far_below_bf16_rounding():
-    """Max relative error of p(r) against 2^r on [-1/2, 1/2] (the whole reduced range) in float32:
-    7.5e-5 as the header states, 26x below half a bf16 ulp (2^-9), the rounding every weight then
-    takes; scalef by 2^n adds no error (exact for results >= 2^-126)."""
+    """Max relative error of p(r) against 2^r on [0, 1) (the whole reduced range: r = x - floor(x))
+    in float32: 7.5e-5 as the header states, 26x below half a bf16 ulp (2^-9), the rounding every
+    weight then takes; scalef by 2^floor(x) adds no error (exact for results >= 2^-126)."""
     c3, c2, c1, c0 = exp2_deg3_coefficients()
-    r = np.linspace(-0.5, 0.5, 200001, dtype=np.float32)
+    r = np.linspace(0.0, 1.0, 200001, dtype=np.float32)[:-1]
     p = np.float32(c3)
     for c in (c2, c1, c0):
         p = (p * r + np.float32(c)).astype(np.float32)

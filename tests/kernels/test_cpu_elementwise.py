@@ -149,3 +149,34 @@ def test_dispatcher_routes_and_falls_back(ops, monkeypatch):
     torch.testing.assert_close(kernels.rms_norm(x3, w, 1e-6), F.rms_norm(x3, (64,), w, 1e-6))
     half = x.half()
     assert torch.equal(kernels.rms_norm(half, w.half(), 1e-6), F.rms_norm(half, (64,), w.half(), 1e-6))
+
+
+def test_bf16_rounding_of_denormals_and_nans_is_c10s(ops):
+    """The bf16 rounding (VCVTNEPS2BF16 unless a lane is a NaN or a float32 denormal, which the
+    instruction would flush or keep the payload of): sums x + r holding denormals, NaNs of either
+    sign, infinities and ordinary values, with the neighbours of each in the same 16 lanes, give
+    torch's bits (x + r rounded as c10::BFloat16: denormals kept, NaN as 0x7FC0); the RoPE of
+    denormal and NaN inputs as the reference's."""
+    vals = torch.tensor([1e-39, -1e-39, 1.5e-38, -3e-39, 1.0, -2.5, float("nan"), -float("nan"),
+                         float("inf"), -float("inf"), 3e38, 0.0, -0.0, 7.0, 1e-3, -1e-3] * 3)
+    x = vals.view(3, 16).bfloat16()
+    r = torch.roll(vals, 5).view(3, 16).bfloat16() * 0.0  # zeros: the sum is x itself, denormals included
+    r[2] = torch.randn(16).bfloat16()
+    s, _ = cpu_elementwise.add_rms_norm(x, r, torch.ones(16).bfloat16(), 1e-6)
+    want = x + r
+    same = (s.view(torch.int16) == want.view(torch.int16)) | (torch.isnan(s) & torch.isnan(want) & (s.view(torch.int16) == 0x7FC0))
+    assert bool(same.all())
+    # the same vector with no special lane takes VCVTNEPS2BF16: bits equal too
+    y = (torch.randn(4, 64) * 3).bfloat16()
+    s2, _ = cpu_elementwise.add_rms_norm(y, y.flip(0), torch.ones(64).bfloat16(), 1e-6)
+    assert torch.equal(s2, y + y.flip(0))
+    qk = torch.tensor([1e-39, float("nan"), 2.0, -1e-39] * 48).view(1, 3, 64).bfloat16()
+    v = torch.ones(1, 1, 64).bfloat16()
+    cos, sin = torch.full((1, 32), 0.5).bfloat16(), torch.full((1, 32), 0.25).bfloat16()
+    kb, vb = torch.zeros(4, 1, 64).bfloat16(), torch.zeros(4, 1, 64).bfloat16()
+    kb2, vb2 = kb.clone(), vb.clone()
+    loc = torch.tensor([2])
+    q = cpu_elementwise.rope_store_kv(qk, v, cos, sin, kb, vb, loc, 2)
+    q2 = reference.rope_store_kv(qk, v, cos, sin, kb2, vb2, loc, 2)
+    eq = lambda a, b: bool(((a.view(torch.int16) == b.view(torch.int16)) | (torch.isnan(a) & torch.isnan(b))).all())  # noqa: E731
+    assert eq(q, q2) and eq(kb, kb2) and torch.equal(vb, vb2)

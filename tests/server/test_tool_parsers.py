@@ -246,3 +246,34 @@ def test_mistral_args_form_cut_by_the_limit_is_an_incomplete_call():
     s.feed(text[:20])
     s.finish(text, "length")
     assert s.called and s.incomplete
+
+
+class _ChatML:
+    """A fake engine whose template is ChatML; ``shows_tools`` says whether it lists ``tools``."""
+
+    def __init__(self, shows_tools: bool):
+        self.shows_tools = shows_tools
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tools=None, **kw):
+        head = ""
+        if tools and self.shows_tools:
+            head = "<|im_start|>system\nTools: " + ", ".join(t["function"]["name"] for t in tools) + "<|im_end|>\n"
+        body = "".join(f"<|im_start|>{m['role']}\n{m.get('content') or ''}<|im_end|>\n" for m in messages)
+        return head + body + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+@pytest.mark.parametrize("shows_tools", [False, True], ids=["template-drops-tools", "template-lists-tools"])
+def test_tools_shown_even_when_the_instructions_name_them(shows_tools):
+    """A system message that names the tool ("call get_weather") must not pass for the
+    template's tool list: where the template drops ``tools`` the schema section is added (the
+    model sees the parameters), and where it lists them it is not added twice."""
+    from sglite.server.tool_calls import render_prompt
+
+    plan = ToolPlan("auto", [WEATHER])
+    msgs = [{"role": "system", "content": "Call get_weather for every city."},
+            {"role": "user", "content": "Weather in Oslo?"}]
+    text = render_prompt(_ChatML(shows_tools), msgs, plan)
+    schema = json.dumps(WEATHER["function"], ensure_ascii=False)
+    assert text.count(schema) == (0 if shows_tools else 1), text
+    assert text.count("get_weather") == 2  # the instructions, then the template's list or the schema section
+    assert text.startswith("<|im_start|>system\n" + ("Tools: get_weather" if shows_tools else "Call get_weather"))

@@ -100,3 +100,32 @@ def test_chat_completions_resent_history_carries_the_generated_ids():
     head = ids1 + list(reply.encode())
     assert second["input_ids"][:len(head)] == head
     assert "sunny" in second["text"] and reply in second["text"]
+
+
+def test_each_conversation_gets_its_own_ids_for_the_same_message(real_tokenizer):
+    """Two conversations make the same call with different splits (the model chose them in its
+    context); the one that ran last must not overwrite the other's: each resent history is
+    spliced with the ids generated after its own prompt, so both prefixes stay token-exact."""
+    tok = real_tokenizer
+    mem = TurnTokens(tok)
+    call = [("get_weather", '{"city": "Paris"}')]
+    msg = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_x", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    turns, ids_of = {}, {}
+    for conv, split in (("A", _non_canonical(tok, CALL_TEXT)), ("B", tok.encode(CALL_TEXT))):
+        turns[conv] = [{"role": "user", "content": f"Conversation {conv}: weather in Paris?"}]
+        prompt = tok.apply_chat_template(turns[conv], add_generation_prompt=True)
+        assert mem.remember(None, call, CALL_TEXT, split, prompt=prompt)
+        ids_of[conv] = tok.encode(prompt) + split
+    assert ids_of["A"][-5:] != ids_of["B"][-5:]
+    for conv in ("A", "B"):
+        history = turns[conv] + [msg, {"role": "tool", "tool_call_id": "call_x", "content": "sunny"}]
+        subst, segs = mem.substitute(history)
+        text, ids = mem.splice(tok.apply_chat_template(subst, add_generation_prompt=True), segs)
+        assert ids[:len(ids_of[conv])] == ids_of[conv], conv
+    # a history whose text before the call was never a prompt: the latest turn (B's split)
+    other = [{"role": "user", "content": "Another context"}, msg]
+    subst, segs = mem.substitute(other)
+    text, ids = mem.splice(tok.apply_chat_template(subst, add_generation_prompt=False), segs)
+    head, latest = tok.encode(tok.apply_chat_template(other[:1], add_generation_prompt=True)), tok.encode(CALL_TEXT)
+    assert ids[:len(head) + len(latest)] == head + latest

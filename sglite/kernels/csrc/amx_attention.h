@@ -37,6 +37,13 @@ namespace sglite_amx_attn {
 constexpr int KB = 256;       // keys per block at most (a multiple of 64; a short run packs and multiplies only the 64-key quads it fills)
 constexpr int kMaxRows = 64;  // query rows per call (4 row tiles)
 constexpr int kMaxDp = 256;   // padded head dim (a multiple of 32)
+// Row strides of the scratch (elements): one 64-byte line past a power of two, so the 16 rows a
+// tile load or store touches fall in 16 different L1 sets instead of 4 (a stride of 1 KiB, as
+// KB floats or kMaxDp floats, maps every row of a tile to the same 4 sets of the 64, and the 64
+// rows of acc or of the scores then overflow those sets' 12 ways: -11 % per call, docs/benchmarks.md).
+constexpr int kSld = KB + 16;      // w.s: float32 scores
+constexpr int kPld = KB + 32;      // w.p: bf16 weights
+constexpr int kAld = kMaxDp + 16;  // w.acc: float32 outputs
 
 // Tiles (sglite_tiles::configure()'s shapes): tmm0..3 C (16 x 16 float32), tmm4 and tmm6 A (16
 // rows x 32 bf16), tmm5 B (16 pair-rows x 16 columns).
@@ -48,14 +55,14 @@ struct Work {
   uint16_t* q;    // [kMaxRows][kMaxDp] bf16 queries (pre-scaled), zero past D and past the rows
   uint16_t* kt;   // K^T B tiles: [Dp / 32][KB / 16] tiles of 512 bf16
   uint16_t* vp;   // V B tiles: [KB / 32][Dp / 16] tiles of 512 bf16
-  float* s;       // [kMaxRows][KB] scores, then float32 weights
-  uint16_t* p;    // [kMaxRows][KB] bf16 weights (A tiles)
-  float* acc;     // [kMaxRows][kMaxDp] unnormalised outputs
+  float* s;       // [kMaxRows][kSld] scores (KB used)
+  uint16_t* p;    // [kMaxRows][kPld] bf16 weights (A tiles; KB used)
+  float* acc;     // [kMaxRows][kAld] unnormalised outputs (Dp used)
   alignas(64) float m[kMaxRows], l[kMaxRows], alpha[kMaxRows];
   alignas(64) int32_t qpos[kMaxRows];  // last visible key position of each row (INT32_MAX: all)
   Work() : q(aligned<uint16_t>(kMaxRows * kMaxDp)), kt(aligned<uint16_t>(kMaxDp / 32 * KB / 16 * 512)),
-           vp(aligned<uint16_t>(KB / 32 * kMaxDp / 16 * 512)), s(aligned<float>(kMaxRows * KB)),
-           p(aligned<uint16_t>(kMaxRows * KB)), acc(aligned<float>(kMaxRows * kMaxDp)) {}
+           vp(aligned<uint16_t>(KB / 32 * kMaxDp / 16 * 512)), s(aligned<float>(kMaxRows * kSld)),
+           p(aligned<uint16_t>(kMaxRows * kPld)), acc(aligned<float>(kMaxRows * kAld)) {}
   ~Work() { std::free(q); std::free(kt); std::free(vp); std::free(s); std::free(p); std::free(acc); }
   Work(const Work&) = delete;
   Work& operator=(const Work&) = delete;
@@ -67,7 +74,7 @@ inline void begin(Work& w, int R, int Dp) {
   const int Rp = (R + 15) & ~15;
   for (int r = 0; r < Rp; ++r) {
     std::memset(w.q + (size_t)r * kMaxDp, 0, sizeof(uint16_t) * Dp);
-    std::memset(w.acc + (size_t)r * kMaxDp, 0, sizeof(float) * Dp);
+    std::memset(w.acc + (size_t)r * kAld, 0, sizeof(float) * Dp);
     w.m[r] = -INFINITY; w.l[r] = 0.f; w.qpos[r] = -1;
   }
 }
@@ -240,6 +247,50 @@ inline void tile_zero_n(int t) {  // _tile_zero takes an immediate
   }
 }
 
+// The keys of one row in one block (by index in the block): lo_rel < t <= hi visible, chunks of 16
+// [c_lo, c_hi) touched at all.
+struct Span { int c_lo, c_hi; int32_t hi, lo_rel; };
+
+// Visible lanes of chunk c (keys 16c .. 16c + 15); all of them unless the chunk crosses an edge.
+inline __mmask16 chunk_mask(const Span& sp, int c) {
+  if (16 * c + 15 <= sp.hi && 16 * c > sp.lo_rel) return (__mmask16)0xFFFF;
+  const __m512i kp = _mm512_add_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(16 * c));
+  return _mm512_cmple_epi32_mask(kp, _mm512_set1_epi32(sp.hi)) & _mm512_cmpgt_epi32_mask(kp, _mm512_set1_epi32(sp.lo_rel));
+}
+
+// Lane-wise max of a row's visible scores s (-inf where none).
+inline __m512 row_max(const float* s, const Span& sp) {
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int c = sp.c_lo; c < sp.c_hi; ++c) mx = _mm512_mask_max_ps(mx, chunk_mask(sp, c), mx, _mm512_loadu_ps(s + 16 * c));
+  return mx;
+}
+
+// One row's weights 2^(s - m) (zero where not visible) as bf16 into p (chunks [0, nc)), their
+// lane-wise sums returned (float32, before rounding) and the visible scores' lane-wise max in mx.
+inline __m512 row_exp(const float* s, uint16_t* p, const Span& sp, int nc, float m, __m512& mx) {
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps(), mv = _mm512_set1_ps(-INFINITY);
+  for (int c = 0; c < nc; c += 2) {
+    __m512 e0 = _mm512_setzero_ps(), e1 = _mm512_setzero_ps();
+    if (c >= sp.c_lo && c < sp.c_hi) {
+      const __mmask16 k = chunk_mask(sp, c);
+      const __m512 v = _mm512_loadu_ps(s + 16 * c);
+      mv = _mm512_mask_max_ps(mv, k, mv, v);
+      e0 = sglite_simd::exp2_deg3_maskz(k, _mm512_sub_ps(v, vm));
+    }
+    if (c + 1 >= sp.c_lo && c + 1 < sp.c_hi) {
+      const __mmask16 k = chunk_mask(sp, c + 1);
+      const __m512 v = _mm512_loadu_ps(s + 16 * c + 16);
+      mv = _mm512_mask_max_ps(mv, k, mv, v);
+      e1 = sglite_simd::exp2_deg3_maskz(k, _mm512_sub_ps(v, vm));
+    }
+    sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+    _mm512_storeu_si512(p + 16 * c, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+  }
+  mx = mv;
+  return sum;
+}
+
 // One block of n keys at positions t0 .. t0 + n - 1 for rows [0, R): scores, mask, online softmax,
 // acc update. `full`: every row sees every key of the block (no masking needed).
 // kt / vp: the block's packed K^T and V tiles (pack_to's layout).
@@ -254,23 +305,25 @@ inline void block(Work& w, const uint16_t* kt, const uint16_t* vp, int R, int Dp
       _tile_loadd(5, kt + (size_t)(c * (KB / 16) + kg) * 512, 64);
       dp_row_tiles(Rt, w.q + 32 * c, kMaxDp);
     }
-    c_row_tiles<true>(Rt, w.s + 16 * kg, KB);
+    c_row_tiles<true>(Rt, w.s + 16 * kg, kSld);
   }
   // softmax, per 16 rows: per row the chunks of 16 keys it can see at all ([c_lo, c_hi): the rest
   // get zero weights and no exp), masks only on the chunks that cross the diagonal, the window's
-  // edge or the block's end; the rows' max vectors (one pass), reduced for the 16 rows at once; then
-  // 2^(s - m), bf16 weights and the sum vectors (a second pass), reduced likewise
+  // edge or the block's end. When every row that sees keys here already has a running max (every
+  // block after a row's first), one pass per row takes 2^(s - m_old), the bf16 weights, the sum
+  // and the block's max together; the 16 maxima are then reduced at once, and only a row whose max
+  // moved (past m_old + kTau: rare) is redone against its new max. Otherwise (a first block) a
+  // max pass comes first. Either way a row's weights are 2^(s - m_next) for the same m_next, bit
+  // for bit.
   alignas(64) float m_next[kMaxRows], rsum[kMaxRows], bmax[16];
   const __m512 ninf = _mm512_set1_ps(-INFINITY);
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const int nc = n64 / 16;
   for (int r0 = 0; r0 < Rt * 16; r0 += 16) {
-    __m512 red[16];
-    int c_lo[16], c_hi[16];
-    __mmask16 okm[16][KB / 16];
+    __m512 mx[16], sm[16];
+    Span sp[16];
+    bool seen = true;  // every row that sees a key here has a finite running max
     for (int i = 0; i < 16; ++i) {
       const int r = r0 + i;
-      float* s = w.s + (size_t)r * KB;
       // keys (by index in the block) lo_rel < t <= hi are visible
       int64_t hi = n - 1, lo_rel = -1;
       if (r >= R) hi = -1;  // padding rows: no weights
@@ -278,53 +331,41 @@ inline void block(Work& w, const uint16_t* kt, const uint16_t* vp, int R, int Dp
         hi = std::min<int64_t>(hi, (int64_t)w.qpos[r] - t0);
         if (window > 0) lo_rel = std::max<int64_t>(-1, std::min<int64_t>(KB, (int64_t)w.qpos[r] - window - t0));
       }
-      c_lo[i] = (int)std::max<int64_t>(0, (lo_rel + 1) / 16);
-      c_hi[i] = hi < 0 ? 0 : (int)(hi / 16 + 1);
-      red[i] = ninf;
-      if (c_lo[i] >= c_hi[i]) continue;
+      sp[i] = Span{(int)std::max<int64_t>(0, (lo_rel + 1) / 16), hi < 0 ? 0 : (int)(hi / 16 + 1), (int32_t)hi, (int32_t)lo_rel};
+      if (sp[i].c_lo >= sp[i].c_hi) continue;
+      if (w.m[r] == -INFINITY) seen = false;
       if (softcap > 0.f) {  // on log2-unit scores: cap' = cap log2(e) gives log2(e) cap tanh(s / cap)
+        float* s = w.s + (size_t)r * kSld;
         const float cap = softcap * kLog2e, inv = 1.f / cap;
-        for (int t = 16 * c_lo[i]; t < 16 * c_hi[i]; ++t) s[t] = cap * std::tanh(s[t] * inv);
+        for (int t = 16 * sp[i].c_lo; t < 16 * sp[i].c_hi; ++t) s[t] = cap * std::tanh(s[t] * inv);
       }
-      __m512 mx = ninf;
-      for (int c = c_lo[i]; c < c_hi[i]; ++c) {
-        __m512 v = _mm512_loadu_ps(s + 16 * c);
-        okm[i][c] = 0xFFFF;
-        if (16 * c + 15 > hi || 16 * c <= lo_rel) {
-          const __m512i kp = _mm512_add_epi32(lane, _mm512_set1_epi32(16 * c));
-          okm[i][c] = _mm512_cmple_epi32_mask(kp, _mm512_set1_epi32((int32_t)hi)) & _mm512_cmpgt_epi32_mask(kp, _mm512_set1_epi32((int32_t)lo_rel));
-          v = _mm512_mask_mov_ps(ninf, okm[i][c], v);
-        }
-        mx = _mm512_max_ps(mx, v);
-      }
-      red[i] = mx;
+    }
+    const __m512 mo = _mm512_load_ps(w.m + r0);
+    const __m512 lim = _mm512_add_ps(mo, _mm512_set1_ps(kTau));
+    if (seen) {
+      for (int i = 0; i < 16; ++i)
+        sm[i] = row_exp(w.s + (size_t)(r0 + i) * kSld, w.p + (size_t)(r0 + i) * kPld, sp[i], nc, w.m[r0 + i], mx[i]);
+    } else {
+      for (int i = 0; i < 16; ++i) mx[i] = row_max(w.s + (size_t)(r0 + i) * kSld, sp[i]);
     }
     // the running max moves only past m_old + kTau (also when m_old = -inf; a row that sees nothing
     // here, block max -inf, keeps its own)
-    const __m512 mo = _mm512_load_ps(w.m + r0), bm = reduce16<true>(red);
+    const __m512 bm = reduce16<true>(mx);
+    const __mmask16 moved = _mm512_cmp_ps_mask(bm, lim, _CMP_GT_OQ);
     _mm512_store_ps(bmax, bm);
-    _mm512_store_ps(m_next + r0, _mm512_mask_mov_ps(mo, _mm512_cmp_ps_mask(bm, _mm512_add_ps(mo, _mm512_set1_ps(kTau)), _CMP_GT_OQ), bm));
+    _mm512_store_ps(m_next + r0, _mm512_mask_mov_ps(mo, moved, bm));
     for (int i = 0; i < 16; ++i) {
-      uint16_t* p = w.p + (size_t)(r0 + i) * KB;
-      red[i] = _mm512_setzero_ps();
-      if (c_lo[i] >= c_hi[i] || bmax[i] == -INFINITY) {  // nothing visible
+      if (seen && !((moved >> i) & 1)) continue;
+      uint16_t* p = w.p + (size_t)(r0 + i) * kPld;
+      if (sp[i].c_lo >= sp[i].c_hi || bmax[i] == -INFINITY) {  // nothing visible
         std::memset(p, 0, sizeof(uint16_t) * KB);
+        sm[i] = _mm512_setzero_ps();
         continue;
       }
-      const float* s = w.s + (size_t)(r0 + i) * KB;
-      const __m512 vm = _mm512_set1_ps(m_next[r0 + i]);
-      const int lo = c_lo[i], hi = c_hi[i];
-      __m512 sum = _mm512_setzero_ps();
-      for (int c = 0; c < nc; c += 2) {
-        __m512 e0 = _mm512_setzero_ps(), e1 = _mm512_setzero_ps();
-        if (c >= lo && c < hi) e0 = _mm512_maskz_mov_ps(okm[i][c], sglite_simd::exp2_deg3(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * c), vm)));
-        if (c + 1 >= lo && c + 1 < hi) e1 = _mm512_maskz_mov_ps(okm[i][c + 1], sglite_simd::exp2_deg3(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * c + 16), vm)));
-        sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
-        _mm512_storeu_si512(p + 16 * c, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-      }
-      red[i] = sum;
+      __m512 unused;
+      sm[i] = row_exp(w.s + (size_t)(r0 + i) * kSld, p, sp[i], nc, m_next[r0 + i], unused);
     }
-    _mm512_store_ps(rsum + r0, reduce16<false>(red));
+    _mm512_store_ps(rsum + r0, reduce16<false>(sm));
   }
   // per 16 rows: alpha = 2^(m_old - m_new) (exactly 1 when the max stayed, 0 when m_old = -inf),
   // l = l * alpha + the block's sum
@@ -343,18 +384,18 @@ inline void block(Work& w, const uint16_t* kt, const uint16_t* vp, int R, int Dp
   for (int r = 0; r < R; ++r) {
     if (w.alpha[r] == 1.f) continue;
     const __m512 a = _mm512_set1_ps(w.alpha[r]);
-    float* ar = w.acc + (size_t)r * kMaxDp;
+    float* ar = w.acc + (size_t)r * kAld;
     for (int d = 0; d < Dp; d += 16) _mm512_storeu_ps(ar + d, _mm512_mul_ps(_mm512_loadu_ps(ar + d), a));
   }
   // acc += P . V: per 16-dim tile, C tiles 0..Rt-1 = the row tiles; each V tile is loaded once
   for (int dg = 0; dg < ndg; ++dg) {
     float* acc = w.acc + 16 * dg;
-    c_row_tiles<false>(Rt, acc, kMaxDp);
+    c_row_tiles<false>(Rt, acc, kAld);
     for (int kc = 0; kc < n64 / 32; ++kc) {
       _tile_loadd(5, vp + (size_t)(kc * ndg + dg) * 512, 64);
-      dp_row_tiles(Rt, w.p + 32 * kc, KB);
+      dp_row_tiles(Rt, w.p + 32 * kc, kPld);
     }
-    c_row_tiles<true>(Rt, acc, kMaxDp);
+    c_row_tiles<true>(Rt, acc, kAld);
   }
 }
 

@@ -21,19 +21,43 @@ inline __m512 exp_nonpos(__m512 x) {
 }
 
 // 2^x on 16 float32 lanes for finite x < 128 (2^x underflows to 0 below -149; -inf or NaN give
-// NaN: callers mask those lanes): n = round(x), r = x - n in [-1/2, 1/2] (exact), 2^n * p(r) with p
-// the degree-3 polynomial of least maximum relative error for 2^r on [-1/2, 1/2] (Remez exchange;
+// NaN: callers mask those lanes): r = x - floor(x) in [0, 1) by one VREDUCEPS (round down, exact),
+// p(r) the degree-3 polynomial of least maximum relative error for 2^r on [0, 1) (Remez exchange;
 // max relative error 7.5e-5 with these float32 coefficients, tests/kernels/test_amx_softmax.py
-// evaluates them from this file). For softmax weights that are rounded to bf16 (half an ulp: 2^-9
-// = 2.0e-3 relative, 26x larger); callers fold log2(e) into the scores (one multiply per query
-// element, none per score).
+// evaluates them from this file), and VSCALEFPS, which multiplies by 2^floor(x) itself: 5
+// instructions (against round, subtract, 3 FMAs and scale for a reduction to [-1/2, 1/2]). For
+// softmax weights that are rounded to bf16 (half an ulp: 2^-9 = 2.0e-3 relative, 26x larger);
+// callers fold log2(e) into the scores (one multiply per query element, none per score).
 inline __m512 exp2_deg3(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.0551716685f), r, _mm512_set1_ps(0.242611125f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.693260968f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.999928057f));
-  return _mm512_scalef_ps(p, n);
+  const __m512 r = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.0780245513f), r, _mm512_set1_ps(0.226067185f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.695833504f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.999925256f));
+  return _mm512_scalef_ps(p, x);
+}
+
+// exp2_deg3 on the lanes of k, zero elsewhere (the mask rides on the final scale: no extra
+// instruction; masked lanes may hold anything, -inf and NaN included).
+inline __m512 exp2_deg3_maskz(__mmask16 k, __m512 x) {
+  const __m512 r = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.0780245513f), r, _mm512_set1_ps(0.226067185f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.695833504f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.999925256f));
+  return _mm512_maskz_scalef_ps(k, p, x);
+}
+
+// 2^x on 16 float32 lanes for x in [-150, 126] (callers clamp): the floor form of exp2_deg3 with
+// the degree-5 polynomial of least maximum relative error for 2^r on [0, 1) (Remez exchange; max
+// relative error 1.6e-7 with these float32 coefficients, about one float32 ulp; evaluated by
+// tests/kernels/test_silu_fast.py from this file). 7 instructions against exp_nonpos's 13.
+inline __m512 exp2_deg5(__m512 x) {
+  const __m512 r = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.877576811e-03f), r, _mm512_set1_ps(8.989340626e-03f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.582631752e-02f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.401536107e-01f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.931530833e-01f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.999999404e-01f));
+  return _mm512_scalef_ps(p, x);
 }
 
 // gelu_tanh(x) = 0.5 x (1 + tanh(y)), y = sqrt(2/pi) (x + 0.044715 x^3) (Hendrycks & Gimpel 2016,

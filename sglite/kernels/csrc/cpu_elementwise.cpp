@@ -53,7 +53,18 @@ inline __m512 ld_bf16(const uint16_t* p, __mmask16 m) {  // bf16 bits -> float32
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 // float32 -> bf16 bits, round to nearest even, NaN -> 0x7FC0 (as c10::BFloat16's constructor).
+// With AVX512-BF16 one VCVTNEPS2BF16 (the same rounding; 2 uops against the integer form's 9,
+// the rounding being most of RoPE's and add_rms_norm's vector work) unless a lane is a NaN (it
+// keeps the sign and payload) or a float32 denormal (it flushes them to zero): one VFPCLASSPS
+// finds those and the integer form takes the vector (never, in a model's activations).
+inline __m256i rne_bf16_int(__m512 v);
 inline __m256i rne_bf16(__m512 v) {
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+  if (__builtin_expect(_mm512_fpclass_ps_mask(v, 0x01 | 0x20 | 0x80) == 0, 1)) return (__m256i)_mm512_cvtneps_pbh(v);
+#endif
+  return rne_bf16_int(v);
+}
+inline __m256i rne_bf16_int(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));

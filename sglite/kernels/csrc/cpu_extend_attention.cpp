@@ -184,7 +184,7 @@ bool run_task_amx(const Ext<uint16_t>& j, const Task& tk, const PackPlan& p, sgl
   else if (!A::walk(w, R, D, Dp, j.k + tk.h * j.ks1, j.ks0, j.v + tk.h * j.vs1, j.vs0, j.rt + j.rows[tk.b] * j.rts0, j.S,
                     kfirst, tk.kend, first_q, last_q, wnd, j.softcap))
     return false;
-  write_rows(j, tk, R, w.acc, A::kMaxDp, w.l);
+  write_rows(j, tk, R, w.acc, A::kAld, w.l);
   return true;
 }
 #else

@@ -263,13 +263,18 @@ torch::Tensor linear_invariant(torch::Tensor x, torch::Tensor w, c10::optional<t
 namespace {
 using sglite_simd::exp_nonpos;
 
-// silu(g) in float32 without overflow: e = e^-|g|, inv = 1/(1+e); sigmoid = inv for g >= 0, e * inv
-// otherwise (one division per 16 lanes; decode_layer.cpp's silu_mul computes the same).
+// silu(g) = g / (1 + 2^(-g log2 e)) in float32: exp2_deg5 (rel. error 1.6e-7) on the exponent
+// clamped to [-150, 126] (no overflow: g >= -87 is exact, below it the result is ~g 2^-126, as the
+// division form's e^-87 clamp gave), and the reciprocal by VRCP14PS and one Newton step (rel.
+// error ~2^-28) instead of a VDIVPS: -21 % per call (0.26 against 0.33 ms at 512 x 1536, one
+// thread), and on 786k N(0, 2) gates the same bf16 results, bit for bit, as the e^-|g| division
+// form it replaces (decode_layer.cpp's silu_mul keeps that form; F.silu agreement is tested).
 inline __m512 silu16(__m512 g) {
-  const __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), e));
-  const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-  return _mm512_mul_ps(g, _mm512_mask_mul_ps(inv, neg, e, inv));
+  const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(g, _mm512_set1_ps(-1.44269504088896341f)), _mm512_set1_ps(-150.f)),
+                                 _mm512_set1_ps(126.f));
+  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), sglite_simd::exp2_deg5(x));
+  const __m512 r = _mm512_rcp14_ps(d);
+  return _mm512_mul_ps(g, _mm512_fmadd_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(1.f)), r));
 }
 
 using sglite_simd::gelu_tanh16;  // avx512_math.h: decode_family.h's formula too
@@ -328,9 +333,15 @@ torch::Tensor act_mul(torch::Tensor g, torch::Tensor u, const char* who, Act act
   return out;
 }
 
-torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u) { return act_mul(g, u, "silu_mul", silu16); }
+// (the activation goes in as a lambda, a type of its own, so each instantiation inlines it: a plain
+// function pointer, the one type silu16 and gelu_tanh16 share, made it an indirect call per vector)
+torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u) {
+  return act_mul(g, u, "silu_mul", [](__m512 x) { return silu16(x); });
+}
 
 // out = gelu_tanh(g) * u (GeGLU's activation, Gemma's MLP), as silu_mul: the activation rounded to
 // the dtype before the product (as F.gelu(g, approximate="tanh") * u rounds), every element the same
 // vector code, row-strided halves read in place.
-torch::Tensor gelu_tanh_mul(torch::Tensor g, torch::Tensor u) { return act_mul(g, u, "gelu_tanh_mul", gelu_tanh16); }
+torch::Tensor gelu_tanh_mul(torch::Tensor g, torch::Tensor u) {
+  return act_mul(g, u, "gelu_tanh_mul", [](__m512 x) { return gelu_tanh16(x); });
+}

@@ -11,8 +11,9 @@
 // summed in float32: a third of the instructions of widening K / V to float32 (the bf16 pool
 // already holds them as bf16). The same rounding of the query as llama.cpp's CPU attention, which
 // converts q to the cache type.
+inline __mmask32 mask32(int rem) { return rem >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << rem) - 1); }
 inline __m512i load_bf16(const uint16_t* p, int rem) {  // 32 values; those at and past rem are zero
-  return _mm512_maskz_loadu_epi16(rem >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << rem) - 1), p);
+  return _mm512_maskz_loadu_epi16(mask32(rem), p);
 }
 
 // acc[g * stride] = the G lane-sum vectors of one bf16 key row kr (D values) against the G bf16
@@ -35,22 +36,39 @@ void scores_bf16(const Job<uint16_t>& j, const int32_t* slots, int64_t L, int h,
     for (int b = 0; b < NB; ++b)
       qv[g][b] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qf + g * j.Dp + 32 * b + 16), _mm512_loadu_ps(qf + g * j.Dp + 32 * b));
   const uint16_t* kh = j.k + h * j.ks1;
-  auto dots = [&](int64_t t, __m512* acc, int stride) {  // acc[g * stride] = the G lanes-sums of token t
-    key_dots<NB, G>(qv, kh + slots[t] * j.ks0, j.D, acc, stride);
+  const int64_t ks0 = j.ks0;
+  __mmask32 mk[NB];  // the blocks' load masks, once per call
+  for (int b = 0; b < NB; ++b) mk[b] = mask32(j.D - 32 * b);
+  // token t's G lane-sum vectors, by value (the accumulators stay in registers: no address taken)
+  auto dots = [&](int64_t t, __m512 (&a)[G]) {
+    const uint16_t* kr = kh + slots[t] * ks0;
+    __m512bh kv[NB];
+    for (int b = 0; b < NB; ++b) kv[b] = (__m512bh)_mm512_maskz_loadu_epi16(mk[b], kr + 32 * b);
+    for (int g = 0; g < G; ++g) {
+      __m512 x = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kv[0]);
+      for (int b = 1; b < NB; ++b) x = _mm512_dpbf16_ps(x, qv[g][b], kv[b]);
+      a[g] = x;
+    }
   };
   int64_t t = 0;
   for (; t + 4 <= L; t += 4) {
-    __m512 acc[G][4];
-    for (int u = 0; u < 4; ++u) {
-      if (t + u + kPrefetch < L) prefetch_row(kh + slots[t + u + kPrefetch] * j.ks0, j.D);
-      dots(t + u, &acc[0][u], 4);
+    __m512 a0[G], a1[G], a2[G], a3[G];
+    if (t + kPrefetch + 3 < L) {
+      for (int u = 0; u < 4; ++u) prefetch_row(kh + slots[t + u + kPrefetch] * ks0, j.D);
+    } else {
+      for (int u = 0; u < 4; ++u)
+        if (t + u + kPrefetch < L) prefetch_row(kh + slots[t + u + kPrefetch] * ks0, j.D);
     }
-    for (int g = 0; g < G; ++g) _mm_storeu_ps(sc + g * L + t, hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
+    dots(t, a0);
+    dots(t + 1, a1);
+    dots(t + 2, a2);
+    dots(t + 3, a3);
+    for (int g = 0; g < G; ++g) _mm_storeu_ps(sc + g * L + t, hsum4(a0[g], a1[g], a2[g], a3[g]));
   }
   for (; t < L; ++t) {
-    __m512 acc[G];
-    dots(t, acc, 1);
-    for (int g = 0; g < G; ++g) sc[g * L + t] = _mm512_reduce_add_ps(acc[g]);
+    __m512 a[G];
+    dots(t, a);
+    for (int g = 0; g < G; ++g) sc[g * L + t] = _mm512_reduce_add_ps(a[g]);
   }
 }
 
@@ -78,29 +96,41 @@ void values_bf16(const Job<uint16_t>& j, const int32_t* slots, int64_t L, int h,
     if (L & 1) pb[L] = 0;
   }
   const uint16_t* vh = j.v + h * j.vs1;
-  for (int64_t t = 0; t < L; t += 2) {
-    const bool two = t + 1 < L;
-    if (t + kPrefetch < L) prefetch_row(vh + slots[t + kPrefetch] * j.vs0, j.D);
-    if (t + 1 + kPrefetch < L) prefetch_row(vh + slots[t + 1 + kPrefetch] * j.vs0, j.D);
-    const uint16_t* v0 = vh + slots[t] * j.vs0;
-    const uint16_t* v1 = two ? vh + slots[t + 1] * j.vs0 : nullptr;
+  const int64_t vs0 = j.vs0;
+  __mmask32 mk[NB];  // the blocks' load masks, once per call
+  for (int b = 0; b < NB; ++b) mk[b] = mask32(j.D - 32 * b);
+  const uint16_t* pb[G];  // row g's bf16 weights
+  for (int g = 0; g < G; ++g) pb[g] = reinterpret_cast<const uint16_t*>(p + g * L);
+  // one token pair: v1 == nullptr for the last token of an odd row (its weight pair's second is 0)
+  auto pair = [&](int64_t t, const uint16_t* v0, const uint16_t* v1) {
     __m512bh lo[NB], hi[NB];
     for (int b = 0; b < NB; ++b) {
-      const __m512i a = load_bf16(v0 + 32 * b, j.D - 32 * b);
-      const __m512i c = two ? load_bf16(v1 + 32 * b, j.D - 32 * b) : _mm512_setzero_si512();
+      const __m512i a = _mm512_maskz_loadu_epi16(mk[b], v0 + 32 * b);
+      const __m512i c = v1 ? _mm512_maskz_loadu_epi16(mk[b], v1 + 32 * b) : _mm512_setzero_si512();
       lo[b] = (__m512bh)_mm512_unpacklo_epi16(a, c);
       hi[b] = (__m512bh)_mm512_unpackhi_epi16(a, c);
     }
     for (int g = 0; g < G; ++g) {
       uint32_t w;
-      std::memcpy(&w, reinterpret_cast<const uint16_t*>(p + g * L) + t, 4);  // (p[t], p[t + 1]) in bf16
+      std::memcpy(&w, pb[g] + t, 4);  // (p[t], p[t + 1]) in bf16
       const __m512bh pw = (__m512bh)_mm512_set1_epi32((int)w);
       for (int b = 0; b < NB; ++b) {
         acc[g][2 * b] = _mm512_dpbf16_ps(acc[g][2 * b], lo[b], pw);
         acc[g][2 * b + 1] = _mm512_dpbf16_ps(acc[g][2 * b + 1], hi[b], pw);
       }
     }
+  };
+  int64_t t = 0;
+  for (; t + 2 <= L; t += 2) {
+    if (t + 1 + kPrefetch < L) {
+      prefetch_row(vh + slots[t + kPrefetch] * vs0, j.D);
+      prefetch_row(vh + slots[t + 1 + kPrefetch] * vs0, j.D);
+    } else if (t + kPrefetch < L) {
+      prefetch_row(vh + slots[t + kPrefetch] * vs0, j.D);
+    }
+    pair(t, vh + slots[t] * vs0, vh + slots[t + 1] * vs0);
   }
+  if (t < L) pair(t, vh + slots[t] * vs0, nullptr);
   for (int g = 0; g < G; ++g)
     for (int b = 0; b < NB; ++b) {
       alignas(64) float tl[16], th[16];

@@ -187,7 +187,7 @@ bool own_keys(const sglite_amx_attn::Work& w, int r0, int D, const uint16_t* kh,
         pv[32 * b + 8 * (i / 4) + i % 4 + 4] = th[i];
       }
     }
-    const float* ar = w.acc + (size_t)(r0 + g) * A::kMaxDp;
+    const float* ar = w.acc + (size_t)(r0 + g) * A::kAld;
     const __m512 va = _mm512_set1_ps(alpha[g]), vi = _mm512_set1_ps(inv[g]);
     for (int d = 0; d < D; d += 16) {
       const __mmask16 m = D - d >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (D - d)) - 1);
@@ -301,7 +301,7 @@ void run_cascade(const Job<uint16_t>& j, int64_t B, int Hkv, int64_t max_len, co
                    j.out_bf16, nb < 0 ? nullptr : j.rt + j.rows[nb] * j.rts0 + gr.P, nb < 0 ? 0 : j.lens[nb] - gr.P);
         } else {
           for (int g = 0; g < G; ++g) mn[g] = A::m_natural(*w, r + g);
-          const Prefix pre{w->acc + (size_t)r * A::kMaxDp, A::kMaxDp, mn.data(), w->l + r};
+          const Prefix pre{w->acc + (size_t)r * A::kAld, A::kAld, mn.data(), w->l + r};
           ok = attend(j, tiled, b, t.h, qf.data(), sc.data(), acc.data(), gr.P, &pre);
         }
         if (!ok) bad = true;

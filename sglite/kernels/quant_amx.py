@@ -57,8 +57,8 @@ from .quant_layout import gather_input
 if TYPE_CHECKING:
     from .quant_linear import QuantLinearWeight
 
-REQUIRED_FLAGS = VNNI_FLAGS + ("amx_tile", "amx_bf16")
-CFLAGS = VNNI_CFLAGS + ("-mamx-tile", "-mamx-bf16")
+REQUIRED_FLAGS = VNNI_FLAGS + ("avx512dq", "amx_tile", "amx_bf16")  # avx512dq: the SwiGLU stage's VREDUCEPS
+CFLAGS = VNNI_CFLAGS + ("-mavx512dq", "-mamx-tile", "-mamx-bf16")
 
 
 @functools.lru_cache(maxsize=1)

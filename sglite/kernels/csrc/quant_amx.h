@@ -195,14 +195,17 @@ inline __m512 bf16_round(__m512 v) {
 }
 
 // bf16 of silu(bf16(g)) * bf16(u) for 16 float32 sums g, u: what the unfused path gives (the gate/up
-// GEMM's bf16 output, then cpu_gemv.cpp's silu_mul: silu16's formula, e = e^-|g| (exp_nonpos),
-// sigmoid = 1 / (1 + e) for g >= 0 and e / (1 + e) below, silu rounded to bf16, then the product).
+// GEMM's bf16 output, then cpu_gemv.cpp's silu_mul: silu rounded to bf16, then the product). The
+// silu is silu16's formula there, which it must stay equal to (tests/quant/test_quant_amx_prefill.py
+// compares the two paths bit for bit): g / (1 + 2^(-g log2 e)), the exponent clamped to [-150, 126],
+// exp2_deg5, the reciprocal by VRCP14PS and one Newton step.
 inline __m256i silu_bf16(__m512 g, __m512 u) {
   g = bf16_round(g);
-  const __m512 e = sglite_simd::exp_nonpos(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), e));
-  const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-  const __m512 s = bf16_round(_mm512_mul_ps(g, _mm512_mask_mul_ps(inv, neg, e, inv)));
+  const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(g, _mm512_set1_ps(-1.44269504088896341f)), _mm512_set1_ps(-150.f)),
+                                 _mm512_set1_ps(126.f));
+  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), sglite_simd::exp2_deg5(x));
+  const __m512 r = _mm512_rcp14_ps(d);
+  const __m512 s = bf16_round(_mm512_mul_ps(g, _mm512_fmadd_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(1.f)), r)));
   return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, bf16_round(u)));
 }
 

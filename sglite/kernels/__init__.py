@@ -5,7 +5,7 @@ from .dispatch import (apply_token_bitmask, decode_attention, extend_attention, 
                        add_rms_norm, rope_store_kv, moe_experts, moe_topk)
 from . import decode_fused  # noqa: F401  (fused CPU decode of quantized models)
 from . import decode_family  # noqa: F401  (its layer for the Llama-like families)
-from .matmul import LinearWeight, choose_impl, make_linear  # noqa: F401
+from .matmul import LinearWeight, choose_impl, linear_silu, make_linear  # noqa: F401
 from .quant_linear import QuantLinearWeight  # noqa: F401
 from .w8_linear import Fp8LinearWeight, Int8LinearWeight  # noqa: F401
 from .reference import bitmask_to_bool  # noqa: F401

@@ -96,7 +96,7 @@ def load(portable: bool = False):
     cflags = quant_cpu.CFLAGS_AVX + (("-mavx512vnni",) if quant_cpu.VNNI_FLAG in flags else ()) if simd \
         else quant_cpu.CFLAGS_PORTABLE
     if simd and all(f in flags for f in quant_amx.REQUIRED_FLAGS):
-        cflags = cflags + ("-mamx-tile", "-mamx-bf16")  # quant_amx.h: the many-row steps' tile GEMM
+        cflags = cflags + ("-mavx512dq", "-mamx-tile", "-mamx-bf16")  # quant_amx.h: the many-row steps' tile GEMM
     return load_cpp("sglite_decode_layer" + ("" if simd else "_portable"), read_source("decode_layer.cpp"), cflags,
                     functions=["decode_forward", "head_q8", "probe_gemvs", "decode_family_forward"])
 

@@ -32,6 +32,10 @@ Forcing: environment variable ``SGLITE_GEMM`` (read on every call, so tests can 
     ``vnni``             ``auto`` without the AMX path (A/B runs of the tile units).
 An unknown value raises ValueError naming the variable and the known values.
 
+SwiGLU from the gate/up product (``SGLITE_AMX_SILU``, read per call): ``auto`` (or unset) and ``1``
+let an ``amx_gemm`` product of a fused gate/up weight write ``silu(g) * u`` from its output stage
+(:func:`.quant_amx.gemm_silu_mul`, bit-identical), ``0`` keeps the product then ``silu_mul`` (A/B runs).
+
 Repacking for AMX (``SGLITE_AMX_REPACK``, read when a model is prepared): ``auto`` (or unset) and
 ``0`` keep no second copy: the ``amx_gemm`` path reads the 4/8-bit codes and dequantizes each
 32-block inside its K loop, beside the tile products (:mod:`.quant_amx`), which measured faster
@@ -73,6 +77,20 @@ AMX_MIN_ROWS = Q8_GEMV_MAX_ROWS + 1
 FUSED_LARGE_BYTES = 8 << 20  # codes past the 2 MiB L2: every 8-row block streams them again from L3/DRAM
 FUSED_AMX_MIN_ROWS_LARGE = Q8_GEMV_MAX_ROWS + 1
 FUSED_AMX_MIN_ROWS_8BIT = Q8_GEMV_MAX_ROWS + 1
+
+
+SILU_ENV = "SGLITE_AMX_SILU"
+
+
+def amx_silu() -> bool:
+    """Whether the ``amx_gemm`` path may write SwiGLU's activation straight from a fused gate/up
+    product (:func:`.quant_amx.gemm_silu_mul`, bit-identical to the product then ``silu_mul``):
+    ``SGLITE_AMX_SILU`` ``auto`` (or unset) or ``1`` yes, ``0`` no (A/B runs). Read per call. Raises
+    ValueError for an unknown value (naming it and the known ones)."""
+    v = os.environ.get(SILU_ENV, "").strip() or "auto"
+    if v not in ("auto", "0", "1"):
+        raise ValueError(f"{SILU_ENV} must be one of auto|0|1, got {v!r}")
+    return v != "0"
 
 
 REPACK_ENV = "SGLITE_AMX_REPACK"

@@ -249,6 +249,16 @@ def linear(x: torch.Tensor, weight: Union[LinearWeight, QuantLinearWeight, torch
     return IMPLS[weight.impl](x, weight)
 
 
+def linear_silu(x: torch.Tensor, weight: Union[LinearWeight, QuantLinearWeight]) -> Optional[torch.Tensor]:
+    """SwiGLU's activation ``silu(g) * u`` [M, I] straight from a fused gate/up ``weight`` [2I, K]
+    (``g, u = linear(x, weight).chunk(2, -1)``) where its implementation writes it from the GEMM's
+    output stage: ``quant_cpp`` tiled weights on the AMX path (:func:`.quant_cpu.linear_silu_mul`,
+    bit-identical to :func:`linear` then ``silu_mul``). None otherwise: the caller runs both."""
+    if isinstance(weight, QuantLinearWeight) and weight.impl == "quant_cpp" and x.device.type == "cpu":
+        return quant_cpu.linear_silu_mul(x, weight)
+    return None
+
+
 def probe_times(weights: list[torch.Tensor], candidates: tuple[str, ...] = ("off", "fp16", "cpp"),
                 reps: int = 3) -> dict[str, float]:
     """Seconds for one-row products against every matrix of ``weights`` ([N, K] bf16, CPU), best

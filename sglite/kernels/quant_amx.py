@@ -16,7 +16,12 @@ dequantized copy of the weight.
     2. every 32 activation rows (zero-padded to a multiple of 32) meet the pair in four 16 x 16
        float32 accumulator tiles, one ``TDPBF16PS`` per (row tile, weight tile, 32-block): 16 x 16 x 32
        multiply-adds an instruction;
-    3. the accumulators are rounded once to bf16 (``VCVTNEPS2BF16``).
+    3. the accumulators are rounded once to bf16 (``VCVTNEPS2BF16``), a chunk's rows written while
+       the next chunk's products run. With K <= 640 each pair sweeps the chunks of a 128-row block
+       in turn (its tiles stay in L1; the activation tiles stream from L2).
+``gemm_silu_mul(x, w)``: a fused gate/up weight's product written as SwiGLU's activation
+``silu(g) * u`` [M, I] by step 3 (no [M, 2I] output, no second pass), bit-identical to :func:`gemm`
+then ``silu_mul``; the ``llama`` MLP takes it through ``kernels.linear_silu``.
 So the dequantization (about 9 vector instructions per 32 weights) runs beside the tile products;
 below :data:`.gemm_paths.AMX_MIN_ROWS` rows the int8 GEMV/GEMM of :mod:`.quant_gemm` is used (the
 dispatcher's threshold, measured).
@@ -52,8 +57,8 @@ from .quant_layout import gather_input
 if TYPE_CHECKING:
     from .quant_linear import QuantLinearWeight
 
-REQUIRED_FLAGS = VNNI_FLAGS + ("amx_tile", "amx_bf16")
-CFLAGS = VNNI_CFLAGS + ("-mamx-tile", "-mamx-bf16")
+REQUIRED_FLAGS = VNNI_FLAGS + ("avx512dq", "amx_tile", "amx_bf16")  # avx512dq: the SwiGLU stage's VREDUCEPS
+CFLAGS = VNNI_CFLAGS + ("-mavx512dq", "-mamx-tile", "-mamx-bf16")
 
 
 @functools.lru_cache(maxsize=1)
@@ -63,7 +68,7 @@ def load():
     if not all(f in cpu_flags() for f in REQUIRED_FLAGS):
         return None
     mod = load_cpp("sglite_quant_amx", read_source("quant_amx.cpp"), CFLAGS,
-                   functions=["quant_gemm_amx", "quant_amx_pack", "quant_amx_init"])
+                   functions=["quant_gemm_amx", "quant_gemm_amx_silu", "quant_amx_pack", "quant_amx_init"])
     if mod is None or not mod.quant_amx_init():
         return None
     return mod
@@ -95,6 +100,40 @@ def gemm(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
     packed = packed_arg(w)
     return call_tiled(lambda *a: mod.quant_gemm_amx(*a, packed), gather_input(x, w).to(torch.bfloat16), x, w,
                       x.dtype == torch.bfloat16)
+
+
+def gemm_silu_mul(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
+    """SwiGLU's activation straight from a fused gate/up weight on the AMX tiles: ``silu(g) * u`` for
+    ``g, u = (x @ W.T).chunk(2, -1)``, written by the GEMM's output stage instead of a [M, 2I] product
+    and a second pass (each up pair's 32 x 32 sums meet the gate pair's in a per-thread buffer).
+    Bit-identical to :func:`gemm`'s bf16 output followed by :func:`.cpu_gemv.silu_mul` (its formula:
+    bf16 g and u, silu rounded to bf16, then the product rounded); :func:`silu_reference` in torch.
+
+    Args:
+        x: [M, K] bf16, logical channel order.
+        w: a tiled gate/up weight [2I, K] (:func:`supports`), gate rows first, no bias, I % 32 == 0.
+    Returns:
+        [M, I] bf16.
+    Raises:
+        RuntimeError: AMX is unavailable here or ``w`` is not tiled (names the field).
+        ValueError: ``x`` is not bf16, ``w`` has a bias, or 2I is not a multiple of 64."""
+    mod = _loaded_for(w)
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"quant_amx.gemm_silu_mul: x must be bf16, got {x.dtype}")
+    if w.bias is not None or w.shape[0] % 64:
+        raise ValueError(f"quant_amx.gemm_silu_mul: the gate/up weight needs no bias and out_features % 64 == 0, "
+                         f"got {w.shape[0]} (bias {w.bias is not None})")
+    if x.shape[0] == 0:
+        return x.new_zeros((0, w.shape[0] // 2))
+    mins = torch.empty(0) if w.mins is None else w.mins
+    return mod.quant_gemm_amx_silu(gather_input(x, w), w.qweight, w.scales, mins, w.bits, w.group_size, packed_arg(w))
+
+
+def silu_reference(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
+    """Torch reference of :func:`gemm_silu_mul`: :func:`reference`'s sums rounded to bf16, split into
+    g and u, then ``F.silu(g)`` rounded to bf16 times u, rounded to bf16; [M, I] bf16."""
+    g, u = reference(x, w).bfloat16().float().chunk(2, dim=-1)
+    return (F.silu(g).bfloat16().float() * u).bfloat16()
 
 
 NO_PACKED = torch.empty(0, dtype=torch.int16)  # the C++ ops' "no repacked copy": dequantize per call

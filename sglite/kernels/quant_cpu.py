@@ -37,7 +37,7 @@ Build: :func:`.cpu_build.load_cpp`, with ``-mavx512f -mavx512bw -mavx512vl -mavx
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
@@ -132,6 +132,20 @@ def dequantize(w: QuantLinearWeight, dtype: torch.dtype = torch.float32, portabl
     w = w.untiled()
     out = _mod(portable).quant_dequant(w.qweight, _scales(w), _mins(w), w.bits, w.group_size, dtype == torch.bfloat16)
     return out if out.dtype == dtype else out.to(dtype)
+
+
+def linear_silu_mul(x: torch.Tensor, w: QuantLinearWeight) -> Optional[torch.Tensor]:
+    """SwiGLU's activation [M, I] of a fused gate/up weight [2I, K] through the AMX GEMM's silu
+    output stage (:func:`.quant_amx.gemm_silu_mul`) when :func:`linear` would take ``amx_gemm`` for
+    these rows and :func:`.gemm_paths.amx_silu` allows it (tiled, no bias, 2I % 64 == 0, bf16 x);
+    None otherwise (the caller runs :func:`linear` and ``silu_mul``)."""
+    m = x.shape[0]
+    if not (w.tiled and m >= 1 and x.dtype == torch.bfloat16 and w.bias is None and w.shape[0] % 64 == 0
+            and gemm_paths.amx_silu() and quant_amx.available()):
+        return None
+    if gemm_paths.quant_path(m, True, quant_gemm.available(), True) != "amx_gemm":
+        return None
+    return quant_amx.gemm_silu_mul(x, w)
 
 
 def linear(x: torch.Tensor, w: QuantLinearWeight, invariant: bool = False, portable: bool = False) -> torch.Tensor:

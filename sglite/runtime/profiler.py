@@ -52,7 +52,7 @@ CATEGORIES = (("GEMM", ("sglite::gemm",)),
               ("scheduling (plan + batch tensors)", ("sglite::schedule", "sglite::build_batch")),
               ("output (detokenize, stop checks)", ("sglite::process",)))
 OTHER = "Python/other"
-_PROBES = {"linear": "sglite::gemm", "decode_attention": "sglite::attention",
+_PROBES = {"linear": "sglite::gemm", "linear_silu": "sglite::gemm", "decode_attention": "sglite::attention",
            "extend_attention": "sglite::attention", "store_kv": "sglite::attention",
            "rms_norm": "sglite::elementwise", "silu_mul": "sglite::elementwise",
            "gelu_tanh_mul": "sglite::elementwise", "add_rms_norm": "sglite::elementwise",

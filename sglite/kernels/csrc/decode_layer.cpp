@@ -13,11 +13,12 @@
 #include <c10/util/BFloat16.h>
 #include "quant_rows.h"
 #include "thread_pool.h"
-#include "quant_amx.h"
-#include "lora_fused.h"
+// avx512_math.h before quant_amx.h, which uses it (read_source splices a header once)
 #ifdef SGQ_AVX512
 #include "avx512_math.h"
 #endif
+#include "quant_amx.h"
+#include "lora_fused.h"
 
 namespace {
 

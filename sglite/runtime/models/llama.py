@@ -322,6 +322,10 @@ class LlamaModel:
     def _mlp(self, h: torch.Tensor, L: dict, li: int, fb: ForwardBatch) -> torch.Tensor:
         """The feed-forward block of layer ``li`` (weights ``L``) on normed rows h [N, H] -> [N, H]
         (before the tensor-parallel reduce), with the rows' LoRA deltas when ``fb`` has adapters."""
+        if fb.lora is None and not self.batch_invariant:  # silu(g) * u from the gate/up GEMM's output stage
+            act = kernels.linear_silu(h, L["gate_up"])  # None where the weight's implementation has none
+            if act is not None:
+                return self._lin(act, L, "down", li, fb)
         g, u = self._lin(h, L, "gate_up", li, fb).chunk(2, dim=-1)  # [N, I] each
         return self._lin(kernels.silu_mul(g, u, batch_invariant=self.batch_invariant), L, "down", li, fb)
 

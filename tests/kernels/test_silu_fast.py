@@ -1,4 +1,4 @@
-"""silu_mul's activation (csrc/cpu_gemv.cpp silu16): g / (1 + 2^(-g log2 e)) with the degree-5 exp2
+"""silu_mul's activation (csrc/avx512_math.h silu16, used by cpu_gemv.cpp and quant_amx.h): g / (1 + 2^(-g log2 e)) with the degree-5 exp2
 polynomial of csrc/avx512_math.h (exp2_deg5, read from the header and evaluated in float32) and a
 Newton-refined VRCP14PS reciprocal, against float64 oracles; bf16 results stay equal to
 F.silu(g) * u (tests/kernels/test_gemv.py) and the float32 ones within a few float32 ulps."""

@@ -60,6 +60,20 @@ inline __m512 exp2_deg5(__m512 x) {
   return _mm512_scalef_ps(p, x);
 }
 
+// silu(g) = g / (1 + 2^(-g log2 e)) on 16 float32 lanes (Elfwing et al. 2018, "SiLU"): exp2_deg5
+// (rel. error 1.6e-7) on the exponent clamped to [-150, 126] (no overflow: g >= -87 is exact, below
+// it the result is ~g 2^-126, as the division form's e^-87 clamp gave), and the reciprocal by
+// VRCP14PS and one Newton step (rel. error ~2^-28) instead of a VDIVPS. The one silu of the bf16
+// SwiGLU paths: cpu_gemv.cpp's silu_mul and quant_amx.h's gate/up output stage both call it, so the
+// fused stage equals the product followed by silu_mul bit for bit.
+inline __m512 silu16(__m512 g) {
+  const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(g, _mm512_set1_ps(-1.44269504088896341f)), _mm512_set1_ps(-150.f)),
+                                 _mm512_set1_ps(126.f));
+  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), exp2_deg5(x));
+  const __m512 r = _mm512_rcp14_ps(d);
+  return _mm512_mul_ps(g, _mm512_fmadd_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(1.f)), r));
+}
+
 // gelu_tanh(x) = 0.5 x (1 + tanh(y)), y = sqrt(2/pi) (x + 0.044715 x^3) (Hendrycks & Gimpel 2016,
 // the tanh approximation; torch's gelu(approximate="tanh")) on 16 float32 lanes: tanh(|y|) =
 // (1 - e) / (1 + e) with e = e^(-2|y|) (exp_nonpos: abs. error ~1e-7), sign restored.

@@ -196,16 +196,11 @@ inline __m512 bf16_round(__m512 v) {
 
 // bf16 of silu(bf16(g)) * bf16(u) for 16 float32 sums g, u: what the unfused path gives (the gate/up
 // GEMM's bf16 output, then cpu_gemv.cpp's silu_mul: silu rounded to bf16, then the product). The
-// silu is silu16's formula there, which it must stay equal to (tests/quant/test_quant_amx_prefill.py
-// compares the two paths bit for bit): g / (1 + 2^(-g log2 e)), the exponent clamped to [-150, 126],
-// exp2_deg5, the reciprocal by VRCP14PS and one Newton step.
+// silu is the same sglite_simd::silu16 (avx512_math.h; tests/quant/test_quant_amx_prefill.py
+// compares the two paths bit for bit).
 inline __m256i silu_bf16(__m512 g, __m512 u) {
   g = bf16_round(g);
-  const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(g, _mm512_set1_ps(-1.44269504088896341f)), _mm512_set1_ps(-150.f)),
-                                 _mm512_set1_ps(126.f));
-  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), sglite_simd::exp2_deg5(x));
-  const __m512 r = _mm512_rcp14_ps(d);
-  const __m512 s = bf16_round(_mm512_mul_ps(g, _mm512_fmadd_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(1.f)), r)));
+  const __m512 s = bf16_round(sglite_simd::silu16(g));
   return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, bf16_round(u)));
 }
 

@@ -253,7 +253,9 @@ def linear_silu(x: torch.Tensor, weight: Union[LinearWeight, QuantLinearWeight])
     """SwiGLU's activation ``silu(g) * u`` [M, I] straight from a fused gate/up ``weight`` [2I, K]
     (``g, u = linear(x, weight).chunk(2, -1)``) where its implementation writes it from the GEMM's
     output stage: ``quant_cpp`` tiled weights on the AMX path (:func:`.quant_cpu.linear_silu_mul`,
-    bit-identical to :func:`linear` then ``silu_mul``). None otherwise: the caller runs both."""
+    bit-identical to :func:`linear` then ``silu_mul``). x: [M, K] bf16 (other dtypes: None); returns
+    [M, I] bf16, or None otherwise (the caller runs both). Raises nothing of its own: a weight it
+    cannot take is None, not an error."""
     if isinstance(weight, QuantLinearWeight) and weight.impl == "quant_cpp" and x.device.type == "cpu":
         return quant_cpu.linear_silu_mul(x, weight)
     return None

@@ -138,7 +138,8 @@ def linear_silu_mul(x: torch.Tensor, w: QuantLinearWeight) -> Optional[torch.Ten
     """SwiGLU's activation [M, I] of a fused gate/up weight [2I, K] through the AMX GEMM's silu
     output stage (:func:`.quant_amx.gemm_silu_mul`) when :func:`linear` would take ``amx_gemm`` for
     these rows and :func:`.gemm_paths.amx_silu` allows it (tiled, no bias, 2I % 64 == 0, bf16 x);
-    None otherwise (the caller runs :func:`linear` and ``silu_mul``)."""
+    x: [M, K] bf16 -> [M, I] bf16; None otherwise (the caller runs :func:`linear` and ``silu_mul``).
+    Every condition is checked here, so :func:`.quant_amx.gemm_silu_mul`'s errors are not reached."""
     m = x.shape[0]
     if not (w.tiled and m >= 1 and x.dtype == torch.bfloat16 and w.bias is None and w.shape[0] % 64 == 0
             and gemm_paths.amx_silu() and quant_amx.available()):

@@ -29,18 +29,23 @@ def _mins(w):
     return torch.empty(0) if w.mins is None else w.mins
 
 
-def _check_rows(w, k, rows, threads):
+def _inputs(k, rows, threads):
+    """(m, x [m, k] bf16 seeded by m) for each row count, with torch (and sglite's pool) at ``threads``."""
     prev = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
         for m in rows:
-            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
-            r = quant_amx.reference(x, w)
-            y32 = quant_amx.load().quant_gemm_amx(x, w.qweight, w.scales, _mins(w), w.bits, w.group_size, False, NONE)
-            assert (y32 - r).abs().max().item() <= 2e-6 * k ** 0.5 * (r.abs().max().item() + 1e-6), (m, threads)
-            assert torch.equal(quant_amx.gemm(x, w), y32.bfloat16()), (m, threads)  # one rounding of the sums
+            yield m, torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
     finally:
         torch.set_num_threads(prev)
+
+
+def _check_rows(w, k, rows, threads):
+    for m, x in _inputs(k, rows, threads):
+        r = quant_amx.reference(x, w)
+        y32 = quant_amx.load().quant_gemm_amx(x, w.qweight, w.scales, _mins(w), w.bits, w.group_size, False, NONE)
+        assert (y32 - r).abs().max().item() <= 2e-6 * k ** 0.5 * (r.abs().max().item() + 1e-6), (m, threads)
+        assert torch.equal(quant_amx.gemm(x, w), y32.bfloat16()), (m, threads)  # one rounding of the sums
 
 
 @amx
@@ -68,23 +73,17 @@ def test_prefill_shapes_match_the_reference(type_name):
 
 
 def _silu_check(w, k, rows, threads=1):
-    prev = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
-        for m in rows:
-            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
-            act = quant_amx.gemm_silu_mul(x, w)
-            assert act.shape == (m, w.shape[0] // 2) and act.dtype == torch.bfloat16
-            g, u = quant_amx.gemm(x, w).chunk(2, dim=-1)
-            assert torch.equal(act, cpu_gemv.silu_mul(g, u)), (m, threads)  # the unfused path, bit for bit
-            ref = quant_amx.silu_reference(x, w).float()
-            # the tile order of the float32 sums (or the kernel's exp, rel. error ~2e-7) may move g, u or
-            # silu(g) by one bf16 step (2^-8 relative) before the product's own rounding
-            gr, ur = quant_amx.reference(x, w).chunk(2, dim=-1)
-            tol = 2 ** -6 * (ref.abs() + (gr * ur).abs()) + 1e-6
-            assert ((act.float() - ref).abs() <= tol).all(), (m, threads)
-    finally:
-        torch.set_num_threads(prev)
+    for m, x in _inputs(k, rows, threads):
+        act = quant_amx.gemm_silu_mul(x, w)
+        assert act.shape == (m, w.shape[0] // 2) and act.dtype == torch.bfloat16
+        g, u = quant_amx.gemm(x, w).chunk(2, dim=-1)
+        assert torch.equal(act, cpu_gemv.silu_mul(g, u)), (m, threads)  # the unfused path, bit for bit
+        ref = quant_amx.silu_reference(x, w).float()
+        # the tile order of the float32 sums (or the kernel's exp, rel. error ~2e-7) may move g, u or
+        # silu(g) by one bf16 step (2^-8 relative) before the product's own rounding
+        gr, ur = quant_amx.reference(x, w).chunk(2, dim=-1)
+        tol = 2 ** -6 * (ref.abs() + (gr * ur).abs()) + 1e-6
+        assert ((act.float() - ref).abs() <= tol).all(), (m, threads)
 
 
 @amx

@@ -16,16 +16,18 @@ inline __m512i load_bf16(const uint16_t* p, int rem) {  // 32 values; those at a
   return _mm512_maskz_loadu_epi16(mask32(rem), p);
 }
 
-// acc[g * stride] = the G lane-sum vectors of one bf16 key row kr (D values) against the G bf16
-// queries qv[g][0 .. NB) (VDPBF16PS, float32 sums; hsum4 / a lane sum finishes each score).
+// a[g] = the G lane-sum vectors of one bf16 key row kr against the G bf16 queries qv[g][0 .. NB)
+// (VDPBF16PS, float32 sums; hsum4 / a lane sum finishes each score); mk: the 32-value blocks' load
+// masks (mask32(D - 32 b), made once per call). By value: the accumulators stay in registers
+// (an address-taken array with a stride was kept on the stack).
 template <int NB, int G>
-inline void key_dots(const __m512bh (&qv)[G][NB], const uint16_t* kr, int D, __m512* acc, int stride) {
+inline void key_dots(const __m512bh (&qv)[G][NB], const uint16_t* kr, const __mmask32 (&mk)[NB], __m512 (&a)[G]) {
   __m512bh kv[NB];
-  for (int b = 0; b < NB; ++b) kv[b] = (__m512bh)load_bf16(kr + 32 * b, D - 32 * b);
+  for (int b = 0; b < NB; ++b) kv[b] = (__m512bh)_mm512_maskz_loadu_epi16(mk[b], kr + 32 * b);
   for (int g = 0; g < G; ++g) {
-    __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kv[0]);
-    for (int b = 1; b < NB; ++b) a = _mm512_dpbf16_ps(a, qv[g][b], kv[b]);
-    acc[g * stride] = a;
+    __m512 x = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kv[0]);
+    for (int b = 1; b < NB; ++b) x = _mm512_dpbf16_ps(x, qv[g][b], kv[b]);
+    a[g] = x;
   }
 }
 
@@ -39,17 +41,7 @@ void scores_bf16(const Job<uint16_t>& j, const int32_t* slots, int64_t L, int h,
   const int64_t ks0 = j.ks0;
   __mmask32 mk[NB];  // the blocks' load masks, once per call
   for (int b = 0; b < NB; ++b) mk[b] = mask32(j.D - 32 * b);
-  // token t's G lane-sum vectors, by value (the accumulators stay in registers: no address taken)
-  auto dots = [&](int64_t t, __m512 (&a)[G]) {
-    const uint16_t* kr = kh + slots[t] * ks0;
-    __m512bh kv[NB];
-    for (int b = 0; b < NB; ++b) kv[b] = (__m512bh)_mm512_maskz_loadu_epi16(mk[b], kr + 32 * b);
-    for (int g = 0; g < G; ++g) {
-      __m512 x = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kv[0]);
-      for (int b = 1; b < NB; ++b) x = _mm512_dpbf16_ps(x, qv[g][b], kv[b]);
-      a[g] = x;
-    }
-  };
+  auto dots = [&](int64_t t, __m512 (&a)[G]) { key_dots<NB, G>(qv, kh + slots[t] * ks0, mk, a); };
   int64_t t = 0;
   for (; t + 4 <= L; t += 4) {
     __m512 a0[G], a1[G], a2[G], a3[G];

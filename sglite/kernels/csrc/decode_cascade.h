@@ -101,24 +101,27 @@ bool own_keys(const sglite_amx_attn::Work& w, int r0, int D, const uint16_t* kh,
   __m512bh qv[G][NB];
   for (int g = 0; g < G; ++g)
     for (int b = 0; b < NB; ++b) qv[g][b] = (__m512bh)_mm512_loadu_si512(w.q + (size_t)(r0 + g) * A::kMaxDp + 32 * b);
-  auto dots = [&](int64_t t, __m512* acc, int stride) {  // acc[g * stride]: the G heads' lane sums of key t
-    key_dots<NB, G>(qv, kh + slots[t] * s0k, D, acc, stride);
+  __mmask32 mk[NB];
+  for (int b = 0; b < NB; ++b) mk[b] = mask32(D - 32 * b);
+  auto dots = [&](int64_t t, __m512 (&a)[G]) {  // the G heads' lane sums of key t
+    if (t + kPrefetch < L) prefetch_row(kh + slots[t + kPrefetch] * s0k, D);
+    prefetch_next(t);
+    key_dots<NB, G>(qv, kh + slots[t] * s0k, mk, a);
   };
   int64_t t = 0;
   for (; t + 4 <= L; t += 4) {
-    __m512 acc[G][4];
-    for (int u = 0; u < 4; ++u) {
-      if (t + u + kPrefetch < L) prefetch_row(kh + slots[t + u + kPrefetch] * s0k, D);
-      prefetch_next(t + u);
-      dots(t + u, &acc[0][u], 4);
-    }
-    for (int g = 0; g < G; ++g) _mm_storeu_ps(sc + g * L + t, hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
+    __m512 a0[G], a1[G], a2[G], a3[G];
+    dots(t, a0);
+    dots(t + 1, a1);
+    dots(t + 2, a2);
+    dots(t + 3, a3);
+    for (int g = 0; g < G; ++g) _mm_storeu_ps(sc + g * L + t, hsum4(a0[g], a1[g], a2[g], a3[g]));
   }
   for (; t < L; ++t) {
-    __m512 acc[G];
+    __m512 a[G];
     prefetch_next(t);
-    dots(t, acc, 1);
-    for (int g = 0; g < G; ++g) sc[g * L + t] = _mm512_reduce_add_ps(acc[g]);
+    key_dots<NB, G>(qv, kh + slots[t] * s0k, mk, a);
+    for (int g = 0; g < G; ++g) sc[g * L + t] = _mm512_reduce_add_ps(a[g]);
   }
   for (; t < nL; ++t) prefetch_next(t);
   if (softcap > 0.f) {  // on log2-unit scores, as on the tiles

@@ -185,12 +185,7 @@ class FamilyModel(LlamaModel):
                 o = self._rms(o, L["attn_out_norm"])
             x = x + (o * rs if rs != 1.0 else o)
             h = self._rms(x, L["ffn_in_norm"]) if "ffn_in_norm" in L else x
-            act = None  # SwiGLU from the gate/up GEMM's output stage where the weight's implementation has one
-            if a.mlp_act == "silu" and fb.lora is None and not inv:
-                act = kernels.linear_silu(h, L["gate_up"])
-            if act is None:
-                g, u = self._lin(h, L, "gate_up", li, fb).chunk(2, dim=-1)  # [N, I] each
-                act = kernels.gelu_tanh_mul(g, u) if a.mlp_act == "gelu_tanh" else kernels.silu_mul(g, u, batch_invariant=inv)
+            act = self._gated_act(h, L, li, fb, a.mlp_act)  # [N, I]
             d = self._reduce(self._lin(act, L, "down", li, fb))  # [N, H]
             if "ffn_out_norm" in L:
                 d = self._rms(d, L["ffn_out_norm"])

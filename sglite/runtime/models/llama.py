@@ -322,12 +322,21 @@ class LlamaModel:
     def _mlp(self, h: torch.Tensor, L: dict, li: int, fb: ForwardBatch) -> torch.Tensor:
         """The feed-forward block of layer ``li`` (weights ``L``) on normed rows h [N, H] -> [N, H]
         (before the tensor-parallel reduce), with the rows' LoRA deltas when ``fb`` has adapters."""
-        if fb.lora is None and not self.batch_invariant:  # silu(g) * u from the gate/up GEMM's output stage
-            act = kernels.linear_silu(h, L["gate_up"])  # None where the weight's implementation has none
-            if act is not None:
-                return self._lin(act, L, "down", li, fb)
+        return self._lin(self._gated_act(h, L, li, fb), L, "down", li, fb)
+
+    def _gated_act(self, h: torch.Tensor, L: dict, li: int, fb: ForwardBatch, act: str = "silu") -> torch.Tensor:
+        """``act(g) * u`` [N, I] of layer ``li``'s fused gate/up projection of h [N, H] (``act``:
+        ``silu``, SwiGLU, or ``gelu_tanh``, GeGLU). SwiGLU without LoRA and outside batch-invariant
+        mode comes from the gate/up GEMM's output stage where the weight's implementation has one
+        (:func:`sglite.kernels.linear_silu`); otherwise the product, then the activation kernel."""
+        if act == "silu" and fb.lora is None and not self.batch_invariant:
+            out = kernels.linear_silu(h, L["gate_up"])  # None where the weight's implementation has none
+            if out is not None:
+                return out
         g, u = self._lin(h, L, "gate_up", li, fb).chunk(2, dim=-1)  # [N, I] each
-        return self._lin(kernels.silu_mul(g, u, batch_invariant=self.batch_invariant), L, "down", li, fb)
+        if act == "gelu_tanh":
+            return kernels.gelu_tanh_mul(g, u)
+        return kernels.silu_mul(g, u, batch_invariant=self.batch_invariant)
 
     @staticmethod
     def _lin(x: torch.Tensor, L: dict, key: str, li: int, fb: ForwardBatch) -> torch.Tensor:

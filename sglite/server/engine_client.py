@@ -22,6 +22,7 @@ from ..runtime.engine_protocol import EngineProtocol, matches_rid
 from ..runtime.engine_requests import prepare_within
 from ..runtime.logprob_options import NO_LOGPROBS, LogprobOptions
 from ..sampling_params import SamplingParams
+from .template_facts import TemplateFacts
 
 
 @dataclass
@@ -118,6 +119,7 @@ class EngineClient:
         self.request_log = request_log
         self.prep_timeout = prep_timeout
         self._prep = ThreadPoolExecutor(max_workers=4, thread_name_prefix="sglite-http-prep")
+        self.template_facts = TemplateFacts()  # what the chat template does with tools (probed once)
         self.active: set[str] = set()  # rids of the calls in flight
         self.model_info = dict(engine.model_info())
         self.context_length = int(self.model_info["context_length"])

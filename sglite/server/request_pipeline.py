@@ -299,7 +299,7 @@ def _render_text(ctx, inp: ChatInput, plan: OutputPlan, msgs: list[dict]) -> str
     field_ = inp.fields.messages
     try:
         return render_prompt(ctx.client.engine, msgs, plan.tools, add_generation_prompt=not inp.continue_final_message,
-                             template_kwargs=inp.chat_template_kwargs)
+                             template_kwargs=inp.chat_template_kwargs, facts=getattr(ctx.client, "template_facts", None))
     except ApiError:
         raise
     except Exception as e:  # noqa: BLE001 - template errors (e.g. role order) are the request's fault
@@ -318,7 +318,8 @@ def _render_spliced(ctx, inp: ChatInput, plan: OutputPlan, msgs: list[dict]) -> 
     try:
         rendered = render_prompt(ctx.client.engine, subst, plan.tools,
                                  add_generation_prompt=not inp.continue_final_message,
-                                 template_kwargs=inp.chat_template_kwargs)
+                                 template_kwargs=inp.chat_template_kwargs,
+                                 facts=getattr(ctx.client, "template_facts", None))
     except Exception:  # noqa: BLE001 - render the messages as they are (their errors are reported there)
         return None, None
     out = memory.splice(rendered, segs)

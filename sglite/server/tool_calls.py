@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .errors import ApiError
+from .template_facts import TemplateFacts
 from .tool_parsers.formats import HERMES, ToolCallFormat, get_format
 from .tool_parsers.json_calls import make_call, parse_json_calls
 from .tool_parsers.mistral_args import args_form, parse_args_calls
@@ -161,50 +162,51 @@ def check_template_kwargs(kwargs: Optional[dict]) -> None:
 
 
 def render_prompt(engine, messages: list[dict], plan: ToolPlan, add_generation_prompt: bool = True,
-                  template_kwargs: Optional[dict] = None) -> str:
+                  template_kwargs: Optional[dict] = None, facts: Optional[TemplateFacts] = None) -> str:
     """The chat prompt; with tools, make sure the model sees them (template or system message);
     past assistant calls the template would drop are kept as text (:func:`calls_as_content`).
-    ``template_kwargs``: the request's ``chat_template_kwargs`` (extra template variables)."""
+    ``template_kwargs``: the request's ``chat_template_kwargs`` (extra template variables).
+    ``facts``: the server's :class:`~sglite.server.template_facts.TemplateFacts` (what the template
+    does with tools, judged once on probe messages); None judges afresh (no cache)."""
     check_template_kwargs(template_kwargs)
+    facts = facts if facts is not None else TemplateFacts(max_entries=4)
     kw = {"chat_template_kwargs": template_kwargs} if template_kwargs else {}
-    msgs = calls_as_content(engine, messages, plan.fmt)
+
+    def render(msgs_, tools=None, add_generation_prompt=add_generation_prompt):
+        return engine.apply_chat_template(msgs_, add_generation_prompt=add_generation_prompt, tools=tools, **kw)
+    msgs = calls_as_content(engine, messages, plan.fmt, facts)
     if plan.mode == "none":
-        return engine.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **kw)
-    # whether the template shows the tools: judged on the messages as given (the calls kept as
-    # text name the tools themselves), against the same messages rendered without tools, so a
-    # name that the messages mention (instructions saying "call get_weather") is not taken for
-    # the template's tool list
-    text = engine.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=plan.tools, **kw)
-    plain = engine.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kw)
-    if all(text.count(n) > plain.count(n) for n in plan.names):
-        return text if msgs == messages else \
-            engine.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tools=plan.tools, **kw)
+        return render(msgs)
+    # whether the template shows the tools is the template's property: judged on probe messages
+    # (the request's own messages may name the tools themselves, e.g. instructions saying "call
+    # get_weather", or calls kept as text) and cached per tool list
+    shown = facts.shows_tools(render, plan.tools, bool(messages) and messages[0].get("role") == "system",
+                              template_kwargs)
+    if shown is None:  # the probe was rejected: compare the messages as given with and without tools
+        text, plain = render(messages, tools=plan.tools), render(messages)
+        shown = all(text.count(n) > plain.count(n) for n in plan.names)
+    if shown:
+        return render(msgs, tools=plan.tools)
     section = tools_system_prompt(plan.tools, plan.fmt)
     if msgs and msgs[0]["role"] == "system":
         msgs[0]["content"] = f"{msgs[0].get('content') or ''}\n\n{section}".strip()
     else:
         msgs.insert(0, {"role": "system", "content": section})
-    return engine.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **kw)
+    return render(msgs)
 
 
-_PROBE = "sglite_probe_function"
-
-
-def calls_as_content(engine, messages: list[dict], fmt: ToolCallFormat) -> list[dict]:
+def calls_as_content(engine, messages: list[dict], fmt: ToolCallFormat,
+                     facts: Optional[TemplateFacts] = None) -> list[dict]:
     """Copies of ``messages``; where the chat template drops assistant ``tool_calls`` (SmolLM2's
     ChatML renders only ``content``), each such message's calls are appended to its content as
     the model generated them (:meth:`ToolCallFormat.render_generated`), so the next turn's prompt
     extends this turn's prompt and output token for token (the radix cache hits them). A template
-    that renders calls itself is left to do so."""
+    that renders calls itself is left to do so (``facts`` caches that verdict)."""
     msgs = [dict(m) for m in messages]
     if fmt.shape == "pythonic" or not any(m.get("tool_calls") for m in msgs):
         return msgs
-    probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_0", "type": "function", "function": {"name": _PROBE, "arguments": {}}}]}]
-    try:
-        if _PROBE in engine.apply_chat_template(probe, add_generation_prompt=False):
-            return msgs
-    except Exception:  # a template that rejects the probe: render the messages as they are
+    facts = facts if facts is not None else TemplateFacts(max_entries=4)
+    if facts.renders_calls(engine.apply_chat_template):
         return msgs
     for m in msgs:
         if m.get("role") == "assistant" and m.get("tool_calls"):

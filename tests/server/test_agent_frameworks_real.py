@@ -1,6 +1,9 @@
 """Slow tier: each examples/agents_*.py, unchanged, against a server on the default model
 (SmolLM2-135M). The model is small: what is checked is what the server guarantees, a typed
-output that validates (constrained "auto" calls and the response_format union), not the answer."""
+output that validates (constrained "auto" calls and the response_format union), not the answer.
+Each example runs on a fresh server over an emptied cache, so its greedy trajectory is the same
+whatever ran before it (it was not: the OpenAI Agents and LangGraph examples looped or ran to the
+length limit in some orders of the slow tier, and were xfail until 2026-12-06's seventh pass)."""
 import importlib.util
 import pathlib
 
@@ -14,27 +17,22 @@ pytestmark = pytest.mark.slow
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def base_url(real_engine):
+    """A fresh server over an emptied radix cache for each example: the greedy path of a
+    multi-request agent run depends on which prefixes were cached before it (they set the
+    extend chunks, hence the float sums) and on the turns a server remembered, so each example
+    starts from the same state whatever ran before it."""
+    assert real_engine.flush_cache()
     with ServerThread(real_engine, ServerConfig(port=0)) as srv:
         yield srv.url + "/v1"
 
 
-_TRAJECTORY = ("the 135M model's greedy path through a multi-request agent run depends on how its requests "
-               "were batched and chunked (timing): on a loaded host it can loop past the framework's turn limit "
-               "or run a structured answer to the length limit (seen 2026-12-06 in one full slow run, passing "
-               "in the next; issue 34 follow-up)")
-
-
-@pytest.mark.parametrize("name,kw,pkg", [pytest.param("agents_openai_agents", {"api": "responses"}, "agents",
-                                                      marks=pytest.mark.xfail(strict=False, reason=_TRAJECTORY)),
+@pytest.mark.parametrize("name,kw,pkg", [("agents_openai_agents", {"api": "responses"}, "agents"),
                                          ("agents_openai_agents", {"api": "chat"}, "agents"),
-                                         pytest.param("agents_pydantic_ai", {}, "pydantic_ai", marks=pytest.mark.xfail(
-                                             strict=False, reason="since forced calls follow the family markup the 135M "
-                                             "model can loop past pydantic-ai's 50-request limit (issue 34 follow-up)")),
+                                         ("agents_pydantic_ai", {}, "pydantic_ai"),
                                          ("agents_smolagents", {}, "smolagents"),
-                                         pytest.param("agents_langgraph", {}, "langgraph",
-                                                      marks=pytest.mark.xfail(strict=False, reason=_TRAJECTORY))])
+                                         ("agents_langgraph", {}, "langgraph")])
 def test_example_on_default_model(base_url, name, kw, pkg):
     pytest.importorskip(pkg)
     spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")

@@ -60,10 +60,19 @@ struct Work {
   float* acc;     // [kMaxRows][kAld] unnormalised outputs (Dp used)
   alignas(64) float m[kMaxRows], l[kMaxRows], alpha[kMaxRows];
   alignas(64) int32_t qpos[kMaxRows];  // last visible key position of each row (INT32_MAX: all)
+  bool owns_block = true;              // false: kt, vp, s, p borrowed (Work(Work&))
   Work() : q(aligned<uint16_t>(kMaxRows * kMaxDp)), kt(aligned<uint16_t>(kMaxDp / 32 * KB / 16 * 512)),
            vp(aligned<uint16_t>(KB / 32 * kMaxDp / 16 * 512)), s(aligned<float>(kMaxRows * kSld)),
            p(aligned<uint16_t>(kMaxRows * kPld)), acc(aligned<float>(kMaxRows * kAld)) {}
-  ~Work() { std::free(q); std::free(kt); std::free(vp); std::free(s); std::free(p); std::free(acc); }
+  // Rows of their own (q, acc, m, l, ...) on `share`'s block scratch (kt, vp, s, p): several row
+  // blocks walked over the same packed keys on one thread, one block() call at a time (s and p
+  // live only within a call). `share` must outlive this Work.
+  explicit Work(Work& share) : q(aligned<uint16_t>(kMaxRows * kMaxDp)), kt(share.kt), vp(share.vp), s(share.s), p(share.p),
+                               acc(aligned<float>(kMaxRows * kAld)), owns_block(false) {}
+  ~Work() {
+    std::free(q); std::free(acc);
+    if (owns_block) { std::free(kt); std::free(vp); std::free(s); std::free(p); }
+  }
   Work(const Work&) = delete;
   Work& operator=(const Work&) = delete;
 };

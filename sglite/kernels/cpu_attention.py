@@ -189,7 +189,7 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      prefix_lens: torch.Tensor, extend_lens: torch.Tensor, sm_scale: float,
                      window: int = 0, softcap: float = 0.0, amx: Optional[bool] = None,
-                     pack_kv: bool = True) -> torch.Tensor:
+                     pack_kv: bool = True, fuse: bool = True) -> torch.Tensor:
     """Paged extend (prefill) attention in C++; same contract as :func:`.reference.extend_attention`.
 
     Args:
@@ -211,6 +211,12 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
             head, blocks of 256 keys, in parallel over blocks; requests with one task per head and
             any past 256 MB of packed keys pack per task) instead of once per task; False: every
             task packs the keys it reads (the results are bitwise the same: a test compares).
+        fuse: with ``pack_kv`` on the AMX path, a request of 2 to 8 blocks of ``64 // G`` new
+            tokens (e.g. an agent's 70-token turn over its cached history) runs as fused tasks:
+            each packs a 256-key block once into its thread's scratch and multiplies it by all its
+            query blocks (their rows' own block calls, so the same bits), instead of reading the
+            call-wide packed buffer once per query block; the fused tasks hold 8, 4 or 2 query blocks
+            (the most that leave >= 3 tasks a thread; none if 2 does not). False: the call-wide packing only.
     Returns:
         [N, Hq, D] in q's dtype. New token i of request b sees keys 0 .. prefix_lens[b] + i
         (the last ``window`` of them with a window).
@@ -252,4 +258,6 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     args = (q, k_buffer, v_buffer, req_to_token, req_pool_indices.to(torch.int64).contiguous(),
             prefix_lens.to(torch.int64).contiguous(), extend_lens.to(torch.int64).contiguous(), float(sm_scale))
     mode = int(amx_mode() if amx is None else amx)
-    return ops.extend_attention(*args, int(window), float(softcap), mode if pack_kv or not mode else 2)
+    if mode:
+        mode = 2 if not pack_kv else (1 if fuse else 3)
+    return ops.extend_attention(*args, int(window), float(softcap), mode)

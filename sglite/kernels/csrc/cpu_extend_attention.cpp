@@ -244,7 +244,7 @@ struct PackPlan {};
 #endif
 
 // amx: 0 the AVX-512 path; 1 the AMX tiles with each request's keys packed once per call
-// (plan_pack); 2 the AMX tiles, every task packing its own keys.
+// (plan_pack) or once per fused task (run_fused_amx); 2 the AMX tiles, every task packing its own keys.
 template <typename T>
 void run(const Ext<T>& j, const std::vector<Task>& tasks, int Rp_max, int amx, int64_t B, const int64_t* ext,
          const std::vector<char>& fused, int64_t qb, int Hkv) {
@@ -345,7 +345,7 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& kb, const at:
   // largest qg (a power of two) that still leaves >= 3 tasks a thread; none if even qg = 2 does not.
   std::vector<char> fused(B, 0);
   int64_t qg = 0;
-  if (amx_run == 1) {
+  if (amx_run == 1 && amx != 3) {
     int64_t other = 0;
     for (int64_t b = 0; b < B; ++b) {
       const int64_t nq = (ep[b] + qb - 1) / qb;
@@ -400,7 +400,8 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& kb, const at:
 TORCH_LIBRARY(sglite_cpu_extend, m) {
   m.def("extend_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, "
         "Tensor req_pool_indices, Tensor prefix_lens, Tensor extend_lens, float sm_scale, int window=0, "
-        "float softcap=0.0, int amx=1) -> Tensor");  // amx: 0 AVX-512, 1 AMX (keys packed once per call), 2 AMX (per task)
+        "float softcap=0.0, int amx=1) -> Tensor");  // amx: 0 AVX-512, 1 AMX (fused tasks, else keys packed once per call),
+                                                   // 2 AMX (per task), 3 AMX (keys packed once per call, no fused tasks)
   m.def("amx_ready() -> bool", &amx_ready);
 }
 

@@ -226,14 +226,23 @@ bool run_fused_amx(const Ext<uint16_t>& j, const Task& tk, int64_t qb, std::vect
   }
   const uint16_t *kh = j.k + tk.h * j.ks1, *vh = j.v + tk.h * j.vs1;
   const int32_t* slots = j.rt + j.rows[tk.b] * j.rts0;
+  A::RowPrefetch pf;
+  pf.k = (const char*)kh; pf.v = (const char*)vh; pf.sk = 2 * j.ks0; pf.sv = 2 * j.vs0; pf.S = j.S;
+  pf.lines = (2 * D + 63) / 64;
   for (int64_t t0 = kfirst[0]; t0 < tk.kend; t0 += A::KB) {  // kfirst[g] grows with g
     if (!A::pack_block(kh, j.ks0, vh, j.vs0, slots + t0, (int)std::min<int64_t>(A::KB, tk.kend - t0), j.S, D, Dp, *w[0]))
       return false;
+    // the next block's K and V rows into L2 while this one's products run (a late turn's cached
+    // keys come from DRAM: the 30 layers' pools do not stay in cache between steps)
+    pf.slots = slots + t0 + A::KB;
+    pf.n = (int)std::max<int64_t>(0, std::min<int64_t>(A::KB, tk.kend - t0 - A::KB));
+    pf.next = 0;
+    pf.per = std::max(1, (pf.n + 8 * ng - 1) / (8 * ng));  // done within the first ~half of the block calls
     for (int g = 0; g < ng; ++g) {
       if (t0 < kfirst[g] || t0 >= sub[g].kend) continue;
       const int n = (int)std::min<int64_t>(A::KB, sub[g].kend - t0);
       const bool full = A::block_full(t0, n, pre + sub[g].i0, pre + sub[g].i1 - 1, wnd);
-      A::block(*w[g + 1], w[0]->kt, w[0]->vp, R[g], Dp, n, t0, full, wnd, j.softcap);
+      A::block(*w[g + 1], w[0]->kt, w[0]->vp, R[g], Dp, n, t0, full, wnd, j.softcap, &pf);
     }
   }
   for (int g = 0; g < ng; ++g) write_rows(j, sub[g], R[g], w[g + 1]->acc, A::kAld, w[g + 1]->l);

@@ -77,6 +77,17 @@ def test_fused_tasks_with_windows_and_softcaps(ops, threads, window, softcap):
         torch.testing.assert_close(fused.double(), ref, atol=4e-2, rtol=4e-2)
 
 
+@pytest.mark.parametrize("lens,Hq,Hkv,D", [([(300, 5), (17, 8)], 40, 1, 64),  # G = 40: one token a block
+                                             ([(1100, 16), (16, 70)], 16, 2, 128),  # G = 8, D = 128
+                                             ([(600, 100)], 4, 1, 256)])  # Gemma 3's heads: 16 tokens a block
+def test_fused_tasks_other_head_shapes(ops, threads, lens, Hq, Hkv, D):
+    threads(1)
+    case = make_case(lens, Hq, Hkv, D, torch.bfloat16, True, seed=Hq + D)
+    fused, call_wide, per_task = three_ways(case)
+    assert torch.equal(fused, call_wide) and torch.equal(fused, per_task), lens
+    torch.testing.assert_close(fused.double(), reference.extend_attention(*case).double(), atol=4e-2, rtol=4e-2)
+
+
 def test_fused_task_refuses_a_slot_outside_the_pool(ops):
     q, k, v, rt, rows, pre, ext, scale = make_case([(300, 70)], 9, 3, 64, torch.bfloat16, True, seed=4)
     rt[rows[0], 200] = k.shape[0]

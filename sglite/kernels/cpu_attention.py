@@ -242,7 +242,8 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     The AMX path (bf16 pools, G <= 64): the same tasks and anchoring, keys in blocks of up to 256;
     S = Q K^T and P V run on TDPBF16PS tiles from K^T and V packed into tile layout (16 x 16
     transposes of bf16 pairs; key pairs interleaved per dimension) once per call for each request
-    and KV head (``pack_kv``), not once per task, the masks and the online softmax in
+    and KV head (``pack_kv``), not once per task (a request of 2-8 query blocks: once per fused
+    task, ``fuse``), the masks and the online softmax in
     float32 on AVX-512. The scaled query and the weights P are rounded to bf16 once (float32
     sums): the same order of error as the reference's bf16 scores, and a row still depends only on
     its own query, position and keys. 1.9-5.9x the AVX-512 path per layer on a 2-core Sapphire

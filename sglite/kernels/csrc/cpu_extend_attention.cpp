@@ -3,7 +3,9 @@
 // tokens x the G query heads of the group. The task walks the request's keys 0 .. last visible in
 // tiles of KT slots read in place from the pool through req_to_token (no gather of the context),
 // and keeps a running max, sum and output per row (online softmax: Milakov & Gimelshein 2018;
-// the tiled form of Dao et al. 2022, "FlashAttention", Alg. 1).
+// the tiled form of Dao et al. 2022, "FlashAttention", Alg. 1). On the AMX tiles a request of 2-8
+// blocks of new tokens (a short extend over a long cached prefix) runs as fused tasks instead:
+// (request, KV head, up to 8 blocks), each key block packed once and used by all its blocks' rows.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include "thread_pool.h"

@@ -19,7 +19,9 @@
 // A row's result depends only on its own query, the keys it sees and the block anchoring (which
 // the caller fixes per request), never on the other rows of the task. walk packs each block
 // itself; a caller whose calls share keys packs them once (pack_to into a buffer of
-// packed_block_elems blocks) and walks them with walk_packed: the same tiles, the same bits.
+// packed_block_elems blocks) and walks them with walk_packed: the same tiles, the same bits; or
+// packs a block into one Work and runs several row blocks (Works made with Work(Work&)) over it
+// with block(), prefetching its next block meanwhile (RowPrefetch).
 #pragma once
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #define SGL_AMX_ATTN 1

@@ -211,11 +211,11 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
             head, blocks of 256 keys, in parallel over blocks; requests with one task per head and
             any past 256 MB of packed keys pack per task) instead of once per task; False: every
             task packs the keys it reads (the results are bitwise the same: a test compares).
-        fuse: with ``pack_kv`` on the AMX path, a request of 2 to 8 blocks of ``64 // G`` new
+        fuse: with ``pack_kv`` on the AMX path, a request of 2 to 16 blocks of ``64 // G`` new
             tokens (e.g. an agent's 70-token turn over its cached history) runs as fused tasks:
             each packs a 256-key block once into its thread's scratch and multiplies it by all its
             query blocks (their rows' own block calls, so the same bits), instead of reading the
-            call-wide packed buffer once per query block; the fused tasks hold 8, 4 or 2 query blocks
+            call-wide packed buffer once per query block; the fused tasks hold 16, 8, 4 or 2 query blocks
             (the most that leave >= 3 tasks a thread; none if 2 does not). False: the call-wide packing only.
     Returns:
         [N, Hq, D] in q's dtype. New token i of request b sees keys 0 .. prefix_lens[b] + i
@@ -242,7 +242,7 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     The AMX path (bf16 pools, G <= 64): the same tasks and anchoring, keys in blocks of up to 256;
     S = Q K^T and P V run on TDPBF16PS tiles from K^T and V packed into tile layout (16 x 16
     transposes of bf16 pairs; key pairs interleaved per dimension) once per call for each request
-    and KV head (``pack_kv``), not once per task (a request of 2-8 query blocks: once per fused
+    and KV head (``pack_kv``), not once per task (a request of 2-16 query blocks: once per fused
     task, ``fuse``), the masks and the online softmax in
     float32 on AVX-512. The scaled query and the weights P are rounded to bf16 once (float32
     sums): the same order of error as the reference's bf16 scores, and a row still depends only on

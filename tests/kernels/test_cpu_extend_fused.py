@@ -1,8 +1,8 @@
 """The AMX extend path's fused tasks (csrc/cpu_extend_attention.cpp's run_fused_amx): a request of
-2 to 8 query blocks (a short extend over a long cached prefix, e.g. an agent's late turn) packs
+2 to 16 query blocks (a short extend over a long cached prefix, e.g. an agent's late turn) packs
 each 256-key block once into its thread's scratch and runs all its query blocks over it. Bitwise
 the same as the call-wide packing (``fuse=False``) and as every task packing its own keys
-(``pack_kv=False``), whatever the thread count (which picks 8, 4 or 2 blocks a fused task), and
+(``pack_kv=False``), whatever the thread count (which picks 16, 8, 4 or 2 blocks a fused task), and
 within the bf16 tolerance of the torch reference; prefixes 0, 1, 15, 16, 17 and 1,100, extends 1,
 16, 70 and 512, scattered (paged) slots, windows and soft-caps."""
 
@@ -41,6 +41,7 @@ LENS = [  # (prefix, extend) per request; with 9/3 heads a query block is 21 tok
     [(1100, 70), (0, 16), (1, 70), (15, 1), (16, 70), (17, 16)],
     [(1100, 70)],  # one request: fused tasks of 2 blocks at 2 threads, 4 at 1
     [(1100, 512), (17, 70), (16, 168)],  # 512: 25 blocks (call-wide packing) beside fused requests; 168: 8 blocks
+    [(1100, 300), (5, 200), (600, 336)],  # 15, 10 and 16 blocks
 ]
 
 

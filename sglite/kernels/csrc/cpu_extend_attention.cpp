@@ -3,9 +3,9 @@
 // tokens x the G query heads of the group. The task walks the request's keys 0 .. last visible in
 // tiles of KT slots read in place from the pool through req_to_token (no gather of the context),
 // and keeps a running max, sum and output per row (online softmax: Milakov & Gimelshein 2018;
-// the tiled form of Dao et al. 2022, "FlashAttention", Alg. 1). On the AMX tiles a request of 2-8
+// the tiled form of Dao et al. 2022, "FlashAttention", Alg. 1). On the AMX tiles a request of 2-16
 // blocks of new tokens (a short extend over a long cached prefix) runs as fused tasks instead:
-// (request, KV head, up to 8 blocks), each key block packed once and used by all its blocks' rows.
+// (request, KV head, up to 16 blocks), each key block packed once and used by all its blocks' rows.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include "thread_pool.h"
@@ -31,7 +31,7 @@
 namespace {
 
 constexpr int kMaxD = 256, KT = 64, kMaxRows = 64;
-constexpr int kFuseMax = 8;  // query blocks of one fused AMX task at most (run_fused_amx)
+constexpr int kFuseMax = 16;  // query blocks of one fused AMX task at most (run_fused_amx)
 
 using sglite_scalar::widen;
 

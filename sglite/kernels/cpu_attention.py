@@ -189,7 +189,7 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      prefix_lens: torch.Tensor, extend_lens: torch.Tensor, sm_scale: float,
                      window: int = 0, softcap: float = 0.0, amx: Optional[bool] = None,
-                     pack_kv: bool = True) -> torch.Tensor:
+                     pack_kv: bool = True, fuse: bool = True) -> torch.Tensor:
     """Paged extend (prefill) attention in C++; same contract as :func:`.reference.extend_attention`.
 
     Args:
@@ -211,6 +211,12 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
             head, blocks of 256 keys, in parallel over blocks; requests with one task per head and
             any past 256 MB of packed keys pack per task) instead of once per task; False: every
             task packs the keys it reads (the results are bitwise the same: a test compares).
+        fuse: with ``pack_kv`` on the AMX path, a request of 2 to 16 blocks of ``64 // G`` new
+            tokens (e.g. an agent's 70-token turn over its cached history) runs as fused tasks:
+            each packs a 256-key block once into its thread's scratch and multiplies it by all its
+            query blocks (their rows' own block calls, so the same bits), instead of reading the
+            call-wide packed buffer once per query block; the fused tasks hold 16, 8, 4 or 2 query blocks
+            (the most that leave >= 3 tasks a thread; none if 2 does not). False: the call-wide packing only.
     Returns:
         [N, Hq, D] in q's dtype. New token i of request b sees keys 0 .. prefix_lens[b] + i
         (the last ``window`` of them with a window).
@@ -236,7 +242,8 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     The AMX path (bf16 pools, G <= 64): the same tasks and anchoring, keys in blocks of up to 256;
     S = Q K^T and P V run on TDPBF16PS tiles from K^T and V packed into tile layout (16 x 16
     transposes of bf16 pairs; key pairs interleaved per dimension) once per call for each request
-    and KV head (``pack_kv``), not once per task, the masks and the online softmax in
+    and KV head (``pack_kv``), not once per task (a request of 2-16 query blocks: once per fused
+    task, ``fuse``), the masks and the online softmax in
     float32 on AVX-512. The scaled query and the weights P are rounded to bf16 once (float32
     sums): the same order of error as the reference's bf16 scores, and a row still depends only on
     its own query, position and keys. 1.9-5.9x the AVX-512 path per layer on a 2-core Sapphire
@@ -252,4 +259,6 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     args = (q, k_buffer, v_buffer, req_to_token, req_pool_indices.to(torch.int64).contiguous(),
             prefix_lens.to(torch.int64).contiguous(), extend_lens.to(torch.int64).contiguous(), float(sm_scale))
     mode = int(amx_mode() if amx is None else amx)
-    return ops.extend_attention(*args, int(window), float(softcap), mode if pack_kv or not mode else 2)
+    if mode:
+        mode = 2 if not pack_kv else (1 if fuse else 3)
+    return ops.extend_attention(*args, int(window), float(softcap), mode)

@@ -19,7 +19,9 @@
 // A row's result depends only on its own query, the keys it sees and the block anchoring (which
 // the caller fixes per request), never on the other rows of the task. walk packs each block
 // itself; a caller whose calls share keys packs them once (pack_to into a buffer of
-// packed_block_elems blocks) and walks them with walk_packed: the same tiles, the same bits.
+// packed_block_elems blocks) and walks them with walk_packed: the same tiles, the same bits; or
+// packs a block into one Work and runs several row blocks (Works made with Work(Work&)) over it
+// with block(), prefetching its next block meanwhile (RowPrefetch).
 #pragma once
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #define SGL_AMX_ATTN 1
@@ -60,10 +62,19 @@ struct Work {
   float* acc;     // [kMaxRows][kAld] unnormalised outputs (Dp used)
   alignas(64) float m[kMaxRows], l[kMaxRows], alpha[kMaxRows];
   alignas(64) int32_t qpos[kMaxRows];  // last visible key position of each row (INT32_MAX: all)
+  bool owns_block = true;              // false: kt, vp, s, p borrowed (Work(Work&))
   Work() : q(aligned<uint16_t>(kMaxRows * kMaxDp)), kt(aligned<uint16_t>(kMaxDp / 32 * KB / 16 * 512)),
            vp(aligned<uint16_t>(KB / 32 * kMaxDp / 16 * 512)), s(aligned<float>(kMaxRows * kSld)),
            p(aligned<uint16_t>(kMaxRows * kPld)), acc(aligned<float>(kMaxRows * kAld)) {}
-  ~Work() { std::free(q); std::free(kt); std::free(vp); std::free(s); std::free(p); std::free(acc); }
+  // Rows of their own (q, acc, m, l, ...) on `share`'s block scratch (kt, vp, s, p): several row
+  // blocks walked over the same packed keys on one thread, one block() call at a time (s and p
+  // live only within a call). `share` must outlive this Work.
+  explicit Work(Work& share) : q(aligned<uint16_t>(kMaxRows * kMaxDp)), kt(share.kt), vp(share.vp), s(share.s), p(share.p),
+                               acc(aligned<float>(kMaxRows * kAld)), owns_block(false) {}
+  ~Work() {
+    std::free(q); std::free(acc);
+    if (owns_block) { std::free(kt); std::free(vp); std::free(s); std::free(p); }
+  }
   Work(const Work&) = delete;
   Work& operator=(const Work&) = delete;
 };
@@ -155,7 +166,23 @@ inline bool pack_to(const uint16_t* base_k, int64_t s0k, const uint16_t* base_v,
   for (int t = 0; t < n; ++t)
     if (slots[t] < 0 || slots[t] >= S) return false;
   const int nd = Dp / 32, n64 = (n + 63) & ~63;  // keys past n64 are never read
-  for (int kg = 0; kg < n64 / 16; ++kg)
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                      39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  const int ndg = Dp / 16, row_bytes = 2 * D;
+  // per 16 keys: K^T tiles, then the same keys' V pairs; the next 16 keys' K and V rows are
+  // prefetched first (paged rows: the hardware prefetcher cannot follow the slot list)
+  auto prefetch = [&](int kg) {
+    for (int u = 0; u < 16; ++u) {
+      const int t = kg * 16 + u;
+      if (t >= n) break;
+      const char *pk = (const char*)(base_k + slots[t] * s0k), *pv = (const char*)(base_v + slots[t] * s0v);
+      for (int b = 0; b < row_bytes; b += 64) { _mm_prefetch(pk + b, _MM_HINT_T0); _mm_prefetch(pv + b, _MM_HINT_T0); }
+    }
+  };
+  prefetch(0);
+  for (int kg = 0; kg < n64 / 16; ++kg) {
+    prefetch(kg + 1);
     for (int c = 0; c < nd; ++c) {
       __m512i r[16];
       for (int u = 0; u < 16; ++u) {
@@ -166,18 +193,15 @@ inline bool pack_to(const uint16_t* base_k, int64_t s0k, const uint16_t* base_v,
       uint16_t* dst = kt + (size_t)(c * (KB / 16) + kg) * 512;
       for (int u = 0; u < 16; ++u) _mm512_store_si512(dst + 32 * u, r[u]);
     }
-  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                      39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-  const int ndg = Dp / 16;
-  for (int pr = 0; pr < n64 / 2; ++pr) {
-    const int t0 = 2 * pr, kc = t0 / 32, p = (t0 % 32) / 2;
-    for (int c = 0; c < nd; ++c) {
-      const __m512i a = t0 < n ? _mm512_maskz_loadu_epi16(dmask(D - 32 * c), base_v + slots[t0] * s0v + 32 * c) : _mm512_setzero_si512();
-      const __m512i b = t0 + 1 < n ? _mm512_maskz_loadu_epi16(dmask(D - 32 * c), base_v + slots[t0 + 1] * s0v + 32 * c) : _mm512_setzero_si512();
-      uint16_t* dst = vp + (size_t)(kc * ndg + 2 * c) * 512 + 32 * p;
-      _mm512_store_si512(dst, _mm512_permutex2var_epi16(a, lo, b));
-      _mm512_store_si512(dst + 512, _mm512_permutex2var_epi16(a, hi, b));
+    for (int pr = kg * 8; pr < kg * 8 + 8; ++pr) {
+      const int t0 = 2 * pr, kc = t0 / 32, p = (t0 % 32) / 2;
+      for (int c = 0; c < nd; ++c) {
+        const __m512i a = t0 < n ? _mm512_maskz_loadu_epi16(dmask(D - 32 * c), base_v + slots[t0] * s0v + 32 * c) : _mm512_setzero_si512();
+        const __m512i b = t0 + 1 < n ? _mm512_maskz_loadu_epi16(dmask(D - 32 * c), base_v + slots[t0 + 1] * s0v + 32 * c) : _mm512_setzero_si512();
+        uint16_t* dst = vp + (size_t)(kc * ndg + 2 * c) * 512 + 32 * p;
+        _mm512_store_si512(dst, _mm512_permutex2var_epi16(a, lo, b));
+        _mm512_store_si512(dst + 512, _mm512_permutex2var_epi16(a, hi, b));
+      }
     }
   }
   return true;
@@ -291,15 +315,37 @@ inline __m512 row_exp(const float* s, uint16_t* p, const Span& sp, int nc, float
   return sum;
 }
 
+// Prefetch into L2 of the K and V rows a caller packs next (e.g. its next block of a cold pool),
+// `per` keys at a time from inside block()'s loops (each 16-key score tile and each 16-row softmax
+// step), so that the loads overlap the products instead of stalling in one burst on the fill
+// buffers. Slots outside [0, S) are skipped (the packing refuses them).
+struct RowPrefetch {
+  const char *k = nullptr, *v = nullptr;  // the head's row of slot 0 in each pool
+  int64_t sk = 0, sv = 0, S = 0;          // bytes between slots; pool slots
+  const int32_t* slots = nullptr;
+  int n = 0, next = 0, per = 1, lines = 1;  // keys, the next to fetch, keys per step, 64-byte lines a row
+  inline void step() {
+    for (const int e = std::min(n, next + per); next < e; ++next) {
+      const int64_t sl = slots[next];
+      if (sl < 0 || sl >= S) continue;
+      for (int l = 0; l < lines; ++l) {
+        _mm_prefetch(k + sl * sk + 64 * l, _MM_HINT_T1);
+        _mm_prefetch(v + sl * sv + 64 * l, _MM_HINT_T1);
+      }
+    }
+  }
+};
+
 // One block of n keys at positions t0 .. t0 + n - 1 for rows [0, R): scores, mask, online softmax,
 // acc update. `full`: every row sees every key of the block (no masking needed).
 // kt / vp: the block's packed K^T and V tiles (pack_to's layout).
 inline void block(Work& w, const uint16_t* kt, const uint16_t* vp, int R, int Dp, int n, int64_t t0, bool full,
-                  int64_t window, float softcap) {
+                  int64_t window, float softcap, RowPrefetch* pf = nullptr) {
   const int Rt = (R + 15) / 16, nd = Dp / 32, ndg = Dp / 16, n64 = (n + 63) & ~63;  // keys past n64: skipped
   // scores: per 16-key tile, C tiles 0..Rt-1 = the row tiles; each K^T tile is loaded once (the
   // queries, 8 KB at most, are re-read from L1 instead)
   for (int kg = 0; kg < n64 / 16; ++kg) {
+    if (pf) pf->step();
     for (int rt = 0; rt < Rt; ++rt) tile_zero_n(rt);
     for (int c = 0; c < nd; ++c) {
       _tile_loadd(5, kt + (size_t)(c * (KB / 16) + kg) * 512, 64);
@@ -319,6 +365,7 @@ inline void block(Work& w, const uint16_t* kt, const uint16_t* vp, int R, int Dp
   const __m512 ninf = _mm512_set1_ps(-INFINITY);
   const int nc = n64 / 16;
   for (int r0 = 0; r0 < Rt * 16; r0 += 16) {
+    if (pf) pf->step();
     __m512 mx[16], sm[16];
     Span sp[16];
     bool seen = true;  // every row that sees a key here has a finite running max

@@ -3,7 +3,9 @@
 // tokens x the G query heads of the group. The task walks the request's keys 0 .. last visible in
 // tiles of KT slots read in place from the pool through req_to_token (no gather of the context),
 // and keeps a running max, sum and output per row (online softmax: Milakov & Gimelshein 2018;
-// the tiled form of Dao et al. 2022, "FlashAttention", Alg. 1).
+// the tiled form of Dao et al. 2022, "FlashAttention", Alg. 1). On the AMX tiles a request of 2-16
+// blocks of new tokens (a short extend over a long cached prefix) runs as fused tasks instead:
+// (request, KV head, up to 16 blocks), each key block packed once and used by all its blocks' rows.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include "thread_pool.h"
@@ -15,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 #include "scalar_math.h"
@@ -28,9 +31,12 @@
 namespace {
 
 constexpr int kMaxD = 256, KT = 64, kMaxRows = 64;
+constexpr int kFuseMax = 16;  // query blocks of one fused AMX task at most (run_fused_amx)
 
 using sglite_scalar::widen;
 
+// A task: new tokens [i0, i1) of request b against KV head h (keys up to kend). On the AMX path a
+// task may hold several query blocks of qb tokens (a fused task, run_fused_amx); otherwise i1 - i0 <= qb.
 struct Task { int64_t b; int h; int64_t i0, i1, kend; };
 
 // Everything a task reads; strides in elements.
@@ -127,14 +133,15 @@ struct PackPlan {
 
 constexpr size_t kPackCapBytes = (size_t)256 << 20;  // one call's packed keys at most; requests past it pack per task
 
-void plan_pack(const Ext<uint16_t>& j, int64_t B, const int64_t* ext, int64_t qb, int Hkv, PackPlan& p) {
+void plan_pack(const Ext<uint16_t>& j, int64_t B, const int64_t* ext, const std::vector<char>& fused, int64_t qb, int Hkv,
+               PackPlan& p) {
   namespace A = sglite_amx_attn;
   const int Dp = (j.D + 31) & ~31;
   p.be = A::packed_block_elems(Dp);
   p.kbase.assign(B, 0); p.blk0.assign(B, 0); p.nblk.assign(B, 0);
   int64_t total = 0;
   for (int64_t b = 0; b < B; ++b) {
-    if (ext[b] <= qb) continue;  // one task per head: nothing to share
+    if (ext[b] <= qb || fused[b]) continue;  // one task per head, or fused tasks that pack for themselves
     const int64_t pre = j.pre[b], kb = j.window > 0 ? std::max<int64_t>(0, pre - j.window + 1) / A::KB * A::KB : 0;
     const int64_t nb = (pre + ext[b] - kb + A::KB - 1) / A::KB;
     if ((size_t)(total + nb * Hkv) * p.be * 2 > kPackCapBytes) continue;
@@ -187,15 +194,71 @@ bool run_task_amx(const Ext<uint16_t>& j, const Task& tk, const PackPlan& p, sgl
   write_rows(j, tk, R, w.acc, A::kAld, w.l);
   return true;
 }
+
+// A fused task (a request with a few query blocks: a short extend over a long cached prefix, e.g.
+// an agent's late turn): its ng <= kFuseMax blocks of qb tokens walk the keys together, each KB-key
+// block packed once into this thread's scratch (w[0]'s kt / vp, L2-resident) and then multiplied
+// by every row block that sees it, instead of packed into a call-wide buffer that each block's own
+// task re-reads from memory. Every row block gets the block calls of its own task (the same t0, n,
+// `full` and anchoring; its last block may hold finite keys past its own last one where run_task_amx's
+// packing had zeros or the plan's other keys: zero weights), so every bit is run_task_amx's.
+bool run_fused_amx(const Ext<uint16_t>& j, const Task& tk, int64_t qb, std::vector<std::unique_ptr<sglite_amx_attn::Work>>& w) {
+  namespace A = sglite_amx_attn;
+  const int G = j.G, D = j.D, Dp = (D + 31) & ~31;
+  const int ng = (int)((tk.i1 - tk.i0 + qb - 1) / qb);
+  const int64_t pre = j.pre[tk.b], q0 = j.start[tk.b], wnd = j.window;
+  while ((int)w.size() < ng + 1) w.push_back(std::make_unique<A::Work>(*w[0]));
+  Task sub[kFuseMax];
+  int R[kFuseMax];
+  int64_t kfirst[kFuseMax];
+  for (int g = 0; g < ng; ++g) {
+    const int64_t i0 = tk.i0 + g * qb, i1 = std::min(tk.i1, i0 + qb);
+    sub[g] = Task{tk.b, tk.h, i0, i1, pre + i1};
+    R[g] = (int)(i1 - i0) * G;
+    A::Work& wg = *w[g + 1];
+    A::begin(wg, R[g], Dp);
+    for (int r = 0; r < R[g]; ++r) {
+      const int64_t i = i0 + r / G;
+      wg.qpos[r] = (int32_t)(pre + i);
+      const int64_t off = (q0 + i) * j.qs0 + (int64_t)(tk.h * G + r % G) * j.qs1;
+      if (j.q_bf16) A::set_query(wg, r, (const uint16_t*)j.q + off, D, j.scale);
+      else A::set_query(wg, r, (const float*)j.q + off, D, j.scale);
+    }
+    kfirst[g] = wnd > 0 ? std::max<int64_t>(0, pre + i0 - wnd + 1) / A::KB * A::KB : 0;
+  }
+  const uint16_t *kh = j.k + tk.h * j.ks1, *vh = j.v + tk.h * j.vs1;
+  const int32_t* slots = j.rt + j.rows[tk.b] * j.rts0;
+  A::RowPrefetch pf;
+  pf.k = (const char*)kh; pf.v = (const char*)vh; pf.sk = 2 * j.ks0; pf.sv = 2 * j.vs0; pf.S = j.S;
+  pf.lines = (2 * D + 63) / 64;
+  for (int64_t t0 = kfirst[0]; t0 < tk.kend; t0 += A::KB) {  // kfirst[g] grows with g
+    if (!A::pack_block(kh, j.ks0, vh, j.vs0, slots + t0, (int)std::min<int64_t>(A::KB, tk.kend - t0), j.S, D, Dp, *w[0]))
+      return false;
+    // the next block's K and V rows into L2 while this one's products run (a late turn's cached
+    // keys come from DRAM: the 30 layers' pools do not stay in cache between steps)
+    pf.slots = slots + t0 + A::KB;
+    pf.n = (int)std::max<int64_t>(0, std::min<int64_t>(A::KB, tk.kend - t0 - A::KB));
+    pf.next = 0;
+    pf.per = std::max(1, (pf.n + 8 * ng - 1) / (8 * ng));  // done within the first ~half of the block calls
+    for (int g = 0; g < ng; ++g) {
+      if (t0 < kfirst[g] || t0 >= sub[g].kend) continue;
+      const int n = (int)std::min<int64_t>(A::KB, sub[g].kend - t0);
+      const bool full = A::block_full(t0, n, pre + sub[g].i0, pre + sub[g].i1 - 1, wnd);
+      A::block(*w[g + 1], w[0]->kt, w[0]->vp, R[g], Dp, n, t0, full, wnd, j.softcap, &pf);
+    }
+  }
+  for (int g = 0; g < ng; ++g) write_rows(j, sub[g], R[g], w[g + 1]->acc, A::kAld, w[g + 1]->l);
+  return true;
+}
 #else
 struct PackPlan {};
 #endif
 
 // amx: 0 the AVX-512 path; 1 the AMX tiles with each request's keys packed once per call
-// (plan_pack); 2 the AMX tiles, every task packing its own keys.
+// (plan_pack) or once per fused task (run_fused_amx); 2 the AMX tiles, every task packing its own keys.
 template <typename T>
 void run(const Ext<T>& j, const std::vector<Task>& tasks, int Rp_max, int amx, int64_t B, const int64_t* ext,
-         int64_t qb, int Hkv) {
+         const std::vector<char>& fused, int64_t qb, int Hkv) {
   std::atomic<bool> bad{false};
   std::atomic<int64_t> next{0};
   const int64_t n = (int64_t)tasks.size();
@@ -203,7 +266,7 @@ void run(const Ext<T>& j, const std::vector<Task>& tasks, int Rp_max, int amx, i
 #ifdef SGL_AMX_ATTN
   PackPlan plan;
   if constexpr (std::is_same_v<T, uint16_t>) {
-    if (amx == 1) plan_pack(j, B, ext, qb, Hkv, plan);
+    if (amx == 1) plan_pack(j, B, ext, fused, qb, Hkv, plan);
     const int64_t nj = (int64_t)plan.jobs.size();
     if (nj > 0) {
       std::atomic<int64_t> nextj{0};
@@ -215,7 +278,7 @@ void run(const Ext<T>& j, const std::vector<Task>& tasks, int Rp_max, int amx, i
     }
   }
 #else
-  (void)B; (void)ext; (void)qb; (void)Hkv;
+  (void)B; (void)ext; (void)fused; (void)qb; (void)Hkv;
 #endif
   // Workers pull tasks (longest first) from a shared counter: balanced whatever the lengths; each
   // row's arithmetic is fixed by its own task, so the split never changes a result.
@@ -223,10 +286,13 @@ void run(const Ext<T>& j, const std::vector<Task>& tasks, int Rp_max, int amx, i
 #ifdef SGL_AMX_ATTN
     if constexpr (std::is_same_v<T, uint16_t>) {
       if (amx) {
-        sglite_amx_attn::Work w;
+        std::vector<std::unique_ptr<sglite_amx_attn::Work>> w;  // [0]: the block scratch; [1..]: a fused task's row blocks
+        w.push_back(std::make_unique<sglite_amx_attn::Work>());
         sglite_tiles::configure();
-        for (int64_t i; !bad.load(std::memory_order_relaxed) && (i = next.fetch_add(1)) < n;)
-          if (!run_task_amx(j, tasks[i], plan, w)) bad = true;
+        for (int64_t i; !bad.load(std::memory_order_relaxed) && (i = next.fetch_add(1)) < n;) {
+          const Task& tk = tasks[i];
+          if (tk.i1 - tk.i0 > qb ? !run_fused_amx(j, tk, qb, w) : !run_task_amx(j, tk, plan, *w[0])) bad = true;
+        }
         _tile_release();
         return;
       }
@@ -280,18 +346,41 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& kb, const at:
   const int64_t *rp = rows.data_ptr<int64_t>(), *pp = pre.data_ptr<int64_t>(), *ep = ext.data_ptr<int64_t>();
   const int G = (int)(Hq / Hkv), Dp = D <= 64 ? 64 : (D <= 128 ? 128 : 256);
   const int64_t qb = std::max<int64_t>(1, kMaxRows / G);  // new tokens per task
-  std::vector<int64_t> start(B + 1);
-  std::vector<Task> tasks;
-  int64_t total = 0;
+  const int amx_run = kv_bf16 && amx != 0 && G <= sglite_amx_attn_rows() && amx_ready() ? (amx == 2 ? 2 : 1) : 0;
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK_INDEX(rp[b] >= 0 && rp[b] < rt.size(0), "extend_attention: req_pool_indices[", b, "]=", rp[b], " outside [0, ", rt.size(0), ")");
     TORCH_CHECK_VALUE(pp[b] >= 0 && ep[b] >= 1 && pp[b] + ep[b] <= rt.size(1), "extend_attention: prefix_lens[", b, "]=", pp[b],
                       " + extend_lens[", b, "]=", ep[b], " must satisfy prefix >= 0, extend >= 1, sum <= ", rt.size(1));
+  }
+  // Requests of 2 .. kFuseMax query blocks run as fused tasks (amx == 1) of qg blocks each: the
+  // largest qg (a power of two) that still leaves >= 3 tasks a thread; none if even qg = 2 does not.
+  std::vector<char> fused(B, 0);
+  int64_t qg = 0;
+  if (amx_run == 1 && amx != 3) {
+    int64_t other = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t nq = (ep[b] + qb - 1) / qb;
+      fused[b] = nq >= 2 && nq <= kFuseMax;
+      if (!fused[b]) other += nq * Hkv;
+    }
+    for (int64_t g = kFuseMax; g >= 2 && qg == 0; g /= 2) {
+      int64_t n = other;
+      for (int64_t b = 0; b < B; ++b)
+        if (fused[b]) n += ((ep[b] + qb - 1) / qb + g - 1) / g * Hkv;
+      if (n >= 3 * (int64_t)at::get_num_threads()) qg = g;
+    }
+    if (qg == 0) std::fill(fused.begin(), fused.end(), 0);
+  }
+  std::vector<int64_t> start(B + 1);
+  std::vector<Task> tasks;
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) {
     start[b] = total;
     total += ep[b];
-    for (int64_t i0 = 0; i0 < ep[b]; i0 += qb)
+    const int64_t step = fused[b] ? qg * qb : qb;
+    for (int64_t i0 = 0; i0 < ep[b]; i0 += step)
       for (int h = 0; h < Hkv; ++h) {
-        const int64_t i1 = std::min(ep[b], i0 + qb);
+        const int64_t i1 = std::min(ep[b], i0 + step);
         tasks.push_back(Task{b, h, i0, i1, pp[b] + i1});
       }
   }
@@ -307,12 +396,12 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& kb, const at:
     Ext<uint16_t> j{(const uint16_t*)kb.data_ptr(), (const uint16_t*)vb.data_ptr(), kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1), S,
                     q.data_ptr(), q_bf16, q.stride(0), q.stride(1), out.data_ptr(), q_bf16, (int)Hq, rt.data_ptr<int32_t>(), rt.stride(0),
                     rp, pp, start.data(), G, (int)D, Dp, (float)sm_scale, window, (float)softcap};
-    run(j, tasks, Rp_max, amx != 0 && G <= sglite_amx_attn_rows() && amx_ready() ? (amx == 2 ? 2 : 1) : 0, B, ep, qb, (int)Hkv);
+    run(j, tasks, Rp_max, amx_run, B, ep, fused, qb, (int)Hkv);
   } else {
     Ext<float> j{kb.data_ptr<float>(), vb.data_ptr<float>(), kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1), S,
                  q.data_ptr(), q_bf16, q.stride(0), q.stride(1), out.data_ptr(), q_bf16, (int)Hq, rt.data_ptr<int32_t>(), rt.stride(0),
                  rp, pp, start.data(), G, (int)D, Dp, (float)sm_scale, window, (float)softcap};
-    run(j, tasks, Rp_max, 0, B, ep, qb, (int)Hkv);
+    run(j, tasks, Rp_max, 0, B, ep, fused, qb, (int)Hkv);
   }
   return out;
 }
@@ -322,7 +411,8 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& kb, const at:
 TORCH_LIBRARY(sglite_cpu_extend, m) {
   m.def("extend_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, "
         "Tensor req_pool_indices, Tensor prefix_lens, Tensor extend_lens, float sm_scale, int window=0, "
-        "float softcap=0.0, int amx=1) -> Tensor");  // amx: 0 AVX-512, 1 AMX (keys packed once per call), 2 AMX (per task)
+        "float softcap=0.0, int amx=1) -> Tensor");  // amx: 0 AVX-512, 1 AMX (fused tasks, else keys packed once per call),
+                                                   // 2 AMX (per task), 3 AMX (keys packed once per call, no fused tasks)
   m.def("amx_ready() -> bool", &amx_ready);
 }
 

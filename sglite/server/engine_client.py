@@ -258,8 +258,9 @@ def _rid_keys(rid) -> list[str]:
     return [rid]
 
 
-class ClientDisconnected(Exception):
-    """The HTTP client went away before its (non-streamed) answer was ready."""
+class ClientDisconnected(ConnectionResetError):
+    """The HTTP client went away before its (non-streamed) answer was ready (a
+    ``ConnectionResetError``, so the error middleware logs one info line, not an internal error)."""
 
 
 async def until_disconnect(receive, awaitable):

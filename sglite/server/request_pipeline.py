@@ -85,6 +85,7 @@ class FieldNames:
 
     messages: str = "messages"
     tools: str = "tools"
+    tool_fn: str = "function."  # between ``tools[i].`` and a function's ``name`` / ``parameters``
     tool_choice: str = "tool_choice"
     response_format: str = "response_format"
     max_tokens: str = "max_tokens"
@@ -217,7 +218,9 @@ def validate(ctx, inp: ChatInput) -> tuple[int, Optional[str]]:
 def plan_output(ctx, inp: ChatInput) -> OutputPlan:
     """Stage 2: the tool mode (:func:`~sglite.server.tool_calls.plan_tools`), the output format,
     the tool-call format (``ctx.tool_parser``) and the reasoning split (``ctx.reasoning_parser``)."""
-    tools = plan_tools(inp.tools, inp.tool_choice, inp.parallel_tool_calls, parser=ctx.tool_parser)
+    f = inp.fields
+    tools = plan_tools(inp.tools, inp.tool_choice, inp.parallel_tool_calls, parser=ctx.tool_parser,
+                       field_of=lambda i, key: f"{f.tools}[{i}].{f.tool_fn}{key}")
     reasoning = None
     if ctx.reasoning_parser and inp.separate_reasoning:
         fmt = get_reasoning_format(ctx.reasoning_parser)

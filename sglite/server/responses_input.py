@@ -28,8 +28,9 @@ from .request_pipeline import ChatInput, FieldNames
 from .responses_models import ResponsesRequest
 
 ROUTE = "/v1/responses"
-FIELDS = FieldNames(messages="input", tools="tools", tool_choice="tool_choice", response_format="text.format",
-                    max_tokens="max_output_tokens", logprobs="include", top_logprobs="top_logprobs")
+FIELDS = FieldNames(messages="input", tools="tools", tool_fn="", tool_choice="tool_choice",
+                    response_format="text.format", max_tokens="max_output_tokens", logprobs="include",
+                    top_logprobs="top_logprobs")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _ROLES = ("user", "assistant", "system", "developer")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"

@@ -49,23 +49,30 @@ class TemplateFacts:
                 self._facts.popitem(last=False)
         return value
 
-    def shows_tools(self, render: Callable[..., str], tools: list[dict], has_system: bool,
+    def shows_tools(self, render: Callable[..., str], tools: list[dict], messages: list[dict],
                     template_kwargs: Optional[dict] = None) -> Optional[bool]:
         """True when ``render(messages, tools=...)`` (the engine's ``apply_chat_template`` with the
         request's kwargs bound) lists every tool's name beyond what the same probe messages give
         without tools; None when the template rejects the probe (the caller then judges on the
-        request's own messages)."""
-        blob = json.dumps([tools, has_system, template_kwargs], sort_keys=True, default=str)
+        request's own messages).
+
+        The probe mirrors the shape of ``messages`` that templates place tools by: the first
+        message's role, whether a user message is present (Mistral's template lists tools before
+        the last user message, Llama 3.1's in the first one) and the last message's role; the
+        verdict is cached under that shape, the tools and the kwargs."""
+        roles = [m.get("role") for m in messages]
+        shape = (roles[0] if roles else None, "user" in roles, roles[-1] if roles else None)
+        blob = json.dumps([tools, shape, template_kwargs], sort_keys=True, default=str)
         key = ("tools", hashlib.sha256(blob.encode()).hexdigest())
-        probe = ([{"role": "system", "content": "x"}] if has_system else []) + [{"role": "user", "content": "x"}]
+        probe = [{"role": r, "content": "x"} for r in _probe_roles(*shape)]
         names = [t["function"]["name"] for t in tools]
 
         def compute():
             try:
                 text, plain = render(probe, tools=tools), render(probe)
-            except Exception:  # noqa: BLE001 - a template that needs other messages: not cached
+            except Exception:  # noqa: BLE001 - a template that needs other messages: judged per request
                 return None
-            return all(text.count(n) > plain.count(n) for n in names)
+            return all(name_count(text, n) > name_count(plain, n) for n in names)
         return self._get(key, compute)
 
     def renders_calls(self, render: Callable[..., str]) -> bool:
@@ -80,3 +87,18 @@ class TemplateFacts:
             except Exception:  # noqa: BLE001 - a template that rejects the probe keeps messages as given
                 return True
         return self._get(("calls",), compute)
+
+
+def _probe_roles(first: Optional[str], has_user: bool, last: Optional[str]) -> list[str]:
+    """The roles of a probe conversation of the given shape (first role, a user message or not,
+    last role), consecutive repeats merged."""
+    roles = [r for r in (first, "user" if has_user else None, last) if r is not None]
+    out = [r for i, r in enumerate(roles) if i == 0 or r != roles[i - 1]]
+    return out or ["user"]
+
+
+def name_count(text: str, name: str) -> int:
+    """How often a tool's ``name`` occurs in rendered ``text``, as written or JSON-escaped (a
+    template that lists tools through ``tojson`` escapes quotes, backslashes and non-ASCII)."""
+    forms = {name, json.dumps(name)[1:-1], json.dumps(name, ensure_ascii=False)[1:-1]}
+    return max(text.count(f) for f in forms)

@@ -19,11 +19,12 @@ Sources: OpenAI's function-calling API; the Hermes / Qwen2.5 ``<tool_call>`` for
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
 from .errors import ApiError
-from .template_facts import TemplateFacts
+from .template_facts import TemplateFacts, name_count
 from .tool_parsers.formats import HERMES, ToolCallFormat, get_format
 from .tool_parsers.json_calls import make_call, parse_json_calls
 from .tool_parsers.mistral_args import args_form, parse_args_calls
@@ -98,18 +99,57 @@ def calls_schema(fns: list[dict]) -> dict:
     return {**out, "$defs": defs} if defs else out
 
 
-def plan_tools(tools: Optional[list], tool_choice, parallel: bool = True, parser: Optional[str] = None) -> ToolPlan:
-    """Decide the tool mode of a chat request (pydantic ``Tool`` / ``NamedToolChoice`` objects);
-    ``parallel`` is ``parallel_tool_calls`` (False: at most one call is returned); ``parser`` is
-    the ``--tool-call-parser`` name (None: ``qwen25``).
+#: the longest tool name (OpenAI's limit)
+MAX_TOOL_NAME = 64
+
+
+def _schema_depth(node) -> int:
+    """Nesting depth of a JSON value (dicts and lists), walked without recursion."""
+    depth, stack = 0, [(node, 1)]
+    while stack:
+        n, d = stack.pop()
+        if isinstance(n, (dict, list)):
+            depth = max(depth, d)
+            stack.extend((v, d + 1) for v in (n.values() if isinstance(n, dict) else n))
+    return depth
+
+
+def check_tools(tool_dicts: list[dict], field_of=lambda i, key: f"tools[{i}].function.{key}") -> None:
+    """400 for a tool the server cannot show or constrain: a name that is empty, longer than
+    :data:`MAX_TOOL_NAME` characters or holds whitespace, control characters, quotes or
+    backslashes; parameters nested deeper than the schema compiler recurses (a quarter of the
+    interpreter's recursion limit: 250 levels by default). ``field_of(i, key)`` names the field.
 
     Raises:
-        ApiError: 400 when ``tool_choice`` needs tools that are not there.
+        ApiError: naming the field and the limit.
+    """
+    limit = sys.getrecursionlimit() // 4
+    for i, t in enumerate(tool_dicts):
+        name = t["function"]["name"]
+        if not name or len(name) > MAX_TOOL_NAME or any(c.isspace() or not c.isprintable() or c in "\"\\" for c in name):
+            raise ApiError(f"{field_of(i, 'name')}: must be 1-{MAX_TOOL_NAME} characters without whitespace, "
+                           f"control characters, quotes or backslashes, got {name[:80]!r}", param=field_of(i, "name"))
+        if _schema_depth(t["function"].get("parameters")) > limit:
+            raise ApiError(f"{field_of(i, 'parameters')}: nested too deeply (at most {limit} levels)",
+                           param=field_of(i, "parameters"))
+
+
+def plan_tools(tools: Optional[list], tool_choice, parallel: bool = True, parser: Optional[str] = None,
+               field_of=lambda i, key: f"tools[{i}].function.{key}") -> ToolPlan:
+    """Decide the tool mode of a chat request (pydantic ``Tool`` / ``NamedToolChoice`` objects);
+    ``parallel`` is ``parallel_tool_calls`` (False: at most one call is returned; a named
+    ``tool_choice`` returns one call, as OpenAI's does); ``parser`` is the ``--tool-call-parser``
+    name (None: ``qwen25``); ``field_of(i, key)`` names tool ``i``'s ``key`` in 400 messages.
+
+    Raises:
+        ApiError: 400 when ``tool_choice`` needs tools that are not there, and for the tools
+        :func:`check_tools` refuses.
     """
     tool_dicts = [t.model_dump(by_alias=True, exclude_none=True) for t in (tools or [])]
     names = [t["function"]["name"] for t in tool_dicts]
     if len(set(names)) != len(names):
         raise ApiError("tools: function names must be unique", param="tools")
+    check_tools(tool_dicts, field_of)
     choice = tool_choice if tool_choice is not None else ("auto" if tool_dicts else "none")
     fmt = get_format(parser)
     if choice == "none":
@@ -126,7 +166,7 @@ def plan_tools(tools: Optional[list], tool_choice, parallel: bool = True, parser
         raise ApiError(f"tool_choice.function.name: {name!r} is not one of the tools {names}",
                        param="tool_choice.function.name")
     tool = tool_dicts[names.index(name)]
-    return ToolPlan("forced", [tool], calls_schema([tool["function"]]), parallel, fmt)
+    return ToolPlan("forced", [tool], calls_schema([tool["function"]]), False, fmt)
 
 
 def tools_system_prompt(tools: list[dict], fmt: ToolCallFormat = HERMES) -> str:
@@ -177,14 +217,13 @@ def render_prompt(engine, messages: list[dict], plan: ToolPlan, add_generation_p
     msgs = calls_as_content(engine, messages, plan.fmt, facts)
     if plan.mode == "none":
         return render(msgs)
-    # whether the template shows the tools is the template's property: judged on probe messages
-    # (the request's own messages may name the tools themselves, e.g. instructions saying "call
-    # get_weather", or calls kept as text) and cached per tool list
-    shown = facts.shows_tools(render, plan.tools, bool(messages) and messages[0].get("role") == "system",
-                              template_kwargs)
+    # whether the template shows the tools is the template's property: judged on probe messages of
+    # the request's shape (its own messages may name the tools themselves, e.g. instructions saying
+    # "call get_weather", or calls kept as text) and cached per tool list and shape
+    shown = facts.shows_tools(render, plan.tools, messages, template_kwargs)
     if shown is None:  # the probe was rejected: compare the messages as given with and without tools
         text, plain = render(messages, tools=plan.tools), render(messages)
-        shown = all(text.count(n) > plain.count(n) for n in plan.names)
+        shown = all(name_count(text, n) > name_count(plain, n) for n in plan.names)
     if shown:
         return render(msgs, tools=plan.tools)
     section = tools_system_prompt(plan.tools, plan.fmt)

@@ -73,13 +73,18 @@ def test_500_carries_an_error_id_only(caplog):
     assert any(body["error_id"] in rec.getMessage() and rec.exc_info for rec in caplog.records)
 
 
-def test_client_disconnect_is_an_info_line(caplog):
+@pytest.mark.parametrize("which", ["starlette", "ours"])
+def test_client_disconnect_is_an_info_line(caplog, which):
+    """Starlette's ClientDisconnect, and ours (a non-streamed call whose client went away; it was
+    logged as an internal error with a traceback until 2026-12-06)."""
     from starlette.requests import ClientDisconnect
+
+    from sglite.server.engine_client import ClientDisconnected
 
     eng = FakeEngine()
 
     async def gone(*a, **k):
-        raise ClientDisconnect()
+        raise ClientDisconnect() if which == "starlette" else ClientDisconnected()
     eng.async_generate = gone
     with TestClient(create_app(eng, ServerConfig()), raise_server_exceptions=False) as c, \
             caplog.at_level(logging.INFO, logger="sglite.server"):

@@ -65,26 +65,28 @@ def test_cached_facts_give_the_same_prompt_and_render_the_history_once(shows_too
 def test_facts_are_keyed_by_the_tool_list_and_the_system_message():
     eng, facts = _Counting(shows_tools=True), TemplateFacts()
     render = eng.apply_chat_template
-    assert facts.shows_tools(render, [WEATHER], has_system=True) is True
+    sys_user = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert facts.shows_tools(render, [WEATHER], sys_user) is True
     n = len(eng.rendered)
-    assert facts.shows_tools(render, [WEATHER], has_system=True) is True and len(eng.rendered) == n  # cached
-    assert facts.shows_tools(render, [WEATHER, CLOCK], has_system=True) is True and len(eng.rendered) == n + 2
-    assert facts.shows_tools(render, [WEATHER], has_system=False) is True and len(eng.rendered) == n + 4
-    assert facts.shows_tools(_Counting(shows_tools=False).apply_chat_template, [CLOCK], has_system=False) is False
+    assert facts.shows_tools(render, [WEATHER], _history(3)) is True and len(eng.rendered) == n  # same shape: cached
+    assert facts.shows_tools(render, [WEATHER, CLOCK], sys_user) is True and len(eng.rendered) == n + 2
+    assert facts.shows_tools(render, [WEATHER], sys_user[1:]) is True and len(eng.rendered) == n + 4
+    assert facts.shows_tools(_Counting(shows_tools=False).apply_chat_template, [CLOCK], sys_user[1:]) is False
 
 
 def test_the_cache_is_bounded_least_recently_used_first():
     eng, facts = _Counting(shows_tools=True), TemplateFacts(max_entries=2)
     render = eng.apply_chat_template
     tools = [[{"type": "function", "function": {"name": f"f{i}", "parameters": {}}}] for i in range(3)]
-    facts.shows_tools(render, tools[0], False)
-    facts.shows_tools(render, tools[1], False)
-    facts.shows_tools(render, tools[0], False)  # f0 used again: f1 is now the oldest
-    facts.shows_tools(render, tools[2], False)  # evicts f1
+    user = [{"role": "user", "content": "Hi"}]
+    facts.shows_tools(render, tools[0], user)
+    facts.shows_tools(render, tools[1], user)
+    facts.shows_tools(render, tools[0], user)  # f0 used again: f1 is now the oldest
+    facts.shows_tools(render, tools[2], user)  # evicts f1
     n = len(eng.rendered)
-    facts.shows_tools(render, tools[0], False)
+    facts.shows_tools(render, tools[0], user)
     assert len(eng.rendered) == n
-    facts.shows_tools(render, tools[1], False)
+    facts.shows_tools(render, tools[1], user)
     assert len(eng.rendered) == n + 2
 
 
@@ -94,6 +96,50 @@ def test_a_template_that_rejects_the_probe_is_judged_on_the_messages():
     plan = ToolPlan("auto", [WEATHER])
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"}]
     eng = _Counting(shows_tools=False, strict=True)
-    assert TemplateFacts().shows_tools(eng.apply_chat_template, [WEATHER], has_system=True) is None
+    assert TemplateFacts().shows_tools(eng.apply_chat_template, [WEATHER], msgs) is None
     text = render_prompt(eng, msgs, plan, facts=TemplateFacts())
     assert text.count('"parameters"') == 1 and text.startswith("<|im_start|>system\nBe brief.")
+
+
+class _BeforeLastUser(_Counting):
+    """A Mistral-style fake: the tools are listed just before the last user message (none without one)."""
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tools=None, chat_template_kwargs=None):
+        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+        out = ""
+        for i, m in enumerate(messages):
+            if tools and users and i == users[-1]:
+                out += "[AVAILABLE_TOOLS]" + ",".join(t["function"]["name"] for t in tools) + "[/AVAILABLE_TOOLS]"
+            out += f"[{m['role']}]{m.get('content') or ''}"
+        return out
+
+
+@pytest.mark.parametrize("msgs", [[{"role": "system", "content": "You are an agent."},
+                                   {"role": "assistant", "content": "I will check."}],
+                                  [{"role": "system", "content": "You are an agent."},
+                                   {"role": "user", "content": "Weather in Oslo?"}]], ids=["no-user", "user"])
+def test_a_template_that_lists_tools_only_before_a_user_message(msgs):
+    """Judged on probes of the conversation's shape: without a user message such a template shows
+    no tools, so the server's section is added; with one, the template's list is used."""
+    plan = ToolPlan("auto", [WEATHER])
+    facts = TemplateFacts()
+    render_prompt(_BeforeLastUser(False), [{"role": "user", "content": "warm the cache"}], plan, facts=facts)
+    text = render_prompt(_BeforeLastUser(False), msgs, plan, facts=facts)
+    has_user = any(m["role"] == "user" for m in msgs)
+    assert ("[AVAILABLE_TOOLS]get_weather" in text) == has_user and ('"parameters"' in text) != has_user, text
+
+
+class _ToJson(_Counting):
+    """Lists the tools as JSON (``tojson``): names with quotes or backslashes come out escaped."""
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tools=None, chat_template_kwargs=None):
+        import json
+        head = ("Tools: " + json.dumps([t["function"] for t in tools]) + "\n") if tools else ""
+        return head + "".join(f"[{m['role']}]{m.get('content') or ''}" for m in messages)
+
+
+def test_a_name_the_template_escapes_still_counts_as_shown():
+    odd = {"type": "function", "function": {"name": 'ab"c\\d', "parameters": {"type": "object", "properties": {}}}}
+    text = render_prompt(_ToJson(False), [{"role": "user", "content": "Hi"}], ToolPlan("auto", [odd]),
+                         facts=TemplateFacts())
+    assert text.count("Tools: ") == 1 and "# Tools" not in text, text

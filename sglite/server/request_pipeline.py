@@ -37,7 +37,7 @@ from .openai_params import Constraint, make_call, model_adapter, response_format
 from .reasoning import ReasoningFormat, ReasoningStreamer, get_reasoning_format, split_reasoning, thinking_on
 from .tool_calls import ToolPlan, parse_tool_calls, plan_tools, render_prompt
 from .tool_constraint import apply_constraint, opener_is_text
-from .tool_stream import ToolCallStreamer, truncated_tool_calls
+from .tool_stream import ToolCallStreamer, merge_tool_call_deltas, truncated_tool_calls
 
 MAX_TOP_LOGPROBS = 20
 
@@ -192,9 +192,11 @@ class OutputStreamer:
         return thought, content, calls
 
     def finish_reason(self, finish_reason: Optional[str]) -> Optional[str]:
-        """The OpenAI finish reason once the whole output was read (``tool_calls`` after a call)."""
+        """The OpenAI finish reason once the whole output was read: ``tool_calls`` after whole
+        calls; ``length`` / ``stop`` as the engine said when the limit or a stop string cut the
+        last call's arguments (they are then not JSON)."""
         if self.tools.called and finish_reason in ("stop", "length"):
-            return "length" if finish_reason == "length" and self.tools.incomplete else "tool_calls"
+            return finish_reason if self.tools.incomplete else "tool_calls"
         return finish_reason
 
 
@@ -389,15 +391,20 @@ def remember_output(ctx, prep: PreparedCall, text: str, output_ids: Optional[lis
 # ----------------------------------------------------------------------------- outputs
 def parse_output(text: str, finish_reason: Optional[str], plan: OutputPlan) -> ParsedOutput:
     """Stage 6 (whole output): the reasoning split off (with a reasoning parser), then content and
-    tool calls of the answer by the plan's parser. ``finish_reason`` is
-    ``tool_calls`` when the model called a tool, ``length`` when the limit cut a call's arguments
-    (the partial call is still returned as a call, never as content)."""
+    tool calls of the answer by the plan's parser. ``finish_reason`` is ``tool_calls`` when the
+    model called tools; when ``max_tokens`` (``length``) or a stop string (``stop``) cut the last
+    call's arguments, every call is returned, the cut one with its partial arguments text, and the
+    engine's reason stays: what the streamed answer gives (:meth:`OutputStreamer.finish_reason`)."""
     thought = None
     if plan.reasoning is not None:
         thought, text = split_reasoning(text, *plan.reasoning)
+    if finish_reason in ("stop", "length") and plan.tools.mode != "none":
+        cut = plan.parser.streamer(plan.tools)
+        content, deltas = cut.finish(text, finish_reason)
+        if deltas:
+            return ParsedOutput(content.strip() or None, merge_tool_call_deltas(deltas),
+                                finish_reason if cut.incomplete else "tool_calls", thought)
     content, calls = plan.parser.parse(text, plan.tools)
-    if not calls and finish_reason == "length" and plan.tools.mode != "none":
-        content, calls = plan.parser.truncated(text, plan.tools)
-    elif calls and finish_reason in ("stop", "length"):
+    if calls and finish_reason in ("stop", "length"):
         finish_reason = "tool_calls"
     return ParsedOutput(content, calls, finish_reason, thought)

@@ -227,3 +227,38 @@ def test_instructor_tools_mode_streaming_gets_objects(client):
     assert users and all(u.name and u.address.city for u in users)
     partials = list(cl.chat.completions.create_partial(response_model=User, max_tokens=300, **kw))
     assert len(partials) > 3 and partials[-1] == users[0]
+
+
+@pytest.mark.parametrize("finish", ["length", "stop"])
+@pytest.mark.parametrize("mode", ["forced", "auto"])
+def test_a_cut_call_reads_the_same_streamed_and_not(finish, mode):
+    """Two calls in the family markup, cut at every character by ``max_tokens`` (``length``) or a
+    stop string (``stop``): the non-streamed answer (``parse_output``) has the same calls, the
+    same content and the same finish reason as the streamed one read by ``OutputStreamer``
+    (found by a break-it pass: non-streamed dropped a cut second call and said ``tool_calls``;
+    a stop string inside a forced call gave raw markup as content there and ``tool_calls``
+    with non-JSON arguments streamed)."""
+    from sglite.server.request_pipeline import OutputPlan, OutputStreamer, parse_output
+
+    plan = OutputPlan(ToolPlan(mode, [WEATHER, TIME]))
+    text = ('<tool_call>\n' + CALL + '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}'
+            '\n</tool_call>')
+    second = text.index('{"tz"')
+    first = text.index(ARGS)
+    for cut in list(range(second - 30, len(text) + 1)) + [first + 5, first + len(ARGS) - 1]:
+        out = parse_output(text[:cut], finish, plan)
+        st, content, deltas = OutputStreamer(plan), "", []
+        for j in range(0, cut, 7):
+            _, c, d = st.step(text[j:min(j + 7, cut)], None if j + 7 < cut else finish)
+            content, deltas = content + c, deltas + d
+        calls = merge_tool_call_deltas(deltas)
+        assert [c["function"]["name"] for c in out.tool_calls] == [c["function"]["name"] for c in calls], cut
+        assert [c["function"]["arguments"] for c in out.tool_calls] == [c["function"]["arguments"] for c in calls], cut
+        assert (out.content or "") == content.strip(), cut
+        assert out.finish_reason == st.finish_reason(finish), cut
+        in_args = [(first - 1, first + len(ARGS)), (second - 1, second + len('{"tz": "UTC"}'))]
+        cut_inside = any(a <= cut < b for a, b in in_args)
+        assert out.finish_reason == (finish if cut_inside else "tool_calls"), cut
+        if cut_inside:  # the cut call is returned last, with its partial arguments as generated
+            start = first if cut < second - 30 else second
+            assert out.tool_calls[-1]["function"]["arguments"] == text[start:cut].lstrip(), cut

@@ -180,3 +180,54 @@ def test_bf16_rounding_of_denormals_and_nans_is_c10s(ops):
     q2 = reference.rope_store_kv(qk, v, cos, sin, kb2, vb2, loc, 2)
     eq = lambda a, b: bool(((a.view(torch.int16) == b.view(torch.int16)) | (torch.isnan(a) & torch.isnan(b))).all())  # noqa: E731
     assert eq(q, q2) and eq(kb, kb2) and torch.equal(vb, vb2)
+
+
+# ---------------------------------------------------------------------------------------------
+# argmax_rows: the greedy pick (numpy's / torch's argmax, bit for bit, whatever the thread count)
+
+def _numpy_argmax(x: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(x.contiguous().numpy().argmax(axis=-1))
+
+
+@pytest.mark.parametrize("B,V", [(1, 1), (3, 15), (2, 64), (5, 65), (7, 1000), (48, 49152), (64, 4099), (0, 8)])
+@pytest.mark.parametrize("kind", ["randn", "ties", "nan", "neg_inf", "strided"])
+def test_argmax_rows_is_numpys_argmax(ops, B, V, kind):
+    """Random rows, rows of few distinct values (ties: the first maximum), rows with NaNs (the
+    first NaN), rows of -inf with one finite value or none, and rows with a stride > V: the
+    C++ argmax equals numpy's on 1, 2 and 3 threads (shares of the vocabulary combined in order)."""
+    g = torch.Generator().manual_seed(B * 131 + V)
+    x = torch.randn(B, V + 9, generator=g)[:, 4:V + 4] if kind == "strided" else torch.randn(B, V, generator=g)
+    if kind == "ties":
+        x = torch.randint(-2, 3, (B, V), generator=g).float()
+    elif kind == "nan" and B * V:
+        x[torch.rand(B, V, generator=g) < 0.002] = float("nan")
+        x[0, V // 2] = float("nan")
+    elif kind == "neg_inf" and B * V:
+        x.fill_(float("-inf"))
+        x[0, V - 1] = 0.0
+    for threads in (1, 2, 3):
+        got = cpu_elementwise.argmax_rows(x, threads)
+        assert got.dtype == torch.int64 and torch.equal(got, _numpy_argmax(x)), (threads, kind)
+    if not x.isnan().any():
+        assert torch.equal(cpu_elementwise.argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_greedy_dispatch_runs_the_cpp_argmax(ops, monkeypatch):
+    """kernels.greedy on CPU float32 logits without a mask is the C++ argmax (the reference's
+    tokens); SGLITE_KERNEL=torch, a grammar mask or bf16 logits keep the reference; bad input
+    raises a ValueError naming the argument."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 5000, generator=g)
+    calls = []
+    real = cpu_elementwise.argmax_rows
+    monkeypatch.setattr(cpu_elementwise, "argmax_rows", lambda t, threads=None: calls.append(1) or real(t, threads))
+    assert torch.equal(kernels.greedy(x), reference.greedy(x)) and calls == [1]
+    words = torch.full((6, (5000 + 31) // 32), -1, dtype=torch.int32)
+    assert torch.equal(kernels.greedy(x, words), reference.greedy(x)) and calls == [1]
+    assert torch.equal(kernels.greedy(x.bfloat16()), reference.greedy(x.bfloat16())) and calls == [1]
+    monkeypatch.setenv("SGLITE_KERNEL", "torch")
+    assert torch.equal(kernels.greedy(x), reference.greedy(x)) and calls == [1]
+    with pytest.raises(ValueError, match="argmax_rows: x must be float32"):
+        ops.argmax_rows(x.t(), 2)
+    with pytest.raises(ValueError, match="threads"):
+        ops.argmax_rows(x, 0)

@@ -1,5 +1,5 @@
 // Fused elementwise kernels around the GEMMs on CPU (contract: sglite/kernels/cpu_elementwise.py):
-// residual add + RMSNorm in one pass, and RoPE + KV store in one pass. Rows are independent and
+// residual add + RMSNorm in one pass, RoPE + KV store in one pass, and the greedy argmax of logits rows. Rows are independent and
 // each row's arithmetic order is fixed by its length alone (batch-invariant).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
@@ -251,15 +251,134 @@ at::Tensor rope_store_kv(const at::Tensor& qk, const at::Tensor& v, const at::Te
   return q;
 }
 
+// ---- argmax_rows: the greedy pick of each logits row (first index of the maximum; a NaN counts
+// as the maximum, the first NaN wins: numpy's and torch's argmax). The vocabulary is cut into one
+// contiguous share per thread for all rows (the LM head wrote its shares the same way, so each core
+// mostly reads lines already in its own cache); each share yields, per row, its first NaN or its
+// first maximum, and the shares are then combined in order (a later share wins only with a strictly
+// greater value), so the result never depends on the thread count.
+struct ArgBest {
+  float v;
+  int64_t i;    // first index of the maximum within the share (-1: empty share)
+  int64_t nan;  // first NaN within the share, or -1
+};
+
+#ifdef SGL_AVX512
+// Fold lane maxima (value, index) b into a: b's lane wins with a greater value, or an equal one at
+// a smaller index (the first maximum).
+inline void fold_best(__m512& av, __m512i& ai, __m512 bv, __m512i bi) {
+  const __mmask16 take = _mm512_cmp_ps_mask(bv, av, _CMP_GT_OQ)
+                         | (_mm512_cmp_ps_mask(bv, av, _CMP_EQ_OQ) & _mm512_cmp_epi32_mask(bi, ai, _MM_CMPINT_LT));
+  av = _mm512_mask_mov_ps(av, take, bv);
+  ai = _mm512_mask_mov_epi32(ai, take, bi);
+}
+#endif
+
+inline ArgBest argmax_span(const float* p, int64_t lo, int64_t hi) {
+  ArgBest b{-INFINITY, -1, -1};
+  if (lo >= hi) return b;
+  int64_t j = lo;
+#ifdef SGL_AVX512
+  if (hi - lo >= 64) {  // four independent (value, index) accumulators: one vector dependency chain each
+    const float* q = p + lo;
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 v0 = _mm512_loadu_ps(q), v1 = _mm512_loadu_ps(q + 16), v2 = _mm512_loadu_ps(q + 32), v3 = _mm512_loadu_ps(q + 48);
+    __m512i i0 = iota, i1 = _mm512_add_epi32(iota, _mm512_set1_epi32(16)), i2 = _mm512_add_epi32(iota, _mm512_set1_epi32(32)),
+            i3 = _mm512_add_epi32(iota, _mm512_set1_epi32(48));  // offsets from lo
+    __mmask16 nan = _mm512_cmp_ps_mask(v0, v1, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v2, v3, _CMP_UNORD_Q);
+    __m512i c0 = i0;
+    const __m512i step = _mm512_set1_epi32(64);
+    int64_t k = 64;
+    for (; k + 64 <= hi - lo; k += 64) {
+      c0 = _mm512_add_epi32(c0, step);
+      const __m512 a = _mm512_loadu_ps(q + k), bq = _mm512_loadu_ps(q + k + 16), c = _mm512_loadu_ps(q + k + 32),
+                   d = _mm512_loadu_ps(q + k + 48);
+      const __mmask16 g0 = _mm512_cmp_ps_mask(a, v0, _CMP_GT_OQ), g1 = _mm512_cmp_ps_mask(bq, v1, _CMP_GT_OQ),
+                      g2 = _mm512_cmp_ps_mask(c, v2, _CMP_GT_OQ), g3 = _mm512_cmp_ps_mask(d, v3, _CMP_GT_OQ);
+      v0 = _mm512_mask_mov_ps(v0, g0, a);
+      v1 = _mm512_mask_mov_ps(v1, g1, bq);
+      v2 = _mm512_mask_mov_ps(v2, g2, c);
+      v3 = _mm512_mask_mov_ps(v3, g3, d);
+      i0 = _mm512_mask_mov_epi32(i0, g0, c0);
+      i1 = _mm512_mask_mov_epi32(i1, g1, _mm512_add_epi32(c0, _mm512_set1_epi32(16)));
+      i2 = _mm512_mask_mov_epi32(i2, g2, _mm512_add_epi32(c0, _mm512_set1_epi32(32)));
+      i3 = _mm512_mask_mov_epi32(i3, g3, _mm512_add_epi32(c0, _mm512_set1_epi32(48)));
+      nan |= _mm512_cmp_ps_mask(a, bq, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(c, d, _CMP_UNORD_Q);  // a NaN in either
+    }
+    if (nan == 0) {  // no NaN in [lo, lo + k)
+      fold_best(v0, i0, v1, i1);
+      fold_best(v2, i2, v3, i3);
+      fold_best(v0, i0, v2, i2);
+      const float m = _mm512_reduce_max_ps(v0);
+      const __mmask16 at = _mm512_cmp_ps_mask(v0, _mm512_set1_ps(m), _CMP_EQ_OQ);
+      b.v = m;
+      b.i = lo + _mm512_mask_reduce_min_epi32(at, i0);  // the first index holding the maximum
+      for (j = lo + k; j < hi; ++j) {  // the tail, after every vector (all of them come first)
+        const float x = p[j];
+        if (x != x) { b.nan = j; return b; }
+        if (x > b.v) { b.v = x; b.i = j; }
+      }
+      return b;
+    }
+    // a NaN: the scalar scan from lo finds the first one
+  }
+#endif
+  b.v = p[j];
+  b.i = j;
+  if (b.v != b.v) { b.nan = j; return b; }
+  for (++j; j < hi; ++j) {
+    const float x = p[j];
+    if (x != x) { b.nan = j; return b; }
+    if (x > b.v) { b.v = x; b.i = j; }
+  }
+  return b;
+}
+
+// argmax_rows(x [B, V] float32, unit stride along V, threads) -> [B] int64.
+at::Tensor argmax_rows(const at::Tensor& x, int64_t threads) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) >= 1 && x.stride(1) == 1,
+                    "argmax_rows: x must be float32 [B, V] with V >= 1 and unit stride along V");
+  TORCH_CHECK_VALUE(x.size(1) < (int64_t(1) << 31), "argmax_rows: V must be below 2^31, got ", x.size(1));
+  TORCH_CHECK_VALUE(threads >= 1 && threads <= 1024, "argmax_rows: threads must be in [1, 1024], got ", threads);
+  const int64_t B = x.size(0), V = x.size(1), rs = x.stride(0);
+  at::Tensor out = at::empty({B}, x.options().dtype(at::kLong));
+  if (B == 0) return out;
+  const float* p = x.data_ptr<float>();
+  // one share per thread, each at least ~32k values (fewer threads for a small batch)
+  const int64_t grain = std::max<int64_t>(256, (int64_t(1) << 15) / B);
+  const int n = (int)std::max<int64_t>(1, std::min<int64_t>(threads, V / grain));
+  std::vector<ArgBest> part((size_t)(B * n));
+  auto share = [&](int64_t c) {
+    int64_t lo, hi;
+    sglite_pool::split(0, V, (int)c, n, lo, hi);
+    for (int64_t r = 0; r < B; ++r) part[(size_t)(r * n + c)] = argmax_span(p + r * rs, lo, hi);
+  };
+  sglite_pool::Pool::get().run(n, n, share);
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < B; ++r) {
+    const ArgBest* q = part.data() + r * n;
+    int64_t pick = -1, nan = -1;
+    float best = 0.f;
+    for (int c = 0; c < n && nan < 0; ++c) {
+      if (q[c].nan >= 0) nan = q[c].nan;
+      else if (q[c].i >= 0 && (pick < 0 || q[c].v > best)) { best = q[c].v; pick = q[c].i; }
+    }
+    o[r] = nan >= 0 ? nan : pick;
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(sglite_cpu_elementwise, m) {
   m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rope_store_kv(Tensor qk, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_buffer, Tensor(b!) v_buffer, "
         "Tensor out_cache_loc, int num_q_heads) -> Tensor");
+  m.def("argmax_rows(Tensor x, int threads) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sglite_cpu_elementwise, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope_store_kv", &rope_store_kv);
+  m.impl("argmax_rows", &argmax_rows);
 }

@@ -231,3 +231,38 @@ def test_greedy_dispatch_runs_the_cpp_argmax(ops, monkeypatch):
         ops.argmax_rows(x.t(), 2)
     with pytest.raises(ValueError, match="threads"):
         ops.argmax_rows(x, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# dequant_rows: quantized embedding rows, the reference's bits
+
+@pytest.mark.parametrize("bits,gs,mins,half,tiled", [(4, 32, True, False, False), (4, 64, False, True, False),
+                                                     (8, 32, True, True, True), (8, 16, False, False, False),
+                                                     (8, 16, True, True, True), (4, 32, True, True, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequant_rows_is_the_reference(ops, bits, gs, mins, half, tiled, dtype):
+    """Random codes / scales / mins (float32 or float16), row or tiled layout, 4/8-bit codes, group
+    16 / 32 / 64: the C++ gather equals QuantLinearWeight.rows_reference bit for bit (repeated and
+    unordered ids); rows() routes to it; an id outside the table raises IndexError."""
+    from sglite.kernels.quant_layout import compact_scales, tile_rows
+    from sglite.kernels.quant_linear import QuantLinearWeight
+
+    n, k = 48, 192
+    g = torch.Generator().manual_seed(bits * 100 + gs + mins)
+    codes = torch.randint(0, 2 ** bits, (n, k), generator=g, dtype=torch.uint8)
+    s = (torch.randn(n, k // gs, generator=g) * 0.1).half().float()
+    m = (torch.randn(n, k // gs, generator=g) * 0.05).half().float() if mins else None
+    w = QuantLinearWeight.from_codes(codes, s, m, bits, gs)
+    if half:
+        assert compact_scales(w)
+    if tiled:
+        assert tile_rows(w) and w.tiled
+    ids = torch.tensor([47, 0, 16, 5, 31, 5, 17])
+    got = cpu_elementwise.dequant_rows(w, ids, dtype)
+    want = w.rows_reference(ids, dtype)
+    assert got is not None and got.dtype == dtype and torch.equal(got, want)
+    assert torch.equal(w.rows(ids, dtype), want)
+    assert cpu_elementwise.dequant_rows(w, ids[:0], dtype).shape == (0, k)
+    with pytest.raises(IndexError, match="dequant_rows: id 48 outside"):
+        cpu_elementwise.dequant_rows(w, torch.tensor([3, 48]), dtype)
+    assert cpu_elementwise.dequant_rows(w, ids, torch.float16) is None  # another dtype: the reference

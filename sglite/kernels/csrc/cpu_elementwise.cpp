@@ -1,11 +1,12 @@
 // Fused elementwise kernels around the GEMMs on CPU (contract: sglite/kernels/cpu_elementwise.py):
-// residual add + RMSNorm in one pass, RoPE + KV store in one pass, and the greedy argmax of logits rows. Rows are independent and
+// residual add + RMSNorm in one pass, RoPE + KV store in one pass, the greedy argmax of logits rows, and quantized embedding rows. Rows are independent and
 // each row's arithmetic order is fixed by its length alone (batch-invariant).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include "thread_pool.h"
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 #include <atomic>
 #include <cmath>
@@ -368,6 +369,75 @@ at::Tensor argmax_rows(const at::Tensor& x, int64_t threads) {
   return out;
 }
 
+// ---- dequant_rows: rows `ids` of a group-quantized weight (an embedding lookup of a quantized
+// table), w = float(code) * float(scale) [+ float(min)] in float32 with each product and sum
+// rounded (as QuantLinearWeight.dequantize's torch ops), then cast to the output dtype. Codes in
+// the row layout (per 32-block: 4-bit -- byte j holds codes j (low nibble) and j + 16 (high);
+// 8-bit -- one byte per code) or the 16-row tiled one (quant_layout.tile_views: codes
+// [N/16, K/32, C, 16, 4] bytes, scales / mins [N/16, G, 16]).
+template <typename S, typename O>
+void dequant_rows_t(const uint8_t* q, const S* sc, const S* mn, const int64_t* ids, int64_t M, int64_t N, int64_t K,
+                    int64_t bits, int64_t gs, bool tiled, O* out) {
+  const int64_t nb = K / 32, G = K / gs, C = bits;  // C: 4-byte groups per 32-block
+  const int64_t row_bytes = K * bits / 8;
+  for (int64_t r = 0; r < M; ++r) {
+    const int64_t n = ids[r], t = n / 16, lane = n % 16;
+    O* o = out + r * K;
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t blk[32];
+      if (tiled) {
+        const uint8_t* base = q + ((t * nb + b) * C * 16) * 4;
+        for (int64_t c = 0; c < C; ++c) std::memcpy(blk + 4 * c, base + (c * 16 + lane) * 4, 4);
+      } else {
+        std::memcpy(blk, q + n * row_bytes + b * C * 4, (size_t)(C * 4));
+      }
+      for (int64_t j = 0; j < 32; ++j) {
+        const int64_t k = b * 32 + j;
+        const uint8_t code = bits == 8 ? blk[j] : (j < 16 ? (blk[j] & 0xF) : (blk[j - 16] >> 4));
+        const int64_t g = k / gs;
+        const int64_t si = tiled ? (t * G + g) * 16 + lane : n * G + g;
+        float v = (float)code * (float)sc[si];
+        if (mn) v = v + (float)mn[si];
+        o[k] = cast<O>(v);
+      }
+    }
+  }
+}
+
+// dequant_rows(qweight, scales [N, G] | tiled, mins or None, ids [M] int64, bits 4 | 8, group size,
+// K, tiled, out dtype float32 | bfloat16) -> [M, K].
+at::Tensor dequant_rows(const at::Tensor& q, const at::Tensor& sc, const c10::optional<at::Tensor>& mn_opt,
+                        const at::Tensor& ids, int64_t bits, int64_t gs, int64_t K, bool tiled, at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(bits == 4 || bits == 8, "dequant_rows: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK_VALUE(K > 0 && K % 32 == 0 && gs > 0 && (gs % 16 == 0) && K % gs == 0 && (bits == 8 || gs % 32 == 0),
+                    "dequant_rows: in_features must be a multiple of 32 and of the group size (", gs, "), got ", K);
+  TORCH_CHECK_VALUE(q.scalar_type() == at::kByte && q.is_contiguous() && q.dim() == 2 && q.size(1) * 8 == K * bits,
+                    "dequant_rows: qweight must be contiguous uint8 [N, K * bits / 8]");
+  const int64_t N = q.size(0), G = K / gs;
+  TORCH_CHECK_VALUE(!tiled || N % 16 == 0, "dequant_rows: a tiled weight needs N % 16 == 0, got ", N);
+  const auto st = sc.scalar_type();
+  TORCH_CHECK_VALUE((st == at::kFloat || st == at::kHalf) && sc.is_contiguous() && sc.numel() == N * G,
+                    "dequant_rows: scales must be contiguous float32 or float16 with N * K / group_size values");
+  const bool has_min = mn_opt.has_value() && mn_opt->defined();
+  if (has_min)
+    TORCH_CHECK_VALUE(mn_opt->scalar_type() == st && mn_opt->is_contiguous() && mn_opt->numel() == N * G,
+                      "dequant_rows: mins must be contiguous, of the scales' dtype and shape");
+  TORCH_CHECK_VALUE(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(), "dequant_rows: ids must be contiguous int64 [M]");
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16, "dequant_rows: dtype must be float32 or bfloat16");
+  const int64_t M = ids.numel();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < M; ++r) TORCH_CHECK_INDEX(ip[r] >= 0 && ip[r] < N, "dequant_rows: id ", ip[r], " outside [0, ", N, ")");
+  at::Tensor out = at::empty({M, K}, q.options().dtype(dtype));
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  auto go = [&](auto* sp, auto* mp) {
+    if (dtype == at::kFloat) dequant_rows_t(qp, sp, mp, ip, M, N, K, bits, gs, tiled, out.data_ptr<float>());
+    else dequant_rows_t(qp, sp, mp, ip, M, N, K, bits, gs, tiled, out.data_ptr<bf16>());
+  };
+  if (st == at::kFloat) go(sc.data_ptr<float>(), has_min ? mn_opt->data_ptr<float>() : (const float*)nullptr);
+  else go(sc.data_ptr<at::Half>(), has_min ? mn_opt->data_ptr<at::Half>() : (const at::Half*)nullptr);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(sglite_cpu_elementwise, m) {
@@ -375,10 +445,13 @@ TORCH_LIBRARY(sglite_cpu_elementwise, m) {
   m.def("rope_store_kv(Tensor qk, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_buffer, Tensor(b!) v_buffer, "
         "Tensor out_cache_loc, int num_q_heads) -> Tensor");
   m.def("argmax_rows(Tensor x, int threads) -> Tensor");
+  m.def("dequant_rows(Tensor qweight, Tensor scales, Tensor? mins, Tensor ids, int bits, int group_size, "
+        "int in_features, bool tiled, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sglite_cpu_elementwise, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope_store_kv", &rope_store_kv);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("dequant_rows", &dequant_rows);
 }

@@ -391,14 +391,25 @@ void dequant_rows_t(const uint8_t* q, const S* sc, const S* mn, const int64_t* i
       } else {
         std::memcpy(blk, q + n * row_bytes + b * C * 4, (size_t)(C * 4));
       }
-      for (int64_t j = 0; j < 32; ++j) {
-        const int64_t k = b * 32 + j;
-        const uint8_t code = bits == 8 ? blk[j] : (j < 16 ? (blk[j] & 0xF) : (blk[j - 16] >> 4));
-        const int64_t g = k / gs;
+      uint8_t code[32];
+      if (bits == 8) std::memcpy(code, blk, 32);
+      else for (int j = 0; j < 16; ++j) { code[j] = blk[j] & 0xF; code[j + 16] = blk[j] >> 4; }
+      for (int h = 0; h < 32; h += 16) {  // a scale (and min) per 16 codes: groups of 16, 32 or more
+        const int64_t g = (b * 32 + h) / gs;
         const int64_t si = tiled ? (t * G + g) * 16 + lane : n * G + g;
-        float v = (float)code * (float)sc[si];
-        if (mn) v = v + (float)mn[si];
-        o[k] = cast<O>(v);
+        const float s = (float)sc[si], m = mn ? (float)mn[si] : 0.f;
+        O* ob = o + b * 32 + h;
+#ifdef SGL_AVX512
+        if constexpr (std::is_same<O, bf16>::value) {  // 16 codes at once; the rounding of c10's bf16 (rne_bf16)
+          __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(code + h)))),
+                                   _mm512_set1_ps(s));
+          if (mn) v = _mm512_add_ps(v, _mm512_set1_ps(m));
+          _mm256_storeu_si256((__m256i*)ob, rne_bf16(v));
+          continue;
+        }
+#endif
+        if (mn) for (int j = 0; j < 16; ++j) ob[j] = cast<O>((float)code[h + j] * s + m);  // no FMA (-ffp-contract=off)
+        else for (int j = 0; j < 16; ++j) ob[j] = cast<O>((float)code[h + j] * s);
       }
     }
   }

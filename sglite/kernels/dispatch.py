@@ -304,15 +304,17 @@ def apply_token_bitmask(logits, bitmask, indices=None, *, impl: Optional[str] = 
 
 def greedy(logits, bitmask=None, *, impl: Optional[str] = None):
     """See :func:`sglite.kernels.reference.greedy` (torch ops on any device; a greedy batch needs
-    no per-row parameter tensors). CPU float32 logits without a grammar mask: the C++ argmax of
-    :func:`.cpu_elementwise.argmax_rows` on the decode thread pool (the same tokens, bit for bit),
-    unless ``impl`` / ``SGLITE_KERNEL`` is ``torch``."""
+    no per-row parameter tensors). CPU float32 logits: the unmasked argmax is the C++ one of
+    :func:`.cpu_elementwise.argmax_rows` on the decode thread pool (the same tokens, bit for bit;
+    with a grammar mask the reference then re-picks only the rows whose winner it forbids), unless
+    ``impl`` / ``SGLITE_KERNEL`` is ``torch``."""
     name = impl or os.environ.get("SGLITE_KERNEL") or ""
-    if bitmask is None and name != "torch" and logits.device.type == "cpu":
+    if name != "torch" and logits.device.type == "cpu":
         from . import cpu_elementwise
 
         if cpu_elementwise.argmax_supported(logits):
-            return cpu_elementwise.argmax_rows(logits)  # the reference when the build failed
+            first = cpu_elementwise.argmax_rows(logits)  # the reference when the build failed
+            return first if bitmask is None else reference.greedy(logits, bitmask, first)
     return reference.greedy(logits, bitmask)
 
 

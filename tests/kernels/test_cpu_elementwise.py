@@ -213,8 +213,9 @@ def test_argmax_rows_is_numpys_argmax(ops, B, V, kind):
 
 
 def test_greedy_dispatch_runs_the_cpp_argmax(ops, monkeypatch):
-    """kernels.greedy on CPU float32 logits without a mask is the C++ argmax (the reference's
-    tokens); SGLITE_KERNEL=torch, a grammar mask or bf16 logits keep the reference; bad input
+    """kernels.greedy on CPU float32 logits is the C++ argmax (the reference's tokens); with a
+    grammar mask the reference re-picks the rows whose winner is forbidden (the same tokens as the
+    reference's own argmax); SGLITE_KERNEL=torch or bf16 logits keep the reference; bad input
     raises a ValueError naming the argument."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(6, 5000, generator=g)
@@ -223,10 +224,16 @@ def test_greedy_dispatch_runs_the_cpp_argmax(ops, monkeypatch):
     monkeypatch.setattr(cpu_elementwise, "argmax_rows", lambda t, threads=None: calls.append(1) or real(t, threads))
     assert torch.equal(kernels.greedy(x), reference.greedy(x)) and calls == [1]
     words = torch.full((6, (5000 + 31) // 32), -1, dtype=torch.int32)
-    assert torch.equal(kernels.greedy(x, words), reference.greedy(x)) and calls == [1]
-    assert torch.equal(kernels.greedy(x.bfloat16()), reference.greedy(x.bfloat16())) and calls == [1]
+    assert torch.equal(kernels.greedy(x, words), reference.greedy(x)) and calls == [1, 1]
+    win = x.argmax(dim=-1)
+    words[torch.arange(6), win // 32] &= ~(1 << (win % 32)).to(torch.int32)  # forbid every row's winner
+    words[0] = 0  # nothing allowed in row 0
+    got = kernels.greedy(x, words)
+    assert torch.equal(got, reference.greedy(x, words)) and calls == [1, 1, 1]
+    assert got[0] == 0 and not torch.equal(got[1:], win[1:])
+    assert torch.equal(kernels.greedy(x.bfloat16()), reference.greedy(x.bfloat16())) and calls == [1, 1, 1]
     monkeypatch.setenv("SGLITE_KERNEL", "torch")
-    assert torch.equal(kernels.greedy(x), reference.greedy(x)) and calls == [1]
+    assert torch.equal(kernels.greedy(x), reference.greedy(x)) and calls == [1, 1, 1]
     with pytest.raises(ValueError, match="argmax_rows: x must be float32"):
         ops.argmax_rows(x.t(), 2)
     with pytest.raises(ValueError, match="threads"):

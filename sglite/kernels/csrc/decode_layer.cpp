@@ -323,9 +323,7 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
     act.resize(M * I);
     gemv(wgu, h.data(), M, gu.data(), q8, par, amx_min);
     lora.apply(l, 2, h.data(), H, gu.data(), 2 * I, par);
-    par(0, M, 8, [&](int64_t lo, int64_t hi) {  // rows in thread shares (from 16 rows; the same bits whoever runs a row)
-      for (int64_t m = lo; m < hi; ++m) silu_mul(gu.data() + m * 2 * I, gu.data() + m * 2 * I + I, I, act.data() + m * I);
-    });
+    for (int64_t m = 0; m < M; ++m) silu_mul(gu.data() + m * 2 * I, gu.data() + m * 2 * I + I, I, act.data() + m * I);
     gemv(wd, act.data(), M, tmp.data(), q8, par, amx_min);
     lora.apply(l, 3, act.data(), I, tmp.data(), H, par);
     for (int64_t i = 0; i < M * H; ++i) xr[i] += tmp[i];

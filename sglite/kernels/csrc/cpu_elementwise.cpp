@@ -253,9 +253,8 @@ at::Tensor rope_store_kv(const at::Tensor& qk, const at::Tensor& v, const at::Te
 }
 
 // ---- argmax_rows: the greedy pick of each logits row (first index of the maximum; a NaN counts
-// as the maximum, the first NaN wins: numpy's and torch's argmax). The vocabulary is cut into one
-// contiguous share per thread for all rows (the LM head wrote its shares the same way, so each core
-// mostly reads lines already in its own cache); each share yields, per row, its first NaN or its
+// as the maximum, the first NaN wins: numpy's and torch's argmax). The vocabulary is cut into
+// contiguous shares (four per thread) for all rows; each share yields, per row, its first NaN or its
 // first maximum, and the shares are then combined in order (a later share wins only with a strictly
 // greater value), so the result never depends on the thread count.
 struct ArgBest {
@@ -264,75 +263,44 @@ struct ArgBest {
   int64_t nan;  // first NaN within the share, or -1
 };
 
-#ifdef SGL_AVX512
-// Fold lane maxima (value, index) b into a: b's lane wins with a greater value, or an equal one at
-// a smaller index (the first maximum).
-inline void fold_best(__m512& av, __m512i& ai, __m512 bv, __m512i bi) {
-  const __mmask16 take = _mm512_cmp_ps_mask(bv, av, _CMP_GT_OQ)
-                         | (_mm512_cmp_ps_mask(bv, av, _CMP_EQ_OQ) & _mm512_cmp_epi32_mask(bi, ai, _MM_CMPINT_LT));
-  av = _mm512_mask_mov_ps(av, take, bv);
-  ai = _mm512_mask_mov_epi32(ai, take, bi);
-}
-#endif
-
-inline ArgBest argmax_span(const float* p, int64_t lo, int64_t hi) {
-  ArgBest b{-INFINITY, -1, -1};
-  if (lo >= hi) return b;
-  int64_t j = lo;
-#ifdef SGL_AVX512
-  if (hi - lo >= 64) {  // four independent (value, index) accumulators: one vector dependency chain each
-    const float* q = p + lo;
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __m512 v0 = _mm512_loadu_ps(q), v1 = _mm512_loadu_ps(q + 16), v2 = _mm512_loadu_ps(q + 32), v3 = _mm512_loadu_ps(q + 48);
-    __m512i i0 = iota, i1 = _mm512_add_epi32(iota, _mm512_set1_epi32(16)), i2 = _mm512_add_epi32(iota, _mm512_set1_epi32(32)),
-            i3 = _mm512_add_epi32(iota, _mm512_set1_epi32(48));  // offsets from lo
-    __mmask16 nan = _mm512_cmp_ps_mask(v0, v1, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v2, v3, _CMP_UNORD_Q);
-    __m512i c0 = i0;
-    const __m512i step = _mm512_set1_epi32(64);
-    int64_t k = 64;
-    for (; k + 64 <= hi - lo; k += 64) {
-      c0 = _mm512_add_epi32(c0, step);
-      const __m512 a = _mm512_loadu_ps(q + k), bq = _mm512_loadu_ps(q + k + 16), c = _mm512_loadu_ps(q + k + 32),
-                   d = _mm512_loadu_ps(q + k + 48);
-      const __mmask16 g0 = _mm512_cmp_ps_mask(a, v0, _CMP_GT_OQ), g1 = _mm512_cmp_ps_mask(bq, v1, _CMP_GT_OQ),
-                      g2 = _mm512_cmp_ps_mask(c, v2, _CMP_GT_OQ), g3 = _mm512_cmp_ps_mask(d, v3, _CMP_GT_OQ);
-      v0 = _mm512_mask_mov_ps(v0, g0, a);
-      v1 = _mm512_mask_mov_ps(v1, g1, bq);
-      v2 = _mm512_mask_mov_ps(v2, g2, c);
-      v3 = _mm512_mask_mov_ps(v3, g3, d);
-      i0 = _mm512_mask_mov_epi32(i0, g0, c0);
-      i1 = _mm512_mask_mov_epi32(i1, g1, _mm512_add_epi32(c0, _mm512_set1_epi32(16)));
-      i2 = _mm512_mask_mov_epi32(i2, g2, _mm512_add_epi32(c0, _mm512_set1_epi32(32)));
-      i3 = _mm512_mask_mov_epi32(i3, g3, _mm512_add_epi32(c0, _mm512_set1_epi32(48)));
-      nan |= _mm512_cmp_ps_mask(a, bq, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(c, d, _CMP_UNORD_Q);  // a NaN in either
-    }
-    if (nan == 0) {  // no NaN in [lo, lo + k)
-      fold_best(v0, i0, v1, i1);
-      fold_best(v2, i2, v3, i3);
-      fold_best(v0, i0, v2, i2);
-      const float m = _mm512_reduce_max_ps(v0);
-      const __mmask16 at = _mm512_cmp_ps_mask(v0, _mm512_set1_ps(m), _CMP_EQ_OQ);
-      b.v = m;
-      b.i = lo + _mm512_mask_reduce_min_epi32(at, i0);  // the first index holding the maximum
-      for (j = lo + k; j < hi; ++j) {  // the tail, after every vector (all of them come first)
-        const float x = p[j];
-        if (x != x) { b.nan = j; return b; }
-        if (x > b.v) { b.v = x; b.i = j; }
-      }
-      return b;
-    }
-    // a NaN: the scalar scan from lo finds the first one
-  }
-#endif
-  b.v = p[j];
-  b.i = j;
-  if (b.v != b.v) { b.nan = j; return b; }
-  for (++j; j < hi; ++j) {
+inline ArgBest argmax_scalar(const float* p, int64_t lo, int64_t hi, ArgBest b) {
+  for (int64_t j = lo; j < hi; ++j) {
     const float x = p[j];
     if (x != x) { b.nan = j; return b; }
-    if (x > b.v) { b.v = x; b.i = j; }
+    if (b.i < 0 || x > b.v) { b.v = x; b.i = j; }
   }
   return b;
+}
+
+// Blocks of 256 values: the block's maximum by a VMAXPS tree (no index bookkeeping per value), and
+// only when it beats the running maximum (strictly: the first maximum wins) a scan of that block
+// for the first value equal to it. A NaN anywhere in a block sends the span to the scalar scan.
+inline ArgBest argmax_span(const float* p, int64_t lo, int64_t hi) {
+  ArgBest b{-INFINITY, -1, -1};
+  int64_t j = lo;
+#ifdef SGL_AVX512
+  constexpr int64_t BLK = 256;
+  for (; j + BLK <= hi; j += BLK) {
+    const float* q = p + j;
+    __m512 v[16];
+    for (int k = 0; k < 16; ++k) v[k] = _mm512_loadu_ps(q + 16 * k);
+    __mmask16 nan = 0;
+    for (int k = 0; k < 16; k += 2) nan |= _mm512_cmp_ps_mask(v[k], v[k + 1], _CMP_UNORD_Q);
+    if (nan) return argmax_scalar(p, lo, hi, ArgBest{-INFINITY, -1, -1});  // the first NaN (rare)
+    __m512 m8[8];
+    for (int k = 0; k < 8; ++k) m8[k] = _mm512_max_ps(v[k], v[k + 8]);
+    for (int k = 0; k < 4; ++k) m8[k] = _mm512_max_ps(m8[k], m8[k + 4]);
+    const __m512 m = _mm512_max_ps(_mm512_max_ps(m8[0], m8[2]), _mm512_max_ps(m8[1], m8[3]));
+    const float bm = _mm512_reduce_max_ps(m);
+    if (b.i >= 0 && !(bm > b.v)) continue;
+    const __m512 t = _mm512_set1_ps(bm);
+    for (int k = 0; k < 16; ++k) {
+      const __mmask16 eq = _mm512_cmp_ps_mask(v[k], t, _CMP_EQ_OQ);
+      if (eq) { b.v = bm; b.i = j + 16 * k + __builtin_ctz((unsigned)eq); break; }
+    }
+  }
+#endif
+  return argmax_scalar(p, j, hi, b);
 }
 
 // argmax_rows(x [B, V] float32, unit stride along V, threads) -> [B] int64.
@@ -345,16 +313,17 @@ at::Tensor argmax_rows(const at::Tensor& x, int64_t threads) {
   at::Tensor out = at::empty({B}, x.options().dtype(at::kLong));
   if (B == 0) return out;
   const float* p = x.data_ptr<float>();
-  // one share per thread, each at least ~32k values (fewer threads for a small batch)
+  // four shares per thread, each at least ~32k values (fewer for a small batch): a worker that
+  // wakes late or loses its core leaves the caller at most one small share to wait for
   const int64_t grain = std::max<int64_t>(256, (int64_t(1) << 15) / B);
-  const int n = (int)std::max<int64_t>(1, std::min<int64_t>(threads, V / grain));
+  const int n = (int)std::max<int64_t>(1, std::min<int64_t>(4 * threads, V / grain));
   std::vector<ArgBest> part((size_t)(B * n));
   auto share = [&](int64_t c) {
     int64_t lo, hi;
     sglite_pool::split(0, V, (int)c, n, lo, hi);
     for (int64_t r = 0; r < B; ++r) part[(size_t)(r * n + c)] = argmax_span(p + r * rs, lo, hi);
   };
-  sglite_pool::Pool::get().run(n, n, share);
+  sglite_pool::Pool::get().run((int)std::min<int64_t>(threads, n), n, share);
   int64_t* o = out.data_ptr<int64_t>();
   for (int64_t r = 0; r < B; ++r) {
     const ArgBest* q = part.data() + r * n;

@@ -302,9 +302,19 @@ def apply_token_bitmask(logits, bitmask, indices=None, *, impl: Optional[str] = 
     return _op("apply_token_bitmask", resolve_impl(impl, logits))(logits, bitmask, indices)
 
 
-def greedy(logits, bitmask=None):
+def greedy(logits, bitmask=None, *, impl: Optional[str] = None):
     """See :func:`sglite.kernels.reference.greedy` (torch ops on any device; a greedy batch needs
-    no per-row parameter tensors)."""
+    no per-row parameter tensors). CPU float32 logits: the unmasked argmax is the C++ one of
+    :func:`.cpu_elementwise.argmax_rows` on the decode thread pool (the same tokens, bit for bit;
+    with a grammar mask the reference then re-picks only the rows whose winner it forbids), unless
+    ``impl`` / ``SGLITE_KERNEL`` is ``torch``."""
+    name = impl or os.environ.get("SGLITE_KERNEL") or ""
+    if name != "torch" and logits.device.type == "cpu":
+        from . import cpu_elementwise
+
+        if cpu_elementwise.argmax_supported(logits):
+            first = cpu_elementwise.argmax_rows(logits)  # the reference when the build failed
+            return first if bitmask is None else reference.greedy(logits, bitmask, first)
     return reference.greedy(logits, bitmask)
 
 

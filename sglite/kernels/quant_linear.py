@@ -233,7 +233,18 @@ class QuantLinearWeight:
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` of ``W`` dequantized, [len(ids), K] in ``dtype`` (an embedding lookup of a
-        tied embedding / LM head)."""
+        tied embedding / LM head). On CPU the C++ gather of :func:`.cpu_elementwise.dequant_rows`
+        (the same bits as the torch ops below, in one call instead of a dozen)."""
+        if self.perm is None and self.qweight.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+            from . import cpu_elementwise
+
+            out = cpu_elementwise.dequant_rows(self, ids, dtype)
+            if out is not None:
+                return out
+        return self.rows_reference(ids, dtype)
+
+    def rows_reference(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`rows` in torch ops (the reference of the C++ gather)."""
         if self.tiled:  # gather the rows out of their tiles (only those rows' bytes are read)
             t, r = ids // TILE, ids % TILE
             q, s, m = (None if v is None else v[t, r].reshape(ids.numel(), -1).contiguous() for v in self._tile_views())

@@ -293,7 +293,8 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
-def greedy(logits: torch.Tensor, bitmask: Optional[torch.Tensor] = None) -> torch.Tensor:
+def greedy(logits: torch.Tensor, bitmask: Optional[torch.Tensor] = None,
+           first: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The tokens :func:`sample` picks for greedy rows: the argmax of each row among its allowed
     tokens (first on ties).
 
@@ -305,17 +306,19 @@ def greedy(logits: torch.Tensor, bitmask: Optional[torch.Tensor] = None) -> torc
         logits: [B, V] float (not mutated).
         bitmask: optional [B, ceil(V/32)] int32 grammar mask on ``logits``' device; bit ``t % 32``
             of word ``t // 32`` set = token t allowed.
+        first: optional [B] int64 unmasked argmax of ``logits`` already computed (CPU float32
+            logits; e.g. by the C++ argmax of ``cpu_elementwise.argmax_rows``): taken as is.
     Returns:
         [B] int64 token ids.
     """
     if bitmask is None:
-        return argmax_rows(logits)
+        return first if first is not None else argmax_rows(logits)
     V = logits.shape[1]
     if logits.device.type != "cpu":
         return (logits.float() + bitmask_to_additive(bitmask, V)).argmax(dim=-1)
     x = logits.detach().float().numpy()  # [B, V]
     words = bitmask.contiguous().numpy()  # [B, W] int32
-    out = x.argmax(axis=-1)  # [B] int64
+    out = x.argmax(axis=-1) if first is None else first.numpy().copy()  # [B] int64
     for i, t in enumerate(out.tolist()):
         if not (int(words[i, t >> 5]) >> (t & 31)) & 1:  # the grammar forbids this row's winner
             ok = np.flatnonzero(np.unpackbits(words[i].view(np.uint8), bitorder="little")[:V])  # [k] allowed ids

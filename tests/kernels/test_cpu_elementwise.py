@@ -180,3 +180,96 @@ def test_bf16_rounding_of_denormals_and_nans_is_c10s(ops):
     q2 = reference.rope_store_kv(qk, v, cos, sin, kb2, vb2, loc, 2)
     eq = lambda a, b: bool(((a.view(torch.int16) == b.view(torch.int16)) | (torch.isnan(a) & torch.isnan(b))).all())  # noqa: E731
     assert eq(q, q2) and eq(kb, kb2) and torch.equal(vb, vb2)
+
+
+# ---------------------------------------------------------------------------------------------
+# argmax_rows: the greedy pick (numpy's / torch's argmax, bit for bit, whatever the thread count)
+
+def _numpy_argmax(x: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(x.contiguous().numpy().argmax(axis=-1))
+
+
+@pytest.mark.parametrize("B,V", [(1, 1), (3, 15), (2, 64), (5, 65), (7, 1000), (48, 49152), (64, 4099), (0, 8)])
+@pytest.mark.parametrize("kind", ["randn", "ties", "nan", "neg_inf", "strided"])
+def test_argmax_rows_is_numpys_argmax(ops, B, V, kind):
+    """Random rows, rows of few distinct values (ties: the first maximum), rows with NaNs (the
+    first NaN), rows of -inf with one finite value or none, and rows with a stride > V: the
+    C++ argmax equals numpy's on 1, 2 and 3 threads (shares of the vocabulary combined in order)."""
+    g = torch.Generator().manual_seed(B * 131 + V)
+    x = torch.randn(B, V + 9, generator=g)[:, 4:V + 4] if kind == "strided" else torch.randn(B, V, generator=g)
+    if kind == "ties":
+        x = torch.randint(-2, 3, (B, V), generator=g).float()
+    elif kind == "nan" and B * V:
+        x[torch.rand(B, V, generator=g) < 0.002] = float("nan")
+        x[0, V // 2] = float("nan")
+    elif kind == "neg_inf" and B * V:
+        x.fill_(float("-inf"))
+        x[0, V - 1] = 0.0
+    for threads in (1, 2, 3):
+        got = cpu_elementwise.argmax_rows(x, threads)
+        assert got.dtype == torch.int64 and torch.equal(got, _numpy_argmax(x)), (threads, kind)
+    if not x.isnan().any():
+        assert torch.equal(cpu_elementwise.argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_greedy_dispatch_runs_the_cpp_argmax(ops, monkeypatch):
+    """kernels.greedy on CPU float32 logits is the C++ argmax (the reference's tokens); with a
+    grammar mask the reference re-picks the rows whose winner is forbidden (the same tokens as the
+    reference's own argmax); SGLITE_KERNEL=torch or bf16 logits keep the reference; bad input
+    raises a ValueError naming the argument."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 5000, generator=g)
+    calls = []
+    real = cpu_elementwise.argmax_rows
+    monkeypatch.setattr(cpu_elementwise, "argmax_rows", lambda t, threads=None: calls.append(1) or real(t, threads))
+    assert torch.equal(kernels.greedy(x), reference.greedy(x)) and calls == [1]
+    words = torch.full((6, (5000 + 31) // 32), -1, dtype=torch.int32)
+    assert torch.equal(kernels.greedy(x, words), reference.greedy(x)) and calls == [1, 1]
+    win = x.argmax(dim=-1)
+    words[torch.arange(6), win // 32] &= ~(1 << (win % 32)).to(torch.int32)  # forbid every row's winner
+    words[0] = 0  # nothing allowed in row 0
+    got = kernels.greedy(x, words)
+    assert torch.equal(got, reference.greedy(x, words)) and calls == [1, 1, 1]
+    assert got[0] == 0 and not torch.equal(got[1:], win[1:])
+    assert torch.equal(kernels.greedy(x.bfloat16()), reference.greedy(x.bfloat16())) and calls == [1, 1, 1]
+    monkeypatch.setenv("SGLITE_KERNEL", "torch")
+    assert torch.equal(kernels.greedy(x), reference.greedy(x)) and calls == [1, 1, 1]
+    with pytest.raises(ValueError, match="argmax_rows: x must be float32"):
+        ops.argmax_rows(x.t(), 2)
+    with pytest.raises(ValueError, match="threads"):
+        ops.argmax_rows(x, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# dequant_rows: quantized embedding rows, the reference's bits
+
+@pytest.mark.parametrize("bits,gs,mins,half,tiled", [(4, 32, True, False, False), (4, 64, False, True, False),
+                                                     (8, 32, True, True, True), (8, 16, False, False, False),
+                                                     (8, 16, True, True, True), (4, 32, True, True, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequant_rows_is_the_reference(ops, bits, gs, mins, half, tiled, dtype):
+    """Random codes / scales / mins (float32 or float16), row or tiled layout, 4/8-bit codes, group
+    16 / 32 / 64: the C++ gather equals QuantLinearWeight.rows_reference bit for bit (repeated and
+    unordered ids); rows() routes to it; an id outside the table raises IndexError."""
+    from sglite.kernels.quant_layout import compact_scales, tile_rows
+    from sglite.kernels.quant_linear import QuantLinearWeight
+
+    n, k = 48, 192
+    g = torch.Generator().manual_seed(bits * 100 + gs + mins)
+    codes = torch.randint(0, 2 ** bits, (n, k), generator=g, dtype=torch.uint8)
+    s = (torch.randn(n, k // gs, generator=g) * 0.1).half().float()
+    m = (torch.randn(n, k // gs, generator=g) * 0.05).half().float() if mins else None
+    w = QuantLinearWeight.from_codes(codes, s, m, bits, gs)
+    if half:
+        assert compact_scales(w)
+    if tiled:
+        assert tile_rows(w) and w.tiled
+    ids = torch.tensor([47, 0, 16, 5, 31, 5, 17])
+    got = cpu_elementwise.dequant_rows(w, ids, dtype)
+    want = w.rows_reference(ids, dtype)
+    assert got is not None and got.dtype == dtype and torch.equal(got, want)
+    assert torch.equal(w.rows(ids, dtype), want)
+    assert cpu_elementwise.dequant_rows(w, ids[:0], dtype).shape == (0, k)
+    with pytest.raises(IndexError, match="dequant_rows: id 48 outside"):
+        cpu_elementwise.dequant_rows(w, torch.tensor([3, 48]), dtype)
+    assert cpu_elementwise.dequant_rows(w, ids, torch.float16) is None  # another dtype: the reference

@@ -138,6 +138,39 @@ def test_fused_float32_matches_per_op(quantized_tiny, bits):
         e.shutdown()
 
 
+def test_fused_rows_do_not_depend_on_their_place_in_the_batch(quantized_tiny):
+    """19 decode rows (the RMSNorm's 16-row vector group plus a masked tail of 3) and the same
+    requests in reverse order: every row's final hidden state is bit for bit the same wherever the
+    row sits (the vectorized sum of squares keeps one lane per row)."""
+    from sglite import Engine
+
+    e = Engine(model_path=str(quantized_tiny[4]), dtype="float32", max_total_tokens=2048)
+    fused = e.runner.model.decode_fused
+    steps: list = []
+    hidden0 = fused.hidden
+
+    def spy(fb, kb, vb):
+        h = hidden0(fb, kb, vb)
+        steps.append((fb.input_ids.clone(), h.clone()))
+        return h
+
+    fused.hidden = spy
+    prompts = [[100 + 37 * i, 7 + i, 2000 + 3 * i] for i in range(19)]
+    sp = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    try:
+        first = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=sp)]
+        n = len(steps)
+        e.flush_cache()
+        second = [o["output_ids"] for o in e.generate(input_ids=prompts[::-1], sampling_params=sp)]
+    finally:
+        e.shutdown()
+    assert second == first[::-1]
+    a, b = steps[:n], steps[n:]
+    assert len(a) == len(b) >= 2 and all(ids.shape[0] == 19 for ids, _ in a)
+    for (ids1, h1), (ids2, h2) in zip(a, b):
+        assert torch.equal(ids2, ids1.flip(0)) and torch.equal(h2, h1.flip(0))
+
+
 @pytest.mark.slow  # the real default model (real_engine)
 def test_prefill_only_short_prompt(real_engine):
     """Regression (fresh-user report): ``max_new_tokens=0`` on a prompt of <= 8 new tokens runs

@@ -1,11 +1,12 @@
 // Fused elementwise kernels around the GEMMs on CPU (contract: sglite/kernels/cpu_elementwise.py):
-// residual add + RMSNorm in one pass, and RoPE + KV store in one pass. Rows are independent and
+// residual add + RMSNorm in one pass, RoPE + KV store in one pass, the greedy argmax of logits rows, and quantized embedding rows. Rows are independent and
 // each row's arithmetic order is fixed by its length alone (batch-invariant).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include "thread_pool.h"
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 #include <atomic>
 #include <cmath>
@@ -251,15 +252,186 @@ at::Tensor rope_store_kv(const at::Tensor& qk, const at::Tensor& v, const at::Te
   return q;
 }
 
+// ---- argmax_rows: the greedy pick of each logits row (first index of the maximum; a NaN counts
+// as the maximum, the first NaN wins: numpy's and torch's argmax). The vocabulary is cut into
+// contiguous shares (four per thread) for all rows; each share yields, per row, its first NaN or its
+// first maximum, and the shares are then combined in order (a later share wins only with a strictly
+// greater value), so the result never depends on the thread count.
+struct ArgBest {
+  float v;
+  int64_t i;    // first index of the maximum within the share (-1: empty share)
+  int64_t nan;  // first NaN within the share, or -1
+};
+
+inline ArgBest argmax_scalar(const float* p, int64_t lo, int64_t hi, ArgBest b) {
+  for (int64_t j = lo; j < hi; ++j) {
+    const float x = p[j];
+    if (x != x) { b.nan = j; return b; }
+    if (b.i < 0 || x > b.v) { b.v = x; b.i = j; }
+  }
+  return b;
+}
+
+// Blocks of 256 values: the block's maximum by a VMAXPS tree (no index bookkeeping per value), and
+// only when it beats the running maximum (strictly: the first maximum wins) a scan of that block
+// for the first value equal to it. A NaN anywhere in a block sends the span to the scalar scan.
+inline ArgBest argmax_span(const float* p, int64_t lo, int64_t hi) {
+  ArgBest b{-INFINITY, -1, -1};
+  int64_t j = lo;
+#ifdef SGL_AVX512
+  constexpr int64_t BLK = 256;
+  for (; j + BLK <= hi; j += BLK) {
+    const float* q = p + j;
+    __m512 v[16];
+    for (int k = 0; k < 16; ++k) v[k] = _mm512_loadu_ps(q + 16 * k);
+    __mmask16 nan = 0;
+    for (int k = 0; k < 16; k += 2) nan |= _mm512_cmp_ps_mask(v[k], v[k + 1], _CMP_UNORD_Q);
+    if (nan) return argmax_scalar(p, lo, hi, ArgBest{-INFINITY, -1, -1});  // the first NaN (rare)
+    __m512 m8[8];
+    for (int k = 0; k < 8; ++k) m8[k] = _mm512_max_ps(v[k], v[k + 8]);
+    for (int k = 0; k < 4; ++k) m8[k] = _mm512_max_ps(m8[k], m8[k + 4]);
+    const __m512 m = _mm512_max_ps(_mm512_max_ps(m8[0], m8[2]), _mm512_max_ps(m8[1], m8[3]));
+    const float bm = _mm512_reduce_max_ps(m);
+    if (b.i >= 0 && !(bm > b.v)) continue;
+    const __m512 t = _mm512_set1_ps(bm);
+    for (int k = 0; k < 16; ++k) {
+      const __mmask16 eq = _mm512_cmp_ps_mask(v[k], t, _CMP_EQ_OQ);
+      if (eq) { b.v = bm; b.i = j + 16 * k + __builtin_ctz((unsigned)eq); break; }
+    }
+  }
+#endif
+  return argmax_scalar(p, j, hi, b);
+}
+
+// argmax_rows(x [B, V] float32, unit stride along V, threads) -> [B] int64.
+at::Tensor argmax_rows(const at::Tensor& x, int64_t threads) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) >= 1 && x.stride(1) == 1,
+                    "argmax_rows: x must be float32 [B, V] with V >= 1 and unit stride along V");
+  TORCH_CHECK_VALUE(x.size(1) < (int64_t(1) << 31), "argmax_rows: V must be below 2^31, got ", x.size(1));
+  TORCH_CHECK_VALUE(threads >= 1 && threads <= 1024, "argmax_rows: threads must be in [1, 1024], got ", threads);
+  const int64_t B = x.size(0), V = x.size(1), rs = x.stride(0);
+  at::Tensor out = at::empty({B}, x.options().dtype(at::kLong));
+  if (B == 0) return out;
+  const float* p = x.data_ptr<float>();
+  // four shares per thread, each at least ~32k values (fewer for a small batch): a worker that
+  // wakes late or loses its core leaves the caller at most one small share to wait for
+  const int64_t grain = std::max<int64_t>(256, (int64_t(1) << 15) / B);
+  const int n = (int)std::max<int64_t>(1, std::min<int64_t>(4 * threads, V / grain));
+  std::vector<ArgBest> part((size_t)(B * n));
+  auto share = [&](int64_t c) {
+    int64_t lo, hi;
+    sglite_pool::split(0, V, (int)c, n, lo, hi);
+    for (int64_t r = 0; r < B; ++r) part[(size_t)(r * n + c)] = argmax_span(p + r * rs, lo, hi);
+  };
+  sglite_pool::Pool::get().run((int)std::min<int64_t>(threads, n), n, share);
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < B; ++r) {
+    const ArgBest* q = part.data() + r * n;
+    int64_t pick = -1, nan = -1;
+    float best = 0.f;
+    for (int c = 0; c < n && nan < 0; ++c) {
+      if (q[c].nan >= 0) nan = q[c].nan;
+      else if (q[c].i >= 0 && (pick < 0 || q[c].v > best)) { best = q[c].v; pick = q[c].i; }
+    }
+    o[r] = nan >= 0 ? nan : pick;
+  }
+  return out;
+}
+
+// ---- dequant_rows: rows `ids` of a group-quantized weight (an embedding lookup of a quantized
+// table), w = float(code) * float(scale) [+ float(min)] in float32 with each product and sum
+// rounded (as QuantLinearWeight.dequantize's torch ops), then cast to the output dtype. Codes in
+// the row layout (per 32-block: 4-bit -- byte j holds codes j (low nibble) and j + 16 (high);
+// 8-bit -- one byte per code) or the 16-row tiled one (quant_layout.tile_views: codes
+// [N/16, K/32, C, 16, 4] bytes, scales / mins [N/16, G, 16]).
+template <typename S, typename O>
+void dequant_rows_t(const uint8_t* q, const S* sc, const S* mn, const int64_t* ids, int64_t M, int64_t N, int64_t K,
+                    int64_t bits, int64_t gs, bool tiled, O* out) {
+  const int64_t nb = K / 32, G = K / gs, C = bits;  // C: 4-byte groups per 32-block
+  const int64_t row_bytes = K * bits / 8;
+  for (int64_t r = 0; r < M; ++r) {
+    const int64_t n = ids[r], t = n / 16, lane = n % 16;
+    O* o = out + r * K;
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t blk[32];
+      if (tiled) {
+        const uint8_t* base = q + ((t * nb + b) * C * 16) * 4;
+        for (int64_t c = 0; c < C; ++c) std::memcpy(blk + 4 * c, base + (c * 16 + lane) * 4, 4);
+      } else {
+        std::memcpy(blk, q + n * row_bytes + b * C * 4, (size_t)(C * 4));
+      }
+      uint8_t code[32];
+      if (bits == 8) std::memcpy(code, blk, 32);
+      else for (int j = 0; j < 16; ++j) { code[j] = blk[j] & 0xF; code[j + 16] = blk[j] >> 4; }
+      for (int h = 0; h < 32; h += 16) {  // a scale (and min) per 16 codes: groups of 16, 32 or more
+        const int64_t g = (b * 32 + h) / gs;
+        const int64_t si = tiled ? (t * G + g) * 16 + lane : n * G + g;
+        const float s = (float)sc[si], m = mn ? (float)mn[si] : 0.f;
+        O* ob = o + b * 32 + h;
+#ifdef SGL_AVX512
+        if constexpr (std::is_same<O, bf16>::value) {  // 16 codes at once; the rounding of c10's bf16 (rne_bf16)
+          __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(code + h)))),
+                                   _mm512_set1_ps(s));
+          if (mn) v = _mm512_add_ps(v, _mm512_set1_ps(m));
+          _mm256_storeu_si256((__m256i*)ob, rne_bf16(v));
+          continue;
+        }
+#endif
+        if (mn) for (int j = 0; j < 16; ++j) ob[j] = cast<O>((float)code[h + j] * s + m);  // no FMA (-ffp-contract=off)
+        else for (int j = 0; j < 16; ++j) ob[j] = cast<O>((float)code[h + j] * s);
+      }
+    }
+  }
+}
+
+// dequant_rows(qweight, scales [N, G] | tiled, mins or None, ids [M] int64, bits 4 | 8, group size,
+// K, tiled, out dtype float32 | bfloat16) -> [M, K].
+at::Tensor dequant_rows(const at::Tensor& q, const at::Tensor& sc, const c10::optional<at::Tensor>& mn_opt,
+                        const at::Tensor& ids, int64_t bits, int64_t gs, int64_t K, bool tiled, at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(bits == 4 || bits == 8, "dequant_rows: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK_VALUE(K > 0 && K % 32 == 0 && gs > 0 && (gs % 16 == 0) && K % gs == 0 && (bits == 8 || gs % 32 == 0),
+                    "dequant_rows: in_features must be a multiple of 32 and of the group size (", gs, "), got ", K);
+  TORCH_CHECK_VALUE(q.scalar_type() == at::kByte && q.is_contiguous() && q.dim() == 2 && q.size(1) * 8 == K * bits,
+                    "dequant_rows: qweight must be contiguous uint8 [N, K * bits / 8]");
+  const int64_t N = q.size(0), G = K / gs;
+  TORCH_CHECK_VALUE(!tiled || N % 16 == 0, "dequant_rows: a tiled weight needs N % 16 == 0, got ", N);
+  const auto st = sc.scalar_type();
+  TORCH_CHECK_VALUE((st == at::kFloat || st == at::kHalf) && sc.is_contiguous() && sc.numel() == N * G,
+                    "dequant_rows: scales must be contiguous float32 or float16 with N * K / group_size values");
+  const bool has_min = mn_opt.has_value() && mn_opt->defined();
+  if (has_min)
+    TORCH_CHECK_VALUE(mn_opt->scalar_type() == st && mn_opt->is_contiguous() && mn_opt->numel() == N * G,
+                      "dequant_rows: mins must be contiguous, of the scales' dtype and shape");
+  TORCH_CHECK_VALUE(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(), "dequant_rows: ids must be contiguous int64 [M]");
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16, "dequant_rows: dtype must be float32 or bfloat16");
+  const int64_t M = ids.numel();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < M; ++r) TORCH_CHECK_INDEX(ip[r] >= 0 && ip[r] < N, "dequant_rows: id ", ip[r], " outside [0, ", N, ")");
+  at::Tensor out = at::empty({M, K}, q.options().dtype(dtype));
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  auto go = [&](auto* sp, auto* mp) {
+    if (dtype == at::kFloat) dequant_rows_t(qp, sp, mp, ip, M, N, K, bits, gs, tiled, out.data_ptr<float>());
+    else dequant_rows_t(qp, sp, mp, ip, M, N, K, bits, gs, tiled, out.data_ptr<bf16>());
+  };
+  if (st == at::kFloat) go(sc.data_ptr<float>(), has_min ? mn_opt->data_ptr<float>() : (const float*)nullptr);
+  else go(sc.data_ptr<at::Half>(), has_min ? mn_opt->data_ptr<at::Half>() : (const at::Half*)nullptr);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(sglite_cpu_elementwise, m) {
   m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rope_store_kv(Tensor qk, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_buffer, Tensor(b!) v_buffer, "
         "Tensor out_cache_loc, int num_q_heads) -> Tensor");
+  m.def("argmax_rows(Tensor x, int threads) -> Tensor");
+  m.def("dequant_rows(Tensor qweight, Tensor scales, Tensor? mins, Tensor ids, int bits, int group_size, "
+        "int in_features, bool tiled, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sglite_cpu_elementwise, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope_store_kv", &rope_store_kv);
+  m.impl("argmax_rows", &argmax_rows);
+  m.impl("dequant_rows", &dequant_rows);
 }

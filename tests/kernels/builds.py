@@ -16,3 +16,13 @@ def built(load):
     mod = load()
     assert mod is not None, "a compiler and ninja are present but the C++ kernel failed to build"
     return mod
+
+
+def amx_extend_ops():
+    """The extend-attention ops with their AMX path, or a skip (no AMX on this CPU or build)."""
+    from sglite.kernels import cpu_attention
+
+    ops = built(cpu_attention.load_extend)
+    if not cpu_attention.amx_ready():
+        pytest.skip("no AMX attention on this CPU / build")
+    return ops

@@ -9,17 +9,14 @@ within the bf16 tolerance of the torch reference; prefixes 0, 1, 15, 16, 17 and 
 import pytest
 import torch
 
-from tests.kernels.builds import built
+from tests.kernels.builds import amx_extend_ops
 from tests.kernels.test_cpu_extend_attention import make_case
 from sglite.kernels import cpu_attention, reference
 
 
 @pytest.fixture(scope="module")
 def ops():
-    ops = built(cpu_attention.load_extend)
-    if not cpu_attention.amx_ready():
-        pytest.skip("no AMX attention on this CPU / build")
-    return ops
+    return amx_extend_ops()
 
 
 @pytest.fixture

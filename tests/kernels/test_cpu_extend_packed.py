@@ -6,17 +6,14 @@ it still refuses a slot outside the pool."""
 import pytest
 import torch
 
-from tests.kernels.builds import built
+from tests.kernels.builds import amx_extend_ops
 from tests.kernels.test_cpu_extend_attention import make_case
 from sglite.kernels import cpu_attention
 
 
 @pytest.fixture(scope="module")
 def ops():
-    ops = built(cpu_attention.load_extend)
-    if not cpu_attention.amx_ready():
-        pytest.skip("no AMX attention on this CPU / build")
-    return ops
+    return amx_extend_ops()
 
 
 def both(case, window=0, softcap=0.0):

@@ -64,6 +64,14 @@ def _plain_fast_backend(hf) -> Any:
     return getattr(hf, "backend_tokenizer", None)
 
 
+def _fast_encode():
+    """``PreTrainedTokenizerFast``'s ``encode`` (the batch path gives the same ids only for a
+    tokenizer that does not override it)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.encode
+
+
 class Tokenizer:
     """A Hugging Face tokenizer plus the facts the runtime needs about it.
 
@@ -132,6 +140,17 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; special-token strings in ``text`` map to their ids."""
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def encode_many(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
+        """:meth:`encode` of each of ``texts`` (the same ids), in one call to the tokenizer: each
+        call costs ~0.4 ms of fixed overhead, so a prompt spliced from many short pieces pays it
+        once. Empty texts give empty lists."""
+        if not texts:
+            return []
+        if _plain_fast_backend(self.hf) is None or type(self.hf).encode is not _fast_encode():
+            return [self.encode(t, add_special_tokens) if t else [] for t in texts]
+        got = self.hf(list(texts), add_special_tokens=add_special_tokens)["input_ids"]
+        return [list(ids) if t else [] for t, ids in zip(texts, got)]
 
     @cached_property
     def prompt_bos_id(self) -> int | None:

@@ -106,6 +106,7 @@ class TurnTokens:
         self.tokenizer, self.max_entries = tokenizer, max_entries
         self._items: OrderedDict[str, Segment] = OrderedDict()     # message key -> the latest turn
         self._by_context: OrderedDict[str, Segment] = OrderedDict()  # context_key -> the turn
+        self._gaps: OrderedDict[str, array] = OrderedDict()  # text between turns -> its ids
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -182,7 +183,7 @@ class TurnTokens:
         tokenized; each turn is the one generated after exactly the text before it, where known
         (see the module docstring). None when a placeholder is missing, repeated or out of order
         (the template dropped or moved a message: render the messages as they are instead)."""
-        texts, ids, pos, so_far = [], [], 0, _text_hash()
+        texts, gaps, turns, pos, so_far = [], [], [], 0, _text_hash()
         for i, seg in enumerate(segments):
             mark = f"{_OPEN}{i}{_CLOSE}"
             at = rendered.find(mark, pos)
@@ -193,15 +194,44 @@ class TurnTokens:
             seg = self._in_context(seg, so_far)
             texts.append(seg.text)
             so_far.update(seg.text.encode("utf-8", "surrogatepass"))
-            ids += self._encode(rendered[pos:at])
-            ids += seg.ids
+            gaps.append(rendered[pos:at])
+            turns.append(seg.ids)
             pos = at + len(mark)
         tail = rendered[pos:]
         if _OPEN in tail:
             return None
         texts.append(tail)
-        ids += self._encode(tail)
+        gaps.append(tail)
+        encoded = self._encode_many(gaps)  # the text between the turns, tokenized in one call
+        ids: list[int] = []
+        for gap_ids, turn in zip(encoded, turns):
+            ids += gap_ids
+            ids += turn
+        ids += encoded[-1]
         return "".join(texts), ids
+
+    def _encode_many(self, texts: list[str]) -> list[list[int]]:
+        """The ids of each text between turns, each tokenized on its own (so the same text gives
+        the same ids in any prompt): from a cache of the last ``max_entries`` such texts (an
+        agent's system prompt and tool list come back every turn), the rest in one tokenizer call."""
+        out: list = [None] * len(texts)
+        with self._lock:
+            for i, t in enumerate(texts):
+                hit = self._gaps.get(t)
+                if hit is not None:
+                    self._gaps.move_to_end(t)
+                    out[i] = list(hit)
+        todo = [i for i, v in enumerate(out) if v is None]
+        many = getattr(self.tokenizer, "encode_many", None)
+        fresh = many([texts[i] for i in todo]) if many is not None else [self._encode(texts[i]) for i in todo]
+        with self._lock:
+            for i, ids in zip(todo, fresh):
+                out[i] = ids
+                if self.max_entries:
+                    self._gaps[texts[i]] = array("i", ids)
+            while len(self._gaps) > self.max_entries:
+                self._gaps.popitem(last=False)
+        return out
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text)) if text else []

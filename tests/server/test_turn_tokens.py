@@ -129,3 +129,60 @@ def test_each_conversation_gets_its_own_ids_for_the_same_message(real_tokenizer)
     text, ids = mem.splice(tok.apply_chat_template(subst, add_generation_prompt=False), segs)
     head, latest = tok.encode(tok.apply_chat_template(other[:1], add_generation_prompt=True)), tok.encode(CALL_TEXT)
     assert ids[:len(head) + len(latest)] == head + latest
+
+
+def test_the_pieces_between_turns_are_tokenized_in_one_call_with_the_same_ids(real_tokenizer):
+    """``Tokenizer.encode_many`` gives :meth:`encode`'s ids for each text (special-token strings,
+    leading spaces, non-ASCII, empty), and a splice through it equals one through per-piece calls."""
+    tok = real_tokenizer
+    texts = ["", "<|im_start|>user\nWeather in Paris?<|im_end|>\n", " {\"city\"", "é中文 🙂", "\n\n", "a" * 300]
+    assert tok.encode_many(texts) == [tok.encode(t) for t in texts]
+
+    class PerPiece:  # the same tokenizer without encode_many
+        def __init__(self, t):
+            self.encode, self.decode = t.encode, t.decode
+
+    fast, slow = TurnTokens(tok), TurnTokens(PerPiece(tok))
+    history = [{"role": "user", "content": "Weather in Paris?"}]
+    for city in ("Paris", "Oslo", "Rome"):
+        args, text = '{"city": "%s"}' % city, CALL_TEXT.replace("Paris", city)
+        for mem in (fast, slow):
+            assert mem.remember(None, [("get_weather", args)], text, _non_canonical(tok, text))
+        history += [{"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": args}}]},
+                    {"role": "tool", "tool_call_id": "c", "content": f"sunny in {city}"}]
+    subst, segs = fast.substitute(history)
+    assert len(segs) == 3
+    rendered = tok.apply_chat_template(subst, add_generation_prompt=True)
+    assert fast.splice(rendered, segs) == slow.splice(rendered, slow.substitute(history)[1])
+
+
+def test_repeated_pieces_come_from_the_cache(real_tokenizer):
+    """The text between turns that comes back every turn (system prompt, tool list) is tokenized
+    once: a second splice of the same prompt asks the tokenizer for nothing, gives the same ids,
+    and the cache keeps at most ``max_entries`` pieces."""
+    tok = real_tokenizer
+    asked = []
+
+    class Counting:
+        def __init__(self, t):
+            self.encode, self.decode = t.encode, t.decode
+
+        def encode_many(self, texts):
+            asked.extend(texts)
+            return tok.encode_many(texts)
+
+    mem = TurnTokens(Counting(tok), max_entries=2)
+    text = CALL_TEXT
+    assert mem.remember(None, [("get_weather", '{"city": "Paris"}')], text, _non_canonical(tok, text))
+    history = [{"role": "system", "content": "Call get_weather. " * 20}, {"role": "user", "content": "Paris?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "c", "content": "sunny"}]
+    subst, segs = mem.substitute(history)
+    rendered = tok.apply_chat_template(subst, add_generation_prompt=True)
+    first = mem.splice(rendered, segs)
+    assert len(asked) == 2 and first is not None
+    assert first == mem.splice(rendered, segs) and len(asked) == 2  # both pieces cached
+    mem._encode_many(["x", "y", "z"])
+    assert len(mem._gaps) == 2

@@ -114,6 +114,28 @@ class _FakeHead:
         return out
 
 
+class _SimClockGate(HeadGate):
+    """The real gate's rule on a simulated clock, so the engine test checks the wiring (greedy
+    identical, drafts kept when they pay, probes when they do not) whatever the machine's load:
+    a step costs 10 ms a decoding request, a head pass 1 ms and a drafted step 2 ms more a
+    drafting request. (On the wall clock a loaded CI worker once timed the drafted steps slow
+    enough to switch the gate off with every draft right: 98 request-steps skipped.)"""
+
+    def __init__(self):
+        super().__init__()
+        self.t = 0.0
+
+    def head_ran(self, seconds):
+        super().head_ran(0.001)
+
+    def step_began(self, now):
+        super().step_began(self.t)
+
+    def step_ended(self, start, decoding, drafting):
+        super().step_ended(self.t, decoding, drafting)
+        self.t += 0.010 * decoding + 0.003 * drafting
+
+
 @pytest.mark.parametrize("right", [False, True])
 def test_engine_gate_with_a_fake_head(right, tiny_model_dir, eagle_dir):
     base = Engine(str(tiny_model_dir), **KW)
@@ -125,7 +147,7 @@ def test_engine_gate_with_a_fake_head(right, tiny_model_dir, eagle_dir):
         want = base.generate(input_ids=ids, sampling_params=sp)["output_ids"]
         dec = spec.scheduler.spec
         assert dec.gate is not None
-        dec.gate = HeadGate()  # the real gate (the session's engines get an open one: tests/conftest.py)
+        dec.gate = _SimClockGate()  # the real rule (the session's engines get an open gate: tests/conftest.py)
         fake = dec.proposer = _FakeHead(want, spec.tokenizer.vocab_size, right)
         got = spec.generate(input_ids=ids, sampling_params=sp)["output_ids"]
         assert got == want

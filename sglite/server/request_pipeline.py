@@ -37,7 +37,7 @@ from .openai_params import Constraint, make_call, model_adapter, response_format
 from .reasoning import ReasoningFormat, ReasoningStreamer, get_reasoning_format, split_reasoning, thinking_on
 from .tool_calls import ToolPlan, parse_tool_calls, plan_tools, render_prompt
 from .tool_constraint import apply_constraint, opener_is_text
-from .tool_stream import ToolCallStreamer, merge_tool_call_deltas, truncated_tool_calls
+from .tool_stream import ToolCallStreamer, merge_tool_call_deltas
 
 MAX_TOP_LOGPROBS = 20
 
@@ -46,17 +46,14 @@ class ToolCallParser(Protocol):
     """Reads one model family's tool-call format out of generated text (the parsers' seam).
 
     ``parse(text, plan)`` -> ``(content or None, [OpenAI tool-call dicts])`` of a whole output;
-    ``truncated(text, plan)`` -> the same for an output cut by the token limit (the partial call
-    with its arguments text as generated; no calls when none had started);
     ``streamer(plan)`` -> an object with ``feed(text_so_far) -> (content_delta, call_deltas)``,
-    ``finish(text, finish_reason)``, and the flags ``called`` and ``incomplete``
+    ``finish(text, finish_reason)``, and the flags ``called`` and ``incomplete`` (also how a whole
+    output cut by the token limit or a stop string is read: :func:`parse_output`)
     (see :class:`sglite.server.tool_stream.ToolCallStreamer`). Malformed calls come back as
     content, never as an exception.
     """
 
     def parse(self, text: str, plan: ToolPlan) -> tuple[Optional[str], list[dict]]: ...
-
-    def truncated(self, text: str, plan: ToolPlan) -> tuple[Optional[str], list[dict]]: ...
 
     def streamer(self, plan: ToolPlan) -> Any: ...
 
@@ -68,9 +65,6 @@ class FormatToolCallParser:
 
     def parse(self, text: str, plan: ToolPlan) -> tuple[Optional[str], list[dict]]:
         return parse_tool_calls(text, plan)
-
-    def truncated(self, text: str, plan: ToolPlan) -> tuple[Optional[str], list[dict]]:
-        return truncated_tool_calls(text, plan)
 
     def streamer(self, plan: ToolPlan) -> ToolCallStreamer:
         return ToolCallStreamer(plan)

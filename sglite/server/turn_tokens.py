@@ -183,7 +183,7 @@ class TurnTokens:
         tokenized; each turn is the one generated after exactly the text before it, where known
         (see the module docstring). None when a placeholder is missing, repeated or out of order
         (the template dropped or moved a message: render the messages as they are instead)."""
-        texts, gaps, turns, pos, so_far = [], [], [], 0, _text_hash()
+        texts, turns, pos, so_far = [], [], 0, _text_hash()
         for i, seg in enumerate(segments):
             mark = f"{_OPEN}{i}{_CLOSE}"
             at = rendered.find(mark, pos)
@@ -194,15 +194,13 @@ class TurnTokens:
             seg = self._in_context(seg, so_far)
             texts.append(seg.text)
             so_far.update(seg.text.encode("utf-8", "surrogatepass"))
-            gaps.append(rendered[pos:at])
             turns.append(seg.ids)
             pos = at + len(mark)
         tail = rendered[pos:]
         if _OPEN in tail:
             return None
         texts.append(tail)
-        gaps.append(tail)
-        encoded = self._encode_many(gaps)  # the text between the turns, tokenized in one call
+        encoded = self._encode_many(texts[0::2])  # the text between the turns, tokenized in one call
         ids: list[int] = []
         for gap_ids, turn in zip(encoded, turns):
             ids += gap_ids

@@ -180,9 +180,10 @@ inline bool pack_to(const uint16_t* base_k, int64_t s0k, const uint16_t* base_v,
       for (int b = 0; b < row_bytes; b += 64) { _mm_prefetch(pk + b, _MM_HINT_T0); _mm_prefetch(pv + b, _MM_HINT_T0); }
     }
   };
-  prefetch(0);
+  const bool run = n > 0 && slots[n - 1] - slots[0] == n - 1;  // one ascending run: the hardware prefetcher follows it
+  if (!run) prefetch(0);
   for (int kg = 0; kg < n64 / 16; ++kg) {
-    prefetch(kg + 1);
+    if (!run) prefetch(kg + 1);
     for (int c = 0; c < nd; ++c) {
       __m512i r[16];
       for (int u = 0; u < 16; ++u) {

@@ -329,6 +329,26 @@ bool attend(const Job<T>& j, const Tiled<T>& tiled, int64_t b, int h, float* qf,
   return true;
 }
 
+// Into L2: the first kPrefetch K and V rows task (b, h) reads (its scores and values passes
+// prefetch the rest as they go), issued while the task before it runs so that the task does not
+// start on a DRAM miss per row. Slots outside [0, S) are skipped (attend refuses them).
+template <typename T> void prefetch_task_head(const Job<T>& j, int64_t b, int h) {
+  const int64_t len = j.lens[b];
+  const int64_t first = (j.window > 0 && len > j.window) ? len - j.window : 0;
+  const int32_t* slots = j.rt + j.rows[b] * j.rts0 + first;
+  const int64_t n = std::min<int64_t>(len - first, kPrefetch);
+  const int bytes = j.D * (int)sizeof(T);
+  for (int64_t t = 0; t < n; ++t) {
+    if (slots[t] < 0 || slots[t] >= j.S) continue;
+    const char* k = (const char*)(j.k + slots[t] * j.ks0 + h * j.ks1);
+    const char* v = (const char*)(j.v + slots[t] * j.vs0 + h * j.vs1);
+    for (int i = 0; i < bytes; i += 64) {
+      __builtin_prefetch(k + i, 0, 2);
+      __builtin_prefetch(v + i, 0, 2);
+    }
+  }
+}
+
 // Every (row, KV head) task over the pool's threads.
 template <typename T>
 void run(const Job<T>& j, int64_t B, int Hkv, int64_t max_len) {
@@ -336,8 +356,10 @@ void run(const Job<T>& j, int64_t B, int Hkv, int64_t max_len) {
   const Tiled<T> tiled = pick_tiled<T>(j.Dp, j.G);
   sglite_pool::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(j.G * j.Dp), sc(j.G * max_len), acc(j.G * j.Dp + 2 * j.G);
-    for (int64_t i = begin; i < end && !bad.load(std::memory_order_relaxed); ++i)
+    for (int64_t i = begin; i < end && !bad.load(std::memory_order_relaxed); ++i) {
+      if (i + 1 < end) prefetch_task_head(j, (i + 1) / Hkv, (int)((i + 1) % Hkv));
       if (!attend(j, tiled, i / Hkv, (int)(i % Hkv), qf.data(), sc.data(), acc.data())) bad = true;
+    }
   });
   TORCH_CHECK_INDEX(!bad, "decode_attention: req_to_token holds a slot outside the pool [0, ", j.S, ")");
 }

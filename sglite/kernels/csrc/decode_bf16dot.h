@@ -42,15 +42,30 @@ void scores_bf16(const Job<uint16_t>& j, const int32_t* slots, int64_t L, int h,
   __mmask32 mk[NB];  // the blocks' load masks, once per call
   for (int b = 0; b < NB; ++b) mk[b] = mask32(j.D - 32 * b);
   auto dots = [&](int64_t t, __m512 (&a)[G]) { key_dots<NB, G>(qv, kh + slots[t] * ks0, mk, a); };
+  // the V rows too, into L2, as far ahead as the K rows: the values pass (values_bf16) then
+  // starts on L2 hits instead of a cold DRAM stall per row (scattered decode slots)
+  const char* vb = (const char*)(j.v + h * j.vs1);
+  const int64_t vs0b = j.vs0 * 2;
+  auto prefetch_v = [&](int64_t u) {
+    for (int i = 0; i < j.D * 2; i += 64) _mm_prefetch(vb + slots[u] * vs0b + i, _MM_HINT_T1);
+  };
   int64_t t = 0;
   for (; t + 4 <= L; t += 4) {
     __m512 a0[G], a1[G], a2[G], a3[G];
     if (t + kPrefetch + 3 < L) {
-      for (int u = 0; u < 4; ++u) prefetch_row(kh + slots[t + u + kPrefetch] * ks0, j.D);
+      for (int u = 0; u < 4; ++u) {
+        prefetch_row(kh + slots[t + u + kPrefetch] * ks0, j.D);
+        prefetch_v(t + u + kPrefetch);
+      }
     } else {
       for (int u = 0; u < 4; ++u)
-        if (t + u + kPrefetch < L) prefetch_row(kh + slots[t + u + kPrefetch] * ks0, j.D);
+        if (t + u + kPrefetch < L) {
+          prefetch_row(kh + slots[t + u + kPrefetch] * ks0, j.D);
+          prefetch_v(t + u + kPrefetch);
+        }
     }
+    if (t == 0)
+      for (int64_t u = 0; u < std::min<int64_t>(kPrefetch, L); ++u) prefetch_v(u);
     dots(t, a0);
     dots(t + 1, a1);
     dots(t + 2, a2);

@@ -1,0 +1,163 @@
+"""Decode attention alone at the serving workloads' shapes, per layer call (issue 33, eighth pass).
+
+Cases (SmolLM2-135M's heads: 9 query, 3 KV, head dim 64; bf16 head-major pools as the engine's,
+in transparent huge pages as the engine's, ``--layers`` of them cycled so each call finds its pool out of the core's caches as in a step;
+float32 queries and outputs as the fused decode passes them):
+
+* ``shared``: 64 rows in 4 groups of 16 continuing one 530-token system prompt each, every row with
+  40-104 keys of its own (a ~40-token question, then the tokens decoded so far). Slots as the pool
+  hands them out: each prompt a contiguous run, then one slot per row per decode step (the 64 rows'
+  decoded keys interleaved). The groups are found once (as the fused decode does per step) and
+  passed to every call; ``cascade_min`` 64.
+* ``offline``: 48 rows of 100-300 keys, nothing shared (prompt runs, then interleaved decode slots).
+
+Printed per side (``--ref-root``: another checkout's ``cpu_attention.cpp``, built beside this one
+under its own op namespace, called alternately on the same inputs): median ms per call over
+``--repeats`` rounds of all layers (wall, and the process CPU time, both threads' spin included),
+GB/s (the distinct K/V bytes a call must read: each group's shared keys once per KV head, each
+row's own keys once), GFLOP/s (2 flops per multiply-add of Q K^T and P V over every row's keys),
+and whether the two sides' outputs agree bit for bit.
+
+    python scripts/decode_attn_cost.py [--threads 1,2] [--ref-root /work/main] [--cases shared,offline]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+HQ, HKV, D = 9, 3, 64
+
+
+def ref_ops(root: Path):
+    """``cpu_attention.cpp`` of ``root`` with its headers spliced in, built under the op namespace
+    ``sglite_cpu_attention_ref`` (None when it does not build)."""
+    from sglite.kernels import cpu_build
+
+    csrc, seen = root / "sglite" / "kernels" / "csrc", set()
+
+    def splice(m):
+        name = m.group(1)
+        if name in seen:
+            return ""
+        seen.add(name)
+        return cpu_build._LOCAL_INCLUDE.sub(splice, (csrc / name).read_text())
+
+    src = cpu_build._LOCAL_INCLUDE.sub(splice, (csrc / "cpu_attention.cpp").read_text())
+    src = re.sub(r"\bsglite_cpu_attention\b", "sglite_cpu_attention_ref", src)
+    return cpu_build.load_cpp("sglite_cpu_attention_ref", src, ("-O3", "-march=native"),
+                              ops_namespace="sglite_cpu_attention_ref")
+
+
+def layout(prompt_lens, shared, decoded, g):
+    """Slot table of requests whose prompts (``shared[b]``: a group id whose run of
+    ``prompt_lens[b][0]`` keys the request shares, or -1) were prefilled one after another and then
+    decoded ``decoded[b]`` tokens in lockstep (one slot per live row per step)."""
+    B = len(prompt_lens)
+    L = [sum(p) + d for p, d in zip(prompt_lens, decoded)]
+    rt = torch.zeros(B, max(L), dtype=torch.int32)
+    nxt, runs, pos = 1, {}, [0] * B
+    for b in range(B):
+        pre, own = prompt_lens[b]
+        if shared[b] >= 0:
+            if shared[b] not in runs:
+                runs[shared[b]] = torch.arange(nxt, nxt + pre, dtype=torch.int32)
+                nxt += pre
+            rt[b, :pre] = runs[shared[b]]
+        else:
+            rt[b, :pre] = torch.arange(nxt, nxt + pre, dtype=torch.int32)
+            nxt += pre
+        rt[b, pre:pre + own] = torch.arange(nxt, nxt + own, dtype=torch.int32)
+        nxt, pos[b] = nxt + own, pre + own
+    for step in range(max(decoded)):
+        for b in range(B):
+            if step < decoded[b]:
+                rt[b, pos[b]] = nxt
+                nxt, pos[b] = nxt + 1, pos[b] + 1
+    if os.environ.get("DECODE_CONTIG"):  # experiment: each row's own keys one contiguous run
+        for b in range(B):
+            n = L[b] - prompt_lens[b][0]
+            rt[b, prompt_lens[b][0]:L[b]] = torch.arange(nxt, nxt + n, dtype=torch.int32)
+            nxt += n
+    return rt, torch.tensor(L, dtype=torch.int64), nxt + 8
+
+
+def case(name, layers, g):
+    """(q, pools, rt, rows, lens, distinct K/V bytes per call, flops per call)."""
+    from sglite.kernels.host_memory import zeros_hugepage
+
+    if name == "shared":
+        B, P = 64, 530
+        own = torch.randint(40, 105, (B,), generator=g).tolist()
+        q_len = [40] * B
+        prompt = [(P, q) for q in q_len]
+        shared = [b % 4 for b in range(B)]
+        dec = [o - q for o, q in zip(own, q_len)]
+        distinct = 4 * P + sum(own)
+    else:
+        B = 48
+        lens = torch.randint(100, 301, (B,), generator=g).tolist()
+        dec = torch.randint(0, 64, (B,), generator=g).tolist()
+        prompt = [(1, n - d - 1) for n, d in zip(lens, dec)]
+        shared = [-1] * B
+        distinct = sum(lens)
+    rt, lens, S = layout(prompt, shared, dec, g)
+    def plane():  # the engine's pool storage (kv_pool.py): head-major, in transparent huge pages
+        t = zeros_hugepage((HKV, S, D), torch.bfloat16)
+        t.copy_(torch.randn(HKV, S, D, generator=g))
+        return t.transpose(0, 1)
+    pools = [(plane(), plane()) for _ in range(layers)]
+    q = torch.randn(B, HQ, D, generator=g)
+    return q, pools, rt, torch.arange(B), lens, distinct * HKV * D * 2 * 2, float(lens.sum()) * HQ * D * 4
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--cases", default="shared,offline")
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=15, help="rounds of all layers per side per thread count")
+    ap.add_argument("--ref-root", default=None, help="another checkout (e.g. /work/main) for an A/B")
+    a = ap.parse_args()
+    from sglite.kernels import cpu_attention
+
+    sides = {"this": cpu_attention.load()}
+    if a.ref_root:
+        sides = {"ref": ref_ops(Path(a.ref_root)), **sides}
+    g = torch.Generator().manual_seed(0)
+    for name in a.cases.split(","):
+        q, pools, rt, rows, lens, nbytes, flops = case(name, a.layers, g)
+        groups = sides["this"].shared_prefix_groups(rt, rows, lens, 64) if name == "shared" else None
+        cmin = 64 if name == "shared" else 0
+        outs = {}
+        for th in [int(t) for t in a.threads.split(",")]:
+            torch.set_num_threads(th)
+            res = {s: ([], []) for s in sides}
+            for r in range(a.repeats):
+                for s in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+                    ops = sides[s]
+                    w, c = time.perf_counter(), time.process_time()
+                    for k, v in pools:
+                        o = ops.decode_attention(q, k, v, rt, rows, lens, D ** -0.5, 0, 0.0, cmin, groups)
+                    res[s][0].append((time.perf_counter() - w) * 1e3 / len(pools))
+                    res[s][1].append((time.process_time() - c) * 1e3 / len(pools))
+                    outs[s] = o
+            print(f"{name}: B={len(lens)}, keys {int(lens.min())}-{int(lens.max())}, {nbytes / 1e6:.2f} MB K/V"
+                  f" and {flops / 1e9:.3f} GFLOP a call, threads={th}")
+            for s, (wall, cpu) in res.items():
+                mw, mc = statistics.median(wall), statistics.median(cpu)
+                print(f"  {s:5s} wall {mw:.3f} ms (q1 {sorted(wall)[len(wall) // 4]:.3f}), cpu {mc:.3f} ms;"
+                      f" {nbytes / mw / 1e6:.1f} GB/s, {flops / mw / 1e6:.1f} GFLOP/s (wall)")
+            if len(outs) == 2:
+                x, y = outs.values()
+                print(f"  outputs bit-identical: {torch.equal(x, y)}; max |diff| {(x - y).abs().max().item():.3g}")
+
+
+if __name__ == "__main__":
+    main()

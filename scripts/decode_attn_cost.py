@@ -1,15 +1,20 @@
 """Decode attention alone at the serving workloads' shapes, per layer call (issue 33, eighth pass).
 
-Cases (SmolLM2-135M's heads: 9 query, 3 KV, head dim 64; bf16 head-major pools as the engine's,
-in transparent huge pages as the engine's, ``--layers`` of them cycled so each call finds its pool out of the core's caches as in a step;
-float32 queries and outputs as the fused decode passes them):
+Cases (SmolLM2-135M's heads: 9 query, 3 KV, head dim 64; bf16 head-major pools in transparent huge
+pages as the engine's, ``--layers`` of them cycled so that each call finds its pool out of the
+core's caches as in a step; float32 queries and outputs as the fused decode passes them):
 
 * ``shared``: 64 rows in 4 groups of 16 continuing one 530-token system prompt each, every row with
   40-104 keys of its own (a ~40-token question, then the tokens decoded so far). Slots as the pool
   hands them out: each prompt a contiguous run, then one slot per row per decode step (the 64 rows'
-  decoded keys interleaved). The groups are found once (as the fused decode does per step) and
+  decoded keys interleaved; ``--own-contiguous``: each row's own keys one run instead, to see what
+  the scattered slots cost). The groups are found once (as the fused decode does per step) and
   passed to every call; ``cascade_min`` 64.
 * ``offline``: 48 rows of 100-300 keys, nothing shared (prompt runs, then interleaved decode slots).
+* ``engine-shared`` / ``engine-offline``: the real thing: the default engine runs the workload of
+  ``scripts/step_timeline.py`` (after its warm-up) and the slot table, rows and lengths of its
+  ``--engine-step``-th all-decode step are kept; the calls then read the engine's own 30 layers'
+  pools (the K/V the model wrote), with random float32 queries.
 
 Printed per side (``--ref-root``: another checkout's ``cpu_attention.cpp``, built beside this one
 under its own op namespace, called alternately on the same inputs): median ms per call over
@@ -19,11 +24,11 @@ row's own keys once), GFLOP/s (2 flops per multiply-add of Q K^T and P V over ev
 and whether the two sides' outputs agree bit for bit.
 
     python scripts/decode_attn_cost.py [--threads 1,2] [--ref-root /work/main] [--cases shared,offline]
+    python scripts/decode_attn_cost.py --cases engine-shared,engine-offline --ref-root /work/main
 """
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
 import time
@@ -55,10 +60,11 @@ def ref_ops(root: Path):
                               ops_namespace="sglite_cpu_attention_ref")
 
 
-def layout(prompt_lens, shared, decoded, g):
+def layout(prompt_lens, shared, decoded, contiguous=False):
     """Slot table of requests whose prompts (``shared[b]``: a group id whose run of
     ``prompt_lens[b][0]`` keys the request shares, or -1) were prefilled one after another and then
-    decoded ``decoded[b]`` tokens in lockstep (one slot per live row per step)."""
+    decoded ``decoded[b]`` tokens in lockstep (one slot per live row per step; ``contiguous``: each
+    request's own keys then moved to one run of fresh slots)."""
     B = len(prompt_lens)
     L = [sum(p) + d for p, d in zip(prompt_lens, decoded)]
     rt = torch.zeros(B, max(L), dtype=torch.int32)
@@ -80,7 +86,7 @@ def layout(prompt_lens, shared, decoded, g):
             if step < decoded[b]:
                 rt[b, pos[b]] = nxt
                 nxt, pos[b] = nxt + 1, pos[b] + 1
-    if os.environ.get("DECODE_CONTIG"):  # experiment: each row's own keys one contiguous run
+    if contiguous:
         for b in range(B):
             n = L[b] - prompt_lens[b][0]
             rt[b, prompt_lens[b][0]:L[b]] = torch.arange(nxt, nxt + n, dtype=torch.int32)
@@ -88,7 +94,56 @@ def layout(prompt_lens, shared, decoded, g):
     return rt, torch.tensor(L, dtype=torch.int64), nxt + 8
 
 
-def case(name, layers, g):
+def engine_case(workload, step, g):
+    """The ``step``-th all-decode step of ``workload`` in the default engine: (q, the engine's
+    (K, V) pools of every layer, slot table, rows, lengths, distinct K/V bytes, flops)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from step_timeline import prompts
+    from sglite.runtime.engine import Engine
+
+    engine = Engine()
+    runner, seen, cap = engine.scheduler.runner, [0], {}
+    fwd0 = runner.forward
+
+    def forward(fb):
+        if fb.ext_req_pool_indices.numel() == 0 and fb.dec_seq_lens.numel() > 0:
+            seen[0] += 1
+            if seen[0] == step:
+                cap.update(rt=fb.req_to_token.clone(), rows=fb.dec_req_pool_indices.clone(),
+                           lens=fb.dec_seq_lens.clone())
+        return fwd0(fb)
+
+    runner.forward = forward
+    ps, warm = prompts(workload)
+    sp = {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}
+    try:
+        engine.generate(warm, sp)
+        engine.flush_cache()
+        seen[0] = 0
+        engine.generate(ps, sp)
+        kv = runner.token_to_kv_pool
+        pools = list(zip(kv.k_buffers, kv.v_buffers))
+    finally:
+        engine.shutdown()
+    rt, rows, lens = cap["rt"], cap["rows"], cap["lens"]
+    _, hkv, d = pools[0][0].shape
+    groups = load_groups(rt, rows, lens)
+    shared = sum(P for P, _ in groups)
+    distinct = shared + int(lens.sum()) - sum(P * len(r) for P, r in groups)
+    hq = hkv * 3
+    q = torch.randn(len(lens), hq, d, generator=g)
+    return q, pools, rt, rows, lens, distinct * hkv * d * 2 * 2, float(lens.sum()) * hq * d * 4
+
+
+def load_groups(rt, rows, lens):
+    from sglite.kernels import cpu_attention
+
+    return cpu_attention.shared_prefix_groups(rt, rows, lens, 64)
+
+
+def case(name, layers, g, contiguous=False):
     """(q, pools, rt, rows, lens, distinct K/V bytes per call, flops per call)."""
     from sglite.kernels.host_memory import zeros_hugepage
 
@@ -107,7 +162,7 @@ def case(name, layers, g):
         prompt = [(1, n - d - 1) for n, d in zip(lens, dec)]
         shared = [-1] * B
         distinct = sum(lens)
-    rt, lens, S = layout(prompt, shared, dec, g)
+    rt, lens, S = layout(prompt, shared, dec, contiguous)
     def plane():  # the engine's pool storage (kv_pool.py): head-major, in transparent huge pages
         t = zeros_hugepage((HKV, S, D), torch.bfloat16)
         t.copy_(torch.randn(HKV, S, D, generator=g))
@@ -117,12 +172,19 @@ def case(name, layers, g):
     return q, pools, rt, torch.arange(B), lens, distinct * HKV * D * 2 * 2, float(lens.sum()) * HQ * D * 4
 
 
+def groups_list(flat):
+    """The group count of shared_prefix_groups' int64 tensor (None: no groups)."""
+    return [] if flat is None else [0] * int(flat[0])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--cases", default="shared,offline")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=15, help="rounds of all layers per side per thread count")
+    ap.add_argument("--own-contiguous", action="store_true", help="shared / offline: each row's own keys one run")
+    ap.add_argument("--engine-step", type=int, default=32, help="engine-* cases: which all-decode step")
     ap.add_argument("--ref-root", default=None, help="another checkout (e.g. /work/main) for an A/B")
     a = ap.parse_args()
     from sglite.kernels import cpu_attention
@@ -132,9 +194,13 @@ def main() -> None:
         sides = {"ref": ref_ops(Path(a.ref_root)), **sides}
     g = torch.Generator().manual_seed(0)
     for name in a.cases.split(","):
-        q, pools, rt, rows, lens, nbytes, flops = case(name, a.layers, g)
-        groups = sides["this"].shared_prefix_groups(rt, rows, lens, 64) if name == "shared" else None
-        cmin = 64 if name == "shared" else 0
+        if name.startswith("engine-"):
+            q, pools, rt, rows, lens, nbytes, flops = engine_case(name[7:].replace("shared", "shared-prefix"),
+                                                                  a.engine_step, g)
+        else:
+            q, pools, rt, rows, lens, nbytes, flops = case(name, a.layers, g, a.own_contiguous)
+        groups = sides["this"].shared_prefix_groups(rt, rows, lens, 64) if "shared" in name else None
+        cmin = 64 if "shared" in name else 0
         outs = {}
         for th in [int(t) for t in a.threads.split(",")]:
             torch.set_num_threads(th)
@@ -148,7 +214,7 @@ def main() -> None:
                     res[s][0].append((time.perf_counter() - w) * 1e3 / len(pools))
                     res[s][1].append((time.process_time() - c) * 1e3 / len(pools))
                     outs[s] = o
-            print(f"{name}: B={len(lens)}, keys {int(lens.min())}-{int(lens.max())}, {nbytes / 1e6:.2f} MB K/V"
+            print(f"{name}: B={len(lens)}, {len(groups_list(groups))} groups, keys {int(lens.min())}-{int(lens.max())}, {nbytes / 1e6:.2f} MB K/V"
                   f" and {flops / 1e9:.3f} GFLOP a call, threads={th}")
             for s, (wall, cpu) in res.items():
                 mw, mc = statistics.median(wall), statistics.median(cpu)

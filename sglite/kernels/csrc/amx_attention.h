@@ -180,7 +180,7 @@ inline bool pack_to(const uint16_t* base_k, int64_t s0k, const uint16_t* base_v,
       for (int b = 0; b < row_bytes; b += 64) { _mm_prefetch(pk + b, _MM_HINT_T0); _mm_prefetch(pv + b, _MM_HINT_T0); }
     }
   };
-  const bool run = n > 0 && slots[n - 1] - slots[0] == n - 1;  // one ascending run: the hardware prefetcher follows it
+  const bool run = n > 0 && std::abs(slots[n - 1] - slots[0]) == n - 1;  // one run (either way): the hardware prefetcher follows it
   if (!run) prefetch(0);
   for (int kg = 0; kg < n64 / 16; ++kg) {
     if (!run) prefetch(kg + 1);

@@ -15,6 +15,10 @@ core's caches as in a step; float32 queries and outputs as the fused decode pass
   ``scripts/step_timeline.py`` (after its warm-up) and the slot table, rows and lengths of its
   ``--engine-step``-th all-decode step are kept; the calls then read the engine's own 30 layers'
   pools (the K/V the model wrote), with random float32 queries.
+* ``extend-shared`` (the prefill side, ``extend_attention``): 16 requests of 40 new tokens over a
+  528-token cached prompt, 4 groups of 4 sharing it (a prefill step of the shared-prefix workload),
+  bf16 queries, the ``--layers`` pools; the ref side is the other checkout's
+  ``cpu_extend_attention.cpp``.
 
 Printed per side (``--ref-root``: another checkout's ``cpu_attention.cpp``, built beside this one
 under its own op namespace, called alternately on the same inputs): median ms per call over
@@ -40,9 +44,9 @@ ROOT = Path(__file__).resolve().parent.parent
 HQ, HKV, D = 9, 3, 64
 
 
-def ref_ops(root: Path):
-    """``cpu_attention.cpp`` of ``root`` with its headers spliced in, built under the op namespace
-    ``sglite_cpu_attention_ref`` (None when it does not build)."""
+def ref_ops(root: Path, source: str = "cpu_attention.cpp", ns: str = "sglite_cpu_attention"):
+    """``source`` of ``root`` with its headers spliced in, built under the op namespace ``ns + "_ref"``
+    (None when it does not build)."""
     from sglite.kernels import cpu_build
 
     csrc, seen = root / "sglite" / "kernels" / "csrc", set()
@@ -54,10 +58,9 @@ def ref_ops(root: Path):
         seen.add(name)
         return cpu_build._LOCAL_INCLUDE.sub(splice, (csrc / name).read_text())
 
-    src = cpu_build._LOCAL_INCLUDE.sub(splice, (csrc / "cpu_attention.cpp").read_text())
-    src = re.sub(r"\bsglite_cpu_attention\b", "sglite_cpu_attention_ref", src)
-    return cpu_build.load_cpp("sglite_cpu_attention_ref", src, ("-O3", "-march=native"),
-                              ops_namespace="sglite_cpu_attention_ref")
+    src = cpu_build._LOCAL_INCLUDE.sub(splice, (csrc / source).read_text())
+    src = re.sub(rf"\b{ns}\b", ns + "_ref", src)
+    return cpu_build.load_cpp(ns + "_ref", src, ("-O3", "-march=native"), ops_namespace=ns + "_ref")
 
 
 def layout(prompt_lens, shared, decoded, contiguous=False):
@@ -177,6 +180,54 @@ def groups_list(flat):
     return [] if flat is None else [0] * int(flat[0])
 
 
+def extend_case(layers, g):
+    """(q, pools, rt, rows, prefix lens, extend lens, distinct K/V bytes, flops) of ``extend-shared``."""
+    B, P, E = 16, 528, 40
+    prompt = [(P, E)] * B
+    rt, lens, S = layout(prompt, [b % 4 for b in range(B)], [0] * B)
+    from sglite.kernels.host_memory import zeros_hugepage
+
+    def plane():
+        t = zeros_hugepage((HKV, S, D), torch.bfloat16)
+        t.copy_(torch.randn(HKV, S, D, generator=g))
+        return t.transpose(0, 1)
+    pools = [(plane(), plane()) for _ in range(layers)]
+    q = torch.randn(B * E, HQ, D, generator=g).bfloat16()
+    pre, ext = torch.full((B,), P), torch.full((B,), E)
+    flops = B * E * HQ * (P + (E + 1) / 2) * D * 4
+    return q, pools, rt, torch.arange(B), pre, ext, (4 * P + B * E) * HKV * D * 4, flops
+
+
+def extend_rows(a, g):
+    """Time ``extend-shared`` on this checkout's extend op and, with ``--ref-root``, the other's."""
+    from sglite.kernels import cpu_attention
+
+    sides = {"this": cpu_attention.load_extend()}
+    if a.ref_root:
+        sides = {"ref": ref_ops(Path(a.ref_root), "cpu_extend_attention.cpp", "sglite_cpu_extend"), **sides}
+    q, pools, rt, rows, pre, ext, nbytes, flops = extend_case(a.layers, g)
+    for th in [int(t) for t in a.threads.split(",")]:
+        torch.set_num_threads(th)
+        res, outs = {s: ([], []) for s in sides}, {}
+        for r in range(a.repeats):
+            for s in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+                w, c = time.perf_counter(), time.process_time()
+                for k, v in pools:
+                    o = sides[s].extend_attention(q, k, v, rt, rows, pre, ext, D ** -0.5, 0, 0.0, 1)
+                res[s][0].append((time.perf_counter() - w) * 1e3 / len(pools))
+                res[s][1].append((time.process_time() - c) * 1e3 / len(pools))
+                outs[s] = o
+        print(f"extend-shared: 16 x 40 new over 528 cached, 4 groups, {nbytes / 1e6:.2f} MB K/V and "
+              f"{flops / 1e9:.3f} GFLOP a call, threads={th}")
+        for s, (wall, cpu) in res.items():
+            mw = statistics.median(wall)
+            print(f"  {s:5s} wall {mw:.3f} ms (q1 {sorted(wall)[len(wall) // 4]:.3f}), cpu {statistics.median(cpu):.3f} ms;"
+                  f" {flops / mw / 1e6:.1f} GFLOP/s (wall)")
+        if len(outs) == 2:
+            x, y = outs.values()
+            print(f"  outputs bit-identical: {torch.equal(x, y)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", default="1,2")
@@ -194,6 +245,9 @@ def main() -> None:
         sides = {"ref": ref_ops(Path(a.ref_root)), **sides}
     g = torch.Generator().manual_seed(0)
     for name in a.cases.split(","):
+        if name == "extend-shared":
+            extend_rows(a, g)
+            continue
         if name.startswith("engine-"):
             q, pools, rt, rows, lens, nbytes, flops = engine_case(name[7:].replace("shared", "shared-prefix"),
                                                                   a.engine_step, g)

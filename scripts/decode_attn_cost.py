@@ -14,7 +14,8 @@ core's caches as in a step; float32 queries and outputs as the fused decode pass
 * ``engine-shared`` / ``engine-offline``: the real thing: the default engine runs the workload of
   ``scripts/step_timeline.py`` (after its warm-up) and the slot table, rows and lengths of its
   ``--engine-step``-th all-decode step are kept; the calls then read the engine's own 30 layers'
-  pools (the K/V the model wrote), with random float32 queries.
+  pools (the K/V the model wrote), with random float32 queries; ``--page-size``: the engine's (the
+  slot layout: a page of N slots per request keeps its decoded keys together).
 * ``extend-shared`` (the prefill side, ``extend_attention``): 16 requests of 40 new tokens over a
   528-token cached prompt, 4 groups of 4 sharing it (a prefill step of the shared-prefix workload),
   bf16 queries, the ``--layers`` pools; the ref side is the other checkout's
@@ -33,6 +34,7 @@ and whether the two sides' outputs agree bit for bit.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
 import time
@@ -97,7 +99,7 @@ def layout(prompt_lens, shared, decoded, contiguous=False):
     return rt, torch.tensor(L, dtype=torch.int64), nxt + 8
 
 
-def engine_case(workload, step, g):
+def engine_case(workload, step, g, page_size=1):
     """The ``step``-th all-decode step of ``workload`` in the default engine: (q, the engine's
     (K, V) pools of every layer, slot table, rows, lengths, distinct K/V bytes, flops)."""
     import sys
@@ -106,7 +108,7 @@ def engine_case(workload, step, g):
     from step_timeline import prompts
     from sglite.runtime.engine import Engine
 
-    engine = Engine()
+    engine = Engine(page_size=page_size)
     runner, seen, cap = engine.scheduler.runner, [0], {}
     fwd0 = runner.forward
 
@@ -235,6 +237,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=15, help="rounds of all layers per side per thread count")
     ap.add_argument("--own-contiguous", action="store_true", help="shared / offline: each row's own keys one run")
+    ap.add_argument("--page-size", type=int, default=1, help="engine-* cases: the engine's --page-size (slot layout)")
     ap.add_argument("--engine-step", type=int, default=32, help="engine-* cases: which all-decode step")
     ap.add_argument("--ref-root", default=None, help="another checkout (e.g. /work/main) for an A/B")
     a = ap.parse_args()
@@ -250,7 +253,7 @@ def main() -> None:
             continue
         if name.startswith("engine-"):
             q, pools, rt, rows, lens, nbytes, flops = engine_case(name[7:].replace("shared", "shared-prefix"),
-                                                                  a.engine_step, g)
+                                                                  a.engine_step, g, a.page_size)
         else:
             q, pools, rt, rows, lens, nbytes, flops = case(name, a.layers, g, a.own_contiguous)
         groups = sides["this"].shared_prefix_groups(rt, rows, lens, 64) if "shared" in name else None
@@ -280,4 +283,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("SGLITE_LOG_LEVEL", "WARNING")
     main()

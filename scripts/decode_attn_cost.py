@@ -1,7 +1,7 @@
 """Decode attention alone at the serving workloads' shapes, per layer call (issue 33, eighth pass).
 
-Cases (SmolLM2-135M's heads: 9 query, 3 KV, head dim 64; bf16 head-major pools in transparent huge
-pages as the engine's, ``--layers`` of them cycled so that each call finds its pool out of the
+Cases (SmolLM2-135M's heads: 9 query, 3 KV, head dim 64; bf16 head-major pools as the engine's
+(untouched until used, 4 KiB pages), ``--layers`` of them cycled so that each call finds its pool out of the
 core's caches as in a step; float32 queries and outputs as the fused decode passes them):
 
 * ``shared``: 64 rows in 4 groups of 16 continuing one 530-token system prompt each, every row with
@@ -150,7 +150,7 @@ def load_groups(rt, rows, lens):
 
 def case(name, layers, g, contiguous=False):
     """(q, pools, rt, rows, lens, distinct K/V bytes per call, flops per call)."""
-    from sglite.kernels.host_memory import zeros_hugepage
+    from sglite.kernels.host_memory import zeros_untouched
 
     if name == "shared":
         B, P = 64, 530
@@ -168,8 +168,8 @@ def case(name, layers, g, contiguous=False):
         shared = [-1] * B
         distinct = sum(lens)
     rt, lens, S = layout(prompt, shared, dec, contiguous)
-    def plane():  # the engine's pool storage (kv_pool.py): head-major, in transparent huge pages
-        t = zeros_hugepage((HKV, S, D), torch.bfloat16)
+    def plane():  # the engine's pool storage (kv_pool.py): head-major, untouched, 4 KiB pages
+        t = zeros_untouched((HKV, S, D), torch.bfloat16)
         t.copy_(torch.randn(HKV, S, D, generator=g))
         return t.transpose(0, 1)
     pools = [(plane(), plane()) for _ in range(layers)]
@@ -187,10 +187,10 @@ def extend_case(layers, g):
     B, P, E = 16, 528, 40
     prompt = [(P, E)] * B
     rt, lens, S = layout(prompt, [b % 4 for b in range(B)], [0] * B)
-    from sglite.kernels.host_memory import zeros_hugepage
+    from sglite.kernels.host_memory import zeros_untouched
 
     def plane():
-        t = zeros_hugepage((HKV, S, D), torch.bfloat16)
+        t = zeros_untouched((HKV, S, D), torch.bfloat16)
         t.copy_(torch.randn(HKV, S, D, generator=g))
         return t.transpose(0, 1)
     pools = [(plane(), plane()) for _ in range(layers)]

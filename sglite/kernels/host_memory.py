@@ -1,21 +1,26 @@
-"""The one host (CPU) allocator for transparent huge pages (2 MiB): the KV pool and the packed matmul
-weights both come from here.
+"""The one host (CPU) allocator for large buffers: the KV pool (zeroed, untouched until used) and the
+packed matmul weights (transparent huge pages, 2 MiB).
 
-Why, for the KV pool: it is read in scattered rows every decode step (one row per token, per head,
-per layer); with 4 KiB pages nearly every row is a TLB miss. Advising the pool's memory for
-transparent huge pages (Linux ``madvise(MADV_HUGEPAGE)``, effective when
-``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or ``madvise``) made a batch-64 decode
-step 2-4 % faster in three paired runs (182.6 / 202.1 / 199.9 ms against 188.5 / 206.6 / 207.6 ms
-with 4 KiB pages; SmolLM2-135M bf16, 64 x 256-token prompts, 131k-token pool).
-
-Why, for the weights: the C++ GEMV (:mod:`.cpu_gemv`) streams each weight once per step; with 4 KiB
-pages the hardware prefetcher stops at every page boundary and the TLB misses every 4 KiB
+Why huge pages for the weights: the C++ GEMV (:mod:`.cpu_gemv`) streams each weight once per step;
+with 4 KiB pages the hardware prefetcher stops at every page boundary and the TLB misses every 4 KiB
 (measured: the SmolLM2 LM head read at 18 GB/s from 4 KiB pages, 32 GB/s from huge pages).
 
+Why 4 KiB pages for the KV pool: it is written a token at a time into head-major planes (one plane
+per layer, K or V, and KV head), so the first prompt that reaches a fresh region of the pool touches
+one page per plane: with 2 MiB pages that is 180 pages (360 MB zeroed) for SmolLM2's 30 x 2 x 3
+planes against ~47 MB of K/V written. Measured on the 2-core AMX VM (2026-12-06, eighth pass,
+`scripts/step_timeline.py --workload shared-prefix --mode inproc`, alternated): huge pages made the
+decode steps ~3 % faster (3,325 / 3,142 against 3,316 / 3,427 ms for 63 steps) and the mixed
+prefill steps ~25 % slower (1,649 / 1,627 against 1,271 / 1,345 ms), 5.36 / 5.14 against 4.97 /
+5.12 s in all; a fresh 2,048-token prompt took 898 against 645 ms. (Until then the pool was meant
+to take huge pages but did not: it was a shared anonymous mapping, which transparent huge pages
+skip; an earlier measurement of huge pages on the pool, a batch-64 bf16 decode step 2-4 % faster,
+did not count their first-touch cost.) Populating the whole pool at start-up instead took 11.8 s
+for 4.5 GiB here.
+
 Best effort everywhere: the memory is advised before its first touch (``torch.empty`` of a large
-block maps fresh pages; the zeroed KV pool is an anonymous mapping that is never touched before
-use), so the kernel can back it with huge pages; small buffers (< 4 MiB) and non-Linux hosts get
-plain allocations. No C++ is involved (``ctypes`` calls libc's ``madvise``).
+block maps fresh pages), so the kernel can back it with huge pages; small buffers (< 4 MiB) and
+non-Linux hosts get plain allocations. No C++ is involved (``ctypes`` calls libc's ``madvise``).
 """
 from __future__ import annotations
 
@@ -83,20 +88,22 @@ def empty_hugepage(nbytes: int) -> torch.Tensor:
     return buf
 
 
-def zeros_hugepage(shape, dtype: torch.dtype) -> torch.Tensor:
-    """``torch.zeros(shape, dtype)`` on the CPU without touching its pages: an anonymous ``mmap``
-    (zero-filled by the kernel on first touch), 2 MiB aligned and advised for huge pages, so a
-    large KV pool costs no time and no resident memory until its pages are used (a 4.5 GiB pool
-    zeroed up front took 41 s of start-up on a loaded 2-core machine). Below :data:`MIN_BYTES`, or
-    off Linux, plain ``torch.zeros``. Returns a contiguous tensor (a view that keeps the mapping
-    alive; it is unmapped when the last view goes)."""
+def zeros_untouched(shape, dtype: torch.dtype, *, huge_pages: bool = False) -> torch.Tensor:
+    """``torch.zeros(shape, dtype)`` on the CPU without touching its pages: a private anonymous
+    ``mmap`` (zero-filled by the kernel on first touch), 2 MiB aligned, so a large KV pool costs no
+    time and no resident memory until its pages are used (a 4.5 GiB pool zeroed up front took 41 s
+    of start-up on a loaded 2-core machine). ``huge_pages``: advise it for transparent huge pages
+    (off for the KV pools: see the module docstring). Below :data:`MIN_BYTES`, or off Linux, plain
+    ``torch.zeros``. Returns a contiguous tensor (a view that keeps the mapping alive; it is
+    unmapped when the last view goes)."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes < MIN_BYTES or not sys.platform.startswith("linux"):
         return torch.zeros(shape, dtype=dtype)
-    mm = mmap.mmap(-1, nbytes + HUGE_PAGE)  # anonymous, private, read-write; not touched
+    # private (Python's default for -1 is MAP_SHARED: shared memory, which huge pages skip)
+    mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(mm, dtype=torch.uint8)  # [nbytes + 2 MiB], keeps `mm` alive
     off = (-raw.data_ptr()) % HUGE_PAGE
-    if hasattr(mm, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+    if huge_pages and hasattr(mm, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             mm.madvise(mmap.MADV_HUGEPAGE, off, nbytes // HUGE_PAGE * HUGE_PAGE)
         except OSError:  # THP unsupported here: 4 KiB pages, same contents

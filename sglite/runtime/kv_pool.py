@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from sglite.kernels.host_memory import zeros_hugepage
+from sglite.kernels.host_memory import zeros_untouched
 
 from ..config import KV_CACHE_DTYPES
 from ..errors import InvalidRequestError
@@ -92,11 +92,11 @@ class TokenToKVPool:
         # head-major storage [Hkv, S, D], exposed as [S, Hkv, D] views: one head's keys form a
         # contiguous plane, so a gather of one head's rows takes index_select's fast path (on CPU
         # 0.09 vs 1.0 ms for 16.6k rows of a strided head view, the bulk of batched decode)
-        # (on CPU in transparent huge pages: scattered row reads, see host_memory)
+        # (on CPU untouched until used, in 4 KiB pages: see host_memory)
         def storage():
             shape = (n_kv_heads, num_slots, head_dim)
             if str(device) == "cpu":
-                return zeros_hugepage(shape, dtype)
+                return zeros_untouched(shape, dtype)
             return torch.zeros(shape, dtype=dtype, device=device)
 
         self.k_buffers = [storage().transpose(0, 1) for _ in range(num_layers)]  # L x [S, Hkv, D], strides (D, S*D, 1)

@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from sglite.kernels.host_memory import zeros_hugepage
+from sglite.kernels.host_memory import zeros_untouched
 
 from .kv_pool import TokenToKVPool, kv_bytes_per_token
 
@@ -126,7 +126,7 @@ class SWATokenToKVPool(TokenToKVPool):
 
         def storage():
             if str(device) == "cpu":
-                return zeros_hugepage((n_kv_heads, S, head_dim), dtype).transpose(0, 1)
+                return zeros_untouched((n_kv_heads, S, head_dim), dtype).transpose(0, 1)
             return torch.zeros(n_kv_heads, S, head_dim, dtype=dtype, device=device).transpose(0, 1)
 
         full_k, full_v = iter(self.k_buffers), iter(self.v_buffers)

@@ -74,16 +74,37 @@ def test_extend_attention_matches_naive(head_major):
             i += 1
 
 
-def test_zeros_hugepage_is_aligned_zeroed_and_usable():
-    from sglite.kernels.host_memory import HUGE_PAGE, zeros_hugepage
+def test_zeros_untouched_is_aligned_zeroed_and_usable():
+    from sglite.kernels.host_memory import HUGE_PAGE, zeros_untouched
 
-    t = zeros_hugepage((3, 50000, 64), torch.bfloat16)  # 19 MB: the huge-page path
+    t = zeros_untouched((3, 50000, 64), torch.bfloat16)  # 19 MB: the huge-page path
     assert t.shape == (3, 50000, 64) and t.dtype == torch.bfloat16 and t.is_contiguous()
     assert t.data_ptr() % HUGE_PAGE == 0 and not t.any()
     t[1, 7] = 1.0
     assert int(t.sum()) == 64
-    small = zeros_hugepage((4, 4), torch.float32)  # below the threshold: plain zeros
+    small = zeros_untouched((4, 4), torch.float32)  # below the threshold: plain zeros
     assert small.shape == (4, 4) and not small.any()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_zeros_untouched_maps_private_memory():
+    """The pool is a private anonymous mapping: transparent huge pages back private memory
+    (``enabled``), not shared memory (``shmem_enabled``, usually ``never``), and a shared one
+    faulted in 4 KiB pages whatever the advice."""
+    from sglite.kernels.host_memory import zeros_untouched
+
+    t = zeros_untouched((3, 50000, 64), torch.bfloat16)  # 19 MB: the huge-page path
+    addr = t.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                perms = line.split()[1]
+                break
+        else:
+            raise AssertionError("the buffer is in no mapping")
+    assert perms.endswith("p"), f"mapping {perms}: shared, not private"
+    del t
 
 
 def _resident_bytes() -> int:
@@ -92,13 +113,13 @@ def _resident_bytes() -> int:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
-def test_zeros_hugepage_touches_no_page_before_use():
+def test_zeros_untouched_touches_no_page_before_use():
     """A 1 GiB zeroed buffer (a KV pool) is not resident until written: start-up does not pay for
     zeroing the pool."""
-    from sglite.kernels.host_memory import zeros_hugepage
+    from sglite.kernels.host_memory import zeros_untouched
 
     before = _resident_bytes()
-    t = zeros_hugepage((1 << 29,), torch.bfloat16)  # 1 GiB
+    t = zeros_untouched((1 << 29,), torch.bfloat16)  # 1 GiB
     grown = _resident_bytes() - before
     assert grown < 64 << 20, f"{grown / 2**20:.0f} MiB resident right after allocation"
     t[: 1 << 20] = 1.0  # 2 MiB written: those pages become resident, the rest stays zero

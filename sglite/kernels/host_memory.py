@@ -103,9 +103,11 @@ def zeros_untouched(shape, dtype: torch.dtype, *, huge_pages: bool = False) -> t
     mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(mm, dtype=torch.uint8)  # [nbytes + 2 MiB], keeps `mm` alive
     off = (-raw.data_ptr()) % HUGE_PAGE
-    if huge_pages and hasattr(mm, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+    # advised either way, so a host whose THP setting is "always" keeps 4 KiB pages unless asked
+    advice = getattr(mmap, "MADV_HUGEPAGE" if huge_pages else "MADV_NOHUGEPAGE", None)
+    if advice is not None and hasattr(mm, "madvise"):
         try:
-            mm.madvise(mmap.MADV_HUGEPAGE, off, nbytes // HUGE_PAGE * HUGE_PAGE)
+            mm.madvise(advice, off, nbytes // HUGE_PAGE * HUGE_PAGE)
         except OSError:  # THP unsupported here: 4 KiB pages, same contents
             pass
     return raw[off:off + nbytes].view(dtype).view(shape)

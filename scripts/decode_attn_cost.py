@@ -51,16 +51,7 @@ def ref_ops(root: Path, source: str = "cpu_attention.cpp", ns: str = "sglite_cpu
     (None when it does not build)."""
     from sglite.kernels import cpu_build
 
-    csrc, seen = root / "sglite" / "kernels" / "csrc", set()
-
-    def splice(m):
-        name = m.group(1)
-        if name in seen:
-            return ""
-        seen.add(name)
-        return cpu_build._LOCAL_INCLUDE.sub(splice, (csrc / name).read_text())
-
-    src = cpu_build._LOCAL_INCLUDE.sub(splice, (csrc / source).read_text())
+    src = cpu_build.read_source(source, root / "sglite" / "kernels" / "csrc")
     src = re.sub(rf"\b{ns}\b", ns + "_ref", src)
     return cpu_build.load_cpp(ns + "_ref", src, ("-O3", "-march=native"), ops_namespace=ns + "_ref")
 
@@ -200,6 +191,20 @@ def extend_case(layers, g):
     return q, pools, rt, torch.arange(B), pre, ext, (4 * P + B * E) * HKV * D * 4, flops
 
 
+def alternate(sides, call, pools, repeats):
+    """Per side: (wall ms, process CPU ms) per layer call of each round, sides alternated in order
+    round by round; and each side's last output. ``call(ops, k, v)`` runs one layer call."""
+    res, outs = {s: ([], []) for s in sides}, {}
+    for r in range(repeats):
+        for s in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+            w, c = time.perf_counter(), time.process_time()
+            for k, v in pools:
+                outs[s] = call(sides[s], k, v)
+            res[s][0].append((time.perf_counter() - w) * 1e3 / len(pools))
+            res[s][1].append((time.process_time() - c) * 1e3 / len(pools))
+    return res, outs
+
+
 def extend_rows(a, g):
     """Time ``extend-shared`` on this checkout's extend op and, with ``--ref-root``, the other's."""
     from sglite.kernels import cpu_attention
@@ -210,15 +215,8 @@ def extend_rows(a, g):
     q, pools, rt, rows, pre, ext, nbytes, flops = extend_case(a.layers, g)
     for th in [int(t) for t in a.threads.split(",")]:
         torch.set_num_threads(th)
-        res, outs = {s: ([], []) for s in sides}, {}
-        for r in range(a.repeats):
-            for s in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
-                w, c = time.perf_counter(), time.process_time()
-                for k, v in pools:
-                    o = sides[s].extend_attention(q, k, v, rt, rows, pre, ext, D ** -0.5, 0, 0.0, 1)
-                res[s][0].append((time.perf_counter() - w) * 1e3 / len(pools))
-                res[s][1].append((time.process_time() - c) * 1e3 / len(pools))
-                outs[s] = o
+        res, outs = alternate(sides, lambda ops, k, v: ops.extend_attention(q, k, v, rt, rows, pre, ext, D ** -0.5, 0, 0.0, 1),
+                              pools, a.repeats)
         print(f"extend-shared: 16 x 40 new over 528 cached, 4 groups, {nbytes / 1e6:.2f} MB K/V and "
               f"{flops / 1e9:.3f} GFLOP a call, threads={th}")
         for s, (wall, cpu) in res.items():
@@ -258,19 +256,10 @@ def main() -> None:
             q, pools, rt, rows, lens, nbytes, flops = case(name, a.layers, g, a.own_contiguous)
         groups = sides["this"].shared_prefix_groups(rt, rows, lens, 64) if "shared" in name else None
         cmin = 64 if "shared" in name else 0
-        outs = {}
         for th in [int(t) for t in a.threads.split(",")]:
             torch.set_num_threads(th)
-            res = {s: ([], []) for s in sides}
-            for r in range(a.repeats):
-                for s in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
-                    ops = sides[s]
-                    w, c = time.perf_counter(), time.process_time()
-                    for k, v in pools:
-                        o = ops.decode_attention(q, k, v, rt, rows, lens, D ** -0.5, 0, 0.0, cmin, groups)
-                    res[s][0].append((time.perf_counter() - w) * 1e3 / len(pools))
-                    res[s][1].append((time.process_time() - c) * 1e3 / len(pools))
-                    outs[s] = o
+            res, outs = alternate(sides, lambda ops, k, v: ops.decode_attention(q, k, v, rt, rows, lens, D ** -0.5, 0, 0.0, cmin,
+                                                                                groups), pools, a.repeats)
             print(f"{name}: B={len(lens)}, {len(groups_list(groups))} groups, keys {int(lens.min())}-{int(lens.max())}, {nbytes / 1e6:.2f} MB K/V"
                   f" and {flops / 1e9:.3f} GFLOP a call, threads={th}")
             for s, (wall, cpu) in res.items():

@@ -31,16 +31,7 @@ def reference_source(root: Path) -> str:
     """``decode_layer.cpp`` of ``root`` with its ``csrc`` headers spliced in (as ``read_source``)."""
     from sglite.kernels import cpu_build
 
-    csrc, seen = root / "sglite" / "kernels" / "csrc", set()
-
-    def splice(m):
-        name = m.group(1)
-        if name in seen:
-            return ""
-        seen.add(name)
-        return cpu_build._LOCAL_INCLUDE.sub(splice, (csrc / name).read_text())
-
-    return cpu_build._LOCAL_INCLUDE.sub(splice, (csrc / "decode_layer.cpp").read_text())
+    return cpu_build.read_source("decode_layer.cpp", root / "sglite" / "kernels" / "csrc")
 
 
 def build_reference(root: Path):

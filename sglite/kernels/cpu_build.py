@@ -35,11 +35,13 @@ CSRC = Path(__file__).resolve().parent / "csrc"  # the C++ sources (package data
 _LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)"[ \t]*$', re.MULTILINE)
 
 
-def read_source(filename: str) -> str:
+def read_source(filename: str, csrc: Optional[Path] = None) -> str:
     """Text of ``csrc/<filename>`` (shipped as package data) with each ``#include "x.h"`` of a
     ``csrc`` header replaced by the header's text (once per source), so the build tag hashes every
-    line compiled and an edited header rebuilds too. Raises FileNotFoundError when a file is missing
-    (a broken install)."""
+    line compiled and an edited header rebuilds too. ``csrc``: another folder of sources (A/B
+    scripts build another checkout's kernels beside this one's); default this package's. Raises
+    FileNotFoundError when a file is missing (a broken install)."""
+    folder = CSRC if csrc is None else Path(csrc)
     seen: set[str] = set()
 
     def splice(m: "re.Match") -> str:
@@ -47,9 +49,9 @@ def read_source(filename: str) -> str:
         if name in seen:
             return ""
         seen.add(name)
-        return _LOCAL_INCLUDE.sub(splice, (CSRC / name).read_text())
+        return _LOCAL_INCLUDE.sub(splice, (folder / name).read_text())
 
-    return _LOCAL_INCLUDE.sub(splice, (CSRC / filename).read_text())
+    return _LOCAL_INCLUDE.sub(splice, (folder / filename).read_text())
 
 
 def cache_root() -> Path:

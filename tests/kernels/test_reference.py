@@ -77,7 +77,7 @@ def test_extend_attention_matches_naive(head_major):
 def test_zeros_untouched_is_aligned_zeroed_and_usable():
     from sglite.kernels.host_memory import HUGE_PAGE, zeros_untouched
 
-    t = zeros_untouched((3, 50000, 64), torch.bfloat16)  # 19 MB: the huge-page path
+    t = zeros_untouched((3, 50000, 64), torch.bfloat16)  # 19 MB: the mmap path
     assert t.shape == (3, 50000, 64) and t.dtype == torch.bfloat16 and t.is_contiguous()
     assert t.data_ptr() % HUGE_PAGE == 0 and not t.any()
     t[1, 7] = 1.0
@@ -88,12 +88,11 @@ def test_zeros_untouched_is_aligned_zeroed_and_usable():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
 def test_zeros_untouched_maps_private_memory():
-    """The pool is a private anonymous mapping: transparent huge pages back private memory
-    (``enabled``), not shared memory (``shmem_enabled``, usually ``never``), and a shared one
-    faulted in 4 KiB pages whatever the advice."""
+    """The pool is a private anonymous mapping, the kind the huge-page advice governs
+    (``enabled``; a shared one follows ``shmem_enabled`` whatever the advice)."""
     from sglite.kernels.host_memory import zeros_untouched
 
-    t = zeros_untouched((3, 50000, 64), torch.bfloat16)  # 19 MB: the huge-page path
+    t = zeros_untouched((3, 50000, 64), torch.bfloat16)  # 19 MB: the mmap path
     addr = t.data_ptr()
     with open("/proc/self/maps") as f:
         for line in f:

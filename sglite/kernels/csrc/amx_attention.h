@@ -120,12 +120,15 @@ template <typename T> inline void set_query(Work& w, int r, const T* x, int D, f
 // Row r's running max in natural-log units (for merging with softmax partials computed elsewhere).
 inline float m_natural(const Work& w, int r) { return w.m[r] * kLn2; }
 
+struct RowPrefetch;  // below: prefetch of the rows a caller reads next, stepped from inside block()
+
 // Walk keys [k_begin, k_end) of one head (slots: the request's slot row, indexed by position),
 // blocks anchored at multiples of KB from `anchor`; `first_q` / `last_q`: the smallest / largest
-// row position (blocks ending at or before first_q need no causal mask). False on a bad slot.
+// row position (blocks ending at or before first_q need no causal mask); `pf`: rows to prefetch
+// meanwhile (none when null). False on a bad slot.
 inline bool walk(Work& w, int R, int D, int Dp, const uint16_t* kh, int64_t s0k, const uint16_t* vh, int64_t s0v,
                  const int32_t* slots, int64_t S, int64_t k_begin, int64_t k_end, int64_t first_q, int64_t last_q,
-                 int64_t window, float softcap);
+                 int64_t window, float softcap, RowPrefetch* pf = nullptr);
 
 // 16 x 16 transpose of 32-bit lanes: r[i] lane j -> r[j] lane i.
 inline void transpose16(__m512i r[16]) {
@@ -325,6 +328,18 @@ struct RowPrefetch {
   int64_t sk = 0, sv = 0, S = 0;          // bytes between slots; pool slots
   const int32_t* slots = nullptr;
   int n = 0, next = 0, per = 1, lines = 1;  // keys, the next to fetch, keys per step, 64-byte lines a row
+  // one head of bf16 pools (kh / vh: the head's row of slot 0, s0k / s0v elements between slots,
+  // S slots, D elements a row); the keys (slots, n, per) are the caller's
+  static RowPrefetch head(const uint16_t* kh, int64_t s0k, const uint16_t* vh, int64_t s0v, int64_t S, int D) {
+    RowPrefetch p;
+    p.k = (const char*)kh;
+    p.v = (const char*)vh;
+    p.sk = 2 * s0k;
+    p.sv = 2 * s0v;
+    p.S = S;
+    p.lines = (2 * D + 63) / 64;
+    return p;
+  }
   inline void step() {
     for (const int e = std::min(n, next + per); next < e; ++next) {
       const int64_t sl = slots[next];
@@ -460,12 +475,12 @@ inline bool block_full(int64_t t0, int n, int64_t first_q, int64_t last_q, int64
 
 inline bool walk(Work& w, int R, int D, int Dp, const uint16_t* kh, int64_t s0k, const uint16_t* vh, int64_t s0v,
                  const int32_t* slots, int64_t S, int64_t k_begin, int64_t k_end, int64_t first_q, int64_t last_q,
-                 int64_t window, float softcap) {
+                 int64_t window, float softcap, RowPrefetch* pf) {
   for (int64_t t0 = k_begin; t0 < k_end; t0 += KB) {
     const int n = (int)std::min<int64_t>(KB, k_end - t0);
     if (!pack_block(kh, s0k, vh, s0v, slots + t0, n, S, D, Dp, w)) return false;
     const bool full = block_full(t0, n, first_q, last_q, window);
-    block(w, R, Dp, n, t0, full, window, softcap);
+    block(w, w.kt, w.vp, R, Dp, n, t0, full, window, softcap, pf);
   }
   return true;
 }

@@ -228,9 +228,7 @@ bool run_fused_amx(const Ext<uint16_t>& j, const Task& tk, int64_t qb, std::vect
   }
   const uint16_t *kh = j.k + tk.h * j.ks1, *vh = j.v + tk.h * j.vs1;
   const int32_t* slots = j.rt + j.rows[tk.b] * j.rts0;
-  A::RowPrefetch pf;
-  pf.k = (const char*)kh; pf.v = (const char*)vh; pf.sk = 2 * j.ks0; pf.sv = 2 * j.vs0; pf.S = j.S;
-  pf.lines = (2 * D + 63) / 64;
+  A::RowPrefetch pf = A::RowPrefetch::head(kh, j.ks0, vh, j.vs0, j.S, D);
   for (int64_t t0 = kfirst[0]; t0 < tk.kend; t0 += A::KB) {  // kfirst[g] grows with g
     if (!A::pack_block(kh, j.ks0, vh, j.vs0, slots + t0, (int)std::min<int64_t>(A::KB, tk.kend - t0), j.S, D, Dp, *w[0]))
       return false;

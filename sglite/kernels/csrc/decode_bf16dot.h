@@ -49,6 +49,8 @@ void scores_bf16(const Job<uint16_t>& j, const int32_t* slots, int64_t L, int h,
   auto prefetch_v = [&](int64_t u) {
     for (int i = 0; i < j.D * 2; i += 64) _mm_prefetch(vb + slots[u] * vs0b + i, _MM_HINT_T1);
   };
+  if (L >= 4)  // the first rows' V (the loop below fetches kPrefetch rows ahead of itself)
+    for (int64_t u = 0; u < std::min<int64_t>(kPrefetch, L); ++u) prefetch_v(u);
   int64_t t = 0;
   for (; t + 4 <= L; t += 4) {
     __m512 a0[G], a1[G], a2[G], a3[G];
@@ -64,8 +66,6 @@ void scores_bf16(const Job<uint16_t>& j, const int32_t* slots, int64_t L, int h,
           prefetch_v(t + u + kPrefetch);
         }
     }
-    if (t == 0)
-      for (int64_t u = 0; u < std::min<int64_t>(kPrefetch, L); ++u) prefetch_v(u);
     dots(t, a0);
     dots(t + 1, a1);
     dots(t + 2, a2);

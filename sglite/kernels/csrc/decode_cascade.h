@@ -296,29 +296,19 @@ void run_cascade(const Job<uint16_t>& j, int64_t B, int Hkv, int64_t max_len, co
         const int32_t* rs = j.rt + j.rows[b] * j.rts0;
         own_slots.insert(own_slots.end(), rs + gr.P, rs + j.lens[b]);
       }
-      A::RowPrefetch pf;
-      pf.k = (const char*)(j.k + t.h * j.ks1);
-      pf.v = (const char*)(j.v + t.h * j.vs1);
-      pf.sk = j.ks0 * 2;
-      pf.sv = j.vs0 * 2;
-      pf.S = j.S;
+      A::RowPrefetch pf = A::RowPrefetch::head(j.k + t.h * j.ks1, j.ks0, j.v + t.h * j.vs1, j.vs0, j.S, D);
       pf.slots = own_slots.data();
       pf.n = (int)own_slots.size();
-      pf.lines = (2 * D + 63) / 64;
-      {
+      {  // spread over the walk's prefetch steps: one per 16-key score tile and per 16-row softmax step
         const int64_t nb = (gr.P + A::KB - 1) / A::KB;
         const int64_t steps = std::max<int64_t>(1, (gr.P + 15) / 16 + nb * ((R + 15) / 16));
         pf.per = (int)std::max<int64_t>(1, (pf.n + steps - 1) / steps);
       }
-      for (int64_t t0 = 0; t0 < gr.P; t0 += A::KB) {
-        const int nk = (int)std::min<int64_t>(A::KB, gr.P - t0);
-        if (!A::pack_block(j.k + t.h * j.ks1, j.ks0, j.v + t.h * j.vs1, j.vs0, slots + t0, nk, j.S, D, Dp32, *w)) {
-          bad = true;
-          break;
-        }
-        A::block(*w, w->kt, w->vp, R, Dp32, nk, t0, true, 0, j.softcap, &pf);
+      if (!A::walk(*w, R, D, Dp32, j.k + t.h * j.ks1, j.ks0, j.v + t.h * j.vs1, j.vs0, slots, j.S, 0, gr.P, gr.P, gr.P, 0,
+                   j.softcap, &pf)) {
+        bad = true;
+        break;
       }
-      if (bad) break;
       pf.per = pf.n;
       pf.step();  // whatever the walk left (a short prefix)
       for (int i2 = t.r0; i2 < t.r1; ++i2) {  // each row's own keys, continuing its tile rows

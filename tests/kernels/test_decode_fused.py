@@ -380,3 +380,39 @@ def test_real_model_fused_float32_tokens_equal_per_op(real_engine):
     finally:
         model.decode_fused = fused
     assert got == ref
+
+
+@pytest.mark.parametrize("dtype,rows", [("float32", 19), ("bfloat16", 40)])
+def test_fused_hidden_is_the_same_on_one_thread_and_two(quantized_tiny, dtype, rows):
+    """The per-row work between the GEMMs (norms and residual adds, RoPE and the K/V stores, SiLU *
+    up, the tile GEMMs' bf16 rows) splits the step's rows over the pool: every decode step's final
+    hidden states are bit for bit those of the same steps on one thread (bf16: the AMX tile GEMM
+    where this CPU has it)."""
+    from sglite import Engine
+
+    e = Engine(model_path=str(quantized_tiny[4]), dtype=dtype, max_total_tokens=4096)
+    fused = e.runner.model.decode_fused
+    steps: list = []
+    hidden0 = fused.hidden
+
+    def spy(fb, kb, vb):
+        h = hidden0(fb, kb, vb)
+        steps.append(h.clone())
+        return h
+
+    fused.hidden = spy
+    prompts = [[100 + 37 * i, 7 + i, 2000 + 3 * i] for i in range(rows)]
+    sp = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    runs = []
+    try:
+        for threads in (1, 2):
+            fused.threads = threads
+            steps.clear()
+            runs.append(([o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=sp)], list(steps)))
+            e.flush_cache()
+    finally:
+        e.shutdown()
+    (ids1, h1), (ids2, h2) = runs
+    assert ids1 == ids2
+    assert len(h1) == len(h2) >= 2 and any(h.shape[0] == rows for h in h1)
+    assert all(torch.equal(a, b) for a, b in zip(h1, h2))

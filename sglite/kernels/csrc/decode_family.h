@@ -85,12 +85,16 @@ at::Tensor decode_family_forward(
                                      lora_split_min);
   const int64_t Nqkv = (Hq + 2 * Hkv) * D;
   const float rs = (float)residual_scale, ep = (float)eps;
-  at::Tensor out = x.clone();
+  at::Tensor out = at::empty_like(x);  // a plain copy, not x.clone(): see decode_forward
+  std::memcpy(out.data_ptr<float>(), x.data_ptr<float>(), sizeof(float) * x.numel());
   float* xr = out.data_ptr<float>();
   std::vector<float> h(M * H), qkv, att(M * Hq * D), tmp(M * H), gu, act;
   const float* np_ = norms.data_ptr<float>();
   at::Tensor q_t = at::empty({M, Hq, D}, x.options());
   const c10::optional<at::Tensor> groups = step_groups(req_to_token, rows, lens, cascade_min);
+  auto norm_rows = [&](const float* x_, const float* w, float* y) {  // y = rms_norm(x_) * w, rows over the pool
+    row_shares(par, M, [&](int64_t lo, int64_t hi) { rms_norm(x_ + lo * H, w, hi - lo, H, ep, y + lo * H); });
+  };
   for (int64_t l = 0; l < L; ++l) {
     QW wqkv = weight(lin, 12 * l, bits[4 * l], tiled), wo = weight(lin, 12 * l + 3, bits[4 * l + 1], tiled);
     QW wgu = weight(lin, 12 * l + 6, bits[4 * l + 2], tiled), wd = weight(lin, 12 * l + 9, bits[4 * l + 3], tiled);
@@ -102,54 +106,67 @@ at::Tensor decode_family_forward(
     const float* nw = np_ + l * 4 * H;  // this layer's 4 norm weights
     const bool loc_layer = local[l] != 0;
     const float* hin = xr;
-    if (norm_mask & 1) { rms_norm(xr, nw, M, H, ep, h.data()); hin = h.data(); }
+    if (norm_mask & 1) { norm_rows(xr, nw, h.data()); hin = h.data(); }
     qkv.resize(M * Nqkv);
     gemv(wqkv, hin, M, qkv.data(), q8, par, amx_min);
     lora.apply(l, 0, hin, H, qkv.data(), Nqkv, par);
+    const float *qn = nullptr, *kn = nullptr;
+    const int64_t qw = qk_kind == 1 ? D : Hq * D, kw = qk_kind == 1 ? D : Hkv * D;
     if (qk_kind) {
-      const at::Tensor &qn = qk_norms[2 * l], &kn = qk_norms[2 * l + 1];
-      const int64_t qw = qk_kind == 1 ? D : Hq * D, kw = qk_kind == 1 ? D : Hkv * D;
-      TORCH_CHECK(qn.scalar_type() == at::kFloat && kn.scalar_type() == at::kFloat && qn.is_contiguous()
-                  && kn.is_contiguous() && qn.numel() == qw && kn.numel() == kw,
+      const at::Tensor &qnt = qk_norms[2 * l], &knt = qk_norms[2 * l + 1];
+      TORCH_CHECK(qnt.scalar_type() == at::kFloat && knt.scalar_type() == at::kFloat && qnt.is_contiguous()
+                  && knt.is_contiguous() && qnt.numel() == qw && knt.numel() == kw,
                   "decode_family_forward: q_norm / k_norm of layer ", l, " must be float32 [", qw, "] / [", kw, "]");
-      for (int64_t m = 0; m < M; ++m) {  // in place: rms_norm reads each row before writing it
-        float* q = qkv.data() + m * Nqkv;
-        rms_norm(q, qn.data_ptr<float>(), Hq * D / qw, qw, ep, q);
-        rms_norm(q + Hq * D, kn.data_ptr<float>(), Hkv * D / kw, kw, ep, q + Hq * D);
-      }
+      qn = qnt.data_ptr<float>();
+      kn = knt.data_ptr<float>();
     }
     const float* cp = (loc_layer ? lcos : cos).data_ptr<float>();
     const float* sp = (loc_layer ? lsin : sin).data_ptr<float>();
-    rope_rows(qkv.data(), M, Nqkv, Hq + Hkv, D, cp, sp);
     at::Tensor& kb = kbufs[l];
     at::Tensor& vb = vbufs[l];
     const int64_t* loc = (loc_layer ? lout_loc : out_loc).data_ptr<int64_t>();
-    store_kv_and_q(kb, vb, loc, qkv.data(), M, Hq, Hkv, D, Nqkv, q_t, "decode_family_forward", l);
+    check_pool(kb, vb, Hkv, D, "decode_family_forward", l);
+    row_shares(par, M, [&](int64_t lo, int64_t hi) {
+      for (int64_t m = lo; qn && m < hi; ++m) {  // in place: rms_norm reads each row before writing it
+        float* q = qkv.data() + m * Nqkv;
+        rms_norm(q, qn, Hq * D / qw, qw, ep, q);
+        rms_norm(q + Hq * D, kn, Hkv * D / kw, kw, ep, q + Hq * D);
+      }
+      rope_store_rows(kb, vb, loc, qkv.data(), lo, hi, Hq, Hkv, D, Nqkv, cp, sp, q_t.data_ptr<float>());
+    });
     attention(attn, q_t, kb, vb, loc_layer ? lrt : req_to_token, loc_layer ? lrows : rows, lens, sm_scale, M, Hq, Hkv,
               D, (int)threads, attn_split_min, att.data(), loc_layer ? window : 0, softcap, loc_layer ? c10::nullopt : groups);
     gemv(wo, att.data(), M, tmp.data(), q8, par, amx_min);
     lora.apply(l, 1, att.data(), Hq * D, tmp.data(), H, par);
-    if (norm_mask & 2) rms_norm(tmp.data(), nw + H, M, H, ep, tmp.data());
-    add_scaled(xr, tmp.data(), M * H, rs);
     hin = xr;
-    if (norm_mask & 4) { rms_norm(xr, nw + 2 * H, M, H, ep, h.data()); hin = h.data(); }
+    // (OLMo 2) the attention output's norm, the residual add, (the others) the MLP's input norm
+    row_shares(par, M, [&](int64_t lo, int64_t hi) {
+      if (norm_mask & 2) rms_norm(tmp.data() + lo * H, nw + H, hi - lo, H, ep, tmp.data() + lo * H);
+      add_scaled(xr + lo * H, tmp.data() + lo * H, (hi - lo) * H, rs);
+      if (norm_mask & 4) rms_norm(xr + lo * H, nw + 2 * H, hi - lo, H, ep, h.data() + lo * H);
+    });
+    if (norm_mask & 4) hin = h.data();
     gu.resize(M * 2 * I);
     act.resize(M * I);
     gemv(wgu, hin, M, gu.data(), q8, par, amx_min);
     lora.apply(l, 2, hin, H, gu.data(), 2 * I, par);
-    for (int64_t m = 0; m < M; ++m) {
-      const float* g = gu.data() + m * 2 * I;
-      if (act_kind == 1) gelu_tanh_mul(g, g + I, I, act.data() + m * I);
-      else silu_mul(g, g + I, I, act.data() + m * I);
-    }
+    row_shares(par, M, [&](int64_t lo, int64_t hi) {
+      for (int64_t m = lo; m < hi; ++m) {
+        const float* g = gu.data() + m * 2 * I;
+        if (act_kind == 1) gelu_tanh_mul(g, g + I, I, act.data() + m * I);
+        else silu_mul(g, g + I, I, act.data() + m * I);
+      }
+    });
     gemv(wd, act.data(), M, tmp.data(), q8, par, amx_min);
     lora.apply(l, 3, act.data(), I, tmp.data(), H, par);
-    if (norm_mask & 8) rms_norm(tmp.data(), nw + 3 * H, M, H, ep, tmp.data());
-    add_scaled(xr, tmp.data(), M * H, rs);
+    row_shares(par, M, [&](int64_t lo, int64_t hi) {
+      if (norm_mask & 8) rms_norm(tmp.data() + lo * H, nw + 3 * H, hi - lo, H, ep, tmp.data() + lo * H);
+      add_scaled(xr + lo * H, tmp.data() + lo * H, (hi - lo) * H, rs);
+    });
   }
   TORCH_CHECK(final_norm.scalar_type() == at::kFloat && final_norm.numel() == H,
               "decode_family_forward: final_norm must be float32 [H]");
   at::Tensor y = at::empty({M, H}, x.options());
-  rms_norm(xr, final_norm.data_ptr<float>(), M, H, ep, y.data_ptr<float>());
+  norm_rows(xr, final_norm.data_ptr<float>(), y.data_ptr<float>());
   return y;
 }

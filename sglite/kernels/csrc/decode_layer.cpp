@@ -6,7 +6,9 @@
 // between ops; the GEMVs are quant_rows.h's float-exact one (q8 = false) or the int8-activation
 // one (q8 = true). Threads: each GEMV's output rows (16-row tiles) and the attention's
 // (row, KV head) tasks split in contiguous shares over a persistent pool (thread_pool.h), one
-// fork/join per matrix; the elementwise ops between them run on the calling thread.
+// fork/join per matrix; the elementwise ops between them (norms with their residual adds, RoPE with
+// the K/V stores, SiLU * up, the GEMMs' bf16 activation rows) split the rows over the same pool
+// (row_shares), each row computed by the same code as on one thread, so the split changes no bit.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -26,6 +28,13 @@ using namespace sglite_quant;
 using sglite_pool::PoolPar;
 
 constexpr int64_t kMaxRows = 128;  // decode rows of one call (decode_fused.MAX_ROWS_AMX; 32 without AMX)
+
+// f(lo, hi) over contiguous shares of the rows [0, M) on the pool, at least kShareRows rows a share
+// (fewer rows: one share on the calling thread, no fork/join). For the per-row elementwise ops: a
+// 64-row step of the default model spent ~20 % of its wall time in them on the calling thread while
+// the other threads waited (perf, 2026-12-07: the pool's spin loop).
+constexpr int64_t kShareRows = 8;
+template <typename F> inline void row_shares(const PoolPar& par, int64_t M, const F& f) { par(0, M, kShareRows, f); }
 
 // One row's output from its sum of squares ss: y = x / sqrt(ss / H + eps) * w.
 inline void rms_scale_row(const float* xr, const float* w, int64_t H, float ss, float eps, float* yr) {
@@ -113,9 +122,18 @@ void gemv(const QW& w, const float* x, int64_t M, float* y, bool q8, const PoolP
   TORCH_CHECK(q8 || (!w.half && !w.tiled), "decode_forward: float16 scales and 16-row tiles need the int8-activation path");
 #ifdef SGQ_AMX
   if (q8 && w.tiled && amx_min > 0 && M >= amx_min) {
-    std::vector<uint16_t> buf;
-    uint16_t* xd = sglite_amx::rows_buffer(buf, M, w.K);  // 64-byte aligned: one cache line per tile row
-    sglite_amx::pack_rows(x, M, w.K, xd);
+    // the calling thread's rows buffer, kept across calls and never zero-filled (pack_rows writes
+    // every row, padding included): a fresh zeroed vector cost a memset and, past 128 KiB, an
+    // mmap / page faults / munmap per GEMM
+    static thread_local std::unique_ptr<uint16_t[]> buf;
+    static thread_local int64_t cap = 0;
+    const int64_t Mp = (M + 31) / 32 * 32, need = Mp * w.K + 32;
+    if (need > cap) { buf.reset(new uint16_t[need]); cap = need; }
+    uint16_t* xd = (uint16_t*)(((uintptr_t)buf.get() + 63) & ~(uintptr_t)63);  // one cache line per tile row
+    row_shares(par, Mp, [&](int64_t lo, int64_t hi) {  // rows >= M of the last share: the zero padding
+      const int64_t real = std::max<int64_t>(0, std::min(hi, M) - lo);
+      sglite_amx::pack_rows(x + lo * w.K, real, w.K, xd + lo * w.K, hi - lo);
+    });
     sglite_amx::gemm(w, xd, M, y, nullptr, par, w.packed);
     return;
   }
@@ -228,23 +246,30 @@ void rope_rows(float* qkv, int64_t M, int64_t Nqkv, int64_t heads, int64_t D, co
     }
 }
 
-// The k and v heads of the M qkv rows [M, Nqkv] (q: Hq heads, then Hkv k and Hkv v heads of D)
-// written into layer `l`'s pool at slots loc (kb / vb: [S, Hkv, D], float32 or bf16; checked, the
-// error prefixed `who`), and the q heads copied into q_t [M, Hq, D] float32.
-void store_kv_and_q(at::Tensor& kb, at::Tensor& vb, const int64_t* loc, const float* qkv, int64_t M, int64_t Hq,
-                    int64_t Hkv, int64_t D, int64_t Nqkv, at::Tensor& q_t, const char* who, int64_t l) {
+// Layer `l`'s pool checked for the K/V stores of rope_store_rows (kb / vb: [S, Hkv, D], float32 or
+// bf16, unit stride along D; the error prefixed `who`).
+void check_pool(const at::Tensor& kb, const at::Tensor& vb, int64_t Hkv, int64_t D, const char* who, int64_t l) {
   TORCH_CHECK(kb.dim() == 3 && kb.size(1) == Hkv && kb.size(2) == D && kb.stride(2) == 1 && vb.sizes() == kb.sizes()
               && vb.stride(2) == 1 && vb.scalar_type() == kb.scalar_type(), who, ": pool of layer ", l, " is not [S, Hkv, D]");
+  TORCH_CHECK(kb.scalar_type() == at::kBFloat16 || kb.scalar_type() == at::kFloat, who, ": pool dtype must be float32 or bfloat16");
+}
+
+// Rows [lo, hi) of the M qkv rows [M, Nqkv] (q: Hq heads, then Hkv k and Hkv v heads of D): RoPE on
+// their q and k heads (cp / sp: cos / sin [M, D/2]), the k and v heads written into the pool at
+// slots loc (check_pool first), the q heads copied into q_t [M, Hq, D] float32.
+void rope_store_rows(at::Tensor& kb, at::Tensor& vb, const int64_t* loc, float* qkv, int64_t lo, int64_t hi, int64_t Hq,
+                     int64_t Hkv, int64_t D, int64_t Nqkv, const float* cp, const float* sp, float* q_t) {
+  const int64_t n = hi - lo, half = D / 2;
+  float* rows = qkv + lo * Nqkv;
+  rope_rows(rows, n, Nqkv, Hq + Hkv, D, cp + lo * half, sp + lo * half);
   if (kb.scalar_type() == at::kBFloat16) {
-    store_rows<c10::BFloat16>(kb, loc, qkv + Hq * D, M, Hkv, D, Nqkv);
-    store_rows<c10::BFloat16>(vb, loc, qkv + (Hq + Hkv) * D, M, Hkv, D, Nqkv);
+    store_rows<c10::BFloat16>(kb, loc + lo, rows + Hq * D, n, Hkv, D, Nqkv);
+    store_rows<c10::BFloat16>(vb, loc + lo, rows + (Hq + Hkv) * D, n, Hkv, D, Nqkv);
   } else {
-    TORCH_CHECK(kb.scalar_type() == at::kFloat, who, ": pool dtype must be float32 or bfloat16");
-    store_rows<float>(kb, loc, qkv + Hq * D, M, Hkv, D, Nqkv);
-    store_rows<float>(vb, loc, qkv + (Hq + Hkv) * D, M, Hkv, D, Nqkv);
+    store_rows<float>(kb, loc + lo, rows + Hq * D, n, Hkv, D, Nqkv);
+    store_rows<float>(vb, loc + lo, rows + (Hq + Hkv) * D, n, Hkv, D, Nqkv);
   }
-  float* qp = q_t.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) std::memcpy(qp + m * Hq * D, qkv + m * Nqkv, sizeof(float) * Hq * D);
+  for (int64_t m = lo; m < hi; ++m) std::memcpy(q_t + m * Hq * D, qkv + m * Nqkv, sizeof(float) * Hq * D);
 }
 
 }  // namespace
@@ -288,7 +313,10 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
   const sglite_lora_fused::Step lora(std::move(lora_ab), std::move(lora_rows), std::move(lora_spans), L, M,
                                          lora_split_min);
   const int64_t Nqkv = (Hq + 2 * Hkv) * D;
-  at::Tensor out = x.clone();
+  // a plain copy: x.clone() is torch's copy kernel, which at >= 32k values forks its OpenMP team; on
+  // a machine whose cores this pool's threads hold, that fork waited ~1 ms a step for a core
+  at::Tensor out = at::empty_like(x);
+  std::memcpy(out.data_ptr<float>(), x.data_ptr<float>(), sizeof(float) * x.numel());
   float* xr = out.data_ptr<float>();
   std::vector<float> h(M * H), qkv, att(M * Hq * D), tmp(M * H), gu, act;
   const float* cp = cos.data_ptr<float>();
@@ -297,6 +325,13 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
   const int64_t* loc = out_loc.data_ptr<int64_t>();
   at::Tensor q_t = at::empty({M, Hq, D}, x.options());
   const c10::optional<at::Tensor> groups = step_groups(req_to_token, rows, lens, cascade_min);
+  // x += t (t null: nothing added), then y = rms_norm(x) * w, row by row over the pool
+  auto add_norm = [&](const float* t, const float* w, float* y) {
+    row_shares(par, M, [&](int64_t lo, int64_t hi) {
+      if (t) for (int64_t i = lo * H; i < hi * H; ++i) xr[i] += t[i];
+      rms_norm(xr + lo * H, w, hi - lo, H, (float)eps, y + lo * H);
+    });
+  };
   for (int64_t l = 0; l < L; ++l) {
     QW wqkv = weight(lin, 12 * l, bits[4 * l], tiled), wo = weight(lin, 12 * l + 3, bits[4 * l + 1], tiled);
     QW wgu = weight(lin, 12 * l + 6, bits[4 * l + 2], tiled), wd = weight(lin, 12 * l + 9, bits[4 * l + 3], tiled);
@@ -305,32 +340,35 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
     QW* ws[4] = {&wqkv, &wo, &wgu, &wd};
     for (int k = 0; k < 4; ++k) attach_packed(*ws[k], amx_packed, 4 * l + k);
     const int64_t I = wd.K;
-    rms_norm(xr, np_ + (2 * l) * H, M, H, (float)eps, h.data());
+    // (the previous layer's down output added to the residual first) the input norm
+    add_norm(l == 0 ? nullptr : tmp.data(), np_ + (2 * l) * H, h.data());
     qkv.resize(M * Nqkv);
     gemv(wqkv, h.data(), M, qkv.data(), q8, par, amx_min);
     lora.apply(l, 0, h.data(), H, qkv.data(), Nqkv, par);
-    rope_rows(qkv.data(), M, Nqkv, Hq + Hkv, D, cp, sp);
     at::Tensor& kb = kbufs[l];
     at::Tensor& vb = vbufs[l];
-    store_kv_and_q(kb, vb, loc, qkv.data(), M, Hq, Hkv, D, Nqkv, q_t, "decode_forward", l);
+    check_pool(kb, vb, Hkv, D, "decode_forward", l);
+    row_shares(par, M, [&](int64_t lo, int64_t hi) {
+      rope_store_rows(kb, vb, loc, qkv.data(), lo, hi, Hq, Hkv, D, Nqkv, cp, sp, q_t.data_ptr<float>());
+    });
     attention(attn, q_t, kb, vb, req_to_token, rows, lens, sm_scale, M, Hq, Hkv, D, (int)threads, attn_split_min,
               att.data(), 0, 0.0, groups);
     gemv(wo, att.data(), M, tmp.data(), q8, par, amx_min);
     lora.apply(l, 1, att.data(), Hq * D, tmp.data(), H, par);
-    for (int64_t i = 0; i < M * H; ++i) xr[i] += tmp[i];
-    rms_norm(xr, np_ + (2 * l + 1) * H, M, H, (float)eps, h.data());
+    add_norm(tmp.data(), np_ + (2 * l + 1) * H, h.data());
     gu.resize(M * 2 * I);
     act.resize(M * I);
     gemv(wgu, h.data(), M, gu.data(), q8, par, amx_min);
     lora.apply(l, 2, h.data(), H, gu.data(), 2 * I, par);
-    for (int64_t m = 0; m < M; ++m) silu_mul(gu.data() + m * 2 * I, gu.data() + m * 2 * I + I, I, act.data() + m * I);
+    row_shares(par, M, [&](int64_t lo, int64_t hi) {
+      for (int64_t m = lo; m < hi; ++m) silu_mul(gu.data() + m * 2 * I, gu.data() + m * 2 * I + I, I, act.data() + m * I);
+    });
     gemv(wd, act.data(), M, tmp.data(), q8, par, amx_min);
     lora.apply(l, 3, act.data(), I, tmp.data(), H, par);
-    for (int64_t i = 0; i < M * H; ++i) xr[i] += tmp[i];
   }
   TORCH_CHECK(final_norm.scalar_type() == at::kFloat && final_norm.numel() == H, "decode_forward: final_norm must be float32 [H]");
   at::Tensor y = at::empty({M, H}, x.options());
-  rms_norm(xr, final_norm.data_ptr<float>(), M, H, (float)eps, y.data_ptr<float>());
+  add_norm(L > 0 ? tmp.data() : nullptr, final_norm.data_ptr<float>(), y.data_ptr<float>());
   return y;
 }
 

@@ -427,9 +427,10 @@ inline uint16_t* rows_buffer(std::vector<uint16_t>& buf, int64_t M, int64_t K) {
   return (uint16_t*)(((uintptr_t)buf.data() + 63) & ~(uintptr_t)63);
 }
 
-// float32 rows x [M, K] -> bf16 bits (round to nearest even) in xd [Mp, K], Mp = M rounded up to 32, padding rows zero
-inline void pack_rows(const float* x, int64_t M, int64_t K, uint16_t* xd) {
-  const int64_t Mp = (M + 31) / 32 * 32;
+// float32 rows x [M, K] -> bf16 bits (round to nearest even) in xd [Mp, K], padding rows zero; Mp: M
+// rounded up to 32 (rows < 0), else rows (>= M: a share of a larger buffer, its padding included)
+inline void pack_rows(const float* x, int64_t M, int64_t K, uint16_t* xd, int64_t rows = -1) {
+  const int64_t Mp = rows < 0 ? (M + 31) / 32 * 32 : rows;
   for (int64_t i = 0; i + 16 <= M * K; i += 16)
     _mm256_storeu_si256((__m256i*)(xd + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
   for (int64_t i = (M * K) / 16 * 16; i < M * K; ++i) xd[i] = c10::BFloat16(x[i]).x;

@@ -320,6 +320,15 @@ def greedy(logits, bitmask=None, *, impl: Optional[str] = None):
 
 def sample(logits, temperatures, top_ps, top_ks, min_ps, seeds, positions, bitmask=None,
            *, impl: Optional[str] = None):
-    """See :func:`sglite.kernels.reference.sample`."""
+    """See :func:`sglite.kernels.reference.sample`. CPU logits: :func:`.cpu_sampling.sample` (the
+    reference's tokens from each ranked row's most likely candidates instead of a sort of its whole
+    vocabulary), its torch ops on the calling thread (``device.serial_torch``), unless ``impl`` /
+    ``SGLITE_KERNEL`` names ``torch`` or ``triton``."""
+    name = impl or os.environ.get("SGLITE_KERNEL") or ""
+    if name in ("", "cpp") and logits.device.type == "cpu":
+        from . import cpu_sampling
+
+        with serial_torch():
+            return cpu_sampling.sample(logits, temperatures, top_ps, top_ks, min_ps, seeds, positions, bitmask)
     return _op("sample", resolve_impl(impl, logits))(
         logits, temperatures, top_ps, top_ks, min_ps, seeds, positions, bitmask)

@@ -58,7 +58,7 @@ def verify_seed(seed: int, n_output: int) -> int:
     verifier of an unseeded request: tokens generated before the step). A splitmix64 finalizer (Steele
     et al. 2014, "Fast splittable pseudorandom number generators") of both, with a tag of its own:
     torch's CPU generator keeps only the low 32 bits of a seed, and a linear formula can meet
-    the plain sampler's ``(seed, position)`` seeds (``kernels.reference._row_noise``) at some
+    the plain sampler's ``(seed, position)`` keys (``kernels.reference_sampling.exp_noise``) at some
     output length, which would reuse one draw stream for two decisions of one request. Returns
     an int in [0, 2**62)."""
     x = (seed * 0x9E3779B97F4A7C15 + n_output + 0x5E1EC7) & _MASK64  # golden-ratio stride, tag

@@ -142,11 +142,11 @@ class TokenToKVPool:
                 f"ahead of the allocator while idle")
 
     def prefault_step(self, max_bytes: int = 4 << 20) -> bool:
-        """Populate the next pages above ``prefault_end`` (all planes), at most ``max_bytes`` of
-        K/V (at least one page; 4 MiB took 1.4 ms median, 2.1 ms at most on the 2-core VM: what an
-        arriving request may wait), up to
-        ``high_water + ahead``. Never changes K/V contents. Returns whether more remains (False
-        when off; a failing ``madvise`` turns it off)."""
+        """Populate the next pages above ``prefault_end`` (all planes), up to ``high_water +
+        ahead`` and at most ``max_bytes`` of K/V per call (at least one page; 4 MiB took 1.4 ms
+        median, 2.1 ms at most on the 2-core VM: what an arriving request may wait). Never changes
+        K/V contents. Returns whether more remains (False when off; a failing ``madvise`` turns
+        it off)."""
         if not self._prefault_planes:
             return False
         target = min(self.num_pages + 1, self.high_water + 1 + self._prefault_ahead)  # page bound (exclusive)

@@ -86,8 +86,6 @@ class EngineConfig:
         kv_cache_quant_group_size: tokens per key-quantization group of an int8 / int4 KV pool,
             which is also the length of each request's full-precision residual window (KIVI's
             residual, 128 there); a power of two in [16, 1024].
-        kv_prefault_mb: MiB of CPU KV pages kept prefaulted (populated) ahead of the allocator while
-            the engine is idle, so a new prompt's K/V do not page-fault; 0 turns it off.
         disable_radix_cache: never reuse a prefix across requests.
         schedule_policy: ``fcfs`` | ``lpm`` | ``dfs-weight``.
         enable_jump_forward: append grammar-forced strings in one extend step.
@@ -236,7 +234,6 @@ class EngineConfig:
     page_size: int = 1
     kv_cache_dtype: str = "auto"
     kv_cache_quant_group_size: int = 128
-    kv_prefault_mb: int = 512
     disable_radix_cache: bool = False
     schedule_policy: str = "fcfs"
     enable_jump_forward: bool = True
@@ -314,9 +311,8 @@ class EngineConfig:
         if self.max_mixed_prefill_tokens is not None and self.max_mixed_prefill_tokens != -1 \
                 and self.max_mixed_prefill_tokens < 1:
             bad("max_mixed_prefill_tokens", f"must be -1 (off) or >= 1, got {self.max_mixed_prefill_tokens}")
-        for name in ("decode_steps_per_chunk", "kv_prefault_mb"):
-            if getattr(self, name) < 0:
-                bad(name, f"must be >= 0, got {getattr(self, name)}")
+        if self.decode_steps_per_chunk < 0:
+            bad("decode_steps_per_chunk", f"must be >= 0, got {self.decode_steps_per_chunk}")
         if self.page_size < 1:
             bad("page_size", f"must be >= 1, got {self.page_size}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

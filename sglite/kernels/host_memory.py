@@ -16,9 +16,7 @@ prefill steps ~25 % slower (1,649 / 1,627 against 1,271 / 1,345 ms), 5.36 / 5.14
 to take huge pages but did not: it was a shared anonymous mapping, which transparent huge pages
 skip; an earlier measurement of huge pages on the pool, a batch-64 bf16 decode step 2-4 % faster,
 did not count their first-touch cost.) Populating the whole 4.5 GiB pool at start-up instead took
-6.2 s here in 4 KiB pages (``MADV_POPULATE_WRITE``), 11.8 s in huge pages; instead the engine
-prefaults a bounded stretch of the pool ahead of its allocator while idle (:func:`populate`,
-``TokenToKVPool.prefault_step``, ``--kv-prefault-mb``).
+6.2 s here in 4 KiB pages (``MADV_POPULATE_WRITE``), 11.8 s in huge pages.
 
 Best effort everywhere: the memory is advised before its first touch (``torch.empty`` of a large
 block maps fresh pages), so the kernel can back it with huge pages; small buffers (< 4 MiB) and
@@ -39,8 +37,6 @@ import torch
 HUGE_PAGE = 2 << 20  # bytes
 MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
 MIN_BYTES = 2 * HUGE_PAGE  # smaller buffers are not worth the alignment padding
-MADV_POPULATE_WRITE = 23  # <sys/mman.h>, Linux >= 5.14
-PAGE = mmap.PAGESIZE  # bytes (4 KiB)
 
 
 def available_host_bytes() -> int:
@@ -69,32 +65,6 @@ def _madvise_hugepage(ptr: int, nbytes: int) -> bool:
         return False
     try:
         return libc.madvise(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), MADV_HUGEPAGE) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def populate(ptr: int, nbytes: int) -> bool:
-    """Make the pages of ``[ptr, ptr + nbytes)`` resident and writable now, as a first write would,
-    without changing their contents: ``madvise(MADV_POPULATE_WRITE)`` over the range rounded out to
-    whole pages (Linux >= 5.14). A page already resident is left alone, so other threads may keep
-    writing into the mapping meanwhile; ctypes releases the GIL for the call. ``ptr`` must lie in a
-    mapping that covers the rounded range (a :func:`zeros_untouched` buffer: its mapping is page
-    aligned). Cost: the kernel's zeroing of each fresh page (on the 2-core VM 512 MiB in 0.18 s,
-    4.6 GiB in 2.4 s).
-
-    Returns:
-        True when the pages are resident; False where unsupported (kernels < 5.14: EINVAL;
-        non-Linux; no libc) or refused (ENOMEM); ``nbytes`` <= 0 is a no-op (True).
-    """
-    if nbytes <= 0:
-        return True
-    libc = _libc()
-    if libc is None or not sys.platform.startswith("linux"):
-        return False
-    lo = ptr // PAGE * PAGE
-    hi = -(-(ptr + nbytes) // PAGE) * PAGE
-    try:
-        return libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_POPULATE_WRITE) == 0
     except (OSError, AttributeError):
         return False
 

@@ -129,8 +129,7 @@ class Engine:
             self.scheduler = Scheduler(cfg, self.runner, self.tokenizer)
             self.requests = RequestBuilder(cfg, self.tokenizer, self.runner, random.Random(cfg.random_seed))
             self.requests.lora = self.lora
-            self._loop = EngineLoop(self.scheduler, cfg.check_invariants, cfg.max_queued_requests,
-                                    idle_work=getattr(self.runner.token_to_kv_pool, "prefault_step", None))
+            self._loop = EngineLoop(self.scheduler, cfg.check_invariants, cfg.max_queued_requests)
             self.pins = PrefixPins(self.scheduler.kv.cache)
             # async callers build requests here (tokenize, compile grammars, stop-regex checkers):
             # the caller's event loop never computes

@@ -3,9 +3,7 @@
 Caller threads (sync, asyncio, HTTP) never touch the scheduler: they put messages
 (:mod:`sglite.runtime.engine_messages`) on a thread-safe queue; the loop drains the queue
 between steps, and results come back through each request's ``sink``. Request ids in flight are
-registered here, so a duplicate is refused before anything is queued. While idle (no scheduler
-work, empty inbox) the loop runs ``idle_work`` in short chunks (the KV pool's prefault) and looks
-at the inbox between chunks; it block-waits only when that has nothing left to do.
+registered here, so a duplicate is refused before anything is queued.
 """
 from __future__ import annotations
 
@@ -13,7 +11,7 @@ import logging
 import queue
 import threading
 from concurrent.futures import Future
-from typing import Callable, Optional
+from typing import Optional
 
 from ..errors import InvalidRequestError, QueueFullError
 from .engine_messages import Abort, Call, Message, Stop, SubmitReqs
@@ -29,14 +27,10 @@ class EngineLoop:
     Args:
         scheduler: the :class:`~sglite.runtime.scheduler.Scheduler` it owns from now on.
         check_invariants: assert pool/tree invariants after every step (tests).
-        idle_work: called while idle, one bounded chunk per call (a few ms); returns whether more
-            remains (``TokenToKVPool.prefault_step``). Tried again after every step.
     """
 
-    def __init__(self, scheduler, check_invariants: bool = False, max_queued_requests: Optional[int] = None,
-                 idle_work: Optional[Callable[[], bool]] = None):
+    def __init__(self, scheduler, check_invariants: bool = False, max_queued_requests: Optional[int] = None):
         self.scheduler = scheduler
-        self.idle_work = idle_work
         self.check_invariants = check_invariants
         self.max_queued_requests = max_queued_requests
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # C queue: a cheap empty() between steps
@@ -135,9 +129,8 @@ class EngineLoop:
 
     def _run(self) -> None:
         sched = self.scheduler
-        idle_more = self.idle_work is not None  # idle_work may have something to do
         while True:
-            msg = self._next_message(block=not (sched.has_work() or idle_more))
+            msg = self._next_message(block=not sched.has_work())
             while msg is not None:
                 if isinstance(msg, Stop):
                     if self.profile is not None:  # write it, and take the kernels' probes off
@@ -149,13 +142,9 @@ class EngineLoop:
                     sched.close()
                     return
                 self.handle(msg)
-                idle_more = self.idle_work is not None  # a call may have moved the pool's high-water mark
                 msg = self._next_message(block=False)
             if not sched.has_work():
-                if idle_more:
-                    idle_more = self._idle_chunk()
                 continue
-            idle_more = self.idle_work is not None  # the step may have moved the pool's high-water mark
             try:
                 stepped = sched.step()
                 if self.check_invariants:
@@ -168,15 +157,6 @@ class EngineLoop:
                     self._fail_running(exc)
                 except Exception:  # the loop thread must survive, or every caller hangs
                     log.exception("failing the running requests failed")
-
-    def _idle_chunk(self) -> bool:
-        """One chunk of ``idle_work``; whether more remains (an error is logged and ends it)."""
-        try:
-            return bool(self.idle_work())
-        except Exception:
-            log.exception("idle work (KV prefault) failed; it stays off")
-            self.idle_work = None
-            return False
 
     def start_profile(self, **options) -> str:
         """Start a :class:`~sglite.runtime.profiler.ProfileSession` (``options``: its arguments);

@@ -4,13 +4,6 @@ Layout follows SGLang's token-level paged KV (SGLang paper, §3 "RadixAttention"
 every running request owns one *slot*; ``req_to_token[row, pos]`` is the slot of token ``pos`` of
 the request in ``row``. Slots are handed out in pages of ``page_size`` tokens (slot
 ``page * page_size + offset``); slot 0 (page 0) is reserved as padding and never allocated.
-
-Prefault: the CPU pool's pages stay untouched until first written (:func:`zeros_untouched`), so a
-fresh prompt pays the page faults of its K/V (one 4 KiB page per head plane per 32 slots of a
-64-dim bf16 head: ~12k minor faults for 2,048 tokens of SmolLM2). The free-page stack hands out
-low pages first and takes freed pages back on top, so the pages above the highest page ever handed
-out (``high_water``) are the untouched ones; :meth:`TokenToKVPool.prefault_step` populates them
-ahead of the allocator in bounded chunks, which the engine loop runs while idle.
 """
 from __future__ import annotations
 
@@ -18,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from sglite.kernels.host_memory import populate, zeros_untouched
+from sglite.kernels.host_memory import zeros_untouched
 
 from ..config import KV_CACHE_DTYPES
 from ..errors import InvalidRequestError
@@ -89,11 +82,6 @@ class TokenToKVPool:
     """
 
     residual_bytes = 0  # fixed bytes beside the pages (a quantized pool's residual windows)
-    supports_prefault = True  # head-major float planes on the CPU (not a quantized or hybrid pool)
-    high_water = 0  # highest page ever handed out
-    prefault_end = 1  # pages below it are populated or were handed out (page 0: padding)
-    _prefault_ahead = 0  # pages kept populated above high_water (0: prefault off)
-    _prefault_planes: tuple = ()  # (address, bytes per slot) of every head plane of every layer's K and V
 
     def __init__(self, num_tokens: int, page_size: int, num_layers: int, n_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device="cpu"):
@@ -122,46 +110,6 @@ class TokenToKVPool:
         :class:`~sglite.runtime.forward_batch.ForwardBatch`: a no-op here (the plain pool keeps no
         per-step state); a quantized pool records the step's token rows and positions."""
 
-    # ------------------------------------------------------------------ prefault
-    def enable_prefault(self, ahead_bytes: int) -> str:
-        """Keep about ``ahead_bytes`` of K/V (every layer's K and V, every head plane) populated
-        above ``high_water``, a chunk per :meth:`prefault_step`. Off for ``ahead_bytes`` <= 0,
-        pools other than a plain CPU one, and hosts without ``MADV_POPULATE_WRITE`` (probed on the
-        pool's first page). Returns what it does, for the start-up log line."""
-        if ahead_bytes <= 0:
-            return "prefault off"
-        if not self.supports_prefault or str(self.device) != "cpu" or not self.k_buffers:
-            return "prefault off (not on this pool)"
-        planes = tuple((b.data_ptr() + h * b.stride(1) * b.element_size(), b.stride(0) * b.element_size())
-                       for b in self.k_buffers + self.v_buffers for h in range(b.shape[1]))
-        if not populate(planes[0][0], 1):
-            return "prefault off (madvise MADV_POPULATE_WRITE unsupported here)"
-        self._prefault_planes = planes
-        self._prefault_ahead = max(1, ahead_bytes // (self.bytes_per_token * self.page_size))
-        return (f"prefault {ahead_bytes / 2**20:.0f} MiB ({self._prefault_ahead * self.page_size} tokens) "
-                f"ahead of the allocator while idle")
-
-    def prefault_step(self, max_bytes: int = 4 << 20) -> bool:
-        """Populate the next pages above ``prefault_end`` (all planes), up to ``high_water +
-        ahead`` and at most ``max_bytes`` of K/V per call (at least one page; 4 MiB took 1.4 ms
-        median, 2.1 ms at most on the 2-core VM: what an arriving request may wait). Never changes
-        K/V contents. Returns whether more remains (False when off; a failing ``madvise`` turns
-        it off)."""
-        if not self._prefault_planes:
-            return False
-        target = min(self.num_pages + 1, self.high_water + 1 + self._prefault_ahead)  # page bound (exclusive)
-        p0 = max(self.prefault_end, self.high_water + 1)
-        if p0 >= target:
-            return False
-        p1 = min(target, p0 + max(1, max_bytes // (self.bytes_per_token * self.page_size)))
-        s0, s1 = p0 * self.page_size, p1 * self.page_size
-        for addr, slot_bytes in self._prefault_planes:
-            if not populate(addr + s0 * slot_bytes, (s1 - s0) * slot_bytes):
-                self._prefault_planes = ()
-                return False
-        self.prefault_end = p1
-        return p1 < target
-
     # ------------------------------------------------------------------ allocation
     def free_tokens(self) -> int:
         return len(self._free_pages) * self.page_size
@@ -186,7 +134,6 @@ class TokenToKVPool:
             if len(self._free_pages) < n_new:
                 return None
             pages = [self._free_pages.pop() for _ in range(n_new)]
-            self.high_water = max(self.high_water, max(pages))
             return torch.tensor(pages, dtype=torch.int64)
         used_in_page = seq_len % ps
         head = min(n_new, ps - used_in_page) if (used_in_page and last_slot is not None) else 0
@@ -199,7 +146,6 @@ class TokenToKVPool:
         remaining = n_new - head
         for _ in range(need_pages):
             p = self._free_pages.pop()
-            self.high_water = max(self.high_water, p)
             take = min(ps, remaining)
             out.extend(range(p * ps, p * ps + take))
             remaining -= take

@@ -77,10 +77,7 @@ class QuantTokenToKVPool(TokenToKVPool):
     Args: as :class:`TokenToKVPool`, plus ``kind`` (``int8`` | ``int4`` | ``fp8_e4m3``), ``group``
     (key group, tokens; the page size must be a multiple for int kinds) and ``max_reqs`` (request
     rows of the slot table: residual windows). ``dtype`` is the model dtype (residual windows).
-    No prefault (``TokenToKVPool.enable_prefault``): its layers are not float head planes.
     """
-
-    supports_prefault = False
 
     def __init__(self, num_tokens: int, page_size: int, num_layers: int, n_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device="cpu", *, kind: str, group: int, max_reqs: int):

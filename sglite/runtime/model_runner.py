@@ -125,9 +125,8 @@ class ModelRunner:
         self.lora = None  # the engine's sglite.lora.LoraManager when it serves adapters
         self.max_total_tokens = self.token_to_kv_pool.capacity
         pool_bpt = getattr(self.token_to_kv_pool, "global_bytes_per_token", self.bytes_per_token)  # hybrid: global layers
-        prefault = self.token_to_kv_pool.enable_prefault(config.kv_prefault_mb << 20)  # the engine loop runs it
-        log.info("KV pool: %d tokens, %d bytes per token (%.1f MiB), dtype %s, device %s, %s", self.max_total_tokens,
-                 pool_bpt, self.max_total_tokens * pool_bpt / 2**20, self.dtype, self.device, prefault)
+        log.info("KV pool: %d tokens, %d bytes per token (%.1f MiB), dtype %s, device %s",
+                 self.max_total_tokens, pool_bpt, self.max_total_tokens * pool_bpt / 2**20, self.dtype, self.device)
         if isinstance(self.token_to_kv_pool, swa_pool.SWATokenToKVPool):
             log.info("%s", swa_pool.describe(self.token_to_kv_pool))
         log.info("KV cache dtype %s", kv_quant.describe(kvd, self.bytes_per_token,

@@ -112,11 +112,8 @@ class SWATokenToKVPool(TokenToKVPool):
         n_kv_heads, head_dim, dtype, device: as for :class:`TokenToKVPool`.
 
     ``k_buffers`` / ``v_buffers`` hold one buffer per model layer: ``[S_full, Hkv, D]`` for the
-    global layers, ``[S_swa, Hkv, D]`` for the local ones (indexed by local slots). No prefault
-    (``TokenToKVPool.enable_prefault``): local slots are handed out apart from the full pages.
+    global layers, ``[S_swa, Hkv, D]`` for the local ones (indexed by local slots).
     """
-
-    supports_prefault = False
 
     def __init__(self, num_tokens: int, swa_tokens: int, page_size: int, local_layers: tuple,
                  sliding_window: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device="cpu"):

@@ -88,7 +88,7 @@ class DraftModel:
         ckpt = load_checkpoint(path)
         dtype = str(target_runner.dtype).replace("torch.", "")
         cfg = dataclasses.replace(config, model_path=path, dtype=dtype, page_size=1, speculative_algorithm=None,
-                                  quantization="auto", kv_prefault_mb=0,  # only the engine's pool is prefaulted
+                                  quantization="auto",
                                   max_total_tokens=target_runner.max_total_tokens,
                                   context_length=target_runner.context_length)
         runner = ModelRunner(cfg, ckpt.hf_config, load_weights(ckpt, "auto", target_runner.dtype, target_runner.device))

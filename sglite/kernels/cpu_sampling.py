@@ -20,8 +20,7 @@ from typing import Optional
 
 import torch
 
-from .reference import argmax_rows, bitmask_to_additive
-from .reference_sampling import exp_noise
+from .reference_sampling import exp_noise, sampling_probs
 
 FIRST_K = 64  # candidates a ranked row looks at first (a chat model's nucleus is mostly far smaller)
 GROWTH = 8  # K's factor while a row's boundary lies past its K candidates
@@ -62,17 +61,10 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tenso
            top_ks: torch.Tensor, min_ps: torch.Tensor, seeds: torch.Tensor,
            positions: torch.Tensor, bitmask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`.reference_sampling.sample` on CPU tensors (same arguments and result: [B] int64)."""
-    B, V = logits.shape
-    x = logits.float()  # [B, V]
-    if bitmask is not None:
-        x = x + bitmask_to_additive(bitmask, V)  # [B, V], -inf where disallowed
-    greedy = temperatures <= 1e-6  # [B]
-    out = argmax_rows(x)  # [B]
-    if bool(greedy.all()):
+    V = logits.shape[1]
+    out, sr, probs = sampling_probs(logits, temperatures, bitmask)
+    if sr is None:
         return out
-    sr = (~greedy).nonzero().squeeze(1)  # [Bs] sampling rows
-    xs = x if len(sr) == B else x.index_select(0, sr)  # [Bs, V]
-    probs = torch.softmax(xs / temperatures.index_select(0, sr).float()[:, None], dim=-1)  # [Bs, V]
     pmax = probs.max(dim=-1).values  # [Bs]
     thr = min_ps.index_select(0, sr) * pmax  # [Bs] min-p
     tk, tp = top_ks.index_select(0, sr), top_ps.index_select(0, sr)

@@ -143,6 +143,26 @@ def greedy(logits: torch.Tensor, bitmask: Optional[torch.Tensor] = None,
     return torch.from_numpy(out)
 
 
+def sampling_probs(logits: torch.Tensor, temperatures: torch.Tensor, bitmask: Optional[torch.Tensor] = None):
+    """The part of :func:`sample` before truncation: ``(out, sr, probs)``, ``out`` [B] int64 the
+    (masked) argmax of every row (the greedy rows' tokens), ``sr`` [Bs] int64 the sampling rows
+    (temperature > 1e-6) and ``probs`` [Bs, V] float32 their softmax at their temperature; ``sr``
+    and ``probs`` are None when every row is greedy. logits [B, V] float (not mutated)."""
+    B, V = logits.shape
+    x = logits.float()  # [B, V]
+    if bitmask is not None:
+        x = x + bitmask_to_additive(bitmask, V)  # [B, V], -inf where disallowed
+    greedy = temperatures <= 1e-6  # [B]
+    out = argmax_rows(x)  # [B]
+    if bool(greedy.all()):
+        return out, None, None
+    # every step after this is per row: computed for the sampling rows only
+    sr = (~greedy).nonzero().squeeze(1)  # [Bs] sampling rows
+    xs = x if len(sr) == B else x.index_select(0, sr)  # [Bs, V]
+    t = temperatures.index_select(0, sr).float()  # [Bs]
+    return out, sr, torch.softmax(xs / t[:, None], dim=-1)  # [Bs, V]
+
+
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor,
            top_ks: torch.Tensor, min_ps: torch.Tensor, seeds: torch.Tensor,
            positions: torch.Tensor, bitmask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -164,19 +184,10 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tenso
     Returns:
         [B] int64 token ids.
     """
-    B, V = logits.shape
-    x = logits.float()  # [B, V]
-    if bitmask is not None:
-        x = x + bitmask_to_additive(bitmask, V)  # [B, V], -inf where disallowed
-    greedy = temperatures <= 1e-6  # [B]
-    out = argmax_rows(x)  # [B]
-    if bool(greedy.all()):
+    V = logits.shape[1]
+    out, sr, probs = sampling_probs(logits, temperatures, bitmask)
+    if sr is None:
         return out
-    # every step below is per row: compute it for the sampling rows only
-    sr = (~greedy).nonzero().squeeze(1)  # [Bs] sampling rows
-    xs = x.index_select(0, sr)  # [Bs, V]
-    t = temperatures.index_select(0, sr).float()  # [Bs]
-    probs = torch.softmax(xs / t[:, None], dim=-1)  # [Bs, V]
     top = probs.argmax(dim=-1, keepdim=True)  # [Bs, 1] always kept
     keep = probs >= min_ps.index_select(0, sr)[:, None] * probs.gather(1, top)  # [Bs, V] min-p
     top_ks, top_ps = top_ks.index_select(0, sr), top_ps.index_select(0, sr)  # [Bs]
@@ -184,7 +195,7 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tenso
     ranked = (k_on | (top_ps < 1.0)).nonzero().squeeze(1)  # [Br] rows needing a sort
     if ranked.numel():
         sorted_p, sorted_idx = probs.index_select(0, ranked).sort(dim=-1, descending=True)  # [Br, V]
-        ranks = torch.arange(V, device=x.device)[None, :]  # [1, V]
+        ranks = torch.arange(V, device=probs.device)[None, :]  # [1, V]
         k = torch.where(k_on, top_ks, torch.full_like(top_ks, V)).index_select(0, ranked)  # [Br]
         keep_sorted = ranks < k[:, None]  # [Br, V]
         cum = sorted_p.cumsum(dim=-1)  # [Br, V]
@@ -193,7 +204,7 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tenso
         keep[ranked] &= keep_rank
     keep.scatter_(1, top, True)  # [Bs, V]
     probs = probs.masked_fill(~keep, 0.0)  # [Bs, V]
-    ids = torch.arange(V, device=x.device).expand(len(sr), V)  # [Bs, V]
+    ids = torch.arange(V, device=probs.device).expand(len(sr), V)  # [Bs, V]
     noise = exp_noise(seeds.index_select(0, sr), positions.index_select(0, sr), ids)  # [Bs, V]
     out[sr] = (probs / noise).argmax(dim=-1)  # [Bs]
     return out

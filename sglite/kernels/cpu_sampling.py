@@ -6,9 +6,9 @@ the noise 0.9 ms), so a 16-row step with top_p spent 83 ms sampling and a 64-row
 against a ~45 ms forward (2026-12-07). Here a ranked row looks only at its ``K`` most likely tokens
 (``torch.topk``, sorted): when the ``K``-th is already outside top-k / top-p, every later one is too
 (the mass before a rank only grows), so the kept set is the reference's; otherwise ``K`` grows 8x
-and the rows still open look again (up to the whole vocabulary). Noise is drawn for the candidates
-only (:func:`.reference_sampling.exp_noise` is counter-based), and the winner is the candidates'
-``argmax(p / E)``. Rows with neither top-k nor top-p keep the reference's dense form (min-p over
+and the rows still open look again (up to the whole vocabulary). The winner is the candidates'
+``argmax(p / E)`` with the reference's draws (:func:`.reference_sampling.exp_noise`; a row's whole
+draws are still made, ~0.9 ms a row). Rows with neither top-k nor top-p keep the reference's dense form (min-p over
 the whole vocabulary).
 
 The same tokens as the reference wherever no two tokens of a row tie in probability at the top-p
@@ -49,7 +49,7 @@ def _ranked_draw(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
             top = p.index_select(0, rows).argmax(dim=-1, keepdim=True)  # [d, 1] the reference's top token
             kp |= i == top  # always kept
             r = todo.index_select(0, rows)
-            e = exp_noise(seeds.index_select(0, r), positions.index_select(0, r), i)  # [d, kk]
+            e = exp_noise(seeds.index_select(0, r), positions.index_select(0, r), i, V)  # [d, kk]
             score = torch.where(kp, v / e, torch.full_like(v, -1.0))  # [d, kk]
             out[r] = i.gather(1, score.argmax(dim=-1, keepdim=True)).squeeze(1)
         todo = todo[~done]
@@ -81,6 +81,6 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tenso
         keep = p >= thr.index_select(0, dense)[:, None]
         keep.scatter_(1, p.argmax(dim=-1, keepdim=True), True)
         r = sr[dense]
-        e = exp_noise(seeds.index_select(0, r), positions.index_select(0, r), torch.arange(V).expand(len(r), V))
+        e = exp_noise(seeds.index_select(0, r), positions.index_select(0, r), torch.arange(V).expand(len(r), V), V)
         out[r] = (p.masked_fill(~keep, 0.0) / e).argmax(dim=-1)
     return out

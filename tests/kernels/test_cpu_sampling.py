@@ -1,5 +1,5 @@
 """The CPU sampling path (sglite/kernels/cpu_sampling.py) against the reference, token for token,
-and the counter-based draws both share (sglite/kernels/reference_sampling.py)."""
+and the draws both share (sglite/kernels/reference_sampling.py)."""
 import math
 
 import pytest
@@ -68,11 +68,11 @@ def test_a_rows_token_does_not_depend_on_the_batch():
         assert int(alone) == int(whole[i])
 
 
-def test_exp_noise_is_counter_based_and_exponential():
+def test_exp_noise_of_a_subset_is_that_of_the_whole_row_and_exponential():
     seeds, pos = torch.tensor([7, 7, 123456789]), torch.tensor([0, 1, 42])
-    full = R.exp_noise(seeds, pos, torch.arange(50_000).expand(3, 50_000))  # [3, V]
+    full = R.exp_noise(seeds, pos, torch.arange(50_000).expand(3, 50_000), 50_000)  # [3, V]
     ids = torch.tensor([[5, 49_999, 0], [17, 3, 3], [1000, 2, 7]])
-    assert torch.equal(R.exp_noise(seeds, pos, ids), full.gather(1, ids))  # any subset: the same draws
+    assert torch.equal(R.exp_noise(seeds, pos, ids, 50_000), full.gather(1, ids))  # any subset: the same draws
     assert not torch.equal(full[0], full[1])  # the position moves the stream
     x = full.flatten().double()  # 150k draws of Exp(1): mean 1, variance 1, P(X > 3) = e^-3
     n = x.numel()

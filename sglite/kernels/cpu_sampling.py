@@ -60,7 +60,8 @@ def _ranked_draw(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor,
            top_ks: torch.Tensor, min_ps: torch.Tensor, seeds: torch.Tensor,
            positions: torch.Tensor, bitmask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """:func:`.reference_sampling.sample` on CPU tensors (same arguments and result: [B] int64)."""
+    """:func:`.reference_sampling.sample` on CPU tensors: the same arguments (logits [B, V] float,
+    per-row parameters [B]) and result ([B] int64 token ids), the same tokens."""
     V = logits.shape[1]
     out, sr, probs = sampling_probs(logits, temperatures, bitmask)
     if sr is None:
@@ -69,12 +70,14 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tenso
     thr = min_ps.index_select(0, sr) * pmax  # [Bs] min-p
     tk, tp = top_ks.index_select(0, sr), top_ps.index_select(0, sr)
     k_on = (tk > 0) & (tk < V)
+    tk = torch.where(k_on, tk, torch.full_like(tk, V))  # [Bs] V: top-k off
     ranked = k_on | (tp < 1.0)  # [Bs]
     rk = ranked.nonzero().squeeze(1)
     if rk.numel():
-        out[sr[rk]] = _ranked_draw(probs if len(rk) == len(sr) else probs.index_select(0, rk), torch.where(k_on, tk, torch.full_like(tk, V)).index_select(0, rk),
-                                   tp.index_select(0, rk), thr.index_select(0, rk),
-                                   seeds.index_select(0, sr[rk]), positions.index_select(0, sr[rk]))
+        rows = sr[rk]
+        out[rows] = _ranked_draw(probs if len(rk) == len(sr) else probs.index_select(0, rk), tk.index_select(0, rk),
+                                 tp.index_select(0, rk), thr.index_select(0, rk),
+                                 seeds.index_select(0, rows), positions.index_select(0, rows))
     dense = (~ranked).nonzero().squeeze(1)
     if dense.numel():  # temperature / min-p only: the whole vocabulary may stay
         p = probs.index_select(0, dense)  # [d, V]

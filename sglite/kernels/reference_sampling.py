@@ -13,6 +13,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+
 def exp_noise(seeds: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Exponential(1) noise of the given tokens: ``[B, K]`` float32 for ``ids`` [B, K] int64 token ids
     of a ``vocab_size``-token vocabulary, row ``i`` keyed by ``(seeds[i], positions[i])`` ([B] int64

@@ -92,9 +92,6 @@ at::Tensor decode_family_forward(
   const float* np_ = norms.data_ptr<float>();
   at::Tensor q_t = at::empty({M, Hq, D}, x.options());
   const c10::optional<at::Tensor> groups = step_groups(req_to_token, rows, lens, cascade_min);
-  auto norm_rows = [&](const float* x_, const float* w, float* y) {  // y = rms_norm(x_) * w, rows over the pool
-    row_shares(par, M, [&](int64_t lo, int64_t hi) { rms_norm(x_ + lo * H, w, hi - lo, H, ep, y + lo * H); });
-  };
   for (int64_t l = 0; l < L; ++l) {
     QW wqkv = weight(lin, 12 * l, bits[4 * l], tiled), wo = weight(lin, 12 * l + 3, bits[4 * l + 1], tiled);
     QW wgu = weight(lin, 12 * l + 6, bits[4 * l + 2], tiled), wd = weight(lin, 12 * l + 9, bits[4 * l + 3], tiled);
@@ -106,7 +103,7 @@ at::Tensor decode_family_forward(
     const float* nw = np_ + l * 4 * H;  // this layer's 4 norm weights
     const bool loc_layer = local[l] != 0;
     const float* hin = xr;
-    if (norm_mask & 1) { norm_rows(xr, nw, h.data()); hin = h.data(); }
+    if (norm_mask & 1) { add_norm_rows(par, M, H, xr, nullptr, nw, ep, h.data()); hin = h.data(); }
     qkv.resize(M * Nqkv);
     gemv(wqkv, hin, M, qkv.data(), q8, par, amx_min);
     lora.apply(l, 0, hin, H, qkv.data(), Nqkv, par);
@@ -167,6 +164,6 @@ at::Tensor decode_family_forward(
   TORCH_CHECK(final_norm.scalar_type() == at::kFloat && final_norm.numel() == H,
               "decode_family_forward: final_norm must be float32 [H]");
   at::Tensor y = at::empty({M, H}, x.options());
-  norm_rows(xr, final_norm.data_ptr<float>(), y.data_ptr<float>());
+  add_norm_rows(par, M, H, xr, nullptr, final_norm.data_ptr<float>(), ep, y.data_ptr<float>());
   return y;
 }

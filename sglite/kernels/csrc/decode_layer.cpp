@@ -246,6 +246,16 @@ void rope_rows(float* qkv, int64_t M, int64_t Nqkv, int64_t heads, int64_t D, co
     }
 }
 
+// x [M, H] += t (t null: nothing added), then y [M, H] = rms_norm(x) * w [H] (all float32), the
+// rows split over the pool by row_shares; each row's bits are those of the one-thread loop.
+void add_norm_rows(const PoolPar& par, int64_t M, int64_t H, float* x, const float* t, const float* w, float eps,
+                   float* y) {
+  row_shares(par, M, [&](int64_t lo, int64_t hi) {
+    if (t) for (int64_t i = lo * H; i < hi * H; ++i) x[i] += t[i];
+    rms_norm(x + lo * H, w, hi - lo, H, eps, y + lo * H);
+  });
+}
+
 // Layer `l`'s pool checked for the K/V stores of rope_store_rows (kb / vb: [S, Hkv, D], float32 or
 // bf16, unit stride along D; the error prefixed `who`).
 void check_pool(const at::Tensor& kb, const at::Tensor& vb, int64_t Hkv, int64_t D, const char* who, int64_t l) {
@@ -325,13 +335,7 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
   const int64_t* loc = out_loc.data_ptr<int64_t>();
   at::Tensor q_t = at::empty({M, Hq, D}, x.options());
   const c10::optional<at::Tensor> groups = step_groups(req_to_token, rows, lens, cascade_min);
-  // x += t (t null: nothing added), then y = rms_norm(x) * w, row by row over the pool
-  auto add_norm = [&](const float* t, const float* w, float* y) {
-    row_shares(par, M, [&](int64_t lo, int64_t hi) {
-      if (t) for (int64_t i = lo * H; i < hi * H; ++i) xr[i] += t[i];
-      rms_norm(xr + lo * H, w, hi - lo, H, (float)eps, y + lo * H);
-    });
-  };
+  auto add_norm = [&](const float* t, const float* w, float* y) { add_norm_rows(par, M, H, xr, t, w, (float)eps, y); };
   for (int64_t l = 0; l < L; ++l) {
     QW wqkv = weight(lin, 12 * l, bits[4 * l], tiled), wo = weight(lin, 12 * l + 3, bits[4 * l + 1], tiled);
     QW wgu = weight(lin, 12 * l + 6, bits[4 * l + 2], tiled), wd = weight(lin, 12 * l + 9, bits[4 * l + 3], tiled);

@@ -89,6 +89,8 @@ class EngineConfig:
         disable_radix_cache: never reuse a prefix across requests.
         schedule_policy: ``fcfs`` | ``lpm`` | ``dfs-weight``.
         enable_jump_forward: append grammar-forced strings in one extend step.
+        stream_interval: a streaming request gets an event every this many new tokens (SGLang's
+            ``--stream-interval``); its last event always comes at its end.
         grammar_backend: ``sglite`` (ours) | ``xgrammar`` | ``llguidance``.
         constrained_json_whitespace_pattern: regex for the whitespace JSON Schema grammars allow
             around ``,`` ``:`` and brackets (sglite backend). None = compact JSON (no whitespace):
@@ -237,6 +239,7 @@ class EngineConfig:
     disable_radix_cache: bool = False
     schedule_policy: str = "fcfs"
     enable_jump_forward: bool = True
+    stream_interval: int = 1
     grammar_backend: str = "sglite"
     constrained_json_whitespace_pattern: Optional[str] = None
     json_schema_strict: bool = True
@@ -311,6 +314,8 @@ class EngineConfig:
         if self.max_mixed_prefill_tokens is not None and self.max_mixed_prefill_tokens != -1 \
                 and self.max_mixed_prefill_tokens < 1:
             bad("max_mixed_prefill_tokens", f"must be -1 (off) or >= 1, got {self.max_mixed_prefill_tokens}")
+        if self.stream_interval < 1:
+            bad("stream_interval", f"must be >= 1, got {self.stream_interval}")
         if self.decode_steps_per_chunk < 0:
             bad("decode_steps_per_chunk", f"must be >= 0, got {self.decode_steps_per_chunk}")
         if self.page_size < 1:

@@ -27,8 +27,9 @@ class OutputProcessor:
     """Stateless helper of the scheduler (state lives on :class:`Req`; the only memory is a
     cache of forced strings' token ids)."""
 
-    def __init__(self, tokenizer, enable_jump_forward: bool = True):
+    def __init__(self, tokenizer, enable_jump_forward: bool = True, stream_interval: int = 1):
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self.eos = tokenizer.eos_token_ids
         self.enable_jump_forward = enable_jump_forward
         self._encoded: dict[str, list[int]] = {}  # forced string -> its canonical tokens
@@ -99,7 +100,7 @@ class OutputProcessor:
         reason = self._check(r, tok)
         if reason is None and r.grammar is not None and self.enable_jump_forward and not r.return_logprob and jump:
             reason = self._jump_forward(r)
-        if reason is None and r.stream:
+        if reason is None and r.stream and len(r.output_ids) - r.emitted.get("output_ids", 0) >= self.stream_interval:
             r.sink(self.event(r))
         return reason
 

@@ -57,7 +57,7 @@ class Scheduler:
         self.kv = KVManager(runner.req_to_token_pool, runner.token_to_kv_pool, config.page_size,
                             disable_radix_cache=config.disable_radix_cache)
         self.sampler = Sampler(runner.vocab_size, tokenizer.eos_token_ids, runner.device)
-        self.out = OutputProcessor(tokenizer, config.enable_jump_forward)
+        self.out = OutputProcessor(tokenizer, config.enable_jump_forward, config.stream_interval)
         self.masks = MaskOverlap(self.sampler)
         self.spec = make_spec_decoder(config, runner, self.kv, self.sampler, self.out)  # None: off
         self.small_extend = None if config.enable_deterministic_inference else SMALL_EXTEND

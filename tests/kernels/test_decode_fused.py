@@ -4,6 +4,8 @@ GEMV against the reference on random shapes (odd block counts, 4/8 bits, with an
 offsets, 1..8 rows, both builds), the fused step against the per-op path (the reference) on a tiny
 random Llama quantized to 32-groups (float32: logits close and greedy tokens identical; bf16: the
 int8 path close), and the fallbacks (SGLITE_KERNEL=torch, a failed build, steps it does not take)."""
+import os
+
 import pytest
 import torch
 
@@ -416,3 +418,31 @@ def test_fused_hidden_is_the_same_on_one_thread_and_two(quantized_tiny, dtype, r
     assert ids1 == ids2
     assert len(h1) == len(h2) >= 2 and any(h.shape[0] == rows for h in h1)
     assert all(torch.equal(a, b) for a, b in zip(h1, h2))
+
+
+@pytest.mark.slow
+def test_workers_that_sleep_after_every_job_give_the_same_tokens(quantized_tiny):
+    """``SGLITE_POOL_SPIN_US=0``: the pool's workers sleep after every job, so each of a step's
+    fork/joins wakes them (the condition-variable path, rare at the default spin): the tokens of a
+    two-thread batched decode are those of the default spin (a fresh process: the pool reads the
+    variable once)."""
+    import json
+    import subprocess
+    import sys
+
+    script = (
+        "import json, sys\n"
+        "from sglite import Engine\n"
+        "e = Engine(model_path=sys.argv[1], dtype='bfloat16', max_total_tokens=4096, num_threads=2)\n"
+        "ps = [[100 + 37 * i, 7 + i, 2000 + 3 * i] for i in range(24)]\n"
+        "sp = {'max_new_tokens': 6, 'temperature': 0, 'ignore_eos': True}\n"
+        "print(json.dumps([o['output_ids'] for o in e.generate(input_ids=ps, sampling_params=sp)]))\n"
+        "e.shutdown()\n")
+    outs = []
+    for spin in ("0", ""):
+        env = {**os.environ, "SGLITE_POOL_SPIN_US": spin}
+        r = subprocess.run([sys.executable, "-c", script, str(quantized_tiny[4])], env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        outs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    assert outs[0] == outs[1] and len(outs[0]) == 24

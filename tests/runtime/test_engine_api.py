@@ -133,6 +133,22 @@ def test_streaming_chunks_join_to_final_text(engine):
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), "cumulative text went backwards"
 
 
+@pytest.mark.parametrize("interval", [3, 7])
+def test_stream_interval_sends_every_nth_token_and_the_end(tiny_model_dir, interval):
+    from sglite import Engine
+
+    p = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
+    e = Engine(model_path=str(tiny_model_dir), dtype="float32", max_total_tokens=2048, stream_interval=interval)
+    try:
+        final = e.generate("stream me", p)
+        events = list(e.generate("stream me", p, stream=True))
+    finally:
+        e.shutdown()
+    counts = [len(ev["output_ids"]) for ev in events]
+    assert counts == list(range(interval, 20, interval)) + [20]
+    assert events[-1]["text"] == final["text"] and events[-1]["output_ids"] == final["output_ids"]
+
+
 def test_async_generate_and_abort(engine):
     async def main():
         p = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}

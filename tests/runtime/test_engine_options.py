@@ -71,3 +71,8 @@ def test_engine_tokenizer_path_and_chat_template(tiny_model_dir, tmp_path):
     empty.mkdir()
     with pytest.raises(InvalidRequestError, match="tokenizer_path: no loadable tokenizer"):
         Engine(model_path=str(tiny_model_dir), tokenizer_path=str(empty), dtype="float32", max_total_tokens=1024)
+
+
+def test_stream_interval_below_one_names_the_field():
+    with pytest.raises(ValueError, match="stream_interval: must be >= 1, got 0"):
+        EngineConfig(stream_interval=0).validate()

@@ -72,14 +72,14 @@ static at::Tensor run_gemm(at::Tensor x, at::Tensor q, at::Tensor s, at::Tensor 
   return y;
 }
 
-at::Tensor quant_gemm_amx(at::Tensor x, at::Tensor q, at::Tensor s, at::Tensor mn, int64_t bits, int64_t gs, bool out_bf16,
-                          at::Tensor packed) {
+at::Tensor quant_gemm_amx(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const at::Tensor& mn, int64_t bits,
+                          int64_t gs, bool out_bf16, const at::Tensor& packed) {
   return run_gemm(x, q, s, mn, bits, gs, out_bf16, packed, false, "quant_gemm_amx");
 }
 
 // silu(x @ Wg.T) * (x @ Wu.T) for a gate/up weight [2I, K] (gate rows first, I % 32 == 0) -> [M, I]
 // bf16, bit-identical to quant_gemm_amx's bf16 output followed by cpu_gemv's silu_mul on its halves.
-at::Tensor quant_gemm_amx_silu(at::Tensor x, at::Tensor q, at::Tensor s, at::Tensor mn, int64_t bits, int64_t gs,
-                               at::Tensor packed) {
+at::Tensor quant_gemm_amx_silu(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const at::Tensor& mn,
+                               int64_t bits, int64_t gs, const at::Tensor& packed) {
   return run_gemm(x, q, s, mn, bits, gs, true, packed, true, "quant_gemm_amx_silu");
 }

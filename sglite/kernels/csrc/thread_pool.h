@@ -4,7 +4,7 @@
 // Why not at::parallel_for: sglite's extensions are built without -fopenmp, so at::parallel_for in
 // them runs serially. Here the workers are created once per process (pinned to one allowed CPU
 // each where sched_setaffinity allows; SGLITE_PIN_THREADS=0 turns pinning off) and wait for work
-// spinning for SPIN_US microseconds after their last job, then sleep on a condition variable, so
+// spinning for SPIN_US microseconds (SGLITE_POOL_SPIN_US) after their last job, then sleep on a condition variable, so
 // the ~150 fork/join points of one decode step (one per matrix) cost a cache-line hand-off each
 // and an idle engine costs no CPU. run(n, chunks, f) is one fork/join: f(c) for every chunk c,
 // each claimed by one thread (the caller or one of n - 1 workers) from an atomic counter, so a
@@ -34,7 +34,11 @@
 
 namespace sglite_pool {
 
-constexpr int64_t SPIN_US = 100;  // a worker's spin before it sleeps (a decode step's gaps are a few us)
+// A worker's spin before it sleeps (SGLITE_POOL_SPIN_US overrides). A decode step's gaps are a few
+// us; a prefill step's Python between kernels is 50-300 us, so its workers often sleep there. 500 us
+// keeps them awake through it (py-spy --native: the futex wake-ups went from 7 % to 1 % of an agent
+// turn's forward) but gave no gain beyond noise in A/B runs (changelog 2026-12-07, tenth pass).
+constexpr int64_t SPIN_US = 100;
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -99,6 +103,8 @@ class Pool {
     pthread_atfork(nullptr, nullptr, [] { Pool::get().forked_.store(true); });
     const char* pin = std::getenv("SGLITE_PIN_THREADS");
     pin_ = !(pin && pin[0] == '0');
+    const char* spin = std::getenv("SGLITE_POOL_SPIN_US");
+    if (spin && spin[0]) spin_us_ = std::max<int64_t>(0, std::atoll(spin));
   }
 
   static bool& tl_in_job() {
@@ -158,7 +164,7 @@ class Pool {
       auto t0 = std::chrono::steady_clock::now();
       for (int spins = 1; gen_of(next_.load(std::memory_order_acquire)) == seen; ++spins) {
         cpu_relax();
-        if (spins % 256 == 0 && std::chrono::steady_clock::now() - t0 > std::chrono::microseconds(SPIN_US)) {
+        if (spins % 256 == 0 && std::chrono::steady_clock::now() - t0 > std::chrono::microseconds(spin_us_)) {
           std::unique_lock<std::mutex> lk(sleep_mu_);
           sleepers_.fetch_add(1, std::memory_order_seq_cst);
           cv_.wait(lk, [&] { return gen_of(next_.load(std::memory_order_seq_cst)) != seen; });
@@ -178,6 +184,7 @@ class Pool {
   std::atomic<uint64_t> next_{0};  // generation (28 bits) << 36 | chunks (18 bits) << 18 | next unclaimed chunk
   std::atomic<int64_t> done_{0};
   std::atomic<int> sleepers_{0};
+  int64_t spin_us_ = SPIN_US;
   std::atomic<bool> forked_{false};
   std::atomic<int> helpers_{0};
   void* ctx_ = nullptr;

@@ -2,17 +2,17 @@
 // sglite/kernels/decode_fused.py). Spliced into a source by sglite.kernels.cpu_build.read_source.
 //
 // Why not at::parallel_for: sglite's extensions are built without -fopenmp, so at::parallel_for in
-// them runs serially. Here the workers are created once per process (pinned to one allowed CPU
-// each where sched_setaffinity allows; SGLITE_PIN_THREADS=0 turns pinning off) and wait for work
-// spinning for SPIN_US microseconds (SGLITE_POOL_SPIN_US) after their last job, then sleep on a condition variable, so
-// the ~150 fork/join points of one decode step (one per matrix) cost a cache-line hand-off each
-// and an idle engine costs no CPU. run(n, chunks, f) is one fork/join: f(c) for every chunk c,
-// each claimed by one thread (the caller or one of n - 1 workers) from an atomic counter, so a
-// worker that has no core (a shared machine) never stalls the step: the caller takes its chunk.
-// Exceptions thrown by f on any thread are rethrown on the caller (the first one). A second
-// caller while the pool is busy (two engines in one process), a call from inside a job, or n <= 1
-// run every chunk on the calling thread in order. Callers cut the work into chunks that do not
-// depend on who runs them, so results never depend on the thread count.
+// them runs serially. Here the workers are created once per process (pinned to one allowed CPU each
+// where sched_setaffinity allows; SGLITE_PIN_THREADS=0 turns pinning off) and wait for work
+// spinning for SPIN_US microseconds (SGLITE_POOL_SPIN_US) after their last job, then sleep on a
+// condition variable, so the ~150 fork/join points of one decode step (one per matrix) cost a
+// cache-line hand-off each and an idle engine costs no CPU. run(n, chunks, f) is one fork/join:
+// f(c) for every chunk c, each claimed by one thread (the caller or one of n - 1 workers) from an
+// atomic counter, so a worker that has no core (a shared machine) never stalls the step: the caller
+// takes its chunk. Exceptions thrown by f on any thread are rethrown on the caller (the first one).
+// A second caller while the pool is busy (two engines in one process), a call from inside a job, or
+// n <= 1 run every chunk on the calling thread in order. Callers cut the work into chunks that do
+// not depend on who runs them, so results never depend on the thread count.
 #pragma once
 #include <algorithm>
 #include <atomic>

@@ -5,8 +5,9 @@ nothing in sglite changes) and records, per step: kind (``prefill`` / ``mixed`` 
 rows (requests in the step), new prompt tokens, cached tokens of the requests admitted in it,
 requests running and waiting, wall ms of the step and of its forward, CPU ms of the step
 (``time.process_time``: every thread of the process, the kernels' pool included) and of the
-engine thread alone (``time.thread_time``), and the gap since the previous step ended (the engine
-loop, the inbox, waiting for work). The run's wall time is then split into steps' forward, steps'
+engine thread alone (``time.thread_time``, also inside the forward: the engine thread's wall time
+outside the forward minus its CPU time there is waiting, e.g. for the GIL while an HTTP server
+streams), and the gap since the previous step ended (the engine loop, the inbox, waiting for work). The run's wall time is then split into steps' forward, steps'
 rest, gaps, and the time before the first step / after the last one.
 
 Workloads: ``shared-prefix`` (64 requests at once, 4 groups of a ~550-token system prompt plus a
@@ -58,9 +59,10 @@ class Timeline:
             return plan
 
         def forward(batch):
-            t = time.perf_counter()
+            t, tc = time.perf_counter(), time.thread_time()
             out = fwd0(batch)
             cur["fwd_ms"] = (time.perf_counter() - t) * 1e3
+            cur["fwd_thread_cpu_ms"] = (time.thread_time() - tc) * 1e3
             return out
 
         def step():
@@ -92,6 +94,10 @@ def summary(rows: list[dict], t_start: float, t_end: float) -> dict:
         ks = [r for r in rows if r["kind"] == kind]
         out[kind] = {"steps": len(ks), "wall_ms": sum(r["wall_ms"] for r in ks),
                      "fwd_ms": sum(r.get("fwd_ms", 0.0) for r in ks), "cpu_ms": sum(r["cpu_ms"] for r in ks),
+                     # outside the forward: the engine thread's wall time and its own CPU time (the
+                     # difference is waiting: for the GIL, under HTTP, while the server streams)
+                     "rest_ms": sum(r["wall_ms"] - r.get("fwd_ms", 0.0) for r in ks),
+                     "rest_thread_cpu_ms": sum(r["thread_cpu_ms"] - r.get("fwd_thread_cpu_ms", 0.0) for r in ks),
                      "new_tokens": sum(r["new"] for r in ks), "cached_tokens": sum(r["cached"] for r in ks),
                      "rows_mean": sum(r["rows"] for r in ks) / len(ks) if ks else 0.0}
     return out
@@ -249,7 +255,8 @@ def main() -> None:
         if k and k["steps"]:
             print(f"  {kind:7}: {k['steps']:3d} steps, wall {k['wall_ms']:7.0f} ms (forward {k['fwd_ms']:7.0f}), "
                   f"CPU {k['cpu_ms']:7.0f} ms, new tokens {k['new_tokens']}, cached {k['cached_tokens']}, "
-                  f"mean rows {k['rows_mean']:.1f}")
+                  f"mean rows {k['rows_mean']:.1f}; outside the forward {k['rest_ms']:5.0f} ms, engine thread "
+                  f"CPU {k['rest_thread_cpu_ms']:5.0f} ms")
     if a.json:
         Path(a.json).write_text(json.dumps({"summary": s, "rows": rows}, indent=1))
 

@@ -1,14 +1,15 @@
 """Step timeline of one workload: what each scheduler step cost and what lay between the steps.
 
 Wraps the engine's ``Scheduler.schedule`` / ``step`` and ``runner.forward`` (instance attributes,
-nothing in sglite changes) and records, per step: kind (``prefill`` / ``mixed`` / ``decode``),
-rows (requests in the step), new prompt tokens, cached tokens of the requests admitted in it,
-requests running and waiting, wall ms of the step and of its forward, CPU ms of the step
-(``time.process_time``: every thread of the process, the kernels' pool included) and of the
-engine thread alone (``time.thread_time``, also inside the forward: the engine thread's wall time
-outside the forward minus its CPU time there is waiting, e.g. for the GIL while an HTTP server
-streams), and the gap since the previous step ended (the engine loop, the inbox, waiting for work). The run's wall time is then split into steps' forward, steps'
-rest, gaps, and the time before the first step / after the last one.
+nothing in sglite changes) and records, per step: kind (``prefill`` / ``mixed`` / ``decode``), rows
+(requests in the step), new prompt tokens, cached tokens of the requests admitted in it, requests
+running and waiting, wall ms of the step and of its forward, CPU ms of the step
+(``time.process_time``: every thread of the process, the kernels' pool included) and of the engine
+thread alone (``time.thread_time``, also inside the forward: the engine thread's wall time outside
+the forward minus its CPU time there is waiting, e.g. for the GIL while an HTTP server streams), and
+the gap since the previous step ended (the engine loop, the inbox, waiting for work). The run's wall
+time is then split into steps' forward, steps' rest, gaps, and the time before the first step /
+after the last one.
 
 Workloads: ``shared-prefix`` (64 requests at once, 4 groups of a ~550-token system prompt plus a
 question, 64 new tokens each; ``sglite bench serving --dataset shared-prefix``'s prompts) and

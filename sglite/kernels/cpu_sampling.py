@@ -8,8 +8,8 @@ against a ~45 ms forward (2026-12-07). Here a ranked row looks only at its ``K``
 (the mass before a rank only grows), so the kept set is the reference's; otherwise ``K`` grows 8x
 and the rows still open look again (up to the whole vocabulary). The winner is the candidates'
 ``argmax(p / E)`` with the reference's draws (:func:`.reference_sampling.exp_noise`; a row's whole
-draws are still made, ~0.9 ms a row). Rows with neither top-k nor top-p keep the reference's dense form (min-p over
-the whole vocabulary).
+draws are still made, ~0.9 ms a row). Rows with neither top-k nor top-p keep the reference's dense
+form (min-p over the whole vocabulary).
 
 The same tokens as the reference wherever no two tokens of a row tie in probability at the top-p
 or top-k boundary (the two sorts may order tied tokens differently): tests/kernels/test_cpu_sampling.py.
@@ -75,8 +75,8 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tenso
     rk = ranked.nonzero().squeeze(1)
     if rk.numel():
         rows = sr[rk]
-        out[rows] = _ranked_draw(probs if len(rk) == len(sr) else probs.index_select(0, rk), tk.index_select(0, rk),
-                                 tp.index_select(0, rk), thr.index_select(0, rk),
+        p = probs if len(rk) == len(sr) else probs.index_select(0, rk)  # [Br, V]
+        out[rows] = _ranked_draw(p, tk.index_select(0, rk), tp.index_select(0, rk), thr.index_select(0, rk),
                                  seeds.index_select(0, rows), positions.index_select(0, rows))
     dense = (~ranked).nonzero().squeeze(1)
     if dense.numel():  # temperature / min-p only: the whole vocabulary may stay
@@ -84,6 +84,7 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tenso
         keep = p >= thr.index_select(0, dense)[:, None]
         keep.scatter_(1, p.argmax(dim=-1, keepdim=True), True)
         r = sr[dense]
-        e = exp_noise(seeds.index_select(0, r), positions.index_select(0, r), torch.arange(V).expand(len(r), V), V)
+        ids = torch.arange(V).expand(len(r), V)  # [d, V]: every token
+        e = exp_noise(seeds.index_select(0, r), positions.index_select(0, r), ids, V)  # [d, V]
         out[r] = (p.masked_fill(~keep, 0.0) / e).argmax(dim=-1)
     return out

@@ -25,7 +25,8 @@ JUMP_CACHE = 4096  # forced strings whose canonical tokens are kept (JSON keys r
 
 class OutputProcessor:
     """Stateless helper of the scheduler (state lives on :class:`Req`; the only memory is a
-    cache of forced strings' token ids)."""
+    cache of forced strings' token ids). ``stream_interval``: a streaming request's partial event
+    goes out once this many tokens are unsent (SGLang's ``--stream-interval``); final events always."""
 
     def __init__(self, tokenizer, enable_jump_forward: bool = True, stream_interval: int = 1):
         self.tokenizer = tokenizer
@@ -100,9 +101,14 @@ class OutputProcessor:
         reason = self._check(r, tok)
         if reason is None and r.grammar is not None and self.enable_jump_forward and not r.return_logprob and jump:
             reason = self._jump_forward(r)
-        if reason is None and r.stream and len(r.output_ids) - r.emitted.get("output_ids", 0) >= self.stream_interval:
+        if reason is None and r.stream and self._stream_due(r):
             r.sink(self.event(r))
         return reason
+
+    def _stream_due(self, r: Req) -> bool:
+        """Whether ``stream_interval`` of the request's tokens are unsent (the ``output_ids``
+        cursor :meth:`_new` advances at each event)."""
+        return len(r.output_ids) - r.emitted.get("output_ids", 0) >= self.stream_interval
 
     def jump_tokens(self, grammar) -> list[int]:
         """The tokens jump-forward appends at the grammar's current state: the canonical tokens

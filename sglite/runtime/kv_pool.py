@@ -127,29 +127,45 @@ class TokenToKVPool:
         the rest of its page is used first. Returns [n_new] int64, or None when memory is short
         (nothing is allocated then).
         """
-        ps = self.page_size
         if n_new == 0:
             return torch.empty(0, dtype=torch.int64)
-        if ps == 1:
+        if self.page_size == 1:
             if len(self._free_pages) < n_new:
                 return None
-            pages = [self._free_pages.pop() for _ in range(n_new)]
-            return torch.tensor(pages, dtype=torch.int64)
+            return torch.tensor([self._free_pages.pop() for _ in range(n_new)], dtype=torch.int64)
+        if len(self._free_pages) * self.page_size < self.tokens_needed(seq_len if last_slot is not None else 0, n_new):
+            return None
+        return torch.tensor(self._slots_after(last_slot, seq_len, n_new), dtype=torch.int64)
+
+    def alloc_extend_many(self, items: list) -> Optional[list]:
+        """:meth:`alloc_extend` for each ``(last_slot, seq_len, n_new)`` of ``items`` in order, as
+        one flat list of slots (the same slots, the pages popped in the same order), or None with
+        nothing allocated when the free pages do not cover them all. For a batch of requests
+        extended at once (``KVManager.extend_all``): no tensor per request."""
+        need = sum(self.tokens_needed(s if last is not None else 0, n) for last, s, n in items)
+        if len(self._free_pages) * self.page_size < need:
+            return None
+        out: list = []
+        for last, s, n in items:
+            out.extend(self._slots_after(last, s, n))
+        return out
+
+    def _slots_after(self, last_slot: Optional[int], seq_len: int, n_new: int) -> list:
+        """The slots of ``n_new`` tokens after ``seq_len`` (the rest of ``last_slot``'s page
+        first, then fresh pages); the caller checked that the free pages suffice."""
+        ps = self.page_size
+        if ps == 1:
+            return [self._free_pages.pop() for _ in range(n_new)]
         used_in_page = seq_len % ps
         head = min(n_new, ps - used_in_page) if (used_in_page and last_slot is not None) else 0
-        need_pages = -(-(n_new - head) // ps)
-        if len(self._free_pages) < need_pages:
-            return None
-        out = []
-        if head:
-            out.extend(range(last_slot + 1, last_slot + 1 + head))
+        out = list(range(last_slot + 1, last_slot + 1 + head)) if head else []
         remaining = n_new - head
-        for _ in range(need_pages):
+        while remaining > 0:
             p = self._free_pages.pop()
             take = min(ps, remaining)
             out.extend(range(p * ps, p * ps + take))
             remaining -= take
-        return torch.tensor(out, dtype=torch.int64)
+        return out
 
     def free(self, slots: torch.Tensor) -> None:
         """Free the pages holding ``slots`` ([n] int64). Callers free whole pages only."""

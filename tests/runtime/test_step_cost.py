@@ -3,6 +3,7 @@ reservation hands out the slots the per-request loop would, and a whole workload
 batches and outputs with the fast paths on and off (fake runner of test_scheduler_unit)."""
 import random
 
+import pytest
 import torch
 
 from sglite.runtime.kv_manager import KVManager
@@ -20,31 +21,35 @@ def _admitted(kv, specs):
     return reqs
 
 
-def test_extend_all_hands_out_the_slots_of_the_loop():
-    rng = random.Random(0)
-    specs = [([rng.randrange(1, 27) for _ in range(rng.randint(1, 9))], 0) for _ in range(7)]
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_extend_all_hands_out_the_slots_of_the_loop(page_size):
+    rng = random.Random(page_size)
+    specs = [([rng.randrange(1, 27) for _ in range(rng.randint(1, 40))], 0) for _ in range(9)]
     specs = [(ids, len(ids)) for ids, _ in specs]
-    kvs = [KVManager(ReqToTokenPool(10, 64), TokenToKVPool(200, 1, 1, 1, 1, torch.float32), page_size=1)
-           for _ in range(2)]
+    kvs = [KVManager(ReqToTokenPool(12, 128), TokenToKVPool(800, page_size, 1, 1, 1, torch.float32),
+                     page_size=page_size) for _ in range(2)]
     a, b = _admitted(kvs[0], specs), _admitted(kvs[1], specs)
-    steps = [rng.randint(1, 3) for _ in specs]
-    assert kvs[0].extend_all(list(zip(a, steps)))
-    for r, n in zip(b, steps):
-        assert kvs[1].extend(r, n)
-    assert torch.equal(kvs[0].req_to_token, kvs[1].req_to_token)
-    assert [r.kv.alloc_len for r in a] == [r.kv.alloc_len for r in b]
-    assert kvs[0].free_tokens() == kvs[1].free_tokens()
+    for _ in range(5):  # steps of 1-20 tokens: partial pages continued, pages crossed, fresh pages
+        steps = [rng.choice([1, 1, 1, rng.randint(2, 20)]) for _ in specs]
+        assert kvs[0].extend_all(list(zip(a, steps)))
+        for r, n in zip(b, steps):
+            assert kvs[1].extend(r, n)
+        for r, r2, n in zip(a, b, steps):
+            kvs[0].commit(r, n, share=False)
+            kvs[1].commit(r2, n, share=False)
+        assert torch.equal(kvs[0].req_to_token, kvs[1].req_to_token)
+        assert [r.kv.alloc_len for r in a] == [r.kv.alloc_len for r in b]
+        assert kvs[0].free_tokens() == kvs[1].free_tokens()
 
 
-def test_extend_all_declines_what_the_loop_must_do():
-    kv = KVManager(ReqToTokenPool(4, 64), TokenToKVPool(12, 1, 1, 1, 1, torch.float32), page_size=1)
-    (r,) = _admitted(kv, [([1] * 10, 10)])
-    free = kv.free_tokens()
-    assert not kv.extend_all([(r, free + 1)])  # short of slots: the loop evicts or retracts
-    assert r.kv.alloc_len == 10 and kv.free_tokens() == free
-    paged = KVManager(ReqToTokenPool(4, 64), TokenToKVPool(64, 4, 1, 1, 1, torch.float32), page_size=4)
-    (p,) = _admitted(paged, [([1] * 5, 5)])
-    assert not paged.extend_all([(p, 1)])  # pages of 4: the loop fills the partial page first
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_extend_all_declines_what_the_loop_must_do(page_size):
+    kv = KVManager(ReqToTokenPool(4, 64), TokenToKVPool(12, page_size, 1, 1, 1, torch.float32), page_size=page_size)
+    (r,) = _admitted(kv, [([1] * 5, 5)])
+    free, table = kv.free_tokens(), kv.req_to_token.clone()
+    # short of pages (the rest of the partial page does not count as free): the loop evicts or retracts
+    assert not kv.extend_all([(r, free + (-5) % page_size + 1)])
+    assert r.kv.alloc_len == 5 and kv.free_tokens() == free and torch.equal(kv.req_to_token, table)
 
 
 def _trace(fast: bool, **cfg):
@@ -57,9 +62,10 @@ def _trace(fast: bool, **cfg):
     return [r.output_ids for r in reqs], batches, reqs, sched
 
 
-def test_workload_identical_with_and_without_fast_paths():
-    out_fast, batches_fast, reqs, _ = _trace(True)
-    out_slow, batches_slow, _, _ = _trace(False)
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_workload_identical_with_and_without_fast_paths(page_size):
+    out_fast, batches_fast, reqs, _ = _trace(True, page_size=page_size)
+    out_slow, batches_slow, _, _ = _trace(False, page_size=page_size)
     assert out_fast == out_slow and batches_fast == batches_slow
     assert out_fast == [oracle(r.input_ids, r.params.max_new_tokens) for r in reqs]
 

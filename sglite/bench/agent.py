@@ -211,22 +211,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, default=10, help="turns per conversation (default: %(default)s)")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="which modes, run in this order (default: %(default)s)")
     p.add_argument("--max-output-tokens", type=int, default=64, help="per turn (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=1, help="run the modes this many times, alternated (mode order in "
+                   "each round), and print each mode's TTFT last/first ratios and their median and range: the "
+                   "ratio moves with the order in which the conversations' turns arrive (default: %(default)s)")
     p.add_argument("--output-json", default=None, help="write the results here")
     return p
 
 
+def spread(results: Sequence[dict]) -> dict:
+    """Per mode, over rounds: ``{mode: {"ratios": [TTFT last/first per round], "median", "min", "max",
+    "hit_rate_min"}}`` (rounds whose ratio is unknown are left out)."""
+    out: dict = {}
+    for mode in dict.fromkeys(r["mode"] for r in results):
+        rs = [r for r in results if r["mode"] == mode]
+        ratios = [r["ttft_last_over_first"] for r in rs if r["ttft_last_over_first"] is not None]
+        out[mode] = {"ratios": ratios, "median": statistics.median(ratios) if ratios else None,
+                     "min": min(ratios, default=None), "max": max(ratios, default=None),
+                     "hit_rate_min": min(r["hit_rate"] for r in rs)}
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     a = build_parser().parse_args(argv)
-    for name in ("num_conversations", "turns", "max_output_tokens"):
+    for name in ("num_conversations", "turns", "max_output_tokens", "rounds"):
         if getattr(a, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(a, name)}")
     results = []
-    for mode in a.modes:
-        res = asyncio.run(run_mode(a.base_url, mode, a.num_conversations, a.turns, a.model, a.max_output_tokens,
-                                   a.api_key))
-        print_table(res)
-        results.append(res)
+    for _ in range(a.rounds):
+        for mode in a.modes:
+            res = asyncio.run(run_mode(a.base_url, mode, a.num_conversations, a.turns, a.model,
+                                       a.max_output_tokens, a.api_key))
+            print_table(res)
+            results.append(res)
+    summary = spread(results)
+    if a.rounds > 1:
+        for mode, sp in summary.items():
+            ratios = ", ".join(f"{x:.2f}" for x in sp["ratios"])
+            print(f"== {mode}, {a.rounds} rounds: TTFT last/first {ratios}; median {sp['median']:.2f}, "
+                  f"range {sp['min']:.2f}-{sp['max']:.2f}; lowest hit rate {sp['hit_rate_min']:.3f}")
     if a.output_json:
         with open(a.output_json, "w") as f:
-            json.dump({"results": results}, f, indent=2)
+            json.dump({"results": results, "spread": summary}, f, indent=2)
     return 0

@@ -36,6 +36,23 @@ def test_bench_agent_modes(server, mode, tmp_path, capsys):
     assert "mode " + mode in capsys.readouterr().out
 
 
+def test_rounds_alternate_the_modes_and_report_the_spread(server, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert agent.main(["--base-url", server.url, "--num-conversations", "2", "--turns", "3", "--rounds", "3", "--max-output-tokens", "128",
+                       "--output-json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [r["mode"] for r in data["results"]] == list(agent.MODES) * 3
+    printed = capsys.readouterr().out
+    for mode in agent.MODES:
+        sp = data["spread"][mode]
+        ratios = [r["ttft_last_over_first"] for r in data["results"] if r["mode"] == mode]
+        assert sp["ratios"] == ratios and len(ratios) == 3
+        assert sp["min"] == min(ratios) <= sp["median"] <= sp["max"] == max(ratios)
+        assert f"== {mode}, 3 rounds: TTFT last/first {ratios[0]:.2f}, " in printed
+    with pytest.raises(SystemExit, match="--rounds: must be >= 1"):
+        agent.main(["--base-url", server.url, "--rounds", "0"])
+
+
 def test_history_bookkeeping():
     conv = agent.Conversation(0)
     first = agent.request_body(conv, 0, "full", "m", 16)

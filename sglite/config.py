@@ -333,10 +333,6 @@ class EngineConfig:
                 bad("kv_cache_dtype", f"{self.kv_cache_dtype} is not batch-invariant (a token reads its key "
                                       "group quantized or in full precision depending on the chunking); "
                                       "use auto or bfloat16 with enable_deterministic_inference")
-            if self.speculative_algorithm is not None:
-                bad("kv_cache_dtype", f"{self.kv_cache_dtype} cannot be combined with speculative_algorithm "
-                                      "(a verify step could seal rejected draft tokens into a key group); use "
-                                      "auto, bfloat16 or fp8_e4m3")
             if self.page_size == 1:  # pages hold whole key groups (see sglite/runtime/kv_quant.py)
                 object.__setattr__(self, "page_size", g)
         if self.decode_log_interval < 1:

@@ -25,9 +25,11 @@ residual of the newest tokens):
   prefill chunk (the store keeps the groups it sealed in a per-step stash for extend attention)
   or is decoded; so chunk sizes and cache hits do not change what a token sees, and prompt
   logprobs (perplexity) measure what generation sees.
-* Refused combinations (``EngineConfig``): ``enable_deterministic_inference`` (a group's scales
-  come from whichever step sealed it, not bitwise batch-invariant) and ``speculative_algorithm``
-  (a verify step could seal rejected draft tokens into a group).
+* Refused combination (``EngineConfig``): ``enable_deterministic_inference`` (a group's scales
+  come from whichever step sealed it, not bitwise batch-invariant). With ``speculative_algorithm``
+  a verify step's drafts stop short of their key group's last position
+  (``speculative.decoder.SpecDecoder.key_group``): only accepted tokens seal a group or write past
+  it into the residual window.
 * **FP8 E4M3**: every token stored at once as ``float8_e4m3fn`` with a static per-(layer, head)
   scale (1.0: no calibration data in GGUF checkpoints), no residual and no page constraint.
 

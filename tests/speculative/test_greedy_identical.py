@@ -82,6 +82,45 @@ def test_greedy_identical_paged_and_chunked(tiny_model_dir):
     assert info["spec_accepted_tokens"] > 0 and info["available_tokens"] == info["max_total_tokens"]
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_greedy_identical_with_a_quantized_kv_cache(tiny_model_dir, kind):
+    """int8 / int4 KV (KIVI key groups of 16 here): a group is quantized when a step stores its last
+    position, and positions past it overwrite its full-precision residual, so drafts stop short of
+    their group's last position. Greedy output is then the plain int KV engine's, token for token,
+    over outputs that cross many groups with drafts accepted and rejected."""
+    kw = dict(dtype="float32", device="cpu", max_total_tokens=4096, check_invariants=True,
+              kv_cache_dtype=kind, kv_cache_quant_group_size=16)
+    prompts = [p * 2 for p in COPY_PROMPTS]
+    sp = {"max_new_tokens": 70, "temperature": 0}
+    base = Engine(str(tiny_model_dir), **kw)
+    want = base.generate(prompts, sp)
+    base.shutdown()
+    spec = Engine(str(tiny_model_dir), speculative_algorithm="NGRAM", speculative_num_draft_tokens=6, **kw)
+    try:
+        assert spec.scheduler.spec.key_group == 16
+        got = spec.generate(prompts, sp)
+        assert _ids(got) == _ids(want)
+        info = spec.get_server_info()
+        assert info["spec_accepted_tokens"] > 10 and info["spec_draft_tokens"] > info["spec_accepted_tokens"]
+        assert info["available_tokens"] == info["max_total_tokens"]
+    finally:
+        spec.shutdown()
+
+
+def test_drafts_stop_short_of_a_key_groups_last_position():
+    from types import SimpleNamespace
+
+    from sglite.runtime.speculative.decoder import SpecDecoder
+
+    dec = SpecDecoder.__new__(SpecDecoder)
+    dec.kv = SimpleNamespace(req_pool=SimpleNamespace(max_context=4096))
+    req = SimpleNamespace(params=SimpleNamespace(max_new_tokens=500), output_ids=[])
+    for key_group, start, n, room in [(None, 40, 1, 499), (16, 40, 1, 6), (16, 46, 1, 0), (16, 47, 1, 15),
+                                      (16, 44, 2, 1), (128, 0, 1, 126)]:
+        dec.key_group = key_group
+        assert dec._forced_room(SimpleNamespace(req=req, start=start, n=n)) == room, (key_group, start, n)
+
+
 # ---------------------------------------------------------------------- bf16, deterministic inference
 @pytest.mark.slow
 def test_greedy_identical_bf16_deterministic(tiny_model_dir):

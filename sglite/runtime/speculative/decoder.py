@@ -118,6 +118,11 @@ class SpecDecoder:
         # token trees (several candidates per step; they move slots within a row) need a slot per
         # position: page size 1 only
         self.trees = config.page_size == 1
+        # int8 / int4 KV: a key group is quantized when a step stores its last position, and a
+        # step's positions past it overwrite the group's full-precision residual; drafts stay
+        # short of their group's last position, so only accepted tokens ever seal or cross one
+        pool = getattr(kv, "kv_pool", None)
+        self.key_group = pool.group if getattr(pool, "kind", None) in ("int8", "int4") else None
         self.proposer: Proposer = proposer or (
             DraftModelProposer(draft_model) if draft_model is not None else
             LookupProposer(self.token_text, out, TREE_BRANCHES if self.trees else 1))
@@ -185,7 +190,10 @@ class SpecDecoder:
         are no guess)."""
         r = e.req
         left = r.params.max_new_tokens - len(r.output_ids) - 1
-        return max(0, min(left, self.kv.req_pool.max_context - 8 - (e.start + e.n)))
+        first = e.start + e.n  # the first draft's position
+        if self.key_group is not None:  # up to the position before its key group's last one
+            left = min(left, self.key_group - 1 - first % self.key_group)
+        return max(0, min(left, self.kv.req_pool.max_context - 8 - first))
 
     def _propose(self, cands: list[StepEntry]) -> list[tuple]:
         """Per candidate entry ``(entry, chains, sources, masks, parents)``: the proposer's chains

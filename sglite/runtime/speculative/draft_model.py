@@ -87,8 +87,10 @@ class DraftModel:
         path = config.speculative_draft_model_path
         ckpt = load_checkpoint(path)
         dtype = str(target_runner.dtype).replace("torch.", "")
+        # the draft's own KV in the model dtype: its rows run ahead and roll back every step,
+        # which an int8 / int4 pool's key groups would not survive (a small model: small KV)
         cfg = dataclasses.replace(config, model_path=path, dtype=dtype, page_size=1, speculative_algorithm=None,
-                                  quantization="auto",
+                                  quantization="auto", kv_cache_dtype="auto",
                                   max_total_tokens=target_runner.max_total_tokens,
                                   context_length=target_runner.context_length)
         runner = ModelRunner(cfg, ckpt.hf_config, load_weights(ckpt, "auto", target_runner.dtype, target_runner.device))

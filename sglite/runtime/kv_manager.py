@@ -29,7 +29,7 @@ write to the slot table is in this file:
     fill_scratch_row(...)  a scratch row = a request's slots up to a position, then a span of them
     reorder_slots(...)     permute a span of a request's row (the accepted tree chain first)
     write_slots(row, ...)  set a span of a row (a draft model's own table, ``STANDALONE``)
-    probe_row(n)           a row over slots 1..n for a timing forward, zeroed and freed after
+    probe_row(n)           a row over free slots past page 0 for a timing forward, zeroed after
     check_rows(reqs)       every row free, held by a running request, or borrowed (none between steps)
 """
 from __future__ import annotations
@@ -406,16 +406,17 @@ class KVManager:
 
     @contextlib.contextmanager
     def probe_row(self, n: int) -> Iterator[Optional[int]]:
-        """A row whose first ``n`` positions hold slots 1..n (free pool slots while nothing runs:
-        slot 0 is padding), for a timing forward at start-up; zeroed and freed on exit. Yields
-        None when no row is free."""
+        """A row whose first ``n`` positions hold slots ``page_size .. page_size + n - 1`` (free
+        pool slots while nothing runs: page 0 is padding; position p on slot p + page_size keeps
+        each position at its offset in its page, as an int8 / int4 pool's key groups need), for a
+        timing forward at start-up; zeroed and freed on exit. Yields None when no row is free."""
         row = self.req_pool.alloc()
         if row is None:
             yield None
             return
         table = self.req_pool.req_to_token
         try:
-            table[row, :n] = torch.arange(1, n + 1, dtype=table.dtype)
+            table[row, :n] = torch.arange(self.page_size, self.page_size + n, dtype=table.dtype)
             yield row
         finally:
             table[row].zero_()

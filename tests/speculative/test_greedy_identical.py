@@ -107,6 +107,27 @@ def test_greedy_identical_with_a_quantized_kv_cache(tiny_model_dir, kind):
         spec.shutdown()
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_the_start_up_probe_runs_on_a_quantized_kv_cache(tiny_model_dir, kind):
+    """The draft policy's start-up probe (tests replace it, tests/conftest.py) writes K/V for
+    positions p on slots p + page_size: each position keeps its offset in its page, which an
+    int8 / int4 pool's key groups need (slot p + 1 made the quantized decode refuse the step)."""
+    from sglite.runtime.speculative.policy import PROBE_CONTEXT, probe_forward
+
+    with Engine(str(tiny_model_dir), dtype="float32", device="cpu", max_total_tokens=4096, kv_cache_dtype=kind,
+                kv_cache_quant_group_size=16) as eng:
+        kv = eng.scheduler.kv
+        fwd = probe_forward(eng.runner, kv, rows=(1, 4, 9), reps=1)
+        assert sorted(fwd) == [1, 4, 9] and min(fwd.values()) > 0
+        assert kv.req_pool.available() == kv.req_to_token.shape[0] and not kv.req_to_token.any()
+        with kv.probe_row(PROBE_CONTEXT) as row:
+            assert kv.req_to_token[row, :3].tolist() == [16, 17, 18]
+        want = eng.generate("Once upon a time", {"max_new_tokens": 8, "temperature": 0})["output_ids"]
+    with Engine(str(tiny_model_dir), dtype="float32", device="cpu", max_total_tokens=4096, kv_cache_dtype=kind,
+                kv_cache_quant_group_size=16) as fresh:  # the probe left nothing behind that changes outputs
+        assert fresh.generate("Once upon a time", {"max_new_tokens": 8, "temperature": 0})["output_ids"] == want
+
+
 def test_drafts_stop_short_of_a_key_groups_last_position():
     from types import SimpleNamespace
 

@@ -120,7 +120,7 @@ def probe_forward(runner, kv, rows: Sequence[int] = PROBE_ROWS, reps: int = PROB
     if pool.capacity < n_max + 8 or table.shape[1] < n_max + 8:
         return None
     best: dict = {}
-    with kv.probe_row(n_max) as row:  # slots 1..n_max (free now: slot 0 is padding), zeroed after
+    with kv.probe_row(n_max) as row:  # free slots past the padding page, zeroed after
         if row is None:
             return None
         t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
@@ -129,7 +129,7 @@ def probe_forward(runner, kv, rows: Sequence[int] = PROBE_ROWS, reps: int = PROB
                 if rep > reps and m > PROBE_SMALL_ROWS:
                     continue
                 pos = list(range(PROBE_CONTEXT, PROBE_CONTEXT + m))
-                fb = ForwardBatch(input_ids=t([1] * m), positions=t(pos), out_cache_loc=t([p + 1 for p in pos]),
+                fb = ForwardBatch(input_ids=t([1] * m), positions=t(pos), out_cache_loc=table[row, pos].to(torch.int64),
                                   req_to_token=table, ext_req_pool_indices=t([]), ext_prefix_lens=t([]),
                                   ext_extend_lens=t([]), dec_req_pool_indices=t([row] * m),
                                   dec_seq_lens=t([p + 1 for p in pos]), logits_indices=t(list(range(m))))

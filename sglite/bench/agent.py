@@ -143,7 +143,10 @@ async def run_conversation(client: httpx.AsyncClient, conv: Conversation, turns:
                 raise RuntimeError(f"turn {k + 1} of conversation {conv.index}: HTTP {res.status_code}: "
                                    f"{(await res.aread()).decode()[:300]}")
             ttft, final = await read_stream(res, t0)
-        record(conv, mode, ttft, final)
+        done = record(conv, mode, ttft, final)
+        if done.status == "incomplete" and k + 1 < turns:  # its call was cut off: the next turn cannot go on
+            raise RuntimeError(f"turn {k + 1} of conversation {conv.index} ended incomplete at "
+                               f"--max-output-tokens {max_output_tokens} (its tool call was cut off); raise it")
     return conv
 
 
@@ -247,7 +250,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.rounds > 1:
         for mode, sp in summary.items():
             ratios = ", ".join(f"{x:.2f}" for x in sp["ratios"])
-            print(f"== {mode}, {a.rounds} rounds: TTFT last/first {ratios}; median {sp['median']:.2f}, "
+            print(f"== {mode}, {len(sp['ratios'])} runs: TTFT last/first {ratios}; median {sp['median']:.2f}, "
                   f"range {sp['min']:.2f}-{sp['max']:.2f}; lowest hit rate {sp['hit_rate_min']:.3f}")
     if a.output_json:
         with open(a.output_json, "w") as f:

@@ -48,9 +48,17 @@ def test_rounds_alternate_the_modes_and_report_the_spread(server, tmp_path, caps
         ratios = [r["ttft_last_over_first"] for r in data["results"] if r["mode"] == mode]
         assert sp["ratios"] == ratios and len(ratios) == 3
         assert sp["min"] == min(ratios) <= sp["median"] <= sp["max"] == max(ratios)
-        assert f"== {mode}, 3 rounds: TTFT last/first {ratios[0]:.2f}, " in printed
+        assert f"== {mode}, 3 runs: TTFT last/first {ratios[0]:.2f}, " in printed
     with pytest.raises(SystemExit, match="--rounds: must be >= 1"):
         agent.main(["--base-url", server.url, "--rounds", "0"])
+
+
+def test_a_call_cut_off_by_max_output_tokens_stops_the_bench_with_the_flag_named(server):
+    # the fake engine's call is longer than 16 tokens: turn 1 ends incomplete, and sending its
+    # broken arguments back would only get a 400 about JSON
+    with pytest.raises(RuntimeError, match="turn 1 of conversation 0 ended incomplete at --max-output-tokens 16"):
+        agent.main(["--base-url", server.url, "--num-conversations", "1", "--turns", "2", "--modes", "full",
+                    "--max-output-tokens", "16"])
 
 
 def test_history_bookkeeping():

@@ -249,6 +249,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     summary = spread(results)
     if a.rounds > 1:
         for mode, sp in summary.items():
+            if not sp["ratios"]:  # no round of this mode had both TTFTs
+                continue
             ratios = ", ".join(f"{x:.2f}" for x in sp["ratios"])
             print(f"== {mode}, {len(sp['ratios'])} runs: TTFT last/first {ratios}; median {sp['median']:.2f}, "
                   f"range {sp['min']:.2f}-{sp['max']:.2f}; lowest hit rate {sp['hit_rate_min']:.3f}")

@@ -161,18 +161,16 @@ class KVManager:
         calls per request. Only when it is the same as that loop without its slow case: enough
         free pages for all (no eviction). Returns False with nothing reserved otherwise (the caller
         then extends request by request)."""
-        pool, ps = self.kv_pool, self.page_size
-        if not wanted or (ps != 1 and type(pool).alloc_extend is not TokenToKVPool.alloc_extend):
-            return False  # pages in a pool that places slots its own way (sliding window)
-        table = self.req_pool.req_to_token
+        if not wanted:
+            return False
+        ps, table = self.page_size, self.req_pool.req_to_token
         width = table.shape[1]
-        if ps == 1:  # one run of free pages, popped in order (through the pool's own alloc_extend)
-            slots = pool.alloc_extend(None, 0, sum(n for _, n in wanted))
-        else:  # the slot of each last token whose page has room, read in one gather
-            part = [kv.row * width + kv.kv_len - 1 for kv in (r.kv for r, _ in wanted) if kv.kv_len % ps]
-            lasts = iter(table.view(-1)[torch.tensor(part, dtype=torch.int64, device=table.device)].tolist())
-            items = [(next(lasts) if r.kv.kv_len % ps else None, r.kv.kv_len, n) for r, n in wanted]
-            slots = pool.alloc_extend_many(items)
+        # the slot of each last token whose page has room, read in one gather (none at pages of 1)
+        part = [kv.row * width + kv.kv_len - 1 for kv in (r.kv for r, _ in wanted) if kv.kv_len % ps]
+        lasts = iter(table.view(-1)[torch.tensor(part, dtype=torch.int64, device=table.device)].tolist()
+                     if part else ())
+        slots = self.kv_pool.alloc_extend_many([(next(lasts) if r.kv.kv_len % ps else None, r.kv.kv_len, n)
+                                                for r, n in wanted])
         if slots is None:
             return False
         flat: list[int] = []
@@ -182,7 +180,7 @@ class KVManager:
             flat.extend(range(base, base + n))
             kv.alloc_len = kv.kv_len + n
         idx = torch.tensor(flat, dtype=torch.int64, device=table.device)
-        table.view(-1)[idx] = torch.as_tensor(slots).to(device=table.device, dtype=table.dtype)
+        table.view(-1)[idx] = torch.tensor(slots, dtype=table.dtype, device=table.device)
         return True
 
     def commit(self, req, n: int, share: bool = True) -> None:

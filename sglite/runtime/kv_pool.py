@@ -125,25 +125,25 @@ class TokenToKVPool:
 
         ``last_slot`` is the slot of the sequence's last token (None when ``seq_len == 0``);
         the rest of its page is used first. Returns [n_new] int64, or None when memory is short
-        (nothing is allocated then).
+        (nothing is allocated then). One item of :meth:`alloc_extend_many`.
         """
-        if n_new == 0:
-            return torch.empty(0, dtype=torch.int64)
-        if self.page_size == 1:
-            if len(self._free_pages) < n_new:
-                return None
-            return torch.tensor([self._free_pages.pop() for _ in range(n_new)], dtype=torch.int64)
-        if len(self._free_pages) * self.page_size < self.tokens_needed(seq_len if last_slot is not None else 0, n_new):
-            return None
-        return torch.tensor(self._slots_after(last_slot, seq_len, n_new), dtype=torch.int64)
+        slots = self.alloc_extend_many([(last_slot, seq_len, n_new)])
+        return None if slots is None else torch.tensor(slots, dtype=torch.int64)
 
     def alloc_extend_many(self, items: list) -> Optional[list]:
-        """:meth:`alloc_extend` for each ``(last_slot, seq_len, n_new)`` of ``items`` in order, as
-        one flat list of slots (the same slots, the pages popped in the same order), or None with
-        nothing allocated when the free pages do not cover them all. For a batch of requests
-        extended at once (``KVManager.extend_all``): no tensor per request."""
+        """The pool's one allocation: slots for each ``(last_slot, seq_len, n_new)`` of ``items``
+        in order (as :meth:`alloc_extend` describes one), as one flat list of ``sum(n_new)`` slot
+        ids, pages popped in the items' order; None with nothing allocated when the free pages do
+        not cover them all. A batch of requests extended at once (``KVManager.extend_all``) takes
+        no tensor per request. Subclasses that attach more to a slot override this one."""
+        ps = self.page_size
+        if ps == 1:  # every token its own page: one run of pops
+            total = sum(n for _, _, n in items)
+            if len(self._free_pages) < total:
+                return None
+            return [self._free_pages.pop() for _ in range(total)]
         need = sum(self.tokens_needed(s if last is not None else 0, n) for last, s, n in items)
-        if len(self._free_pages) * self.page_size < need:
+        if len(self._free_pages) * ps < need:
             return None
         out: list = []
         for last, s, n in items:
@@ -152,10 +152,9 @@ class TokenToKVPool:
 
     def _slots_after(self, last_slot: Optional[int], seq_len: int, n_new: int) -> list:
         """The slots of ``n_new`` tokens after ``seq_len`` (the rest of ``last_slot``'s page
-        first, then fresh pages); the caller checked that the free pages suffice."""
+        first, then fresh pages; pages of more than one token); the caller checked that the free
+        pages suffice."""
         ps = self.page_size
-        if ps == 1:
-            return [self._free_pages.pop() for _ in range(n_new)]
         used_in_page = seq_len % ps
         head = min(n_new, ps - used_in_page) if (used_in_page and last_slot is not None) else 0
         out = list(range(last_slot + 1, last_slot + 1 + head)) if head else []

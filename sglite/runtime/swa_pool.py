@@ -162,16 +162,17 @@ class SWATokenToKVPool(TokenToKVPool):
         return super().free_tokens()
 
     # ------------------------------------------------------------------ allocation
-    def alloc_extend(self, last_slot: Optional[int], seq_len: int, n_new: int) -> Optional[torch.Tensor]:
-        """Full slots as :meth:`TokenToKVPool.alloc_extend`, each given a local slot; None (nothing
-        allocated) when either space is short."""
-        if n_new > len(self._swa_free):
+    def alloc_extend_many(self, items: list) -> Optional[list]:
+        """Full slots as :meth:`TokenToKVPool.alloc_extend_many`, each given a local slot (popped
+        in the same order); None (nothing allocated) when either space is short."""
+        total = sum(n for _, _, n in items)
+        if total > len(self._swa_free):
             return None
-        slots = super().alloc_extend(last_slot, seq_len, n_new)
-        if slots is None or n_new == 0:
+        slots = super().alloc_extend_many(items)
+        if not slots:
             return slots
-        local = [self._swa_free.pop() for _ in range(n_new)]
-        self.full_to_swa[slots] = torch.tensor(local, dtype=torch.int64)
+        local = [self._swa_free.pop() for _ in range(total)]
+        self.full_to_swa[torch.tensor(slots, dtype=torch.int64)] = torch.tensor(local, dtype=torch.int64)
         return slots
 
     def free_swa(self, slots: torch.Tensor) -> None:

@@ -121,8 +121,8 @@ class SpecDecoder:
         # int8 / int4 KV: a key group is quantized when a step stores its last position, and a
         # step's positions past it overwrite the group's full-precision residual; drafts stay
         # short of their group's last position, so only accepted tokens ever seal or cross one
-        pool = getattr(kv, "kv_pool", None)
-        self.key_group = pool.group if getattr(pool, "kind", None) in ("int8", "int4") else None
+        group = getattr(getattr(kv, "kv_pool", None), "group", 1)  # kv_quant's pools: tokens a key group
+        self.key_group: Optional[int] = group if group > 1 else None
         self.proposer: Proposer = proposer or (
             DraftModelProposer(draft_model) if draft_model is not None else
             LookupProposer(self.token_text, out, TREE_BRANCHES if self.trees else 1))

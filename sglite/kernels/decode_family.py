@@ -62,7 +62,10 @@ def supported(model) -> bool:
 
 
 class FamilyFusedDecode(FusedDecode):
-    """:class:`.decode_fused.FusedDecode` with the family options of the module docstring."""
+    """:class:`.decode_fused.FusedDecode` with the family options of the module docstring (steps over
+    a quantized KV pool take the per-op path)."""
+
+    quant_kv = False
 
     def _norms(self, model) -> torch.Tensor:
         a, H = model.arch, model.arch.hidden_size

@@ -77,12 +77,13 @@ from .cpu_build import load_cpp, read_source
 from .device import cpu_flags, serial_torch
 from .quant_layout import compact_scales, tile_rows, tileable_group
 from .quant_linear import QuantLinearWeight
-from . import cpu_attention, gemm_paths, quant_amx, quant_cpu
+from . import cpu_attention, gemm_paths, kv_quant, kv_quant_cpu, quant_amx, quant_cpu
 
 MAX_ROWS = 32  # more decode rows: the per-op path (its GEMM on dequantized weights wins there)
 MAX_ROWS_AMX = 128  # with the AMX tile GEMM (quant_amx.h) from gemm_paths.AMX_MIN_ROWS rows; csrc kMaxRows
 LINEAR_KEYS = ("qkv", "o", "gate_up", "down")
 _NO_ROWS = torch.empty(0, dtype=torch.int64)  # lora_rows of a step without adapters
+_PLAIN_POOL = ([], torch.empty(0, dtype=torch.int64), 0, 0)  # decode_forward's kvq arguments of a float pool
 ATTN_SPLIT_MIN = 1 << 16  # K/V values per step (sum of lens x KV heads x head dim); see FusedDecode.attn_split_min
 LORA_SPLIT_MIN = 1 << 21  # multiply-adds of one LoRA shrink or expand; see FusedDecode.lora_split_min
 
@@ -124,7 +125,10 @@ class FusedDecode:
 
     Attributes:
         q8: int8 activations (bf16 models) or the float-exact GEMV (float32 models).
+        quant_kv: whether steps over an int8 / int4 KV pool may run here (:meth:`quant_pool_args`).
     """
+
+    quant_kv = True
 
     def __init__(self, model, q8: bool, portable: bool = False):
         a = model.arch
@@ -139,6 +143,7 @@ class FusedDecode:
         self.lora_split_min: int = getattr(self, "lora_split_min", LORA_SPLIT_MIN)
         self._amx: Optional[bool] = None  # amx_min()'s static conditions, filled on first use
         self._layers_amx: Optional[tuple] = None  # (gemm_paths.fused_constants(), the layers' threshold)
+        self._kvq: Optional[tuple] = None  # quant_pool_args' per-pool lists (key, layers, res K, res V, kvq)
         self.final_norm = model.norm.float().contiguous()  # [H]
         self.lin, self.bits, self.packed = [], [], []
         self.shapes: list = []  # (n, k, bits) of every layer weight: gemm_paths.fused_layers_amx_min
@@ -168,10 +173,49 @@ class FusedDecode:
         """Re-read the weight tensors (after :meth:`LlamaModel.pack_hugepages` moved them)."""
         self.__init__(self.model, self.q8, self.portable)
 
-    def hidden(self, fb, k_buffers, v_buffers) -> torch.Tensor:
+    def quant_pool_args(self, fb, layers) -> Optional[tuple]:
+        """``(k_buffers, v_buffers, out_cache_loc, kvq args)`` for a step over an int8 / int4 KIVI
+        pool (``layers``: its :class:`.kv_quant.QuantKVLayer` list), or None when such a step is
+        not for the fused path: another kind (fp8), the C++ attention unavailable or not covering
+        the layer, a family layer, or a row that completes its key group this step (sealing
+        quantizes the group: the per-op store does it, one step in G of a request).
+
+        The step's K/V go into the residual windows (viewed [R * G, Hkv, D], row ``request row * G +
+        position % G``), where the per-op :func:`.kv_quant.store_kv` puts a token that seals
+        nothing; the attention is :mod:`.kv_quant_cpu`'s op, the per-op path's kernel."""
+        L0 = layers[0]
+        if (not self.quant_kv or L0.kind not in ("int8", "int4") or L0.res_k.dtype not in (torch.float32, torch.bfloat16)
+                or not kv_quant_cpu.available() or L0.head_dim > kv_quant_cpu.MAX_HEAD_DIM):
+            return None
+        G, lens = L0.group, fb.dec_seq_lens
+        if bool((lens % G == 0).any()):  # the token at position len - 1 seals its group
+            return None
+        key = (id(L0), len(layers))  # the cache keeps the layers alive: an id is not reused meanwhile
+        if self._kvq is None or self._kvq[0] != key:
+            R, _, Hkv, D = L0.res_k.shape
+            kvq = [t for x in layers for t in (x.k_data, x.v_data, x.k_scale, x.v_scale, x.res_k, x.res_v)]
+            if not all(t.stride(-1) == 1 for t in kvq) or not all(x.res_k.is_contiguous() and x.res_v.is_contiguous()
+                                                                  and x.k_scale.is_contiguous() for x in layers):
+                return None
+            self._kvq = (key, layers, [x.res_k.view(R * G, Hkv, D) for x in layers],
+                         [x.res_v.view(R * G, Hkv, D) for x in layers], kvq)
+        _, _, kb, vb, kvq = self._kvq
+        L0.step.stash.clear()  # as store_kv: no group sealed this step
+        with serial_torch():
+            rows = fb.dec_req_pool_indices
+            loc = (rows * G + (lens - 1) % G).contiguous()
+            sealed = (lens // G * G).contiguous()
+        return kb, vb, loc, (kvq, sealed, L0.bits, G)
+
+    def hidden(self, fb, k_buffers, v_buffers, quant: Optional[tuple] = None) -> torch.Tensor:
         """[N, H] float32 final-normed hidden states of the step's decode rows (KV written), with
-        the rows' LoRA deltas when the step has adapters (``fb.lora``: a :class:`LoraStep`)."""
+        the rows' LoRA deltas when the step has adapters (``fb.lora``: a :class:`LoraStep`).
+        ``quant``: :meth:`quant_pool_args` of a step over an int8 / int4 pool (replaces the buffers
+        and slots), None for a float pool."""
         m = self.model
+        kvq_args, loc = _PLAIN_POOL, fb.out_cache_loc
+        if quant is not None:
+            k_buffers, v_buffers, loc, kvq_args = quant
         with serial_torch():  # the torch glue on this thread (device.serial_torch: OpenMP stalls under load)
             x = m.embed_rows(fb.input_ids).float().contiguous()  # [N, H]
             cos, sin = m.cos[fb.positions].contiguous(), m.sin[fb.positions].contiguous()  # [N, D/2] float32
@@ -183,9 +227,10 @@ class FusedDecode:
         ab, rows, spans = ([], _NO_ROWS, []) if lora is None else lora.fused_args(LINEAR_KEYS, x.shape[0])
         return load(self.portable).decode_forward(
             x, self.norms, self.lin, self.bits, self.final_norm, cos, sin, list(k_buffers),
-            list(v_buffers), fb.out_cache_loc.contiguous(), rt, fb.dec_req_pool_indices.contiguous(),
+            list(v_buffers), loc.contiguous(), rt, fb.dec_req_pool_indices.contiguous(),
             fb.dec_seq_lens.contiguous(), Hq, Hkv, D, eps, sm, self.q8, self.tiled, self.num_threads(),
-            self.attn_split_min, ab, rows, spans, self.lora_split_min, self.amx_min(), self.packed, self.cascade_min())
+            self.attn_split_min, ab, rows, spans, self.lora_split_min, self.amx_min(), self.packed,
+            0 if kvq_args[0] else self.cascade_min(), *kvq_args)
 
     def amx_min(self) -> int:
         """Rows from which this step's tiled layer GEMMs run on the AMX tiles (quant_amx.h; bf16
@@ -251,11 +296,17 @@ class FusedDecode:
         tensor-parallel shard after load). ``hidden``: a list the step's [N, H] float32
         final-normed hidden states are appended to (speculative draft heads), or None."""
         n = fb.input_ids.shape[0]
-        if (self.model.tp is not None or fb.num_extend_tokens or not 1 <= n <= self.max_rows() or not isinstance(k_buffers[0], torch.Tensor)
-                or k_buffers[0].dtype not in (torch.float32, torch.bfloat16)
+        if (self.model.tp is not None or fb.num_extend_tokens or not 1 <= n <= self.max_rows()
                 or fb.dec_req_pool_indices.shape[0] != n):
             return None
-        h = self.hidden(fb, k_buffers, v_buffers)
+        kb, quant = k_buffers[0], None
+        if isinstance(kb, kv_quant.QuantKVLayer):
+            quant = self.quant_pool_args(fb, k_buffers)
+            if quant is None:
+                return None
+        elif not isinstance(kb, torch.Tensor) or kb.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        h = self.hidden(fb, k_buffers, v_buffers) if quant is None else self.hidden(fb, k_buffers, v_buffers, quant)
         if hidden is not None:
             hidden.append(h)
         if fb.logits_indices.shape[0] != n:

@@ -83,7 +83,7 @@ MAX_ROWS = 32  # more decode rows: the per-op path (its GEMM on dequantized weig
 MAX_ROWS_AMX = 128  # with the AMX tile GEMM (quant_amx.h) from gemm_paths.AMX_MIN_ROWS rows; csrc kMaxRows
 LINEAR_KEYS = ("qkv", "o", "gate_up", "down")
 _NO_ROWS = torch.empty(0, dtype=torch.int64)  # lora_rows of a step without adapters
-_PLAIN_POOL = ([], torch.empty(0, dtype=torch.int64), 0, 0)  # decode_forward's kvq arguments of a float pool
+_PLAIN_POOL = ([], torch.empty(0, dtype=torch.int64), 0)  # decode_forward's kvq arguments of a float pool
 ATTN_SPLIT_MIN = 1 << 16  # K/V values per step (sum of lens x KV heads x head dim); see FusedDecode.attn_split_min
 LORA_SPLIT_MIN = 1 << 21  # multiply-adds of one LoRA shrink or expand; see FusedDecode.lora_split_min
 
@@ -177,19 +177,18 @@ class FusedDecode:
         """``(k_buffers, v_buffers, out_cache_loc, kvq args)`` for a step over an int8 / int4 KIVI
         pool (``layers``: its :class:`.kv_quant.QuantKVLayer` list), or None when such a step is
         not for the fused path: another kind (fp8), the C++ attention unavailable or not covering
-        the layer, a family layer, or a row that completes its key group this step (sealing
-        quantizes the group: the per-op store does it, one step in G of a request).
+        the layer, or a family layer.
 
         The step's K/V go into the residual windows (viewed [R * G, Hkv, D], row ``request row * G +
-        position % G``), where the per-op :func:`.kv_quant.store_kv` puts a token that seals
-        nothing; the attention is :mod:`.kv_quant_cpu`'s op, the per-op path's kernel."""
+        position % G``), where the per-op :func:`.kv_quant.store_kv` puts a token that completes
+        no key group; a row that completes its group has the group quantized into the pool in C++
+        (``csrc/decode_kv_quant.h``, :func:`.kv_quant.quantize`'s arithmetic bit for bit) before each
+        layer's attention, :mod:`.kv_quant_cpu`'s op (the per-op path's kernel)."""
         L0 = layers[0]
         if (not self.quant_kv or L0.kind not in ("int8", "int4") or L0.res_k.dtype not in (torch.float32, torch.bfloat16)
                 or not kv_quant_cpu.available() or L0.head_dim > kv_quant_cpu.MAX_HEAD_DIM):
             return None
         G, lens = L0.group, fb.dec_seq_lens
-        if bool((lens % G == 0).any()):  # the token at position len - 1 seals its group
-            return None
         key = (id(L0), len(layers))  # the cache keeps the layers alive: an id is not reused meanwhile
         if self._kvq is None or self._kvq[0] != key:
             R, _, Hkv, D = L0.res_k.shape
@@ -200,12 +199,10 @@ class FusedDecode:
             self._kvq = (key, layers, [x.res_k.view(R * G, Hkv, D) for x in layers],
                          [x.res_v.view(R * G, Hkv, D) for x in layers], kvq)
         _, _, kb, vb, kvq = self._kvq
-        L0.step.stash.clear()  # as store_kv: no group sealed this step
+        L0.step.stash.clear()  # as store_kv: only extend rows read the stash, and this step has none
         with serial_torch():
-            rows = fb.dec_req_pool_indices
-            loc = (rows * G + (lens - 1) % G).contiguous()
-            sealed = (lens // G * G).contiguous()
-        return kb, vb, loc, (kvq, sealed, L0.bits, G)
+            loc = (fb.dec_req_pool_indices * G + (lens - 1) % G).contiguous()
+        return kb, vb, loc, (kvq, fb.out_cache_loc.contiguous(), L0.bits)
 
     def hidden(self, fb, k_buffers, v_buffers, quant: Optional[tuple] = None) -> torch.Tensor:
         """[N, H] float32 final-normed hidden states of the step's decode rows (KV written), with

@@ -1,11 +1,13 @@
 """The fused CPU decode over an int8 / int4 KIVI KV pool (sglite.kernels.decode_fused,
-``FusedDecode.quant_pool_args``): every fused step's logits against the per-op path on the same
-batch (float32, a tiny random Llama quantized to 32-groups, key groups of 16 so that requests
-cross several groups), greedy tokens identical to the per-op path, and the steps it declines."""
+``FusedDecode.quant_pool_args``, ``csrc/decode_kv_quant.h``): every fused step's logits against
+the per-op path on the same batch (float32, a tiny random Llama quantized to 32-groups, key groups
+of 16 so that requests cross several groups), the groups the C++ sealed bit for bit equal to
+``kv_quant.quantize_keys`` / ``quantize_values`` of the same residual rows, greedy tokens identical
+to the per-op path, and the steps it declines."""
 import pytest
 import torch
 
-from sglite.kernels import decode_fused, kv_quant_cpu, quant_cpu
+from sglite.kernels import decode_fused, kv_quant, kv_quant_cpu, quant_cpu
 from tests.kernels.test_decode_fused import PROMPTS, check_fused_steps
 
 pytestmark = pytest.mark.skipif(not (quant_cpu.available() and kv_quant_cpu.available()),
@@ -23,11 +25,27 @@ def quantized_4bit(tiny_model_dir, tmp_path_factory):
                     QuantOptions(method="rtn", bits=4, group_size=32), n_samples=1, seq_len=16)
 
 
-def _engine(model_dir, kind):
+def _engine(model_dir, kind, dtype="float32"):
     from sglite import Engine
 
-    return Engine(model_path=str(model_dir), dtype="float32", max_total_tokens=2048, kv_cache_dtype=kind,
+    return Engine(model_path=str(model_dir), dtype=dtype, max_total_tokens=2048, kv_cache_dtype=kind,
                   kv_cache_quant_group_size=GROUP)
+
+
+def check_sealed(layers, fb):
+    """Every group a row of ``fb`` completed: the pool's codes and scales equal the torch
+    quantization of the residual rows the fused step left (positions 0..G-1 of the row's window)."""
+    done = (fb.dec_seq_lens % GROUP == 0).nonzero().squeeze(1).tolist()
+    for i in done:
+        row, slot0 = int(fb.dec_req_pool_indices[i]), int(fb.out_cache_loc[i]) // GROUP * GROUP
+        for L in layers:
+            kq, ks = kv_quant.quantize_keys(L.res_k[row][None], L.bits)
+            vq, vs = kv_quant.quantize_values(L.res_v[row], L.bits)
+            assert torch.equal(L.k_data[slot0:slot0 + GROUP], kq[0])
+            assert torch.equal(L.k_scale[slot0 // GROUP].view(torch.int16), ks[0].view(torch.int16))
+            assert torch.equal(L.v_data[slot0:slot0 + GROUP], vq)
+            assert torch.equal(L.v_scale[slot0:slot0 + GROUP].view(torch.int16), vs.view(torch.int16))
+    return len(done)
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
@@ -35,46 +53,59 @@ def test_fused_steps_over_a_quantized_pool_match_per_op(quantized_4bit, kind):
     e = _engine(quantized_4bit, kind)
     try:
         model = e.runner.model
-        seen, declined = [], []
-        fused = check_fused_steps(model, 1e-5, seen)
-        checked = model.decode_fused
+        layers = list(e.runner.token_to_kv_pool.k_buffers)
+        fused = model.decode_fused
+        seen, sealed = [], []
 
-        class Counting:  # the steps the fused path declined (a row completing its key group)
+        class Checked:  # the fused step, its sealed groups, then the per-op path on the same batch
             def forward(self, fb, kb, vb):
-                got = checked.forward(fb, kb, vb)
-                if got is None and not fb.num_extend_tokens:
-                    declined.append(fb.dec_seq_lens.clone())
+                got = fused.forward(fb, kb, vb)
+                if got is not None:
+                    sealed.append(check_sealed(layers, fb))
+                    ref = model._forward(fb, kb, vb)  # rewrites the same residual rows and groups
+                    err = (got - ref).abs().max().item() / (ref.abs().max().item() + 1e-6)
+                    assert err <= 1e-5, err
+                    seen.append(fb.input_ids.shape[0])
                 return got
 
-        model.decode_fused = Counting()
+        model.decode_fused = Checked()
         got = [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=SP)]
-        assert 3 in seen and len(seen) > 20  # three-row steps over the int pool took the fused path
-        assert declined and all(bool((lens % GROUP == 0).any()) for lens in declined)
+        assert seen.count(3) >= 30  # every three-row step over the int pool took the fused path
+        assert sum(sealed) >= 6  # rows completed groups 16, 32 (and 48) inside fused steps
         model.decode_fused = None  # the per-op path alone
         ref = [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=SP)]
         assert got == ref
-        assert fused.quant_kv
     finally:
         e.shutdown()
 
 
-def test_quant_pool_args_decline(quantized_4bit, monkeypatch):
+def test_bf16_model_over_int8_pool_stays_close(quantized_4bit):
+    e = _engine(quantized_4bit, "int8", dtype="bfloat16")
+    try:
+        seen = []
+        check_fused_steps(e.runner.model, 0.05, seen)  # the bf16 path's int8 activations, as test_decode_fused
+        e.generate(input_ids=PROMPTS, sampling_params=SP)
+        assert seen.count(3) >= 30
+    finally:
+        e.shutdown()
+
+
+def test_quant_pool_args(quantized_4bit, monkeypatch):
     e = _engine(quantized_4bit, "int8")
     try:
         fused = e.runner.model.decode_fused
         layers = list(e.runner.token_to_kv_pool.k_buffers)
 
-        class FB:  # two decode rows: request rows 0 and 1 at lengths 5 and 7
+        class FB:  # two decode rows: request rows 0 and 1 at lengths 5 and 32 (row 1 completes a group)
             dec_req_pool_indices = torch.tensor([0, 1])
-            dec_seq_lens = torch.tensor([5, 7])
+            dec_seq_lens = torch.tensor([5, 2 * GROUP])
+            out_cache_loc = torch.tensor([GROUP + 4, 4 * GROUP + GROUP - 1])
 
-        kb, vb, loc, (kvq, sealed, bits, group) = fused.quant_pool_args(FB, layers)
-        assert (bits, group, len(kvq), len(kb)) == (8, GROUP, 6 * len(layers), len(layers))
-        assert loc.tolist() == [0 * GROUP + 4, 1 * GROUP + 6] and sealed.tolist() == [0, 0]
+        kb, vb, loc, (kvq, pool_loc, bits) = fused.quant_pool_args(FB, layers)
+        assert (bits, len(kvq), len(kb)) == (8, 6 * len(layers), len(layers))
+        assert loc.tolist() == [0 * GROUP + 4, 1 * GROUP + GROUP - 1] and pool_loc.tolist() == FB.out_cache_loc.tolist()
         assert kb[0].shape == (layers[0].res_k.shape[0] * GROUP, *layers[0].res_k.shape[2:])
-        FB.dec_seq_lens = torch.tensor([5, 2 * GROUP])  # row 1 completes its second key group
-        assert fused.quant_pool_args(FB, layers) is None
-        FB.dec_seq_lens = torch.tensor([5, 7])
+        assert kb[0].data_ptr() == layers[0].res_k.data_ptr() and vb[1].data_ptr() == layers[1].res_v.data_ptr()
         monkeypatch.setattr(type(fused), "quant_kv", False)  # a family layer's decode
         assert fused.quant_pool_args(FB, layers) is None
         monkeypatch.setattr(type(fused), "quant_kv", True)

@@ -21,6 +21,7 @@
 #endif
 #include "quant_amx.h"
 #include "lora_fused.h"
+#include "decode_kv_quant.h"
 
 namespace {
 
@@ -256,24 +257,6 @@ void add_norm_rows(const PoolPar& par, int64_t M, int64_t H, float* x, const flo
   });
 }
 
-// Decode attention of layer `l` over an int8 / int4 KIVI pool (the sglite_kv_quant op, which splits
-// its (row, KV head) tasks over the same thread pool) into att [M, Hq * D] float32. kvq holds 6
-// tensors a layer (k_data, v_data, k_scale, v_scale, res_k, res_v); the step's K/V went into the
-// residual windows (the caller passes them as the layer's buffers), and no row of the step completes
-// its key group (the caller's check: sealing a group quantizes it, sglite/kernels/kv_quant.py).
-void quant_attention(const at::Tensor& q, const std::vector<at::Tensor>& kvq, int64_t l, const at::Tensor& rt,
-                     const at::Tensor& rows, const at::Tensor& lens, const at::Tensor& sealed, double sm, int64_t bits,
-                     int64_t group, float* att) {
-  static auto op = c10::Dispatcher::singleton()
-      .findSchemaOrThrow("sglite_kv_quant::decode_attention", "")
-      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                        const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                        const at::Tensor&, double, int64_t, int64_t)>();
-  const at::Tensor* t = kvq.data() + 6 * l;
-  at::Tensor o = op.call(q, t[0], t[1], t[2], t[3], t[4], t[5], rt, rows, lens, sealed, sm, bits, group);  // [M, Hq, D]
-  std::memcpy(att, o.data_ptr<float>(), sizeof(float) * o.numel());
-}
-
 // Layer `l`'s pool checked for the K/V stores of rope_store_rows (kb / vb: [S, Hkv, D], float32 or
 // bf16, unit stride along D; the error prefixed `who`).
 void check_pool(const at::Tensor& kb, const at::Tensor& vb, int64_t Hkv, int64_t D, const char* who, int64_t l) {
@@ -311,9 +294,9 @@ void rope_store_rows(at::Tensor& kb, at::Tensor& vb, const int64_t* loc, float* 
 // lora_split_min: the step's LoRA adapters (lora_fused.h's Step; an empty lora_ab: none, the base
 // model's path as before). amx_packed: [4L] weights repacked for the AMX GEMM (attach_packed; an empty
 // list or empty tensors: dequantize per call). kvq (empty: a plain pool): an int8 / int4 KIVI pool's
-// 6 tensors a layer for quant_attention, with the layer's residual windows as the k/v buffers
-// ([R * G, Hkv, D]) and out_cache_loc their rows (request row * G + position % G); kvq_sealed [M]
-// int64: positions below it read from the pool's codes; kvq_bits 8 / 4; kvq_group G.
+// 6 tensors a layer (decode_kv_quant.h), with the layer's residual windows as the k/v buffers
+// ([R * G, Hkv, D]) and out_cache_loc their rows (request row * G + position % G); kvq_pool_loc [M]
+// int64: the rows' pool slots; kvq_bits 8 / 4.
 at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor> lin, std::vector<int64_t> bits,
                           at::Tensor final_norm, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> kbufs,
                           std::vector<at::Tensor> vbufs, at::Tensor out_loc, at::Tensor req_to_token, at::Tensor rows,
@@ -321,8 +304,7 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
                           bool tiled, int64_t threads, int64_t attn_split_min, std::vector<at::Tensor> lora_ab,
                           at::Tensor lora_rows, std::vector<at::Tensor> lora_spans, int64_t lora_split_min,
                           int64_t amx_min, std::vector<at::Tensor> amx_packed,
-                          int64_t cascade_min, std::vector<at::Tensor> kvq, at::Tensor kvq_sealed, int64_t kvq_bits,
-                          int64_t kvq_group) {
+                          int64_t cascade_min, std::vector<at::Tensor> kvq, at::Tensor kvq_pool_loc, int64_t kvq_bits) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= kMaxRows,
               "decode_forward: x must be contiguous float32 [M <= ", kMaxRows, ", H]");
   const int64_t M = x.size(0), H = x.size(1), L = (int64_t)kbufs.size();
@@ -342,9 +324,10 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                         const at::Tensor&, double, int64_t, double, int64_t, const c10::optional<at::Tensor>&)>();
   const bool quant_kv = !kvq.empty();
-  TORCH_CHECK(!quant_kv || ((int64_t)kvq.size() == 6 * L && kvq_sealed.scalar_type() == at::kLong
-                            && kvq_sealed.is_contiguous() && kvq_sealed.numel() == M && cascade_min == 0),
-              "decode_forward: a quantized pool needs 6 tensors per layer, sealed_lens int64 [M] and no cascade");
+  const c10::optional<sglite_kv_quant_decode::Step> qstep = quant_kv
+      ? c10::optional<sglite_kv_quant_decode::Step>(sglite_kv_quant_decode::Step(kvq, kvq_pool_loc, rows, lens, kvq_bits, L, M))
+      : c10::nullopt;
+  TORCH_CHECK(!quant_kv || cascade_min == 0, "decode_forward: no shared-prefix pass over a quantized pool");
   const PoolPar par{(int)threads};
   const sglite_lora_fused::Step lora(std::move(lora_ab), std::move(lora_rows), std::move(lora_spans), L, M,
                                          lora_split_min);
@@ -381,7 +364,7 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
     row_shares(par, M, [&](int64_t lo, int64_t hi) {
       rope_store_rows(kb, vb, loc, qkv.data(), lo, hi, Hq, Hkv, D, Nqkv, cp, sp, q_t.data_ptr<float>());
     });
-    if (quant_kv) quant_attention(q_t, kvq, l, req_to_token, rows, lens, kvq_sealed, sm_scale, kvq_bits, kvq_group, att.data());
+    if (quant_kv) qstep->attend(l, q_t, req_to_token, sm_scale, att.data());
     else attention(attn, q_t, kb, vb, req_to_token, rows, lens, sm_scale, M, Hq, Hkv, D, (int)threads, attn_split_min,
                    att.data(), 0, 0.0, groups);
     gemv(wo, att.data(), M, tmp.data(), q8, par, amx_min);

@@ -56,7 +56,8 @@ GeGLU, QK-norm, sliding windows and soft-capping as the options of :mod:`.decode
 mode, no QKV bias,
 every layer matmul a :class:`.quant_linear.QuantLinearWeight` with group size 32 (or 16 with 8-bit
 codes: GGUF Q6_K, read as two scales per 32-block; every GGUF native type qualifies), no input
-permutation and no bias, a float (non-quantized) KV pool, a step of only decode rows, 1..32 of them;
+permutation and no bias, a float KV pool or an int8 / int4 one (:meth:`FusedDecode.quant_pool_args`;
+fp8 pools and family layers over a quantized pool take the per-op path), a step of only decode rows, 1..32 of them;
 otherwise the per-op path runs (it is the reference). RoPE: the C++ rotates with the model's own
 cos/sin rows (``model.cos[positions]``, float32 [N, D/2]), the tables the per-op path reads, so
 every RoPE variant that only changes those tables (``sglite/runtime/models/rope.py``: linear,

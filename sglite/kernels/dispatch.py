@@ -12,7 +12,8 @@ Only ``triton_*.py`` modules import triton, lazily, so ``import sglite`` works w
 Quantized KV pools (:class:`.kv_quant.QuantKVLayer`, passed as ``k_buffer`` and ``v_buffer``)
 route ``store_kv``, ``decode_attention`` and ``extend_attention`` to :mod:`.kv_quant` (the torch
 reference) or, for ``decode_attention``, to the fused C++ kernel of :mod:`.kv_quant_cpu` (CPU) or
-the Triton kernel of :mod:`.kv_quant_triton` (CUDA).
+the Triton kernel of :mod:`.kv_quant_triton` (CUDA), and for ``extend_attention`` on CPU to
+:mod:`.kv_quant_extend` (the float pool's C++ extend over a scratch buffer).
 
 ``linear`` dispatches on its weight instead (:class:`.matmul.LinearWeight` carries the
 implementation chosen once at load). ``batch_invariant=True`` (deterministic inference) asks
@@ -146,6 +147,13 @@ def extend_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, pref
     if isinstance(k_buffer, kv_quant.QuantKVLayer):
         if window > 0 or softcap > 0:
             raise ValueError("a quantized KV pool supports neither sliding windows nor soft-capping")
+        name = resolve_impl(impl, q, "extend_attention")
+        if name == "cpp":  # the float pool's C++ extend over a scratch buffer (kv_quant_extend)
+            from . import kv_quant_extend
+
+            return kv_quant_extend.extend_attention(q, k_buffer, req_to_token, req_pool_indices, prefix_lens,
+                                                    extend_lens, sm_scale, _op("extend_attention", name),
+                                                    _quant_decode(name))
         return kv_quant.extend_attention(q, k_buffer, req_to_token, req_pool_indices, prefix_lens,
                                          extend_lens, sm_scale)
     args = (q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, sm_scale)

@@ -1,0 +1,63 @@
+"""Extend attention over a quantized KV pool through the float pool's C++ extend kernel
+(sglite.kernels.kv_quant_extend, what ``kernels.extend_attention`` runs on CPU): equal to the torch
+reference (``kv_quant.extend_attention``) on steps that mix cached prefixes, chunks crossing key
+groups, groups sealed in the step and rows at a group's last position; and a prompt prefilled in
+chunks sees what token-by-token decoding sees."""
+import pytest
+import torch
+
+from sglite.kernels import cpu_attention, dispatch, kv_quant as kq, kv_quant_cpu, kv_quant_extend, reference
+from tests.kernels.test_kv_quant import Seq
+
+pytestmark = pytest.mark.skipif(not (kv_quant_cpu.available() and cpu_attention.available()),
+                                reason="the C++ attention kernels did not build here")
+
+
+def fast(q, s, rows, prefix, extend, scale):
+    return dispatch.extend_attention(q, s.layer, s.layer, s.table, rows, prefix, extend, scale, impl="cpp")
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_extend_matches_the_reference(kind, dtype, tol):
+    s = Seq(kind, G=16, page=16, Hkv=2, D=16, rows=4, dtype=dtype, seed=5)
+    s.step({0: 20, 1: 16, 2: 3})  # cached prefixes: 20 (a sealed group + 4), 16 (exactly one group), 3
+    news = {0: 29, 1: 1, 2: 45, 3: 16}  # 20 -> 49 (groups 16 and 32 sealed here, 48 the last position of
+    # a group), 16 -> 17, 3 -> 48 (ends on a group's last position), 0 -> 16 (one whole group)
+    prefix = {r: len(s.k[r]) for r in news}
+    s.step(news)
+    rows = torch.tensor(list(news))
+    p, e = torch.tensor([prefix[r] for r in news]), torch.tensor(list(news.values()))
+    q = torch.randn(int(e.sum()), 4, 16, generator=torch.Generator().manual_seed(2)).to(dtype)
+    ref = kq.extend_attention(q, s.layer, s.table, rows, p, e, 0.25)
+    out = fast(q, s, rows, p, e, 0.25)
+    assert out.dtype == dtype and torch.allclose(out.float(), ref.float(), atol=tol), (out.float() - ref.float()).abs().max()
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_chunked_prefill_equals_token_by_token_decode(kind):
+    G, n = 16, 45
+    a, b = Seq(kind, G=G, rows=1, seed=3), Seq(kind, G=G, rows=1, seed=3)
+    q = torch.randn(n, 4, a.D, generator=torch.Generator().manual_seed(1))
+    dec = []
+    for t in range(n):
+        a.step({0: 1})
+        dec.append(kq.decode_attention(q[t:t + 1], a.layer, a.table, torch.tensor([0]), torch.tensor([t + 1]), 0.3))
+    outs = []
+    for lo, hi in ((0, 7), (7, 40), (40, 45)):  # chunks crossing group boundaries
+        b.step({0: hi - lo})
+        outs.append(fast(q[lo:hi], b, torch.tensor([0]), torch.tensor([lo]), torch.tensor([hi - lo]), 0.3))
+    assert torch.allclose(torch.cat(outs), torch.cat(dec), atol=1e-5)
+
+
+def test_reference_attend_gives_the_same():
+    """The module is a rearrangement, not a kernel: with the float reference as ``attend`` it equals the
+    quantized reference too (so a CPU without the C++ extend could use it)."""
+    s = Seq("int8", G=16, page=16, rows=2, seed=9)
+    s.step({0: 5})
+    s.step({0: 30, 1: 33})
+    rows, p, e = torch.tensor([0, 1]), torch.tensor([5, 0]), torch.tensor([30, 33])
+    q = torch.randn(63, 4, 16, generator=torch.Generator().manual_seed(4))
+    out = kv_quant_extend.extend_attention(q, s.layer, s.table, rows, p, e, 0.2, reference.extend_attention,
+                                           kq.decode_attention)
+    assert torch.allclose(out, kq.extend_attention(q, s.layer, s.table, rows, p, e, 0.2), atol=1e-5)

@@ -78,3 +78,16 @@ def decode_attention(q: torch.Tensor, layer: kv_quant.QuantKVLayer, req_to_token
         i = stash.nonzero().squeeze(1)
         out[i] = kv_quant.decode_attention(q[i], layer, req_to_token, rows[i], seq_lens[i], sm_scale)
     return out
+
+
+def dequant_groups(layer: kv_quant.QuantKVLayer, gids: torch.Tensor, dtype: torch.dtype):
+    """K and V [n * G, Hkv, D] in ``dtype`` (float32 / bfloat16) of whole key groups ``gids`` ([n]
+    int64) of an int8 / int4 CPU layer, as :func:`.kv_quant.dequant_slots` computes them (bf16: that
+    float32 result rounded once); None when the C++ build is unavailable or the inputs are not covered
+    (``csrc/kv_dequant.h``)."""
+    ops = load()
+    if (ops is None or layer.kind not in ("int8", "int4") or layer.k_data.device.type != "cpu"
+            or dtype not in (torch.float32, torch.bfloat16) or not layer.k_scale.is_contiguous()):
+        return None
+    return ops.dequant_groups(layer.k_data, layer.v_data, layer.k_scale, layer.v_scale,
+                              gids.to(torch.int64).contiguous(), layer.bits, layer.group, dtype == torch.bfloat16)

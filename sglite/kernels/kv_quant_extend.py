@@ -37,6 +37,31 @@ import torch
 from . import kv_quant
 
 
+def dequant_groups(layer: kv_quant.QuantKVLayer, gids: torch.Tensor,
+                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of whole key groups ``gids`` ([n] int64 pool group ids: slots ``gid * G ..
+    gid * G + G - 1``, as a request's positions lie in its pages) as stored, [n * G, Hkv, D] in
+    ``dtype`` each: :func:`.kv_quant.dequant_slots` of those slots (float32, then rounded once),
+    reading each group's key scales once; in C++ (:func:`.kv_quant_cpu.dequant_groups`) where it
+    builds."""
+    from . import kv_quant_cpu
+
+    out = kv_quant_cpu.dequant_groups(layer, gids, dtype)
+    if out is not None:
+        return out
+    G = layer.group
+
+    def codes(data: torch.Tensor) -> torch.Tensor:  # [n, G, Hkv, D] uint8
+        c = data.unflatten(0, (-1, G))[gids]
+        return kv_quant.unpack_int4(c) if layer.kind == "int4" else c
+
+    ks = layer.k_scale[gids][:, None]  # [n, 1, Hkv, 2, D]
+    k = kv_quant.dequant_codes(codes(layer.k_data), ks[..., 0, :], ks[..., 1, :])
+    vs = layer.v_scale.unflatten(0, (-1, G))[gids]  # [n, G, Hkv, 2]
+    v = kv_quant.dequant_codes(codes(layer.v_data), vs[..., 0:1], vs[..., 1:2])
+    return k.reshape(-1, *k.shape[2:]).to(dtype), v.reshape(-1, *v.shape[2:]).to(dtype)
+
+
 def extend_attention(q: torch.Tensor, layer: kv_quant.QuantKVLayer, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
                      sm_scale: float, attend: Callable, decode: Callable) -> torch.Tensor:
@@ -45,7 +70,8 @@ def extend_attention(q: torch.Tensor, layer: kv_quant.QuantKVLayer, req_to_token
     pool's ``decode_attention(q, layer, req_to_token, req_pool_indices, seq_lens, sm_scale)``."""
     dt, dev = q.dtype, q.device
     G = layer.group if layer.res_k is not None else 0
-    ks, vs, table, sub_p, sub_e, fix_q, fix_row, fix_len = [], [], [], [], [], [], [], []
+    # per sub-request: its table row reads scratch slot qb + j for positions j < cut, fb + j from there
+    ks, vs, cut, qb, fb, sub_p, sub_e, fix_q, fix_row, fix_len = [], [], [], [], [], [], [], [], [], []
     off = start = 0
     for row, p, e in zip(req_pool_indices.tolist(), prefix_lens.tolist(), extend_lens.tolist()):
         T = p + e
@@ -53,15 +79,14 @@ def extend_attention(q: torch.Tensor, layer: kv_quant.QuantKVLayer, req_to_token
         if not G:  # fp8: every key as stored
             k, v = kv_quant.dequant_slots(layer, slots)
             ks.append(k.to(dt)), vs.append(v.to(dt))
-            table.append(torch.arange(off, off + T, device=dev))
-            sub_p.append(p), sub_e.append(e)
+            cut.append(T), qb.append(off), fb.append(off), sub_p.append(p), sub_e.append(e)
             off, start = off + T, start + e
             continue
         S, g0 = T // G * G, p // G * G
         qbase = off
         if S:
-            k, v = kv_quant.dequant_slots(layer, slots[:S])
-            ks.append(k.to(dt)), vs.append(v.to(dt))
+            k, v = dequant_groups(layer, slots[:S:G] // G, dt)
+            ks.append(k), vs.append(v)
             off += S
         fk, fv = kv_quant._own_group_kv(layer, slots[g0:], row, torch.arange(g0, T, device=dev),
                                         torch.tensor(S, device=dev))
@@ -69,19 +94,17 @@ def extend_attention(q: torch.Tensor, layer: kv_quant.QuantKVLayer, req_to_token
         fbase, off = off, off + T - g0
         for g in range(p // G, (T - 1) // G + 1):
             a, b = max(p, g * G), min(T, (g + 1) * G)
-            table.append(torch.cat((torch.arange(qbase, qbase + g * G, device=dev),
-                                    torch.arange(fbase + g * G - g0, fbase + b - g0, device=dev))))
-            sub_p.append(a), sub_e.append(b - a)
+            cut.append(g * G), qb.append(qbase), fb.append(fbase - g0), sub_p.append(a), sub_e.append(b - a)
             if b == (g + 1) * G:  # the group's last position sees the whole group quantized
                 fix_q.append(start + b - 1 - p), fix_row.append(row), fix_len.append(b)
         start += e
     kb, vb = torch.cat(ks), torch.cat(vs)  # [off, Hkv, D] in q's dtype
-    lmax = max(len(t) for t in table)
-    rt = torch.zeros((len(table), lmax), dtype=torch.int32, device=dev)
-    for i, t in enumerate(table):
-        rt[i, :len(t)] = t.to(torch.int32)
+    lmax = max(a + n for a, n in zip(sub_p, sub_e))
+    j = torch.arange(lmax, device=dev)[None, :]
+    col = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)[:, None]  # noqa: E731
+    rt = torch.where(j < col(cut), col(qb) + j, col(fb) + j).clamp_(max=off - 1).to(torch.int32)  # past a row: unread
     ints = dict(dtype=torch.int64, device=dev)
-    out = attend(q, kb, vb, rt, torch.arange(len(table), **ints), torch.tensor(sub_p, **ints),
+    out = attend(q, kb, vb, rt, torch.arange(len(sub_p), **ints), torch.tensor(sub_p, **ints),
                  torch.tensor(sub_e, **ints), sm_scale)
     if fix_q:
         idx = torch.tensor(fix_q, **ints)

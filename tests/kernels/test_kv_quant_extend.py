@@ -61,3 +61,20 @@ def test_reference_attend_gives_the_same():
     out = kv_quant_extend.extend_attention(q, s.layer, s.table, rows, p, e, 0.2, reference.extend_attention,
                                            kq.decode_attention)
     assert torch.allclose(out, kq.extend_attention(q, s.layer, s.table, rows, p, e, 0.2), atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_dequant_groups_equals_dequant_slots(kind, monkeypatch):
+    s = Seq(kind, G=16, page=32, rows=3, seed=7)
+    s.step({0: 48, 1: 64, 2: 17})
+    slots = torch.cat((s.table[0, :48], s.table[1, :64], s.table[2, :16])).long()
+    rk, rv = kq.dequant_slots(s.layer, slots)
+    for dtype in (torch.float32, torch.bfloat16):  # the C++ build, then the torch fallback
+        k, v = kv_quant_extend.dequant_groups(s.layer, slots[::16] // 16, dtype)
+        assert k.dtype == dtype and torch.equal(k, rk.to(dtype)) and torch.equal(v, rv.to(dtype))
+        k, v = kv_quant_cpu.dequant_groups(s.layer, slots[::16] // 16, dtype)  # C++ only
+        assert torch.equal(k, rk.to(dtype)) and torch.equal(v, rv.to(dtype))
+    with monkeypatch.context() as m:
+        m.setattr(kv_quant_cpu, "load", lambda: None)
+        k, v = kv_quant_extend.dequant_groups(s.layer, slots[::16] // 16, torch.bfloat16)
+        assert torch.equal(k, rk.bfloat16()) and torch.equal(v, rv.bfloat16())

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 #include "scalar_math.h"
+#include "kv_dequant.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #include "avx512_math.h"
@@ -444,6 +445,11 @@ TORCH_LIBRARY(sglite_kv_quant, m) {
   m.def("decode_attention(Tensor q, Tensor k_data, Tensor v_data, Tensor k_scale, Tensor v_scale, Tensor res_k, "
         "Tensor res_v, Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, Tensor sealed_lens, "
         "float sm_scale, int bits, int group) -> Tensor");
+  m.def("dequant_groups(Tensor k_data, Tensor v_data, Tensor k_scale, Tensor v_scale, Tensor gids, int bits, "
+        "int group, bool bf16_out) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(sglite_kv_quant, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(sglite_kv_quant, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("dequant_groups", &sglite_kv_dequant::dequant_groups);
+}

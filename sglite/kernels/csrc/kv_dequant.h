@@ -1,0 +1,85 @@
+// Whole key groups of an int8 / int4 KIVI pool dequantized into a float32 or bf16 buffer (the scratch
+// of sglite/kernels/kv_quant_extend.py; contract there, dequant_groups). The arithmetic is the torch
+// reference's (kv_quant.dequant_codes: code * scale + min in float32, a product then a sum, never
+// fused into one FMA), rounded once to bf16 (nearest even) for a bf16 buffer. Spliced into
+// kv_quant_attention.cpp (the op is registered there).
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <cstdint>
+#include <tuple>
+#include "thread_pool.h"
+
+namespace sglite_kv_dequant {
+
+// code * scale + min with the product rounded before the sum (the empty asm keeps the compiler from
+// contracting the two into an FMA, which torch's separate mul and add do not do)
+inline float dq(float c, float s, float m) {
+  float p = c * s;
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  asm volatile("" : "+x"(p));
+#endif
+  return p + m;
+}
+
+inline float h2f(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
+// D codes of a pool row -> c[0..D) (int8: a byte each; int4: split halves, low nibble channel j)
+inline void codes(const uint8_t* p, int64_t D, int bits, float* c) {
+  if (bits == 8) { for (int64_t d = 0; d < D; ++d) c[d] = (float)p[d]; return; }
+  for (int64_t j = 0; j < D / 2; ++j) { c[j] = (float)(p[j] & 0xF); c[j + D / 2] = (float)(p[j] >> 4); }
+}
+
+template <typename T>
+void run(const at::Tensor& kd, const at::Tensor& vd, const at::Tensor& ks, const at::Tensor& vs, const int64_t* g,
+         int64_t n, int64_t G, int64_t D, int bits, T* ko, T* vo) {
+  const int64_t H = kd.size(1);
+  const uint8_t *kp = kd.data_ptr<uint8_t>(), *vp = vd.data_ptr<uint8_t>();
+  const uint16_t *ksp = (const uint16_t*)ks.data_ptr(), *vsp = (const uint16_t*)vs.data_ptr();
+  sglite_pool::parallel_for(0, n * H, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> c(D);
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t i = task / H, h = task % H, gid = g[i];
+      const uint16_t* sc = ksp + (gid * H + h) * 2 * D;  // [2, D]: scales, minima
+      for (int64_t t = 0; t < G; ++t) {
+        const int64_t slot = gid * G + t, o = ((i * G + t) * H + h) * D;
+        codes(kp + slot * kd.stride(0) + h * kd.stride(1), D, bits, c.data());
+        for (int64_t d = 0; d < D; ++d) ko[o + d] = T(dq(c[d], h2f(sc[d]), h2f(sc[D + d])));
+        const uint16_t* v2 = vsp + slot * vs.stride(0) + h * vs.stride(1);
+        const float s = h2f(v2[0]), m = h2f(v2[1]);
+        codes(vp + slot * vd.stride(0) + h * vd.stride(1), D, bits, c.data());
+        for (int64_t d = 0; d < D; ++d) vo[o + d] = T(dq(c[d], s, m));
+      }
+    }
+  });
+}
+
+// k_data / v_data [S, Hkv, Dq] uint8 (unit last stride), k_scale [S/G, Hkv, 2, D] float16 contiguous,
+// v_scale [S, Hkv, 2] float16 (unit last stride), gids [n] int64 group ids -> K and V [n * G, Hkv, D]
+// float32 (or bf16 with bf16_out) of slots gid * G .. gid * G + G - 1 in order.
+inline std::tuple<at::Tensor, at::Tensor> dequant_groups(const at::Tensor& kd, const at::Tensor& vd, const at::Tensor& ks,
+                                                         const at::Tensor& vs, const at::Tensor& gids, int64_t bits,
+                                                         int64_t group, bool bf16_out) {
+  TORCH_CHECK_VALUE(bits == 8 || bits == 4, "dequant_groups: bits must be 8 or 4");
+  TORCH_CHECK_VALUE(kd.dim() == 3 && vd.sizes() == kd.sizes() && kd.scalar_type() == at::kByte && vd.scalar_type() == at::kByte
+                    && kd.stride(2) == 1 && vd.stride(2) == 1, "dequant_groups: codes must be uint8 [S, Hkv, Dq], unit stride along Dq");
+  const int64_t S = kd.size(0), H = kd.size(1), D = bits == 8 ? kd.size(2) : 2 * kd.size(2), G = group;
+  TORCH_CHECK_VALUE(G >= 1 && S % G == 0 && ks.scalar_type() == at::kHalf && ks.is_contiguous() && ks.dim() == 4
+                    && ks.size(0) == S / G && ks.size(1) == H && ks.size(2) == 2 && ks.size(3) == D,
+                    "dequant_groups: k_scale must be contiguous float16 [S/G, Hkv, 2, D]");
+  TORCH_CHECK_VALUE(vs.scalar_type() == at::kHalf && vs.dim() == 3 && vs.size(0) == S && vs.size(1) == H && vs.size(2) == 2
+                    && vs.stride(2) == 1, "dequant_groups: v_scale must be float16 [S, Hkv, 2]");
+  TORCH_CHECK_VALUE(gids.scalar_type() == at::kLong && gids.is_contiguous() && gids.dim() == 1, "dequant_groups: gids must be int64 [n]");
+  const int64_t n = gids.size(0);
+  const int64_t* g = gids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK_INDEX(g[i] >= 0 && g[i] < S / G, "dequant_groups: group ", g[i], " outside the pool");
+  const auto opt = kd.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat);
+  at::Tensor k = at::empty({n * G, H, D}, opt), v = at::empty({n * G, H, D}, opt);
+  if (bf16_out) run<c10::BFloat16>(kd, vd, ks, vs, g, n, G, D, (int)bits, k.data_ptr<c10::BFloat16>(), v.data_ptr<c10::BFloat16>());
+  else run<float>(kd, vd, ks, vs, g, n, G, D, (int)bits, k.data_ptr<float>(), v.data_ptr<float>());
+  return {k, v};
+}
+
+}  // namespace sglite_kv_dequant

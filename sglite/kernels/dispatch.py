@@ -100,8 +100,13 @@ def _quant_decode(name: str):
 def store_kv(k_buffer, v_buffer, out_cache_loc, k, v, *, impl: Optional[str] = None):
     """See :func:`sglite.kernels.reference.store_kv` (:func:`.kv_quant.store_kv` for a quantized
     pool layer)."""
-    if isinstance(k_buffer, kv_quant.QuantKVLayer):
-        return kv_quant.store_kv(k_buffer, out_cache_loc, k, v)
+    if isinstance(k_buffer, kv_quant.QuantKVLayer):  # groups the step completes sealed in C++ on CPU
+        seal = None
+        if resolve_impl(impl, k, "decode_attention") == "cpp":  # as the quantized decode chooses C++
+            from . import kv_quant_cpu
+
+            seal = kv_quant_cpu.seal_groups
+        return kv_quant.store_kv(k_buffer, out_cache_loc, k, v, seal)
     return _op("store_kv", resolve_impl(impl, k))(k_buffer, v_buffer, out_cache_loc, k, v)
 
 

@@ -34,7 +34,7 @@ Shapes: S slots, Hkv KV heads, D head dim (even for int4), R request rows, G = `
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -192,10 +192,13 @@ def gather_kv(layer: QuantKVLayer, slots: torch.Tensor, rows: torch.Tensor, pos:
 
 
 # ---------------------------------------------------------------------------- reference ops
-def store_kv(layer: QuantKVLayer, out_cache_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def store_kv(layer: QuantKVLayer, out_cache_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             seal: Optional[Callable] = None) -> None:
     """Write the step's new K/V (``k, v`` [N, Hkv, D], slots ``out_cache_loc`` [N] int64, tokens in
     the order of ``layer.step``): into the residual window, and every key group the step completes
-    quantized into the pool (codes and scales). fp8: every token quantized at once."""
+    quantized into the pool (codes and scales). fp8: every token quantized at once. ``seal``: a
+    compiled quantizer ``seal(layer, groups, bk, bv) -> bool`` with this module's arithmetic
+    (:func:`.kv_quant_cpu.seal_groups`; False: not covered, the torch code runs)."""
     if layer.kind == "fp8_e4m3":
         for data, x, scale in ((layer.k_data, k, layer.k_scale), (layer.v_data, v, layer.v_scale)):
             data[out_cache_loc] = (x.float() / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(data.dtype)
@@ -207,14 +210,14 @@ def store_kv(layer: QuantKVLayer, out_cache_loc: torch.Tensor, k: torch.Tensor, 
     idx = done.nonzero().squeeze(1)
     st.stash.pop(id(layer), None)
     if idx.numel():
-        _seal_groups(layer, out_cache_loc, k, v, idx)
+        _seal_groups(layer, out_cache_loc, k, v, idx, seal)
     if rest.numel():  # after sealing: the groups read their earlier tokens from the residual
         layer.res_k[rows[rest], pos[rest] % G] = k[rest].to(layer.res_k.dtype)
         layer.res_v[rows[rest], pos[rest] % G] = v[rest].to(layer.res_v.dtype)
 
 
 def _seal_groups(layer: QuantKVLayer, out_cache_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 idx: torch.Tensor) -> None:
+                 idx: torch.Tensor, seal: Optional[Callable] = None) -> None:
     """Quantize the groups that tokens ``idx`` of the step complete into the pool."""
     st, G = layer.step, layer.group
     rows, pos = st.tok_rows, st.positions
@@ -231,6 +234,8 @@ def _seal_groups(layer: QuantKVLayer, out_cache_loc: torch.Tensor, k: torch.Tens
     bk = bk.to(layer.res_k.dtype)
     bv = bv.to(layer.res_v.dtype)
     st.stash[id(layer)] = (groups, bk, bv)  # full precision of the sealed groups, for extend attention
+    if seal is not None and seal(layer, groups, bk, bv):
+        return
     kq, ks = quantize_keys(bk, layer.bits)  # [NB, G, Hkv, Dq], [NB, Hkv, 2, D]
     vq, vs = quantize_values(bv, layer.bits)  # [NB, G, Hkv, Dq], [NB, G, Hkv, 2]
     slots = (groups[:, None] * G + torch.arange(G, device=groups.device)).reshape(-1)  # [NB*G]

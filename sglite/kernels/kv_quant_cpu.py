@@ -91,3 +91,17 @@ def dequant_groups(layer: kv_quant.QuantKVLayer, gids: torch.Tensor, dtype: torc
         return None
     return ops.dequant_groups(layer.k_data, layer.v_data, layer.k_scale, layer.v_scale,
                               gids.to(torch.int64).contiguous(), layer.bits, layer.group, dtype == torch.bfloat16)
+
+
+def seal_groups(layer: kv_quant.QuantKVLayer, groups: torch.Tensor, bk: torch.Tensor, bv: torch.Tensor) -> bool:
+    """Quantize full-precision key groups ``bk`` / ``bv`` ([NB, G, Hkv, D] float32 / bfloat16) into
+    pool groups ``groups`` ([NB] int64) of an int8 / int4 CPU layer with :func:`.kv_quant.quantize`'s
+    arithmetic bit for bit (``csrc/kv_seal.h``, shared with the fused decode); False (nothing
+    written) when the C++ build is unavailable or the inputs are not covered."""
+    ops = load()
+    if (ops is None or layer.kind not in ("int8", "int4") or layer.k_data.device.type != "cpu"
+            or bk.dtype not in (torch.float32, torch.bfloat16) or not layer.k_scale.is_contiguous()):
+        return False
+    ops.seal_groups(layer.k_data, layer.v_data, layer.k_scale, layer.v_scale, bk.contiguous(), bv.contiguous(),
+                    groups.to(torch.int64).contiguous(), layer.bits)
+    return True

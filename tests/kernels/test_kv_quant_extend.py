@@ -78,3 +78,31 @@ def test_dequant_groups_equals_dequant_slots(kind, monkeypatch):
         m.setattr(kv_quant_cpu, "load", lambda: None)
         k, v = kv_quant_extend.dequant_groups(s.layer, slots[::16] // 16, torch.bfloat16)
         assert torch.equal(k, rk.bfloat16()) and torch.equal(v, rv.bfloat16())
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_sealing_equals_the_torch_quantizer(kind, dtype, monkeypatch):
+    """The store's groups sealed by the C++ (kv_quant_cpu.seal_groups, what kernels.store_kv runs on
+    CPU) are the torch quantizer's codes and scales, bit for bit, on steps that seal several groups of
+    several rows (one of them twice in one step)."""
+    sealed = []
+
+    def cpp_seal(layer, groups, bk, bv):
+        sealed.append(groups.numel())
+        return kv_quant_cpu.seal_groups(layer, groups, bk, bv)
+
+    def run(seal):
+        s = Seq(kind, G=16, page=16, rows=3, dtype=dtype, seed=11)
+        if seal:
+            monkeypatch.setattr(kq, "store_kv", lambda layer, loc, k, v: orig(layer, loc, k, v, cpp_seal))
+        s.step({0: 5, 1: 20})
+        s.step({0: 40, 1: 12, 2: 16})
+        monkeypatch.setattr(kq, "store_kv", orig)
+        return s.layer
+
+    orig = kq.store_kv
+    a, b = run(False), run(True)
+    assert sealed == [1, 4]  # row 1's first group, then 0's two (from 5 to 45 tokens), 1's second and 2's first
+    for name in ("k_data", "v_data", "k_scale", "v_scale", "res_k", "res_v"):
+        assert torch.equal(getattr(a, name).view(torch.uint8), getattr(b, name).view(torch.uint8)), name

@@ -16,6 +16,7 @@
 #include <vector>
 #include "scalar_math.h"
 #include "kv_dequant.h"
+#include "kv_seal.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #include "avx512_math.h"
@@ -447,9 +448,12 @@ TORCH_LIBRARY(sglite_kv_quant, m) {
         "float sm_scale, int bits, int group) -> Tensor");
   m.def("dequant_groups(Tensor k_data, Tensor v_data, Tensor k_scale, Tensor v_scale, Tensor gids, int bits, "
         "int group, bool bf16_out) -> (Tensor, Tensor)");
+  m.def("seal_groups(Tensor(a!) k_data, Tensor(b!) v_data, Tensor(c!) k_scale, Tensor(d!) v_scale, Tensor k_blocks, "
+        "Tensor v_blocks, Tensor gids, int bits) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(sglite_kv_quant, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("dequant_groups", &sglite_kv_dequant::dequant_groups);
+  m.impl("seal_groups", &sglite_kv_seal::seal_groups);
 }

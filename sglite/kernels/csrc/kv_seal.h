@@ -1,0 +1,133 @@
+// Sealing KIVI key groups into an int8 / int4 pool in C++: the fused decode's step where a row
+// stores its group's last position (decode_kv_quant.h, from the residual window) and the per-op
+// store's groups (kv_quant_attention.cpp's seal_groups op, from the step's full-precision blocks;
+// sglite/kernels/kv_quant.py _seal_groups). The arithmetic is kv_quant.quantize's, bit for bit: float32 math, the
+// minimum and the scale (max - min) / qmax rounded to float16 (nearest even) before use, codes
+// round((x - min) * (1 / scale)) half to even, clamped to [0, qmax] (a zero scale gives code 0);
+// keys per channel over the group's G positions, values per token over the head's D channels;
+// int4 codes packed two a byte in split halves (low nibble: channel j, high: channel j + D/2).
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+#include <ATen/ATen.h>
+#include <c10/util/Half.h>
+#include "thread_pool.h"
+
+namespace sglite_kv_seal {
+
+inline uint16_t half_bits(float x) { return c10::Half(x).x; }
+inline float half_value(uint16_t b) { return static_cast<float>(c10::Half(b, c10::Half::from_bits())); }
+
+// n values x[i * stride] -> codes[i] (one byte a value, before int4 packing); sc / mn: float16 bits
+inline void quantize(const float* x, int64_t n, int64_t stride, int qmax, uint8_t* codes, uint16_t& sc, uint16_t& mn) {
+  float lo = std::numeric_limits<float>::infinity(), hi = -lo;
+  for (int64_t i = 0; i < n; ++i) { lo = std::min(lo, x[i * stride]); hi = std::max(hi, x[i * stride]); }
+  mn = half_bits(lo);
+  const float mnf = half_value(mn);
+  sc = half_bits((hi - mnf) / (float)qmax);
+  const float scf = half_value(sc), inv = scf > 0.f ? 1.0f / scf : 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float q = std::nearbyint((x[i * stride] - mnf) * inv);
+    codes[i] = (uint8_t)std::min(std::max(q, 0.f), (float)qmax);
+  }
+}
+
+// D codes of one (position, head) -> the pool row (int8: as is; int4: split halves)
+inline void put_codes(const uint8_t* c, int64_t D, int bits, uint8_t* out) {
+  if (bits == 8) { std::copy(c, c + D, out); return; }
+  for (int64_t j = 0; j < D / 2; ++j) out[j] = (uint8_t)(c[j] | (c[j + D / 2] << 4));
+}
+
+// The G residual rows [G, Hkv, D] of request row `row` of a window r [R, G, Hkv, D] (float32 | bf16,
+// contiguous) in float32
+inline std::vector<float> window(const at::Tensor& r, int64_t row) {
+  const int64_t n = r.size(1) * r.size(2) * r.size(3);
+  std::vector<float> x(n);
+  if (r.scalar_type() == at::kBFloat16) {
+    const c10::BFloat16* p = r.data_ptr<c10::BFloat16>() + row * n;
+    for (int64_t i = 0; i < n; ++i) x[i] = (float)p[i];
+  } else {
+    std::copy(r.data_ptr<float>() + row * n, r.data_ptr<float>() + (row + 1) * n, x.begin());
+  }
+  return x;
+}
+
+// Quantize one group's full-precision K and V (k, v: float32 [G, Hkv, D]) into the pool slots
+// slot0 .. slot0 + G - 1 (slot0 a multiple of G): t = (k_data, v_data [S, Hkv, Dq] uint8; k_scale
+// [S/G, Hkv, 2, D] float16 contiguous; v_scale [S, Hkv, 2] float16).
+inline void seal_block(const at::Tensor* t, const float* k, const float* v, int64_t slot0, int bits) {
+  const at::Tensor &kd = t[0], &vd = t[1], &ks = t[2], &vs = t[3];
+  const int64_t Hkv = kd.size(1), D = bits == 8 ? kd.size(2) : 2 * kd.size(2), G = kd.size(0) / ks.size(0);
+  const int64_t gid = slot0 / G;
+  const int qmax = (1 << bits) - 1;
+  TORCH_CHECK(kd.scalar_type() == at::kByte && vd.scalar_type() == at::kByte && ks.scalar_type() == at::kHalf
+              && vs.scalar_type() == at::kHalf && ks.is_contiguous() && kd.stride(2) == 1 && vd.stride(2) == 1
+              && vs.stride(2) == 1, "seal: a quantized pool layer has uint8 codes and float16 scales");
+  TORCH_CHECK_INDEX(slot0 >= 0 && slot0 % G == 0 && slot0 + G <= kd.size(0), "seal: key group at slot ", slot0,
+                    " outside the pool");
+  std::vector<uint8_t> codes(G * D), col(G);
+  uint16_t* kscale = (uint16_t*)ks.data_ptr() + gid * Hkv * 2 * D;
+  uint8_t* kdata = kd.data_ptr<uint8_t>();
+  for (int64_t h = 0; h < Hkv; ++h) {  // keys: per channel over the G positions
+    for (int64_t d = 0; d < D; ++d) {
+      quantize(k + h * D + d, G, Hkv * D, qmax, col.data(), kscale[(h * 2) * D + d], kscale[(h * 2 + 1) * D + d]);
+      for (int64_t i = 0; i < G; ++i) codes[i * D + d] = col[i];
+    }
+    for (int64_t i = 0; i < G; ++i) put_codes(codes.data() + i * D, D, bits, kdata + (slot0 + i) * kd.stride(0) + h * kd.stride(1));
+  }
+  uint8_t* vdata = vd.data_ptr<uint8_t>();
+  uint16_t* vscale = (uint16_t*)vs.data_ptr();
+  for (int64_t i = 0; i < G; ++i)  // values: per token and head over the D channels
+    for (int64_t h = 0; h < Hkv; ++h) {
+      uint16_t* s = vscale + (slot0 + i) * vs.stride(0) + h * vs.stride(1);
+      quantize(v + (i * Hkv + h) * D, D, 1, qmax, codes.data(), s[0], s[1]);
+      put_codes(codes.data(), D, bits, vdata + (slot0 + i) * vd.stride(0) + h * vd.stride(1));
+    }
+}
+
+// The group of request row `row` from its residual window (t[4], t[5]: res_k, res_v [R, G, Hkv, D]
+// float32 | bf16 contiguous) into the slots from slot0.
+inline void seal_group(const at::Tensor* t, int64_t row, int64_t slot0, int bits) {
+  TORCH_CHECK(t[4].is_contiguous() && t[5].is_contiguous() && row >= 0 && row < t[4].size(0),
+              "seal: residual windows must be contiguous and hold request row ", row);
+  const std::vector<float> k = window(t[4], row), v = window(t[5], row);
+  seal_block(t, k.data(), v.data(), slot0, bits);
+}
+
+// The per-op store's sealing (the seal_groups op of kv_quant_attention.cpp): blocks k_blocks /
+// v_blocks [NB, G, Hkv, D] float32 | bf16 contiguous (each group's full-precision rows, the step's
+// stash) quantized into pool groups gids [NB] int64, the blocks split over the thread pool.
+inline void seal_groups(const at::Tensor& kd, const at::Tensor& vd, const at::Tensor& ks, const at::Tensor& vs,
+                        const at::Tensor& bk, const at::Tensor& bv, const at::Tensor& gids, int64_t bits) {
+  TORCH_CHECK_VALUE(bits == 8 || bits == 4, "seal_groups: bits must be 8 or 4");
+  TORCH_CHECK_VALUE(bk.dim() == 4 && bv.sizes() == bk.sizes() && bk.is_contiguous() && bv.is_contiguous()
+                    && bk.scalar_type() == bv.scalar_type() && (bk.scalar_type() == at::kFloat || bk.scalar_type() == at::kBFloat16)
+                    && bk.size(2) == kd.size(1) && bk.size(3) == (bits == 8 ? kd.size(2) : 2 * kd.size(2))
+                    && ks.size(0) > 0 && bk.size(1) * ks.size(0) == kd.size(0),
+                    "seal_groups: blocks must be contiguous float32 / bf16 [NB, G, Hkv, D] of the pool's group and heads");
+  TORCH_CHECK_VALUE(gids.scalar_type() == at::kLong && gids.is_contiguous() && gids.numel() == bk.size(0),
+                    "seal_groups: gids must be int64 [NB]");
+  const at::Tensor t[4] = {kd, vd, ks, vs};
+  const int64_t NB = bk.size(0), n = bk.numel() / std::max<int64_t>(NB, 1), G = bk.size(1);
+  const int64_t* g = gids.data_ptr<int64_t>();
+  sglite_pool::parallel_for(0, NB, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> k(n), v(n);
+    for (int64_t b = lo; b < hi; ++b) {
+      if (bk.scalar_type() == at::kBFloat16) {
+        const c10::BFloat16 *pk = bk.data_ptr<c10::BFloat16>() + b * n, *pv = bv.data_ptr<c10::BFloat16>() + b * n;
+        for (int64_t i = 0; i < n; ++i) { k[i] = (float)pk[i]; v[i] = (float)pv[i]; }
+      } else {
+        std::copy(bk.data_ptr<float>() + b * n, bk.data_ptr<float>() + (b + 1) * n, k.begin());
+        std::copy(bv.data_ptr<float>() + b * n, bv.data_ptr<float>() + (b + 1) * n, v.begin());
+      }
+      seal_block(t, k.data(), v.data(), g[b] * G, (int)bits);
+    }
+  });
+}
+
+}  // namespace sglite_kv_seal
+

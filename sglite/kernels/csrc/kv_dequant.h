@@ -10,6 +10,10 @@
 #include <c10/util/Half.h>
 #include <cstdint>
 #include <tuple>
+#include <type_traits>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include "thread_pool.h"
 
 namespace sglite_kv_dequant {
@@ -32,6 +36,31 @@ inline void codes(const uint8_t* p, int64_t D, int bits, float* c) {
   for (int64_t j = 0; j < D / 2; ++j) { c[j] = (float)(p[j] & 0xF); c[j + D / 2] = (float)(p[j] >> 4); }
 }
 
+// o[d] = T(c[d] * s[d] + m[d]) for d < D (s, m: float16 bits, or one broadcast value each when
+// sv / mv are given), AVX-512 where compiled for it (the product kept apart from the sum as in dq)
+template <typename T>
+inline void dq_row(const float* c, const uint16_t* s, const uint16_t* m, float sv, float mv, int64_t D, T* o) {
+  int64_t d = 0;
+#if defined(__AVX512F__) && defined(__F16C__)
+  for (; d + 16 <= D; d += 16) {
+    const __m512 sc = s ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s + d))) : _mm512_set1_ps(sv);
+    const __m512 mn = m ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(m + d))) : _mm512_set1_ps(mv);
+    __m512 p = _mm512_mul_ps(_mm512_loadu_ps(c + d), sc);
+    asm volatile("" : "+v"(p));
+    const __m512 x = _mm512_add_ps(p, mn);
+    if constexpr (std::is_same_v<T, float>) {
+      _mm512_storeu_ps(o + d, x);
+    } else {  // bf16, round to nearest even (finite values: c10::BFloat16's rounding)
+      const __m512i b = _mm512_castps_si512(x);
+      const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                                            _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1))));
+      _mm256_storeu_si256((__m256i*)(o + d), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+    }
+  }
+#endif
+  for (; d < D; ++d) o[d] = T(dq(c[d], s ? h2f(s[d]) : sv, m ? h2f(m[d]) : mv));
+}
+
 template <typename T>
 void run(const at::Tensor& kd, const at::Tensor& vd, const at::Tensor& ks, const at::Tensor& vs, const int64_t* g,
          int64_t n, int64_t G, int64_t D, int bits, T* ko, T* vo) {
@@ -46,11 +75,10 @@ void run(const at::Tensor& kd, const at::Tensor& vd, const at::Tensor& ks, const
       for (int64_t t = 0; t < G; ++t) {
         const int64_t slot = gid * G + t, o = ((i * G + t) * H + h) * D;
         codes(kp + slot * kd.stride(0) + h * kd.stride(1), D, bits, c.data());
-        for (int64_t d = 0; d < D; ++d) ko[o + d] = T(dq(c[d], h2f(sc[d]), h2f(sc[D + d])));
+        dq_row<T>(c.data(), sc, sc + D, 0.f, 0.f, D, ko + o);
         const uint16_t* v2 = vsp + slot * vs.stride(0) + h * vs.stride(1);
-        const float s = h2f(v2[0]), m = h2f(v2[1]);
         codes(vp + slot * vd.stride(0) + h * vd.stride(1), D, bits, c.data());
-        for (int64_t d = 0; d < D; ++d) vo[o + d] = T(dq(c[d], s, m));
+        dq_row<T>(c.data(), nullptr, nullptr, h2f(v2[0]), h2f(v2[1]), D, vo + o);
       }
     }
   });

@@ -13,6 +13,9 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <ATen/ATen.h>
 #include <c10/util/Half.h>
 #include "thread_pool.h"
@@ -35,6 +38,36 @@ inline void quantize(const float* x, int64_t n, int64_t stride, int qmax, uint8_
     codes[i] = (uint8_t)std::min(std::max(q, 0.f), (float)qmax);
   }
 }
+
+#if defined(__AVX512F__) && defined(__F16C__)
+// quantize() for 16 columns at once: x[i * stride + j] for i < n, j < 16 -> codes[i * cstride + j],
+// each column's float16 scale / minimum bits into sc[0..16) / mn[0..16); the same float32 and
+// rounding steps as the scalar quantize (VCVTPS2PH and VRNDSCALEPS round to nearest even).
+inline void quantize16(const float* x, int64_t n, int64_t stride, int qmax, uint8_t* codes, int64_t cstride,
+                       uint16_t* sc, uint16_t* mn) {
+  constexpr int RN = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  __m512 lo = _mm512_set1_ps(std::numeric_limits<float>::infinity()), hi = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < n; ++i) {
+    const __m512 v = _mm512_loadu_ps(x + i * stride);
+    lo = _mm512_min_ps(lo, v);
+    hi = _mm512_max_ps(hi, v);
+  }
+  const __m256i mnh = _mm512_cvtps_ph(lo, RN);
+  const __m512 mnf = _mm512_cvtph_ps(mnh);
+  const __m256i sch = _mm512_cvtps_ph(_mm512_div_ps(_mm512_sub_ps(hi, mnf), _mm512_set1_ps((float)qmax)), RN);
+  const __m512 scf = _mm512_cvtph_ps(sch);
+  const __mmask16 pos = _mm512_cmp_ps_mask(scf, _mm512_setzero_ps(), _CMP_GT_OQ);
+  const __m512 inv = _mm512_maskz_div_ps(pos, _mm512_set1_ps(1.0f), scf);
+  _mm256_storeu_si256((__m256i*)mn, mnh);
+  _mm256_storeu_si256((__m256i*)sc, sch);
+  const __m512 top = _mm512_set1_ps((float)qmax), zero = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i * stride), mnf), inv), RN);
+    q = _mm512_min_ps(_mm512_max_ps(q, zero), top);
+    _mm_storeu_si128((__m128i*)(codes + i * cstride), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q)));
+  }
+}
+#endif
 
 // D codes of one (position, head) -> the pool row (int8: as is; int4: split halves)
 inline void put_codes(const uint8_t* c, int64_t D, int bits, uint8_t* out) {
@@ -73,7 +106,12 @@ inline void seal_block(const at::Tensor* t, const float* k, const float* v, int6
   uint16_t* kscale = (uint16_t*)ks.data_ptr() + gid * Hkv * 2 * D;
   uint8_t* kdata = kd.data_ptr<uint8_t>();
   for (int64_t h = 0; h < Hkv; ++h) {  // keys: per channel over the G positions
-    for (int64_t d = 0; d < D; ++d) {
+    int64_t d = 0;
+#if defined(__AVX512F__) && defined(__F16C__)
+    for (; d + 16 <= D; d += 16)
+      quantize16(k + h * D + d, G, Hkv * D, qmax, codes.data() + d, D, kscale + (h * 2) * D + d, kscale + (h * 2 + 1) * D + d);
+#endif
+    for (; d < D; ++d) {
       quantize(k + h * D + d, G, Hkv * D, qmax, col.data(), kscale[(h * 2) * D + d], kscale[(h * 2 + 1) * D + d]);
       for (int64_t i = 0; i < G; ++i) codes[i * D + d] = col[i];
     }

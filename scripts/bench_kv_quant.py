@@ -3,6 +3,7 @@
 
     .venv/bin/python scripts/bench_kv_quant.py accuracy --tokens 4096 --window 1024
     .venv/bin/python scripts/bench_kv_quant.py speed --batch 64 --context 1024
+    .venv/bin/python scripts/bench_kv_quant.py prefill --words 700
 
 * density: pool bytes per token (scales included) of the allocated tensors, tokens per GiB, ratio
   to the bfloat16 pool.
@@ -21,7 +22,9 @@
   bfloat16 pool. Two steps are timed: the one where row 0 completes its key group (``--context`` a
   multiple of 128) and the one before it; ``step_ms`` weighs them as steady decoding of fewer than
   128 staggered rows meets them (a sealing row in min(B, 128) / 128 of the steps: at batch 1 one
-  step in 128; the int pools' sealing steps run the per-op path).
+  step in 128).
+* prefill: time to first token of a ~2,300-token prompt (``--words 700``) per KV dtype, an engine
+  each, median of ``--reps`` fresh prompts.
 """
 from __future__ import annotations
 
@@ -184,6 +187,35 @@ def speed(args) -> dict:
             "steady_weight_of_sealing_steps": p if (B % 128 and L % 128 == 0) else 1.0, "rows": out}
 
 
+def prefill(args) -> dict:
+    """Time to first token of one prompt of about ``--words`` words (~3.3 tokens a word) per KV dtype,
+    an engine each (default model, default flags), after a warm-up request; ``--reps`` fresh prompts
+    (no cache hit), median wall time, and its ratio to the bfloat16 pool's."""
+    from sglite import Engine
+
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+
+    def prompt(seed: int) -> str:
+        return " ".join(words[(seed * 7 + i * 3) % 10] + str(i % 97) for i in range(args.words))
+
+    sp = {"max_new_tokens": 1, "temperature": 0}
+    rows = []
+    for kvd in DTYPES:
+        e = Engine(kv_cache_dtype="auto" if kvd == "bfloat16" else kvd, max_total_tokens=16384, log_level="warning")
+        e.generate(prompt(0)[:2000], sp)
+        ts, n = [], 0
+        for r in range(1, args.reps + 1):
+            t = time.perf_counter()
+            n = e.generate(prompt(r), sp)["meta_info"]["prompt_tokens"]
+            ts.append(time.perf_counter() - t)
+        e.shutdown()
+        rows.append({"kv_cache_dtype": kvd, "prompt_tokens": n, "ttft_ms": 1000 * statistics.median(ts),
+                     "runs_ms": [round(1000 * x, 1) for x in ts]})
+    for r in rows:
+        r["vs_bf16_pool"] = r["ttft_ms"] / rows[0]["ttft_ms"]
+    return {"words": args.words, "threads": torch.get_num_threads(), "rows": rows}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -195,8 +227,11 @@ def main() -> int:
     s.add_argument("--context", type=int, default=1024)
     s.add_argument("--reps", type=int, default=5)
     s.add_argument("--dtype", default="bfloat16")
+    f = sub.add_parser("prefill")
+    f.add_argument("--words", type=int, default=700)
+    f.add_argument("--reps", type=int, default=3)
     args = p.parse_args()
-    print(json.dumps(accuracy(args) if args.cmd == "accuracy" else speed(args), indent=1))
+    print(json.dumps({"accuracy": accuracy, "speed": speed, "prefill": prefill}[args.cmd](args), indent=1))
     return 0
 
 

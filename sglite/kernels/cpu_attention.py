@@ -66,9 +66,11 @@ def available() -> bool:
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the kernel covers these inputs (CPU, float32/bfloat16, D <= 256, unit stride along D)."""
+    """Whether the kernel covers these inputs (CPU, float32/bfloat16 q, a float32/bfloat16 pool or,
+    for the decode, float8_e4m3fn codes (their scales are the caller's: :mod:`.kv_quant_cpu`),
+    D <= 256, unit stride along D)."""
     return (q.device.type == "cpu" and k.device.type == "cpu" and v.device.type == "cpu"
-            and q.dtype in _DTYPES and k.dtype in _DTYPES and v.dtype == k.dtype
+            and q.dtype in _DTYPES and k.dtype in _DTYPES + (torch.float8_e4m3fn,) and v.dtype == k.dtype
             and q.dim() == 3 and k.dim() == 3 and q.shape[-1] <= MAX_HEAD_DIM
             and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1)
 
@@ -251,7 +253,7 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     Falls back to the reference when the extension is unavailable or the inputs are not covered.
     """
     ops = load_extend()
-    if ops is None or not supported(q, k_buffer, v_buffer):
+    if ops is None or not supported(q, k_buffer, v_buffer) or k_buffer.dtype not in _DTYPES:  # no fp8 extend
         return reference.extend_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices,
                                           prefix_lens, extend_lens, sm_scale, window, softcap)
     if req_to_token.dtype != torch.int32 or req_to_token.stride(-1) != 1:

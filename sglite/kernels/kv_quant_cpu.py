@@ -64,6 +64,8 @@ def decode_attention(q: torch.Tensor, layer: kv_quant.QuantKVLayer, req_to_token
         ValueError: mismatched shapes, a seq_len outside [1, Lmax].
         IndexError: a request row or a slot outside the table / pool.
     """
+    if layer.kind == "fp8_e4m3":
+        return decode_attention_fp8(q, layer, req_to_token, req_pool_indices, seq_lens, sm_scale)
     ops = load()
     if ops is None or not supported(q, layer):
         return kv_quant.decode_attention(q, layer, req_to_token, req_pool_indices, seq_lens, sm_scale)
@@ -78,6 +80,31 @@ def decode_attention(q: torch.Tensor, layer: kv_quant.QuantKVLayer, req_to_token
         i = stash.nonzero().squeeze(1)
         out[i] = kv_quant.decode_attention(q[i], layer, req_to_token, rows[i], seq_lens[i], sm_scale)
     return out
+
+
+def fp8_scales(q: torch.Tensor, layer: kv_quant.QuantKVLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp8 pool's per-KV-head key and value scales ([Hkv] float32) as factors of q's heads:
+    [Hq, 1] float32 each (query head h belongs to KV head h // (Hq / Hkv))."""
+    g = q.shape[1] // layer.k_scale.shape[0]
+    return (layer.k_scale.float().repeat_interleave(g)[:, None], layer.v_scale.float().repeat_interleave(g)[:, None])
+
+
+def decode_attention_fp8(q: torch.Tensor, layer: kv_quant.QuantKVLayer, req_to_token: torch.Tensor,
+                         req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """Decode attention over an fp8_e4m3 pool through :mod:`.cpu_attention`'s kernel, which reads the
+    float8 codes in place (``load16`` of ``csrc/cpu_attention.cpp``): the scores of ``q * k_scale``
+    against the codes equal those of ``q`` against ``codes * k_scale`` (the reference's dequantized
+    keys) up to float32 rounding, and the output is scaled by ``v_scale``; the torch reference when
+    the kernel is unavailable. q [B, Hq, D] -> [B, Hq, D] in q's dtype."""
+    from . import cpu_attention
+
+    if (not cpu_attention.available() or q.device.type != "cpu" or layer.k_data.stride(-1) != 1
+            or layer.head_dim > cpu_attention.MAX_HEAD_DIM):
+        return kv_quant.decode_attention(q, layer, req_to_token, req_pool_indices, seq_lens, sm_scale)
+    ks, vs = fp8_scales(q, layer)
+    out = cpu_attention.decode_attention((q.float() * ks).contiguous(), layer.k_data, layer.v_data, req_to_token,
+                                         req_pool_indices, seq_lens, sm_scale, cascade_min=0)
+    return (out * vs).to(q.dtype)
 
 
 def dequant_groups(layer: kv_quant.QuantKVLayer, gids: torch.Tensor, dtype: torch.dtype):

@@ -106,3 +106,39 @@ def test_cpp_sealing_equals_the_torch_quantizer(kind, dtype, monkeypatch):
     assert sealed == [1, 4]  # row 1's first group, then 0's two (from 5 to 45 tokens), 1's second and 2's first
     for name in ("k_data", "v_data", "k_scale", "v_scale", "res_k", "res_v"):
         assert torch.equal(getattr(a, name).view(torch.uint8), getattr(b, name).view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_fp8_decode_reads_the_codes_in_place(dtype, tol):
+    """fp8 pools: the C++ decode (cpu_attention's kernel on the float8 codes, q scaled by the key
+    scales, the output by the value scales) against the torch reference, with non-unit scales and
+    subnormal codes; what kernels.decode_attention runs for an fp8 layer on CPU."""
+    s = Seq("fp8_e4m3", rows=4, D=16, Hkv=2, dtype=dtype, seed=13)
+    s.layer.k_scale.copy_(torch.tensor([0.5, 2.0]))
+    s.layer.v_scale.copy_(torch.tensor([1.5, 0.25]))
+    s.step({0: 37, 1: 16, 2: 5, 3: 50})
+    s.layer.k_data[s.table[2, :5].long(), 0, :4] = torch.tensor([0.001, -0.003, 0.0, -0.0]).to(torch.float8_e4m3fn)
+    rows, lens = torch.tensor([0, 1, 2, 3]), torch.tensor([37, 16, 5, 50])
+    q = torch.randn(4, 4, 16, generator=torch.Generator().manual_seed(3)).to(dtype)
+    ref = kq.decode_attention(q, s.layer, s.table, rows, lens, 0.25)
+    out = dispatch.decode_attention(q, s.layer, s.layer, s.table, rows, lens, 0.25, impl="cpp")
+    assert out.dtype == dtype and torch.allclose(out.float(), ref.float(), atol=tol), (out.float() - ref.float()).abs().max()
+
+
+def test_fp8_scalar_widening_is_exact():
+    """scalar_math.h's widen(uint8_t) (the non-AVX-512 path of the fp8 decode) against torch's float8
+    conversion, every one of the 256 codes (NaN codes compared as NaN)."""
+    from sglite.kernels.cpu_build import load_cpp, read_source
+
+    src = read_source("scalar_math.h").replace("#pragma once", "") + """
+at::Tensor widen_all() {
+  at::Tensor out = at::empty({256}, at::kFloat);
+  for (int i = 0; i < 256; ++i) out.data_ptr<float>()[i] = sglite_scalar::widen((uint8_t)i);
+  return out;
+}"""
+    mod = load_cpp("sglite_test_widen_fp8", "#include <cstdint>\n#include <cstring>\n" + src, functions=["widen_all"])
+    got = mod.widen_all()
+    want = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    ok = ~torch.isnan(want)
+    assert torch.equal(got[ok].view(torch.int32), want[ok].view(torch.int32))

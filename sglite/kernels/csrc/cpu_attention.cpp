@@ -48,6 +48,15 @@ inline __m512 load16(const uint16_t* p, __mmask16 m) {
   __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
+// float8 e4m3fn bits -> float32: the 7 low bits shifted into a float16's exponent and mantissa
+// (e4m3's exponent bias 7 against float16's 15: a factor 2^-8, undone by the product, exact), so
+// subnormals convert exactly too; used for fp8_e4m3 pools (NaN codes are not stored: the store clamps)
+inline __m512 load16(const uint8_t* p, __mmask16 m) {
+  const __m512i x = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, p));
+  const __m512i h = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 8),
+                                    _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x7F)), 7));
+  return _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)), _mm512_set1_ps(256.0f));
+}
 using sglite_simd::exp_nonpos;
 
 template <int NC, typename T> inline void load_row(const T* p, int D, __m512* out) {
@@ -383,7 +392,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kb, const at:
   TORCH_CHECK_VALUE(rows.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && rows.is_contiguous() && lens.is_contiguous()
                     && rows.numel() == B && lens.numel() == B, "decode_attention: req_pool_indices and seq_lens must be contiguous int64 [B]");
   const bool kv_bf16 = kb.scalar_type() == at::kBFloat16, q_bf16 = q.scalar_type() == at::kBFloat16;
-  TORCH_CHECK_VALUE(kv_bf16 || kb.scalar_type() == at::kFloat, "decode_attention: pool dtype must be float32 or bfloat16");
+  const bool kv_fp8 = kb.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK_VALUE(kv_bf16 || kv_fp8 || kb.scalar_type() == at::kFloat,
+                    "decode_attention: pool dtype must be float32, bfloat16 or float8_e4m3fn");
   TORCH_CHECK_VALUE(q_bf16 || q.scalar_type() == at::kFloat, "decode_attention: q dtype must be float32 or bfloat16");
   const int64_t* rp = rows.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
@@ -411,6 +422,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kb, const at:
       }
     }
 #endif
+    run(j, B, (int)Hkv, max_len);
+  } else if (kv_fp8) {  // keys and values as stored (their per-head scales are the caller's: kv_quant_cpu)
+    Job<uint8_t> j{(const uint8_t*)kb.data_ptr(), (const uint8_t*)vb.data_ptr(), kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1), S,
+                   q.data_ptr(), q_bf16, (int)Hq, q.stride(0), q.stride(1), out.data_ptr(), q_bf16, rtp, rt.stride(0), rp, lp,
+                   G, (int)D, Dp, (float)sm_scale, window, (float)softcap};
     run(j, B, (int)Hkv, max_len);
   } else {
     Job<float> j{kb.data_ptr<float>(), vb.data_ptr<float>(), kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1), S,

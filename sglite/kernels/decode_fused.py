@@ -177,8 +177,8 @@ class FusedDecode:
     def quant_pool_args(self, fb, layers) -> Optional[tuple]:
         """``(k_buffers, v_buffers, out_cache_loc, kvq args)`` for a step over an int8 / int4 KIVI
         pool (``layers``: its :class:`.kv_quant.QuantKVLayer` list), or None when such a step is
-        not for the fused path: another kind (fp8), the C++ attention unavailable or not covering
-        the layer, or a family layer.
+        not for the fused path: the C++ attention unavailable or not covering the layer, or a
+        family layer (fp8 pools: :meth:`_fp8_pool_args`).
 
         The step's K/V go into the residual windows (viewed [R * G, Hkv, D], row ``request row * G +
         position % G``), where the per-op :func:`.kv_quant.store_kv` puts a token that completes
@@ -186,6 +186,8 @@ class FusedDecode:
         (``csrc/decode_kv_quant.h``, :func:`.kv_quant.quantize`'s arithmetic bit for bit) before each
         layer's attention, :mod:`.kv_quant_cpu`'s op (the per-op path's kernel)."""
         L0 = layers[0]
+        if L0.kind == "fp8_e4m3":
+            return self._fp8_pool_args(fb, layers)
         if (not self.quant_kv or L0.kind not in ("int8", "int4") or L0.res_k.dtype not in (torch.float32, torch.bfloat16)
                 or not kv_quant_cpu.available() or L0.head_dim > kv_quant_cpu.MAX_HEAD_DIM):
             return None
@@ -204,6 +206,28 @@ class FusedDecode:
         with serial_torch():
             loc = (fb.dec_req_pool_indices * G + (lens - 1) % G).contiguous()
         return kb, vb, loc, (kvq, fb.out_cache_loc.contiguous(), L0.bits)
+
+    def _fp8_pool_args(self, fb, layers) -> Optional[tuple]:
+        """:meth:`quant_pool_args` of an fp8_e4m3 pool: its float8 codes as the buffers, stored at the
+        step's slots as ``x / scale`` (as :func:`.kv_quant.store_kv`), and per layer the key and
+        value scales [Hkv] and the same as factors of the query heads [Hq] (float32): the attention
+        (:mod:`.cpu_attention`'s kernel, which reads the codes) runs on ``q * key scale`` and the
+        output is scaled by the value scale, as :func:`.kv_quant_cpu.decode_attention_fp8`."""
+        L0 = layers[0]
+        if not self.quant_kv or not cpu_attention.available() or L0.k_data.stride(-1) != 1:
+            return None
+        key = ("fp8", id(L0), len(layers))
+        if self._kvq is None or self._kvq[0] != key:
+            Hq = self.dims[0]
+            dummy = torch.empty(1, Hq, 1)
+            kvq = []
+            for x in layers:
+                kf, vf = kv_quant_cpu.fp8_scales(dummy, x)
+                kvq += [x.k_scale.float().contiguous(), x.v_scale.float().contiguous(), kf[:, 0].contiguous(),
+                        vf[:, 0].contiguous()]
+            self._kvq = (key, layers, [x.k_data for x in layers], [x.v_data for x in layers], kvq)
+        _, _, kb, vb, kvq = self._kvq
+        return kb, vb, fb.out_cache_loc, (kvq, _PLAIN_POOL[1], 0)
 
     def hidden(self, fb, k_buffers, v_buffers, quant: Optional[tuple] = None) -> torch.Tensor:
         """[N, H] float32 final-normed hidden states of the step's decode rows (KV written), with

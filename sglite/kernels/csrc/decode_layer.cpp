@@ -259,20 +259,31 @@ void add_norm_rows(const PoolPar& par, int64_t M, int64_t H, float* x, const flo
 
 // Layer `l`'s pool checked for the K/V stores of rope_store_rows (kb / vb: [S, Hkv, D], float32 or
 // bf16, unit stride along D; the error prefixed `who`).
-void check_pool(const at::Tensor& kb, const at::Tensor& vb, int64_t Hkv, int64_t D, const char* who, int64_t l) {
+void check_pool(const at::Tensor& kb, const at::Tensor& vb, int64_t Hkv, int64_t D, const char* who, int64_t l,
+                bool fp8 = false) {
   TORCH_CHECK(kb.dim() == 3 && kb.size(1) == Hkv && kb.size(2) == D && kb.stride(2) == 1 && vb.sizes() == kb.sizes()
               && vb.stride(2) == 1 && vb.scalar_type() == kb.scalar_type(), who, ": pool of layer ", l, " is not [S, Hkv, D]");
-  TORCH_CHECK(kb.scalar_type() == at::kBFloat16 || kb.scalar_type() == at::kFloat, who, ": pool dtype must be float32 or bfloat16");
+  TORCH_CHECK(fp8 ? kb.scalar_type() == at::kFloat8_e4m3fn : (kb.scalar_type() == at::kBFloat16 || kb.scalar_type() == at::kFloat),
+              who, ": pool dtype must be float32 or bfloat16 (float8_e4m3fn with its scales)");
 }
 
 // Rows [lo, hi) of the M qkv rows [M, Nqkv] (q: Hq heads, then Hkv k and Hkv v heads of D): RoPE on
 // their q and k heads (cp / sp: cos / sin [M, D/2]), the k and v heads written into the pool at
 // slots loc (check_pool first), the q heads copied into q_t [M, Hq, D] float32.
 void rope_store_rows(at::Tensor& kb, at::Tensor& vb, const int64_t* loc, float* qkv, int64_t lo, int64_t hi, int64_t Hq,
-                     int64_t Hkv, int64_t D, int64_t Nqkv, const float* cp, const float* sp, float* q_t) {
+                     int64_t Hkv, int64_t D, int64_t Nqkv, const float* cp, const float* sp, float* q_t,
+                     const float* const* fp8 = nullptr) {
   const int64_t n = hi - lo, half = D / 2;
   float* rows = qkv + lo * Nqkv;
   rope_rows(rows, n, Nqkv, Hq + Hkv, D, cp + lo * half, sp + lo * half);
+  if (fp8) {  // fp8[0..2]: key scales [Hkv], value scales [Hkv], q factors [Hq] (the key scale of its KV head)
+    sglite_kv_quant_decode::store_rows_fp8(kb, loc + lo, rows + Hq * D, n, Hkv, D, Nqkv, fp8[0]);
+    sglite_kv_quant_decode::store_rows_fp8(vb, loc + lo, rows + (Hq + Hkv) * D, n, Hkv, D, Nqkv, fp8[1]);
+    for (int64_t m = lo; m < hi; ++m)
+      for (int64_t h = 0; h < Hq; ++h)
+        for (int64_t d = 0; d < D; ++d) q_t[(m * Hq + h) * D + d] = qkv[m * Nqkv + h * D + d] * fp8[2][h];
+    return;
+  }
   if (kb.scalar_type() == at::kBFloat16) {
     store_rows<c10::BFloat16>(kb, loc + lo, rows + Hq * D, n, Hkv, D, Nqkv);
     store_rows<c10::BFloat16>(vb, loc + lo, rows + (Hq + Hkv) * D, n, Hkv, D, Nqkv);
@@ -296,7 +307,9 @@ void rope_store_rows(at::Tensor& kb, at::Tensor& vb, const int64_t* loc, float* 
 // list or empty tensors: dequantize per call). kvq (empty: a plain pool): an int8 / int4 KIVI pool's
 // 6 tensors a layer (decode_kv_quant.h), with the layer's residual windows as the k/v buffers
 // ([R * G, Hkv, D]) and out_cache_loc their rows (request row * G + position % G); kvq_pool_loc [M]
-// int64: the rows' pool slots; kvq_bits 8 / 4.
+// int64: the rows' pool slots; kvq_bits 8 / 4. An fp8_e4m3 pool: kvq_bits 0, its codes as the k/v
+// buffers, kvq 4 float32 scale tensors a layer (fp8_scales; stores x / scale, attends q * key scale,
+// scales the output by the value scale).
 at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor> lin, std::vector<int64_t> bits,
                           at::Tensor final_norm, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> kbufs,
                           std::vector<at::Tensor> vbufs, at::Tensor out_loc, at::Tensor req_to_token, at::Tensor rows,
@@ -323,11 +336,12 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
       .findSchemaOrThrow("sglite_cpu_attention::decode_attention", "")
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                         const at::Tensor&, double, int64_t, double, int64_t, const c10::optional<at::Tensor>&)>();
-  const bool quant_kv = !kvq.empty();
+  const bool quant_kv = !kvq.empty() && kvq_bits != 0, fp8 = !kvq.empty() && kvq_bits == 0;
+  TORCH_CHECK(!fp8 || (int64_t)kvq.size() == 4 * L, "decode_forward: an fp8 pool needs 4 scale tensors per layer");
   const c10::optional<sglite_kv_quant_decode::Step> qstep = quant_kv
       ? c10::optional<sglite_kv_quant_decode::Step>(sglite_kv_quant_decode::Step(kvq, kvq_pool_loc, rows, lens, kvq_bits, L, M))
       : c10::nullopt;
-  TORCH_CHECK(!quant_kv || cascade_min == 0, "decode_forward: no shared-prefix pass over a quantized pool");
+  TORCH_CHECK(kvq.empty() || cascade_min == 0, "decode_forward: no shared-prefix pass over a quantized pool");
   const PoolPar par{(int)threads};
   const sglite_lora_fused::Step lora(std::move(lora_ab), std::move(lora_rows), std::move(lora_spans), L, M,
                                          lora_split_min);
@@ -360,13 +374,21 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
     lora.apply(l, 0, h.data(), H, qkv.data(), Nqkv, par);
     at::Tensor& kb = kbufs[l];
     at::Tensor& vb = vbufs[l];
-    check_pool(kb, vb, Hkv, D, "decode_forward", l);
+    check_pool(kb, vb, Hkv, D, "decode_forward", l, fp8);
+    const float* f8[3] = {nullptr, nullptr, nullptr};
+    if (fp8) for (int k = 0; k < 3; ++k) f8[k] = sglite_kv_quant_decode::fp8_scales(kvq, l, k, k == 2 ? Hq : Hkv);
     row_shares(par, M, [&](int64_t lo, int64_t hi) {
-      rope_store_rows(kb, vb, loc, qkv.data(), lo, hi, Hq, Hkv, D, Nqkv, cp, sp, q_t.data_ptr<float>());
+      rope_store_rows(kb, vb, loc, qkv.data(), lo, hi, Hq, Hkv, D, Nqkv, cp, sp, q_t.data_ptr<float>(), fp8 ? f8 : nullptr);
     });
     if (quant_kv) qstep->attend(l, q_t, req_to_token, sm_scale, att.data());
     else attention(attn, q_t, kb, vb, req_to_token, rows, lens, sm_scale, M, Hq, Hkv, D, (int)threads, attn_split_min,
                    att.data(), 0, 0.0, groups);
+    if (fp8) {  // the values' scale per query head
+      const float* vf = sglite_kv_quant_decode::fp8_scales(kvq, l, 3, Hq);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t h = 0; h < Hq; ++h)
+          for (int64_t d = 0; d < D; ++d) att[(m * Hq + h) * D + d] *= vf[h];
+    }
     gemv(wo, att.data(), M, tmp.data(), q8, par, amx_min);
     lora.apply(l, 1, att.data(), Hq * D, tmp.data(), H, par);
     add_norm(tmp.data(), np_ + (2 * l + 1) * H, h.data());

@@ -133,3 +133,45 @@ def test_fp8_pool_fused_steps_match_per_op(quantized_4bit):
         assert got == [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=SP)]
     finally:
         e.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_short_extend_across_a_key_group_matches_per_op(quantized_4bit, kind):
+    """A short extend (at most step_plan.SMALL_EXTEND tokens: a prefill chunk, a cached prompt's tail,
+    a jump-forward) runs as several decode rows of one request; when they cross a key group (a
+    20-token prompt in chunks of 7: the last chunk, positions 14..19, completes the group at 16), the
+    rows past the group's end would overwrite its residual rows before the group is sealed. Greedy
+    tokens equal the per-op path's (which reads the step's stash), and equal the unchunked run's."""
+    from sglite import Engine
+
+    e = Engine(model_path=str(quantized_4bit), dtype="float32", max_total_tokens=1024, kv_cache_dtype=kind,
+               kv_cache_quant_group_size=GROUP, chunked_prefill_size=7)
+    try:
+        prompt = torch.randint(100, 5000, (20,), generator=torch.Generator().manual_seed(0)).tolist()
+        sp = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+        got = e.generate(input_ids=prompt, sampling_params=sp)["output_ids"]
+        e.flush_cache()
+        model = e.runner.model
+        fused, model.decode_fused = model.decode_fused, None
+        ref = e.generate(input_ids=prompt, sampling_params=sp)["output_ids"]
+        model.decode_fused = fused
+        assert got == ref
+    finally:
+        e.shutdown()
+
+
+def test_quant_pool_args_declines_rows_of_one_request_across_a_group(quantized_4bit):
+    e = _engine(quantized_4bit, "int8")
+    try:
+        fused = e.runner.model.decode_fused
+        layers = list(e.runner.token_to_kv_pool.k_buffers)
+
+        def fb(rows, lens):
+            return type("FB", (), dict(dec_req_pool_indices=torch.tensor(rows), dec_seq_lens=torch.tensor(lens),
+                                       out_cache_loc=torch.tensor(lens) - 1 + 4 * GROUP))
+
+        assert fused.quant_pool_args(fb([0, 0, 1], [GROUP - 1, GROUP, GROUP + 1]), layers) is not None  # one group each
+        assert fused.quant_pool_args(fb([0, 0, 0], [GROUP - 1, GROUP, GROUP + 1]), layers) is None  # 15, 16 | 17
+        assert fused.quant_pool_args(fb([1, 0, 0], [GROUP, GROUP, GROUP + 1]), layers) is None
+    finally:
+        e.shutdown()

@@ -177,8 +177,9 @@ class FusedDecode:
     def quant_pool_args(self, fb, layers) -> Optional[tuple]:
         """``(k_buffers, v_buffers, out_cache_loc, kvq args)`` for a step over an int8 / int4 KIVI
         pool (``layers``: its :class:`.kv_quant.QuantKVLayer` list), or None when such a step is
-        not for the fused path: the C++ attention unavailable or not covering the layer, or a
-        family layer (fp8 pools: :meth:`_fp8_pool_args`).
+        not for the fused path: the C++ attention unavailable or not covering the layer, a family
+        layer, or several rows of one request (a short extend) in different key groups (the per-op
+        path reads such a step's sealed group from its stash); fp8 pools: :meth:`_fp8_pool_args`.
 
         The step's K/V go into the residual windows (viewed [R * G, Hkv, D], row ``request row * G +
         position % G``), where the per-op :func:`.kv_quant.store_kv` puts a token that completes
@@ -191,7 +192,13 @@ class FusedDecode:
         if (not self.quant_kv or L0.kind not in ("int8", "int4") or L0.res_k.dtype not in (torch.float32, torch.bfloat16)
                 or not kv_quant_cpu.available() or L0.head_dim > kv_quant_cpu.MAX_HEAD_DIM):
             return None
-        G, lens = L0.group, fb.dec_seq_lens
+        G, lens, rows = L0.group, fb.dec_seq_lens, fb.dec_req_pool_indices
+        if rows.shape[0] > 1:  # a short extend's rows of one request across a key group (chunks, jump-forward):
+            # the rows past the group's end would overwrite its residual rows before it is sealed
+            with serial_torch():
+                g = (lens - 1) // G
+                if bool(((rows[:, None] == rows[None, :]) & (g[:, None] != g[None, :])).any()):
+                    return None
         key = (id(L0), len(layers))  # the cache keeps the layers alive: an id is not reused meanwhile
         if self._kvq is None or self._kvq[0] != key:
             R, _, Hkv, D = L0.res_k.shape

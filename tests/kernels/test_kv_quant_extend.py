@@ -125,6 +125,7 @@ def test_fp8_decode_reads_the_codes_in_place(dtype, tol):
     assert out.dtype == dtype and torch.allclose(out.float(), ref.float(), atol=tol), (out.float() - ref.float()).abs().max()
 
 
+@pytest.mark.slow  # builds a small C++ module of its own (~20 s)
 def test_fp8_scalar_widening_is_exact():
     """scalar_math.h's widen(uint8_t) (the non-AVX-512 path of the fp8 decode) against torch's float8
     conversion, every one of the 256 codes (NaN codes compared as NaN)."""

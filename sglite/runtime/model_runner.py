@@ -125,8 +125,10 @@ class ModelRunner:
         self.lora = None  # the engine's sglite.lora.LoraManager when it serves adapters
         self.max_total_tokens = self.token_to_kv_pool.capacity
         pool_bpt = getattr(self.token_to_kv_pool, "global_bytes_per_token", self.bytes_per_token)  # hybrid: global layers
-        log.info("KV pool: %d tokens, %d bytes per token (%.1f MiB), dtype %s, device %s",
-                 self.max_total_tokens, pool_bpt, self.max_total_tokens * pool_bpt / 2**20, self.dtype, self.device)
+        log.info("KV pool: %d tokens, %d bytes per token (%.1f MiB), %s, device %s", self.max_total_tokens, pool_bpt,
+                 self.max_total_tokens * pool_bpt / 2**20,
+                 f"dtype {self.dtype}" if kvd in ("auto", "bfloat16") and self.dtype == torch.bfloat16 or kvd == "auto"
+                 else f"{kvd} codes (model dtype {self.dtype})", self.device)
         if isinstance(self.token_to_kv_pool, swa_pool.SWATokenToKVPool):
             log.info("%s", swa_pool.describe(self.token_to_kv_pool))
         log.info("KV cache dtype %s", kv_quant.describe(kvd, self.bytes_per_token,
@@ -145,7 +147,13 @@ class ModelRunner:
         if cpu_bf16 and kernels.resolve_impl(None, torch.empty(0), "extend_attention") == "cpp":
             from sglite.kernels import cpu_attention
 
-            log.info("%s", cpu_attention.describe())
+            kvd = config.kv_cache_dtype
+            if kvd in ("auto", "bfloat16"):
+                log.info("%s", cpu_attention.describe())
+            else:  # sglite/kernels/kv_quant_extend.py, kv_quant_cpu.py
+                log.info("%s KV pool attention: prefill through the bf16 pool's C++ extend (%s) over a dequantized "
+                         "scratch buffer; decode reading the codes in C++ (no shared-prefix pass)", kvd,
+                         "AMX tiles" if cpu_attention.amx_mode() and cpu_attention.amx_ready() else "AVX-512")
         if impl == "invariant":
             log.info("deterministic inference: batch-invariant matmuls, attention and activations")
         elif impl != "torch":

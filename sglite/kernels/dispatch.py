@@ -101,12 +101,12 @@ def store_kv(k_buffer, v_buffer, out_cache_loc, k, v, *, impl: Optional[str] = N
     """See :func:`sglite.kernels.reference.store_kv` (:func:`.kv_quant.store_kv` for a quantized
     pool layer)."""
     if isinstance(k_buffer, kv_quant.QuantKVLayer):  # groups the step completes sealed in C++ on CPU
-        seal = None
-        if resolve_impl(impl, k, "decode_attention") == "cpp":  # as the quantized decode chooses C++
-            from . import kv_quant_cpu
+        if resolve_impl(impl, k, "decode_attention") != "cpp":  # as the quantized decode chooses C++
+            return kv_quant.store_kv(k_buffer, out_cache_loc, k, v)
+        from . import kv_quant_cpu
 
-            seal = kv_quant_cpu.seal_groups
-        return kv_quant.store_kv(k_buffer, out_cache_loc, k, v, seal)
+        with serial_torch():  # torch glue between C++ kernels: see device.serial_torch (the sealing too)
+            return kv_quant.store_kv(k_buffer, out_cache_loc, k, v, kv_quant_cpu.seal_groups)
     return _op("store_kv", resolve_impl(impl, k))(k_buffer, v_buffer, out_cache_loc, k, v)
 
 
@@ -234,7 +234,11 @@ def rope_store_kv(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: tor
     if (ce is not None and ce.rope_supported(qk, k_buffer, v_buffer) and v.dtype == qk.dtype
             and cos.dtype == qk.dtype and sin.dtype == qk.dtype):
         return ce.rope_store_kv(qk, v, cos, sin, k_buffer, v_buffer, out_cache_loc, num_q_heads)
-    rotated = reference.rope_rotate_half(qk, cos, sin)  # [N, Hq+Hkv, D]
+    if isinstance(k_buffer, kv_quant.QuantKVLayer) and qk.device.type == "cpu":
+        with serial_torch():  # torch glue between C++ kernels (device.serial_torch): a quantized pool's step
+            rotated = reference.rope_rotate_half(qk, cos, sin)  # [N, Hq+Hkv, D]
+    else:
+        rotated = reference.rope_rotate_half(qk, cos, sin)
     store_kv(k_buffer, v_buffer, out_cache_loc, rotated[:, num_q_heads:], v)
     return rotated[:, :num_q_heads]
 

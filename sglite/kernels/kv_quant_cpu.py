@@ -101,10 +101,15 @@ def decode_attention_fp8(q: torch.Tensor, layer: kv_quant.QuantKVLayer, req_to_t
     if (not cpu_attention.available() or q.device.type != "cpu" or layer.k_data.stride(-1) != 1
             or layer.head_dim > cpu_attention.MAX_HEAD_DIM):
         return kv_quant.decode_attention(q, layer, req_to_token, req_pool_indices, seq_lens, sm_scale)
-    ks, vs = fp8_scales(q, layer)
-    out = cpu_attention.decode_attention((q.float() * ks).contiguous(), layer.k_data, layer.v_data, req_to_token,
-                                         req_pool_indices, seq_lens, sm_scale, cascade_min=0)
-    return (out * vs).to(q.dtype)
+    from .device import serial_torch
+
+    with serial_torch():  # the scaling is torch glue between C++ kernels (device.serial_torch)
+        ks, vs = fp8_scales(q, layer)
+        qs = (q.float() * ks).contiguous()
+    out = cpu_attention.decode_attention(qs, layer.k_data, layer.v_data, req_to_token, req_pool_indices, seq_lens,
+                                         sm_scale, cascade_min=0)
+    with serial_torch():
+        return (out * vs).to(q.dtype)
 
 
 def dequant_groups(layer: kv_quant.QuantKVLayer, gids: torch.Tensor, dtype: torch.dtype):

@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 
 from . import kv_quant
+from .device import serial_torch
 
 
 def dequant_groups(layer: kv_quant.QuantKVLayer, gids: torch.Tensor,
@@ -62,12 +63,10 @@ def dequant_groups(layer: kv_quant.QuantKVLayer, gids: torch.Tensor,
     return k.reshape(-1, *k.shape[2:]).to(dtype), v.reshape(-1, *v.shape[2:]).to(dtype)
 
 
-def extend_attention(q: torch.Tensor, layer: kv_quant.QuantKVLayer, req_to_token: torch.Tensor,
-                     req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
-                     sm_scale: float, attend: Callable, decode: Callable) -> torch.Tensor:
-    """See the module docstring. ``attend``: a float pool's ``extend_attention(q, k_buffer, v_buffer,
-    req_to_token, req_pool_indices, prefix_lens, extend_lens, sm_scale)``; ``decode``: the quantized
-    pool's ``decode_attention(q, layer, req_to_token, req_pool_indices, seq_lens, sm_scale)``."""
+def _scratch(q: torch.Tensor, layer: kv_quant.QuantKVLayer, req_to_token: torch.Tensor,
+             req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor):
+    """The scratch K/V buffers, the sub-requests' table and (prefix, extend) lengths, and the rows
+    to redo (query index, request row, length) of :func:`extend_attention`."""
     dt, dev = q.dtype, q.device
     G = layer.group if layer.res_k is not None else 0
     # per sub-request: its table row reads scratch slot qb + j for positions j < cut, fb + j from there
@@ -103,11 +102,28 @@ def extend_attention(q: torch.Tensor, layer: kv_quant.QuantKVLayer, req_to_token
     j = torch.arange(lmax, device=dev)[None, :]
     col = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)[:, None]  # noqa: E731
     rt = torch.where(j < col(cut), col(qb) + j, col(fb) + j).clamp_(max=off - 1).to(torch.int32)  # past a row: unread
+    return kb, vb, rt, sub_p, sub_e, (fix_q, fix_row, fix_len)
+
+
+def extend_attention(q: torch.Tensor, layer: kv_quant.QuantKVLayer, req_to_token: torch.Tensor,
+                     req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
+                     sm_scale: float, attend: Callable, decode: Callable) -> torch.Tensor:
+    """See the module docstring. ``attend``: a float pool's ``extend_attention(q, k_buffer, v_buffer,
+    req_to_token, req_pool_indices, prefix_lens, extend_lens, sm_scale)``; ``decode``: the quantized
+    pool's ``decode_attention(q, layer, req_to_token, req_pool_indices, seq_lens, sm_scale)``. The
+    torch glue (the scratch, the table, the fixed rows) runs on the calling thread alone
+    (:func:`.device.serial_torch`): interleaved with the C++ kernels' pool, torch's OpenMP team made a
+    2,300-token int8 prefill 2-5x slower on a shared 2-core machine."""
+    with serial_torch():
+        kb, vb, rt, sub_p, sub_e, (fix_q, fix_row, fix_len) = _scratch(q, layer, req_to_token, req_pool_indices,
+                                                                       prefix_lens, extend_lens)
+    dev = q.device
     ints = dict(dtype=torch.int64, device=dev)
     out = attend(q, kb, vb, rt, torch.arange(len(sub_p), **ints), torch.tensor(sub_p, **ints),
                  torch.tensor(sub_e, **ints), sm_scale)
     if fix_q:
-        idx = torch.tensor(fix_q, **ints)
-        out[idx] = decode(q[idx], layer, req_to_token, torch.tensor(fix_row, **ints), torch.tensor(fix_len, **ints),
-                          sm_scale).to(out.dtype)
+        with serial_torch():
+            idx = torch.tensor(fix_q, **ints)
+            out[idx] = decode(q[idx], layer, req_to_token, torch.tensor(fix_row, **ints),
+                              torch.tensor(fix_len, **ints), sm_scale).to(out.dtype)
     return out

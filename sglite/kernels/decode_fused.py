@@ -56,8 +56,9 @@ GeGLU, QK-norm, sliding windows and soft-capping as the options of :mod:`.decode
 mode, no QKV bias,
 every layer matmul a :class:`.quant_linear.QuantLinearWeight` with group size 32 (or 16 with 8-bit
 codes: GGUF Q6_K, read as two scales per 32-block; every GGUF native type qualifies), no input
-permutation and no bias, a float KV pool or an int8 / int4 one (:meth:`FusedDecode.quant_pool_args`;
-fp8 pools and family layers over a quantized pool take the per-op path), a step of only decode rows, 1..32 of them;
+permutation and no bias, a float KV pool or a quantized one (int8 / int4 / fp8_e4m3:
+:meth:`FusedDecode.quant_pool_args`; family layers over a quantized pool take the per-op path), a
+step of only decode rows, 1..32 of them;
 otherwise the per-op path runs (it is the reference). RoPE: the C++ rotates with the model's own
 cos/sin rows (``model.cos[positions]``, float32 [N, D/2]), the tables the per-op path reads, so
 every RoPE variant that only changes those tables (``sglite/runtime/models/rope.py``: linear,
@@ -126,7 +127,7 @@ class FusedDecode:
 
     Attributes:
         q8: int8 activations (bf16 models) or the float-exact GEMV (float32 models).
-        quant_kv: whether steps over an int8 / int4 KV pool may run here (:meth:`quant_pool_args`).
+        quant_kv: whether steps over a quantized KV pool may run here (:meth:`quant_pool_args`).
     """
 
     quant_kv = True
@@ -219,7 +220,8 @@ class FusedDecode:
         step's slots as ``x / scale`` (as :func:`.kv_quant.store_kv`), and per layer the key and
         value scales [Hkv] and the same as factors of the query heads [Hq] (float32): the attention
         (:mod:`.cpu_attention`'s kernel, which reads the codes) runs on ``q * key scale`` and the
-        output is scaled by the value scale, as :func:`.kv_quant_cpu.decode_attention_fp8`."""
+        output is scaled by the value scale, as :func:`.kv_quant_cpu.decode_attention_fp8`. The
+        scales are the pool's static ones, read once per pool (the per-head factors are copies)."""
         L0 = layers[0]
         if not self.quant_kv or not cpu_attention.available() or L0.k_data.stride(-1) != 1:
             return None
@@ -239,7 +241,7 @@ class FusedDecode:
     def hidden(self, fb, k_buffers, v_buffers, quant: Optional[tuple] = None) -> torch.Tensor:
         """[N, H] float32 final-normed hidden states of the step's decode rows (KV written), with
         the rows' LoRA deltas when the step has adapters (``fb.lora``: a :class:`LoraStep`).
-        ``quant``: :meth:`quant_pool_args` of a step over an int8 / int4 pool (replaces the buffers
+        ``quant``: :meth:`quant_pool_args` of a step over a quantized pool (replaces the buffers
         and slots), None for a float pool."""
         m = self.model
         kvq_args, loc = _PLAIN_POOL, fb.out_cache_loc
@@ -321,8 +323,8 @@ class FusedDecode:
 
     def forward(self, fb, k_buffers, v_buffers, hidden: Optional[list] = None) -> Optional[torch.Tensor]:
         """[M, V] float32 logits of ``fb.logits_indices``, or None when this step is not for the
-        fused path (extend rows, more than :data:`MAX_ROWS` rows, a quantized KV pool, a model made a
-        tensor-parallel shard after load). ``hidden``: a list the step's [N, H] float32
+        fused path (extend rows, more than :data:`MAX_ROWS` rows, a quantized KV pool step that
+        :meth:`quant_pool_args` declines, a model made a tensor-parallel shard after load). ``hidden``: a list the step's [N, H] float32
         final-normed hidden states are appended to (speculative draft heads), or None."""
         n = fb.input_ids.shape[0]
         if (self.model.tp is not None or fb.num_extend_tokens or not 1 <= n <= self.max_rows()

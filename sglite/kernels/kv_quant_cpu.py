@@ -1,4 +1,6 @@
-"""Fused C++ CPU decode attention over a quantized KV pool (int8 / int4, KIVI layout).
+"""Fused C++ CPU decode attention over a quantized KV pool (int8 / int4, KIVI layout; fp8_e4m3 through
+:mod:`.cpu_attention`'s kernel, :func:`decode_attention_fp8`), and the int pools' C++ group
+dequantization (:func:`dequant_groups`) and sealing (:func:`seal_groups`).
 
 Same contract as :func:`.kv_quant.decode_attention` (the torch reference):
     q            [B, Hq, D] float32 | bfloat16 (unit stride along D)
@@ -30,6 +32,7 @@ import torch
 
 from . import kv_quant
 from .cpu_build import load_cpp, read_source
+from .device import serial_torch
 
 _LIB = "sglite_kv_quant"
 MAX_HEAD_DIM = 256
@@ -101,8 +104,6 @@ def decode_attention_fp8(q: torch.Tensor, layer: kv_quant.QuantKVLayer, req_to_t
     if (not cpu_attention.available() or q.device.type != "cpu" or layer.k_data.stride(-1) != 1
             or layer.head_dim > cpu_attention.MAX_HEAD_DIM):
         return kv_quant.decode_attention(q, layer, req_to_token, req_pool_indices, seq_lens, sm_scale)
-    from .device import serial_torch
-
     with serial_torch():  # the scaling is torch glue between C++ kernels (device.serial_torch)
         ks, vs = fp8_scales(q, layer)
         qs = (q.float() * ks).contiguous()

@@ -190,7 +190,7 @@ class FusedDecode:
         L0 = layers[0]
         if L0.kind == "fp8_e4m3":
             return self._fp8_pool_args(fb, layers)
-        if (not self.quant_kv or L0.kind not in ("int8", "int4") or L0.res_k.dtype not in (torch.float32, torch.bfloat16)
+        if (not self.quant_kv or L0.kind not in kv_quant.INT_KINDS or L0.res_k.dtype not in (torch.float32, torch.bfloat16)
                 or not kv_quant_cpu.available() or L0.head_dim > kv_quant_cpu.MAX_HEAD_DIM):
             return None
         G, lens, rows = L0.group, fb.dec_seq_lens, fb.dec_req_pool_indices
@@ -218,22 +218,15 @@ class FusedDecode:
     def _fp8_pool_args(self, fb, layers) -> Optional[tuple]:
         """:meth:`quant_pool_args` of an fp8_e4m3 pool: its float8 codes as the buffers, stored at the
         step's slots as ``x / scale`` (as :func:`.kv_quant.store_kv`), and per layer the key and
-        value scales [Hkv] and the same as factors of the query heads [Hq] (float32): the attention
-        (:mod:`.cpu_attention`'s kernel, which reads the codes) runs on ``q * key scale`` and the
-        output is scaled by the value scale, as :func:`.kv_quant_cpu.decode_attention_fp8`. The
-        scales are the pool's static ones, read once per pool (the per-head factors are copies)."""
+        value scales ([Hkv] float32, the pool's own tensors): the attention (:mod:`.cpu_attention`'s
+        kernel, which reads the codes) runs on ``q * key scale`` of each query head's KV head and the
+        output is scaled by the value scale, as :func:`.kv_quant_cpu.decode_attention_fp8`."""
         L0 = layers[0]
         if not self.quant_kv or not cpu_attention.available() or L0.k_data.stride(-1) != 1:
             return None
         key = ("fp8", id(L0), len(layers))
         if self._kvq is None or self._kvq[0] != key:
-            Hq = self.dims[0]
-            dummy = torch.empty(1, Hq, 1)
-            kvq = []
-            for x in layers:
-                kf, vf = kv_quant_cpu.fp8_scales(dummy, x)
-                kvq += [x.k_scale.float().contiguous(), x.v_scale.float().contiguous(), kf[:, 0].contiguous(),
-                        vf[:, 0].contiguous()]
+            kvq = [t.float().contiguous() for x in layers for t in (x.k_scale, x.v_scale)]  # the pool's own float32 [Hkv]
             self._kvq = (key, layers, [x.k_data for x in layers], [x.v_data for x in layers], kvq)
         _, _, kb, vb, kvq = self._kvq
         return kb, vb, fb.out_cache_loc, (kvq, _PLAIN_POOL[1], 0)

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 KINDS = ("int8", "int4", "fp8_e4m3")
+INT_KINDS = KINDS[:2]  # KIVI: key groups, value rows, a full-precision residual window
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 

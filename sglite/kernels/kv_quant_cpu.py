@@ -52,7 +52,7 @@ def available() -> bool:
 
 def supported(q: torch.Tensor, layer: kv_quant.QuantKVLayer) -> bool:
     """Whether the kernel covers these inputs (CPU int8/int4 layer, float32/bfloat16 q and residual)."""
-    return (layer.kind in ("int8", "int4") and q.device.type == "cpu" and layer.k_data.device.type == "cpu"
+    return (layer.kind in kv_quant.INT_KINDS and q.device.type == "cpu" and layer.k_data.device.type == "cpu"
             and q.dtype in (torch.float32, torch.bfloat16) and q.dim() == 3 and q.stride(-1) == 1
             and layer.res_k.dtype in (torch.float32, torch.bfloat16) and layer.head_dim <= MAX_HEAD_DIM
             and layer.k_data.stride(-1) == 1 and layer.v_data.stride(-1) == 1 and layer.k_scale.is_contiguous()
@@ -119,7 +119,7 @@ def dequant_groups(layer: kv_quant.QuantKVLayer, gids: torch.Tensor, dtype: torc
     float32 result rounded once); None when the C++ build is unavailable or the inputs are not covered
     (``csrc/kv_dequant.h``)."""
     ops = load()
-    if (ops is None or layer.kind not in ("int8", "int4") or layer.k_data.device.type != "cpu"
+    if (ops is None or layer.kind not in kv_quant.INT_KINDS or layer.k_data.device.type != "cpu"
             or dtype not in (torch.float32, torch.bfloat16) or not layer.k_scale.is_contiguous()):
         return None
     return ops.dequant_groups(layer.k_data, layer.v_data, layer.k_scale, layer.v_scale,
@@ -132,7 +132,7 @@ def seal_groups(layer: kv_quant.QuantKVLayer, groups: torch.Tensor, bk: torch.Te
     arithmetic bit for bit (``csrc/kv_seal.h``, shared with the fused decode); False (nothing
     written) when the C++ build is unavailable or the inputs are not covered."""
     ops = load()
-    if (ops is None or layer.kind not in ("int8", "int4") or layer.k_data.device.type != "cpu"
+    if (ops is None or layer.kind not in kv_quant.INT_KINDS or layer.k_data.device.type != "cpu"
             or bk.dtype not in (torch.float32, torch.bfloat16) or not layer.k_scale.is_contiguous()):
         return False
     ops.seal_groups(layer.k_data, layer.v_data, layer.k_scale, layer.v_scale, bk.contiguous(), bv.contiguous(),

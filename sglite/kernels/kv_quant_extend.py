@@ -13,7 +13,7 @@ attention (``attend``: :mod:`.cpu_attention`'s kernel on CPU, the AMX tiles for 
 ordinary requests over a scratch K/V buffer in q's dtype:
 
 * per request, the positions below its quantized boundary ``S = (p + e) // G * G`` dequantized
-  from the pool (:func:`.kv_quant.dequant_slots`), and the positions of the groups this step
+  from the pool (:func:`dequant_groups`), and the positions of the groups this step
   touched, ``[p // G * G, p + e)``, in full precision (the residual window, or the step's stash for
   groups it sealed: :func:`.kv_quant._own_group_kv`);
 * the queries of group ``g`` (positions ``[a, b)``) form a sub-request whose table row reads the
@@ -42,25 +42,16 @@ def dequant_groups(layer: kv_quant.QuantKVLayer, gids: torch.Tensor,
                    dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of whole key groups ``gids`` ([n] int64 pool group ids: slots ``gid * G ..
     gid * G + G - 1``, as a request's positions lie in its pages) as stored, [n * G, Hkv, D] in
-    ``dtype`` each: :func:`.kv_quant.dequant_slots` of those slots (float32, then rounded once),
-    reading each group's key scales once; in C++ (:func:`.kv_quant_cpu.dequant_groups`) where it
-    builds."""
+    ``dtype`` each: :func:`.kv_quant.dequant_slots` of those slots (float32, then rounded once); in
+    C++ (:func:`.kv_quant_cpu.dequant_groups`, each group's key scales read once) where it builds."""
     from . import kv_quant_cpu
 
     out = kv_quant_cpu.dequant_groups(layer, gids, dtype)
     if out is not None:
         return out
-    G = layer.group
-
-    def codes(data: torch.Tensor) -> torch.Tensor:  # [n, G, Hkv, D] uint8
-        c = data.unflatten(0, (-1, G))[gids]
-        return kv_quant.unpack_int4(c) if layer.kind == "int4" else c
-
-    ks = layer.k_scale[gids][:, None]  # [n, 1, Hkv, 2, D]
-    k = kv_quant.dequant_codes(codes(layer.k_data), ks[..., 0, :], ks[..., 1, :])
-    vs = layer.v_scale.unflatten(0, (-1, G))[gids]  # [n, G, Hkv, 2]
-    v = kv_quant.dequant_codes(codes(layer.v_data), vs[..., 0:1], vs[..., 1:2])
-    return k.reshape(-1, *k.shape[2:]).to(dtype), v.reshape(-1, *v.shape[2:]).to(dtype)
+    slots = (gids[:, None] * layer.group + torch.arange(layer.group, device=gids.device)).reshape(-1)
+    k, v = kv_quant.dequant_slots(layer, slots)
+    return k.to(dtype), v.to(dtype)
 
 
 def _scratch(q: torch.Tensor, layer: kv_quant.QuantKVLayer, req_to_token: torch.Tensor,
@@ -113,7 +104,11 @@ def extend_attention(q: torch.Tensor, layer: kv_quant.QuantKVLayer, req_to_token
     pool's ``decode_attention(q, layer, req_to_token, req_pool_indices, seq_lens, sm_scale)``. The
     torch glue (the scratch, the table, the fixed rows) runs on the calling thread alone
     (:func:`.device.serial_torch`): interleaved with the C++ kernels' pool, torch's OpenMP team made a
-    2,300-token int8 prefill 2-5x slower on a shared 2-core machine."""
+    2,300-token int8 prefill 2-5x slower on a shared 2-core machine.
+
+    Raises:
+        ValueError / IndexError: from ``attend`` or ``decode`` (lengths outside the table, slots
+        outside the pool), as the kernels they are."""
     with serial_torch():
         kb, vb, rt, sub_p, sub_e, (fix_q, fix_row, fix_len) = _scratch(q, layer, req_to_token, req_pool_indices,
                                                                        prefix_lens, extend_lens)

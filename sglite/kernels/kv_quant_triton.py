@@ -87,7 +87,7 @@ def supported(q: torch.Tensor, layer: kv_quant.QuantKVLayer) -> bool:
     """Whether the kernel covers these inputs (int8 / int4 layer, power-of-two head dim, unit
     strides along D, contiguous scales and residuals)."""
     D = layer.head_dim
-    return (layer.kind in ("int8", "int4") and D >= 16 and D & (D - 1) == 0 and q.stride(-1) == 1
+    return (layer.kind in kv_quant.INT_KINDS and D >= 16 and D & (D - 1) == 0 and q.stride(-1) == 1
             and layer.k_data.stride(-1) == 1 and layer.v_data.stride(-1) == 1 and layer.k_scale.is_contiguous()
             and layer.v_scale.stride(-1) == 1 and layer.res_k.is_contiguous() and layer.res_v.is_contiguous())
 

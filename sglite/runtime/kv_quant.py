@@ -45,14 +45,13 @@ from typing import Optional
 
 import torch
 
-from sglite.kernels.kv_quant import QuantKVLayer, QuantStep
+from sglite.kernels.kv_quant import INT_KINDS, QuantKVLayer, QuantStep
 
 from ..errors import InvalidRequestError
 from .kv_pool import TokenToKVPool, kv_bytes_per_token
 
 log = logging.getLogger("sglite.kv_quant")
 
-INT_KINDS = ("int8", "int4")
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str, hf_config, device: str) -> None:

@@ -125,10 +125,11 @@ class ModelRunner:
         self.lora = None  # the engine's sglite.lora.LoraManager when it serves adapters
         self.max_total_tokens = self.token_to_kv_pool.capacity
         pool_bpt = getattr(self.token_to_kv_pool, "global_bytes_per_token", self.bytes_per_token)  # hybrid: global layers
+        pool = self.token_to_kv_pool
+        stored = (f"{kvd} codes (model dtype {self.dtype})" if isinstance(pool, kv_quant.QuantTokenToKVPool)
+                  else f"dtype {pool.k_buffers[0].dtype}")
         log.info("KV pool: %d tokens, %d bytes per token (%.1f MiB), %s, device %s", self.max_total_tokens, pool_bpt,
-                 self.max_total_tokens * pool_bpt / 2**20,
-                 f"dtype {self.dtype}" if kvd in ("auto", "bfloat16") and self.dtype == torch.bfloat16 or kvd == "auto"
-                 else f"{kvd} codes (model dtype {self.dtype})", self.device)
+                 self.max_total_tokens * pool_bpt / 2**20, stored, self.device)
         if isinstance(self.token_to_kv_pool, swa_pool.SWATokenToKVPool):
             log.info("%s", swa_pool.describe(self.token_to_kv_pool))
         log.info("KV cache dtype %s", kv_quant.describe(kvd, self.bytes_per_token,

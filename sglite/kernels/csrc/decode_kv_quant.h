@@ -1,5 +1,5 @@
-// The fused decode's steps over a quantized KV pool: fp8_e4m3 (store_rows_fp8, fp8_scales: the
-// codes stored and attended in decode_layer.cpp's loop) and int8 / int4 KIVI (decode_layer.cpp; contract:
+// The fused decode's steps over a quantized KV pool: fp8_e4m3 (fp8_code, fp8_scales: the codes
+// stored and attended in decode_layer.cpp's loop) and int8 / int4 KIVI (decode_layer.cpp; contract:
 // sglite/kernels/decode_fused.py FusedDecode.quant_pool_args). The step's K/V go into the residual
 // windows (the caller passes them as the layer buffers); Step::attend then, per layer, seals the key
 // group of every row that stored its group's last position and runs the pool's decode attention (the
@@ -11,31 +11,20 @@
 
 namespace sglite_kv_quant_decode {
 
-// fp8_e4m3 pools: x / scale[h] clamped to +-448 and rounded to float8 e4m3fn (nearest even, c10's
-// conversion, torch's), as kv_quant.store_kv
-inline void store_rows_fp8(at::Tensor& buf, const int64_t* loc, const float* src, int64_t M, int64_t Hkv, int64_t D,
-                    int64_t src_stride, const float* scale) {
-  uint8_t* p = (uint8_t*)buf.data_ptr();
-  const int64_t s0 = buf.stride(0), s1 = buf.stride(1), S = buf.size(0);
-  for (int64_t m = 0; m < M; ++m) {
-    TORCH_CHECK_INDEX(loc[m] >= 0 && loc[m] < S, "decode_forward: out_cache_loc[", m, "]=", loc[m], " outside the pool");
-    for (int64_t h = 0; h < Hkv; ++h)
-      for (int64_t d = 0; d < D; ++d) {
-        const float x = std::min(std::max(src[m * src_stride + h * D + d] / scale[h], -448.0f), 448.0f);
-        p[loc[m] * s0 + h * s1 + d] = c10::Float8_e4m3fn(x).x;
-      }
-  }
+// fp8_e4m3 pools: the code of x stored at scale `scale`, x / scale clamped to +-448 and rounded to
+// float8 e4m3fn (nearest even: c10's conversion, torch's), as kv_quant.store_kv
+inline uint8_t fp8_code(float x, float scale) {
+  return c10::Float8_e4m3fn(std::min(std::max(x / scale, -448.0f), 448.0f)).x;
 }
 
-// fp8 pools: layer l's scale tensor k of kvq (4 a layer: key scales [Hkv], value scales [Hkv], and
-// the two as factors of the query heads [Hq]; float32 contiguous), n values
+// fp8 pools: layer l's scale tensor k of kvq (2 a layer: key scales, value scales; float32
+// contiguous [n]), checked
 inline const float* fp8_scales(const std::vector<at::Tensor>& kvq, int64_t l, int k, int64_t n) {
-  const at::Tensor& t = kvq[4 * l + k];
+  const at::Tensor& t = kvq[2 * l + k];
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n,
               "decode_forward: fp8 scales of layer ", l, " must be float32 [", n, "]");
   return t.data_ptr<float>();
 }
-
 
 // One fused step's view of the pool: kvq holds 6 tensors a layer (k_data, v_data, k_scale,
 // v_scale, res_k, res_v; sglite/kernels/kv_quant.py QuantKVLayer); pool_loc [M] int64 the rows'

@@ -216,19 +216,17 @@ inline c10::optional<at::Tensor> step_groups(const at::Tensor& rt, const at::Ten
   return g.data_ptr<int64_t>()[0] > 0 ? c10::optional<at::Tensor>(g) : c10::nullopt;
 }
 
-template <typename T> inline T cast_to(float v);
-template <> inline float cast_to<float>(float v) { return v; }
-template <> inline c10::BFloat16 cast_to<c10::BFloat16>(float v) { return c10::BFloat16(v); }
-
-template <typename T>
+// The M rows' Hkv heads of D values (src, rows src_stride apart) written into buf [S, Hkv, D] at
+// slots loc as conv(head, value): the element type T of the pool and its conversion.
+template <typename T, typename Conv>
 void store_rows(at::Tensor& buf, const int64_t* loc, const float* src, int64_t M, int64_t Hkv, int64_t D,
-                int64_t src_stride) {
-  T* p = buf.data_ptr<T>();
+                int64_t src_stride, const Conv& conv) {
+  T* p = static_cast<T*>(buf.data_ptr());
   const int64_t s0 = buf.stride(0), s1 = buf.stride(1), S = buf.size(0);
   for (int64_t m = 0; m < M; ++m) {
     TORCH_CHECK_INDEX(loc[m] >= 0 && loc[m] < S, "decode_forward: out_cache_loc[", m, "]=", loc[m], " outside the pool");
     for (int64_t h = 0; h < Hkv; ++h)
-      for (int64_t d = 0; d < D; ++d) p[loc[m] * s0 + h * s1 + d] = cast_to<T>(src[m * src_stride + h * D + d]);
+      for (int64_t d = 0; d < D; ++d) p[loc[m] * s0 + h * s1 + d] = conv(h, src[m * src_stride + h * D + d]);
   }
 }
 
@@ -276,20 +274,25 @@ void rope_store_rows(at::Tensor& kb, at::Tensor& vb, const int64_t* loc, float* 
   const int64_t n = hi - lo, half = D / 2;
   float* rows = qkv + lo * Nqkv;
   rope_rows(rows, n, Nqkv, Hq + Hkv, D, cp + lo * half, sp + lo * half);
-  if (fp8) {  // fp8[0..2]: key scales [Hkv], value scales [Hkv], q factors [Hq] (the key scale of its KV head)
-    sglite_kv_quant_decode::store_rows_fp8(kb, loc + lo, rows + Hq * D, n, Hkv, D, Nqkv, fp8[0]);
-    sglite_kv_quant_decode::store_rows_fp8(vb, loc + lo, rows + (Hq + Hkv) * D, n, Hkv, D, Nqkv, fp8[1]);
+  const float *k_src = rows + Hq * D, *v_src = rows + (Hq + Hkv) * D;
+  if (fp8) {  // fp8[0], fp8[1]: key and value scales [Hkv]; q heads times the key scale of their KV head
+    using sglite_kv_quant_decode::fp8_code;
+    store_rows<uint8_t>(kb, loc + lo, k_src, n, Hkv, D, Nqkv, [&](int64_t h, float x) { return fp8_code(x, fp8[0][h]); });
+    store_rows<uint8_t>(vb, loc + lo, v_src, n, Hkv, D, Nqkv, [&](int64_t h, float x) { return fp8_code(x, fp8[1][h]); });
+    const int64_t G = Hq / Hkv;
     for (int64_t m = lo; m < hi; ++m)
       for (int64_t h = 0; h < Hq; ++h)
-        for (int64_t d = 0; d < D; ++d) q_t[(m * Hq + h) * D + d] = qkv[m * Nqkv + h * D + d] * fp8[2][h];
+        for (int64_t d = 0; d < D; ++d) q_t[(m * Hq + h) * D + d] = qkv[m * Nqkv + h * D + d] * fp8[0][h / G];
     return;
   }
   if (kb.scalar_type() == at::kBFloat16) {
-    store_rows<c10::BFloat16>(kb, loc + lo, rows + Hq * D, n, Hkv, D, Nqkv);
-    store_rows<c10::BFloat16>(vb, loc + lo, rows + (Hq + Hkv) * D, n, Hkv, D, Nqkv);
+    const auto bf16 = [](int64_t, float x) { return c10::BFloat16(x); };
+    store_rows<c10::BFloat16>(kb, loc + lo, k_src, n, Hkv, D, Nqkv, bf16);
+    store_rows<c10::BFloat16>(vb, loc + lo, v_src, n, Hkv, D, Nqkv, bf16);
   } else {
-    store_rows<float>(kb, loc + lo, rows + Hq * D, n, Hkv, D, Nqkv);
-    store_rows<float>(vb, loc + lo, rows + (Hq + Hkv) * D, n, Hkv, D, Nqkv);
+    const auto f32 = [](int64_t, float x) { return x; };
+    store_rows<float>(kb, loc + lo, k_src, n, Hkv, D, Nqkv, f32);
+    store_rows<float>(vb, loc + lo, v_src, n, Hkv, D, Nqkv, f32);
   }
   for (int64_t m = lo; m < hi; ++m) std::memcpy(q_t + m * Hq * D, qkv + m * Nqkv, sizeof(float) * Hq * D);
 }
@@ -308,8 +311,8 @@ void rope_store_rows(at::Tensor& kb, at::Tensor& vb, const int64_t* loc, float* 
 // 6 tensors a layer (decode_kv_quant.h), with the layer's residual windows as the k/v buffers
 // ([R * G, Hkv, D]) and out_cache_loc their rows (request row * G + position % G); kvq_pool_loc [M]
 // int64: the rows' pool slots; kvq_bits 8 / 4. An fp8_e4m3 pool: kvq_bits 0, its codes as the k/v
-// buffers, kvq 4 float32 scale tensors a layer (fp8_scales; stores x / scale, attends q * key scale,
-// scales the output by the value scale).
+// buffers, kvq its key and value scales [Hkv] float32 a layer (fp8_scales; stores x / scale, attends
+// q * key scale, scales the output by the value scale).
 at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor> lin, std::vector<int64_t> bits,
                           at::Tensor final_norm, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> kbufs,
                           std::vector<at::Tensor> vbufs, at::Tensor out_loc, at::Tensor req_to_token, at::Tensor rows,
@@ -337,7 +340,7 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                         const at::Tensor&, double, int64_t, double, int64_t, const c10::optional<at::Tensor>&)>();
   const bool quant_kv = !kvq.empty() && kvq_bits != 0, fp8 = !kvq.empty() && kvq_bits == 0;
-  TORCH_CHECK(!fp8 || (int64_t)kvq.size() == 4 * L, "decode_forward: an fp8 pool needs 4 scale tensors per layer");
+  TORCH_CHECK(!fp8 || (int64_t)kvq.size() == 2 * L, "decode_forward: an fp8 pool needs 2 scale tensors per layer");
   const c10::optional<sglite_kv_quant_decode::Step> qstep = quant_kv
       ? c10::optional<sglite_kv_quant_decode::Step>(sglite_kv_quant_decode::Step(kvq, kvq_pool_loc, rows, lens, kvq_bits, L, M))
       : c10::nullopt;
@@ -375,19 +378,19 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
     at::Tensor& kb = kbufs[l];
     at::Tensor& vb = vbufs[l];
     check_pool(kb, vb, Hkv, D, "decode_forward", l, fp8);
-    const float* f8[3] = {nullptr, nullptr, nullptr};
-    if (fp8) for (int k = 0; k < 3; ++k) f8[k] = sglite_kv_quant_decode::fp8_scales(kvq, l, k, k == 2 ? Hq : Hkv);
+    const float* f8[2] = {nullptr, nullptr};
+    if (fp8) for (int k = 0; k < 2; ++k) f8[k] = sglite_kv_quant_decode::fp8_scales(kvq, l, k, Hkv);
     row_shares(par, M, [&](int64_t lo, int64_t hi) {
       rope_store_rows(kb, vb, loc, qkv.data(), lo, hi, Hq, Hkv, D, Nqkv, cp, sp, q_t.data_ptr<float>(), fp8 ? f8 : nullptr);
     });
     if (quant_kv) qstep->attend(l, q_t, req_to_token, sm_scale, att.data());
     else attention(attn, q_t, kb, vb, req_to_token, rows, lens, sm_scale, M, Hq, Hkv, D, (int)threads, attn_split_min,
                    att.data(), 0, 0.0, groups);
-    if (fp8) {  // the values' scale per query head
-      const float* vf = sglite_kv_quant_decode::fp8_scales(kvq, l, 3, Hq);
+    if (fp8) {  // each query head's output times the value scale of its KV head
+      const int64_t G = Hq / Hkv;
       for (int64_t m = 0; m < M; ++m)
         for (int64_t h = 0; h < Hq; ++h)
-          for (int64_t d = 0; d < D; ++d) att[(m * Hq + h) * D + d] *= vf[h];
+          for (int64_t d = 0; d < D; ++d) att[(m * Hq + h) * D + d] *= f8[1][h / G];
     }
     gemv(wo, att.data(), M, tmp.data(), q8, par, amx_min);
     lora.apply(l, 1, att.data(), Hq * D, tmp.data(), H, par);

@@ -2,7 +2,8 @@
 // of sglite/kernels/kv_quant_extend.py; contract there, dequant_groups). The arithmetic is the torch
 // reference's (kv_quant.dequant_codes: code * scale + min in float32, a product then a sum, never
 // fused into one FMA), rounded once to bf16 (nearest even) for a bf16 buffer. Spliced into
-// kv_quant_attention.cpp (the op is registered there).
+// kv_quant_attention.cpp after its row helpers, whose unpack_row (a pool row's codes in float32) and
+// half_to_float it reads the codes and scales with (the op is registered there).
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -28,14 +29,6 @@ inline float dq(float c, float s, float m) {
   return p + m;
 }
 
-inline float h2f(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
-
-// D codes of a pool row -> c[0..D) (int8: a byte each; int4: split halves, low nibble channel j)
-inline void codes(const uint8_t* p, int64_t D, int bits, float* c) {
-  if (bits == 8) { for (int64_t d = 0; d < D; ++d) c[d] = (float)p[d]; return; }
-  for (int64_t j = 0; j < D / 2; ++j) { c[j] = (float)(p[j] & 0xF); c[j + D / 2] = (float)(p[j] >> 4); }
-}
-
 // o[d] = T(c[d] * s[d] + m[d]) for d < D (s, m: float16 bits, or one broadcast value each when
 // sv / mv are given), AVX-512 where compiled for it (the product kept apart from the sum as in dq)
 template <typename T>
@@ -58,7 +51,7 @@ inline void dq_row(const float* c, const uint16_t* s, const uint16_t* m, float s
     }
   }
 #endif
-  for (; d < D; ++d) o[d] = T(dq(c[d], s ? h2f(s[d]) : sv, m ? h2f(m[d]) : mv));
+  for (; d < D; ++d) o[d] = T(dq(c[d], s ? half_to_float(s[d]) : sv, m ? half_to_float(m[d]) : mv));
 }
 
 template <typename T>
@@ -74,11 +67,11 @@ void run(const at::Tensor& kd, const at::Tensor& vd, const at::Tensor& ks, const
       const uint16_t* sc = ksp + (gid * H + h) * 2 * D;  // [2, D]: scales, minima
       for (int64_t t = 0; t < G; ++t) {
         const int64_t slot = gid * G + t, o = ((i * G + t) * H + h) * D;
-        codes(kp + slot * kd.stride(0) + h * kd.stride(1), D, bits, c.data());
+        unpack_row(kp + slot * kd.stride(0) + h * kd.stride(1), (int)D, bits, c.data());
         dq_row<T>(c.data(), sc, sc + D, 0.f, 0.f, D, ko + o);
         const uint16_t* v2 = vsp + slot * vs.stride(0) + h * vs.stride(1);
-        codes(vp + slot * vd.stride(0) + h * vd.stride(1), D, bits, c.data());
-        dq_row<T>(c.data(), nullptr, nullptr, h2f(v2[0]), h2f(v2[1]), D, vo + o);
+        unpack_row(vp + slot * vd.stride(0) + h * vd.stride(1), (int)D, bits, c.data());
+        dq_row<T>(c.data(), nullptr, nullptr, half_to_float(v2[0]), half_to_float(v2[1]), D, vo + o);
       }
     }
   });

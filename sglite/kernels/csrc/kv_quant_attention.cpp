@@ -15,8 +15,6 @@
 #include <utility>
 #include <vector>
 #include "scalar_math.h"
-#include "kv_dequant.h"
-#include "kv_seal.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #include "avx512_math.h"
@@ -441,6 +439,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kd, const at:
 }
 
 }  // namespace
+
+// kv_dequant.h reads the pool with unpack_row and half_to_float above: spliced after them
+#include "kv_dequant.h"
+#include "kv_seal.h"
 
 TORCH_LIBRARY(sglite_kv_quant, m) {
   m.def("decode_attention(Tensor q, Tensor k_data, Tensor v_data, Tensor k_scale, Tensor v_scale, Tensor res_k, "

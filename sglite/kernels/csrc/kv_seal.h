@@ -75,18 +75,14 @@ inline void put_codes(const uint8_t* c, int64_t D, int bits, uint8_t* out) {
   for (int64_t j = 0; j < D / 2; ++j) out[j] = (uint8_t)(c[j] | (c[j + D / 2] << 4));
 }
 
-// The G residual rows [G, Hkv, D] of request row `row` of a window r [R, G, Hkv, D] (float32 | bf16,
-// contiguous) in float32
-inline std::vector<float> window(const at::Tensor& r, int64_t row) {
-  const int64_t n = r.size(1) * r.size(2) * r.size(3);
-  std::vector<float> x(n);
-  if (r.scalar_type() == at::kBFloat16) {
-    const c10::BFloat16* p = r.data_ptr<c10::BFloat16>() + row * n;
-    for (int64_t i = 0; i < n; ++i) x[i] = (float)p[i];
+// n values of a contiguous float32 | bf16 tensor t from element `offset` on, in float32 into out
+inline void to_float(const at::Tensor& t, int64_t offset, int64_t n, float* out) {
+  if (t.scalar_type() == at::kBFloat16) {
+    const c10::BFloat16* p = t.data_ptr<c10::BFloat16>() + offset;
+    for (int64_t i = 0; i < n; ++i) out[i] = (float)p[i];
   } else {
-    std::copy(r.data_ptr<float>() + row * n, r.data_ptr<float>() + (row + 1) * n, x.begin());
+    std::copy(t.data_ptr<float>() + offset, t.data_ptr<float>() + offset + n, out);
   }
-  return x;
 }
 
 // Quantize one group's full-precision K and V (k, v: float32 [G, Hkv, D]) into the pool slots
@@ -132,7 +128,10 @@ inline void seal_block(const at::Tensor* t, const float* k, const float* v, int6
 inline void seal_group(const at::Tensor* t, int64_t row, int64_t slot0, int bits) {
   TORCH_CHECK(t[4].is_contiguous() && t[5].is_contiguous() && row >= 0 && row < t[4].size(0),
               "seal: residual windows must be contiguous and hold request row ", row);
-  const std::vector<float> k = window(t[4], row), v = window(t[5], row);
+  const int64_t n = t[4].numel() / t[4].size(0);  // G * Hkv * D
+  std::vector<float> k(n), v(n);
+  to_float(t[4], row * n, n, k.data());
+  to_float(t[5], row * n, n, v.data());
   seal_block(t, k.data(), v.data(), slot0, bits);
 }
 
@@ -155,13 +154,8 @@ inline void seal_groups(const at::Tensor& kd, const at::Tensor& vd, const at::Te
   sglite_pool::parallel_for(0, NB, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> k(n), v(n);
     for (int64_t b = lo; b < hi; ++b) {
-      if (bk.scalar_type() == at::kBFloat16) {
-        const c10::BFloat16 *pk = bk.data_ptr<c10::BFloat16>() + b * n, *pv = bv.data_ptr<c10::BFloat16>() + b * n;
-        for (int64_t i = 0; i < n; ++i) { k[i] = (float)pk[i]; v[i] = (float)pv[i]; }
-      } else {
-        std::copy(bk.data_ptr<float>() + b * n, bk.data_ptr<float>() + (b + 1) * n, k.begin());
-        std::copy(bv.data_ptr<float>() + b * n, bv.data_ptr<float>() + (b + 1) * n, v.begin());
-      }
+      to_float(bk, b * n, n, k.data());
+      to_float(bv, b * n, n, v.data());
       seal_block(t, k.data(), v.data(), g[b] * G, (int)bits);
     }
   });

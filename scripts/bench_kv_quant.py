@@ -189,8 +189,9 @@ def speed(args) -> dict:
 
 def prefill(args) -> dict:
     """Time to first token of one prompt of about ``--words`` words (~3.3 tokens a word) per KV dtype,
-    an engine each (default model, default flags), after a warm-up request; ``--reps`` fresh prompts
-    (no cache hit), median wall time, and its ratio to the bfloat16 pool's."""
+    an engine each (default model, default flags, all loaded at once), after a warm-up request;
+    ``--reps`` rounds of a fresh prompt (no cache hit) on each engine in turn, median wall time, and
+    its ratio to the first dtype's (the bfloat16 pool's)."""
     from sglite import Engine
 
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
@@ -199,18 +200,21 @@ def prefill(args) -> dict:
         return " ".join(words[(seed * 7 + i * 3) % 10] + str(i % 97) for i in range(args.words))
 
     sp = {"max_new_tokens": 1, "temperature": 0}
-    rows = []
-    for kvd in DTYPES:
-        e = Engine(kv_cache_dtype="auto" if kvd == "bfloat16" else kvd, max_total_tokens=16384, log_level="warning")
+    dtypes = args.dtypes or DTYPES
+    engines = {kvd: Engine(kv_cache_dtype="auto" if kvd == "bfloat16" else kvd, max_total_tokens=16384,
+                           log_level="warning") for kvd in dtypes}
+    for e in engines.values():
         e.generate(prompt(0)[:2000], sp)
-        ts, n = [], 0
-        for r in range(1, args.reps + 1):
+    ts, n = {kvd: [] for kvd in dtypes}, 0
+    for r in range(1, args.reps + 1):  # the dtypes alternate, each on a fresh prompt (no cache hit)
+        for kvd, e in engines.items():
             t = time.perf_counter()
             n = e.generate(prompt(r), sp)["meta_info"]["prompt_tokens"]
-            ts.append(time.perf_counter() - t)
+            ts[kvd].append(time.perf_counter() - t)
+    for e in engines.values():
         e.shutdown()
-        rows.append({"kv_cache_dtype": kvd, "prompt_tokens": n, "ttft_ms": 1000 * statistics.median(ts),
-                     "runs_ms": [round(1000 * x, 1) for x in ts]})
+    rows = [{"kv_cache_dtype": kvd, "prompt_tokens": n, "ttft_ms": 1000 * statistics.median(ts[kvd]),
+             "runs_ms": [round(1000 * x, 1) for x in ts[kvd]]} for kvd in dtypes]
     for r in rows:
         r["vs_bf16_pool"] = r["ttft_ms"] / rows[0]["ttft_ms"]
     return {"words": args.words, "threads": torch.get_num_threads(), "rows": rows}
@@ -230,6 +234,7 @@ def main() -> int:
     f = sub.add_parser("prefill")
     f.add_argument("--words", type=int, default=700)
     f.add_argument("--reps", type=int, default=3)
+    f.add_argument("--dtypes", nargs="+", default=None, help="KV dtypes (default: all; bfloat16 first, the ratios' base)")
     args = p.parse_args()
     print(json.dumps({"accuracy": accuracy, "speed": speed, "prefill": prefill}[args.cmd](args), indent=1))
     return 0

@@ -32,12 +32,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--chunked-prefill-size", type=int, default=None, help="default: the engine's")
     ap.add_argument("--profile", action="store_true", help="also the profiler's per-phase table")
+    ap.add_argument("--kv-cache-dtype", default=None, help="default: the engine's (auto)")
     ap.add_argument("--output-dir", default=None, help="profile output folder (default: the profiler's)")
     a = ap.parse_args()
 
     from sglite import Engine
 
     kw = {} if a.chunked_prefill_size is None else {"chunked_prefill_size": a.chunked_prefill_size}
+    if a.kv_cache_dtype:
+        kw["kv_cache_dtype"] = a.kv_cache_dtype
     e = Engine(model_path=a.model_path, num_threads=a.threads, log_level="warning", **kw)
     rng = random.Random(1)
     vocab = e.runner.model.lm_head.shape[0]

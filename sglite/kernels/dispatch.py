@@ -157,8 +157,7 @@ def extend_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, pref
             from . import kv_quant_extend
 
             return kv_quant_extend.extend_attention(q, k_buffer, req_to_token, req_pool_indices, prefix_lens,
-                                                    extend_lens, sm_scale, _op("extend_attention", name),
-                                                    _quant_decode(name))
+                                                    extend_lens, sm_scale, _op("extend_attention", name))
         return kv_quant.extend_attention(q, k_buffer, req_to_token, req_pool_indices, prefix_lens,
                                          extend_lens, sm_scale)
     args = (q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, sm_scale)
@@ -236,6 +235,14 @@ def rope_store_kv(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: tor
         return ce.rope_store_kv(qk, v, cos, sin, k_buffer, v_buffer, out_cache_loc, num_q_heads)
     if isinstance(k_buffer, kv_quant.QuantKVLayer) and qk.device.type == "cpu":
         with serial_torch():  # torch glue between C++ kernels (device.serial_torch): a quantized pool's step
+            kr = torch.empty((qk.shape[0], v.shape[1], v.shape[2]), dtype=qk.dtype)  # [N, Hkv, D]
+            if ce is not None and ce.rope_supported(qk, kr, kr) and v.dtype == qk.dtype == cos.dtype == sin.dtype:
+                # the C++ rotation (bit-identical to the reference), its keys into a scratch of the step's
+                # rows and v stored there too: the quantized store then takes them as it would the reference's
+                vr = torch.empty_like(kr)
+                q = ce.rope_store_kv(qk, v, cos, sin, kr, vr, torch.arange(qk.shape[0]), num_q_heads)
+                store_kv(k_buffer, v_buffer, out_cache_loc, kr, v)
+                return q
             rotated = reference.rope_rotate_half(qk, cos, sin)  # [N, Hq+Hkv, D]
     else:
         rotated = reference.rope_rotate_half(qk, cos, sin)

@@ -26,8 +26,9 @@ Per step (``QuantStep``, filled once by the pool before the forward): ``tok_rows
 ([N] int64) of the step's new tokens in ``input_ids`` order and ``row_len`` ([R] int64: tokens each
 request row holds after this step's store). A row's tokens at positions ``< row_len // group *
 group`` are read from the quantized pool, the rest from its residual window. The store also keeps
-the step's sealed groups in full precision (``stash``, dropped at the next store of the layer) so
-that extend attention is decode-equivalent (see :func:`extend_attention`).
+the step's sealed groups in full precision and the step's own rows as it received them (``stash``,
+replaced at the next store of the layer) so that extend attention is decode-equivalent (see
+:func:`extend_attention` and :mod:`.kv_quant_extend`).
 
 Shapes: S slots, Hkv KV heads, D head dim (even for int4), R request rows, G = ``group``.
 """
@@ -51,7 +52,8 @@ class QuantStep:
     tok_rows: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))  # [N]
     positions: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))  # [N]
     row_len: Optional[torch.Tensor] = None  # [R] int64
-    stash: dict = field(default_factory=dict)  # id(layer) -> (groups, K, V) the store sealed this step
+    stash: dict = field(default_factory=dict)  # id(layer) -> (groups, K, V) the store sealed this step;
+    # (id(layer), "new") -> (K, V) [N, Hkv, D]: the step's rows as the store received them
 
 
 @dataclass
@@ -210,6 +212,7 @@ def store_kv(layer: QuantKVLayer, out_cache_loc: torch.Tensor, k: torch.Tensor, 
     rest = (~done).nonzero().squeeze(1)
     idx = done.nonzero().squeeze(1)
     st.stash.pop(id(layer), None)
+    st.stash[(id(layer), "new")] = (k, v)  # the step's rows as received (kv_quant_extend reads them)
     if idx.numel():
         _seal_groups(layer, out_cache_loc, k, v, idx, seal)
     if rest.numel():  # after sealing: the groups read their earlier tokens from the residual

@@ -16,12 +16,14 @@ ordinary requests over a scratch K/V buffer in q's dtype:
   from the pool (:func:`dequant_groups`), and the positions of the groups this step
   touched, ``[p // G * G, p + e)``, in full precision (the residual window, or the step's stash for
   groups it sealed: :func:`.kv_quant._own_group_kv`);
-* the queries of group ``g`` (positions ``[a, b)``) form a sub-request whose table row reads the
-  dequantized keys below ``g * G`` and the full-precision ones from ``g * G`` on, with prefix ``a``
-  and ``b - a`` new tokens: exactly the keys the reference shows them;
-* a query at the last position of a complete group sees its whole group quantized: those rows (at
-  most one a group) are redone by the quantized pool's decode attention (``decode``) at length
-  ``b``, which reads every position below it from the pool.
+* the query at position ``x`` sees the keys below ``c = (x + 1) // G * G`` dequantized and the rest
+  in full precision (a group's last position sees its whole group quantized, as the decode step that
+  seals the group does), so the queries sharing a cut ``c`` (positions ``[c - 1, c + G - 1)``) form
+  a sub-request whose table row reads the dequantized keys below ``c`` and the full-precision ones
+  from ``c`` on: exactly the keys the reference shows them.
+
+The full-precision rows are the ones the step's store received (it leaves them in the layer step's
+stash, :func:`.kv_quant.store_kv`), after the earlier rows of the group the step entered.
 
 fp8 pools (every key as stored, no residual) take one sub-request per request over the dequantized
 keys. The scratch buffer is in q's dtype: float32 models see the reference's values (up to the
@@ -54,14 +56,39 @@ def dequant_groups(layer: kv_quant.QuantKVLayer, gids: torch.Tensor,
     return k.to(dtype), v.to(dtype)
 
 
+def _full_rows(layer: kv_quant.QuantKVLayer, slots: torch.Tensor, row: int, p: int, start: int, e: int,
+               sealed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full-precision K/V [T - g0, Hkv, D] of one request's positions ``[g0, T)`` (``g0 = p // G *
+    G``, ``T = p + e``): the step's own rows ``start .. start + e`` as the store received them, after
+    the rows ``[g0, p)`` of the group the step entered (the store's stash when the step sealed that
+    group, else the residual window, which the step did not overwrite below ``p``). Falls back to
+    :func:`.kv_quant._own_group_kv` when the store left no rows (a store that is not ``store_kv``)."""
+    G, T = layer.group, p + e
+    g0 = p // G * G
+    new = layer.step.stash.get((id(layer), "new"))
+    if new is None:
+        return kv_quant._own_group_kv(layer, slots[g0:], row, torch.arange(g0, T, device=slots.device),
+                                      torch.tensor(T // G * G, device=slots.device))
+    nk, nv = new[0][start:start + e], new[1][start:start + e]
+    if p == g0:
+        return nk, nv
+    if sealed:  # the group [g0, g0 + G) was completed by this step: its earlier rows are in the stash
+        groups, bk, bv = layer.step.stash[id(layer)]
+        i = int(torch.searchsorted(groups, slots[g0:g0 + 1] // G))
+        pk, pv = bk[i, :p - g0], bv[i, :p - g0]
+    else:
+        pk, pv = layer.res_k[row, :p - g0], layer.res_v[row, :p - g0]
+    return torch.cat((pk.to(nk.dtype), nk)), torch.cat((pv.to(nv.dtype), nv))
+
+
 def _scratch(q: torch.Tensor, layer: kv_quant.QuantKVLayer, req_to_token: torch.Tensor,
              req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor):
-    """The scratch K/V buffers, the sub-requests' table and (prefix, extend) lengths, and the rows
-    to redo (query index, request row, length) of :func:`extend_attention`."""
+    """The scratch K/V buffers, and the sub-requests' table and (prefix, extend) lengths of
+    :func:`extend_attention`."""
     dt, dev = q.dtype, q.device
     G = layer.group if layer.res_k is not None else 0
     # per sub-request: its table row reads scratch slot qb + j for positions j < cut, fb + j from there
-    ks, vs, cut, qb, fb, sub_p, sub_e, fix_q, fix_row, fix_len = [], [], [], [], [], [], [], [], [], []
+    ks, vs, cut, qb, fb, sub_p, sub_e = [], [], [], [], [], [], []
     off = start = 0
     for row, p, e in zip(req_pool_indices.tolist(), prefix_lens.tolist(), extend_lens.tolist()):
         T = p + e
@@ -78,47 +105,39 @@ def _scratch(q: torch.Tensor, layer: kv_quant.QuantKVLayer, req_to_token: torch.
             k, v = dequant_groups(layer, slots[:S:G] // G, dt)
             ks.append(k), vs.append(v)
             off += S
-        fk, fv = kv_quant._own_group_kv(layer, slots[g0:], row, torch.arange(g0, T, device=dev),
-                                        torch.tensor(S, device=dev))
+        fk, fv = _full_rows(layer, slots, row, p, start, e, T >= g0 + G)
         ks.append(fk.to(dt)), vs.append(fv.to(dt))
         fbase, off = off, off + T - g0
-        for g in range(p // G, (T - 1) // G + 1):
-            a, b = max(p, g * G), min(T, (g + 1) * G)
-            cut.append(g * G), qb.append(qbase), fb.append(fbase - g0), sub_p.append(a), sub_e.append(b - a)
-            if b == (g + 1) * G:  # the group's last position sees the whole group quantized
-                fix_q.append(start + b - 1 - p), fix_row.append(row), fix_len.append(b)
+        # the query at x sees the keys below (x + 1) // G * G quantized (a group's last position its
+        # whole group) and the rest in full precision: one sub-request per such cut c, queries [c - 1, c + G - 1)
+        c = (p + 1) // G * G
+        while c - 1 < T:
+            a, b = max(p, c - 1), min(T, c + G - 1)
+            cut.append(c), qb.append(qbase), fb.append(fbase - g0), sub_p.append(a), sub_e.append(b - a)
+            c += G
         start += e
     kb, vb = torch.cat(ks), torch.cat(vs)  # [off, Hkv, D] in q's dtype
     lmax = max(a + n for a, n in zip(sub_p, sub_e))
     j = torch.arange(lmax, device=dev)[None, :]
     col = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)[:, None]  # noqa: E731
     rt = torch.where(j < col(cut), col(qb) + j, col(fb) + j).clamp_(max=off - 1).to(torch.int32)  # past a row: unread
-    return kb, vb, rt, sub_p, sub_e, (fix_q, fix_row, fix_len)
+    return kb, vb, rt, sub_p, sub_e
 
 
 def extend_attention(q: torch.Tensor, layer: kv_quant.QuantKVLayer, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
-                     sm_scale: float, attend: Callable, decode: Callable) -> torch.Tensor:
+                     sm_scale: float, attend: Callable) -> torch.Tensor:
     """See the module docstring. ``attend``: a float pool's ``extend_attention(q, k_buffer, v_buffer,
-    req_to_token, req_pool_indices, prefix_lens, extend_lens, sm_scale)``; ``decode``: the quantized
-    pool's ``decode_attention(q, layer, req_to_token, req_pool_indices, seq_lens, sm_scale)``. The
-    torch glue (the scratch, the table, the fixed rows) runs on the calling thread alone
+    req_to_token, req_pool_indices, prefix_lens, extend_lens, sm_scale)``. The
+    torch glue (the scratch and the table) runs on the calling thread alone
     (:func:`.device.serial_torch`): interleaved with the C++ kernels' pool, torch's OpenMP team made a
     2,300-token int8 prefill 2-5x slower on a shared 2-core machine.
 
     Raises:
-        ValueError / IndexError: from ``attend`` or ``decode`` (lengths outside the table, slots
+        ValueError / IndexError: from ``attend`` (lengths outside the table, slots
         outside the pool), as the kernels they are."""
     with serial_torch():
-        kb, vb, rt, sub_p, sub_e, (fix_q, fix_row, fix_len) = _scratch(q, layer, req_to_token, req_pool_indices,
-                                                                       prefix_lens, extend_lens)
-    dev = q.device
-    ints = dict(dtype=torch.int64, device=dev)
-    out = attend(q, kb, vb, rt, torch.arange(len(sub_p), **ints), torch.tensor(sub_p, **ints),
-                 torch.tensor(sub_e, **ints), sm_scale)
-    if fix_q:
-        with serial_torch():
-            idx = torch.tensor(fix_q, **ints)
-            out[idx] = decode(q[idx], layer, req_to_token, torch.tensor(fix_row, **ints),
-                              torch.tensor(fix_len, **ints), sm_scale).to(out.dtype)
-    return out
+        kb, vb, rt, sub_p, sub_e = _scratch(q, layer, req_to_token, req_pool_indices, prefix_lens, extend_lens)
+    ints = dict(dtype=torch.int64, device=q.device)
+    return attend(q, kb, vb, rt, torch.arange(len(sub_p), **ints), torch.tensor(sub_p, **ints),
+                  torch.tensor(sub_e, **ints), sm_scale)

@@ -62,8 +62,7 @@ def test_reference_attend_gives_the_same():
     s.step({0: 30, 1: 33})
     rows, p, e = torch.tensor([0, 1]), torch.tensor([5, 0]), torch.tensor([30, 33])
     q = torch.randn(63, 4, 16, generator=torch.Generator().manual_seed(4))
-    out = kv_quant_extend.extend_attention(q, s.layer, s.table, rows, p, e, 0.2, reference.extend_attention,
-                                           kq.decode_attention)
+    out = kv_quant_extend.extend_attention(q, s.layer, s.table, rows, p, e, 0.2, reference.extend_attention)
     assert torch.allclose(out, kq.extend_attention(q, s.layer, s.table, rows, p, e, 0.2), atol=1e-5)
 
 

@@ -106,7 +106,7 @@ def store_kv(k_buffer, v_buffer, out_cache_loc, k, v, *, impl: Optional[str] = N
         from . import kv_quant_cpu
 
         with serial_torch():  # torch glue between C++ kernels: see device.serial_torch (the sealing too)
-            return kv_quant.store_kv(k_buffer, out_cache_loc, k, v, kv_quant_cpu.seal_groups)
+            return kv_quant.store_kv(k_buffer, out_cache_loc, k, v, kv_quant_cpu.seal_groups, kv_quant_cpu.store)
     return _op("store_kv", resolve_impl(impl, k))(k_buffer, v_buffer, out_cache_loc, k, v)
 
 

@@ -196,23 +196,31 @@ def gather_kv(layer: QuantKVLayer, slots: torch.Tensor, rows: torch.Tensor, pos:
 
 # ---------------------------------------------------------------------------- reference ops
 def store_kv(layer: QuantKVLayer, out_cache_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             seal: Optional[Callable] = None) -> None:
+             seal: Optional[Callable] = None, store: Optional[Callable] = None) -> None:
     """Write the step's new K/V (``k, v`` [N, Hkv, D], slots ``out_cache_loc`` [N] int64, tokens in
     the order of ``layer.step``): into the residual window, and every key group the step completes
     quantized into the pool (codes and scales). fp8: every token quantized at once. ``seal``: a
     compiled quantizer ``seal(layer, groups, bk, bv) -> bool`` with this module's arithmetic
-    (:func:`.kv_quant_cpu.seal_groups`; False: not covered, the torch code runs)."""
+    (:func:`.kv_quant_cpu.seal_groups`; False: not covered, the torch code runs). ``store``: a
+    compiled store ``store(layer, out_cache_loc, k, v)`` doing all of it (:func:`.kv_quant_cpu.store`:
+    the stash ``(groups, K, V)`` of the int kinds, ``()`` for fp8, None when not covered)."""
+    st, G = layer.step, layer.group
+    if st is not None:
+        st.stash.pop(id(layer), None)
+        st.stash[(id(layer), "new")] = (k, v)  # the step's rows as received (kv_quant_extend reads them)
+    out = store(layer, out_cache_loc, k, v) if store is not None else None
+    if out is not None:
+        if out and out[0].numel():
+            st.stash[id(layer)] = out
+        return
     if layer.kind == "fp8_e4m3":
         for data, x, scale in ((layer.k_data, k, layer.k_scale), (layer.v_data, v, layer.v_scale)):
             data[out_cache_loc] = (x.float() / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(data.dtype)
         return
-    st, G = layer.step, layer.group
     rows, pos = st.tok_rows, st.positions  # [N]
     done = pos < st.row_len.index_select(0, rows) // G * G  # [N] token's group complete after the step
     rest = (~done).nonzero().squeeze(1)
     idx = done.nonzero().squeeze(1)
-    st.stash.pop(id(layer), None)
-    st.stash[(id(layer), "new")] = (k, v)  # the step's rows as received (kv_quant_extend reads them)
     if idx.numel():
         _seal_groups(layer, out_cache_loc, k, v, idx, seal)
     if rest.numel():  # after sealing: the groups read their earlier tokens from the residual

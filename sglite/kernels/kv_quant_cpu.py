@@ -1,6 +1,7 @@
 """Fused C++ CPU decode attention over a quantized KV pool (int8 / int4, KIVI layout; fp8_e4m3 through
-:mod:`.cpu_attention`'s kernel, :func:`decode_attention_fp8`), and the int pools' C++ group
-dequantization (:func:`dequant_groups`) and sealing (:func:`seal_groups`).
+:mod:`.cpu_attention`'s kernel, :func:`decode_attention_fp8`), the pools' C++ dequantization
+(:func:`dequant_groups`, :func:`dequant_fp8`), sealing (:func:`seal_groups`) and store
+(:func:`store`).
 
 Same contract as :func:`.kv_quant.decode_attention` (the torch reference):
     q            [B, Hq, D] float32 | bfloat16 (unit stride along D)
@@ -124,6 +125,49 @@ def dequant_groups(layer: kv_quant.QuantKVLayer, gids: torch.Tensor, dtype: torc
         return None
     return ops.dequant_groups(layer.k_data, layer.v_data, layer.k_scale, layer.v_scale,
                               gids.to(torch.int64).contiguous(), layer.bits, layer.group, dtype == torch.bfloat16)
+
+
+def store(layer: kv_quant.QuantKVLayer, out_cache_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """:func:`.kv_quant.store_kv` of a CPU layer in one C++ call: the step's K / V ([N, Hkv, D], slots
+    ``out_cache_loc`` [N] int64, tokens in the order of ``layer.step``). int8 / int4
+    (``csrc/kv_seal.h`` store_groups): into the residual windows, and every key group the step
+    completes sealed with :func:`.kv_quant.quantize`'s arithmetic bit for bit; returns the stash
+    ``(groups [NB] int64 ascending, K, V [NB, G, Hkv, D])`` as the torch store builds it. fp8_e4m3
+    (``csrc/kv_dequant.h`` store_fp8): ``x / scale`` clamped and rounded as torch converts to float8;
+    returns ``()``. None (nothing written) when the build is unavailable or the inputs are not
+    covered.
+
+    Raises:
+        IndexError: a token's row, position or slot outside the pool, or a position not at its
+        offset in its page."""
+    ops = load()
+    if ops is None or layer.k_data.device.type != "cpu" or k.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    loc = out_cache_loc.to(torch.int64).contiguous()
+    if layer.kind == "fp8_e4m3":
+        if k.stride(-1) != 1 or v.stride(-1) != 1 or v.dtype != k.dtype:
+            return None
+        ops.store_fp8(layer.k_data, layer.v_data, layer.k_scale, layer.v_scale, k, v, loc)
+        return ()
+    rk, st = layer.res_k, layer.step
+    if (rk.dtype not in (torch.float32, torch.bfloat16) or not layer.k_scale.is_contiguous()
+            or not rk.is_contiguous() or not layer.res_v.is_contiguous() or st.row_len is None):
+        return None
+    return ops.store_groups(layer.k_data, layer.v_data, layer.k_scale, layer.v_scale, rk, layer.res_v,
+                            k.to(rk.dtype).contiguous(), v.to(rk.dtype).contiguous(), st.tok_rows.contiguous(),
+                            st.positions.contiguous(), st.row_len.contiguous(), loc, layer.bits)
+
+
+def dequant_fp8(layer: kv_quant.QuantKVLayer, slots: torch.Tensor, dtype: torch.dtype):
+    """K and V [T, Hkv, D] in ``dtype`` (float32 / bfloat16) of ``slots`` ([T] int64) of an fp8_e4m3 CPU
+    layer, as :func:`.kv_quant.dequant_slots` computes them (bf16: that float32 product rounded
+    once); None when the C++ build is unavailable or the inputs are not covered."""
+    ops = load()
+    if (ops is None or layer.kind != "fp8_e4m3" or layer.k_data.device.type != "cpu"
+            or dtype not in (torch.float32, torch.bfloat16)):
+        return None
+    return ops.dequant_fp8(layer.k_data, layer.v_data, layer.k_scale, layer.v_scale,
+                           slots.to(torch.int64).contiguous(), dtype == torch.bfloat16)
 
 
 def seal_groups(layer: kv_quant.QuantKVLayer, groups: torch.Tensor, bk: torch.Tensor, bv: torch.Tensor) -> bool:

@@ -56,6 +56,17 @@ def dequant_groups(layer: kv_quant.QuantKVLayer, gids: torch.Tensor,
     return k.to(dtype), v.to(dtype)
 
 
+def _dequant_fp8(layer: kv_quant.QuantKVLayer, slots: torch.Tensor, dtype: torch.dtype):
+    """:func:`.kv_quant.dequant_slots` of an fp8 layer in ``dtype`` (C++ where it builds)."""
+    from . import kv_quant_cpu
+
+    out = kv_quant_cpu.dequant_fp8(layer, slots, dtype)
+    if out is not None:
+        return out
+    k, v = kv_quant.dequant_slots(layer, slots)
+    return k.to(dtype), v.to(dtype)
+
+
 def _full_rows(layer: kv_quant.QuantKVLayer, slots: torch.Tensor, row: int, p: int, start: int, e: int,
                sealed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Full-precision K/V [T - g0, Hkv, D] of one request's positions ``[g0, T)`` (``g0 = p // G *
@@ -94,8 +105,8 @@ def _scratch(q: torch.Tensor, layer: kv_quant.QuantKVLayer, req_to_token: torch.
         T = p + e
         slots = req_to_token[row, :T].long()
         if not G:  # fp8: every key as stored
-            k, v = kv_quant.dequant_slots(layer, slots)
-            ks.append(k.to(dt)), vs.append(v.to(dt))
+            k, v = _dequant_fp8(layer, slots, dt)
+            ks.append(k), vs.append(v)
             cut.append(T), qb.append(off), fb.append(off), sub_p.append(p), sub_e.append(e)
             off, start = off + T, start + e
             continue

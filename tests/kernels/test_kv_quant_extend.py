@@ -111,6 +111,63 @@ def test_cpp_sealing_equals_the_torch_quantizer(kind, dtype, monkeypatch):
         assert torch.equal(getattr(a, name).view(torch.uint8), getattr(b, name).view(torch.uint8)), name
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_store_equals_the_torch_store(kind, dtype, monkeypatch):
+    """kv_quant_cpu.store (the whole store in C++, what kernels.store_kv runs on CPU) writes the
+    torch store's codes, scales and residual windows bit for bit and leaves the same stash (sealed
+    groups ascending, their full-precision blocks), on steps that seal groups of several rows out of
+    pool order, cross several groups at once, and decode single tokens at a group's last position."""
+    orig = kq.store_kv
+    steps = ({0: 5, 1: 20}, {0: 40, 1: 12, 2: 16}, {0: 1, 1: 1, 2: 1}, {0: 2, 1: 3, 2: 15})
+
+    def run(store):
+        s = Seq(kind, G=16, page=16, rows=3, dtype=dtype, seed=13)
+        monkeypatch.setattr(kq, "store_kv", lambda layer, loc, k, v: orig(layer, loc, k, v, None, store))
+        stashes = []
+        for news in steps:
+            s.step(news)
+            stashes.append(s.layer.step.stash.get(id(s.layer)))
+            s.layer.step.stash.pop(id(s.layer), None)
+        monkeypatch.setattr(kq, "store_kv", orig)
+        return s.layer, stashes
+
+    (a, sa), (b, sb) = run(None), run(kv_quant_cpu.store)
+    for name in ("k_data", "v_data", "k_scale", "v_scale", "res_k", "res_v"):
+        assert torch.equal(getattr(a, name).view(torch.uint8), getattr(b, name).view(torch.uint8)), name
+    assert [x is None for x in sa] == [x is None for x in sb] == [False, False, True, False]
+    for x, y in zip(sa, sb):
+        if x is not None:
+            assert all(torch.equal(u, w) for u, w in zip(x, y)), (x[0], y[0])
+    assert sb[1][0].tolist() == sorted(sb[1][0].tolist()) and sb[1][0].numel() == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_fp8_store_and_dequant_equal_torch(dtype, monkeypatch):
+    """fp8_e4m3: the C++ store (kv_quant_cpu.store) writes torch's float8 codes bit for bit, values past
+    the clamp and subnormal ones included, and dequant_fp8 equals dequant_slots rounded once."""
+    orig = kq.store_kv
+
+    def run(store):
+        s = Seq("fp8_e4m3", G=16, page=16, rows=2, dtype=dtype, seed=17)
+        s.layer.k_scale.copy_(torch.tensor([0.01, 3.0])), s.layer.v_scale.copy_(torch.tensor([0.5, 1e-3]))
+        s.src_k[0, :3] *= 1e4  # past 448 * scale: clamped
+        s.src_v[1, :4] *= 1e-6  # subnormal codes
+        monkeypatch.setattr(kq, "store_kv", lambda layer, loc, k, v: orig(layer, loc, k, v, None, store))
+        s.step({0: 7, 1: 20})
+        s.step({0: 1, 1: 30})
+        monkeypatch.setattr(kq, "store_kv", orig)
+        return s
+
+    a, b = run(None), run(kv_quant_cpu.store)
+    for name in ("k_data", "v_data"):
+        assert torch.equal(getattr(a.layer, name).view(torch.uint8), getattr(b.layer, name).view(torch.uint8)), name
+    slots = b.table[1, :50].long()
+    k, v = kv_quant_cpu.dequant_fp8(b.layer, slots, dtype)
+    rk, rv = kq.dequant_slots(b.layer, slots)
+    assert torch.equal(k, rk.to(dtype)) and torch.equal(v, rv.to(dtype))
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_fp8_decode_reads_the_codes_in_place(dtype, tol):
     """fp8 pools: the C++ decode (cpu_attention's kernel on the float8 codes, q scaled by the key

@@ -8,7 +8,9 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
+#include <algorithm>
 #include <cstdint>
 #include <tuple>
 #include <type_traits>
@@ -101,6 +103,86 @@ inline std::tuple<at::Tensor, at::Tensor> dequant_groups(const at::Tensor& kd, c
   if (bf16_out) run<c10::BFloat16>(kd, vd, ks, vs, g, n, G, D, (int)bits, k.data_ptr<c10::BFloat16>(), v.data_ptr<c10::BFloat16>());
   else run<float>(kd, vd, ks, vs, g, n, G, D, (int)bits, k.data_ptr<float>(), v.data_ptr<float>());
   return {k, v};
+}
+
+// fp8_e4m3 pools (codes [S, Hkv, D] float8_e4m3fn bits, a static float32 scale per KV head [Hkv]):
+// the K and V of `slots` [T] int64 as kv_quant.dequant_slots computes them (float32(code) * scale,
+// one product), rounded once to bf16 when bf16_out; [T, Hkv, D] each. One 256-entry table per call
+// (widen of scalar_math.h: exact), the slots split over the thread pool.
+inline std::tuple<at::Tensor, at::Tensor> dequant_fp8(const at::Tensor& kd, const at::Tensor& vd, const at::Tensor& ks,
+                                                      const at::Tensor& vs, const at::Tensor& slots, bool bf16_out) {
+  TORCH_CHECK_VALUE(kd.dim() == 3 && vd.sizes() == kd.sizes() && kd.element_size() == 1 && vd.element_size() == 1
+                    && kd.stride(2) == 1 && vd.stride(2) == 1, "dequant_fp8: codes must be [S, Hkv, D] float8 with unit stride along D");
+  const int64_t S = kd.size(0), Hkv = kd.size(1), D = kd.size(2), T = slots.numel();
+  for (const at::Tensor* t : {&ks, &vs})
+    TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == Hkv,
+                      "dequant_fp8: scales must be float32 [Hkv]");
+  TORCH_CHECK_VALUE(slots.scalar_type() == at::kLong && slots.is_contiguous(), "dequant_fp8: slots must be int64");
+  const at::ScalarType dt = bf16_out ? at::kBFloat16 : at::kFloat;
+  at::Tensor ko = at::empty({T, Hkv, D}, kd.options().dtype(dt)), vo = at::empty({T, Hkv, D}, kd.options().dtype(dt));
+  float lut[256];
+  for (int c = 0; c < 256; ++c) lut[c] = widen((uint8_t)c);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK_INDEX(sl[t] >= 0 && sl[t] < S, "dequant_fp8: slot ", sl[t], " outside the pool");
+  const at::Tensor* src[2] = {&kd, &vd};
+  const float* sc[2] = {ks.data_ptr<float>(), vs.data_ptr<float>()};
+  at::Tensor* dst[2] = {&ko, &vo};
+  sglite_pool::parallel_for(0, T, 64, [&](int64_t lo, int64_t hi) {
+    for (int w = 0; w < 2; ++w) {
+      const uint8_t* base = (const uint8_t*)src[w]->data_ptr();
+      for (int64_t t = lo; t < hi; ++t)
+        for (int64_t h = 0; h < Hkv; ++h) {
+          const uint8_t* c = base + sl[t] * src[w]->stride(0) + h * src[w]->stride(1);
+          const float s = sc[w][h];
+          const int64_t o = (t * Hkv + h) * D;
+          if (bf16_out) {
+            c10::BFloat16* out = dst[w]->data_ptr<c10::BFloat16>() + o;
+            for (int64_t d = 0; d < D; ++d) out[d] = c10::BFloat16(lut[c[d]] * s);
+          } else {
+            float* out = dst[w]->data_ptr<float>() + o;
+            for (int64_t d = 0; d < D; ++d) out[d] = lut[c[d]] * s;
+          }
+        }
+    }
+  });
+  return {ko, vo};
+}
+
+// The fp8_e4m3 store (kv_quant.store_kv): data[slots[i]] = e4m3(clamp(x[i] / scale, -448, 448)) for
+// the step's rows x [N, Hkv, D] float32 | bf16 (unit stride along D), per KV head scale [Hkv]
+// float32; c10's float8 conversion (torch's rounding), for K and V.
+inline void store_fp8(at::Tensor& kd, at::Tensor& vd, const at::Tensor& ks, const at::Tensor& vs, const at::Tensor& k,
+                      const at::Tensor& v, const at::Tensor& slots) {
+  const int64_t S = kd.size(0), Hkv = kd.size(1), D = kd.size(2), N = slots.numel();
+  TORCH_CHECK_VALUE(kd.dim() == 3 && vd.sizes() == kd.sizes() && kd.element_size() == 1 && vd.element_size() == 1
+                    && kd.stride(2) == 1 && vd.stride(2) == 1, "store_fp8: codes must be [S, Hkv, D] float8 with unit stride along D");
+  for (const at::Tensor* x : {&k, &v})
+    TORCH_CHECK_VALUE(x->dim() == 3 && x->size(0) == N && x->size(1) == Hkv && x->size(2) == D && x->stride(2) == 1
+                      && (x->scalar_type() == at::kFloat || x->scalar_type() == at::kBFloat16),
+                      "store_fp8: k and v must be float32 / bf16 [N, Hkv, D] with unit stride along D");
+  for (const at::Tensor* t : {&ks, &vs})
+    TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == Hkv,
+                      "store_fp8: scales must be float32 [Hkv]");
+  TORCH_CHECK_VALUE(slots.scalar_type() == at::kLong && slots.is_contiguous(), "store_fp8: slots must be int64");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N; ++i) TORCH_CHECK_INDEX(sl[i] >= 0 && sl[i] < S, "store_fp8: slot ", sl[i], " outside the pool");
+  const at::Tensor* src[2] = {&k, &v};
+  at::Tensor* dst[2] = {&kd, &vd};
+  const float* sc[2] = {ks.data_ptr<float>(), vs.data_ptr<float>()};
+  sglite_pool::parallel_for(0, N, 64, [&](int64_t lo, int64_t hi) {
+    for (int w = 0; w < 2; ++w)
+      for (int64_t i = lo; i < hi; ++i)
+        for (int64_t h = 0; h < Hkv; ++h) {
+          uint8_t* out = (uint8_t*)dst[w]->data_ptr() + sl[i] * dst[w]->stride(0) + h * dst[w]->stride(1);
+          const int64_t off = i * src[w]->stride(0) + h * src[w]->stride(1);
+          const float s = sc[w][h];
+          for (int64_t d = 0; d < D; ++d) {
+            const float x = src[w]->scalar_type() == at::kFloat ? src[w]->data_ptr<float>()[off + d]
+                                                               : (float)src[w]->data_ptr<c10::BFloat16>()[off + d];
+            out[d] = c10::Float8_e4m3fn(std::min(std::max(x / s, -448.0f), 448.0f)).x;
+          }
+        }
+  });
 }
 
 }  // namespace sglite_kv_dequant

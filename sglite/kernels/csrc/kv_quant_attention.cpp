@@ -452,10 +452,20 @@ TORCH_LIBRARY(sglite_kv_quant, m) {
         "int group, bool bf16_out) -> (Tensor, Tensor)");
   m.def("seal_groups(Tensor(a!) k_data, Tensor(b!) v_data, Tensor(c!) k_scale, Tensor(d!) v_scale, Tensor k_blocks, "
         "Tensor v_blocks, Tensor gids, int bits) -> ()");
+  m.def("dequant_fp8(Tensor k_data, Tensor v_data, Tensor k_scale, Tensor v_scale, Tensor slots, bool bf16_out) "
+        "-> (Tensor, Tensor)");
+  m.def("store_fp8(Tensor(a!) k_data, Tensor(b!) v_data, Tensor k_scale, Tensor v_scale, Tensor k, Tensor v, "
+        "Tensor slots) -> ()");
+  m.def("store_groups(Tensor(a!) k_data, Tensor(b!) v_data, Tensor(c!) k_scale, Tensor(d!) v_scale, Tensor(e!) res_k, "
+        "Tensor(f!) res_v, Tensor k, Tensor v, Tensor tok_rows, Tensor positions, Tensor row_len, Tensor slots, "
+        "int bits) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(sglite_kv_quant, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("dequant_groups", &sglite_kv_dequant::dequant_groups);
   m.impl("seal_groups", &sglite_kv_seal::seal_groups);
+  m.impl("store_groups", &sglite_kv_seal::store_groups);
+  m.impl("dequant_fp8", &sglite_kv_dequant::dequant_fp8);
+  m.impl("store_fp8", &sglite_kv_dequant::store_fp8);
 }

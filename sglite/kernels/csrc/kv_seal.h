@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
+#include <utility>
 #include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -159,6 +161,80 @@ inline void seal_groups(const at::Tensor& kd, const at::Tensor& vd, const at::Te
       seal_block(t, k.data(), v.data(), g[b] * G, (int)bits);
     }
   });
+}
+
+// The per-op store of an int8 / int4 layer (kv_quant.store_kv) in one call: the step's tokens (k, v
+// [N, Hkv, D] contiguous, in the residual windows' dtype; tok_rows / positions / slots [N] int64;
+// row_len [R] int64, the tokens each row holds after the step) go into their rows' residual windows
+// (rk, rv [R, G, Hkv, D] contiguous), except those of key groups the step completes: each such group
+// is assembled in full precision (its positions before the step from the residual window, the
+// step's from k / v) and sealed into its pool group (the slot of its last position // G), before
+// any residual row is written. Returns the sealed groups (ascending ids [NB] int64) and their
+// full-precision blocks [NB, G, Hkv, D] in the residual dtype: the store's stash.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> store_groups(
+    const at::Tensor& kd, const at::Tensor& vd, const at::Tensor& ks, const at::Tensor& vs, const at::Tensor& rk,
+    const at::Tensor& rv, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tok_rows,
+    const at::Tensor& positions, const at::Tensor& row_len, const at::Tensor& slots, int64_t bits) {
+  TORCH_CHECK_VALUE(bits == 8 || bits == 4, "store_groups: bits must be 8 or 4");
+  TORCH_CHECK_VALUE(rk.dim() == 4 && rv.sizes() == rk.sizes() && rk.is_contiguous() && rv.is_contiguous()
+                    && (rk.scalar_type() == at::kFloat || rk.scalar_type() == at::kBFloat16)
+                    && rv.scalar_type() == rk.scalar_type(), "store_groups: residual windows must be contiguous "
+                    "float32 / bf16 [R, G, Hkv, D]");
+  const int64_t N = k.size(0), R = rk.size(0), G = rk.size(1), Hkv = rk.size(2), D = rk.size(3), row = Hkv * D;
+  TORCH_CHECK_VALUE(k.dim() == 3 && v.sizes() == k.sizes() && k.size(1) == Hkv && k.size(2) == D && k.is_contiguous()
+                    && v.is_contiguous() && k.scalar_type() == rk.scalar_type() && v.scalar_type() == rk.scalar_type(),
+                    "store_groups: k and v must be contiguous [N, Hkv, D] of the residual windows' dtype and heads");
+  TORCH_CHECK_VALUE(ks.size(0) > 0 && G * ks.size(0) == kd.size(0) && kd.size(1) == Hkv
+                    && (bits == 8 ? kd.size(2) == D : 2 * kd.size(2) == D), "store_groups: the pool and the windows disagree");
+  for (const at::Tensor* t : {&tok_rows, &positions, &slots})
+    TORCH_CHECK_VALUE(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == N,
+                      "store_groups: tok_rows, positions and slots must be int64 [N]");
+  TORCH_CHECK_VALUE(row_len.scalar_type() == at::kLong && row_len.is_contiguous() && row_len.numel() == R,
+                    "store_groups: row_len must be int64 [R]");
+  const int64_t *tr = tok_rows.data_ptr<int64_t>(), *ps = positions.data_ptr<int64_t>();
+  const int64_t *rl = row_len.data_ptr<int64_t>(), *sl = slots.data_ptr<int64_t>();
+  std::vector<char> done(N);
+  std::vector<std::pair<int64_t, int64_t>> last;  // (pool group, token) of each group the step completes
+  for (int64_t i = 0; i < N; ++i) {
+    TORCH_CHECK_INDEX(tr[i] >= 0 && tr[i] < R && ps[i] >= 0 && sl[i] >= 0 && sl[i] < kd.size(0),
+                      "store_groups: token ", i, " has a row, position or slot outside the pool");
+    done[i] = ps[i] < rl[tr[i]] / G * G;
+    if (done[i] && ps[i] % G == G - 1) {
+      TORCH_CHECK_INDEX(sl[i] % G == G - 1, "store_groups: position ", ps[i], " is not at its offset in its page");
+      last.emplace_back(sl[i] / G, i);
+    }
+  }
+  std::sort(last.begin(), last.end());
+  const int64_t NB = (int64_t)last.size();
+  at::Tensor gids = at::empty({NB}, slots.options());
+  at::Tensor bk = at::empty({NB, G, Hkv, D}, rk.options()), bv = at::empty({NB, G, Hkv, D}, rk.options());
+  const size_t rb = (size_t)row * rk.element_size();  // bytes of one position's K (or V) row
+  const char *kp = (const char*)k.data_ptr(), *vp = (const char*)v.data_ptr();
+  char *rkp = (char*)rk.data_ptr(), *rvp = (char*)rv.data_ptr(), *bkp = (char*)bk.data_ptr(), *bvp = (char*)bv.data_ptr();
+  const at::Tensor t[4] = {kd, vd, ks, vs};
+  int64_t* gp = gids.data_ptr<int64_t>();
+  sglite_pool::parallel_for(0, NB, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> fk(G * row), fv(G * row);
+    for (int64_t b = lo; b < hi; ++b) {
+      const int64_t il = last[b].second, r = tr[il], x0 = ps[il] - (G - 1);
+      for (int64_t j = 0; j < G; ++j) {  // the step's token at position x0 + j, else the residual row j
+        const int64_t i = il - (G - 1 - j);
+        const bool own = i >= 0 && tr[i] == r && ps[i] == x0 + j;
+        std::memcpy(bkp + (b * G + j) * rb, own ? kp + i * rb : rkp + (r * G + j) * rb, rb);
+        std::memcpy(bvp + (b * G + j) * rb, own ? vp + i * rb : rvp + (r * G + j) * rb, rb);
+      }
+      gp[b] = last[b].first;
+      to_float(bk, b * G * row, G * row, fk.data());
+      to_float(bv, b * G * row, G * row, fv.data());
+      seal_block(t, fk.data(), fv.data(), last[b].first * G, (int)bits);
+    }
+  });
+  for (int64_t i = 0; i < N; ++i)  // after sealing: the sealed groups read their earlier rows from the windows
+    if (!done[i]) {
+      std::memcpy(rkp + (tr[i] * G + ps[i] % G) * rb, kp + i * rb, rb);
+      std::memcpy(rvp + (tr[i] * G + ps[i] % G) * rb, vp + i * rb, rb);
+    }
+  return {gids, bk, bv};
 }
 
 }  // namespace sglite_kv_seal

@@ -20,12 +20,21 @@ The family's differences from the Llama layer run as data, read from the model's
 * attention logit soft-capping (Gemma 2) in the attention op; the LM head's divisor (Granite's
   ``logits_scaling``) and final soft-capping (Gemma 2) on the [M, V] logits after the head.
 
+Quantized KV pools (int8 / int4 KIVI, fp8_e4m3; issue 33): as in :mod:`.decode_fused`
+(:meth:`.decode_fused.FusedDecode.quant_pool_args`: the step's K/V into the residual windows,
+completed key groups sealed in C++, the pool's attention; fp8 codes stored as ``x / scale``,
+``q * key scale``, output times the value scale), with the family's options around them, for models
+without local layers and attention soft-capping (Qwen3, OLMo 2, Granite; quantized pools support
+neither): :attr:`FamilyFusedDecode.quant_kv`. Gemma's quantized steps are declined (the per-op
+path, which refuses them; the model registry refuses such a pool at load).
+
 LoRA adapters (``csrc/lora_fused.h``, as in :mod:`.decode_fused`): each projection's delta is added
 to its output before the family's norms; steps of up to :data:`.decode_fused.MAX_ROWS_AMX` rows
 where the tiled GEMMs run on AMX (:meth:`.decode_fused.FusedDecode.amx_min`).
 
 float32 models: logits equal the per-op path's (``FamilyModel._forward``, the reference) up to
-float32 summation order, greedy tokens identical (tests/kernels/test_decode_family.py).
+float32 summation order, greedy tokens identical (tests/kernels/test_decode_family.py; over
+quantized pools tests/kernels/test_decode_family_kv_quant.py).
 """
 from __future__ import annotations
 

@@ -4,6 +4,8 @@
     .venv/bin/python scripts/bench_kv_quant.py accuracy --tokens 4096 --window 1024
     .venv/bin/python scripts/bench_kv_quant.py speed --batch 64 --context 1024
     .venv/bin/python scripts/bench_kv_quant.py prefill --words 700
+    .venv/bin/python scripts/bench_kv_quant.py speed --batch 1 --per-op --quant-head \
+        --model "$(.venv/bin/python scripts/bench_kv_quant.py random-qwen3 /tmp/qwen3-135m)"
 
 * density: pool bytes per token (scales included) of the allocated tensors, tokens per GiB, ratio
   to the bfloat16 pool.
@@ -23,6 +25,15 @@
   multiple of 128) and the one before it; ``step_ms`` weighs them as steady decoding of fewer than
   128 staggered rows meets them (a sealing row in min(B, 128) / 128 of the steps: at batch 1 one
   step in 128).
+  ``--model PATH``: another checkpoint than the default model (e.g. ``random-qwen3 DIR``'s);
+  ``--per-op``: each quantized dtype also timed with the fused decode declining its steps
+  (``decode_fused.quant_kv = False``: the per-op path, as family models ran before issue 33),
+  interleaved with the fused ones in the same rounds; ``--quant-head``: a float LM head (sglite's
+  quantized checkpoints keep it in float16) quantized to 8-bit group 32 as the default model's
+  (GGUF Q8_0) before timing.
+* ``random-qwen3 DIR``: writes (once) a random Qwen3 checkpoint of the default model's shape
+  (hidden 576, 30 layers, 9 heads, 3 KV heads, head_dim 64, intermediate 1536, its vocabulary;
+  QK-norm), RTN 4-bit group-32 quantized (the default model is GGUF Q4_1), and prints its folder.
 * prefill: time to first token of a ~2,300-token prompt (``--words 700``) per KV dtype, an engine
   each, median of ``--reps`` fresh prompts.
 """
@@ -131,9 +142,12 @@ def speed(args) -> dict:
     from sglite.runtime.kv_quant import make_pool
 
     B, L = args.batch, args.context
-    e = Engine(dtype=args.dtype, max_total_tokens=1024, max_running_requests=B, log_level="warning")
+    e = Engine(model_path=args.model, dtype=args.dtype, max_total_tokens=1024, max_running_requests=B,
+               log_level="warning")
     r = e.runner
     a = r.arch
+    if args.quant_head:
+        quant_head(r.model)
     g = torch.Generator().manual_seed(0)
     table = r.req_to_token_pool.req_to_token
     pools = {}
@@ -156,17 +170,25 @@ def speed(args) -> dict:
     # two steps per dtype: row 0 completes its key group (L a multiple of 128: the int pools quantize
     # it in that step), and the step before, where no row does when B < 128
     fbs = {"seal": batch(L), "no_seal": batch(L - 1)}
-    times = {(k, s): [] for k in pools for s in fbs}
-    cpu = {(k, s): [] for k in pools for s in fbs}
+    fused = r.model.decode_fused
+    fused_quant = fused is not None and fused.quant_kv
+    # (label, pool, per-op): "<dtype> per-op" declines the fused path over that pool (quant_kv False)
+    runs = [(k, k, False) for k in pools] + ([(k + " per-op", k, True) for k in DTYPES[1:]] if args.per_op else [])
+    times = {(k, s): [] for k, _, _ in runs for s in fbs}
+    cpu = {(k, s): [] for k, _, _ in runs for s in fbs}
     for i in range(args.reps + 1):
-        for kvd, pool in pools.items():
-            r.token_to_kv_pool = pool
+        for label, kvd, per_op in runs:
+            r.token_to_kv_pool = pools[kvd]
+            if fused is not None:
+                fused.quant_kv = fused_quant and not per_op
             for s, fb in fbs.items():
                 t, c = time.perf_counter(), time.process_time()
                 r.forward(fb)
                 if i:  # round 0 warms up
-                    times[(kvd, s)].append(time.perf_counter() - t)
-                    cpu[(kvd, s)].append(time.process_time() - c)
+                    times[(label, s)].append(time.perf_counter() - t)
+                    cpu[(label, s)].append(time.process_time() - c)
+    if fused is not None:
+        fused.quant_kv = fused_quant
     e.shutdown()
     # steady decoding of B staggered rows: a step has a row that completes its group with
     # probability min(B, G) / G (G = 128)
@@ -182,9 +204,47 @@ def speed(args) -> dict:
             "cpu_ms": 1000 * steady(cpu, k), "cpu_vs_bf16_pool": steady(cpu, k) / base_cpu,
             "step_ms_sealing": 1000 * statistics.median(times[(k, "seal")]),
             "step_ms_not_sealing": 1000 * statistics.median(times[(k, "no_seal")]),
-            "bytes_per_token": pools[k].bytes_per_token} for k in pools]
+            "bytes_per_token": pools[kvd].bytes_per_token} for k, kvd, _ in runs]
     return {"batch": B, "context": L, "dtype": args.dtype, "threads": torch.get_num_threads(),
+            "model": args.model or "default", "fused": type(fused).__name__ if fused is not None else None,
+            "head": getattr(fused, "head_kind", None),
             "steady_weight_of_sealing_steps": p if (B % 128 and L % 128 == 0) else 1.0, "rows": out}
+
+
+def quant_head(model) -> None:
+    """A float LM head replaced by its RTN 8-bit symmetric group-32 copy (the default model's head is
+    GGUF Q8_0; a quantized checkpoint of sglite.quantize keeps it in float16) and the fused decode
+    prepared again, so the step's head costs what the default model's does."""
+    from sglite import kernels
+    from sglite.kernels.quant_linear import QuantLinearWeight
+    from sglite.quant.rtn import rtn
+
+    w = model.lm_head
+    if isinstance(w, QuantLinearWeight):
+        return
+    gq = rtn(w.weight if hasattr(w, "weight") else w, 8, 32, sym=True)
+    model.lm_head = QuantLinearWeight.from_codes(gq.codes, gq.scales, -gq.zeros.float() * gq.scales, 8, 32)
+    model.lm_head.impl = model.layers[0]["qkv"].impl  # the per-op path's kernel of the layers (else: dequantized)
+    model.decode_fused = kernels.decode_family.prepare(model)
+
+
+def random_qwen3(out: str) -> str:
+    """Folder of a random Qwen3 checkpoint of the default model's shape, RTN 4-bit group 32 (module
+    docstring), written under ``out`` unless there."""
+    from pathlib import Path
+
+    from sglite.quant.calibrate import QuantOptions
+    from sglite.quantize import quantize
+    from sglite.runtime.model_loader import load_checkpoint
+    from sglite.testing import make_tiny_family
+
+    root = Path(out)
+    if not (root / "rtn4" / "config.json").is_file():
+        d = make_tiny_family(root / "hf", "qwen3", "Qwen3ForCausalLM", seed=0, vocab_from=load_checkpoint(None).model_dir,
+                             hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                             head_dim=64, intermediate_size=1536, attention_bias=False)
+        quantize(str(d), root / "rtn4", QuantOptions(method="rtn", bits=4, group_size=32), n_samples=1, seq_len=16)
+    return str(root / "rtn4")
 
 
 def prefill(args) -> dict:
@@ -231,11 +291,19 @@ def main() -> int:
     s.add_argument("--context", type=int, default=1024)
     s.add_argument("--reps", type=int, default=5)
     s.add_argument("--dtype", default="bfloat16")
+    s.add_argument("--model", default=None, help="checkpoint (default: the default model)")
+    s.add_argument("--per-op", action="store_true", help="also time each quantized pool on the per-op path")
+    s.add_argument("--quant-head", action="store_true", help="a float LM head quantized as the default model's (Q8_0)")
+    q = sub.add_parser("random-qwen3")
+    q.add_argument("dir")
     f = sub.add_parser("prefill")
     f.add_argument("--words", type=int, default=700)
     f.add_argument("--reps", type=int, default=3)
     f.add_argument("--dtypes", nargs="+", default=None, help="KV dtypes (default: all; bfloat16 first, the ratios' base)")
     args = p.parse_args()
+    if args.cmd == "random-qwen3":
+        print(random_qwen3(args.dir))
+        return 0
     print(json.dumps({"accuracy": accuracy, "speed": speed, "prefill": prefill}[args.cmd](args), indent=1))
     return 0
 

@@ -20,12 +20,21 @@ The family's differences from the Llama layer run as data, read from the model's
 * attention logit soft-capping (Gemma 2) in the attention op; the LM head's divisor (Granite's
   ``logits_scaling``) and final soft-capping (Gemma 2) on the [M, V] logits after the head.
 
+Quantized KV pools (int8 / int4 KIVI, fp8_e4m3; issue 33): as in :mod:`.decode_fused`
+(:meth:`.decode_fused.FusedDecode.quant_pool_args`: the step's K/V into the residual windows,
+completed key groups sealed in C++, the pool's attention; fp8 codes stored as ``x / scale``,
+``q * key scale``, output times the value scale), with the family's options around them, for models
+without local layers and attention soft-capping (Qwen3, OLMo 2, Granite; quantized pools support
+neither): :attr:`FamilyFusedDecode.quant_kv`. Gemma's quantized steps are declined (the per-op
+path, which refuses them; the model registry refuses such a pool at load).
+
 LoRA adapters (``csrc/lora_fused.h``, as in :mod:`.decode_fused`): each projection's delta is added
 to its output before the family's norms; steps of up to :data:`.decode_fused.MAX_ROWS_AMX` rows
 where the tiled GEMMs run on AMX (:meth:`.decode_fused.FusedDecode.amx_min`).
 
 float32 models: logits equal the per-op path's (``FamilyModel._forward``, the reference) up to
-float32 summation order, greedy tokens identical (tests/kernels/test_decode_family.py).
+float32 summation order, greedy tokens identical (tests/kernels/test_decode_family.py; over
+quantized pools tests/kernels/test_decode_family_kv_quant.py).
 """
 from __future__ import annotations
 
@@ -34,7 +43,7 @@ import torch
 from typing import Optional
 
 from . import decode_fused
-from .decode_fused import _NO_ROWS, LINEAR_KEYS, FusedDecode, load
+from .decode_fused import _NO_ROWS, _PLAIN_POOL, LINEAR_KEYS, FusedDecode, load
 from .device import serial_torch
 
 NORM_KEYS = ("in_norm", "attn_out_norm", "ffn_in_norm", "ffn_out_norm")
@@ -62,10 +71,13 @@ def supported(model) -> bool:
 
 
 class FamilyFusedDecode(FusedDecode):
-    """:class:`.decode_fused.FusedDecode` with the family options of the module docstring (steps over
-    a quantized KV pool take the per-op path)."""
+    """:class:`.decode_fused.FusedDecode` with the family options of the module docstring.
 
-    quant_kv = False
+    Attributes:
+        quant_kv: steps over a quantized KV pool run here (:meth:`.FusedDecode.quant_pool_args`)
+            when the model has no local (sliding-window) layer and no attention soft-capping, which
+            quantized pools do not support; else False (the per-op path, which refuses them).
+    """
 
     def _norms(self, model) -> torch.Tensor:
         a, H = model.arch, model.arch.hidden_size
@@ -77,13 +89,19 @@ class FamilyFusedDecode(FusedDecode):
         self.local = [int(bool(x)) for x in getattr(a, "local_layers", ())] or [0] * len(model.layers)
         self.window = int(getattr(a, "sliding_window", 0) or 0) if any(self.local) else 0
         self.act = ACTS[getattr(a, "mlp_act", "silu")]
+        self.quant_kv = not any(self.local) and not float(getattr(a, "attn_softcap", 0.0))
         return torch.stack([torch.stack([layer_norms(L).get(k, one).float() for k in NORM_KEYS])
                             for L in model.layers]).contiguous()  # [L, 4, H] float32
 
-    def hidden(self, fb, k_buffers, v_buffers) -> torch.Tensor:
+    def hidden(self, fb, k_buffers, v_buffers, quant: Optional[tuple] = None) -> torch.Tensor:
         """[N, H] float32 final-normed hidden states of the step's decode rows (KV written), with
-        the rows' LoRA deltas when the step has adapters (``fb.lora``)."""
+        the rows' LoRA deltas when the step has adapters (``fb.lora``). ``quant``:
+        :meth:`.FusedDecode.quant_pool_args` of a step over a quantized pool (its buffers and slots
+        replace the pool's; no local layers), None for a float pool."""
         m, a = self.model, self.model.arch
+        kvq_args, loc = _PLAIN_POOL, fb.out_cache_loc
+        if quant is not None:
+            k_buffers, v_buffers, loc, kvq_args = quant
         with serial_torch():  # the torch glue on this thread (device.serial_torch: OpenMP stalls under load)
             x = m.embed_rows(fb.input_ids)  # [N, H] model dtype
             es = float(getattr(a, "embed_scale", 1.0))
@@ -94,9 +112,9 @@ class FamilyFusedDecode(FusedDecode):
             lc, ls = getattr(m, "local_cos", m.cos), getattr(m, "local_sin", m.sin)
             lcos, lsin = (cos, sin) if lc is m.cos else (lc[pos].contiguous(), ls[pos].contiguous())
             rt = fb.req_to_token if fb.req_to_token.dtype == torch.int32 else fb.req_to_token.to(torch.int32)
-            rows, loc = fb.dec_req_pool_indices.contiguous(), fb.out_cache_loc.contiguous()
+            rows, loc = fb.dec_req_pool_indices.contiguous(), loc.contiguous()
             swa = fb.swa
-            if swa is not None:  # local layers: the hybrid pool's local slots
+            if swa is not None and quant is None:  # local layers: the hybrid pool's local slots
                 lrt = swa.req_to_token if swa.req_to_token.dtype == torch.int32 else swa.req_to_token.to(torch.int32)
                 lloc, lrows = swa.out_cache_loc.contiguous(), swa.dec_rows.contiguous()
             else:
@@ -111,7 +129,7 @@ class FamilyFusedDecode(FusedDecode):
             float(getattr(a, "residual_scale", 1.0)), self.act, list(k_buffers), list(v_buffers), loc, rt, rows,
             lloc, lrt, lrows, fb.dec_seq_lens.contiguous(), Hq, Hkv, D, eps, sm, self.q8, self.tiled,
             self.num_threads(), self.attn_split_min, ab, lrows_, spans, self.lora_split_min, self.amx_min(), self.packed,
-            self.cascade_min())
+            0 if kvq_args[0] else self.cascade_min(), *kvq_args)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """:meth:`FusedDecode.head`, then the logits divisor and the final soft-capping."""

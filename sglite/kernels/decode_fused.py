@@ -57,8 +57,9 @@ mode, no QKV bias,
 every layer matmul a :class:`.quant_linear.QuantLinearWeight` with group size 32 (or 16 with 8-bit
 codes: GGUF Q6_K, read as two scales per 32-block; every GGUF native type qualifies), no input
 permutation and no bias, a float KV pool or a quantized one (int8 / int4 / fp8_e4m3:
-:meth:`FusedDecode.quant_pool_args`; family layers over a quantized pool take the per-op path), a
-step of only decode rows, 1..32 of them;
+:meth:`FusedDecode.quant_pool_args`; family layers too, unless the model has local (sliding-window)
+layers or attention soft-capping, which quantized pools do not support), a step of only decode
+rows, 1..32 of them;
 otherwise the per-op path runs (it is the reference). RoPE: the C++ rotates with the model's own
 cos/sin rows (``model.cos[positions]``, float32 [N, D/2]), the tables the per-op path reads, so
 every RoPE variant that only changes those tables (``sglite/runtime/models/rope.py``: linear,
@@ -178,8 +179,9 @@ class FusedDecode:
     def quant_pool_args(self, fb, layers) -> Optional[tuple]:
         """``(k_buffers, v_buffers, out_cache_loc, kvq args)`` for a step over an int8 / int4 KIVI
         pool (``layers``: its :class:`.kv_quant.QuantKVLayer` list), or None when such a step is
-        not for the fused path: the C++ attention unavailable or not covering the layer, a family
-        layer, or several rows of one request (a short extend) in different key groups (the per-op
+        not for the fused path: the C++ attention unavailable or not covering the layer, a layer
+        whose :attr:`quant_kv` is False (a family model with local layers or attention
+        soft-capping: :class:`.decode_family.FamilyFusedDecode`), or several rows of one request (a short extend) in different key groups (the per-op
         path reads such a step's sealed group from its stash); fp8 pools: :meth:`_fp8_pool_args`.
 
         The step's K/V go into the residual windows (viewed [R * G, Hkv, D], row ``request row * G +

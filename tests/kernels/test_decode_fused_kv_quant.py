@@ -112,7 +112,7 @@ def test_quant_pool_args(quantized_4bit, monkeypatch):
         assert loc.tolist() == [0 * GROUP + 4, 1 * GROUP + GROUP - 1] and pool_loc.tolist() == FB.out_cache_loc.tolist()
         assert kb[0].shape == (layers[0].res_k.shape[0] * GROUP, *layers[0].res_k.shape[2:])
         assert kb[0].data_ptr() == layers[0].res_k.data_ptr() and vb[1].data_ptr() == layers[1].res_v.data_ptr()
-        monkeypatch.setattr(type(fused), "quant_kv", False)  # a family layer's decode
+        monkeypatch.setattr(type(fused), "quant_kv", False)  # a layer that declines quantized steps (Gemma's)
         assert fused.quant_pool_args(FB, layers) is None
         monkeypatch.setattr(type(fused), "quant_kv", True)
         monkeypatch.setattr(kv_quant_cpu, "available", lambda: False)  # no C++ attention: per-op

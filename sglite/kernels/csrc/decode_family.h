@@ -13,6 +13,9 @@
 //   positions only, and reads / writes the K/V slots of (lout_loc, lrt, lrows) (the hybrid pool's
 //   local slot space, sglite/runtime/swa_pool.py; the full ones when it has none);
 // * softcap > 0: cap * tanh(s / cap) on the attention scores (Gemma 2).
+// Quantized KV pools (kvq, kvq_pool_loc, kvq_bits: decode_forward's, decode_kv_quant.h's Pool; the
+// caller passes the residual windows / fp8 codes as the k/v buffers) run as in decode_forward; they
+// support neither local layers nor softcap (refused).
 #pragma once
 
 namespace {
@@ -47,7 +50,8 @@ void add_scaled(float* x, const float* y, int64_t n, float s) {
 // arguments (cos/sin and lcos/lsin [M, D/2] float32; local [L] 0/1; lout_loc / lrows [M] int64,
 // lrt int32 for the local layers). lora_* / amx_min / amx_packed as decode_forward's: the step's LoRA
 // deltas are added to each projection's output before the family's norms, and from amx_min rows
-// (AMX builds, tiled weights) the GEMMs run on the tiles.
+// (AMX builds, tiled weights) the GEMMs run on the tiles. kvq / kvq_pool_loc / kvq_bits: a quantized
+// pool, as decode_forward's.
 at::Tensor decode_family_forward(
     at::Tensor x, at::Tensor norms, int64_t norm_mask, std::vector<at::Tensor> qk_norms, int64_t qk_kind,
     std::vector<at::Tensor> lin, std::vector<int64_t> bits, at::Tensor final_norm, at::Tensor cos, at::Tensor sin,
@@ -57,7 +61,7 @@ at::Tensor decode_family_forward(
     int64_t Hq, int64_t Hkv, int64_t D, double eps, double sm_scale, bool q8, bool tiled, int64_t threads,
     int64_t attn_split_min, std::vector<at::Tensor> lora_ab, at::Tensor lora_rows, std::vector<at::Tensor> lora_spans,
     int64_t lora_split_min, int64_t amx_min, std::vector<at::Tensor> amx_packed,
-    int64_t cascade_min) {
+    int64_t cascade_min, std::vector<at::Tensor> kvq, at::Tensor kvq_pool_loc, int64_t kvq_bits) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= kMaxRows,
               "decode_family_forward: x must be contiguous float32 [M <= ", kMaxRows, ", H]");
   const int64_t M = x.size(0), H = x.size(1), L = (int64_t)kbufs.size(), half = D / 2;
@@ -80,6 +84,9 @@ at::Tensor decode_family_forward(
       .findSchemaOrThrow("sglite_cpu_attention::decode_attention", "")
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                         const at::Tensor&, double, int64_t, double, int64_t, const c10::optional<at::Tensor>&)>();
+  const sglite_kv_quant_decode::Pool pool(kvq, kvq_pool_loc, rows, lens, kvq_bits, L, M, cascade_min);
+  TORCH_CHECK(!pool.quantized() || (softcap == 0 && std::count(local.begin(), local.end(), 0) == L),
+              "decode_family_forward: a quantized KV pool supports neither local layers nor soft-capping");
   const PoolPar par{(int)threads};
   const sglite_lora_fused::Step lora(std::move(lora_ab), std::move(lora_rows), std::move(lora_spans), L, M,
                                      lora_split_min);
@@ -122,17 +129,22 @@ at::Tensor decode_family_forward(
     at::Tensor& kb = kbufs[l];
     at::Tensor& vb = vbufs[l];
     const int64_t* loc = (loc_layer ? lout_loc : out_loc).data_ptr<int64_t>();
-    check_pool(kb, vb, Hkv, D, "decode_family_forward", l);
+    check_pool(kb, vb, Hkv, D, "decode_family_forward", l, pool.fp8);
+    const float* f8s[2];
+    const float* const* f8 = pool.scales(l, Hkv, f8s);  // fp8 pools: the layer's key / value scales
     row_shares(par, M, [&](int64_t lo, int64_t hi) {
       for (int64_t m = lo; qn && m < hi; ++m) {  // in place: rms_norm reads each row before writing it
         float* q = qkv.data() + m * Nqkv;
         rms_norm(q, qn, Hq * D / qw, qw, ep, q);
         rms_norm(q + Hq * D, kn, Hkv * D / kw, kw, ep, q + Hq * D);
       }
-      rope_store_rows(kb, vb, loc, qkv.data(), lo, hi, Hq, Hkv, D, Nqkv, cp, sp, q_t.data_ptr<float>());
+      rope_store_rows(kb, vb, loc, qkv.data(), lo, hi, Hq, Hkv, D, Nqkv, cp, sp, q_t.data_ptr<float>(), f8);
     });
-    attention(attn, q_t, kb, vb, loc_layer ? lrt : req_to_token, loc_layer ? lrows : rows, lens, sm_scale, M, Hq, Hkv,
-              D, (int)threads, attn_split_min, att.data(), loc_layer ? window : 0, softcap, loc_layer ? c10::nullopt : groups);
+    if (pool.step) pool.step->attend(l, q_t, req_to_token, sm_scale, att.data());
+    else attention(attn, q_t, kb, vb, loc_layer ? lrt : req_to_token, loc_layer ? lrows : rows, lens, sm_scale, M, Hq,
+                   Hkv, D, (int)threads, attn_split_min, att.data(), loc_layer ? window : 0, softcap,
+                   loc_layer ? c10::nullopt : groups);
+    pool.scale_output(f8, att.data(), M, Hq, Hkv, D);
     gemv(wo, att.data(), M, tmp.data(), q8, par, amx_min);
     lora.apply(l, 1, att.data(), Hq * D, tmp.data(), H, par);
     hin = xr;

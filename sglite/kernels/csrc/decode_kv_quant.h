@@ -69,4 +69,42 @@ struct Step {
   }
 };
 
+// A fused step's quantized-pool arguments (decode_forward's and decode_family_forward's kvq,
+// kvq_pool_loc, kvq_bits), checked once: a float pool (kvq empty), an int8 / int4 KIVI pool (step:
+// bits 8 / 4, 6 tensors a layer) or an fp8_e4m3 pool (bits 0: its key and value scales, 2 a layer).
+// No shared-prefix pass over a quantized pool (cascade_min must be 0).
+struct Pool {
+  const std::vector<at::Tensor>& kvq;
+  const bool fp8;
+  const c10::optional<Step> step;
+
+  Pool(const std::vector<at::Tensor>& kvq_, const at::Tensor& pool_loc, const at::Tensor& rows, const at::Tensor& lens,
+       int64_t bits, int64_t L, int64_t M, int64_t cascade_min)
+      : kvq(kvq_), fp8(!kvq_.empty() && bits == 0),
+        step(!kvq_.empty() && bits != 0 ? c10::optional<Step>(Step(kvq_, pool_loc, rows, lens, bits, L, M)) : c10::nullopt) {
+    TORCH_CHECK(!fp8 || (int64_t)kvq.size() == 2 * L, "decode_forward: an fp8 pool needs 2 scale tensors per layer");
+    TORCH_CHECK(kvq.empty() || cascade_min == 0, "decode_forward: no shared-prefix pass over a quantized pool");
+  }
+
+  bool quantized() const { return !kvq.empty(); }
+
+  // fp8 pools: layer l's key and value scales [Hkv] into f8 (returned; rope_store_rows' fp8
+  // argument); nullptr for the other pools
+  const float* const* scales(int64_t l, int64_t Hkv, const float* f8[2]) const {
+    if (!fp8) return nullptr;
+    for (int k = 0; k < 2; ++k) f8[k] = fp8_scales(kvq, l, k, Hkv);
+    return f8;
+  }
+
+  // fp8 pools (f8: scales()' result): each query head's attention output att [M, Hq, D] times the
+  // value scale of its KV head; nothing for the other pools (f8 null)
+  static void scale_output(const float* const* f8, float* att, int64_t M, int64_t Hq, int64_t Hkv, int64_t D) {
+    if (!f8) return;
+    const int64_t G = Hq / Hkv;
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t h = 0; h < Hq; ++h)
+        for (int64_t d = 0; d < D; ++d) att[(m * Hq + h) * D + d] *= f8[1][h / G];
+  }
+};
+
 }  // namespace sglite_kv_quant_decode

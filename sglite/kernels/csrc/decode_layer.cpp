@@ -339,12 +339,7 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
       .findSchemaOrThrow("sglite_cpu_attention::decode_attention", "")
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                         const at::Tensor&, double, int64_t, double, int64_t, const c10::optional<at::Tensor>&)>();
-  const bool quant_kv = !kvq.empty() && kvq_bits != 0, fp8 = !kvq.empty() && kvq_bits == 0;
-  TORCH_CHECK(!fp8 || (int64_t)kvq.size() == 2 * L, "decode_forward: an fp8 pool needs 2 scale tensors per layer");
-  const c10::optional<sglite_kv_quant_decode::Step> qstep = quant_kv
-      ? c10::optional<sglite_kv_quant_decode::Step>(sglite_kv_quant_decode::Step(kvq, kvq_pool_loc, rows, lens, kvq_bits, L, M))
-      : c10::nullopt;
-  TORCH_CHECK(kvq.empty() || cascade_min == 0, "decode_forward: no shared-prefix pass over a quantized pool");
+  const sglite_kv_quant_decode::Pool pool(kvq, kvq_pool_loc, rows, lens, kvq_bits, L, M, cascade_min);
   const PoolPar par{(int)threads};
   const sglite_lora_fused::Step lora(std::move(lora_ab), std::move(lora_rows), std::move(lora_spans), L, M,
                                          lora_split_min);
@@ -377,21 +372,16 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor norms, std::vector<at::Tensor
     lora.apply(l, 0, h.data(), H, qkv.data(), Nqkv, par);
     at::Tensor& kb = kbufs[l];
     at::Tensor& vb = vbufs[l];
-    check_pool(kb, vb, Hkv, D, "decode_forward", l, fp8);
-    const float* f8[2] = {nullptr, nullptr};
-    if (fp8) for (int k = 0; k < 2; ++k) f8[k] = sglite_kv_quant_decode::fp8_scales(kvq, l, k, Hkv);
+    check_pool(kb, vb, Hkv, D, "decode_forward", l, pool.fp8);
+    const float* f8s[2];
+    const float* const* f8 = pool.scales(l, Hkv, f8s);  // fp8 pools: the layer's key / value scales
     row_shares(par, M, [&](int64_t lo, int64_t hi) {
-      rope_store_rows(kb, vb, loc, qkv.data(), lo, hi, Hq, Hkv, D, Nqkv, cp, sp, q_t.data_ptr<float>(), fp8 ? f8 : nullptr);
+      rope_store_rows(kb, vb, loc, qkv.data(), lo, hi, Hq, Hkv, D, Nqkv, cp, sp, q_t.data_ptr<float>(), f8);
     });
-    if (quant_kv) qstep->attend(l, q_t, req_to_token, sm_scale, att.data());
+    if (pool.step) pool.step->attend(l, q_t, req_to_token, sm_scale, att.data());
     else attention(attn, q_t, kb, vb, req_to_token, rows, lens, sm_scale, M, Hq, Hkv, D, (int)threads, attn_split_min,
                    att.data(), 0, 0.0, groups);
-    if (fp8) {  // each query head's output times the value scale of its KV head
-      const int64_t G = Hq / Hkv;
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t h = 0; h < Hq; ++h)
-          for (int64_t d = 0; d < D; ++d) att[(m * Hq + h) * D + d] *= f8[1][h / G];
-    }
+    pool.scale_output(f8, att.data(), M, Hq, Hkv, D);
     gemv(wo, att.data(), M, tmp.data(), q8, par, amx_min);
     lora.apply(l, 1, att.data(), Hq * D, tmp.data(), H, par);
     add_norm(tmp.data(), np_ + (2 * l + 1) * H, h.data());

@@ -149,6 +149,8 @@ def extend_attention(q: torch.Tensor, layer: kv_quant.QuantKVLayer, req_to_token
         outside the pool), as the kernels they are."""
     with serial_torch():
         kb, vb, rt, sub_p, sub_e = _scratch(q, layer, req_to_token, req_pool_indices, prefix_lens, extend_lens)
+        if layer.step is not None:  # the step's rows are in the scratch now: not held until the next store
+            layer.step.stash.pop((id(layer), "new"), None)
     ints = dict(dtype=torch.int64, device=q.device)
     return attend(q, kb, vb, rt, torch.arange(len(sub_p), **ints), torch.tensor(sub_p, **ints),
                   torch.tensor(sub_e, **ints), sm_scale)

@@ -226,8 +226,9 @@ def rope_store_kv(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: tor
     qk: [N, Hq+Hkv, D]; v: [N, Hkv, D]; cos/sin: [N, D/2] in qk's dtype; pools as :func:`store_kv`;
     out_cache_loc: [N] int64; returns [N, Hq, D]. On CPU (one float32/bf16 dtype, a plain pool):
     :func:`.cpu_elementwise.rope_store_kv` in one pass, bit-identical to
-    :func:`.reference.rope_store_kv`; otherwise :func:`.reference.rope_rotate_half` then
-    :func:`store_kv` (a quantized pool, other devices or dtypes).
+    :func:`.reference.rope_store_kv`; a quantized pool on CPU: the same kernel rotating into a
+    scratch of the step's rows, then :func:`store_kv`; otherwise :func:`.reference.rope_rotate_half`
+    then :func:`store_kv` (other devices or dtypes).
     """
     ce = _cpu_elementwise(qk, "rope_store_kv")
     if (ce is not None and ce.rope_supported(qk, k_buffer, v_buffer) and v.dtype == qk.dtype

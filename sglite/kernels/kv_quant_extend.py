@@ -14,16 +14,15 @@ ordinary requests over a scratch K/V buffer in q's dtype:
 
 * per request, the positions below its quantized boundary ``S = (p + e) // G * G`` dequantized
   from the pool (:func:`dequant_groups`), and the positions of the groups this step
-  touched, ``[p // G * G, p + e)``, in full precision (the residual window, or the step's stash for
-  groups it sealed: :func:`.kv_quant._own_group_kv`);
+  touched, ``[p // G * G, p + e)``, in full precision (:func:`_full_rows`: the step's own rows as
+  its store received them, which :func:`.kv_quant.store_kv` leaves in the layer step's stash, after
+  the earlier rows of the group the step entered, from the residual window or, when the step sealed
+  that group, the stash);
 * the query at position ``x`` sees the keys below ``c = (x + 1) // G * G`` dequantized and the rest
   in full precision (a group's last position sees its whole group quantized, as the decode step that
   seals the group does), so the queries sharing a cut ``c`` (positions ``[c - 1, c + G - 1)``) form
   a sub-request whose table row reads the dequantized keys below ``c`` and the full-precision ones
   from ``c`` on: exactly the keys the reference shows them.
-
-The full-precision rows are the ones the step's store received (it leaves them in the layer step's
-stash, :func:`.kv_quant.store_kv`), after the earlier rows of the group the step entered.
 
 fp8 pools (every key as stored, no residual) take one sub-request per request over the dequantized
 keys. The scratch buffer is in q's dtype: float32 models see the reference's values (up to the

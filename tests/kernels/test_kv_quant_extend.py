@@ -238,3 +238,24 @@ def test_the_stash_holds_one_layers_rows_not_the_forwards(kind):
         ref = kq.extend_attention(q, L, table, torch.tensor([0]), torch.tensor([0]), torch.tensor([N]), 0.25)
         assert torch.allclose(fast(q, SimpleNamespace(layer=L, table=table), torch.tensor([0]), torch.tensor([0]),
                                    torch.tensor([N]), 0.25), ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_float32_rows_into_a_bf16_pool_are_seen_rounded(kind):
+    """K/V handed to the store wider than the pool's residual windows (float32 rows, bf16 windows):
+    the reference attends to the group's own rows as the store keeps them (rounded to bf16), and so
+    does the fast path (it read the step's float32 rows unrounded: 8e-3 int8, 1.1e-2 int4 off the
+    reference; the models store in their own dtype, so the engine did not reach it)."""
+    s = Seq(kind, G=16, page=16, Hkv=2, D=16, rows=2, dtype=torch.bfloat16, seed=5)
+    gen = torch.Generator().manual_seed(8)
+    s.src_k, s.src_v = torch.randn(s.src_k.shape, generator=gen) * 3, torch.randn(s.src_v.shape, generator=gen)
+    s.dtype = torch.float32  # Seq hands its rows to the store in s.dtype: float32 values bf16 does not hold
+    s.step({0: 20, 1: 5})
+    news = {0: 29, 1: 7}  # row 0 seals group 32 from 20 (stash), row 1 stays in group 0 (residual)
+    prefix = {r: len(s.k[r]) for r in news}
+    s.step(news)
+    rows = torch.tensor(list(news))
+    p, e = torch.tensor([prefix[r] for r in news]), torch.tensor(list(news.values()))
+    q = torch.randn(int(e.sum()), 4, 16, generator=gen)
+    ref = kq.extend_attention(q, s.layer, s.table, rows, p, e, 0.25)
+    assert torch.allclose(fast(q, s, rows, p, e, 0.25), ref, atol=1e-5)

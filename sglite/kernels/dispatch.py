@@ -242,7 +242,7 @@ def rope_store_kv(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: tor
                 # rows and v stored there too: the quantized store then takes them as it would the reference's
                 vr = torch.empty_like(kr)
                 q = ce.rope_store_kv(qk, v, cos, sin, kr, vr, torch.arange(qk.shape[0]), num_q_heads)
-                store_kv(k_buffer, v_buffer, out_cache_loc, kr, v)
+                store_kv(k_buffer, v_buffer, out_cache_loc, kr, vr)  # vr: v's rows copied (v views the qkv output)
                 return q
             rotated = reference.rope_rotate_half(qk, cos, sin)  # [N, Hq+Hkv, D]
     else:

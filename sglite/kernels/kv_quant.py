@@ -27,7 +27,7 @@ Per step (``QuantStep``, filled once by the pool before the forward): ``tok_rows
 request row holds after this step's store). A row's tokens at positions ``< row_len // group *
 group`` are read from the quantized pool, the rest from its residual window. The store also keeps
 the step's sealed groups in full precision and the step's own rows as it received them (``stash``,
-replaced at the next store of the layer) so that extend attention is decode-equivalent (see
+replaced at the next store of any layer) so that extend attention is decode-equivalent (see
 :func:`extend_attention` and :mod:`.kv_quant_extend`).
 
 Shapes: S slots, Hkv KV heads, D head dim (even for int4), R request rows, G = ``group``.
@@ -205,8 +205,8 @@ def store_kv(layer: QuantKVLayer, out_cache_loc: torch.Tensor, k: torch.Tensor, 
     compiled store ``store(layer, out_cache_loc, k, v)`` doing all of it (:func:`.kv_quant_cpu.store`:
     the stash ``(groups, K, V)`` of the int kinds, ``()`` for fp8, None when not covered)."""
     st, G = layer.step, layer.group
-    if st is not None:
-        st.stash.pop(id(layer), None)
+    if st is not None:  # only this layer's attention (next) reads the stash: other layers' entries go, else
+        st.stash.clear()  # a forward held every layer's step rows (and the qkv outputs they view) until the next step
         st.stash[(id(layer), "new")] = (k, v)  # the step's rows as received (kv_quant_extend reads them)
     out = store(layer, out_cache_loc, k, v) if store is not None else None
     if out is not None:

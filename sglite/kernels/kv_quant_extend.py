@@ -69,7 +69,8 @@ def _dequant_fp8(layer: kv_quant.QuantKVLayer, slots: torch.Tensor, dtype: torch
 def _full_rows(layer: kv_quant.QuantKVLayer, slots: torch.Tensor, row: int, p: int, start: int, e: int,
                sealed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Full-precision K/V [T - g0, Hkv, D] of one request's positions ``[g0, T)`` (``g0 = p // G *
-    G``, ``T = p + e``): the step's own rows ``start .. start + e`` as the store received them, after
+    G``, ``T = p + e``): the step's own rows ``start .. start + e`` as the store received them (in the
+    residual windows' dtype, as the store keeps them), after
     the rows ``[g0, p)`` of the group the step entered (the store's stash when the step sealed that
     group, else the residual window, which the step did not overwrite below ``p``). Falls back to
     :func:`.kv_quant._own_group_kv` when the store left no rows (a store that is not ``store_kv``)."""
@@ -79,7 +80,8 @@ def _full_rows(layer: kv_quant.QuantKVLayer, slots: torch.Tensor, row: int, p: i
     if new is None:
         return kv_quant._own_group_kv(layer, slots[g0:], row, torch.arange(g0, T, device=slots.device),
                                       torch.tensor(T // G * G, device=slots.device))
-    nk, nv = new[0][start:start + e], new[1][start:start + e]
+    rd = layer.res_k.dtype  # a wider k (float32 into a bf16 pool) rounded, as the reference sees it
+    nk, nv = new[0][start:start + e].to(rd), new[1][start:start + e].to(rd)
     if p == g0:
         return nk, nv
     if sealed:  # the group [g0, g0 + G) was completed by this step: its earlier rows are in the stash

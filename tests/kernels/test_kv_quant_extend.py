@@ -3,6 +3,8 @@
 reference (``kv_quant.extend_attention``) on steps that mix cached prefixes, chunks crossing key
 groups, groups sealed in the step and rows at a group's last position; and a prompt prefilled in
 chunks sees what token-by-token decoding sees."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -203,3 +205,57 @@ at::Tensor widen_all() {
     assert torch.equal(torch.isnan(got), torch.isnan(want))
     ok = ~torch.isnan(want)
     assert torch.equal(got[ok].view(torch.int32), want[ok].view(torch.int32))
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
+def test_the_stash_holds_one_layers_rows_not_the_forwards(kind):
+    """A layer's store keeps only its own step rows (and sealed groups) in the stash: before, every
+    layer's entry stayed until the next step, and the C++ RoPE path's V was a view of the layer's qkv
+    output, so a prefill held all layers' qkv projections (7x one layer's step K+V on a 2-layer tiny
+    Llama; ~1.2 GB for a 32-layer 8B-shaped bf16 model at 2,048-token chunks). The extend attention
+    read after it is unchanged (it reads the layer just stored)."""
+    from sglite.kernels import cpu_elementwise
+    from sglite.runtime.kv_quant import QuantTokenToKVPool
+
+    built(cpu_elementwise.load)
+    Hq, Hkv, D, N = 4, 2, 16, 40
+    pool = QuantTokenToKVPool(256, 16, 3, Hkv, D, torch.float32, kind=kind, group=16, max_reqs=2)
+    st = pool.step
+    st.tok_rows, st.positions = torch.zeros(N, dtype=torch.int64), torch.arange(N)
+    st.row_len = torch.tensor([N, 0])
+    loc, table = torch.arange(N) + 16, torch.zeros(2, 64, dtype=torch.int32)
+    table[0, :N] = loc.int()
+    gen = torch.Generator().manual_seed(4)
+    ang = torch.arange(N)[:, None] * torch.rand(D // 2, generator=gen)
+    cos, sin = ang.cos(), ang.sin()
+    for L in pool.k_buffers:
+        qkv = torch.randn(N, (Hq + 2 * Hkv) * D, generator=gen)
+        qk, v = qkv.split([(Hq + Hkv) * D, Hkv * D], dim=-1)
+        q = dispatch.rope_store_kv(qk.view(N, Hq + Hkv, D), v.view(N, Hkv, D), cos, sin, L, L, loc, Hq)
+        assert {k if isinstance(k, int) else k[0] for k in st.stash} == {id(L)}
+        held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for e in st.stash.values() for t in e}
+        assert qkv.untyped_storage().data_ptr() not in held and sum(held.values()) <= 2 * 2 * N * Hkv * D * 4
+        ref = kq.extend_attention(q, L, table, torch.tensor([0]), torch.tensor([0]), torch.tensor([N]), 0.25)
+        assert torch.allclose(fast(q, SimpleNamespace(layer=L, table=table), torch.tensor([0]), torch.tensor([0]),
+                                   torch.tensor([N]), 0.25), ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_float32_rows_into_a_bf16_pool_are_seen_rounded(kind):
+    """K/V handed to the store wider than the pool's residual windows (float32 rows, bf16 windows):
+    the reference attends to the group's own rows as the store keeps them (rounded to bf16), and so
+    does the fast path (it read the step's float32 rows unrounded: 8e-3 int8, 1.1e-2 int4 off the
+    reference; the models store in their own dtype, so the engine did not reach it)."""
+    s = Seq(kind, G=16, page=16, Hkv=2, D=16, rows=2, dtype=torch.bfloat16, seed=5)
+    gen = torch.Generator().manual_seed(8)
+    s.src_k, s.src_v = torch.randn(s.src_k.shape, generator=gen) * 3, torch.randn(s.src_v.shape, generator=gen)
+    s.dtype = torch.float32  # Seq hands its rows to the store in s.dtype: float32 values bf16 does not hold
+    s.step({0: 20, 1: 5})
+    news = {0: 29, 1: 7}  # row 0 seals group 32 from 20 (stash), row 1 stays in group 0 (residual)
+    prefix = {r: len(s.k[r]) for r in news}
+    s.step(news)
+    rows = torch.tensor(list(news))
+    p, e = torch.tensor([prefix[r] for r in news]), torch.tensor(list(news.values()))
+    q = torch.randn(int(e.sum()), 4, 16, generator=gen)
+    ref = kq.extend_attention(q, s.layer, s.table, rows, p, e, 0.25)
+    assert torch.allclose(fast(q, s, rows, p, e, 0.25), ref, atol=1e-5)

@@ -85,7 +85,8 @@ class EngineConfig:
             ``sglite/runtime/kv_quant.py``; bytes per token with ``sglite kv-estimate --kv-cache-dtype``.
         kv_cache_quant_group_size: tokens per key-quantization group of an int8 / int4 KV pool,
             which is also the length of each request's full-precision residual window (KIVI's
-            residual, 128 there); a power of two in [16, 1024].
+            residual, 128 there) and the least page size (pages hold whole groups, so a cached
+            prefix is reused in whole groups); a power of two in [16, 1024].
         disable_radix_cache: never reuse a prefix across requests.
         schedule_policy: ``fcfs`` | ``lpm`` | ``dfs-weight``.
         enable_jump_forward: append grammar-forced strings in one extend step.

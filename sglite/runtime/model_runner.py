@@ -92,6 +92,10 @@ class ModelRunner:
         deterministic = bool(config.enable_deterministic_inference)
         self.model = model_registry.model_class(self.arch)(self.arch, state_dict, self.dtype, self.device,
                                                            batch_invariant=deterministic)
+        a = self.arch
+        log.info("model: %s (%s layer; %d layers, hidden %d, %d / %d heads of %d, vocab %d), dtype %s",
+                 model_registry.architecture(hf_config), type(self.model).__name__, a.num_layers, a.hidden_size,
+                 a.num_heads, a.num_kv_heads, a.head_dim, a.vocab_size, self.dtype)
         self.linear_impl = self._choose_linear_impl(config)
         self.model.decode_fused = kernels.decode_family.prepare(self.model)  # None: per-op decode (Llama or a family layer)
         self.vocab_size = self.arch.vocab_size
@@ -132,8 +136,15 @@ class ModelRunner:
                  self.max_total_tokens * pool_bpt / 2**20, stored, self.device)
         if isinstance(self.token_to_kv_pool, swa_pool.SWATokenToKVPool):
             log.info("%s", swa_pool.describe(self.token_to_kv_pool))
+        if not config.max_total_tokens and tokens >= MAX_POOL_TOKENS:
+            log.info("KV pool sized at its cap of %d tokens (MAX_POOL_TOKENS); --max-total-tokens sets a larger "
+                     "one", MAX_POOL_TOKENS)
         log.info("KV cache dtype %s", kv_quant.describe(kvd, self.bytes_per_token,
                                                          self.token_to_kv_pool.residual_bytes))
+        if kvd in kv_quant.INT_KINDS:
+            log.info("%s KV pool: pages of %d tokens hold whole key groups of %d, so a cached prefix is reused in "
+                     "whole groups (up to %d tokens fewer than with a bf16 pool)", kvd, config.page_size, group,
+                     group - 1)
 
     def _choose_linear_impl(self, config: EngineConfig) -> str:
         """Pick every matmul's implementation once (:func:`sglite.kernels.choose_impl`: the

@@ -20,6 +20,11 @@ def _name(cfg) -> str:
     return (list(getattr(cfg, "architectures", None) or []) or ["LlamaForCausalLM"])[0]
 
 
+def architecture(cfg) -> str:
+    """The HF architecture name ``cfg`` is run as (its first ``architectures`` entry; Llama without one)."""
+    return _name(cfg)
+
+
 def arch_from_hf_config(cfg) -> LlamaArch:
     """The model shape of ``cfg``: a :class:`~.family.FamilyArch` for the families of this module,
     else :meth:`LlamaArch.from_hf_config` (which refuses what it does not know)."""

@@ -161,7 +161,11 @@ def store(layer: kv_quant.QuantKVLayer, out_cache_loc: torch.Tensor, k: torch.Te
 def dequant_fp8(layer: kv_quant.QuantKVLayer, slots: torch.Tensor, dtype: torch.dtype):
     """K and V [T, Hkv, D] in ``dtype`` (float32 / bfloat16) of ``slots`` ([T] int64) of an fp8_e4m3 CPU
     layer, as :func:`.kv_quant.dequant_slots` computes them (bf16: that float32 product rounded
-    once); None when the C++ build is unavailable or the inputs are not covered."""
+    once); None when the C++ build is unavailable or the inputs are not covered
+    (``csrc/kv_dequant.h``).
+
+    Raises:
+        IndexError: a slot outside the pool."""
     ops = load()
     if (ops is None or layer.kind != "fp8_e4m3" or layer.k_data.device.type != "cpu"
             or dtype not in (torch.float32, torch.bfloat16)):

@@ -66,8 +66,8 @@ def _dequant_fp8(layer: kv_quant.QuantKVLayer, slots: torch.Tensor, dtype: torch
     return k.to(dtype), v.to(dtype)
 
 
-def _full_rows(layer: kv_quant.QuantKVLayer, slots: torch.Tensor, row: int, p: int, start: int, e: int,
-               sealed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _full_rows(layer: kv_quant.QuantKVLayer, slots: torch.Tensor, row: int, p: int, start: int,
+               e: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Full-precision K/V [T - g0, Hkv, D] of one request's positions ``[g0, T)`` (``g0 = p // G *
     G``, ``T = p + e``): the step's own rows ``start .. start + e`` as the store received them (in the
     residual windows' dtype, as the store keeps them), after
@@ -84,7 +84,7 @@ def _full_rows(layer: kv_quant.QuantKVLayer, slots: torch.Tensor, row: int, p: i
     nk, nv = new[0][start:start + e].to(rd), new[1][start:start + e].to(rd)
     if p == g0:
         return nk, nv
-    if sealed:  # the group [g0, g0 + G) was completed by this step: its earlier rows are in the stash
+    if T >= g0 + G:  # the group [g0, g0 + G) was completed by this step: its earlier rows are in the stash
         groups, bk, bv = layer.step.stash[id(layer)]
         i = int(torch.searchsorted(groups, slots[g0:g0 + 1] // G))
         pk, pv = bk[i, :p - g0], bv[i, :p - g0]
@@ -117,7 +117,7 @@ def _scratch(q: torch.Tensor, layer: kv_quant.QuantKVLayer, req_to_token: torch.
             k, v = dequant_groups(layer, slots[:S:G] // G, dt)
             ks.append(k), vs.append(v)
             off += S
-        fk, fv = _full_rows(layer, slots, row, p, start, e, T >= g0 + G)
+        fk, fv = _full_rows(layer, slots, row, p, start, e)
         ks.append(fk.to(dt)), vs.append(fv.to(dt))
         fbase, off = off, off + T - g0
         # the query at x sees the keys below (x + 1) // G * G quantized (a group's last position its
@@ -150,8 +150,6 @@ def extend_attention(q: torch.Tensor, layer: kv_quant.QuantKVLayer, req_to_token
         outside the pool), as the kernels they are."""
     with serial_torch():
         kb, vb, rt, sub_p, sub_e = _scratch(q, layer, req_to_token, req_pool_indices, prefix_lens, extend_lens)
-        if layer.step is not None:  # the step's rows are in the scratch now: not held until the next store
-            layer.step.stash.pop((id(layer), "new"), None)
     ints = dict(dtype=torch.int64, device=q.device)
     return attend(q, kb, vb, rt, torch.arange(len(sub_p), **ints), torch.tensor(sub_p, **ints),
                   torch.tensor(sub_e, **ints), sm_scale)

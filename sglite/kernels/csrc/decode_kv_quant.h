@@ -6,16 +6,11 @@
 // sglite_kv_quant op, kv_quant_attention.cpp, on the same thread pool).
 #pragma once
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <c10/util/Float8_e4m3fn.h>
 #include "kv_seal.h"
 
 namespace sglite_kv_quant_decode {
 
-// fp8_e4m3 pools: the code of x stored at scale `scale`, x / scale clamped to +-448 and rounded to
-// float8 e4m3fn (nearest even: c10's conversion, torch's), as kv_quant.store_kv
-inline uint8_t fp8_code(float x, float scale) {
-  return c10::Float8_e4m3fn(std::min(std::max(x / scale, -448.0f), 448.0f)).x;
-}
+using sglite_kv_seal::fp8_code;  // fp8_e4m3 pools: the stored code of x at a scale (kv_seal.h)
 
 // fp8 pools: layer l's scale tensor k of kvq (2 a layer: key scales, value scales; float32
 // contiguous [n]), checked

@@ -3,12 +3,12 @@
 // reference's (kv_quant.dequant_codes: code * scale + min in float32, a product then a sum, never
 // fused into one FMA), rounded once to bf16 (nearest even) for a bf16 buffer. Spliced into
 // kv_quant_attention.cpp after its row helpers, whose unpack_row (a pool row's codes in float32) and
-// half_to_float it reads the codes and scales with (the op is registered there).
+// half_to_float it reads the codes and scales with (the op is registered there). Also fp8_e4m3
+// slots (dequant_fp8: float32(code) * scale, as kv_quant.dequant_slots).
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
-#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 #include <algorithm>
 #include <cstdint>
@@ -146,43 +146,6 @@ inline std::tuple<at::Tensor, at::Tensor> dequant_fp8(const at::Tensor& kd, cons
     }
   });
   return {ko, vo};
-}
-
-// The fp8_e4m3 store (kv_quant.store_kv): data[slots[i]] = e4m3(clamp(x[i] / scale, -448, 448)) for
-// the step's rows x [N, Hkv, D] float32 | bf16 (unit stride along D), per KV head scale [Hkv]
-// float32; c10's float8 conversion (torch's rounding), for K and V.
-inline void store_fp8(at::Tensor& kd, at::Tensor& vd, const at::Tensor& ks, const at::Tensor& vs, const at::Tensor& k,
-                      const at::Tensor& v, const at::Tensor& slots) {
-  const int64_t S = kd.size(0), Hkv = kd.size(1), D = kd.size(2), N = slots.numel();
-  TORCH_CHECK_VALUE(kd.dim() == 3 && vd.sizes() == kd.sizes() && kd.element_size() == 1 && vd.element_size() == 1
-                    && kd.stride(2) == 1 && vd.stride(2) == 1, "store_fp8: codes must be [S, Hkv, D] float8 with unit stride along D");
-  for (const at::Tensor* x : {&k, &v})
-    TORCH_CHECK_VALUE(x->dim() == 3 && x->size(0) == N && x->size(1) == Hkv && x->size(2) == D && x->stride(2) == 1
-                      && (x->scalar_type() == at::kFloat || x->scalar_type() == at::kBFloat16),
-                      "store_fp8: k and v must be float32 / bf16 [N, Hkv, D] with unit stride along D");
-  for (const at::Tensor* t : {&ks, &vs})
-    TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == Hkv,
-                      "store_fp8: scales must be float32 [Hkv]");
-  TORCH_CHECK_VALUE(slots.scalar_type() == at::kLong && slots.is_contiguous(), "store_fp8: slots must be int64");
-  const int64_t* sl = slots.data_ptr<int64_t>();
-  for (int64_t i = 0; i < N; ++i) TORCH_CHECK_INDEX(sl[i] >= 0 && sl[i] < S, "store_fp8: slot ", sl[i], " outside the pool");
-  const at::Tensor* src[2] = {&k, &v};
-  at::Tensor* dst[2] = {&kd, &vd};
-  const float* sc[2] = {ks.data_ptr<float>(), vs.data_ptr<float>()};
-  sglite_pool::parallel_for(0, N, 64, [&](int64_t lo, int64_t hi) {
-    for (int w = 0; w < 2; ++w)
-      for (int64_t i = lo; i < hi; ++i)
-        for (int64_t h = 0; h < Hkv; ++h) {
-          uint8_t* out = (uint8_t*)dst[w]->data_ptr() + sl[i] * dst[w]->stride(0) + h * dst[w]->stride(1);
-          const int64_t off = i * src[w]->stride(0) + h * src[w]->stride(1);
-          const float s = sc[w][h];
-          for (int64_t d = 0; d < D; ++d) {
-            const float x = src[w]->scalar_type() == at::kFloat ? src[w]->data_ptr<float>()[off + d]
-                                                               : (float)src[w]->data_ptr<c10::BFloat16>()[off + d];
-            out[d] = c10::Float8_e4m3fn(std::min(std::max(x / s, -448.0f), 448.0f)).x;
-          }
-        }
-  });
 }
 
 }  // namespace sglite_kv_dequant

@@ -467,5 +467,5 @@ TORCH_LIBRARY_IMPL(sglite_kv_quant, CPU, m) {
   m.impl("seal_groups", &sglite_kv_seal::seal_groups);
   m.impl("store_groups", &sglite_kv_seal::store_groups);
   m.impl("dequant_fp8", &sglite_kv_dequant::dequant_fp8);
-  m.impl("store_fp8", &sglite_kv_dequant::store_fp8);
+  m.impl("store_fp8", &sglite_kv_seal::store_fp8);
 }

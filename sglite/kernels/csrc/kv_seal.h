@@ -6,6 +6,8 @@
 // round((x - min) * (1 / scale)) half to even, clamped to [0, qmax] (a zero scale gives code 0);
 // keys per channel over the group's G positions, values per token over the head's D channels;
 // int4 codes packed two a byte in split halves (low nibble: channel j, high: channel j + D/2).
+// Also the whole per-op store (store_groups: residual rows and sealed groups in one call) and the
+// fp8_e4m3 quantizer (fp8_code, shared by the fused decode, and store_fp8, the per-op store).
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -19,6 +21,7 @@
 #include <immintrin.h>
 #endif
 #include <ATen/ATen.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 #include "thread_pool.h"
 
@@ -211,10 +214,8 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> store_groups(
   const size_t rb = (size_t)row * rk.element_size();  // bytes of one position's K (or V) row
   const char *kp = (const char*)k.data_ptr(), *vp = (const char*)v.data_ptr();
   char *rkp = (char*)rk.data_ptr(), *rvp = (char*)rv.data_ptr(), *bkp = (char*)bk.data_ptr(), *bvp = (char*)bv.data_ptr();
-  const at::Tensor t[4] = {kd, vd, ks, vs};
   int64_t* gp = gids.data_ptr<int64_t>();
   sglite_pool::parallel_for(0, NB, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> fk(G * row), fv(G * row);
     for (int64_t b = lo; b < hi; ++b) {
       const int64_t il = last[b].second, r = tr[il], x0 = ps[il] - (G - 1);
       for (int64_t j = 0; j < G; ++j) {  // the step's token at position x0 + j, else the residual row j
@@ -224,17 +225,54 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> store_groups(
         std::memcpy(bvp + (b * G + j) * rb, own ? vp + i * rb : rvp + (r * G + j) * rb, rb);
       }
       gp[b] = last[b].first;
-      to_float(bk, b * G * row, G * row, fk.data());
-      to_float(bv, b * G * row, G * row, fv.data());
-      seal_block(t, fk.data(), fv.data(), last[b].first * G, (int)bits);
     }
   });
+  seal_groups(kd, vd, ks, vs, bk, bv, gids, bits);  // the assembled blocks, as the per-op store's stash
   for (int64_t i = 0; i < N; ++i)  // after sealing: the sealed groups read their earlier rows from the windows
     if (!done[i]) {
       std::memcpy(rkp + (tr[i] * G + ps[i] % G) * rb, kp + i * rb, rb);
       std::memcpy(rvp + (tr[i] * G + ps[i] % G) * rb, vp + i * rb, rb);
     }
   return {gids, bk, bv};
+}
+
+// fp8_e4m3 pools: the code of x stored at scale `scale`, x / scale clamped to +-448 and rounded to
+// float8 e4m3fn (nearest even: c10's conversion, torch's), as kv_quant.store_kv
+inline uint8_t fp8_code(float x, float scale) {
+  return c10::Float8_e4m3fn(std::min(std::max(x / scale, -448.0f), 448.0f)).x;
+}
+
+// The fp8_e4m3 store (kv_quant.store_kv): data[slots[i]] = fp8_code(x[i], scale) for the step's rows
+// x [N, Hkv, D] float32 | bf16 (unit stride along D), with per KV head scales [Hkv] float32, for K
+// and V (codes [S, Hkv, D] float8 with unit stride along D).
+inline void store_fp8(at::Tensor& kd, at::Tensor& vd, const at::Tensor& ks, const at::Tensor& vs, const at::Tensor& k,
+                      const at::Tensor& v, const at::Tensor& slots) {
+  const int64_t S = kd.size(0), Hkv = kd.size(1), D = kd.size(2), N = slots.numel();
+  TORCH_CHECK_VALUE(kd.dim() == 3 && vd.sizes() == kd.sizes() && kd.element_size() == 1 && vd.element_size() == 1
+                    && kd.stride(2) == 1 && vd.stride(2) == 1, "store_fp8: codes must be [S, Hkv, D] float8 with unit stride along D");
+  for (const at::Tensor* x : {&k, &v})
+    TORCH_CHECK_VALUE(x->dim() == 3 && x->size(0) == N && x->size(1) == Hkv && x->size(2) == D && x->stride(2) == 1
+                      && (x->scalar_type() == at::kFloat || x->scalar_type() == at::kBFloat16),
+                      "store_fp8: k and v must be float32 / bf16 [N, Hkv, D] with unit stride along D");
+  for (const at::Tensor* t : {&ks, &vs})
+    TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == Hkv,
+                      "store_fp8: scales must be float32 [Hkv]");
+  TORCH_CHECK_VALUE(slots.scalar_type() == at::kLong && slots.is_contiguous(), "store_fp8: slots must be int64");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N; ++i) TORCH_CHECK_INDEX(sl[i] >= 0 && sl[i] < S, "store_fp8: slot ", sl[i], " outside the pool");
+  const at::Tensor* src[2] = {&k, &v};
+  at::Tensor* dst[2] = {&kd, &vd};
+  const float* sc[2] = {ks.data_ptr<float>(), vs.data_ptr<float>()};
+  sglite_pool::parallel_for(0, N, 64, [&](int64_t lo, int64_t hi) {
+    std::vector<float> x(D);
+    for (int w = 0; w < 2; ++w)
+      for (int64_t i = lo; i < hi; ++i)
+        for (int64_t h = 0; h < Hkv; ++h) {
+          uint8_t* out = (uint8_t*)dst[w]->data_ptr() + sl[i] * dst[w]->stride(0) + h * dst[w]->stride(1);
+          to_float(*src[w], i * src[w]->stride(0) + h * src[w]->stride(1), D, x.data());
+          for (int64_t d = 0; d < D; ++d) out[d] = fp8_code(x[d], sc[w][h]);
+        }
+  });
 }
 
 }  // namespace sglite_kv_seal

@@ -1,6 +1,8 @@
 """GGUF helpers for tests: random valid blocks of every type sglite keeps quantized
 (:func:`random_gguf_blocks`) and a tiny random Llama ``.gguf`` writer with per-tensor types
-(:func:`make_tiny_gguf`; llama.cpp's Q4_K_M / Q5_K_M-like mixes in :data:`MIXES`)."""
+(:func:`make_tiny_gguf`; llama.cpp's Q4_K_M / Q5_K_M-like mixes in :data:`MIXES`), and writers of
+HF checkpoints in llama.cpp's layout (:func:`write_llama_gguf`, :func:`write_family_gguf`,
+:func:`write_qwen3_moe_gguf`)."""
 from __future__ import annotations
 
 # per-tensor type mixes in the spirit of llama.cpp's presets (its Q4_K_M keeps attn_v / ffn_down of
@@ -178,6 +180,71 @@ def write_llama_gguf(path, hf_dir, *, rope_freqs="auto", tensor_type: str = "F32
         w.add_tensor(b + "ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
         mat(b + "attn_q.weight", interleave(sd[p + "self_attn.q_proj.weight"], cfg.num_attention_heads))
         mat(b + "attn_k.weight", interleave(sd[p + "self_attn.k_proj.weight"], cfg.num_key_value_heads))
+        mat(b + "attn_v.weight", sd[p + "self_attn.v_proj.weight"])
+        mat(b + "attn_output.weight", sd[p + "self_attn.o_proj.weight"])
+        for hf, gg in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
+            mat(b + gg + ".weight", sd[p + f"mlp.{hf}.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def write_family_gguf(path, hf_dir, arch: str, *, tensor_type: str = "F32", tokenizer: bool = True):
+    """Write the HF Granite or OLMo 2 checkpoint ``hf_dir`` (:func:`sglite.testing.make_tiny_family`)
+    as the GGUF file ``path`` in the layout of llama.cpp's converter (``convert_hf_to_gguf.py``;
+    checked field for field and tensor for tensor against its output for both, float32 and Q8_0):
+    ``arch`` ``"granite"`` (Llama's tensors and Q / K row reorder, the four multipliers as
+    ``attention.scale`` / ``embedding_scale`` / ``residual_scale`` / ``logit_scale``) or ``"olmo2"``
+    (QK-norms over all heads, post-norms, rows as HF's, ``attention.key_length`` /
+    ``value_length``). Matmul weights and the token embedding in ``tensor_type`` (``F32`` or a type
+    gguf-py quantizes, e.g. ``Q8_0``), norms F32; the default model's tokenizer fields unless
+    ``tokenizer`` is False (reading them back is most of a small file's load time). Returns ``path``."""
+    import gguf
+    import numpy as np
+
+    cfg, sd, w = open_gguf_writer(path, hf_dir, arch)
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if arch == "granite":
+        w.add_vocab_size(cfg.vocab_size)
+        w.add_rope_dimension_count(hd)
+        w.add_attention_scale(cfg.attention_multiplier)
+        w.add_embedding_scale(cfg.embedding_multiplier)
+        w.add_residual_scale(cfg.residual_multiplier)
+        w.add_logit_scale(cfg.logits_scaling)
+    else:
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+    if tokenizer:
+        copy_default_tokenizer(w)
+    qt = gguf.GGMLQuantizationType[tensor_type]
+
+    def mat(name, arr):
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if tensor_type == "F32":
+            w.add_tensor(name, arr)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
+
+    def rows(arr, heads):  # Granite: HF rotate-half rows -> GGML's interleaved pairs, per head
+        if arch != "granite":
+            return arr
+        return arr.reshape(heads, 2, arr.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(arr.shape)
+
+    mat("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    if not cfg.tie_word_embeddings:
+        mat("output.weight", sd["lm_head.weight"])
+    norms = ({"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"} if arch == "granite" else
+             {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+              "post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm"})
+    for i in range(cfg.num_hidden_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        for hf, gg in norms.items():
+            w.add_tensor(b + gg + ".weight", sd[p + hf + ".weight"])
+        mat(b + "attn_q.weight", rows(sd[p + "self_attn.q_proj.weight"], cfg.num_attention_heads))
+        mat(b + "attn_k.weight", rows(sd[p + "self_attn.k_proj.weight"], cfg.num_key_value_heads))
         mat(b + "attn_v.weight", sd[p + "self_attn.v_proj.weight"])
         mat(b + "attn_output.weight", sd[p + "self_attn.o_proj.weight"])
         for hf, gg in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):

@@ -62,7 +62,7 @@ _MODEL_TYPE_TO_ARCH = {
 }
 #: GGUF ``general.architecture`` values whose files convert to a supported architecture
 SUPPORTED_GGUF_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3",
-                                          "qwen2moe", "qwen3moe"})
+                                          "qwen2moe", "qwen3moe", "granite", "olmo2"})
 #: GGUF ``<arch>.rope.scaling.type`` values the conversion keeps (transformers' GGUF reader drops any
 #: scaling of these architectures, so a scaled file would silently run unscaled)
 SUPPORTED_GGUF_ROPE_SCALING = ("none",)
@@ -312,38 +312,47 @@ def _refuse_gguf_experts(gguf: Path) -> None:
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
-    """Dequantize ``gguf`` to float32 with transformers and save an HF folder into ``out``."""
+    """Dequantize ``gguf`` to float32 with transformers (``granite`` / ``olmo2``: with
+    :mod:`sglite.runtime.gguf_convert`, which transformers' reader lacks) and save an HF folder into ``out``."""
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from . import gguf_convert
+    from .gguf_header import read_gguf_header
 
     folder, name = str(gguf.parent), gguf.name
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
-                                                     **_moe_config(gguf, folder, name))
-    except (ValueError, OSError, KeyError, RuntimeError, struct.error, IndexError, TypeError) as exc:
-        raise InvalidRequestError(
-            f"model_path: cannot convert GGUF file {str(gguf)!r}: {type(exc).__name__}: {exc}",
-            field="model_path") from exc
-    config = model.config
+    meta = read_gguf_header(gguf).metadata
+    if meta.get("general.architecture") in gguf_convert.OWN_ARCHS:  # transformers' reader has no mapping
+        config, state, tokenizer = gguf_convert.read(gguf, meta)
+        generation = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                                      pad_token_id=config.pad_token_id)
+    else:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
+                                                         **_moe_config(gguf, folder, name))
+        except (ValueError, OSError, KeyError, RuntimeError, struct.error, IndexError, TypeError) as exc:
+            raise InvalidRequestError(
+                f"model_path: cannot convert GGUF file {str(gguf)!r}: {type(exc).__name__}: {exc}",
+                field="model_path") from exc
+        config, state, generation = model.config, model.state_dict(), model.generation_config
+        config.architectures = [type(model).__name__]
     if getattr(config, "quantization_config", None) is not None:
         del config.quantization_config  # the folder holds plain float32 weights
-    config.architectures = [type(model).__name__]
     config.dtype = torch.float32
     rope_freqs = read_rope_freqs(gguf)  # Llama 3.1 / 3.2 scaling, dropped by transformers' reader
     if rope_freqs is not None:
         config.gguf_rope_freqs = rope_freqs
     _check_architecture(config, gguf)  # (validates gguf_rope_freqs against head_dim)
 
-    state = model.state_dict()
     tied = bool(getattr(config, "tie_word_embeddings", False))
     if tied:
         state.pop("lm_head.weight", None)  # safetensors refuses shared storage; reader re-ties
     tensors = {k: v.detach().to(torch.float32).contiguous().clone() for k, v in state.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(str(out))
-    model.generation_config.save_pretrained(str(out))
+    generation.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     (out / "sglite_source.json").write_text(json.dumps({"gguf": str(gguf.resolve())}))
 

@@ -1,9 +1,9 @@
-"""Record llama.cpp's greedy tokens and top-1 / top-2 logits on tiny random Granite and OLMo 2 GGUF
-files, for tests/data/gguf_families_llamacpp.json (the oracle of tests/runtime/test_gguf_families.py).
+"""Record llama.cpp's greedy tokens and top-1 / top-2 logits on tiny random Granite, OLMo 2 and SmolLM3
+GGUF files, for tests/data/gguf_families_llamacpp.json (the oracle of tests/runtime/test_gguf_families.py).
 
 The checkpoints are the test's (:func:`sglite.testing.make_tiny_family`, same seeds and fields:
 Granite tied with non-default multipliers, OLMo 2 untied -- llama.cpp's OLMo 2 graph needs an
-``output.weight``), written by :func:`sglite.testing_gguf.write_family_gguf` in F32 and Q8_0 (its
+``output.weight``; SmolLM3 with 4 layers, so that its last is a NoPE layer), written by :func:`sglite.testing_gguf.write_family_gguf` in F32 and Q8_0 (its
 tensors are bit for bit those of llama.cpp's ``convert_hf_to_gguf.py``, and llama.cpp's output on
 the two files is byte-identical). The tool is scripts/llamacpp_greedy.cpp built against
 llama.cpp (see its header); nothing here downloads anything.
@@ -25,6 +25,7 @@ FAMILIES = {  # arch -> (HF architecture, seed, config fields): the test's fixtu
     "granite": ("GraniteForCausalLM", 3, dict(tie_word_embeddings=True, embedding_multiplier=3.0,
                                               residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0)),
     "olmo2": ("Olmo2ForCausalLM", 4, dict(tie_word_embeddings=False)),
+    "smollm3": ("SmolLM3ForCausalLM", 6, dict(num_hidden_layers=4)),  # layer 3 NoPE (llama.cpp: every 4th)
 }
 TYPES = ("F32", "Q8_0")
 N_PREDICT = 16

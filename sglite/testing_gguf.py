@@ -196,7 +196,8 @@ def write_family_gguf(path, hf_dir, arch: str, *, tensor_type: str = "F32", toke
     as the GGUF file ``path`` in the layout of llama.cpp's converter (``convert_hf_to_gguf.py``;
     checked field for field and tensor for tensor against its output for both, float32 and Q8_0):
     ``arch`` ``"granite"`` (Llama's tensors and Q / K row reorder, the four multipliers as
-    ``attention.scale`` / ``embedding_scale`` / ``residual_scale`` / ``logit_scale``) or ``"olmo2"``
+    ``attention.scale`` / ``embedding_scale`` / ``residual_scale`` / ``logit_scale``), ``"smollm3"``
+    (Llama's layout; its NoPE layers are llama.cpp's fixed every-4th, not in the file) or ``"olmo2"``
     (QK-norms over all heads, post-norms, rows as HF's, ``attention.key_length`` /
     ``value_length``). Matmul weights and the token embedding in ``tensor_type`` (``F32`` or a type
     gguf-py quantizes, e.g. ``Q8_0``), norms F32; the default model's tokenizer fields unless
@@ -206,14 +207,16 @@ def write_family_gguf(path, hf_dir, arch: str, *, tensor_type: str = "F32", toke
 
     cfg, sd, w = open_gguf_writer(path, hf_dir, arch)
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    if arch == "granite":
+    llama_like = arch in ("granite", "smollm3")  # llama.cpp's Llama converter
+    if llama_like:
         w.add_vocab_size(cfg.vocab_size)
         w.add_rope_dimension_count(hd)
+    if arch == "granite":
         w.add_attention_scale(cfg.attention_multiplier)
         w.add_embedding_scale(cfg.embedding_multiplier)
         w.add_residual_scale(cfg.residual_multiplier)
         w.add_logit_scale(cfg.logits_scaling)
-    else:
+    if arch != "granite":  # (llama.cpp's Granite converter drops head_dim)
         w.add_key_length(hd)
         w.add_value_length(hd)
     if tokenizer:
@@ -227,8 +230,8 @@ def write_family_gguf(path, hf_dir, arch: str, *, tensor_type: str = "F32", toke
         else:
             w.add_tensor(name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
 
-    def rows(arr, heads):  # Granite: HF rotate-half rows -> GGML's interleaved pairs, per head
-        if arch != "granite":
+    def rows(arr, heads):  # Granite / SmolLM3: HF rotate-half rows -> GGML's interleaved pairs, per head
+        if not llama_like:
             return arr
         return arr.reshape(heads, 2, arr.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(arr.shape)
 
@@ -236,7 +239,7 @@ def write_family_gguf(path, hf_dir, arch: str, *, tensor_type: str = "F32", toke
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
     if not cfg.tie_word_embeddings:
         mat("output.weight", sd["lm_head.weight"])
-    norms = ({"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"} if arch == "granite" else
+    norms = ({"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"} if llama_like else
              {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
               "post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm"})
     for i in range(cfg.num_hidden_layers):

@@ -16,7 +16,8 @@ The family's differences from the Llama layer run as data, read from the model's
 * the MLP activation: SwiGLU or GELU-tanh GeGLU (Gemma);
 * sliding-window (local) layers: their own RoPE tables (``model.local_cos`` / ``local_sin``), their
   K/V slots in the hybrid pool's local slot space (``fb.swa``, :mod:`sglite.runtime.swa_pool`),
-  attention over the last ``sliding_window`` positions (the C++ attention op's window);
+  attention over the last ``sliding_window`` positions (the C++ attention op's window); NoPE layers
+  (SmolLM3) are passed as local layers with identity tables and no window (the full slots);
 * attention logit soft-capping (Gemma 2) in the attention op; the LM head's divisor (Granite's
   ``logits_scaling``) and final soft-capping (Gemma 2) on the [M, V] logits after the head.
 
@@ -26,7 +27,8 @@ completed key groups sealed in C++, the pool's attention; fp8 codes stored as ``
 ``q * key scale``, output times the value scale), with the family's options around them, for models
 without local layers and attention soft-capping (Qwen3, OLMo 2, Granite; quantized pools support
 neither): :attr:`FamilyFusedDecode.quant_kv`. Gemma's quantized steps are declined (the per-op
-path, which refuses them; the model registry refuses such a pool at load).
+path, which refuses them; the model registry refuses such a pool at load), and SmolLM3's (its NoPE
+layers ride on the local flags, which the quantized pools refuse) run the per-op path.
 
 LoRA adapters (``csrc/lora_fused.h``, as in :mod:`.decode_fused`): each projection's delta is added
 to its output before the family's norms; steps of up to :data:`.decode_fused.MAX_ROWS_AMX` rows
@@ -86,7 +88,9 @@ class FamilyFusedDecode(FusedDecode):
         one = torch.ones(H)
         self.qk_kind = QK_KINDS[getattr(a, "qk_norm_kind", "") or ("head" if a.qk_norm else "")]
         self.qk_norms = [L[k].float().contiguous() for L in model.layers for k in ("q_norm", "k_norm")] if self.qk_kind else []
-        self.local = [int(bool(x)) for x in getattr(a, "local_layers", ())] or [0] * len(model.layers)
+        # local layers: sliding-window ones (Gemma) or NoPE ones (SmolLM3: identity local tables, no window)
+        self.local = [int(bool(x)) for x in (getattr(a, "local_layers", ()) or getattr(a, "nope_layers", ()))] \
+            or [0] * len(model.layers)
         self.window = int(getattr(a, "sliding_window", 0) or 0) if any(self.local) else 0
         self.act = ACTS[getattr(a, "mlp_act", "silu")]
         self.quant_kv = not any(self.local) and not float(getattr(a, "attn_softcap", 0.0))

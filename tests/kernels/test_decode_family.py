@@ -1,6 +1,7 @@
 """The families' fused CPU decode (sglite.kernels.decode_family) against the per-op path (the
 reference, itself equal to transformers in tests/runtime/test_families_*.py) on tiny random Gemma 2,
-Gemma 3, OLMo 2, Granite (and Qwen3's per-head QK-norm on the Llama layer) checkpoints quantized to 32-groups (RTN): float32 logits of every fused
+Gemma 3, OLMo 2, Granite, SmolLM3 (NoPE layers as identity-table local layers) (and Qwen3's per-head
+QK-norm on the Llama layer) checkpoints quantized to 32-groups (RTN): float32 logits of every fused
 step close to the per-op step on the same batch, greedy tokens identical, sliding-window layers
 (window 8, shorter than the prompts) with the hybrid pool's local slots; the bf16 int8 path close;
 options the C++ layer lacks refused; the thread pool's bitwise invariance on Gemma 3."""
@@ -10,10 +11,11 @@ import torch
 from sglite.kernels import decode_family, decode_fused, quant_cpu
 from tests.runtime.test_families_gemma import FAMILIES as GEMMA
 from tests.runtime.test_families_olmo2_granite import FAMILIES as OTHERS
+from tests.runtime.test_families_smollm3 import FAMILIES as SMOLLM3
 from tests.kernels.test_decode_fused import check_fused_steps
 
 pytestmark = pytest.mark.skipif(not quant_cpu.available(), reason="the C++ quant kernel did not build here")
-FAMILIES = {**GEMMA, **OTHERS, "qwen3": ("qwen3", "Qwen3ForCausalLM", dict(attention_bias=False))}  # QK-norm on the Llama layer
+FAMILIES = {**GEMMA, **OTHERS, **SMOLLM3, "qwen3": ("qwen3", "Qwen3ForCausalLM", dict(attention_bias=False))}  # QK-norm on the Llama layer
 PROMPTS = [[504, 3458, 3502, 314, 253, 5426, 28, 690, 9095, 30, 378, 12, 99, 17],
            [1314, 28, 5248, 11633, 28, 690, 9095, 30, 378], [357, 12, 99]]
 SP = {"max_new_tokens": 14, "temperature": 0, "ignore_eos": True}  # past the window of 8

@@ -1,11 +1,12 @@
-"""Granite and OLMo 2 from GGUF files, which transformers' GGUF reader does not map
+"""Granite, OLMo 2 and SmolLM3 from GGUF files, which transformers' GGUF reader does not map
 (:mod:`sglite.runtime.gguf_convert`). Tiny random checkpoints (Granite tied, with non-default
-multipliers, as Granite 3.x 2B ties its head; OLMo 2 untied, as llama.cpp's OLMo 2 graph needs)
+multipliers, as Granite 3.x 2B ties its head; OLMo 2 untied, as llama.cpp's OLMo 2 graph needs;
+SmolLM3 with 4 layers, its last a NoPE layer as llama.cpp's fixed every-4th)
 written in llama.cpp's layout (:func:`sglite.testing_gguf.write_family_gguf`, whose tensors are bit
 for bit those of llama.cpp's own converter).
 
 Fast: the config read from the metadata is the source's, the tensors read back are the source's
-bit for bit (Granite's Q / K rows back in HF's order), the kernels' Q8_0 blocks dequantize to the
+bit for bit (Granite's and SmolLM3's Q / K rows back in HF's order), the kernels' Q8_0 blocks dequantize to the
 float conversion's rows, refusals name the field. Slow (the conversion parses the 49 152-piece
 vocabulary): the F32 file served by the engine gives transformers' greedy tokens and prompt
 logprobs on the source checkpoint; the Q8_0 file, its matmul weights kept quantized, gives

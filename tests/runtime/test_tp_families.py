@@ -1,7 +1,8 @@
 """Tensor parallelism for the model families beyond Llama (issue 27): Mixtral, Qwen2-MoE and
 Qwen3-MoE (every expert split over its intermediate features, routers replicated, Qwen2-MoE's shared
 expert split like a dense MLP), Gemma 2 / Gemma 3 (sliding windows, soft-capping, per-head QK-norm;
-Gemma 3 with one KV head, replicated on both ranks) and Granite, on tiny random checkpoints:
+Gemma 3 with one KV head, replicated on both ranks), Granite and SmolLM3 (NoPE layers), on tiny
+random checkpoints:
 
 * fast: two ranks as threads of this process (gloo over a HashStore) against the unsharded model
   on a prefill and a decode step: logits within 1e-4 of the largest (relative), same argmax;
@@ -19,10 +20,11 @@ from sglite.runtime.parallel.parallel_state import TPLayout, load_shard
 from tests.runtime.test_families_gemma import FAMILIES as GEMMA
 from tests.runtime.test_families_moe import FAMILIES as MOE
 from tests.runtime.test_families_olmo2_granite import FAMILIES as OTHERS
+from tests.runtime.test_families_smollm3 import FAMILIES as SMOLLM3
 from tests.runtime.test_tensor_parallel import run_model, tp_logits_in_threads
 
 WINDOW = {"sliding_window": 4}  # shorter than the 7-token prefill of test_tensor_parallel.two_steps
-FAMILIES = {**MOE, "granite": OTHERS["granite"],
+FAMILIES = {**MOE, "granite": OTHERS["granite"], **SMOLLM3,
             "gemma2": (*GEMMA["gemma2"][:2], {**GEMMA["gemma2"][2], **WINDOW}),
             "gemma3_kv1": (*GEMMA["gemma3"][:2], {**GEMMA["gemma3"][2], **WINDOW, "num_key_value_heads": 1})}
 

@@ -1,6 +1,6 @@
 """Decoder layer shared by the Llama-like families that differ from Llama in norms, scalars and
 attention options: OLMo 2 (:mod:`.olmo2`), Granite (:mod:`.granite`), Gemma 2 and Gemma 3
-(:mod:`.gemma`).
+(:mod:`.gemma`), SmolLM3 (:mod:`.smollm3`).
 
 A :class:`FamilyArch` is a :class:`~.llama.LlamaArch` (the shape, read by the Llama parser from a
 view of the HF config) plus what the family changes, as data:
@@ -14,7 +14,9 @@ view of the HF config) plus what the family changes, as data:
 * scalars: embedding scale, residual scale, attention scale, logit divisor (Granite; Gemma's
   sqrt(hidden) embedding scale), attention and final-logit soft-capping (Gemma 2);
 * the MLP activation (SwiGLU or GELU-tanh GeGLU), sliding-window (local) layers with their own
-  RoPE base (Gemma 2/3).
+  RoPE base (Gemma 2/3), layers without positional encoding (SmolLM3's NoPE layers: they rotate
+  with identity tables, cos 1 and sin 0, and the fused decode takes them as its "local" layers
+  with no window).
 
 :class:`FamilyModel` is a :class:`~.llama.LlamaModel` (same weights, KV layout, matmul
 implementations, hugepage packing) with this layer's forward (the per-op path, the reference); its
@@ -58,6 +60,7 @@ class FamilyArch(LlamaArch):
     sliding_window: int = 0
     local_layers: tuple = ()  # per layer: True = sliding-window (local) attention
     local_rope: Optional[LlamaArch] = None  # RoPE of the local layers (Gemma 3), None: the global one
+    nope_layers: tuple = ()  # per layer: True = no positional encoding (SmolLM3): identity RoPE tables
 
 
 def base_arch(cfg, rope_parameters=None) -> LlamaArch:
@@ -119,6 +122,11 @@ class FamilyModel(LlamaModel):
         self.local_cos, self.local_sin = self.cos, self.sin
         if arch.local_rope is not None:
             self.local_cos, self.local_sin = _rope_cache(arch.local_rope, arch.max_position_embeddings, device)
+        if any(arch.nope_layers):  # NoPE layers: the identity rotation (no local layers with them)
+            if any(arch.local_layers):
+                raise InvalidRequestError("model_path: NoPE and sliding-window layers in one model are not supported",
+                                          field="model_path")
+            self.local_cos, self.local_sin = torch.ones_like(self.cos), torch.zeros_like(self.sin)
 
     def _norm_weight(self, w: torch.Tensor) -> torch.Tensor:
         """A norm weight as applied: float32 ``(1 + w)`` (Gemma), float32 ``w`` (``norm_fp32``), or
@@ -148,7 +156,7 @@ class FamilyModel(LlamaModel):
         if a.embed_scale != 1.0:
             x = x * (torch.tensor(a.embed_scale, dtype=x.dtype) if a.embed_scale_in_dtype else a.embed_scale)
         rope = {False: (self.cos[fb.positions].to(self.dtype), self.sin[fb.positions].to(self.dtype))}  # [N, D/2]
-        if a.local_rope is not None:
+        if a.local_rope is not None or any(a.nope_layers):
             rope[True] = (self.local_cos[fb.positions].to(self.dtype), self.local_sin[fb.positions].to(self.dtype))
         swa = fb.swa
         full = (fb.out_cache_loc, fb.req_to_token, fb.ext_req_pool_indices, dec_rows)
@@ -162,7 +170,7 @@ class FamilyModel(LlamaModel):
             q, k, v = q.reshape(-1, Hq, D), k.reshape(-1, Hkv, D), v.reshape(-1, Hkv, D)
             if a.qk_norm_kind == "head":  # Gemma 3: each head over D
                 q, k = self._rms(q, L["q_norm"]), self._rms(k, L["k_norm"])
-            cos, sin = rope.get(local, rope[False])
+            cos, sin = rope.get(local or bool(a.nope_layers and a.nope_layers[li]), rope[False])
             # RoPE on q and k (as _apply_rope), k and v stored: [N, Hq, D]
             # local layers of a hybrid pool (sglite.runtime.swa_pool): their own slot space
             loc, table, ext_rows, drows = ((swa.out_cache_loc, swa.req_to_token, swa.ext_rows, swa.dec_rows)

@@ -1,17 +1,17 @@
 """Which model class runs a HF config: the Llama family (:mod:`.llama`: Llama, Mistral, Qwen2,
 Qwen3), a family on the shared :class:`~.family.FamilyModel` layer (OLMo 2, Granite, Gemma 2,
-Gemma 3) or a mixture of experts on :class:`~.moe.MoeModel` (Mixtral, Qwen2-MoE, Qwen3-MoE). The model runner asks here; unsupported values raise InvalidRequestError before any
+Gemma 3, SmolLM3) or a mixture of experts on :class:`~.moe.MoeModel` (Mixtral, Qwen2-MoE, Qwen3-MoE). The model runner asks here; unsupported values raise InvalidRequestError before any
 weight is read.
 """
 from __future__ import annotations
 
 from sglite.errors import InvalidRequestError
 
-from . import gemma, granite, mixtral, olmo2, qwen2_moe, qwen3_moe
+from . import gemma, granite, mixtral, olmo2, qwen2_moe, qwen3_moe, smollm3
 from .llama import SUPPORTED_ARCHS, LlamaArch, LlamaModel
 from .moe import MoeModel
 
-_FAMILIES = {name: mod for mod in (olmo2, granite, gemma, mixtral, qwen2_moe, qwen3_moe) for name in mod.ARCHS}
+_FAMILIES = {name: mod for mod in (olmo2, granite, gemma, smollm3, mixtral, qwen2_moe, qwen3_moe) for name in mod.ARCHS}
 #: every architecture name a model class here runs
 ARCHITECTURES = tuple(SUPPORTED_ARCHS) + tuple(_FAMILIES)
 
@@ -34,13 +34,14 @@ def arch_from_hf_config(cfg) -> LlamaArch:
 
 def model_class(arch: LlamaArch) -> type:
     """The class whose ``(arch, state_dict, dtype, device, batch_invariant=)`` builds the model."""
-    return {"olmo2": olmo2.Olmo2Model, "granite": granite.GraniteModel, "gemma2": gemma.GemmaModel,
+    return {"olmo2": olmo2.Olmo2Model, "granite": granite.GraniteModel, "smollm3": smollm3.SmolLM3Model,
+            "gemma2": gemma.GemmaModel,
             "gemma3": gemma.GemmaModel, "mixtral": MoeModel, "qwen2_moe": MoeModel,
             "qwen3_moe": MoeModel}.get(getattr(arch, "family", "llama"), LlamaModel)
 
 
 #: families whose layer shards over tensor-parallel ranks (attention heads, MLP / expert widths)
-TP_ARCHS = granite.ARCHS + gemma.ARCHS + mixtral.ARCHS + qwen2_moe.ARCHS + qwen3_moe.ARCHS
+TP_ARCHS = granite.ARCHS + gemma.ARCHS + smollm3.ARCHS + mixtral.ARCHS + qwen2_moe.ARCHS + qwen3_moe.ARCHS
 QUANT_KV = ("fp8_e4m3", "int8", "int4")  # quantized pools: no sliding window / soft-capping in their attention
 
 

@@ -132,6 +132,51 @@ def llama3_rope_freqs(rope: dict, head_dim: int) -> list[float]:
     return out
 
 
+def _matrix_writer(w, tensor_type: str):
+    """``mat(name, arr)``: add float32 ``arr`` to writer ``w`` as ``tensor_type`` (``F32`` as is, else
+    quantized by gguf-py, e.g. ``Q8_0``)."""
+    import gguf
+    import numpy as np
+
+    qt = gguf.GGMLQuantizationType[tensor_type]
+
+    def mat(name, arr):
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if tensor_type == "F32":
+            w.add_tensor(name, arr)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
+    return mat
+
+
+def _interleave(arr, heads: int):
+    """HF rotate-half rows -> GGML's interleaved pairs, per head (llama.cpp's Llama converter)."""
+    return arr.reshape(heads, 2, arr.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(arr.shape)
+
+
+def _write_layers_and_close(w, cfg, sd, mat, norms: dict, permute: bool) -> None:
+    """Each layer's ``norms`` (``{HF module: GGUF name}``, F32), attention (Q / K rows interleaved when
+    ``permute``) and SwiGLU matrices through ``mat``, then the file written and ``w`` closed."""
+    for i in range(cfg.num_hidden_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        for hf, gg in norms.items():
+            w.add_tensor(b + gg + ".weight", sd[p + hf + ".weight"])
+        q, k = sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"]
+        mat(b + "attn_q.weight", _interleave(q, cfg.num_attention_heads) if permute else q)
+        mat(b + "attn_k.weight", _interleave(k, cfg.num_key_value_heads) if permute else k)
+        mat(b + "attn_v.weight", sd[p + "self_attn.v_proj.weight"])
+        mat(b + "attn_output.weight", sd[p + "self_attn.o_proj.weight"])
+        for hf, gg in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
+            mat(b + gg + ".weight", sd[p + f"mlp.{hf}.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+_PRE_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
 def write_llama_gguf(path, hf_dir, *, rope_freqs="auto", tensor_type: str = "F32", metadata: dict | None = None):
     """Write the HF Llama checkpoint ``hf_dir`` (e.g. :func:`sglite.testing.make_tiny_llama`) as the
     GGUF file ``path`` the way llama.cpp's converter lays it out: ``llama`` architecture, Q / K rows
@@ -154,18 +199,7 @@ def write_llama_gguf(path, hf_dir, *, rope_freqs="auto", tensor_type: str = "F32
         w.add_key_value(key, value, vt)
     copy_default_tokenizer(w)
     w.add_vocab_size(cfg.vocab_size)
-    qt = gguf.GGMLQuantizationType[tensor_type]
-
-    def mat(name, arr):
-        arr = np.ascontiguousarray(arr, dtype=np.float32)
-        if tensor_type == "F32":
-            w.add_tensor(name, arr)
-        else:
-            w.add_tensor(name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
-
-    def interleave(arr, heads):  # HF rotate-half rows -> GGML's interleaved pairs, per head
-        return arr.reshape(heads, 2, arr.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(arr.shape)
-
+    mat = _matrix_writer(w, tensor_type)
     if rope_freqs == "auto":
         rope_freqs = llama3_rope_freqs(rope, hd) if rope.get("rope_type") == "llama3" else None
     if rope_freqs is not None:
@@ -174,25 +208,12 @@ def write_llama_gguf(path, hf_dir, *, rope_freqs="auto", tensor_type: str = "F32
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
     if not cfg.tie_word_embeddings:
         mat("output.weight", sd["lm_head.weight"])
-    for i in range(cfg.num_hidden_layers):
-        p, b = f"model.layers.{i}.", f"blk.{i}."
-        w.add_tensor(b + "attn_norm.weight", sd[p + "input_layernorm.weight"])
-        w.add_tensor(b + "ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
-        mat(b + "attn_q.weight", interleave(sd[p + "self_attn.q_proj.weight"], cfg.num_attention_heads))
-        mat(b + "attn_k.weight", interleave(sd[p + "self_attn.k_proj.weight"], cfg.num_key_value_heads))
-        mat(b + "attn_v.weight", sd[p + "self_attn.v_proj.weight"])
-        mat(b + "attn_output.weight", sd[p + "self_attn.o_proj.weight"])
-        for hf, gg in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
-            mat(b + gg + ".weight", sd[p + f"mlp.{hf}.weight"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_layers_and_close(w, cfg, sd, mat, _PRE_NORMS, permute=True)
     return path
 
 
 def write_family_gguf(path, hf_dir, arch: str, *, tensor_type: str = "F32", tokenizer: bool = True):
-    """Write the HF Granite or OLMo 2 checkpoint ``hf_dir`` (:func:`sglite.testing.make_tiny_family`)
+    """Write the HF Granite, SmolLM3 or OLMo 2 checkpoint ``hf_dir`` (:func:`sglite.testing.make_tiny_family`)
     as the GGUF file ``path`` in the layout of llama.cpp's converter (``convert_hf_to_gguf.py``;
     checked field for field and tensor for tensor against its output for both, float32 and Q8_0):
     ``arch`` ``"granite"`` (Llama's tensors and Q / K row reorder, the four multipliers as
@@ -202,9 +223,6 @@ def write_family_gguf(path, hf_dir, arch: str, *, tensor_type: str = "F32", toke
     ``value_length``). Matmul weights and the token embedding in ``tensor_type`` (``F32`` or a type
     gguf-py quantizes, e.g. ``Q8_0``), norms F32; the default model's tokenizer fields unless
     ``tokenizer`` is False (reading them back is most of a small file's load time). Returns ``path``."""
-    import gguf
-    import numpy as np
-
     cfg, sd, w = open_gguf_writer(path, hf_dir, arch)
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     llama_like = arch in ("granite", "smollm3")  # llama.cpp's Llama converter
@@ -221,41 +239,15 @@ def write_family_gguf(path, hf_dir, arch: str, *, tensor_type: str = "F32", toke
         w.add_value_length(hd)
     if tokenizer:
         copy_default_tokenizer(w)
-    qt = gguf.GGMLQuantizationType[tensor_type]
-
-    def mat(name, arr):
-        arr = np.ascontiguousarray(arr, dtype=np.float32)
-        if tensor_type == "F32":
-            w.add_tensor(name, arr)
-        else:
-            w.add_tensor(name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
-
-    def rows(arr, heads):  # Granite / SmolLM3: HF rotate-half rows -> GGML's interleaved pairs, per head
-        if not llama_like:
-            return arr
-        return arr.reshape(heads, 2, arr.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(arr.shape)
-
+    mat = _matrix_writer(w, tensor_type)
     mat("token_embd.weight", sd["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
     if not cfg.tie_word_embeddings:
         mat("output.weight", sd["lm_head.weight"])
-    norms = ({"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"} if llama_like else
-             {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-              "post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm"})
-    for i in range(cfg.num_hidden_layers):
-        p, b = f"model.layers.{i}.", f"blk.{i}."
-        for hf, gg in norms.items():
-            w.add_tensor(b + gg + ".weight", sd[p + hf + ".weight"])
-        mat(b + "attn_q.weight", rows(sd[p + "self_attn.q_proj.weight"], cfg.num_attention_heads))
-        mat(b + "attn_k.weight", rows(sd[p + "self_attn.k_proj.weight"], cfg.num_key_value_heads))
-        mat(b + "attn_v.weight", sd[p + "self_attn.v_proj.weight"])
-        mat(b + "attn_output.weight", sd[p + "self_attn.o_proj.weight"])
-        for hf, gg in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
-            mat(b + gg + ".weight", sd[p + f"mlp.{hf}.weight"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    norms = _PRE_NORMS if llama_like else {
+        "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+        "post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+    _write_layers_and_close(w, cfg, sd, mat, norms, permute=llama_like)
     return path
 
 

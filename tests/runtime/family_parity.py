@@ -94,3 +94,14 @@ def check_refusals(family, quantized_kv_refused: bool, tp_refused: bool = False)
         with pytest.raises(InvalidRequestError) as ei:
             engine(d, **kw)
         assert ei.value.field == field
+
+
+def check_greedy_and_prompt_logprobs(res, prompts, outs, logps, atol: float = 1e-4):
+    """Engine results ``res`` (``return_logprob``, ``logprob_start_len=0``) against HF's greedy
+    tokens ``outs`` and prompt log-softmax ``logps`` (:func:`sglite.testing.hf_greedy`): tokens equal,
+    prompt logprobs within ``atol``."""
+    for i, r in enumerate(res):
+        assert r["output_ids"] == outs[i], f"prompt {i} diverges"
+        ours = torch.tensor([x[0] for x in r["meta_info"]["input_token_logprobs"][1:]])
+        want = logps[i][torch.arange(len(prompts[i]) - 1), torch.tensor(prompts[i][1:])]
+        assert torch.allclose(ours, want, atol=atol), (ours - want).abs().max()

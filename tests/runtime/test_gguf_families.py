@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.runtime.family_parity import check_greedy_and_prompt_logprobs
+
 DATA = Path(__file__).resolve().parents[1] / "data" / "gguf_families_llamacpp.json"
 RECORD = json.loads(DATA.read_text())
 ARCHS = {k: (v["hf_architecture"], v["seed"], v["fields"]) for k, v in RECORD["families"].items()}
@@ -123,14 +125,6 @@ def _serve(path, prompts, quantization):
     return res, fmts
 
 
-def _check(res, prompts, outs, logps):
-    for i, r in enumerate(res):
-        assert r["output_ids"] == outs[i], f"prompt {i} diverges"
-        ours = torch.tensor([x[0] for x in r["meta_info"]["input_token_logprobs"][1:]])
-        want = logps[i][torch.arange(len(prompts[i]) - 1), torch.tensor(prompts[i][1:])]
-        assert torch.allclose(ours, want, atol=1e-4), (ours - want).abs().max()
-
-
 @pytest.mark.slow
 def test_f32_gguf_matches_transformers_on_the_source(family, tmp_path, monkeypatch, real_tokenizer):
     from sglite.runtime.model_loader import load_checkpoint
@@ -146,7 +140,7 @@ def test_f32_gguf_matches_transformers_on_the_source(family, tmp_path, monkeypat
     assert len({tuple(o) for o in outs}) > 1
     res, fmts = _serve(path, prompts, "none")
     assert fmts == {"float"}
-    _check(res, prompts, outs, logps)
+    check_greedy_and_prompt_logprobs(res, prompts, outs, logps)
 
 
 @pytest.mark.slow
@@ -161,7 +155,7 @@ def test_q8_gguf_kept_quantized_matches_transformers_on_the_dequantized(family, 
     for q, want in (("gguf", {"gguf:Q8_0"}), ("none", {"float"})):
         res, fmts = _serve(path, prompts, q)
         assert fmts == want
-        _check(res, prompts, outs, logps)
+        check_greedy_and_prompt_logprobs(res, prompts, outs, logps)
 
 
 @pytest.mark.slow

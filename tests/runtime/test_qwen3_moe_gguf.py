@@ -11,6 +11,8 @@ source checkpoint; Q8_0 experts kept quantized natively -> transformers on the d
 import pytest
 import torch
 
+from tests.runtime.family_parity import check_greedy_and_prompt_logprobs
+
 FIELDS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
               mlp_only_layers=[], attention_bias=False)
 GREEDY = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
@@ -61,14 +63,6 @@ def _run(path, prompts, quantization):
     return fmts, res
 
 
-def _check(res, prompts, outs, logps):
-    for i, r in enumerate(res):
-        assert r["output_ids"] == outs[i], f"prompt {i} diverges"
-        ours = torch.tensor([x[0] for x in r["meta_info"]["input_token_logprobs"][1:]])
-        want = logps[i][torch.arange(len(prompts[i]) - 1), torch.tensor(prompts[i][1:])]
-        assert torch.allclose(ours, want, atol=1e-4), (ours - want).abs().max()
-
-
 @pytest.mark.slow
 def test_f32_qwen3_moe_gguf_matches_transformers_on_the_source(hf_qwen3_moe, tmp_path, monkeypatch, real_tokenizer):
     from sglite.testing import hf_greedy
@@ -81,7 +75,7 @@ def test_f32_qwen3_moe_gguf_matches_transformers_on_the_source(hf_qwen3_moe, tmp
     assert len({tuple(o) for o in outs}) > 1
     fmts, res = _run(path, prompts, "none")
     assert fmts == {"float"}
-    _check(res, prompts, outs, logps)
+    check_greedy_and_prompt_logprobs(res, prompts, outs, logps)
 
 
 @pytest.mark.slow
@@ -98,4 +92,4 @@ def test_q8_experts_kept_quantized_match_transformers_on_the_dequantized(hf_qwen
     for q, want in (("gguf", {"gguf:Q8_0"}), ("none", {"float"})):
         fmts, res = _run(path, prompts, q)
         assert fmts == want
-        _check(res, prompts, outs, logps)
+        check_greedy_and_prompt_logprobs(res, prompts, outs, logps)

@@ -20,6 +20,8 @@ llama-cpp-python 0.3.36):
   ``block_count``, ``context_length``, ``attention.head_count`` / ``head_count_kv`` /
   ``layer_norm_rms_epsilon`` / ``key_length``, ``rope.freq_base``; Granite's multipliers as
   ``attention.scale``, ``embedding_scale``, ``residual_scale``, ``logit_scale``.
+- checked as llama.cpp's loader checks them (:func:`read_config`, :func:`read`): required keys
+  required, llama.cpp's defaults for the optional ones, every tensor by name and shape.
 
 The tokenizer (``tokenizer.*`` keys, chat template included) is converted by transformers from a
 tensor-less copy of those keys under ``general.architecture = llama``: its GGUF tokenizer
@@ -67,47 +69,104 @@ def hf_tensor_name(arch: str, gguf_name: str) -> str | None:
     return None
 
 
+def _number(meta: dict, key: str, where: str, default=None, kind=int):
+    """``meta[key]`` as ``kind`` (``default`` when absent; a required key when ``default`` is None)."""
+    v = meta.get(key)
+    if v is None and default is None:
+        raise InvalidRequestError(f"model_path: {where} lacks GGUF key {key}", field="model_path")
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)):
+        raise InvalidRequestError(f"model_path: {where} has {key}={v!r}, not a{'n integer' if kind is int else ' number'}",
+                                  field="model_path")
+    return kind(v)
+
+
 def read_config(arch: str, meta: dict, has_output: bool, vocab: int, where: str):
     """The transformers config of an ``arch`` file from its metadata ``meta`` (``has_output``: the
     file has an ``output.weight``, else the LM head is tied; ``vocab``: rows of its ``token_embd``).
+    Keys llama.cpp requires are required (``embedding_length``, ``feed_forward_length``,
+    ``block_count``, ``context_length``, ``attention.head_count``,
+    ``attention.layer_norm_rms_epsilon``; Granite's ``logit_scale``); absent optional ones take
+    llama.cpp's defaults (Granite: ``attention.scale`` absent or 0 is 1/sqrt(head_dim), as
+    llama.cpp's graph, not GraniteConfig's 1.0; ``embedding_scale`` / ``residual_scale`` absent or 0
+    are 1).
 
     Raises:
-        InvalidRequestError (field ``model_path``): a required key is missing, or the file uses
-            sliding-window attention (OLMo 3), which the OLMo 2 model does not run.
+        InvalidRequestError (field ``model_path``): a required key is missing or not a number, head
+            counts that do not divide (embedding length by heads, heads by KV heads), a head size
+            other than the embedding length / heads where the model has none of its own (Granite's
+            ``attention.key_length`` / ``value_length``), partial RoPE (``rope.dimension_count``),
+            a RoPE scaling factor other than 1, Granite without RoPE (``rope.scaling.finetuned``
+            false), or the file uses sliding-window attention (OLMo 3), which the OLMo 2 model does
+            not run.
     """
     from transformers import AutoConfig
 
-    def need(key: str):
-        v = meta.get(f"{arch}.{key}")
-        if v is None:
-            raise InvalidRequestError(f"model_path: {where} lacks GGUF key {arch}.{key}", field="model_path")
-        return v
+    def num(key: str, default=None, kind=int):
+        return _number(meta, f"{arch}.{key}", where, default, kind)
 
-    if meta.get(f"{arch}.attention.sliding_window") is not None:
-        raise InvalidRequestError(f"model_path: {where} uses sliding-window attention ({arch}.attention."
-                                  "sliding_window, an OLMo 3 file), which sglite's OLMo 2 model does not run",
-                                  field="model_path")
-    heads = int(need("attention.head_count"))
-    hidden = int(need("embedding_length"))
+    def refuse(what: str):
+        raise InvalidRequestError(f"model_path: {where} {what}", field="model_path")
+
+    if meta.get(f"{arch}.attention.sliding_window"):  # 0: none, as llama.cpp reads it
+        refuse(f"uses sliding-window attention ({arch}.attention.sliding_window, an OLMo 3 file), which "
+               "sglite's OLMo 2 model does not run")
+    heads, hidden = num("attention.head_count"), num("embedding_length")
+    kv = num("attention.head_count_kv", heads)
+    layers, ff = num("block_count"), num("feed_forward_length")
+    if min(heads, kv, hidden, layers, ff) <= 0 or heads % kv or hidden % heads:
+        refuse(f"has {arch}.attention.head_count={heads}, head_count_kv={kv}, embedding_length={hidden}, "
+               f"block_count={layers}, feed_forward_length={ff}: each must be positive, the heads a multiple "
+               "of the KV heads and the embedding length a multiple of the heads")
+    # OLMo 2's config has a head size of its own (attention.key_length); Granite's is hidden / heads
+    hd = num("attention.key_length", hidden // heads) if arch == "olmo2" else hidden // heads
+    source = f"{arch}.attention.key_length" if arch == "olmo2" else "embedding_length / head_count"
+    for key in ("attention.key_length", "attention.value_length", "rope.dimension_count"):
+        if num(key, hd) != hd:
+            refuse(f"has {arch}.{key}={num(key)}, but its head size is {hd} ({source})")
+    if num("rope.scaling.factor", 1.0, float) not in (0.0, 1.0):  # llama.cpp: linear scaling by default
+        refuse(f"has {arch}.rope.scaling.factor={num('rope.scaling.factor', kind=float)} (RoPE scaling), "
+               "which the conversion does not keep")
+    if arch == "granite" and meta.get(f"{arch}.rope.scaling.finetuned") is False:  # llama.cpp: no RoPE
+        refuse(f"has {arch}.rope.scaling.finetuned=false (no RoPE), which sglite's Granite model does not run")
     fields = dict(
-        hidden_size=hidden, intermediate_size=int(need("feed_forward_length")),
-        num_hidden_layers=int(need("block_count")), num_attention_heads=heads,
-        num_key_value_heads=int(meta.get(f"{arch}.attention.head_count_kv") or heads),
-        max_position_embeddings=int(meta.get(f"{arch}.context_length") or 4096),
-        rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon") or 1e-6),
-        rope_parameters={"rope_type": "default", "rope_theta": float(meta.get(f"{arch}.rope.freq_base") or 10000.0)},
+        hidden_size=hidden, intermediate_size=ff, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, max_position_embeddings=num("context_length"),
+        rms_norm_eps=num("attention.layer_norm_rms_epsilon", kind=float),
+        rope_parameters={"rope_type": "default", "rope_theta": num("rope.freq_base", 10000.0, float)},
         vocab_size=vocab,
         tie_word_embeddings=not has_output, dtype="float32",
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"))
-    if arch == "olmo2" and meta.get(f"{arch}.attention.key_length"):
-        fields["head_dim"] = int(meta[f"{arch}.attention.key_length"])
+    if arch == "olmo2":
+        fields["head_dim"] = hd
     if arch == "granite":
-        fields.update({attr: float(meta[f"{arch}.{key}"]) for key, attr in _GRANITE_SCALES.items()
-                       if meta.get(f"{arch}.{key}") is not None})
+        if num("logit_scale", kind=float) == 0.0:
+            refuse(f"has {arch}.logit_scale=0 (llama.cpp divides the logits by it)")
+        defaults = {"attention.scale": hd ** -0.5, "embedding_scale": 1.0, "residual_scale": 1.0, "logit_scale": 1.0}
+        fields.update({attr: num(key, 0.0, float) or defaults[key] for key, attr in _GRANITE_SCALES.items()})
     config = AutoConfig.for_model(arch, **fields)
     config.architectures = [_HF_ARCH[arch]]
     return config
+
+
+def expected_shapes(arch: str, config) -> dict[str, tuple[int, ...]]:
+    """``{HF name: shape}`` of every tensor an ``arch`` model of ``config`` has (``lm_head.weight``
+    only when the head is untied)."""
+    h, ff, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    hd = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = (v, h)
+    layer = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+             "self_attn.o_proj": (h, q), "mlp.gate_proj": (ff, h), "mlp.up_proj": (ff, h), "mlp.down_proj": (h, ff),
+             "self_attn.q_norm": (q,), "self_attn.k_norm": (kv,)}
+    for i in range(config.num_hidden_layers):
+        for p in _LAYER[arch].values():
+            out[f"model.layers.{i}.{p}.weight"] = layer.get(p, (h,))
+    return out
 
 
 def read_tensors(reader, arch: str, config) -> dict[str, torch.Tensor]:
@@ -167,24 +226,42 @@ def read_tokenizer(reader, where: str):
 def read(path: Path, meta: dict):
     """``(config, float32 HF state dict, tokenizer)`` of GGUF file ``path`` (``meta``: its metadata,
     :func:`sglite.runtime.gguf_header.read_gguf_header`); ``general.architecture`` in :data:`OWN_ARCHS`.
+    Every tensor is checked by name and shape against the config before any is read, as llama.cpp's
+    loader checks them.
 
     Raises:
-        InvalidRequestError (field ``model_path``): see :func:`read_config` / :func:`read_tokenizer`,
-            or the file lacks a tensor the model needs.
+        InvalidRequestError (field ``model_path``): see :func:`read_config` / :func:`read_tokenizer`;
+            the file lacks a tensor the model needs, has one it does not (named), a tensor of
+            another shape than the config's (named, with both shapes), or a vocabulary
+            (``tokenizer.ggml.tokens``) of another size than ``token_embd``'s rows.
     """
     import gguf
 
     arch, where = meta["general.architecture"], repr(str(path))
     reader = gguf.GGUFReader(str(path))
-    shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}  # ne: innermost first
-    if "token_embd.weight" not in shapes:
-        raise InvalidRequestError(f"model_path: {where} lacks token_embd.weight", field="model_path")
-    config = read_config(arch, meta, "output.weight" in shapes, shapes["token_embd.weight"][-1], where)
-    state = read_tensors(reader, arch, config)
-    wanted = {"model.embed_tokens.weight", "model.norm.weight"} | {
-        f"model.layers.{i}.{p}.weight" for i in range(config.num_hidden_layers) for p in _LAYER[arch].values()}
-    missing = sorted(wanted - state.keys())
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}  # HF order, outermost first
+    embd = shapes.get("token_embd.weight")
+    if embd is None or len(embd) != 2:
+        raise InvalidRequestError(f"model_path: {where} lacks token_embd.weight (or it is not a matrix)",
+                                  field="model_path")
+    tokens = meta.get("tokenizer.ggml.tokens#len")
+    if tokens is not None and tokens != embd[0]:
+        raise InvalidRequestError(f"model_path: {where} has {tokens} tokens in tokenizer.ggml.tokens but "
+                                  f"{embd[0]} rows in token_embd.weight", field="model_path")
+    config = read_config(arch, meta, "output.weight" in shapes, embd[0], where)
+    want = expected_shapes(arch, config)
+    names = {g: hf_tensor_name(arch, g) for g in shapes}
+    extra = sorted(g for g, n in names.items() if n not in want)
+    if extra:
+        raise InvalidRequestError(f"model_path: {where} has tensors a {arch} model of "
+                                  f"{config.num_hidden_layers} blocks does not have: {extra[:3]} ({len(extra)} in all)",
+                                  field="model_path")
+    missing = sorted(want.keys() - names.values())
     if missing:
         raise InvalidRequestError(f"model_path: {where} lacks tensors for {missing[:3]} "
                                   f"({len(missing)} in all)", field="model_path")
-    return config, state, read_tokenizer(reader, where)
+    bad = [f"{g} {list(s)} (expected {list(want[names[g]])})" for g, s in shapes.items() if s != want[names[g]]]
+    if bad:
+        raise InvalidRequestError(f"model_path: {where} has tensors of the wrong shape for its metadata: "
+                                  f"{'; '.join(bad[:3])} ({len(bad)} in all)", field="model_path")
+    return config, read_tensors(reader, arch, config), read_tokenizer(reader, where)

@@ -324,21 +324,23 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 
     folder, name = str(gguf.parent), gguf.name
     meta = read_gguf_header(gguf).metadata
-    if meta.get("general.architecture") in gguf_convert.OWN_ARCHS:  # transformers' reader has no mapping
-        config, state, tokenizer = gguf_convert.read(gguf, meta)
-        generation = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-                                      pad_token_id=config.pad_token_id)
-    else:
-        try:
+    try:
+        if meta.get("general.architecture") in gguf_convert.OWN_ARCHS:  # transformers' reader has no mapping
+            config, state, tokenizer = gguf_convert.read(gguf, meta)
+            generation = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                                          pad_token_id=config.pad_token_id)
+        else:
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
             model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
                                                          **_moe_config(gguf, folder, name))
-        except (ValueError, OSError, KeyError, RuntimeError, struct.error, IndexError, TypeError) as exc:
-            raise InvalidRequestError(
-                f"model_path: cannot convert GGUF file {str(gguf)!r}: {type(exc).__name__}: {exc}",
-                field="model_path") from exc
-        config, state, generation = model.config, model.state_dict(), model.generation_config
-        config.architectures = [type(model).__name__]
+            config, state, generation = model.config, model.state_dict(), model.generation_config
+            config.architectures = [type(model).__name__]
+    except InvalidRequestError:
+        raise
+    except (ValueError, OSError, KeyError, RuntimeError, struct.error, IndexError, TypeError) as exc:
+        raise InvalidRequestError(
+            f"model_path: cannot convert GGUF file {str(gguf)!r}: {type(exc).__name__}: {exc}",
+            field="model_path") from exc
     if getattr(config, "quantization_config", None) is not None:
         del config.quantization_config  # the folder holds plain float32 weights
     config.dtype = torch.float32

@@ -181,3 +181,119 @@ def test_next_tokens_are_llama_cpps_on_the_same_file(family, tensor_type, tmp_pa
         assert abs(ours - theirs) <= tol, (i, ours, theirs)
         if theirs > tol:  # a clear choice for llama.cpp: ours too
             assert t[0][1] == want, (i, t, want)
+
+
+def _rewrite(src, dst, keys=None, drop=(), tensors=None):
+    """``src`` rewritten as ``dst`` with metadata ``keys`` ({name: (value, GGUFValueType)}) set,
+    keys / tensors named in ``drop`` left out and ``tensors`` ({name: float32 array}) added or replaced."""
+    import gguf
+    import numpy as np
+
+    r, keys, tensors = gguf.GGUFReader(str(src)), dict(keys or {}), dict(tensors or {})
+    w = gguf.GGUFWriter(str(dst), r.fields["general.architecture"].contents())
+    for f in r.fields.values():
+        if not (f.name.startswith("GGUF.") or f.name == "general.architecture" or f.name in drop or f.name in keys):
+            vt = gguf.GGUFValueType(f.types[0])
+            w.add_key_value(f.name, f.contents(), vt, sub_type=gguf.GGUFValueType(f.types[-1]) if f.types[1:] else None)
+    for k, (v, vt) in keys.items():
+        w.add_key_value(k, v, vt)
+    for t in r.tensors:
+        if t.name not in drop and t.name not in tensors:
+            w.add_tensor(t.name, np.array(t.data).reshape([int(d) for d in reversed(t.shape)]))
+    for name, arr in tensors.items():
+        w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def test_granite_multipliers_absent_take_llama_cpps_defaults(tmp_path, family):
+    """llama.cpp's Granite graph scales attention by 1/sqrt(head_dim) when ``attention.scale`` is
+    absent or 0 (not GraniteConfig's 1.0), skips an absent or 0 embedding / residual scale, and
+    requires ``logit_scale``."""
+    from sglite.errors import InvalidRequestError
+    from sglite.runtime import gguf_convert
+    from sglite.runtime.gguf_header import read_gguf_header
+
+    arch, _ = family
+    if arch != "granite":
+        pytest.skip("Granite's multipliers")
+    meta = read_gguf_header(_gguf(family, tmp_path, tokenizer=False)).metadata
+    for absent in ({}, {"granite.attention.scale": 0.0, "granite.embedding_scale": 0.0, "granite.residual_scale": 0.0}):
+        m = {k: v for k, v in meta.items() if k not in ("granite.attention.scale", "granite.embedding_scale",
+                                                        "granite.residual_scale")} | absent
+        cfg = gguf_convert.read_config(arch, m, False, 8, "f")
+        assert (cfg.attention_multiplier, cfg.embedding_multiplier, cfg.residual_multiplier) == (0.25, 1.0, 1.0)
+        assert cfg.logits_scaling == 2.0
+    for m, key in (({k: v for k, v in meta.items() if k != "granite.logit_scale"}, "granite.logit_scale"),
+                   ({**meta, "granite.logit_scale": 0.0}, "granite.logit_scale=0")):
+        with pytest.raises(InvalidRequestError, match=key) as e:
+            gguf_convert.read_config(arch, m, False, 8, "f")
+        assert e.value.field == "model_path"
+
+
+BAD_KEYS = [  # (metadata change, the key the refusal names); "-" drops the key
+    ({"attention.head_count": 3}, "head_count=3"), ({"attention.head_count_kv": 3}, "head_count_kv=3"),
+    ({"attention.head_count": 0}, "head_count=0"), ({"attention.head_count": "4"}, "head_count='4', not an integer"),
+    ({"block_count": 2.5}, "block_count=2.5"), ({"attention.layer_norm_rms_epsilon": "-"}, "layer_norm_rms_epsilon"),
+    ({"context_length": "-"}, "context_length"), ({"attention.value_length": 32}, "value_length=32"),
+    ({"rope.dimension_count": 8}, "dimension_count=8"), ({"rope.scaling.factor": 4.0}, "scaling.factor=4.0"),
+    ({"attention.sliding_window": 4096}, "sliding")]
+
+
+@pytest.mark.parametrize("change,match", BAD_KEYS, ids=[m for _, m in BAD_KEYS])
+def test_malformed_metadata_is_refused_naming_the_key(family, tmp_path, change, match):
+    from sglite.errors import InvalidRequestError
+    from sglite.runtime import gguf_convert
+    from sglite.runtime.gguf_header import read_gguf_header
+
+    arch, _ = family
+    meta = read_gguf_header(_gguf(family, tmp_path, tokenizer=False)).metadata
+    for k, v in change.items():
+        meta.pop(f"{arch}.{k}") if v == "-" else meta.__setitem__(f"{arch}.{k}", v)
+    with pytest.raises(InvalidRequestError, match=match) as e:
+        gguf_convert.read_config(arch, meta, True, 8, "f")
+    assert e.value.field == "model_path"
+    meta = read_gguf_header(_gguf(family, tmp_path, tokenizer=False)).metadata
+    if arch == "granite":  # Granite has no head size of its own (llama.cpp's graph asserts it), nor runs without RoPE
+        for k, v in (("attention.key_length", 32), ("rope.scaling.finetuned", False)):
+            with pytest.raises(InvalidRequestError, match=k):
+                gguf_convert.read_config(arch, {**meta, f"{arch}.{k}": v}, True, 8, "f")
+    assert gguf_convert.read_config(arch, {**meta, f"{arch}.attention.sliding_window": 0}, True, 8, "f")
+
+
+def test_malformed_tensors_are_refused_before_any_cache(family, tmp_path, monkeypatch):
+    """Tensors checked by name and shape as llama.cpp's loader checks them: an unknown tensor (a
+    bias the model would silently drop, a block past block_count), a wrong shape, a vocabulary
+    of another size than token_embd's rows; a refused file leaves nothing in the cache."""
+    import numpy as np
+
+    from sglite.errors import InvalidRequestError
+    from sglite.runtime import gguf_convert
+    from sglite.runtime.gguf_header import read_gguf_header
+    from sglite.runtime.model_loader import load_checkpoint
+
+    arch, _ = family
+    src = _gguf(family, tmp_path, tokenizer=False)
+    n = int(read_gguf_header(src).metadata[f"{arch}.block_count"])  # a block past the last one
+    cases = [({"blk.0.attn_q.bias": np.ones(64)}, "blk.0.attn_q.bias"),
+             ({f"blk.{n}.attn_q.weight": np.ones((64, 64))}, f"blk.{n}"),
+             ({"blk.1.attn_v.weight": np.ones((16, 64))}, r"blk.1.attn_v.weight \[16, 64\] \(expected \[32, 64\]\)"),
+             ({"output.weight": np.ones((100, 64))}, r"output.weight \[100, 64\]")]
+    for i, (tensors, match) in enumerate(cases):
+        path = _rewrite(src, tmp_path / f"bad{i}.gguf", tensors=tensors)
+        with pytest.raises(InvalidRequestError, match=match) as e:
+            gguf_convert.read(path, read_gguf_header(path).metadata)
+        assert e.value.field == "model_path"
+    meta = {**read_gguf_header(src).metadata, "tokenizer.ggml.tokens#len": 49153}
+    with pytest.raises(InvalidRequestError, match="49153 tokens in tokenizer.ggml.tokens but 49152 rows"):
+        gguf_convert.read(src, meta)
+    import gguf
+
+    monkeypatch.setenv("SGLITE_CACHE_DIR", str(tmp_path / "cache"))
+    path = _rewrite(src, tmp_path / "heads.gguf", keys={f"{arch}.attention.head_count": (3, gguf.GGUFValueType.UINT32)})
+    with pytest.raises(InvalidRequestError, match="head_count=3"):
+        load_checkpoint(path)
+    assert not [p.name for p in (tmp_path / "cache").iterdir() if p.is_dir()]

@@ -215,7 +215,7 @@ def write_llama_gguf(path, hf_dir, *, rope_freqs="auto", tensor_type: str = "F32
 def write_family_gguf(path, hf_dir, arch: str, *, tensor_type: str = "F32", tokenizer: bool = True):
     """Write the HF Granite, SmolLM3 or OLMo 2 checkpoint ``hf_dir`` (:func:`sglite.testing.make_tiny_family`)
     as the GGUF file ``path`` in the layout of llama.cpp's converter (``convert_hf_to_gguf.py``;
-    checked field for field and tensor for tensor against its output for both, float32 and Q8_0):
+    checked field for field and tensor for tensor against its output for each, float32 and Q8_0):
     ``arch`` ``"granite"`` (Llama's tensors and Q / K row reorder, the four multipliers as
     ``attention.scale`` / ``embedding_scale`` / ``residual_scale`` / ``logit_scale``), ``"smollm3"``
     (Llama's layout; its NoPE layers are llama.cpp's fixed every-4th, not in the file) or ``"olmo2"``

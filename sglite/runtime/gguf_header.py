@@ -8,7 +8,7 @@ The GGUF layout (ggml's ``docs/gguf.md``, version 2 and 3): magic ``GGUF``, ``ui
 little-endian.
 
 :func:`read_gguf_header` walks all of it with bounds checks against the file size, so a file cut
-anywhere in its metadata or tensor table, or with an absurd count, is an ``InvalidRequestError``
+anywhere in its metadata, tensor table or tensor data, or with an absurd count, is an ``InvalidRequestError``
 naming ``model_path``, not a ``struct.error`` deep inside a converter. Array payloads of fixed-size
 types are skipped, not read; string arrays (the tokenizer's vocabulary) are walked.
 
@@ -90,12 +90,12 @@ class _Reader:
 
     def take(self, n: int) -> bytes:
         if n < 0 or self.f.tell() + n > self.size:
-            raise self.bad(f"cut short at byte {self.f.tell()} (needs {n} more of {self.size})")
+            raise self.bad(f"cut short at byte {self.f.tell()} (needs {n} more bytes; the file has {self.size})")
         return self.f.read(n)
 
     def skip(self, n: int) -> None:
         if n < 0 or self.f.tell() + n > self.size:
-            raise self.bad(f"cut short at byte {self.f.tell()} (needs {n} more of {self.size})")
+            raise self.bad(f"cut short at byte {self.f.tell()} (needs {n} more bytes; the file has {self.size})")
         self.f.seek(n, os.SEEK_CUR)
 
     def unpack(self, fmt: str):
@@ -132,11 +132,11 @@ class _Reader:
                 self.f.seek(pos)
                 base, buf = pos, self.f.read(min(1 << 20, self.size - pos))
                 if len(buf) < 8:
-                    raise self.bad(f"cut short at byte {pos} (needs 8 more of {self.size})")
+                    raise self.bad(f"cut short at byte {pos} (needs 8 more bytes; the file has {self.size})")
             length = struct.unpack_from("<Q", buf, pos - base)[0]
             pos += 8
             if length > self.size - pos:
-                raise self.bad(f"cut short at byte {pos} (needs {length} more of {self.size})")
+                raise self.bad(f"cut short at byte {pos} (needs {length} more bytes; the file has {self.size})")
             pos += length
         self.f.seek(pos)
 
@@ -160,7 +160,7 @@ def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
     Raises:
         InvalidRequestError (field ``model_path``): not a GGUF file, an unsupported version, a file
             cut anywhere before the end of its tensor table, an unknown value type, a count beyond
-            :data:`MAX_COUNT`, or a tensor whose data offset lies past the end of the file.
+            :data:`MAX_COUNT`, or a tensor whose data starts or ends past the end of the file.
     """
     path = Path(path)
     size = path.stat().st_size
@@ -190,7 +190,30 @@ def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
             if offset > size:
                 raise r.bad(f"tensor {name!r} starts past the end of the file")
         head.data_start = f.tell()
+    _check_tensor_extents(head, r, size)
     return head
+
+
+def _check_tensor_extents(head: GGUFHeader, r: "_Reader", size: int) -> None:
+    """Refuse a file whose tensor data ends past its last byte (a download or copy cut inside the
+    data section): each tensor of a known ggml type needs ``elements / block * type_size`` bytes
+    from the aligned data start + its offset (gguf-py's ``GGML_QUANT_SIZES``)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    align = int(head.metadata.get("general.alignment") or 32)
+    base = (head.data_start + align - 1) // align * align
+    for name, (ggml_type, shape) in head.tensors.items():
+        try:
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+        except (ValueError, KeyError):
+            continue  # unknown type id: refused by name in the type check
+        n = 1
+        for d in shape:
+            n *= int(d)
+        end = base + head.offsets[name] + n // block * type_size
+        if end > size:
+            raise r.bad(f"tensor {name!r} ({GGML_TYPE_NAMES.get(ggml_type, ggml_type)}, shape {list(shape)}) "
+                        f"ends at byte {end}, past the end of the file ({size} bytes): the file is cut short")
 
 
 def read_rope_freqs(path: str | os.PathLike) -> list[float] | None:

@@ -48,6 +48,22 @@ def test_every_cut_inside_the_metadata_is_an_invalid_request(tmp_path):
         assert e.value.field == "model_path" and str(bad) in str(e.value)
 
 
+def test_every_cut_inside_the_tensor_data_names_the_tensor(tmp_path, monkeypatch):
+    """A file cut inside its data section (a short download) is refused naming the last tensor and
+    the file size, before any conversion; formerly a numpy reshape error from inside the converter."""
+    src = _write(tmp_path / "m.gguf", n=40)
+    data = src.read_bytes()
+    assert len(data) - read_gguf_header(src).data_start >= 160  # the 2 x 40 F32 tensor's bytes follow
+    monkeypatch.setattr(model_loader, "_convert_gguf", lambda *a: pytest.fail("converted a broken file"))
+    for cut in (len(data) - 1, len(data) - 4, len(data) - 100):
+        bad = tmp_path / "cut.gguf"
+        bad.write_bytes(data[:cut])
+        with pytest.raises(InvalidRequestError, match=rf"tensor 't' \(F32, shape \[40, 2\]\) ends at byte "
+                                                      rf"{len(data)}, past the end of the file \({cut} bytes\)") as e:
+            model_loader.load_checkpoint(str(bad), cache_dir=str(tmp_path / "cache"))
+        assert e.value.field == "model_path"
+
+
 @pytest.mark.parametrize("data", [b"GGML" + bytes(40), b"GGUF" + (9).to_bytes(4, "little") + bytes(40),
                                   b"GGUF" + (3).to_bytes(4, "little") + (2**40).to_bytes(8, "little") + bytes(16)])
 def test_wrong_magic_version_or_count(tmp_path, data):

@@ -28,6 +28,7 @@ IN_PROCESS = DEVICE != "cpu" or T.INTERPRETED
 
 
 if not IN_PROCESS:  # the other tests of this file skip (tests/conftest.py) and run in a subprocess
+    @pytest.mark.slow  # 7-14 s of the fast tier's worker time; make test-all (CI) runs it
     def test_file_in_fresh_interpreter():
         r = rerun_in_triton_interpreter(__file__)
         assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-3000:]

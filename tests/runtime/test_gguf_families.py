@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.runtime.family_parity import check_greedy_and_prompt_logprobs
+from tests.runtime.family_parity import check_greedy_and_prompt_logprobs, prompts_of
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "gguf_families_llamacpp.json"
 RECORD = json.loads(DATA.read_text())
@@ -108,14 +108,6 @@ def test_q8_rows_match_the_dequantized_rows_and_refusals(family, tmp_path):
     assert gguf_convert.hf_tensor_name(arch, "rope_freqs.weight") is None
 
 
-def _prompts(real_tokenizer):
-    from sglite.testing import word_prompts
-
-    out = word_prompts(real_tokenizer, 3, 5, 60, seed=11)
-    out[0] = out[0][:5]
-    return out
-
-
 def _serve(path, prompts, quantization):
     from sglite import Engine
 
@@ -135,7 +127,7 @@ def test_f32_gguf_matches_transformers_on_the_source(family, tmp_path, monkeypat
     path = _gguf(family, tmp_path)
     ck = load_checkpoint(path)
     assert ck.architecture == ARCHS[arch][0]
-    prompts = _prompts(real_tokenizer)
+    prompts = prompts_of(real_tokenizer, 3, 5, 60, seed=11)
     outs, logps = hf_greedy(hf, prompts, GREEDY["max_new_tokens"])
     assert len({tuple(o) for o in outs}) > 1
     res, fmts = _serve(path, prompts, "none")
@@ -150,7 +142,7 @@ def test_q8_gguf_kept_quantized_matches_transformers_on_the_dequantized(family, 
 
     monkeypatch.setenv("SGLITE_CACHE_DIR", str(tmp_path / "cache"))
     path = _gguf(family, tmp_path, "Q8_0")
-    prompts = _prompts(real_tokenizer)
+    prompts = prompts_of(real_tokenizer, 3, 5, 60, seed=11)
     outs, logps = hf_greedy(load_checkpoint(path).model_dir, prompts, GREEDY["max_new_tokens"])
     for q, want in (("gguf", {"gguf:Q8_0"}), ("none", {"float"})):
         res, fmts = _serve(path, prompts, q)

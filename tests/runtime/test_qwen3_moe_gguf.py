@@ -11,7 +11,7 @@ source checkpoint; Q8_0 experts kept quantized natively -> transformers on the d
 import pytest
 import torch
 
-from tests.runtime.family_parity import check_greedy_and_prompt_logprobs
+from tests.runtime.family_parity import check_greedy_and_prompt_logprobs, prompts_of
 
 FIELDS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
               mlp_only_layers=[], attention_bias=False)
@@ -45,14 +45,6 @@ def test_expert_size_read_from_metadata_and_blocks_split(hf_qwen3_moe, tmp_path)
     assert all(isinstance(w, QuantLinearWeight) and w.fmt == "gguf:Q8_0" for w in ws)
 
 
-def _prompts(real_tokenizer):
-    from sglite.testing import word_prompts
-
-    out = word_prompts(real_tokenizer, 3, 5, 60, seed=7)
-    out[0] = out[0][:5]
-    return out
-
-
 def _run(path, prompts, quantization):
     from sglite import Engine
 
@@ -70,7 +62,7 @@ def test_f32_qwen3_moe_gguf_matches_transformers_on_the_source(hf_qwen3_moe, tmp
 
     monkeypatch.setenv("SGLITE_CACHE_DIR", str(tmp_path / "cache"))
     path = write_qwen3_moe_gguf(tmp_path / "qwen3moe-f32.gguf", hf_qwen3_moe)
-    prompts = _prompts(real_tokenizer)
+    prompts = prompts_of(real_tokenizer, 3, 5, 60, seed=7)
     outs, logps = hf_greedy(hf_qwen3_moe, prompts, GREEDY["max_new_tokens"])
     assert len({tuple(o) for o in outs}) > 1
     fmts, res = _run(path, prompts, "none")
@@ -87,7 +79,7 @@ def test_q8_experts_kept_quantized_match_transformers_on_the_dequantized(hf_qwen
 
     monkeypatch.setenv("SGLITE_CACHE_DIR", str(tmp_path / "cache"))
     path = write_qwen3_moe_gguf(tmp_path / "qwen3moe-q8.gguf", hf_qwen3_moe, expert_type="Q8_0")
-    prompts = _prompts(real_tokenizer)
+    prompts = prompts_of(real_tokenizer, 3, 5, 60, seed=7)
     outs, logps = hf_greedy(load_checkpoint(path).model_dir, prompts, GREEDY["max_new_tokens"])
     for q, want in (("gguf", {"gguf:Q8_0"}), ("none", {"float"})):
         fmts, res = _run(path, prompts, q)

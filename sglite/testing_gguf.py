@@ -225,7 +225,9 @@ def write_family_gguf(path, hf_dir, arch: str, *, tensor_type: str = "F32", toke
     ``tokenizer`` is False (reading them back is most of a small file's load time). Returns ``path``."""
     cfg, sd, w = open_gguf_writer(path, hf_dir, arch)
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    llama_like = arch in ("granite", "smollm3")  # llama.cpp's Llama converter
+    from .runtime.gguf_native import PERMUTED_ARCHS
+
+    llama_like = arch in PERMUTED_ARCHS  # llama.cpp's Llama converter
     if llama_like:
         w.add_vocab_size(cfg.vocab_size)
         w.add_rope_dimension_count(hd)

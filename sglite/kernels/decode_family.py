@@ -88,9 +88,8 @@ class FamilyFusedDecode(FusedDecode):
         one = torch.ones(H)
         self.qk_kind = QK_KINDS[getattr(a, "qk_norm_kind", "") or ("head" if a.qk_norm else "")]
         self.qk_norms = [L[k].float().contiguous() for L in model.layers for k in ("q_norm", "k_norm")] if self.qk_kind else []
-        # local layers: sliding-window ones (Gemma) or NoPE ones (SmolLM3: identity local tables, no window)
-        self.local = [int(bool(x)) for x in (getattr(a, "local_layers", ()) or getattr(a, "nope_layers", ()))] \
-            or [0] * len(model.layers)
+        # the layers on the local tables: sliding-window ones (Gemma), NoPE ones (SmolLM3; no window)
+        self.local = [int(x) for x in getattr(model, "rope_local", ())] or [0] * len(model.layers)
         self.window = int(getattr(a, "sliding_window", 0) or 0) if any(self.local) else 0
         self.act = ACTS[getattr(a, "mlp_act", "silu")]
         self.quant_kv = not any(self.local) and not float(getattr(a, "attn_softcap", 0.0))

@@ -39,17 +39,14 @@ from pathlib import Path
 import torch
 
 from ..errors import InvalidRequestError
+from .gguf_native import LLAMA_LAYER_NAMES, PERMUTED_ARCHS, unpermute_rows
 
 OWN_ARCHS = ("granite", "olmo2", "smollm3")  # GGUF general.architecture values converted here
 _HF_ARCH = {"granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
-_LLAMA_ROWS = ("granite", "smollm3")  # converted by llama.cpp's Llama converter: Q / K rows reordered
-_COMMON = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-           "ffn_down": "mlp.down_proj"}
 _PRE_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 _LAYER = {
-    "granite": {**_COMMON, **_PRE_NORMS}, "smollm3": {**_COMMON, **_PRE_NORMS},
-    "olmo2": {**_COMMON, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "granite": {**LLAMA_LAYER_NAMES, **_PRE_NORMS}, "smollm3": {**LLAMA_LAYER_NAMES, **_PRE_NORMS},
+    "olmo2": {**LLAMA_LAYER_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
               "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
 }
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -171,10 +168,9 @@ def expected_shapes(arch: str, config) -> dict[str, tuple[int, ...]]:
 
 def read_tensors(reader, arch: str, config) -> dict[str, torch.Tensor]:
     """HF-named float32 tensors of an open ``gguf.GGUFReader`` (every ggml type gguf-py dequantizes),
-    Granite's Q / K rows back in HF's order. Tensors the model has no parameter for are skipped."""
+    each in HF's shape ([out, in] for a matmul), the Q / K rows of a Llama-converted file
+    (``gguf_native.PERMUTED_ARCHS``) back in HF's order. Tensors the model has no parameter for are skipped."""
     from gguf.quants import dequantize
-
-    from .gguf_native import unpermute_rows
 
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     out: dict[str, torch.Tensor] = {}
@@ -185,7 +181,7 @@ def read_tensors(reader, arch: str, config) -> dict[str, torch.Tensor]:
         w = torch.from_numpy(dequantize(t.data, t.tensor_type).astype("float32", copy=True))
         w = w.reshape([int(d) for d in reversed(t.shape)])  # GGUF ne is innermost-first
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
-        if arch in _LLAMA_ROWS and kind in heads:
+        if arch in PERMUTED_ARCHS and kind in heads:
             w = w[unpermute_rows(w.shape[0], heads[kind])]
         out[name] = w.contiguous()
     return out

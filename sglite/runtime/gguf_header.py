@@ -69,6 +69,13 @@ class GGUFHeader:
     def architecture(self) -> str | None:
         return self.metadata.get("general.architecture")
 
+    @property
+    def data_base(self) -> int:
+        """Byte offset of the data section: ``data_start`` rounded up to ``general.alignment`` (32
+        by default); a tensor's data starts at ``data_base + offsets[name]``."""
+        align = int(self.metadata.get("general.alignment") or 32)
+        return (self.data_start + align - 1) // align * align
+
     def facts(self) -> dict:
         """What the loader checks before any conversion: ``architecture``, ``rope_scaling``
         (``<arch>.rope.scaling.type``, None when absent), ``tensor_types`` (sorted ggml type names,
@@ -200,8 +207,7 @@ def _check_tensor_extents(head: GGUFHeader, r: "_Reader", size: int) -> None:
     from the aligned data start + its offset (gguf-py's ``GGML_QUANT_SIZES``)."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    align = int(head.metadata.get("general.alignment") or 32)
-    base = (head.data_start + align - 1) // align * align
+    base = head.data_base
     for name, (ggml_type, shape) in head.tensors.items():
         try:
             block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
@@ -236,8 +242,7 @@ def read_rope_freqs(path: str | os.PathLike) -> list[float] | None:
             f"model_path: {str(path)!r} has a rope_freqs.weight tensor of type "
             f"{GGML_TYPE_NAMES.get(ggml_type, ggml_type)} and shape {list(shape)}; supported: 1-D F32 or F16",
             field="model_path")
-    align = int(head.metadata.get("general.alignment") or 32)
-    start = (head.data_start + align - 1) // align * align + head.offsets["rope_freqs.weight"]
+    start = head.data_base + head.offsets["rope_freqs.weight"]
     n, (code, width) = int(shape[0]), fmt
     with open(path, "rb") as f:
         f.seek(start)

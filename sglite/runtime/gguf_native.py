@@ -34,13 +34,17 @@ from .model_loader import Checkpoint
 
 log = logging.getLogger("sglite.gguf_native")
 
-_LAYER_NAMES = {  # GGUF tensor name suffix -> HF name suffix (Llama family)
+#: GGUF tensor name suffix -> HF name suffix of a Llama-like layer's seven matmul weights
+LLAMA_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", **gguf_moe.SHARED_NAMES,
+    "ffn_down": "mlp.down_proj",
 }
+_LAYER_NAMES = {**LLAMA_LAYER_NAMES, **gguf_moe.SHARED_NAMES}
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
-_PERMUTED_ARCHS = ("llama", "granite", "smollm3")  # GGUF general.architecture values whose converter reorders Q/K rows
+#: GGUF ``general.architecture`` values that llama.cpp's Llama converter writes: Q / K rows reordered
+#: per head (:func:`unpermute_rows` undoes it)
+PERMUTED_ARCHS = ("llama", "granite", "smollm3")
 
 
 def hf_name(gguf_name: str) -> Optional[str]:
@@ -134,7 +138,7 @@ def _read_blocks(reader, cfg, device: str) -> dict:
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
         if arch == "phi3" and kind == "ffn_up":  # Phi-3's is the fused gate+up: float, from the cache
             continue
-        if kind in heads and arch in _PERMUTED_ARCHS:
+        if kind in heads and arch in PERMUTED_ARCHS:
             w = w.permute_rows(unpermute_rows(w.shape[0], heads[kind]))
         state[name] = w.to(device)
     if other:

@@ -127,6 +127,8 @@ class FamilyModel(LlamaModel):
                 raise InvalidRequestError("model_path: NoPE and sliding-window layers in one model are not supported",
                                           field="model_path")
             self.local_cos, self.local_sin = torch.ones_like(self.cos), torch.zeros_like(self.sin)
+        # per layer: rotates with (local_cos, local_sin): a sliding-window layer, or a NoPE one
+        self.rope_local = tuple(bool(x) for x in (arch.local_layers or arch.nope_layers)) or (False,) * arch.num_layers
 
     def _norm_weight(self, w: torch.Tensor) -> torch.Tensor:
         """A norm weight as applied: float32 ``(1 + w)`` (Gemma), float32 ``w`` (``norm_fp32``), or
@@ -156,7 +158,7 @@ class FamilyModel(LlamaModel):
         if a.embed_scale != 1.0:
             x = x * (torch.tensor(a.embed_scale, dtype=x.dtype) if a.embed_scale_in_dtype else a.embed_scale)
         rope = {False: (self.cos[fb.positions].to(self.dtype), self.sin[fb.positions].to(self.dtype))}  # [N, D/2]
-        if a.local_rope is not None or any(a.nope_layers):
+        if self.local_cos is not self.cos:
             rope[True] = (self.local_cos[fb.positions].to(self.dtype), self.local_sin[fb.positions].to(self.dtype))
         swa = fb.swa
         full = (fb.out_cache_loc, fb.req_to_token, fb.ext_req_pool_indices, dec_rows)
@@ -170,7 +172,7 @@ class FamilyModel(LlamaModel):
             q, k, v = q.reshape(-1, Hq, D), k.reshape(-1, Hkv, D), v.reshape(-1, Hkv, D)
             if a.qk_norm_kind == "head":  # Gemma 3: each head over D
                 q, k = self._rms(q, L["q_norm"]), self._rms(k, L["k_norm"])
-            cos, sin = rope.get(local or bool(a.nope_layers and a.nope_layers[li]), rope[False])
+            cos, sin = rope.get(self.rope_local[li], rope[False])
             # RoPE on q and k (as _apply_rope), k and v stored: [N, Hq, D]
             # local layers of a hybrid pool (sglite.runtime.swa_pool): their own slot space
             loc, table, ext_rows, drows = ((swa.out_cache_loc, swa.req_to_token, swa.ext_rows, swa.dec_rows)

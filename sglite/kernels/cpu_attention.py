@@ -80,7 +80,8 @@ CASCADE_MIN = 64  # shared keys from which a decode batch's common prefix is att
 
 def default_cascade_min() -> int:
     """The ``cascade_min`` of :func:`decode_attention` by default: :data:`CASCADE_MIN` when bf16
-    attention may use the AMX tiles (:func:`amx_mode`), else 0 (off)."""
+    attention may use the AMX tiles (:func:`amx_mode`; the kernel takes them where granted, else
+    the bf16 dot-product tiles where built: :func:`dot_cascade_built`), else 0 (off)."""
     return CASCADE_MIN if amx_mode() else 0
 
 
@@ -95,10 +96,13 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     ``window`` > 0 (sliding-window layers): a request reads only its last ``window`` slots (the
     walk starts there, so slots before it are never touched: they may be freed); ``softcap`` > 0:
     ``cap * tanh(score / cap)`` on the scaled scores before the softmax (Gemma 2).
-    ``cascade_min`` (None: :func:`default_cascade_min`; 0: off): on a bf16 pool with the AMX tiles and no
-    window, rows whose slot rows share their first P >= cascade_min keys (a radix-cache prefix,
-    found per call: :func:`shared_prefix_groups`) attend those keys once per group on the tiles
-    (the group's rows x G heads as one query block), then each row its own keys, the two merged
+    ``cascade_min`` (None: :func:`default_cascade_min`; 0: off): on a bf16 pool with no window,
+    rows whose slot rows share their first P >= cascade_min keys (a radix-cache prefix, found per
+    call: :func:`shared_prefix_groups`) attend those keys once per group (the group's rows x G heads
+    as one query block) on the AMX tiles where granted, else, on a build with AVX512-BF16 and an
+    even head dim, on the bf16 dot-product tiles (``csrc/decode_dot_cascade.h``: query rows in the
+    lanes, each shared key broadcast once to all of them; negative ``cascade_min``: these tiles
+    from ``-cascade_min`` keys even where AMX is granted, for tests and A/B runs), then each row its own keys, the two merged
     by their softmax maxima and sums (the cascade / shared-prefix decomposition of Hydragen,
     Juravsky et al. 2024, section 3; FlashInfer's cascade attention). Not batch-invariant (a
     row's rounding depends on its group): deterministic callers pass 0. The C++ op also takes the
@@ -168,12 +172,25 @@ def amx_mode() -> bool:
 
 def describe() -> str:
     """One line for the start-up log: which path a bf16 pool's attention takes here."""
-    if not amx_mode():
-        return "bf16 KV pool attention: AVX-512 (SGLITE_ATTN_AMX=0)"
-    if not amx_ready():
-        return "bf16 KV pool attention: AVX-512 (no AMX tiles here)"
+    if not amx_mode() or not amx_ready():
+        why = "SGLITE_ATTN_AMX=0" if not amx_mode() else "no AMX tiles here"
+        dot = "; extend on bf16 dot products (AVX512-BF16)" if bf16_dot_built() else ""
+        return f"bf16 KV pool attention: AVX-512 ({why}){dot}"
     return (f"bf16 KV pool attention: extend on the AMX tiles; decode rows sharing >= {CASCADE_MIN} cached "
             "keys attend them once per group on the tiles (SGLITE_ATTN_AMX=auto)")
+
+
+def dot_cascade_built() -> bool:
+    """True when the decode kernel's build has the shared-prefix pass on the bf16 dot-product
+    tiles (AVX512-BF16)."""
+    ops = load()
+    return bool(ops is not None and ops.dot_cascade_built())
+
+
+def bf16_dot_built() -> bool:
+    """True when the extend kernel's build has the bf16 dot-product path (AVX512-BF16)."""
+    ops = load_extend()
+    return bool(ops is not None and ops.dot_built())
 
 
 def amx_ready() -> bool:
@@ -191,7 +208,7 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      prefix_lens: torch.Tensor, extend_lens: torch.Tensor, sm_scale: float,
                      window: int = 0, softcap: float = 0.0, amx: Optional[bool] = None,
-                     pack_kv: bool = True, fuse: bool = True) -> torch.Tensor:
+                     pack_kv: bool = True, fuse: bool = True, bf16_dot: bool = True) -> torch.Tensor:
     """Paged extend (prefill) attention in C++; same contract as :func:`.reference.extend_attention`.
 
     Args:
@@ -219,6 +236,9 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
             query blocks (their rows' own block calls, so the same bits), instead of reading the
             call-wide packed buffer once per query block; the fused tasks hold 16, 8, 4 or 2 query blocks
             (the most that leave >= 3 tasks a thread; none if 2 does not). False: the call-wide packing only.
+        bf16_dot: off the AMX tiles, a bf16 pool with an even head dim runs on the bf16 dot-product
+            tiles (``csrc/extend_dot.h``, VDPBF16PS) where the build has AVX512-BF16
+            (:func:`bf16_dot_built`); False: the float32 tiles (A/B runs, tests).
     Returns:
         [N, Hq, D] in q's dtype. New token i of request b sees keys 0 .. prefix_lens[b] + i
         (the last ``window`` of them with a window).
@@ -250,6 +270,14 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     sums): the same order of error as the reference's bf16 scores, and a row still depends only on
     its own query, position and keys. 1.9-5.9x the AVX-512 path per layer on a 2-core Sapphire
     Rapids VM (``SGLITE_ATTN_AMX=0`` compares; docs/benchmarks.md).
+
+    The bf16 dot-product path (``bf16_dot``; bf16 pools, even D, AVX512-BF16 without AMX, e.g. AMD
+    Zen 4): the same tasks of up to 128 query rows, tiles and online softmax, with S = Q K^T
+    (query rows in the lanes, each key's (d, d + 1) pair broadcast from the pool: no widened copy
+    of K) and P V (head dims in the lanes, two keys' weights broadcast against their values,
+    interleaved once per tile) on VDPBF16PS: two bf16 products per float32 lane and instruction,
+    twice a float32 FMA's. The queries stay as stored (float32 ones are rounded to bf16 once) and
+    the scale multiplies the float32 scores; P is rounded to bf16 as on the tiles.
     Falls back to the reference when the extension is unavailable or the inputs are not covered.
     """
     ops = load_extend()
@@ -263,4 +291,4 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     mode = int(amx_mode() if amx is None else amx)
     if mode:
         mode = 2 if not pack_kv else (1 if fuse else 3)
-    return ops.extend_attention(*args, int(window), float(softcap), mode)
+    return ops.extend_attention(*args, int(window), float(softcap), mode, bool(bf16_dot))

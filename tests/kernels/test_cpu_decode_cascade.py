@@ -1,7 +1,7 @@
 """Cascade (shared-prefix) decode attention on the AMX tiles (csrc/cpu_attention.cpp +
-csrc/amx_attention.h): batches whose rows share radix-cache prefixes, against the float64 oracle
-and the per-row path (cascade_min=0); the groups found; the dispatcher keeps deterministic mode
-off the cascade."""
+csrc/amx_attention.h) and on the bf16 dot-product tiles off them (csrc/decode_dot_cascade.h):
+batches whose rows share radix-cache prefixes, against the float64 oracle and the per-row path
+(cascade_min=0); the groups found; the dispatcher keeps deterministic mode off the cascade."""
 
 import pytest
 import torch
@@ -13,9 +13,19 @@ from sglite.kernels import cpu_attention, dispatch
 @pytest.fixture(scope="module")
 def ops():
     mod = built(cpu_attention.load)
-    if not cpu_attention.amx_ready():
-        pytest.skip("no AMX tiles on this CPU (the cascade runs only there)")
+    if not cpu_attention.amx_ready() and not cpu_attention.dot_cascade_built():
+        pytest.skip("neither AMX tiles nor AVX512-BF16 on this CPU (the cascade runs only there)")
     return mod
+
+
+@pytest.fixture(params=["amx", "dot"])
+def cmin(request, ops):
+    """The cascade_min that takes each set of tiles: 64 (AMX where granted), -64 (the dot tiles)."""
+    if request.param == "amx" and not cpu_attention.amx_ready():
+        pytest.skip("no AMX tiles on this CPU")
+    if request.param == "dot" and not cpu_attention.dot_cascade_built():
+        pytest.skip("this build has no AVX512-BF16 dot-product tiles")
+    return 64 if request.param == "amx" else -64
 
 
 def make_batch(groups, singles, Hq, Hkv, D, seed=0, head_major=True):
@@ -79,11 +89,11 @@ CASES = [  # (groups, singles, Hq, Hkv, D)
 
 
 @pytest.mark.parametrize("groups,singles,Hq,Hkv,D", CASES)
-def test_cascade_matches_oracle_and_per_row_path(ops, groups, singles, Hq, Hkv, D):
+def test_cascade_matches_oracle_and_per_row_path(ops, cmin, groups, singles, Hq, Hkv, D):
     case = make_batch(groups, singles, Hq, Hkv, D, seed=len(singles) + D)
     found = cpu_attention.shared_prefix_groups(*case[3:6], min_shared=64)
     assert sorted(P for P, _ in found) == sorted(P for P, _ in groups)  # each group found, its whole prefix
-    casc = cpu_attention.decode_attention(*case, cascade_min=64).double()
+    casc = cpu_attention.decode_attention(*case, cascade_min=cmin).double()
     rowwise = cpu_attention.decode_attention(*case, cascade_min=0).double()
     want = oracle(*case)
     torch.testing.assert_close(casc, want, atol=1.5e-2, rtol=1.5e-2)
@@ -106,20 +116,18 @@ def test_groups_pick_the_longest_shared_run(ops):
     assert cpu_attention.shared_prefix_groups(rt, rows[:1], lens[:1]) == []
 
 
-def test_cascade_rows_keep_their_own_keys_and_bad_slots_raise(ops):
+def test_cascade_rows_keep_their_own_keys_and_bad_slots_raise(ops, cmin):
     q, k, v, rt, rows, lens, scale = make_batch([(200, [1, 1, 1])], [], 9, 3, 64, seed=5)
-    out = cpu_attention.decode_attention(q, k, v, rt, rows, lens, scale, cascade_min=64)
+    out = cpu_attention.decode_attention(q, k, v, rt, rows, lens, scale, cascade_min=cmin)
     torch.testing.assert_close(out.double(), oracle(q, k, v, rt, rows, lens, scale), atol=1.5e-2, rtol=1.5e-2)
     bad = rt.clone()
     bad[rows, 5] = k.shape[0] + 3  # in every row: the shared prefix holds a slot outside the pool
     with pytest.raises(IndexError, match="outside the pool"):
-        cpu_attention.decode_attention(q, k, v, bad, rows, lens, scale, cascade_min=64)
+        cpu_attention.decode_attention(q, k, v, bad, rows, lens, scale, cascade_min=cmin)
     bad = rt.clone()
-    bad[rows[1], int(lens[1]) - 1] = -2  # one grouped row's own (last) key: own_keys' check
+    bad[rows[1], int(lens[1]) - 1] = -2  # one grouped row's own (last) key: own_keys' / attend's check
     with pytest.raises(IndexError, match="outside the pool"):
-        cpu_attention.decode_attention(q, k, v, bad, rows, lens, scale, cascade_min=64)
-    with pytest.raises(ValueError, match="cascade_min"):
-        ops.decode_attention(q, k, v, rt, rows, lens, scale, 0, 0.0, -1)
+        cpu_attention.decode_attention(q, k, v, bad, rows, lens, scale, cascade_min=cmin)
 
 
 def test_deterministic_dispatch_never_cascades(ops, monkeypatch):
@@ -134,22 +142,22 @@ def test_deterministic_dispatch_never_cascades(ops, monkeypatch):
                        cpu_attention.decode_attention(q, k, v, rt, rows, lens, scale, cascade_min=0))
 
 
-def test_groups_under_a_short_common_head(ops):
+def test_groups_under_a_short_common_head(ops, cmin):
     """Every row starting with the same few slots (a chat template's first tokens) still splits into
     one group per long prefix, each with its whole prefix, and the results stay right."""
     q, k, v, rt, rows, lens, scale = make_batch([(500, [1, 2, 3, 4]), (400, [5, 6, 7]), (300, [2, 2])], [80], 9, 3, 64, seed=11)
     rt[rows, :5] = rt[rows[0], :5].clone()
     found = cpu_attention.shared_prefix_groups(rt, rows, lens, min_shared=64)
     assert sorted((P, len(r)) for P, r in found) == [(300, 2), (400, 3), (500, 4)]
-    out = cpu_attention.decode_attention(q, k, v, rt, rows, lens, scale, cascade_min=64)
+    out = cpu_attention.decode_attention(q, k, v, rt, rows, lens, scale, cascade_min=cmin)
     torch.testing.assert_close(out.double(), oracle(q, k, v, rt, rows, lens, scale), atol=1.5e-2, rtol=1.5e-2)
 
 
-def test_cascade_with_softcap(ops):
+def test_cascade_with_softcap(ops, cmin):
     """Soft-capping (Gemma 2) applies to the shared keys' scores on the tiles and to each row's own."""
     q, k, v, rt, rows, lens, scale = make_batch([(150, [2, 5, 9])], [30], 8, 2, 64, seed=13)
     q = q * 4  # large scores, so the cap matters
-    out = cpu_attention.decode_attention(q, k, v, rt, rows, lens, scale, 0, 5.0, cascade_min=64)
+    out = cpu_attention.decode_attention(q, k, v, rt, rows, lens, scale, 0, 5.0, cascade_min=cmin)
     want = torch.empty(out.shape, dtype=torch.float64)
     for b in range(len(rows)):
         slots = rt[rows[b], :int(lens[b])].long()
@@ -159,19 +167,19 @@ def test_cascade_with_softcap(ops):
     torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
 
 
-def test_groups_found_once_give_the_same_result(ops):
+def test_groups_found_once_give_the_same_result(ops, cmin):
     """A caller attending many layers passes shared_prefix_groups' tensor (found once per step):
     the same bits as the op finding them; a malformed or mismatched one is a ValueError."""
     q, k, v, rt, rows, lens, scale = make_batch([(300, [2, 3, 4]), (120, [5, 6])], [7], 9, 3, 64, seed=17)
     rows, lens = rows.contiguous(), lens.contiguous()
     flat = ops.shared_prefix_groups(rt, rows, lens, 64)
     assert int(flat[0]) == 2
-    found = ops.decode_attention(q, k, v, rt, rows, lens, scale, 0, 0.0, 64, None)
-    assert torch.equal(ops.decode_attention(q, k, v, rt, rows, lens, scale, 0, 0.0, 64, flat), found)
+    found = ops.decode_attention(q, k, v, rt, rows, lens, scale, 0, 0.0, cmin, None)
+    assert torch.equal(ops.decode_attention(q, k, v, rt, rows, lens, scale, 0, 0.0, cmin, flat), found)
     for bad in (torch.tensor([1, 300, 1, 0]), torch.tensor([1, 300, 2, 0, 0]), torch.tensor([1, 300, 2, 0, 99]),
                 torch.tensor([2, 300, 2, 0, 1])):
         with pytest.raises(ValueError, match="groups"):
-            ops.decode_attention(q, k, v, rt, rows, lens, scale, 0, 0.0, 64, bad)
+            ops.decode_attention(q, k, v, rt, rows, lens, scale, 0, 0.0, cmin, bad)
 
 
 def groups_by_sort(rt, rows, lens, min_shared):
@@ -227,7 +235,7 @@ def test_groups_match_the_sorted_runs_definition(ops):
     (8, 2, 128, [17, 5]),    # G = 4, D 128: own_keys' 4-block form, 16 rows a chunk
     (4, 1, 64, [16]),        # one group, one KV head: one chunk at 1 thread, two of 8 rows at 2
 ])
-def test_cascade_chunks_threads_and_dtypes(ops, Hq, Hkv, D, sizes):
+def test_cascade_chunks_threads_and_dtypes(ops, cmin, Hq, Hkv, D, sizes):
     """Groups spanning several 64 / G-row chunks, rows with one own key, rows outside every group
     mixed in: the float64 oracle holds for bf16 and float32 queries; every row's bits are the same
     at 1 and 2 threads (tile rows never mix, a task runs on one thread, whichever thread claims it)
@@ -243,7 +251,7 @@ def test_cascade_chunks_threads_and_dtypes(ops, Hq, Hkv, D, sizes):
         for th in (1, 2):
             torch.set_num_threads(th)
             for qd in (torch.bfloat16, torch.float32):
-                outs[th, qd] = cpu_attention.decode_attention(q.to(qd), k, v, rt, rows, lens, scale, cascade_min=64)
+                outs[th, qd] = cpu_attention.decode_attention(q.to(qd), k, v, rt, rows, lens, scale, cascade_min=cmin)
         for qd in (torch.bfloat16, torch.float32):
             assert torch.equal(outs[1, qd], outs[2, qd])
             assert outs[1, qd].dtype == qd
@@ -254,7 +262,7 @@ def test_cascade_chunks_threads_and_dtypes(ops, Hq, Hkv, D, sizes):
         found = cpu_attention.shared_prefix_groups(rt, rows, lens, min_shared=64)
         big = max(found, key=lambda x: len(x[1]))[1]
         sel = torch.tensor(big)
-        alone = cpu_attention.decode_attention(q[sel], k, v, rt, rows[sel], lens[sel], scale, cascade_min=64)
+        alone = cpu_attention.decode_attention(q[sel], k, v, rt, rows[sel], lens[sel], scale, cascade_min=cmin)
         assert torch.equal(alone, outs[2, torch.bfloat16][sel])
     finally:
         torch.set_num_threads(prev)

@@ -76,14 +76,25 @@ CASES = [  # ([(prefix, extend)], Hq, Hkv, D)
 ]
 
 
+def rounds_weights(dtype, amx, dot, Hq, Hkv, D) -> bool:
+    """Whether this call's path rounds the softmax weights to bf16: the AMX tiles, or the bf16
+    dot-product tiles off them (bf16 pool, even D, a build with AVX512-BF16)."""
+    if dtype != torch.bfloat16:
+        return False
+    on_amx = amx and cpu_attention.amx_ready() and Hq // Hkv <= 64
+    return on_amx or (dot and D % 2 == 0 and cpu_attention.bf16_dot_built())
+
+
+@pytest.mark.parametrize("dot", [False, True])
 @pytest.mark.parametrize("amx", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_major", [True, False])
 @pytest.mark.parametrize("lens,Hq,Hkv,D", CASES)
-def test_matches_reference_and_float64_oracle(ops, lens, Hq, Hkv, D, dtype, head_major, amx):
-    """``amx``: a bf16 pool may take the AMX tiles (where this CPU has them; float32 pools never do)."""
+def test_matches_reference_and_float64_oracle(ops, lens, Hq, Hkv, D, dtype, head_major, amx, dot):
+    """``amx``: a bf16 pool may take the AMX tiles (where this CPU has them; float32 pools never do);
+    ``dot``: off the tiles, the bf16 dot-product path where the build has it (else float32 tiles)."""
     case = make_case(lens, Hq, Hkv, D, dtype, head_major, seed=len(lens) * 7 + D + Hq)
-    out = cpu_attention.extend_attention(*case, amx=amx)
+    out = cpu_attention.extend_attention(*case, amx=amx, bf16_dot=dot)
     assert out.shape == case[0].shape and out.dtype == dtype
     want = oracle(*case)
     ref = reference.extend_attention(*case).double()
@@ -91,9 +102,9 @@ def test_matches_reference_and_float64_oracle(ops, lens, Hq, Hkv, D, dtype, head
     if dtype == torch.float32:
         torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
-    elif amx and cpu_attention.amx_ready() and Hq // Hkv <= 64:
-        # the tiles round the scaled query and the softmax weights to bf16 (float32 sums), as
-        # SDPA in bf16 rounds the scores and the weights: the same order of error
+    elif rounds_weights(dtype, amx, dot, Hq, Hkv, D):
+        # the tiles round the softmax weights (the AMX ones also the scaled query) to bf16 (float32
+        # sums), as SDPA in bf16 rounds the scores and the weights: the same order of error
         torch.testing.assert_close(out.double(), want, atol=1e-2, rtol=1e-2)
         torch.testing.assert_close(out.double(), ref, atol=4e-2, rtol=4e-2)
         assert err <= 2 * ref_err + 1e-4

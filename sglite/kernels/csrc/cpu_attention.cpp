@@ -374,13 +374,29 @@ void run(const Job<T>& j, int64_t B, int Hkv, int64_t max_len) {
 }
 
 #include "decode_cascade.h"
+#ifdef SGL_AVX512
+#include "flash_softmax.h"
+#include "dot_tiles.h"
+#endif
+#include "decode_dot_cascade.h"
+
+// True when this build has the shared-prefix pass on the bf16 dot-product tiles (AVX512-BF16).
+bool dot_cascade_built() {
+#ifdef SGL_DOT_TILES
+  return true;
+#else
+  return false;
+#endif
+}
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kb, const at::Tensor& vb,
                             const at::Tensor& rt, const at::Tensor& rows, const at::Tensor& lens,
                             double sm_scale, int64_t window, double softcap, int64_t cascade_min,
                             const c10::optional<at::Tensor>& groups_in) {
   TORCH_CHECK_VALUE(q.dim() == 3 && kb.dim() == 3 && vb.dim() == 3, "decode_attention: q, k_buffer, v_buffer must be 3-D");
-  TORCH_CHECK_VALUE(cascade_min >= 0, "decode_attention: cascade_min=", cascade_min, " must be >= 0");
+  // cascade_min < 0: the shared-prefix pass from -cascade_min keys on the dot tiles even where AMX is granted
+  const bool force_dot = cascade_min < 0;
+  cascade_min = std::abs(cascade_min);
   TORCH_CHECK_VALUE(window >= 0 && softcap >= 0, "decode_attention: window=", window, " and softcap=", softcap, " must be >= 0");
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = kb.size(1), S = kb.size(0);
   TORCH_CHECK_VALUE(vb.sizes() == kb.sizes() && kb.size(2) == D, "decode_attention: k_buffer/v_buffer must be [S, Hkv, D] with q's D");
@@ -412,16 +428,28 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kb, const at:
     Job<uint16_t> j{(const uint16_t*)kb.data_ptr(), (const uint16_t*)vb.data_ptr(), kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1), S,
                     q.data_ptr(), q_bf16, (int)Hq, q.stride(0), q.stride(1), out.data_ptr(), q_bf16, rtp, rt.stride(0), rp, lp,
                     G, (int)D, Dp, (float)sm_scale, window, (float)softcap};
+    // the shared-prefix pass: on the AMX tiles where granted, else on the bf16 dot-product tiles
+    bool amx = false, dot = false;
 #ifdef SGL_AMX_ATTN
-    if (cascade_min > 0 && window == 0 && G <= sglite_amx_attn::kMaxRows && B >= 2 && sglite_tiles::granted()) {
+    amx = !force_dot && G <= sglite_amx_attn::kMaxRows && sglite_tiles::granted();
+#endif
+#ifdef SGL_DOT_TILES
+    dot = !amx && D % 2 == 0;
+#endif
+    (void)force_dot;
+    if (cascade_min > 0 && window == 0 && B >= 2 && (amx || dot)) {
       const std::vector<Group> groups = groups_in.has_value() ? groups_from(*groups_in, lp, B)
                                                               : shared_prefix_groups(rtp, rt.stride(0), rp, lp, B, cascade_min);
       if (!groups.empty()) {
-        run_cascade(j, B, (int)Hkv, max_len, groups);
+#ifdef SGL_AMX_ATTN
+        if (amx) run_cascade(j, B, (int)Hkv, max_len, groups);
+#endif
+#ifdef SGL_DOT_TILES
+        if (dot) run_cascade_dot(j, B, (int)Hkv, max_len, groups);
+#endif
         return out;
       }
     }
-#endif
     run(j, B, (int)Hkv, max_len);
   } else if (kv_fp8) {  // keys and values as stored (their per-head scales are the caller's: kv_quant_cpu)
     Job<uint8_t> j{(const uint8_t*)kb.data_ptr(), (const uint8_t*)vb.data_ptr(), kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1), S,
@@ -445,6 +473,7 @@ TORCH_LIBRARY(sglite_cpu_attention, m) {
         "int cascade_min=0, Tensor? groups=None) -> Tensor");
   m.def("shared_prefix_groups(Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, int min_shared) -> Tensor",
         &shared_prefix_groups_op);
+  m.def("dot_cascade_built() -> bool", &dot_cascade_built);
 }
 
 TORCH_LIBRARY_IMPL(sglite_cpu_attention, CPU, m) { m.impl("decode_attention", &decode_attention); }

@@ -112,6 +112,17 @@ bool run_task(const Ext<T>& j, const Task& tk, Scratch& w) {
   return true;
 }
 
+#include "extend_dot.h"
+
+// True when this build has the bf16 dot-product path (AVX512-BF16).
+bool dot_built() {
+#ifdef SGL_EXT_DOT
+  return true;
+#else
+  return false;
+#endif
+}
+
 #ifdef SGL_AMX_ATTN
 // One call's packed keys (amx_attention.h's pack_to layout): for each request that more than one
 // task per KV head reads (extend > 64 / G tokens), its keys [kbase, pre + extend) per KV head in
@@ -254,8 +265,9 @@ struct PackPlan {};
 
 // amx: 0 the AVX-512 path; 1 the AMX tiles with each request's keys packed once per call
 // (plan_pack) or once per fused task (run_fused_amx); 2 the AMX tiles, every task packing its own keys.
+// dot (amx 0, bf16 pools): the bf16 dot-product tiles (extend_dot.h) instead of the float32 ones.
 template <typename T>
-void run(const Ext<T>& j, const std::vector<Task>& tasks, int Rp_max, int amx, int64_t B, const int64_t* ext,
+void run(const Ext<T>& j, const std::vector<Task>& tasks, int Rp_max, int amx, bool dot, int64_t B, const int64_t* ext,
          const std::vector<char>& fused, int64_t qb, int Hkv) {
   std::atomic<bool> bad{false};
   std::atomic<int64_t> next{0};
@@ -296,6 +308,16 @@ void run(const Ext<T>& j, const std::vector<Task>& tasks, int Rp_max, int amx, i
       }
     }
 #endif
+#ifdef SGL_EXT_DOT
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      if (dot) {
+        DotWork w(j.Dp, Rp_max);
+        for (int64_t i; !bad.load(std::memory_order_relaxed) && (i = next.fetch_add(1)) < n;)
+          if (!run_task_dot(j, tasks[i], w)) bad = true;
+        return;
+      }
+    }
+#endif
     Scratch w(j.Dp, Rp_max);
     for (int64_t i; !bad.load(std::memory_order_relaxed) && (i = next.fetch_add(1)) < n;)
       if (!run_task(j, tasks[i], w)) bad = true;
@@ -323,7 +345,7 @@ bool amx_ready() {
 
 at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& kb, const at::Tensor& vb, const at::Tensor& rt,
                             const at::Tensor& rows, const at::Tensor& pre, const at::Tensor& ext, double sm_scale,
-                            int64_t window, double softcap, int64_t amx) {
+                            int64_t window, double softcap, int64_t amx, bool dot) {
   TORCH_CHECK_VALUE(q.dim() == 3 && kb.dim() == 3 && vb.dim() == 3, "extend_attention: q, k_buffer, v_buffer must be 3-D");
   TORCH_CHECK_VALUE(window >= 0 && softcap >= 0, "extend_attention: window=", window, " and softcap=", softcap, " must be >= 0");
   const int64_t N = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = kb.size(1), S = kb.size(0);
@@ -343,8 +365,14 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& kb, const at:
   TORCH_CHECK_VALUE(rt.size(1) < INT32_MAX, "extend_attention: req_to_token has too many columns");
   const int64_t *rp = rows.data_ptr<int64_t>(), *pp = pre.data_ptr<int64_t>(), *ep = ext.data_ptr<int64_t>();
   const int G = (int)(Hq / Hkv), Dp = D <= 64 ? 64 : (D <= 128 ? 128 : 256);
-  const int64_t qb = std::max<int64_t>(1, kMaxRows / G);  // new tokens per task
   const int amx_run = kv_bf16 && amx != 0 && G <= sglite_amx_attn_rows() && amx_ready() ? (amx == 2 ? 2 : 1) : 0;
+  const bool dot_run = dot && kv_bf16 && amx_run == 0 && D % 2 == 0 && dot_built();
+#ifdef SGL_EXT_DOT
+  const int rows_max = dot_run ? kMaxRowsDot : kMaxRows;
+#else
+  const int rows_max = kMaxRows;
+#endif
+  const int64_t qb = std::max<int64_t>(1, rows_max / G);  // new tokens per task
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK_INDEX(rp[b] >= 0 && rp[b] < rt.size(0), "extend_attention: req_pool_indices[", b, "]=", rp[b], " outside [0, ", rt.size(0), ")");
     TORCH_CHECK_VALUE(pp[b] >= 0 && ep[b] >= 1 && pp[b] + ep[b] <= rt.size(1), "extend_attention: prefix_lens[", b, "]=", pp[b],
@@ -394,12 +422,12 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& kb, const at:
     Ext<uint16_t> j{(const uint16_t*)kb.data_ptr(), (const uint16_t*)vb.data_ptr(), kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1), S,
                     q.data_ptr(), q_bf16, q.stride(0), q.stride(1), out.data_ptr(), q_bf16, (int)Hq, rt.data_ptr<int32_t>(), rt.stride(0),
                     rp, pp, start.data(), G, (int)D, Dp, (float)sm_scale, window, (float)softcap};
-    run(j, tasks, Rp_max, amx_run, B, ep, fused, qb, (int)Hkv);
+    run(j, tasks, Rp_max, amx_run, dot_run, B, ep, fused, qb, (int)Hkv);
   } else {
     Ext<float> j{kb.data_ptr<float>(), vb.data_ptr<float>(), kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1), S,
                  q.data_ptr(), q_bf16, q.stride(0), q.stride(1), out.data_ptr(), q_bf16, (int)Hq, rt.data_ptr<int32_t>(), rt.stride(0),
                  rp, pp, start.data(), G, (int)D, Dp, (float)sm_scale, window, (float)softcap};
-    run(j, tasks, Rp_max, 0, B, ep, fused, qb, (int)Hkv);
+    run(j, tasks, Rp_max, 0, false, B, ep, fused, qb, (int)Hkv);
   }
   return out;
 }
@@ -409,9 +437,11 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& kb, const at:
 TORCH_LIBRARY(sglite_cpu_extend, m) {
   m.def("extend_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, "
         "Tensor req_pool_indices, Tensor prefix_lens, Tensor extend_lens, float sm_scale, int window=0, "
-        "float softcap=0.0, int amx=1) -> Tensor");  // amx: 0 AVX-512, 1 AMX (fused tasks, else keys packed once per call),
-                                                   // 2 AMX (per task), 3 AMX (keys packed once per call, no fused tasks)
+        "float softcap=0.0, int amx=1, bool dot=True) -> Tensor");  // amx: 0 AVX-512, 1 AMX (fused tasks, else keys
+                                                   // packed once per call), 2 AMX (per task), 3 AMX (keys packed once per
+                                                   // call, no fused tasks); dot: bf16 dot products off the tiles (AVX512-BF16)
   m.def("amx_ready() -> bool", &amx_ready);
+  m.def("dot_built() -> bool", &dot_built);
 }
 
 TORCH_LIBRARY_IMPL(sglite_cpu_extend, CPU, m) { m.impl("extend_attention", &extend_attention); }

@@ -47,6 +47,7 @@ bool load_tile(const T* base, int64_t s0, const int32_t* slots, int64_t S, int k
 
 #ifdef SGL_AVX512
 using sglite_simd::exp_nonpos;
+#include "flash_softmax.h"
 
 // s[(t+u)*Rp + 16(rb0+n) ..] = sum_d kf[t+u][d] * qt[d][16(rb0+n) ..] for 4 keys and NB row blocks.
 template <int NB>
@@ -80,42 +81,8 @@ void scores(const float* kf, int Dp, const float* qt, int Rp, int kn, int D, flo
     }
 }
 
-// Online-softmax update of 16 rows at a time: masks keys past each row's position, turns scores
-// into weights exp(s - m_new) in place, and updates m, l and alpha = exp(m_old - m_new).
 void softmax_tile(float* s, int Rp, int kn, int64_t t0, bool full, int64_t window, Scratch& w) {
-  const __m512 ninf = _mm512_set1_ps(-INFINITY);
-  for (int r = 0; r < Rp; r += 16) {
-    const __m512i qp = _mm512_loadu_si512(w.qpos.data() + r);
-    const __m512i lo = _mm512_sub_epi32(qp, _mm512_set1_epi32((int32_t)window));  // keys <= lo: outside
-    const __m512 m_old = _mm512_loadu_ps(w.m.data() + r);
-    __m512 mx = m_old;
-    for (int t = 0; t < kn; ++t) {
-      __m512 sv = _mm512_loadu_ps(s + (size_t)t * Rp + r);
-      if (!full) {
-        const __m512i kt = _mm512_set1_epi32((int32_t)(t0 + t));
-        __mmask16 hid = _mm512_cmpgt_epi32_mask(kt, qp);
-        if (window > 0) hid |= _mm512_cmple_epi32_mask(kt, lo);
-        sv = _mm512_mask_mov_ps(sv, hid, ninf);
-        _mm512_storeu_ps(s + (size_t)t * Rp + r, sv);
-      }
-      mx = _mm512_max_ps(mx, sv);
-    }
-    // m_old = -inf: ~0, times l = acc = 0; a row that has seen no key yet (mx = -inf, a window's
-    // first tiles) gets alpha 0 instead of exp(-inf + inf) = NaN
-    const __mmask16 none = _mm512_cmp_ps_mask(mx, ninf, _CMP_EQ_OQ);
-    const __m512 alpha = _mm512_mask_mov_ps(exp_nonpos(_mm512_sub_ps(m_old, mx)), none, _mm512_setzero_ps());
-    __m512 sum = _mm512_setzero_ps();
-    for (int t = 0; t < kn; ++t) {
-      const __m512 sv = _mm512_loadu_ps(s + (size_t)t * Rp + r);
-      const __mmask16 seen = _mm512_cmp_ps_mask(sv, ninf, _CMP_NEQ_OQ);
-      const __m512 p = _mm512_maskz_mov_ps(seen, exp_nonpos(_mm512_sub_ps(sv, mx)));
-      _mm512_storeu_ps(s + (size_t)t * Rp + r, p);
-      sum = _mm512_add_ps(sum, p);
-    }
-    _mm512_storeu_ps(w.m.data() + r, mx);
-    _mm512_storeu_ps(w.alpha.data() + r, alpha);
-    _mm512_storeu_ps(w.l.data() + r, _mm512_fmadd_ps(_mm512_loadu_ps(w.l.data() + r), alpha, sum));
-  }
+  softmax_tile_into(s, Rp, kn, t0, full, window, w.qpos.data(), w.m.data(), w.l.data(), w.alpha.data());
 }
 
 // acc[r] = acc[r] * alpha[r] + sum_t s[t][r] * vf[t] for RB rows from r0 (Dp = 16 NC).

@@ -145,6 +145,7 @@ class FusedDecode:
         # a LoRA shrink / expand splits over threads from this many multiply-adds (0: always split)
         self.lora_split_min: int = getattr(self, "lora_split_min", LORA_SPLIT_MIN)
         self._amx: Optional[bool] = None  # amx_min()'s static conditions, filled on first use
+        self._vnni: Optional[bool] = None  # the same for the VNNI GEMM (_vnni_on)
         self._layers_amx: Optional[tuple] = None  # (gemm_paths.fused_constants(), the layers' threshold)
         self._kvq: Optional[tuple] = None  # quant_pool_args' per-pool lists (key, layers, res K, res V, kvq)
         self.final_norm = model.norm.float().contiguous()  # [H]
@@ -259,12 +260,14 @@ class FusedDecode:
             0 if kvq_args[0] else self.cascade_min(), *kvq_args)
 
     def amx_min(self) -> int:
-        """Rows from which this step's tiled layer GEMMs run on the AMX tiles (quant_amx.h; bf16
-        activations, float32 sums; :func:`.gemm_paths.fused_layers_amx_min` of the layer weights),
-        or 0: off (no AMX, a float32 or row-layout model, the portable build, ``SGLITE_GEMM`` other
-        than ``auto``; read per step, as the dispatcher)."""
+        """Rows from which this step's tiled layer GEMMs run on a many-row GEMM instead of the int8
+        GEMV in 8-row blocks: the AMX tiles (quant_amx.h; bf16 activations, float32 sums;
+        :func:`.gemm_paths.fused_layers_amx_min` of the layer weights), or on a build with VNNI and
+        no AMX the int8 VNNI GEMM (quant_gemm_kernel.h, the GEMV's activation rounding; from
+        :data:`.gemm_paths.FUSED_VNNI_MIN_ROWS`), or 0: off (a float32 or row-layout model, the
+        portable build, ``SGLITE_GEMM`` other than ``auto``; read per step, as the dispatcher)."""
         if not self._amx_on():
-            return 0
+            return gemm_paths.FUSED_VNNI_MIN_ROWS if self._vnni_on() else 0
         key = gemm_paths.fused_constants()  # the fold over ~4L weights once per change of the constants
         if self._layers_amx is None or self._layers_amx[0] != key:
             self._layers_amx = (key, gemm_paths.fused_layers_amx_min(self.shapes))
@@ -274,8 +277,10 @@ class FusedDecode:
         """As :meth:`amx_min` for the tiled LM head (:func:`.gemm_paths.fused_amx_min` of its shape:
         from 9 rows for a head of 8 MiB of codes or more), or 0: off."""
         w = self.model.lm_head
-        if self.head_kind != "q8" or not w.tiled or not self._amx_on():
+        if self.head_kind != "q8" or not w.tiled:
             return 0
+        if not self._amx_on():
+            return gemm_paths.FUSED_VNNI_MIN_ROWS if self._vnni_on() else 0
         return gemm_paths.fused_amx_min(int(w.shape[0]), int(w.shape[1]), int(w.bits))
 
     def _amx_on(self) -> bool:
@@ -283,6 +288,17 @@ class FusedDecode:
             self._amx = bool(self.q8 and self.tiled and not self.portable and self.model.dtype == torch.bfloat16
                              and quant_amx.available())
         return self._amx and gemm_paths.mode() == "auto"
+
+    def _vnni_on(self) -> bool:
+        """Whether the many-row steps take the int8 VNNI GEMM: a tiled int8-path model on the AVX-512
+        build with VNNI and without the AMX tile GEMM (whose build takes the many-row steps there),
+        ``SGLITE_GEMM`` ``auto``."""
+        if self._vnni is None:  # the static part, once
+            flags = cpu_flags()
+            self._vnni = bool(self.q8 and self.tiled and not self.portable and quant_cpu.VNNI_FLAG in flags
+                              and all(f in flags for f in quant_cpu.AVX_FLAGS)
+                              and not all(f in flags for f in quant_amx.REQUIRED_FLAGS))
+        return self._vnni and gemm_paths.mode() == "auto"
 
     def cascade_min(self) -> int:
         """Shared keys from which the step's rows that continue one cached prefix attend it once
@@ -292,8 +308,8 @@ class FusedDecode:
 
     def max_rows(self) -> int:
         """Most decode rows of a fused step: :data:`MAX_ROWS_AMX` where the many-row GEMMs run on
-        AMX (:meth:`amx_min`), else :data:`MAX_ROWS`."""
-        return MAX_ROWS_AMX if self._amx_on() else MAX_ROWS
+        AMX or the VNNI GEMM (:meth:`amx_min`), else :data:`MAX_ROWS`."""
+        return MAX_ROWS_AMX if self._amx_on() or self._vnni_on() else MAX_ROWS
 
     def num_threads(self) -> int:
         """Threads of the C++ pool for this step: :attr:`threads`, or torch's intra-op count (the

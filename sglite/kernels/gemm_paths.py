@@ -74,6 +74,11 @@ AMX_MIN_ROWS = Q8_GEMV_MAX_ROWS + 1
 # 20.9 / 21.4 vs 13.8 / 13.5 / 15.6 / 16.2 ms (8 rows: 15.2 vs 14.6); Gemma 3 270M's (mostly 8-bit
 # codes) 24.5 / 22.0 / 26.0 / 29.7 vs 16.3 / 17.4 / 16.5 / 19.1 ms; its 262,144 x 640 head 43.8 vs
 # 22.4 ms at 9 rows (docs/models.md).
+# The fused decode on VNNI CPUs without AMX: from here its tiled products run the int8 VNNI GEMM
+# (quant_gemm_kernel.h: the codes streamed once for all rows) instead of the GEMV in 8-row blocks,
+# and a fused step takes up to decode_fused.MAX_ROWS_AMX rows (else MAX_ROWS): the per-op path's
+# crossover (Q8_GEMV_MAX_ROWS above), the same int8 activations.
+FUSED_VNNI_MIN_ROWS = Q8_GEMV_MAX_ROWS + 1
 FUSED_LARGE_BYTES = 8 << 20  # codes past the 2 MiB L2: every 8-row block streams them again from L3/DRAM
 FUSED_AMX_MIN_ROWS_LARGE = Q8_GEMV_MAX_ROWS + 1
 FUSED_AMX_MIN_ROWS_8BIT = Q8_GEMV_MAX_ROWS + 1

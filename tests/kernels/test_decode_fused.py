@@ -222,6 +222,57 @@ def test_fused_many_rows_take_amx_and_stay_close(quantized_tiny):
         e.shutdown()
 
 
+def test_fused_many_rows_take_the_vnni_gemm_and_stay_close(quantized_tiny):
+    """40 decode rows on a CPU with VNNI and no AMX: the fused call takes them (up to MAX_ROWS_AMX),
+    its tiled GEMMs and head on the int8 VNNI GEMM from FUSED_VNNI_MIN_ROWS rows, close to the
+    per-op path on the same batch; SGLITE_GEMM other than auto keeps the fused step at MAX_ROWS."""
+    seen = []
+    e, fused = _checked_engine(quantized_tiny[4], "bfloat16", 0.1, seen)
+    try:
+        if not fused._vnni_on():
+            pytest.skip("the fused decode's VNNI GEMM runs on VNNI CPUs without AMX (tiled weights)")
+        assert fused.amx_min() == gemm_paths.FUSED_VNNI_MIN_ROWS
+        head = fused.model.lm_head
+        assert fused.head_amx_min() == (gemm_paths.FUSED_VNNI_MIN_ROWS if fused.head_kind == "q8" and head.tiled else 0)
+        assert fused.max_rows() == decode_fused.MAX_ROWS_AMX
+        many = [[100 + 37 * i, 7 + i, 2000 + i] for i in range(40)]
+        e.generate(input_ids=many, sampling_params={"max_new_tokens": 3, "temperature": 0, "ignore_eos": True})
+        assert 40 in seen
+        os.environ[gemm_paths.ENV] = "torch"
+        try:
+            assert (fused.amx_min(), fused.max_rows()) == (0, decode_fused.MAX_ROWS)
+        finally:
+            del os.environ[gemm_paths.ENV]
+    finally:
+        e.shutdown()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_head_q8_vnni_rows_equal_the_vnni_gemm(bits):
+    """On a VNNI build without AMX the fused products from their threshold run the per-op VNNI
+    GEMM's kernel (quant_gemm_kernel.h) on the GEMV's int8 activations: the same float32 outputs
+    bit for bit as quant_gemm_q8; below the threshold the GEMV in 8-row blocks, close to it."""
+    from sglite.kernels import quant_amx, quant_gemm
+    from sglite.kernels.device import cpu_flags
+    from sglite.kernels.quant_layout import tile_rows
+
+    if quant_gemm.load() is None or all(f in cpu_flags() for f in quant_amx.REQUIRED_FLAGS):
+        pytest.skip("the fused decode takes the VNNI GEMM on VNNI CPUs without AMX")
+    w = make(64, 576, bits, seed=2)
+    compact_scales(w)
+    assert tile_rows(w)
+    x = torch.randn(40, 576, generator=torch.Generator().manual_seed(1))
+    mins = w.mins if w.mins is not None else torch.empty(0, dtype=w.scales.dtype)
+    none = torch.empty(0, dtype=torch.int16)
+    for m in (9, 13, 40):
+        xm = x[:m].contiguous()
+        got = decode_fused.load().head_q8(xm, w.qweight, w.scales, mins, w.bits, w.tiled, 2, 9, none)
+        want = quant_gemm.load().quant_gemm_q8(xm, w.qweight, w.scales, mins, w.bits, w.group_size, False)
+        assert torch.equal(got, want)
+        gemv = decode_fused.load().head_q8(xm, w.qweight, w.scales, mins, w.bits, w.tiled, 2, 0, none)
+        torch.testing.assert_close(gemv, want, rtol=1e-4, atol=1e-4)  # the GEMV: same int dots, other float order
+
+
 @pytest.mark.skipif(not __import__("sglite.kernels.quant_amx", fromlist=["x"]).available(), reason="no AMX-BF16 here")
 def test_fused_thresholds_per_weight_and_few_row_amx_head(quantized_tiny, monkeypatch):
     """The fused step's AMX thresholds come from the dispatcher per weight (8-bit layers: 12 rows; a
@@ -255,10 +306,13 @@ def test_fused_thresholds_per_weight_and_few_row_amx_head(quantized_tiny, monkey
         e.shutdown()
 
 
-@pytest.mark.skipif(not __import__("sglite.kernels.cpu_attention", fromlist=["x"]).amx_ready(), reason="no AMX here")
+@pytest.mark.skipif(not (__import__("sglite.kernels.cpu_attention", fromlist=["x"]).amx_ready()
+                          or __import__("sglite.kernels.cpu_attention", fromlist=["x"]).dot_cascade_built()),
+                    reason="neither AMX nor AVX512-BF16 here")
 def test_fused_shared_prefix_rows_cascade_and_stay_close(quantized_tiny, monkeypatch):
     """Decode rows continuing one cached 80-token prefix: the fused step attends it once per group
-    on the tiles (decode_cascade.h), close to the per-op path run row by row on the same batch."""
+    on the tiles (decode_cascade.h on AMX, else decode_dot_cascade.h), close to the per-op path run
+    row by row on the same batch."""
     from sglite.kernels import cpu_attention
 
     seen = []

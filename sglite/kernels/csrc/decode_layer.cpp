@@ -1,4 +1,4 @@
-// Fused batch-1 (1..32 rows; up to 128 with the AMX tile GEMM, quant_amx.h) decode through every decoder layer of a Llama-family model with
+// Fused batch-1 (1..32 rows; up to 128 with a many-row GEMM: the AMX tile GEMM of quant_amx.h, or the VNNI GEMM of quant_gemm_kernel.h) decode through every decoder layer of a Llama-family model with
 // group-quantized matmul weights, in one call (contract: sglite/kernels/decode_fused.py). Per
 // layer: RMSNorm, QKV GEMV, RoPE (rotate-half), K/V stored into the paged pool, paged decode
 // attention reading the pool in place (the sglite_cpu_attention op), o_proj + residual, RMSNorm,
@@ -15,6 +15,7 @@
 #include <c10/util/BFloat16.h>
 #include "quant_rows.h"
 #include "thread_pool.h"
+#include "quant_gemm_kernel.h"
 // avx512_math.h before quant_amx.h, which uses it (read_source splices a header once)
 #ifdef SGQ_AVX512
 #include "avx512_math.h"
@@ -28,7 +29,7 @@ namespace {
 using namespace sglite_quant;
 using sglite_pool::PoolPar;
 
-constexpr int64_t kMaxRows = 128;  // decode rows of one call (decode_fused.MAX_ROWS_AMX; 32 without AMX)
+constexpr int64_t kMaxRows = 128;  // decode rows of one call (decode_fused.MAX_ROWS_AMX; 32 without a many-row GEMM)
 
 // f(lo, hi) over contiguous shares of the rows [0, M) on the pool, at least kShareRows rows a share
 // (fewer rows: one share on the calling thread, no fork/join). For the per-row elementwise ops: a
@@ -117,8 +118,38 @@ void attach_packed(QW& w, const std::vector<at::Tensor>& pk, size_t i) {
   TORCH_CHECK(!w.packed || w.tiled, "decode_forward: a packed AMX weight needs its weight in 16-row tiles");
 }
 
-// amx_min > 0 (AMX builds, 16-row tiles): M >= amx_min rows run the AMX-BF16 tile GEMM of quant_amx.h
-// (bf16 activations, float32 sums) instead of the int8-activation GEMV.
+#ifdef SGQ_VNNI
+// y [M, N] float32 = q8(x) @ W_stored.T on the int8 VNNI GEMM (quant_gemm_kernel.h) for a tiled weight:
+// the rows quantized as quantize_q8 does (in row shares on the pool), then the tile pairs split over
+// the pool, each streaming its codes once for all M rows (the GEMV re-reads them per 8-row block).
+void gemm_vnni(const QW& w, const float* x, int64_t M, float* y, const PoolPar& par) {
+  const int64_t K = w.K, nb = K / BLK, sxs = K / w.gs;
+  static thread_local std::vector<int8_t> xq;  // the calling thread's buffers, kept across calls
+  static thread_local std::vector<float> dsx, sx16;
+  if ((int64_t)xq.size() < M * K + 64) xq.resize(M * K + 64);
+  if ((int64_t)dsx.size() < 2 * M * nb) dsx.resize(2 * M * nb);
+  float *dx = dsx.data(), *sx = dx + M * nb;
+  int8_t* xqp = xq.data();
+  row_shares(par, M, [&](int64_t lo, int64_t hi) {
+    for (int64_t m = lo; m < hi; ++m) quantize_row_avx(x + m * K, K, xqp + m * K, dx + m * nb, sx + m * nb);
+  });
+  if (w.gs != BLK) {  // the offsets' factor per 16-group
+    if ((int64_t)sx16.size() < M * sxs) sx16.resize(M * sxs);
+    group_sx16(xqp, dx, M, K, sx16.data());
+    sx = sx16.data();
+  }
+  const int64_t T = w.N / TILE, P = (T + 1) / 2;  // pairs of tiles (the last one may be single)
+  par(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      gemm_pair(xqp, dx, sx, sxs, M, w, 2 * p, std::min<int64_t>(2, T - 2 * p), y + 2 * p * TILE, w.N);
+  });
+}
+#endif
+
+// amx_min > 0 (16-row tiles, int8 path): M >= amx_min rows run the many-row GEMM instead of the
+// int8-activation GEMV in 8-row blocks: in AMX builds the AMX-BF16 tile GEMM of quant_amx.h (bf16
+// activations, float32 sums), in other VNNI builds the int8 VNNI GEMM (gemm_vnni; the GEMV's
+// activation rounding). The caller passes 0 where neither applies (decode_fused.FusedDecode.amx_min).
 void gemv(const QW& w, const float* x, int64_t M, float* y, bool q8, const PoolPar& par, int64_t amx_min = 0) {
   TORCH_CHECK(q8 || (!w.half && !w.tiled), "decode_forward: float16 scales and 16-row tiles need the int8-activation path");
 #ifdef SGQ_AMX
@@ -136,6 +167,11 @@ void gemv(const QW& w, const float* x, int64_t M, float* y, bool q8, const PoolP
       sglite_amx::pack_rows(x + lo * w.K, real, w.K, xd + lo * w.K, hi - lo);
     });
     sglite_amx::gemm(w, xd, M, y, nullptr, par, w.packed);
+    return;
+  }
+#elif defined(SGQ_VNNI)
+  if (q8 && w.tiled && amx_min > 0 && M >= amx_min) {
+    gemm_vnni(w, x, M, y, par);
     return;
   }
 #endif

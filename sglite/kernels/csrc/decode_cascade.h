@@ -73,6 +73,44 @@ std::vector<Group> shared_prefix_groups(const int32_t* rt, int64_t rts0, const i
   return out;
 }
 
+// A cascade call's tasks, costliest first (longest-processing-time order, so the last tasks
+// claimed are the short ones): a chunk of a group on one KV head (g >= 0: its rows [r0, r1)) or one
+// (row, KV head) outside every group (g < 0: batch row r0). per (rows a chunk): max_rows / G,
+// halved while there are fewer chunk tasks than threads and a chunk keeps >= 16 query rows (one
+// small group on one KV head would leave threads idle; a chunk's extra K / V passes cost less than
+// the idle thread). own_cost: what a row's own key costs against a shared one.
+struct CascadeTask { int64_t cost; int32_t g, h, r0, r1; };
+struct CascadePlan { std::vector<CascadeTask> tasks; int per; };
+
+CascadePlan plan_cascade(const int64_t* lens, int64_t B, int Hkv, int G, const std::vector<Group>& groups, int max_rows,
+                         int64_t own_cost) {
+  CascadePlan p{{}, std::max(1, max_rows / G)};
+  std::vector<char> grouped(B, 0);
+  const int threads = at::get_num_threads();
+  auto chunk_tasks = [&](int per) {
+    int64_t c = 0;
+    for (const Group& gr : groups) c += ((int64_t)gr.rows.size() + per - 1) / per;
+    return c * Hkv;
+  };
+  while (chunk_tasks(p.per) < threads && (p.per / 2) * G >= 16) p.per /= 2;
+  for (int g = 0; g < (int)groups.size(); ++g) {
+    const Group& gr = groups[g];
+    const int k = (int)gr.rows.size();
+    for (int64_t b : gr.rows) grouped[b] = 1;
+    for (int r0 = 0; r0 < k; r0 += p.per) {
+      const int r1 = std::min(k, r0 + p.per);
+      int64_t own = 0;
+      for (int r = r0; r < r1; ++r) own += lens[gr.rows[r]] - gr.P;
+      for (int h = 0; h < Hkv; ++h) p.tasks.push_back(CascadeTask{gr.P * (r1 - r0) + own_cost * own + 16 * (r1 - r0), g, h, r0, r1});
+    }
+  }
+  for (int64_t b = 0; b < B; ++b)
+    if (!grouped[b])
+      for (int h = 0; h < Hkv; ++h) p.tasks.push_back(CascadeTask{own_cost * lens[b] + 16, -1, h, (int32_t)b, (int32_t)b + 1});
+  std::stable_sort(p.tasks.begin(), p.tasks.end(), [](const CascadeTask& x, const CascadeTask& y) { return x.cost > y.cost; });
+  return p;
+}
+
 #ifdef SGL_AMX_ATTN
 // One grouped row's own keys slots[0 .. L) for the G heads of one KV head (kh / vh: the head's K /
 // V row of slot 0), continuing the tiles' online softmax of its rows r0 .. r0 + G - 1 in w (after
@@ -226,36 +264,11 @@ template <int... Gs> OwnKeys pick_own(int Dp32, int G, std::integer_sequence<int
 void run_cascade(const Job<uint16_t>& j, int64_t B, int Hkv, int64_t max_len, const std::vector<Group>& groups) {
   namespace A = sglite_amx_attn;
   const int G = j.G, D = j.D, Dp32 = (D + 31) & ~31;
-  struct Task { int64_t cost; int32_t g, h, r0, r1; };  // g >= 0: rows [r0, r1) of group g; g < 0: batch row r0
-  std::vector<Task> tasks;
-  std::vector<char> grouped(B, 0);
-  // rows a chunk: 64 / G, halved while there are fewer chunk tasks than threads and a chunk keeps
-  // >= 16 query rows (one small group on one KV head would leave threads idle; the chunks' extra
-  // K / V packing costs less than the idle thread). Rows never mix on the tiles, so the chunking
-  // changes no result.
+  // own keys on AVX-512 weigh 4 shared keys on the tiles; rows never mix on the tiles, so the
+  // chunking changes no result
+  const CascadePlan plan = plan_cascade(j.lens, B, Hkv, G, groups, A::kMaxRows, 4);
+  const std::vector<CascadeTask>& tasks = plan.tasks;
   const int threads = at::get_num_threads();
-  auto chunk_tasks = [&](int p) {
-    int64_t c = 0;
-    for (const Group& gr : groups) c += ((int64_t)gr.rows.size() + p - 1) / p;
-    return c * Hkv;
-  };
-  int per = std::max(1, A::kMaxRows / G);
-  while (chunk_tasks(per) < threads && (per / 2) * G >= 16) per /= 2;
-  for (int g = 0; g < (int)groups.size(); ++g) {
-    const Group& gr = groups[g];
-    const int k = (int)gr.rows.size();
-    for (int64_t b : gr.rows) grouped[b] = 1;
-    for (int r0 = 0; r0 < k; r0 += per) {
-      const int r1 = std::min(k, r0 + per);
-      int64_t own = 0;
-      for (int r = r0; r < r1; ++r) own += j.lens[gr.rows[r]] - gr.P;
-      for (int h = 0; h < Hkv; ++h) tasks.push_back(Task{gr.P * (r1 - r0) + 4 * own + 16 * (r1 - r0), g, h, r0, r1});
-    }
-  }
-  for (int64_t b = 0; b < B; ++b)
-    if (!grouped[b])
-      for (int h = 0; h < Hkv; ++h) tasks.push_back(Task{4 * j.lens[b] + 16, -1, h, (int32_t)b, (int32_t)b + 1});
-  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
   const Tiled<uint16_t> tiled = pick_tiled<uint16_t>(j.Dp, G);
   const OwnKeys own = pick_own(Dp32, G, std::make_integer_sequence<int, 8>{});
   std::atomic<bool> bad{false};
@@ -268,7 +281,7 @@ void run_cascade(const Job<uint16_t>& j, int64_t B, int Hkv, int64_t max_len, co
     std::vector<float> mn(G);
     std::vector<int32_t> own_slots;
     for (int64_t i; !bad.load(std::memory_order_relaxed) && (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
-      const Task& t = tasks[i];
+      const CascadeTask& t = tasks[i];
       if (t.g < 0) {
         if (!attend(j, tiled, t.r0, t.h, qf.data(), sc.data(), acc.data())) bad = true;
         continue;

@@ -14,32 +14,10 @@ constexpr int kCascadeRowsDot = 128;  // query rows of a chunk: its rows x the G
 
 void run_cascade_dot(const Job<uint16_t>& j, int64_t B, int Hkv, int64_t max_len, const std::vector<Group>& groups) {
   const int G = j.G, D = j.D, Dw = D <= 64 ? 64 : (D <= 128 ? 128 : 256);  // dot tiles' padded head dim
-  struct Task { int64_t cost; int32_t g, h, r0, r1; };  // g >= 0: rows [r0, r1) of group g; g < 0: batch row r0
-  std::vector<Task> tasks;
-  std::vector<char> grouped(B, 0);
-  const int threads = at::get_num_threads();
-  auto chunk_tasks = [&](int p) {
-    int64_t c = 0;
-    for (const Group& gr : groups) c += ((int64_t)gr.rows.size() + p - 1) / p;
-    return c * Hkv;
-  };
-  int per = std::max(1, kCascadeRowsDot / G);  // halved while threads would idle and a chunk keeps >= 16 rows
-  while (chunk_tasks(per) < threads && (per / 2) * G >= 16) per /= 2;
-  for (int g = 0; g < (int)groups.size(); ++g) {
-    const Group& gr = groups[g];
-    const int k = (int)gr.rows.size();
-    for (int64_t b : gr.rows) grouped[b] = 1;
-    for (int r0 = 0; r0 < k; r0 += per) {
-      const int r1 = std::min(k, r0 + per);
-      int64_t own = 0;
-      for (int r = r0; r < r1; ++r) own += j.lens[gr.rows[r]] - gr.P;
-      for (int h = 0; h < Hkv; ++h) tasks.push_back(Task{gr.P * (r1 - r0) + 2 * own + 16 * (r1 - r0), g, h, r0, r1});
-    }
-  }
-  for (int64_t b = 0; b < B; ++b)
-    if (!grouped[b])
-      for (int h = 0; h < Hkv; ++h) tasks.push_back(Task{2 * j.lens[b] + 16, -1, h, (int32_t)b, (int32_t)b + 1});
-  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
+  // own keys (per row, AVX-512) weigh 2 shared keys on the dot tiles
+  const CascadePlan plan = plan_cascade(j.lens, B, Hkv, G, groups, kCascadeRowsDot, 2);
+  const std::vector<CascadeTask>& tasks = plan.tasks;
+  const int threads = at::get_num_threads(), per = plan.per;
   const Tiled<uint16_t> tiled = pick_tiled<uint16_t>(j.Dp, G);
   std::atomic<bool> bad{false};
   std::atomic<int64_t> next{0};
@@ -50,7 +28,7 @@ void run_cascade_dot(const Job<uint16_t>& j, int64_t B, int Hkv, int64_t max_len
     std::unique_ptr<DotWork> w;  // made on the first chunk this thread claims
     std::vector<float> qf((size_t)G * j.Dp), sc((size_t)G * max_len + 1), acc((size_t)G * j.Dp + 2 * G);
     for (int64_t i; !bad.load(std::memory_order_relaxed) && (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
-      const Task& t = tasks[i];
+      const CascadeTask& t = tasks[i];
       if (t.g < 0) {
         if (!attend(j, tiled, t.r0, t.h, qf.data(), sc.data(), acc.data())) bad = true;
         continue;

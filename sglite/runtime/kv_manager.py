@@ -337,7 +337,7 @@ class KVManager:
         self.cache.check_invariants()
         ps = self.page_size
         free = self.kv_pool.free_page_set()
-        assert len(free) == len(self.kv_pool._free_pages), "a page is free twice"
+        assert len(free) == self.kv_pool.num_free_pages(), "a page is free twice"
         tree_pages = {s // ps for s in self.cache.tree_slots()}
         assert not (tree_pages & free), "a page is both free and in the tree"
         owned: set = set()

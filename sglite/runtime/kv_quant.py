@@ -112,7 +112,7 @@ class QuantTokenToKVPool(TokenToKVPool):
         elt = torch.finfo(dtype).bits // 8
         self.residual_bytes = 0 if kind == "fp8_e4m3" else 2 * num_layers * max_reqs * G * H * D * elt
         self.device = device
-        self._free_pages = list(range(self.num_pages, 0, -1))
+        self._reset_free()
 
     def begin_step(self, fb) -> None:
         """Record the step's token rows / positions and each row's length after it (from a

@@ -233,7 +233,7 @@ class SWATokenToKVPool(TokenToKVPool):
         total = len(free) + held.numel()
         assert total == self.swa_capacity, f"local slots lost: {total} accounted of {self.swa_capacity}"
         pages = torch.nonzero(self.full_to_swa).flatten() // self.page_size
-        assert not (set(pages.tolist()) & set(self._free_pages)), "a free full page holds a local slot"
+        assert not (set(pages.tolist()) & self.free_page_set()), "a free full page holds a local slot"
 
 
 def wants_hybrid(arch, kv_cache_dtype: str) -> bool:

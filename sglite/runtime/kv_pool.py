@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import heapq
+
 import torch
 
 from sglite.kernels.host_memory import zeros_untouched
@@ -106,27 +108,28 @@ class TokenToKVPool:
         self._reset_free()
 
     def _reset_free(self) -> None:
-        """Every page free: a stack whose pop() gives the lowest page first, and no released pages.
-
-        Freed pages go to ``_released`` and return to the stack, merged and sorted, only when the
-        stack runs short (:meth:`_ensure_free`), so allocations keep taking pages in ascending
-        order: a prompt's keys lie in one ascending run and a decode step's rows take neighbouring
-        slots, as on a fresh pool. Pushing freed pages straight back (as before) handed later
-        requests the last-freed pages first, and the shared-prefix workload ran 8-10 % slower on
-        every run after a server's first (2026-12-07, the 2-core EPYC)."""
+        """Every page free. Allocation always takes the lowest free page (:meth:`_pop`): the
+        never-used pages are a stack whose top is the lowest, the freed ones a min-heap, so a
+        prompt's slots are one ascending run (with the holes of pages still in use) and the
+        lowest freed pages are reused before fresh ones are touched. Pushing freed pages straight
+        back on the stack (as before) handed later requests the last-freed pages first, and the
+        shared-prefix workload ran ~10 % slower on every run after a server's first (2026-12-07,
+        the 2-core EPYC: docs/changelog.md)."""
         self._free_pages = list(range(self.num_pages, 0, -1))
-        self._released: list = []
+        self._released: list = []  # freed pages, a min-heap (heapq)
 
     def _ensure_free(self, n: int) -> bool:
-        """Whether ``n`` pages can be popped, merging the released pages into the stack (sorted,
-        lowest on top) when the stack alone is short."""
-        if len(self._free_pages) < n and self._released:
-            self._free_pages = sorted(self._free_pages + self._released, reverse=True)
-            self._released = []
-        return len(self._free_pages) >= n
+        """Whether ``n`` pages are free."""
+        return len(self._free_pages) + len(self._released) >= n
+
+    def _pop(self) -> int:
+        """The lowest free page, taken."""
+        if self._released and (not self._free_pages or self._released[0] < self._free_pages[-1]):
+            return heapq.heappop(self._released)
+        return self._free_pages.pop()
 
     def num_free_pages(self) -> int:
-        """Pages free (on the stack or released)."""
+        """Pages free (never used, or freed)."""
         return len(self._free_pages) + len(self._released)
 
     def begin_step(self, fb) -> None:
@@ -165,7 +168,7 @@ class TokenToKVPool:
             total = sum(n for _, _, n in items)
             if not self._ensure_free(total):
                 return None
-            return [self._free_pages.pop() for _ in range(total)]
+            return [self._pop() for _ in range(total)]
         need = sum(self.tokens_needed(s if last is not None else 0, n) for last, s, n in items)
         if not self._ensure_free(-(-need // ps)):
             return None
@@ -184,7 +187,7 @@ class TokenToKVPool:
         out = list(range(last_slot + 1, last_slot + 1 + head)) if head else []
         remaining = n_new - head
         while remaining > 0:
-            p = self._free_pages.pop()
+            p = self._pop()
             take = min(ps, remaining)
             out.extend(range(p * ps, p * ps + take))
             remaining -= take
@@ -196,7 +199,8 @@ class TokenToKVPool:
             return
         pages = torch.unique(slots // self.page_size).tolist()
         assert 0 not in pages, "slot 0 (padding) freed"
-        self._released.extend(pages)
+        for pg in pages:
+            heapq.heappush(self._released, pg)
 
     def free_page_set(self) -> set[int]:
         return set(self._free_pages) | set(self._released)

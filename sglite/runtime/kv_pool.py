@@ -7,9 +7,8 @@ the request in ``row``. Slots are handed out in pages of ``page_size`` tokens (s
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import heapq
+from typing import Optional
 
 import torch
 

@@ -117,10 +117,6 @@ class TokenToKVPool:
         self._free_pages = list(range(self.num_pages, 0, -1))
         self._released: list = []  # freed pages, a min-heap (heapq)
 
-    def _ensure_free(self, n: int) -> bool:
-        """Whether ``n`` pages are free."""
-        return len(self._free_pages) + len(self._released) >= n
-
     def _pop(self) -> int:
         """The lowest free page, taken."""
         if self._released and (not self._free_pages or self._released[0] < self._free_pages[-1]):
@@ -165,11 +161,11 @@ class TokenToKVPool:
         ps = self.page_size
         if ps == 1:  # every token its own page: one run of pops
             total = sum(n for _, _, n in items)
-            if not self._ensure_free(total):
+            if self.num_free_pages() < total:
                 return None
             return [self._pop() for _ in range(total)]
         need = sum(self.tokens_needed(s if last is not None else 0, n) for last, s, n in items)
-        if not self._ensure_free(-(-need // ps)):
+        if self.num_free_pages() * ps < need:
             return None
         out: list = []
         for last, s, n in items:

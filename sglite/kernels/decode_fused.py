@@ -91,15 +91,28 @@ ATTN_SPLIT_MIN = 1 << 16  # K/V values per step (sum of lens x KV heads x head d
 LORA_SPLIT_MIN = 1 << 21  # multiply-adds of one LoRA shrink or expand; see FusedDecode.lora_split_min
 
 
+def many_row_gemm(portable: bool = False) -> Optional[str]:
+    """The many-row GEMM the fused decode's build compiles on this CPU: ``"amx"`` (the AMX tile
+    GEMM, quant_amx.h), ``"vnni"`` (the int8 VNNI GEMM, quant_gemm_kernel.h: AVX-512 with VNNI and
+    no AMX) or None (the GEMV in 8-row blocks only: ``portable``, or no AVX-512)."""
+    flags = cpu_flags()
+    if portable or not all(f in flags for f in quant_cpu.AVX_FLAGS):
+        return None
+    if all(f in flags for f in quant_amx.REQUIRED_FLAGS):
+        return "amx"
+    return "vnni" if quant_cpu.VNNI_FLAG in flags else None
+
+
 @functools.lru_cache(maxsize=None)
 def load(portable: bool = False):
     """The compiled module (the AVX-512 build with :data:`.quant_cpu.AVX_FLAGS` (+ VNNI) on CPUs that
-    have them unless ``portable``), or None after one logged warning."""
+    have them unless ``portable``; + the AMX tile GEMM's flags where :func:`many_row_gemm` is
+    ``"amx"``), or None after one logged warning."""
     flags = cpu_flags()
     simd = not portable and all(f in flags for f in quant_cpu.AVX_FLAGS)
     cflags = quant_cpu.CFLAGS_AVX + (("-mavx512vnni",) if quant_cpu.VNNI_FLAG in flags else ()) if simd \
         else quant_cpu.CFLAGS_PORTABLE
-    if simd and all(f in flags for f in quant_amx.REQUIRED_FLAGS):
+    if many_row_gemm(portable) == "amx":
         cflags = cflags + ("-mavx512dq", "-mamx-tile", "-mamx-bf16")  # quant_amx.h: the many-row steps' tile GEMM
     return load_cpp("sglite_decode_layer" + ("" if simd else "_portable"), read_source("decode_layer.cpp"), cflags,
                     functions=["decode_forward", "head_q8", "probe_gemvs", "decode_family_forward"])
@@ -294,10 +307,7 @@ class FusedDecode:
         build with VNNI and without the AMX tile GEMM (whose build takes the many-row steps there),
         ``SGLITE_GEMM`` ``auto``."""
         if self._vnni is None:  # the static part, once
-            flags = cpu_flags()
-            self._vnni = bool(self.q8 and self.tiled and not self.portable and quant_cpu.VNNI_FLAG in flags
-                              and all(f in flags for f in quant_cpu.AVX_FLAGS)
-                              and not all(f in flags for f in quant_amx.REQUIRED_FLAGS))
+            self._vnni = bool(self.q8 and self.tiled and many_row_gemm(self.portable) == "vnni")
         return self._vnni and gemm_paths.mode() == "auto"
 
     def cascade_min(self) -> int:

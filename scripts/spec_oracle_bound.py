@@ -11,6 +11,12 @@ same way in both (bf16 without deterministic inference is only batch-invariant p
 a prompt prefilled in other chunks can round differently and greedy output then drifts, which
 would leave the oracle's drafts behind). The decode ratio excludes that prefill.
 
+On bf16 pools a verify step's rows attend their shared cached prefix once as a group (the decode
+cascade, from ``cpu_attention.CASCADE_MIN`` keys) where the plain row reads it row by row, so the
+speculative output drifts from plain after some tens of tokens and the oracle's drafts fall
+behind (accept length well under the draft length + 1). ``SGLITE_ATTN_AMX=0`` turns the cascade
+off in both engines: every oracle draft is then kept (docs/speculative.md, "What is guaranteed").
+
 Usage: python scripts/spec_oracle_bound.py [--workload extract_json] [--draft-tokens 8] [--rounds 3]
     [--real NGRAM|EAGLE|MEDUSA] [--max-new-tokens 128]
 

@@ -129,8 +129,7 @@ def _cmd_bench(argv) -> int:
 def build_parser() -> tuple[FlagParser, FlagParser]:
     """The ``sglite`` parser and its ``generate`` sub-parser (``serve`` and ``bench`` parse their
     own flags: :func:`sglite.launch_server.build_parser`, the bench modules)."""
-    p = FlagParser(prog="sglite", description="sglite: structured generation runtime",
-                   usage="%(prog)s {serve,router,generate,run,bench,eval,quantize,kv-estimate} ...  (see --help)")
+    p = FlagParser(prog="sglite", description="sglite: structured generation runtime")
     p.add_argument("--version", action="version", version=f"sglite {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=FlagParser, prog="sglite")
     sub.add_parser("serve", help="start the HTTP server (see `sglite serve --help`)")
@@ -165,6 +164,7 @@ def build_parser() -> tuple[FlagParser, FlagParser]:
                        usage="%(prog)s SCRIPT [args ...]")
     r.add_argument("script", help="path of the Python file")
     r.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    p.usage = f"%(prog)s {{{','.join(sub.choices)}}} ...  (see --help)"  # every sub-command, as added
     return p, g
 
 

@@ -1,7 +1,7 @@
 """sglite.kernels: public ops (linear, paged attention, KV store, RMSNorm, SwiGLU activation, token
 bitmask, sampling, mixture-of-experts routing and experts) behind one dispatcher (:mod:`.dispatch`)."""
 from .dispatch import (apply_token_bitmask, decode_attention, extend_attention, gelu_tanh_mul, greedy,  # noqa: F401
-                       linear, lora_add, resolve_impl, rms_norm, sample, silu_mul, store_kv,
+                       linear, lora_add, prepare_cpu, resolve_impl, rms_norm, sample, silu_mul, store_kv,
                        add_rms_norm, rope_store_kv, moe_experts, moe_topk)
 from . import decode_fused  # noqa: F401  (fused CPU decode of quantized models)
 from . import decode_family  # noqa: F401  (its layer for the Llama-like families)

@@ -75,6 +75,20 @@ def resolve_impl(impl: Optional[str], example: Optional[torch.Tensor], op: Optio
     return "torch"
 
 
+def prepare_cpu(pool_example: torch.Tensor, dtype: torch.dtype) -> None:
+    """Build (or load from the disk cache) the C++ kernels a CPU step calls: the paged attention
+    (``pool_example``: a layer of the KV pool, quantized pools included), the elementwise ops and,
+    for bf16 models, :mod:`.cpu_gemv` (SiLU * up, few-row GEMVs); each is built at most once per
+    process. Called at engine start so that a fresh machine compiles them before the engine is
+    ready, not inside its first request. Never raises: a kernel that does not build leaves its op
+    on the torch path (:func:`resolve_impl`)."""
+    for op in CPP_OPS:
+        resolve_impl(None, pool_example, op)
+    resolve_impl(None, torch.empty(0, dtype=dtype), "rms_norm")
+    if dtype == torch.bfloat16:
+        cpu_gemv.available()
+
+
 def _op(name: str, impl: str):
     if impl == "torch":
         return getattr(reference, name)

@@ -123,8 +123,8 @@ class ModelRunner:
         else:
             self.token_to_kv_pool = kv_quant.make_pool(kvd, tokens, config.page_size, a.num_layers, a.num_kv_heads,
                                                        a.head_dim, self.dtype, self.device, group, rows)
-        if self.device == "cpu":  # build (or load) the C++ decode-attention kernel now, not in the first step
-            kernels.resolve_impl(None, self.token_to_kv_pool.k_buffers[0], "decode_attention")
+        if self.device == "cpu":  # build (or load) the C++ kernels of a step now, not in the first request
+            kernels.prepare_cpu(self.token_to_kv_pool.k_buffers[0], self.dtype)
         self.req_to_token_pool = ReqToTokenPool(rows, self.context_length + 8, self.device)
         self.lora = None  # the engine's sglite.lora.LoraManager when it serves adapters
         self.max_total_tokens = self.token_to_kv_pool.capacity

@@ -90,3 +90,26 @@ def test_matmul_is_the_one_registry_of_linear_impls():
             q.use(name)
             assert q.impl in matmul.IMPLS and q.impl != ref_name
             assert torch.allclose(kernels.linear(x, q), ref, rtol=1e-4, atol=1e-4), (ref_name, q.impl)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prepare_cpu_builds_every_kernel_a_step_calls(monkeypatch, dtype):
+    """Engine start builds the attention, elementwise and (bf16) GEMV extensions, so a fresh
+    machine does not compile them inside its first request; SGLITE_KERNEL=torch builds none of the
+    dispatched ones (bf16 SiLU * up takes the GEMV module whatever SGLITE_KERNEL says)."""
+    from sglite.kernels import cpu_attention, cpu_elementwise, cpu_gemv
+
+    asked = []
+    monkeypatch.delenv("SGLITE_KERNEL", raising=False)
+    monkeypatch.setattr(cpu_attention, "available", lambda: asked.append("decode_attention") or True)
+    monkeypatch.setattr(cpu_attention, "extend_available", lambda: asked.append("extend_attention") or True)
+    monkeypatch.setattr(cpu_elementwise, "available", lambda: asked.append("elementwise") or True)
+    monkeypatch.setattr(cpu_gemv, "available", lambda: asked.append("gemv") or True)
+    pool = torch.zeros(4, 1, 8, dtype=dtype)
+    kernels.prepare_cpu(pool, dtype)
+    want = ["decode_attention", "extend_attention", "elementwise"] + (["gemv"] if dtype == torch.bfloat16 else [])
+    assert asked == want
+    asked.clear()
+    monkeypatch.setenv("SGLITE_KERNEL", "torch")
+    kernels.prepare_cpu(pool, dtype)
+    assert asked == ([] if dtype == torch.float32 else ["gemv"])

@@ -116,12 +116,16 @@ class TokenToKVPool:
         the 2-core EPYC: docs/changelog.md)."""
         self._free_pages = list(range(self.num_pages, 0, -1))
         self._released: list = []  # freed pages, a min-heap (heapq)
+        self._is_free = bytearray(b"\x00" + b"\x01" * self.num_pages)  # [page] 1 = free (page 0: padding)
 
     def _pop(self) -> int:
         """The lowest free page, taken."""
         if self._released and (not self._free_pages or self._released[0] < self._free_pages[-1]):
-            return heapq.heappop(self._released)
-        return self._free_pages.pop()
+            p = heapq.heappop(self._released)
+        else:
+            p = self._free_pages.pop()
+        self._is_free[p] = 0
+        return p
 
     def num_free_pages(self) -> int:
         """Pages free (never used, or freed)."""
@@ -189,12 +193,25 @@ class TokenToKVPool:
         return out
 
     def free(self, slots: torch.Tensor) -> None:
-        """Free the pages holding ``slots`` ([n] int64). Callers free whole pages only."""
+        """Free the pages holding ``slots`` ([n] int64). Callers free whole pages only.
+
+        Raises:
+            ValueError: a page outside the pool, or one that is already free (freed twice, or
+                never handed out); nothing is freed then. (Accepting it put the page in the free
+                lists twice and a later allocation handed it to two owners.)"""
         if slots.numel() == 0:
             return
         pages = torch.unique(slots // self.page_size).tolist()
         assert 0 not in pages, "slot 0 (padding) freed"
+        if pages[0] < 0 or pages[-1] > self.num_pages:
+            raise ValueError(f"free: page {pages[0] if pages[0] < 0 else pages[-1]} is outside the pool "
+                             f"(pages 1..{self.num_pages} of {self.page_size} slots)")
+        is_free = self._is_free
+        dup = [pg for pg in pages if is_free[pg]]
+        if dup:
+            raise ValueError(f"free: page(s) {dup[:8]} already free (freed twice or never allocated)")
         for pg in pages:
+            is_free[pg] = 1
             heapq.heappush(self._released, pg)
 
     def free_page_set(self) -> set[int]:

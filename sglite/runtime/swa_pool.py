@@ -201,9 +201,10 @@ class SWATokenToKVPool(TokenToKVPool):
             self.full_to_swa[o[move]] = 0
 
     def free(self, slots: torch.Tensor) -> None:
-        """Free the pages holding ``slots`` and the local slots they still hold."""
-        self.free_swa(slots)
+        """Free the pages holding ``slots`` and the local slots they still hold (the pages first:
+        a page already free raises before any local slot is freed)."""
         super().free(slots)
+        self.free_swa(slots)
 
     def held_mask(self, slots: torch.Tensor) -> torch.Tensor:
         """[n] bool: which full slots ``slots`` ([n] int64) still hold local K/V."""

@@ -47,13 +47,22 @@ void score_block_dot(const uint16_t* const* kr, const uint32_t* qp, int Rp, int 
   __m512 a[4][NB];
   for (int u = 0; u < 4; ++u)
     for (int n = 0; n < NB; ++n) a[u][n] = _mm512_setzero_ps();
-  for (int p = 0; p < P2; ++p) {
+  // one base pointer for the query blocks (constant displacements) and one per key row: with an index
+  // register per block GCC ran out of general registers and reloaded the NB query blocks for every key
+  const uint16_t* k0 = kr[0];
+  const uint16_t* k1 = kr[1];
+  const uint16_t* k2 = kr[2];
+  const uint16_t* k3 = kr[3];
+  const uint32_t* qrow = qp + (size_t)16 * rb0;
+  for (int p = 0; p < P2; ++p, qrow += Rp) {
     __m512bh qv[NB];
-    for (int n = 0; n < NB; ++n) qv[n] = (__m512bh)_mm512_loadu_si512(qp + (size_t)p * Rp + 16 * (rb0 + n));
-    for (int u = 0; u < 4; ++u) {
-      const __m512bh kb = (__m512bh)_mm512_set1_epi32((int)load_pair(kr[u] + 2 * p));
-      for (int n = 0; n < NB; ++n) a[u][n] = _mm512_dpbf16_ps(a[u][n], qv[n], kb);
-    }
+    for (int n = 0; n < NB; ++n) qv[n] = (__m512bh)_mm512_loadu_si512(qrow + 16 * n);
+    const __m512bh kb[4] = {(__m512bh)_mm512_set1_epi32((int)load_pair(k0 + 2 * p)),
+                            (__m512bh)_mm512_set1_epi32((int)load_pair(k1 + 2 * p)),
+                            (__m512bh)_mm512_set1_epi32((int)load_pair(k2 + 2 * p)),
+                            (__m512bh)_mm512_set1_epi32((int)load_pair(k3 + 2 * p))};
+    for (int u = 0; u < 4; ++u)
+      for (int n = 0; n < NB; ++n) a[u][n] = _mm512_dpbf16_ps(a[u][n], qv[n], kb[u]);
   }
   const __m512 sc = _mm512_set1_ps(scale);
   for (int u = 0; u < 4; ++u)

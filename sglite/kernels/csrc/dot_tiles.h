@@ -98,10 +98,27 @@ void pack_weights(const float* s, int Rp, int kn, uint32_t* pp) {
 // vp[t/2][d] = (V[t][d], V[t+1][d]) for the tile's kn value rows (zero past D up to Dp and for the
 // missing partner of an odd kn); false when a slot lies outside the pool.
 bool pack_values(const uint16_t* base, int64_t s0, const int32_t* slots, int64_t S, int kn, int D, int Dp, uint32_t* vp) {
+  // whole 32-value blocks (D a multiple of 32, no padding): each block of the two rows interleaved
+  // by two VPERMT2W, 6 instructions a 32 values against 14 for the widen-shift-or below
+  const bool whole = D == Dp && D % 32 == 0;
+  alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t hi_idx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                  24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i il = _mm512_load_si512(lo_idx), ih = _mm512_load_si512(hi_idx);
   for (int t = 0; t < kn; t += 2) {
     if (slots[t] < 0 || slots[t] >= S || (t + 1 < kn && (slots[t + 1] < 0 || slots[t + 1] >= S))) return false;
     const uint16_t* x = base + slots[t] * s0;
     const uint16_t* y = t + 1 < kn ? base + slots[t + 1] * s0 : nullptr;
+    if (whole) {
+      uint32_t* out = vp + (size_t)(t / 2) * Dp;
+      for (int c = 0; c < D; c += 32) {
+        const __m512i a = _mm512_loadu_si512(x + c), b = y ? _mm512_loadu_si512(y + c) : _mm512_setzero_si512();
+        _mm512_storeu_si512(out + c, _mm512_permutex2var_epi16(a, il, b));
+        _mm512_storeu_si512(out + c + 16, _mm512_permutex2var_epi16(a, ih, b));
+      }
+      continue;
+    }
     for (int c = 0; c < Dp; c += 16) {
       const int rem = D - c;
       const __mmask16 m = rem >= 16 ? (__mmask16)0xFFFF : (rem <= 0 ? (__mmask16)0 : (__mmask16)((1u << rem) - 1));

@@ -103,6 +103,19 @@ def _checked_engine(model_dir, dtype, atol_rel, seen):
     return e, fused
 
 
+def spy_hidden(fused, steps: list) -> None:
+    """Wrap ``fused.hidden`` so that every fused step appends ``(input ids, final hidden states)``
+    (clones) to ``steps``."""
+    hidden0 = fused.hidden
+
+    def spy(fb, kb, vb):
+        h = hidden0(fb, kb, vb)
+        steps.append((fb.input_ids.clone(), h.clone()))
+        return h
+
+    fused.hidden = spy
+
+
 def check_fused_steps(model, atol_rel, seen):
     """Replace ``model.decode_fused`` by a wrapper that checks every fused step's logits against the
     per-op path on the same batch (relative max error <= ``atol_rel``) and appends the step's row
@@ -149,14 +162,7 @@ def test_fused_rows_do_not_depend_on_their_place_in_the_batch(quantized_tiny):
     e = Engine(model_path=str(quantized_tiny[4]), dtype="float32", max_total_tokens=2048)
     fused = e.runner.model.decode_fused
     steps: list = []
-    hidden0 = fused.hidden
-
-    def spy(fb, kb, vb):
-        h = hidden0(fb, kb, vb)
-        steps.append((fb.input_ids.clone(), h.clone()))
-        return h
-
-    fused.hidden = spy
+    spy_hidden(fused, steps)
     prompts = [[100 + 37 * i, 7 + i, 2000 + 3 * i] for i in range(19)]
     sp = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
     try:
@@ -450,14 +456,7 @@ def test_fused_hidden_is_the_same_on_one_thread_and_two(quantized_tiny, dtype, r
     fused = e.runner.model.decode_fused
     rows = min(rows, fused.max_rows())  # without the AMX tiles a fused step holds at most MAX_ROWS rows
     steps: list = []
-    hidden0 = fused.hidden
-
-    def spy(fb, kb, vb):
-        h = hidden0(fb, kb, vb)
-        steps.append(h.clone())
-        return h
-
-    fused.hidden = spy
+    spy_hidden(fused, steps)
     prompts = [[100 + 37 * i, 7 + i, 2000 + 3 * i] for i in range(rows)]
     sp = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
     runs = []
@@ -471,8 +470,8 @@ def test_fused_hidden_is_the_same_on_one_thread_and_two(quantized_tiny, dtype, r
         e.shutdown()
     (ids1, h1), (ids2, h2) = runs
     assert ids1 == ids2
-    assert len(h1) == len(h2) >= 2 and any(h.shape[0] == rows for h in h1)
-    assert all(torch.equal(a, b) for a, b in zip(h1, h2))
+    assert len(h1) == len(h2) >= 2 and any(h.shape[0] == rows for _, h in h1)
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(h1, h2))
 
 
 @pytest.mark.slow

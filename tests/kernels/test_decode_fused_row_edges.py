@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sglite.kernels import decode_fused, gemm_paths, quant_cpu
-from tests.kernels.test_decode_fused import check_fused_steps, quantized_tiny  # noqa: F401 (fixture)
+from tests.kernels.test_decode_fused import check_fused_steps, quantized_tiny, spy_hidden  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.skipif(not quant_cpu.available(), reason="the C++ quant kernel did not build here")
 
@@ -34,14 +34,7 @@ def test_row_counts_at_the_gemm_threshold_and_the_fused_maximum(quantized_tiny):
             assert (n in seen) == (n <= top), (n, seen)  # top + 1 rows: no fused step, no error
         model.decode_fused = fused  # unchecked: the per-op comparison rewrites the KV slots
         steps: list = []
-        hidden0 = fused.hidden
-
-        def spy(fb, kb, vb):
-            h = hidden0(fb, kb, vb)
-            steps.append((fb.input_ids.clone(), h.clone()))
-            return h
-
-        fused.hidden = spy
+        spy_hidden(fused, steps)
         first = [o["output_ids"] for o in e.generate(input_ids=prompts(top), sampling_params=sp)]
         m = len(steps)
         e.flush_cache()

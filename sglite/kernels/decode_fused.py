@@ -279,8 +279,9 @@ class FusedDecode:
         no AMX the int8 VNNI GEMM (quant_gemm_kernel.h, the GEMV's activation rounding; from
         :data:`.gemm_paths.FUSED_VNNI_MIN_ROWS`), or 0: off (a float32 or row-layout model, the
         portable build, ``SGLITE_GEMM`` other than ``auto``; read per step, as the dispatcher)."""
-        if not self._amx_on():
-            return gemm_paths.FUSED_VNNI_MIN_ROWS if self._vnni_on() else 0
+        gemm = self._many_rows()
+        if gemm != "amx":
+            return gemm_paths.FUSED_VNNI_MIN_ROWS if gemm else 0
         key = gemm_paths.fused_constants()  # the fold over ~4L weights once per change of the constants
         if self._layers_amx is None or self._layers_amx[0] != key:
             self._layers_amx = (key, gemm_paths.fused_layers_amx_min(self.shapes))
@@ -292,8 +293,9 @@ class FusedDecode:
         w = self.model.lm_head
         if self.head_kind != "q8" or not w.tiled:
             return 0
-        if not self._amx_on():
-            return gemm_paths.FUSED_VNNI_MIN_ROWS if self._vnni_on() else 0
+        gemm = self._many_rows()
+        if gemm != "amx":
+            return gemm_paths.FUSED_VNNI_MIN_ROWS if gemm else 0
         return gemm_paths.fused_amx_min(int(w.shape[0]), int(w.shape[1]), int(w.bits))
 
     def _amx_on(self) -> bool:
@@ -301,6 +303,11 @@ class FusedDecode:
             self._amx = bool(self.q8 and self.tiled and not self.portable and self.model.dtype == torch.bfloat16
                              and quant_amx.available())
         return self._amx and gemm_paths.mode() == "auto"
+
+    def _many_rows(self) -> Optional[str]:
+        """This step's many-row GEMM: ``"amx"`` (:meth:`_amx_on`), ``"vnni"`` (:meth:`_vnni_on`) or
+        None (the GEMV in 8-row blocks only); read per step, as ``SGLITE_GEMM`` may change."""
+        return "amx" if self._amx_on() else ("vnni" if self._vnni_on() else None)
 
     def _vnni_on(self) -> bool:
         """Whether the many-row steps take the int8 VNNI GEMM: a tiled int8-path model on the AVX-512
@@ -319,7 +326,7 @@ class FusedDecode:
     def max_rows(self) -> int:
         """Most decode rows of a fused step: :data:`MAX_ROWS_AMX` where the many-row GEMMs run on
         AMX or the VNNI GEMM (:meth:`amx_min`), else :data:`MAX_ROWS`."""
-        return MAX_ROWS_AMX if self._amx_on() or self._vnni_on() else MAX_ROWS
+        return MAX_ROWS_AMX if self._many_rows() else MAX_ROWS
 
     def num_threads(self) -> int:
         """Threads of the C++ pool for this step: :attr:`threads`, or torch's intra-op count (the

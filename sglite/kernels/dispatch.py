@@ -76,12 +76,20 @@ def resolve_impl(impl: Optional[str], example: Optional[torch.Tensor], op: Optio
 
 
 def prepare_cpu(pool_example: torch.Tensor, dtype: torch.dtype) -> None:
-    """Build (or load from the disk cache) the C++ kernels a CPU step calls: the paged attention
-    (``pool_example``: a layer of the KV pool, quantized pools included), the elementwise ops and,
-    for bf16 models, :mod:`.cpu_gemv` (SiLU * up, few-row GEMVs); each is built at most once per
-    process. Called at engine start so that a fresh machine compiles them before the engine is
-    ready, not inside its first request. Never raises: a kernel that does not build leaves its op
-    on the torch path (:func:`resolve_impl`)."""
+    """Build (or load from the disk cache) the C++ kernels a CPU step calls, so that a fresh machine
+    compiles them at engine start (before the engine is ready), not inside its first request.
+
+    Args:
+        pool_example: one layer's K buffer of the KV pool ([S, Hkv, D], or a quantized pool's
+            ``kv_quant.QuantKVLayer``): picks the paged-attention kernels (:data:`CPP_OPS`).
+        dtype: the model's activation dtype: the elementwise ops' kernel, and for bfloat16
+            :mod:`.cpu_gemv` (SiLU * up, few-row GEMVs).
+
+    Each kernel is built at most once per process; one that does not build leaves its op on the
+    torch path (:func:`resolve_impl`, one logged warning).
+
+    Raises:
+        ValueError: ``SGLITE_KERNEL`` names an unknown implementation (as :func:`resolve_impl`)."""
     for op in CPP_OPS:
         resolve_impl(None, pool_example, op)
     resolve_impl(None, torch.empty(0, dtype=dtype), "rms_norm")

@@ -8,13 +8,15 @@ import nothing of the runtime, so the rule is repeated here) and ``<tag>`` hashe
 flags, the torch version and the CPU's feature flags: a rebuilt source, another torch, or another
 CPU (``-march``-style flags differ) never loads a stale binary, while every later process with the
 same inputs loads the existing one in milliseconds. ``load_inline`` itself locks the directory, so
-two processes building at once do not clash.
+two processes building at once do not clash; :func:`build_owner` adds a ``flock`` beside torch's
+lock, so a lock left by a killed build is cleared at the next start instead of hanging it.
 
 Failure (no compiler, no ninja, a compile error, a read-only cache, ...) logs ONE warning naming
 the kernel and returns None: callers keep their torch path.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -69,16 +71,40 @@ def build_tag(*parts: str) -> str:
     return h.hexdigest()[:12]
 
 
-STALE_LOCK_S = 600.0  # a build lock this old is a killed build's leftover, not a build in progress
+STALE_LOCK_S = 600.0  # without flock (not POSIX): a build lock this old is a killed build's leftover
+
+
+@contextlib.contextmanager
+def build_owner(build_dir: Path):
+    """Hold an exclusive ``flock`` on ``build_dir/owner.lock`` for the duration (blocking while
+    another process builds or loads there); then clear torch's build ``lock`` if one is left.
+
+    torch's ``load_inline`` marks a build with an empty ``lock`` file and waits forever on one left
+    by a build that was killed (a timed-out test, Ctrl-C, a server stopped during start-up), which
+    hangs every later engine start on this machine. The kernel releases a ``flock`` when its holder
+    dies, so a torch lock seen while holding ours has no live builder and is removed at once.
+    Where ``fcntl`` is missing (Windows) the lock is waited for and removed once
+    ``STALE_LOCK_S`` old (:func:`clear_stale_lock`)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        clear_stale_lock(build_dir / "lock")
+        yield
+        return
+    with open(build_dir / "owner.lock", "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            clear_stale_lock(build_dir / "lock", stale_after_s=0.0)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def clear_stale_lock(lock: Path, stale_after_s: float = STALE_LOCK_S, poll_s: float = 0.5) -> bool:
     """Wait while another process holds torch's build ``lock`` (a file it deletes when its build
-    ends); remove the lock once it is ``stale_after_s`` seconds old (mtime), with a warning.
-
-    torch's ``load_inline`` waits forever on a lock left by a build that was killed (a timed-out
-    test, Ctrl-C), which hangs every later engine start on this machine. Returns True when a stale
-    lock was removed."""
+    ends); remove the lock once it is ``stale_after_s`` seconds old (mtime), with a warning
+    (0: at once, for a caller that knows no live process builds there, :func:`build_owner`).
+    Returns True when a stale lock was removed."""
     import time
 
     while True:
@@ -87,7 +113,8 @@ def clear_stale_lock(lock: Path, stale_after_s: float = STALE_LOCK_S, poll_s: fl
         except FileNotFoundError:
             return False
         if age >= stale_after_s:
-            log.warning("removing a stale C++ build lock %s (%.0f s old: a killed build's leftover)", lock, age)
+            log.warning("removing a stale C++ build lock %s (%.0f s old, no live build holds it: a killed "
+                        "build's leftover)", lock, age)
             try:
                 lock.unlink()
             except FileNotFoundError:
@@ -144,13 +171,13 @@ def load_cpp(name: str, source: str, extra_cflags: Sequence[str] = ("-O3",), *,
         full = f"{name}_{build_tag(source, ' '.join(extra_cflags))}"
         build_dir = cache_root() / "torch_extensions" / full
         build_dir.mkdir(parents=True, exist_ok=True)
-        clear_stale_lock(build_dir / "lock")
-        if functions is not None:
-            return load_inline(name=full, cpp_sources=[source], extra_cflags=list(extra_cflags),
-                               build_directory=str(build_dir), verbose=False)
-        load_inline(name=full, cpp_sources=[source], extra_cflags=list(extra_cflags),
-                    build_directory=str(build_dir), is_python_module=False, no_implicit_headers=True,
-                    verbose=False)
+        with build_owner(build_dir):
+            if functions is not None:
+                return load_inline(name=full, cpp_sources=[source], extra_cflags=list(extra_cflags),
+                                   build_directory=str(build_dir), verbose=False)
+            load_inline(name=full, cpp_sources=[source], extra_cflags=list(extra_cflags),
+                        build_directory=str(build_dir), is_python_module=False, no_implicit_headers=True,
+                        verbose=False)
         return getattr(torch.ops, ops_namespace)
     except Exception as e:  # no compiler / ninja, compile error, unwritable cache, unsupported platform
         msg = (str(e).strip().splitlines() or [""])[-1]

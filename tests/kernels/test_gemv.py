@@ -160,6 +160,44 @@ def test_stale_build_lock_is_removed_and_a_live_one_waited_for(tmp_path):
     assert time.monotonic() - t >= 0.25 and not lock.exists()
 
 
+def _hold_build(build_dir, seconds):
+    """A process that builds in ``build_dir``: takes the owner lock, writes torch's ``lock``,
+    prints ``ready``, sleeps ``seconds`` and removes it (unless killed first)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time; from pathlib import Path; from sglite.kernels import cpu_build\n"
+            "d = Path(sys.argv[1])\n"
+            "with cpu_build.build_owner(d):\n"
+            "    (d / 'lock').touch(); print('ready', flush=True); time.sleep(float(sys.argv[2]))\n"
+            "    (d / 'lock').unlink()\n")
+    p = subprocess.Popen([sys.executable, "-c", code, str(build_dir), str(seconds)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+def test_a_killed_builders_lock_is_cleared_at_once_and_a_live_one_waited_for(tmp_path):
+    """torch's build lock left by a SIGKILLed build is removed by the next process at once (the
+    dead holder's flock is gone), not after STALE_LOCK_S; a live builder is waited for."""
+    import time
+
+    p = _hold_build(tmp_path, 60)
+    p.kill()
+    p.wait()
+    assert (tmp_path / "lock").exists()
+    t = time.monotonic()
+    with cpu_build.build_owner(tmp_path):
+        assert not (tmp_path / "lock").exists()
+    assert time.monotonic() - t < 5
+    p = _hold_build(tmp_path, 0.5)
+    t = time.monotonic()
+    with cpu_build.build_owner(tmp_path):
+        waited = time.monotonic() - t
+        assert not (tmp_path / "lock").exists()
+    p.wait()
+    assert waited >= 0.3 and p.returncode == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_reads_row_strided_halves_in_place(dtype):
     """The two halves of a fused gate_up product ([M, 2I] chunked: row stride 2I, unit stride along I)

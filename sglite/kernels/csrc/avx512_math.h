@@ -3,6 +3,8 @@
 #pragma once
 
 namespace sglite_simd {
+constexpr float kLog2e = 1.44269504088896341f, kLn2 = 0.693147180559945309f;  // log2(e), ln(2)
+
 // e^x for x <= 0 (x >= -87 after the clamp): 2^n * p(r), n = round(x log2 e), r = x - n ln2 in
 // two steps (Cody-Waite), p the degree-DEG Taylor polynomial (|r| <= ln2/2; relative error ~2e-7
 // at the default 6, < 5e-5 at 4: enough for weights then rounded to bf16).

@@ -172,7 +172,9 @@ void pv_dot(const uint32_t* pp, int Rp, int R, const uint32_t* vp, int Dp, int k
 // causal mask past each row's position (rows see keys <= qpos; first_q / last_q: the smallest and
 // largest) and, window > 0, before its window; scores scaled by `scale`, soft-capped when
 // softcap > 0. Leaves the unnormalised outputs in w.acc, the running max in w.m and sum in w.l
-// (natural-log units). False on a slot outside [0, S).
+// (natural-log units). False on a slot outside [0, S). The tiles work in log2 units (log2 e folded
+// into the scale and the cap, weights by exp2_deg3, as on the AMX tiles); w.m goes back to natural
+// units at the end.
 bool walk_dot(const uint16_t* kh, int64_t ks0, const uint16_t* vh, int64_t vs0, const int32_t* slots, int64_t S,
               int D, int Dp, int R, int Rp, int64_t kfirst, int64_t kend, int64_t first_q, int64_t last_q,
               int64_t wnd, float scale, float softcap, DotWork& w) {
@@ -191,18 +193,19 @@ bool walk_dot(const uint16_t* kh, int64_t ks0, const uint16_t* vh, int64_t vs0, 
       kr[t] = kh + ts[t] * ks0;
     }
     for (int t = kn; t < ((kn + 3) & ~3); ++t) kr[t] = zero_row;
-    scores_dot(kr, w.qp.data(), Rp, kn, D / 2, scale, w.s.data());
-    if (softcap > 0.f) {  // logit soft-capping on the scaled scores (Gemma 2)
-      const float inv_cap = 1.f / softcap;
+    scores_dot(kr, w.qp.data(), Rp, kn, D / 2, scale * sglite_simd::kLog2e, w.s.data());
+    if (softcap > 0.f) {  // logit soft-capping on the scaled scores (Gemma 2): cap tanh(s / cap), in log2 units
+      const float cap = softcap * sglite_simd::kLog2e, inv_cap = 1.f / cap;
       float* s = w.s.data();
-      for (size_t i = 0; i < (size_t)kn * Rp; ++i) s[i] = softcap * std::tanh(s[i] * inv_cap);
+      for (size_t i = 0; i < (size_t)kn * Rp; ++i) s[i] = cap * std::tanh(s[i] * inv_cap);
     }
     const bool full = t0 + kn - 1 <= first_q && (wnd <= 0 || t0 > last_q - wnd);
-    softmax_tile_into(w.s.data(), Rp, kn, t0, full, wnd, w.qpos.data(), w.m.data(), w.l.data(), w.alpha.data());
+    softmax_tile_into<true>(w.s.data(), Rp, kn, t0, full, wnd, w.qpos.data(), w.m.data(), w.l.data(), w.alpha.data());
     pack_weights(w.s.data(), Rp, kn, w.pp.data());
     if (!pack_values(vh, vs0, ts, S, kn, D, Dp, w.vp.data())) return false;
     pv_dot(w.pp.data(), Rp, R, w.vp.data(), Dp, kn, w.alpha.data(), w.acc.data());
   }
+  for (int r = 0; r < Rp; ++r) w.m[r] *= sglite_simd::kLn2;
   return true;
 }
 #endif

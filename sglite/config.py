@@ -56,6 +56,9 @@ class EngineConfig:
             ``text``/``input_ids`` list times each prompt's samples); checked before tokenizing.
         max_stop_strings: most ``stop`` strings, and most ``stop_regex`` patterns, per request.
         max_stop_string_length: longest ``stop`` string or ``stop_regex`` pattern, in characters.
+        stop_regex_timeout: seconds of stop-regex matching one request may spend over its life
+            (the ``regex`` module's timeout, the GIL released); past it the request ends with
+            finish_reason abort naming this budget (a pattern that backtracks catastrophically).
         request_prep_timeout: seconds a request may spend being prepared (tokenizing, chat template,
             grammar and stop-regex compilation, on a worker pool, never on the event loop) before
             it is refused with a 400 naming the slow field and this budget.
@@ -230,6 +233,7 @@ class EngineConfig:
     max_stop_strings: int = 64
     max_stop_string_length: int = 256
     request_prep_timeout: float = 20.0
+    stop_regex_timeout: float = 1.0
     max_prefill_tokens: int = 8192
     chunked_prefill_size: Optional[int] = 512
     decode_steps_per_chunk: int = 2
@@ -293,7 +297,7 @@ class EngineConfig:
         if self.max_running_requests < 1:
             bad("max_running_requests", f"must be >= 1, got {self.max_running_requests}")
         for name in ("max_queued_requests", "max_sequences_per_request", "max_stop_strings",
-                     "max_stop_string_length", "request_prep_timeout"):
+                     "max_stop_string_length", "request_prep_timeout", "stop_regex_timeout"):
             if not getattr(self, name) > 0:
                 bad(name, f"must be > 0, got {getattr(self, name)}")
         if self.max_prefill_tokens < 1:

@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import regex as _regex  # the stop regexes' module (runtime/detokenizer.py); `regex` is a field here
+
 from .errors import InvalidRequestError
 
 _CONSTRAINT_KEYS = ("regex", "json_schema", "ebnf", "lark", "structural_tag")
@@ -120,9 +122,9 @@ class SamplingParams:
         for s in self.stop_regex or []:
             if not isinstance(s, str) or s == "":
                 bad("stop_regex", f"entries must be non-empty strings, got {s!r}")
-            try:
-                re.compile(s)
-            except (re.error, RecursionError, OverflowError) as e:
+            try:  # the module the detokenizer searches with (runtime/detokenizer.py)
+                _regex.compile(s)
+            except (_regex.error, RecursionError, OverflowError) as e:
                 bad("stop_regex", f"invalid regex {s!r}: {e}")
         for t in self.stop_token_ids or []:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size and t >= vocab_size):

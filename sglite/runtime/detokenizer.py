@@ -6,16 +6,27 @@ SGLang's detokenizer manager: each step decodes only a short window of recent to
 ends in U+FFFD (a byte-level token that stops mid-character), which is held back until the
 character completes. Stop strings may span tokens, so a tail that could still become a stop
 string (or a stop-regex match) is held back and released once it no longer can.
+
+Stop regexes are searched with the ``regex`` module, which takes a timeout and releases the GIL
+while it matches (``concurrent=True``): Python's ``re`` backtracks in C holding the GIL, so one
+pattern such as ``([\s\S]*){1,6}Q`` froze the engine and the event loop for minutes. A request's
+stop-regex work (searches and hold-back walks) shares one budget, ``stop_regex_timeout`` seconds
+over its life; past it the request ends with ``finish_reason`` abort naming the budget
+(:attr:`IncrementalDetokenizer.error`).
 """
 from __future__ import annotations
 
-import re
+import time
 from typing import Sequence
+
+import regex
 
 from ..constrained.regex_prefix import RegexPrefix
 from ..errors import GrammarError, InvalidRequestError
 
 _REPLACEMENT = "\ufffd"
+#: default seconds of stop-regex work one request may spend (EngineConfig.stop_regex_timeout)
+STOP_REGEX_TIMEOUT_S = 1.0
 
 
 class IncrementalDetokenizer:
@@ -30,11 +41,15 @@ class IncrementalDetokenizer:
             regexes it cannot parse (lookarounds, anchors) are matched only
             within the not-yet-released tail.
         no_stop_trim: keep the matched stop text in the output.
+        stop_regex_timeout: seconds of stop-regex work (searches and hold-back) the request may
+            spend in all (``EngineConfig.stop_regex_timeout``).
 
     Attributes:
         text: all text released so far (the concatenation of every delta; see :meth:`take`).
         finished: a stop matched or :meth:`flush` ran; later pushes are ignored.
         matched_stop: the stop string (or the regex's matched text) that ended output, else None.
+        error: why the stop regexes were given up (their time budget spent; the request should end
+            with finish_reason abort and this message), else None.
 
     Raises:
         InvalidRequestError: a ``stop_regex`` does not compile or matches the empty string
@@ -43,7 +58,8 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer, *, skip_special_tokens: bool = True,
                  spaces_between_special_tokens: bool = True, stop: str | Sequence[str] = (),
-                 stop_regex: str | Sequence[str] = (), no_stop_trim: bool = False):
+                 stop_regex: str | Sequence[str] = (), no_stop_trim: bool = False,
+                 stop_regex_timeout: float = STOP_REGEX_TIMEOUT_S):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
@@ -52,11 +68,11 @@ class IncrementalDetokenizer:
         self.stop_regex = []
         for pattern in patterns:
             try:
-                self.stop_regex.append(re.compile(pattern))
-            except re.error as exc:
+                self.stop_regex.append(regex.compile(pattern))
+            except (regex.error, RecursionError, OverflowError) as exc:
                 raise InvalidRequestError(f"stop_regex: cannot compile {pattern!r}: {exc}",
                                           field="stop_regex") from exc
-            if self.stop_regex[-1].fullmatch("") is not None:
+            if self.stop_regex[-1].fullmatch("", timeout=stop_regex_timeout) is not None:
                 raise InvalidRequestError(f"stop_regex: {pattern!r} matches the empty string",
                                           field="stop_regex")
         self._regex_prefix = []
@@ -66,6 +82,9 @@ class IncrementalDetokenizer:
             except GrammarError as exc:
                 raise InvalidRequestError(f"stop_regex: {pattern!r}: {exc}", field="stop_regex") from None
         self.no_stop_trim = no_stop_trim
+        self.stop_regex_timeout = stop_regex_timeout
+        self._regex_left = stop_regex_timeout  # seconds of stop-regex work left to this request
+        self.error: str | None = None
         self.token_ids: list[int] = []
         self.text = ""
         self.finished = False
@@ -124,7 +143,14 @@ class IncrementalDetokenizer:
 
     def _release(self, chunk: str, final: bool) -> tuple[str, str | None]:
         pending = self._pending + chunk
-        found = self._find_stop(pending)
+        try:
+            found = self._find_stop(pending)
+            hold = 0 if final or found is not None else self._holdback(pending)
+        except _BudgetSpent:
+            self.error = (f"stop_regex: matching took longer than stop_regex_timeout={self.stop_regex_timeout:g} s "
+                          "(--stop-regex-timeout); a pattern that backtracks catastrophically ends its request")
+            found, hold = None, 0
+            self.finished = True
         if found is not None:
             start, end, matched = found
             delta = pending[: end if self.no_stop_trim else start]
@@ -133,7 +159,6 @@ class IncrementalDetokenizer:
             self.finished = True
             self.matched_stop = matched
             return delta, matched
-        hold = 0 if final else self._holdback(pending)
         delta, self._pending = pending[: len(pending) - hold], pending[len(pending) - hold:]
         self.text += delta
         return delta, None
@@ -145,8 +170,14 @@ class IncrementalDetokenizer:
             i = text.find(s)
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, i + len(s), s)
-        for regex in self.stop_regex:
-            m = regex.search(text)
+        for rx in self.stop_regex:
+            t0 = time.perf_counter()
+            try:  # the GIL released while it matches; TimeoutError past the request's budget left
+                m = rx.search(text, concurrent=True, timeout=max(self._regex_left, 1e-6))
+            except TimeoutError:
+                raise _BudgetSpent from None
+            finally:
+                self._regex_left -= time.perf_counter() - t0
             if m is not None and (best is None or m.start() < best[0]):
                 best = (m.start(), m.end(), m.group(0))
         return best
@@ -159,11 +190,20 @@ class IncrementalDetokenizer:
                 if text.endswith(s[:k]):
                     hold = k
                     break
+        t0 = time.perf_counter()
         for checker in self._regex_prefix:
             if not checker.supported:
                 continue
-            for start in range(0, len(text) - hold):
+            for start in range(0, len(text) - hold):  # each walk stops at the DFA's dead state
+                if time.perf_counter() - t0 > self._regex_left:
+                    raise _BudgetSpent
                 if checker.could_start(text[start:]):
                     hold = len(text) - start
                     break
+        if self._regex_prefix:
+            self._regex_left -= time.perf_counter() - t0
         return hold
+
+
+class _BudgetSpent(Exception):
+    """The request's stop-regex time budget is spent."""

@@ -212,7 +212,8 @@ class RequestBuilder:
         detok = IncrementalDetokenizer(
             self.tokenizer, skip_special_tokens=sp.skip_special_tokens,
             spaces_between_special_tokens=sp.spaces_between_special_tokens, stop=sp.stop or (),
-            stop_regex=sp.stop_regex or (), no_stop_trim=sp.no_stop_trim)
+            stop_regex=sp.stop_regex or (), no_stop_trim=sp.no_stop_trim,
+            stop_regex_timeout=self.config.stop_regex_timeout)
         return Req(rid=rid, input_ids=ids, params=sp, sink=sink, seed=seed,
                    grammar=grammar.matcher() if grammar is not None else None, detok=detok, **kw)
 

@@ -80,6 +80,8 @@ class OutputProcessor:
         _, matched = r.detok.push([tok])
         if matched is not None:
             return FinishReason("stop", matched=matched)
+        if r.detok.error is not None:  # the stop regexes' time budget is spent
+            return FinishReason("abort", message=r.detok.error)
         if r.grammar is not None and r.grammar.is_terminated():
             r.detok.flush()
             return FinishReason("stop", matched=None)

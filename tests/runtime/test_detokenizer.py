@@ -162,6 +162,64 @@ def test_bad_stop_regex():
         IncrementalDetokenizer(None, stop_regex=["x*"])
 
 
+def test_catastrophic_stop_regex_ends_the_request_within_its_budget(real_tokenizer):
+    """``(?:.*?,){11}P`` on 'a,a,...' without a P backtracks for minutes (``re`` did so holding
+    the GIL); here the search times out at the request's budget: finished, the text released, an
+    error naming stop_regex_timeout, and another thread ran meanwhile."""
+    import threading
+    import time
+
+    tok = real_tokenizer
+    detok = IncrementalDetokenizer(tok, stop_regex=[r"(?:.*?,){11}P"], stop_regex_timeout=0.3)
+    ticks, done = [], threading.Event()
+
+    def other_thread():  # runs while the search runs: the GIL is released
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.01)
+
+    th = threading.Thread(target=other_thread)
+    th.start()
+    t0 = time.perf_counter()
+    text = "a," * 400
+    for i in tok.encode(text):
+        detok.push([i])
+        if detok.finished:
+            break
+    elapsed = time.perf_counter() - t0
+    done.set()
+    th.join()
+    assert detok.finished and detok.matched_stop is None
+    assert detok.error is not None and "stop_regex_timeout=0.3" in detok.error
+    assert elapsed < 3.0
+    assert text.startswith(detok.text) and detok.text
+    assert len([t for t in ticks if t > t0]) >= 5  # the other thread ran during the searches
+    assert detok.push(tok.encode(" x")) == ("", None)  # finished: later tokens are ignored
+
+
+def test_hold_back_walks_share_the_budget(real_tokenizer):
+    """A hold-back that would walk the lazy DFA from every start of a long held tail (``(a|b)*c``
+    over 'abab...' then 'd': quadratic in the tail) stops at the budget instead."""
+    import time
+
+    tok = real_tokenizer
+    detok = IncrementalDetokenizer(tok, stop_regex=[r"(a|b)*c"], stop_regex_timeout=0.2)
+    detok.push(tok.encode("ab" * 4000))
+    assert detok.text == "" and not detok.finished  # the whole tail could still become a match
+    t0 = time.perf_counter()
+    detok.push(tok.encode("d"))
+    assert time.perf_counter() - t0 < 3.0
+    assert detok.finished and "stop_regex_timeout" in detok.error
+
+
+def test_stop_regex_budget_is_not_spent_by_ordinary_patterns(real_tokenizer):
+    tok = real_tokenizer
+    detok = IncrementalDetokenizer(tok, stop_regex=[r"Answer: \d+\."], stop_regex_timeout=0.5)
+    for i in tok.encode("Thinking step by step. " * 40 + "Answer: 17."):
+        detok.push([i])
+    assert detok.error is None and detok.matched_stop == "Answer: 17."
+
+
 def test_random_streams_with_stops_are_prefixes_of_full_decode(real_tokenizer):
     rng = random.Random(7)
     for _ in range(30):

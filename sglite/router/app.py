@@ -44,7 +44,7 @@ from pydantic import BaseModel, ValidationError
 from ..server.engine_client import ClientDisconnected, until_disconnect
 from ..server.errors import ApiError, validation_message, error_body, error_response, install_error_handlers
 from ..server.middleware import (ApiKeyMiddleware, BodyLimitMiddleware, ClientErrorLogMiddleware,
-                                 InternalErrorMiddleware, Keys)
+                                 CrossSiteMiddleware, InternalErrorMiddleware, Keys)
 from ..server.protocol import AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest
 from ..server.runner import UvicornThread, bind_listener
 from ..server.sse import DONE
@@ -422,6 +422,7 @@ def create_router_app(config: RouterConfig) -> FastAPI:
 
     # outermost last: 500s with an error id, the 4xx log, keys, the body cap (as the server's app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
+    app.add_middleware(CrossSiteMiddleware)
     if config.api_key or config.admin_api_key:
         app.add_middleware(ApiKeyMiddleware, keys=keys)
     app.add_middleware(ClientErrorLogMiddleware)

@@ -145,7 +145,8 @@ class ProfileSession:
     Args:
         output_dir: where the files go (see :func:`profiler_dir`); created if missing.
         num_steps: stop by itself after this many steps (None: at :meth:`stop`); must be >= 1.
-        activities: subset of ``("CPU", "GPU")`` (default: CPU, plus GPU when CUDA is available).
+        activities: a non-empty subset of ``("CPU", "GPU")``, GPU only where CUDA is available
+            (default: CPU, plus GPU when CUDA is available).
         record_shapes, with_stack: torch.profiler options (shapes per op; Python stacks).
         prefix: file name prefix.
     Raises:
@@ -156,10 +157,18 @@ class ProfileSession:
                  activities=None, record_shapes: bool = False, with_stack: bool = False, prefix: str = "sglite"):
         if num_steps is not None and (not isinstance(num_steps, int) or num_steps < 1):
             raise InvalidRequestError(f"num_steps: must be an integer >= 1, got {num_steps!r}", field="num_steps")
-        acts = list(activities) if activities else (["CPU", "GPU"] if torch.cuda.is_available() else ["CPU"])
+        here = ["CPU", "GPU"] if torch.cuda.is_available() else ["CPU"]
+        acts = list(activities) if activities is not None else here
+        if not acts:
+            raise InvalidRequestError(f"activities: must name at least one of {here} (or be left out)",
+                                      field="activities")
         bad = [x for x in acts if x not in ACTIVITIES]
         if bad:
             raise InvalidRequestError(f"activities: choose from {list(ACTIVITIES)}, got {bad}", field="activities")
+        absent = [x for x in acts if x not in here]
+        if absent:
+            raise InvalidRequestError(f"activities: {', '.join(absent)} is not available on this machine; "
+                                      f"available: {', '.join(here)}", field="activities")
         self.output_dir = profiler_dir(output_dir)
         self.num_steps = num_steps
         self.steps = 0

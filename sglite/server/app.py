@@ -16,8 +16,8 @@ from ..config import EngineConfig
 from .engine_client import EngineClient
 from .errors import install_error_handlers
 from .metrics import ServerMetrics
-from .middleware import (ApiKeyMiddleware, BodyLimitMiddleware, ClientErrorLogMiddleware, HttpMetricsMiddleware,
-                         InternalErrorMiddleware, Keys)
+from .middleware import (ApiKeyMiddleware, BodyLimitMiddleware, ClientErrorLogMiddleware, CrossSiteMiddleware,
+                         HttpMetricsMiddleware, InternalErrorMiddleware, Keys)
 from .native_api import build_native_router, public_server_info
 from .openai_api import build_openai_router
 from .openai_common import OpenAIContext
@@ -74,7 +74,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
 
     Middleware, outermost first: 500 on unexpected errors, HTTP metrics, the 4xx log (one info
     line per client error: method, path, status, field, message), API key (when
-    ``config.api_key`` or ``config.admin_api_key``), body cap. ``/metrics`` only with ``config.enable_metrics``; request
+    ``config.api_key`` or ``config.admin_api_key``), cross-site refusal on the operator routes, body cap. ``/metrics`` only with ``config.enable_metrics``; request
     summaries logged with ``config.log_requests``.
     """
     config = config or ServerConfig()
@@ -119,6 +119,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         from .disaggregation import disaggregation_routes
         app.include_router(disaggregation_routes(engine, ecfg, config.host))
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
+    app.add_middleware(CrossSiteMiddleware)
     if config.api_key or config.admin_api_key:
         app.add_middleware(ApiKeyMiddleware, keys=keys)
     app.add_middleware(ClientErrorLogMiddleware)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
@@ -78,7 +79,7 @@ def from_value_error(exc: ValueError, rename: Optional[dict] = None, prefix: str
     msg = str(exc) or exc.__class__.__name__
     if field and rename and field in rename:
         api = rename[field]
-        msg = msg.replace(f"sampling_params.{field}", api).replace(field, api)
+        msg = re.sub(rf"\b{re.escape(field)}\b", api, msg.replace(f"sampling_params.{field}", api))
         field = api
     elif field:
         if top_level:  # an OpenAI route: its sampling fields are top-level (``n``, not ``sampling_params.n``)

@@ -102,6 +102,44 @@ class ApiKeyMiddleware:
         return await self.app(scope, receive, send)
 
 
+#: state-changing routes a browser could reach with a body-less "simple" cross-site POST
+OPERATOR_POSTS = ADMIN_PATHS | {"/abort_request"}
+
+
+def _guarded(path: str) -> bool:
+    return path in OPERATOR_POSTS or (path.startswith("/v1/responses/") and path.endswith("/cancel"))
+
+
+class CrossSiteMiddleware:
+    """Refuse cross-site requests to the body-less state-changing POST routes (:data:`OPERATOR_POSTS`
+    and ``/v1/responses/{id}/cancel``), which a web page could otherwise send as a "simple" request
+    without a CORS preflight: a ``Content-Type`` other than JSON is a 415 naming ``content-type``;
+    an ``Origin`` other than the server's own host (``Host``) is a 403 naming ``origin``. curl and
+    SGLang's clients send JSON or no body, and no ``Origin``."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") != "POST" or not _guarded(scope.get("path", "")):
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        ctype = headers.get(b"content-type")
+        if ctype is not None:
+            mime = ctype.split(b";")[0].strip().lower()
+            if mime != b"application/json" and not mime.endswith(b"+json"):
+                return await _send_error(send, 415, "content-type: this route takes application/json or no body, "
+                                         f"got {mime.decode('latin-1')!r}", "content-type")
+        origin = headers.get(b"origin")
+        if origin is not None:
+            host = origin.partition(b"://")[2].rstrip(b"/").lower()
+            if not host or host != headers.get(b"host", b"").lower():
+                return await _send_error(send, 403, f"origin: cross-site request from {origin.decode('latin-1')!r} "
+                                         "refused (an operator route takes requests from the server's own "
+                                         "origin or none)", "origin")
+        return await self.app(scope, receive, send)
+
+
 class BodyLimitMiddleware:
     """Answer 413 when a request body exceeds ``max_bytes``.
 

@@ -153,11 +153,13 @@ def build_native_router(client: EngineClient, metrics, server_info: dict, enable
                            param="separate_reasoning")
         split = _reasoning_splitter(reasoning_parser) if req.separate_reasoning else (lambda out: out)
         call, many = build_call(req, client)
+        # the engine names the prompt "prompt": this route's field is text or input_ids
+        rename = {**_grammar_rename(call), "prompt": "input_ids" if req.input_ids is not None else "text"}
         if req.stream:
             try:
                 stream = await client.open(call)  # cumulative events, as SGLang streams them
             except ValueError as e:
-                raise from_value_error(e, _grammar_rename(call), prefix="sampling_params.") from e
+                raise from_value_error(e, rename, prefix="sampling_params.") from e
 
             async def events():
                 async for i, chunk in stream:
@@ -169,7 +171,7 @@ def build_native_router(client: EngineClient, metrics, server_info: dict, enable
         try:
             outs = await until_disconnect(request.receive, client.run(call))
         except ValueError as e:
-            raise from_value_error(e, _grammar_rename(call), prefix="sampling_params.") from e
+            raise from_value_error(e, rename, prefix="sampling_params.") from e
         outs = [split(o) for o in jsonable(outs)]
         return JSONResponse(outs if many else outs[0])
 

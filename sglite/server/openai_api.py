@@ -80,7 +80,7 @@ def _prepare(ctx: OpenAIContext, req: CompletionRequest) -> tuple[GenCall, list[
     # echo + logprobs: the prompt tokens' logprobs too (how evaluation harnesses score text)
     call = make_call(prompts, sp, req.n, req.rid or uuid.uuid4().hex, k, prompt_logprobs=req.echo)
     call.lora_path = adapter
-    return call, _echo_texts(ctx, req, prompts), k, rename
+    return call, _echo_texts(ctx, req, prompts), k, {**rename, "text": "prompt"}  # the engine says text
 
 
 def _completion_choice(i: int, out: dict, echo: Optional[str], k: int) -> dict:

@@ -14,7 +14,12 @@
   (:mod:`sglite.server.responses_background`).
 * ``include: ["message.output_text.logprobs"]`` / ``top_logprobs``: the message text's logprob
   entries on its ``output_text`` part (and on each streamed ``output_text.delta``).
-* ``previous_response_id``: the stored conversation comes before the new input; an id that is not
+* Stopped early: by ``max_output_tokens`` the response is ``incomplete`` with
+  ``incomplete_details.reason`` ``"max_output_tokens"``; by ``/abort_request`` (or a shutdown)
+  ``incomplete`` with reason ``"aborted"`` (streamed, the last event is ``response.incomplete``),
+  or ``cancelled`` for a background response; the message item is ``incomplete`` either way.
+* ``previous_response_id``: the stored conversation comes before the new input (an incomplete or
+  cancelled response continues from the output it stored: none when cancelled before its output); an id that is not
   stored is a 400 naming the field (``code: "previous_response_not_found"``). While a response is
   stored, its prompt + output stay pinned in the radix cache (``--responses-pin-tokens``), so the
   follow-up prefills only its new input.
@@ -79,8 +84,17 @@ def _logprobs(ctx: OpenAIContext, prep: PreparedCall, meta: dict) -> list[dict]:
     return chat_logprobs(meta, 0, None, tb)["content"]
 
 
-def _status(fr: Optional[str]) -> str:
-    return "incomplete" if fr == "length" else "completed"
+#: ``incomplete_details.reason`` of an output the engine stopped early (OpenAI's own reasons are
+#: ``max_output_tokens`` and ``content_filter``; ``aborted``: ``/abort_request`` or a shutdown)
+REASONS = {"length": "max_output_tokens", "abort": "aborted"}
+
+
+def _status(fr: Optional[str], background: bool = False) -> tuple[str, Optional[str]]:
+    """``(status, incomplete reason)`` of an output that ended with ``fr``: ``incomplete`` when the
+    token limit or an abort ended it; an aborted ``background`` response is ``cancelled``."""
+    if fr == "abort" and background:
+        return "cancelled", None
+    return ("incomplete", REASONS[fr]) if fr in REASONS else ("completed", None)
 
 
 async def _events(ctx: OpenAIContext, store: ResponseStore, turn: Turn, stream, prep: PreparedCall,
@@ -101,9 +115,10 @@ async def _events(ctx: OpenAIContext, store: ResponseStore, turn: Turn, stream, 
         for d in deltas:
             for ev in w.call(d):
                 yield ev
-    for ev in w.end(_status(fr)):
+    status, reason = _status(fr)
+    for ev in w.end(status):
         yield ev
-    response = response_object(turn, ctx.model_name, w.items, _status(fr), usage(meta))
+    response = response_object(turn, ctx.model_name, w.items, status, usage(meta), reason)
     full = "".join(text)
     remember_output(ctx, prep, full, ids, parse_output(full, fr, prep.plan))
     _keep(store, turn, response, pins, prep, ids, full)
@@ -115,11 +130,11 @@ def _complete(ctx: OpenAIContext, store: ResponseStore, turn: Turn, prep: Prepar
     """The response of a finished (non-streamed) output, stored when asked."""
     meta = out["meta_info"]
     fr, _ = finish_info(meta)
-    status = _status(fr)
+    status, reason = _status(fr, bool(turn.req.background))
     parsed = parse_output(out["text"], fr, prep.plan)
     remember_output(ctx, prep, out["text"], out.get("output_ids"), parsed)
-    items = output_items(parsed, status == "incomplete", _logprobs(ctx, prep, meta) if prep.logprobs >= 0 else None)
-    response = response_object(turn, ctx.model_name, items, status, usage(meta))
+    items = output_items(parsed, status != "completed", _logprobs(ctx, prep, meta) if prep.logprobs >= 0 else None)
+    response = response_object(turn, ctx.model_name, items, status, usage(meta), reason)
     _keep(store, turn, response, pins, prep, out.get("output_ids"), out["text"])
     return response
 

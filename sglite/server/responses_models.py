@@ -131,7 +131,9 @@ class ResponseUsage(_Base):
 
 
 class IncompleteDetails(_Base):
-    reason: Literal["max_output_tokens", "content_filter"]
+    """Why a response is ``incomplete``: OpenAI's reasons, and ``aborted`` (``/abort_request``)."""
+
+    reason: Literal["max_output_tokens", "content_filter", "aborted"]
 
 
 class ResponseObject(_Base):

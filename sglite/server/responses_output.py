@@ -6,7 +6,7 @@ model's thinking when a reasoning parser split it off, a ``message`` (one ``outp
 per tool call (``call_id`` is the call's id; the arguments text as generated). A call whose
 arguments were cut by ``max_output_tokens`` (not valid JSON) has status ``incomplete``; the
 response is ``incomplete`` with ``incomplete_details.reason == "max_output_tokens"`` whenever the
-limit ended the output. An output with neither text nor calls is one empty message.
+limit ended the output (``"aborted"`` when an abort did). An output with neither text nor calls is one empty message.
 
 Streamed, the events are (each with ``sequence_number`` counting from 0): ``response.created``,
 ``response.in_progress``; per message ``response.output_item.added``,
@@ -108,13 +108,15 @@ def usage(meta: Optional[dict]) -> Optional[dict]:
             "output_tokens": c, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": p + c}
 
 
-def response_object(turn: Turn, model: str, items: list[dict], status: str, use: Optional[dict]) -> dict:
-    """The response (``object: "response"``) of ``turn`` in its current state."""
+def response_object(turn: Turn, model: str, items: list[dict], status: str, use: Optional[dict],
+                    reason: Optional[str] = None) -> dict:
+    """The response (``object: "response"``) of ``turn`` in its current state; ``reason``: the
+    ``incomplete_details.reason`` of an ``incomplete`` one (default ``max_output_tokens``)."""
     req = turn.req
     fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format else None
     return {"id": turn.id, "object": "response", "created_at": turn.created_at, "status": status,
             "completed_at": now() if status in ("completed", "incomplete") else None, "error": None,
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "incomplete_details": {"reason": reason or "max_output_tokens"} if status == "incomplete" else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": model,
             "output": items, "parallel_tool_calls": req.parallel_tool_calls,
             "previous_response_id": req.previous_response_id, "temperature": req.temperature, "top_p": req.top_p,

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StrictInt
 
 from .errors import ApiError
 from .openai_params import check_model, chat_messages
@@ -55,7 +55,7 @@ class DetokenizeRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     model: Optional[str] = None
-    tokens: list[int]
+    tokens: list[StrictInt]  # a boolean is not a token id
 
 
 class DetokenizeResponse(BaseModel):

@@ -218,6 +218,16 @@ def test_abort_request_is_forwarded_and_abort_all_needs_the_admin_key():
         assert httpx.post(r.url + "/flush_cache", headers={"Authorization": "Bearer user"}).status_code == 401
 
 
+def test_the_routers_flush_cache_refuses_cross_site_requests():
+    """Without an admin key, a web page's text/plain or foreign-Origin POST reached /flush_cache."""
+    with Worker(scripted_worker()) as w, router(w.url) as r:
+        resp = httpx.post(r.url + "/flush_cache", headers={"Content-Type": "text/plain"}, timeout=10)
+        assert resp.status_code == 415 and resp.json()["error"]["param"] == "content-type"
+        resp = httpx.post(r.url + "/flush_cache", headers={"Origin": "http://evil.example"}, timeout=10)
+        assert resp.status_code == 403 and resp.json()["error"]["param"] == "origin"
+        assert httpx.post(r.url + "/flush_cache", timeout=10).status_code not in (403, 415)
+
+
 @pytest.mark.parametrize("path", ["/generate", "/v1/chat/completions"])
 def test_a_worker_dying_mid_stream_ends_the_stream_with_an_error_event(path):
     dying, other = scripted_worker("d", die_after_frames=1), scripted_worker("o")

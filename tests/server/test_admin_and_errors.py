@@ -109,3 +109,29 @@ def test_full_queue_is_503_with_retry_after(route, body):
         assert r.status_code == 503 and r.headers["retry-after"] == "2"
         assert "max_queued_requests=4" in r.json()["error"]["message"]
         assert c.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/flush_cache", "/start_profile", "/stop_profile", "/abort_request",
+                                  "/v1/responses/resp_x/cancel"])
+def test_operator_posts_refuse_cross_site_requests(path):
+    """With no admin key a web page could send these as body-less "simple" POSTs (text/plain, or no
+    body with an Origin): a non-JSON Content-Type is a 415 naming content-type, a foreign Origin a
+    403 naming origin. Before, /flush_cache answered 200 to both."""
+    with TestClient(create_app(FakeEngine(), ServerConfig())) as c:
+        r = c.post(path, headers={"Content-Type": "text/plain"})
+        assert r.status_code == 415 and r.json()["error"]["param"] == "content-type"
+        r = c.post(path, headers={"Origin": "http://evil.example"})
+        assert r.status_code == 403 and r.json()["error"]["param"] == "origin"
+        r = c.post(path, headers={"Origin": "null"})
+        assert r.status_code == 403
+
+
+def test_operator_posts_still_take_curl_and_same_origin_requests():
+    with TestClient(create_app(FakeEngine(), ServerConfig())) as c:
+        assert c.post("/flush_cache").status_code == 200  # curl -XPOST: no body, no Content-Type
+        assert c.post("/flush_cache", json={}).status_code == 200
+        assert c.post("/flush_cache", headers={"Content-Type": "application/json; charset=utf-8"}).status_code == 200
+        assert c.post("/flush_cache", headers={"Origin": "http://testserver"}).status_code == 200
+        assert c.post("/abort_request", json={"rid": "abc"}).status_code == 200
+        # the generation routes are unaffected (a non-JSON body there is already a 400 naming body)
+        assert c.post("/generate", content='{"text": "hi"}', headers={"Content-Type": "text/plain"}).status_code == 400

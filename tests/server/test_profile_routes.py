@@ -82,3 +82,21 @@ def test_bad_options_name_the_field(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "num_steps"
     r = httpx.post(server.url + "/start_profile", headers=ADMIN, json={"activities": ["TPU"]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "activities"
+
+
+def test_unavailable_or_empty_activities_are_400_naming_the_field(server):
+    """``GPU`` on a machine without CUDA was a 500 (torch's "No activities specified"); an empty
+    list silently meant the default. Both are 400s naming ``activities``, and nothing is left running."""
+    import torch
+
+    r = httpx.post(server.url + "/start_profile", headers=ADMIN, json={"activities": []})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "activities"
+    if not torch.cuda.is_available():
+        r = httpx.post(server.url + "/start_profile", headers=ADMIN, json={"activities": ["GPU"]})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "activities" and "GPU is not available" in err["message"]
+        assert "available: CPU" in err["message"]
+    r = httpx.post(server.url + "/stop_profile", headers=ADMIN)
+    assert r.status_code == 400  # no profile was left running

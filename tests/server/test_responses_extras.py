@@ -3,6 +3,7 @@
 the store)."""
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -114,3 +115,51 @@ def test_background_cancel_and_eviction_abort_the_engine_request(srv, client):
     r = httpx.post(f"{srv.url}/v1/responses/{fg.id}/cancel", timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_id"
     assert httpx.post(f"{srv.url}/v1/responses/resp_nope/cancel", timeout=30).status_code == 404
+
+
+def _abort_soon(srv, rid, **body):
+    """POST /v1/responses with ``rid`` while /abort_request stops it once it runs; the answer."""
+    import threading
+
+    def abort():
+        time.sleep(0.3)  # the request is running by then (200 tokens at 20 ms a step)
+        httpx.post(srv.url + "/abort_request", json={"rid": rid}, timeout=30)
+    t = threading.Thread(target=abort)
+    t.start()
+    try:
+        return httpx.post(srv.url + "/v1/responses", timeout=30,
+                          json={"model": "fake-model", "input": "story", "max_output_tokens": 200, "rid": rid, **body})
+    finally:
+        t.join()
+
+
+def test_an_aborted_response_is_incomplete_and_a_background_one_cancelled(srv, client):
+    """An abort was reported as ``completed`` (only ``length`` made a response incomplete)."""
+    srv.engine.step_delay = 0.02
+    try:
+        r = _abort_soon(srv, "nb1").json()
+        assert r["status"] == "incomplete" and r["incomplete_details"] == {"reason": "aborted"}
+        assert r["output"][-1]["type"] == "message" and r["output"][-1]["status"] == "incomplete"
+        assert r["completed_at"] is not None
+        # a follow-up on the aborted response continues from its stored (partial) output
+        follow = client.responses.create(model="fake-model", input="go on", max_output_tokens=2,
+                                         previous_response_id=r["id"])
+        assert follow.status in ("completed", "incomplete") and follow.previous_response_id == r["id"]
+        # streamed: the last event is response.incomplete, the message item closed incomplete
+        r = _abort_soon(srv, "nb2", stream=True)
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        assert events[-1]["type"] == "response.incomplete"
+        assert events[-1]["response"]["incomplete_details"] == {"reason": "aborted"}
+        done = [e for e in events if e["type"] == "response.output_item.done"]
+        assert done[-1]["item"]["status"] == "incomplete"
+        # background, stopped by /abort_request: cancelled (as by POST .../cancel), its partial output kept
+        bg = client.responses.create(model="fake-model", input="story", max_output_tokens=200, background=True,
+                                     extra_body={"rid": "nb3"})
+        _poll(client, bg.id, until=("in_progress",))
+        time.sleep(0.15)
+        httpx.post(srv.url + "/abort_request", json={"rid": "nb3"}, timeout=30)
+        got = _poll(client, bg.id)
+        assert got.status == "cancelled" and got.incomplete_details is None
+        assert got.output and got.output[-1].status == "incomplete"
+    finally:
+        srv.engine.step_delay = 0.0

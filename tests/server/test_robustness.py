@@ -215,3 +215,25 @@ def test_rid_lists_are_tracked_per_prompt():
     assert r.status_code == 400 and "rid" in r.text
     info = engine.get_server_info()
     assert info["available_tokens"] == info["max_total_tokens"]
+
+
+def test_4xx_name_the_field_the_route_was_sent():
+    """The engine's field names leaked: /v1/completions said text (it has prompt), /generate said
+    prompt (it has text / input_ids); /detokenize took true as id 1."""
+    from fastapi.testclient import TestClient
+
+    from sglite.server.app import create_app
+    from sglite.server.settings import ServerConfig
+    from sglite.server.testing import FakeEngine
+
+    with TestClient(create_app(FakeEngine(context_length=64), ServerConfig())) as c:
+        r = c.post("/v1/completions", json={"model": "fake-model", "prompt": "", "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert r.json()["error"]["message"].startswith("prompt:")
+        r = c.post("/generate", json={"text": "a " * 300})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "text", r.text
+        assert r.json()["error"]["code"] == "context_length_exceeded"
+        r = c.post("/generate", json={"input_ids": [5] * 300})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input_ids", r.text
+        r = c.post("/detokenize", json={"tokens": [True]})
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("tokens"), r.text

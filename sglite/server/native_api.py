@@ -152,7 +152,8 @@ def build_native_router(client: EngineClient, metrics, server_info: dict, enable
             raise ApiError("separate_reasoning: needs a server started with --reasoning-parser",
                            param="separate_reasoning")
         split = _reasoning_splitter(reasoning_parser) if req.separate_reasoning else (lambda out: out)
-        call, many = build_call(req, client)
+        # off the event loop, within the preparation budget: validating compiles every stop regex
+        call, many = await client.prepare(build_call, req, client, field="sampling_params")
         # the engine names the prompt "prompt": this route's field is text or input_ids
         rename = {**_grammar_rename(call), "prompt": "input_ids" if req.input_ids is not None else "text"}
         if req.stream:

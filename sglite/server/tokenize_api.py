@@ -94,9 +94,13 @@ def tokenize(client, req: TokenizeRequest) -> dict:
         if len(text) > MAX_PROMPT_CHARS:
             raise ApiError(f"prompt: at most {MAX_PROMPT_CHARS} characters, got {len(text)}", param="prompt")
     try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate: not text the tokenizer can take
+        raise ApiError(f"prompt: not valid Unicode text ({e.reason} at character {e.start})", param="prompt") from None
+    try:
         ids = _encode(engine.tokenizer, text, add_special)
-    except Exception as e:  # noqa: BLE001 - e.g. a lone surrogate
-        raise ApiError(f"prompt: cannot be tokenized: {e}", param="prompt") from e
+    except Exception as e:  # noqa: BLE001 - the library's own wording stays in the log
+        raise ApiError("prompt: the tokenizer cannot encode this text", param="prompt") from e
     out = {"count": len(ids), "max_model_len": client.context_length, "tokens": ids}
     if req.return_token_strs:
         conv = getattr(engine.tokenizer, "convert_ids_to_tokens", None)

@@ -86,3 +86,24 @@ def test_engine_builds_async_requests_off_the_event_loop(tiny_model_dir, monkeyp
         assert err.value.field == "regex"
         time.sleep(1.5)  # the abandoned build finishes in the pool and is dropped: nothing runs
         assert e.get_server_info()["running_requests"] == 0 and e.get_server_info()["waiting_requests"] == 0
+
+
+def test_generate_validates_its_sampling_params_on_the_preparation_pool(monkeypatch):
+    """/generate's validation compiles every stop regex of every prompt (a breaker's 480 prompts x
+    64 patterns stalled /health 8 s on the event loop): it runs on the preparation pool."""
+    from sglite.server import native_api
+
+    threads = []
+    real = native_api.build_call
+
+    def spy(*a, **k):
+        threads.append(threading.current_thread().name)
+        return real(*a, **k)
+    monkeypatch.setattr(native_api, "build_call", spy)
+    with ServerThread(FakeEngine(), ServerConfig(port=0)) as srv:
+        r = httpx.post(srv.url + "/generate", json={"text": "hi", "sampling_params": {
+            "max_new_tokens": 2, "stop_regex": ["a+b", "c(d|e)"]}}, timeout=30)
+        assert r.status_code == 200, r.text
+        bad = httpx.post(srv.url + "/generate", json={"text": "hi", "sampling_params": {"stop_regex": ["(x"]}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "sampling_params.stop_regex"
+    assert len(threads) == 2 and all(n.startswith("sglite-http-prep") for n in threads)

@@ -72,3 +72,12 @@ def test_real_tokenizer_round_trip_and_special_tokens(tiny_model_dir):
     chat = tokenize(client, TokenizeRequest(messages=[{"role": "user", "content": "Hi"}]))
     rendered = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert chat["tokens"] == tok.encode(rendered)
+
+
+def test_a_lone_surrogate_is_a_400_in_our_words(url):
+    """Not the tokenizers library's internal text ("TextEncodeInput must be Union[...]")."""
+    r = httpx.post(url + "/tokenize", content=b'{"prompt": "a\\ud800b"}', headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "prompt" and "not valid Unicode text" in err["message"]
+    assert "TextEncodeInput" not in err["message"] and "surrogates not allowed" in err["message"]

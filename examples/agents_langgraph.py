@@ -11,6 +11,13 @@ import warnings
 
 from pydantic import BaseModel
 
+# Each model reply's output is capped through ChatOpenAI(max_tokens=...)
+# (sent as max_completion_tokens).
+# Without a cap the server lets a reply run to the end of the context window (a looping model's
+# /v1/responses reply once decoded ~7,000 tokens); a tool call or the typed answer here takes
+# well under 200 tokens.
+MAX_TOKENS = 1024
+
 
 class Weather(BaseModel):
     city: str
@@ -31,7 +38,7 @@ def main(base_url: str = "http://127.0.0.1:30000/v1", model: str = None) -> Weat
         import openai
 
         model = openai.OpenAI(base_url=base_url, api_key="sglite").models.list().data[0].id
-    llm = ChatOpenAI(model=model, base_url=base_url, api_key="sglite")
+    llm = ChatOpenAI(model=model, base_url=base_url, api_key="sglite", max_tokens=MAX_TOKENS)
     with warnings.catch_warnings():  # LangGraph 1.x: create_react_agent also lives in langchain.agents
         warnings.simplefilter("ignore")
         agent = create_react_agent(llm, [tool(get_weather)], response_format=Weather)

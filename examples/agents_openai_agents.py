@@ -10,6 +10,13 @@ import argparse
 
 from pydantic import BaseModel
 
+# Each model reply's output is capped through the SDK's ModelSettings(max_tokens=...),
+# sent as max_output_tokens on /v1/responses and max_tokens on /v1/chat/completions.
+# Without a cap the server lets a reply run to the end of the context window (a looping model's
+# /v1/responses reply once decoded ~7,000 tokens); a tool call or the typed answer here takes
+# well under 200 tokens.
+MAX_TOKENS = 1024
+
 
 class Weather(BaseModel):
     city: str
@@ -22,8 +29,8 @@ def get_weather(city: str) -> str:
 
 
 def main(base_url: str = "http://127.0.0.1:30000/v1", api: str = "responses", model: str = None) -> Weather:
-    from agents import (Agent, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, function_tool,
-                        set_tracing_disabled)
+    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner,
+                        function_tool, set_tracing_disabled)
     from openai import AsyncOpenAI
 
     set_tracing_disabled(True)  # traces go to OpenAI's servers otherwise
@@ -35,7 +42,8 @@ def main(base_url: str = "http://127.0.0.1:30000/v1", api: str = "responses", mo
     model_cls = OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel
     agent = Agent(name="weather", instructions="Call get_weather, then answer with the city and a short summary.",
                   tools=[function_tool(get_weather)], output_type=Weather,
-                  model=model_cls(model=model, openai_client=client))
+                  model=model_cls(model=model, openai_client=client),
+                  model_settings=ModelSettings(max_tokens=MAX_TOKENS))
     return Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4).final_output
 
 

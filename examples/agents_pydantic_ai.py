@@ -10,6 +10,13 @@ import argparse
 
 from pydantic import BaseModel
 
+# Each model reply's output is capped through pydantic-ai's model setting max_tokens
+# (sent as max_completion_tokens).
+# Without a cap the server lets a reply run to the end of the context window (a looping model's
+# /v1/responses reply once decoded ~7,000 tokens); a tool call or the typed answer here takes
+# well under 200 tokens.
+MAX_TOKENS = 1024
+
 
 class Weather(BaseModel):
     city: str
@@ -33,6 +40,7 @@ def main(base_url: str = "http://127.0.0.1:30000/v1", model: str = None) -> Weat
         model = openai.OpenAI(base_url=base_url, api_key="sglite").models.list().data[0].id
     provider = OpenAIProvider(openai_client=AsyncOpenAI(base_url=base_url, api_key="sglite"))
     agent = Agent(OpenAIChatModel(model, provider=provider), output_type=Weather, tools=[get_weather],
+                  model_settings={"max_tokens": MAX_TOKENS},
                   instructions="Call get_weather, then give the final result.")
     return agent.run_sync("What is the weather in Paris?").output
 

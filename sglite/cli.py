@@ -104,26 +104,48 @@ BENCHES = {
 }
 
 
+# One line each for `sglite bench --help` / `sglite eval --help` (kept here, not read from the
+# modules' docstrings, so that --help imports nothing heavy).
+BENCH_DESCRIPTIONS = {
+    "offline": "the in-process Engine against baselines measured in the same run",
+    "serving": "load-test a running server (or one it launches) and time every token",
+    "sweep": "one workload at several request rates against server configurations in turn",
+    "grammar": "compile and per-token mask time of the grammar backend (xgrammar / llguidance beside it)",
+    "startup": "how long a fresh process takes to import sglite, build an Engine and generate",
+    "router": "prefix-cache hit rate of data-parallel routing against one worker",
+    "spec": "decode speed with and without speculative decoding, side by side",
+    "quant": "native quantized weights against the dequantized path, side by side",
+    "agent": "multi-turn tool-calling conversations over /v1/responses",
+    "regress": "the CI regression gate: instruction counts of a fixed workload under callgrind",
+}
+
 EVALS = {"perplexity": "sglite.eval.perplexity"}
+EVAL_DESCRIPTIONS = {"perplexity": "perplexity of a model (any engine configuration) over a fixed local text"}
+
+
+def _dispatch(group: str, modules: dict, descriptions: dict, argv) -> int:
+    """Run ``sglite GROUP NAME [options]``: NAME's module's ``main``. ``--help``/``-h`` lists the
+    sub-commands on stdout (exit 0); no name or an unknown one lists them on stderr (exit 2)."""
+    import importlib
+
+    usage = f"usage: sglite {group} {{{'|'.join(modules)}}} [options]  (see `sglite {group} NAME --help`)"
+    listing = "\n".join([usage, "", "commands:"] + [f"  {n:<12}{descriptions.get(n, '')}" for n in modules])
+    if argv and argv[0] in ("-h", "--help"):
+        print(listing)
+        return 0
+    if not argv or argv[0] not in modules:
+        problem = f"unknown {group} command {argv[0]!r}" if argv else f"a {group} command is required"
+        print(f"sglite {group}: {problem}\n{listing}", file=sys.stderr)
+        return 2
+    return importlib.import_module(modules[argv[0]]).main(argv[1:]) or 0
 
 
 def _cmd_eval(argv) -> int:
-    import importlib
-
-    if not argv or argv[0] not in EVALS:
-        print(f"usage: sglite eval {{{'|'.join(EVALS)}}} [options]", file=sys.stderr)
-        return 2
-    return importlib.import_module(EVALS[argv[0]]).main(argv[1:]) or 0
+    return _dispatch("eval", EVALS, EVAL_DESCRIPTIONS, argv)
 
 
 def _cmd_bench(argv) -> int:
-    import importlib
-
-    if not argv or argv[0] not in BENCHES:
-        print(f"usage: sglite bench {{{'|'.join(BENCHES)}}} [options]", file=sys.stderr)
-        return 2
-    mod = importlib.import_module(BENCHES[argv[0]])
-    return mod.main(argv[1:]) or 0
+    return _dispatch("bench", BENCHES, BENCH_DESCRIPTIONS, argv)
 
 
 def build_parser() -> tuple[FlagParser, FlagParser]:

@@ -76,9 +76,9 @@ def main(args_or_argv: Union[argparse.Namespace, Sequence[str], None] = None, en
     engine_s = time.perf_counter() - t0
     try:
         info = engine.get_server_info()
-        logger.warning("sglite: KV cache of %s tokens, %s bytes per token; serving %s on http://%s:%d",
-                       info.get("max_total_tokens"), info.get("bytes_per_token"),
-                       engine.model_info().get("model_path"), cfg.host, cfg.port)
+        logger.info("sglite: KV cache of %s tokens, %s bytes per token; serving %s on http://%s:%d",
+                    info.get("max_total_tokens"), info.get("bytes_per_token"),
+                    engine.model_info().get("model_path"), cfg.host, cfg.port)
         server = uvicorn.Server(uvicorn.Config(create_app(engine, cfg), host=cfg.host, port=cfg.port,
                                                log_level=cfg.log_level.lower(), timeout_graceful_shutdown=5))
         threading.Thread(target=_log_when_ready, args=(server, cfg, t0, engine_s), name="sglite-ready",

@@ -51,3 +51,27 @@ def test_dataset_name_is_an_alias_of_dataset():
     p = serving.build_parser()
     assert p.parse_args(["--dataset-name", "json"]).dataset == "json"
     assert p.parse_args(["--dataset", "multi-turn"]).dataset == "multi-turn"
+
+
+@pytest.mark.parametrize("group, names", [("bench", list(BENCHES)), ("eval", ["perplexity"])])
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_group_help_lists_every_subcommand_with_a_description(capsys, group, names, flag):
+    from sglite.cli import BENCH_DESCRIPTIONS, EVAL_DESCRIPTIONS, EVALS
+
+    descriptions = {"bench": BENCH_DESCRIPTIONS, "eval": EVAL_DESCRIPTIONS}[group]
+    assert set(descriptions) == set({"bench": BENCHES, "eval": EVALS}[group])   # none left undescribed
+    assert cli_main([group, flag]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith(f"usage: sglite {group} ") and err == ""
+    for name in names:
+        assert f"  {name}" in out and descriptions[name] in out
+
+
+@pytest.mark.parametrize("group", ["bench", "eval"])
+def test_unknown_or_missing_subcommand_is_named_on_stderr(capsys, group):
+    assert cli_main([group, "foo"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and f"unknown {group} command 'foo'" in err and f"usage: sglite {group} " in err
+    assert cli_main([group]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and f"a {group} command is required" in err and "commands:" in err

@@ -65,11 +65,18 @@ def test_stream_timing_matches_the_servers_step_delay(fake_server, backend):
     m = res.metrics
     assert m["completed"] == 4 and m["failed"] == 0 and m["total_output_tokens"] == 20
     for o in res.outcomes:   # one token per 20 ms step: 5 steps before the last token (a loaded machine
-        # may deliver some tokens in a burst, so the gaps are checked in sum with the first token's wait)
-        assert len(o.itl) == 4 and o.ttft >= 0.015 and o.ttft + sum(o.itl) >= 0.09
-        assert o.tpot == pytest.approx(sum(o.itl) / 4, rel=0.05)
-        assert o.prompt_tokens > 0
-    assert m["itl_ms"]["count"] == 16
+        # may deliver some tokens in a burst, so the gaps are checked in sum with the first token's wait,
+        # and only loosely from above: 1 s a gap is 50 steps, yet far below a seconds-vs-ms slip)
+        assert o.output_tokens == 5 and len(o.itl) == 4 and o.prompt_tokens > 0
+        assert o.ttft >= 0.015 and o.ttft + sum(o.itl) >= 0.09 and sum(o.itl) / 4 < 1.0
+        # TPOT is (e2e - ttft) / (n - 1) from the same stamps; the stream ends at or after its last
+        # token, so TPOT is at least the mean ITL (the gap to the end of the stream is noise, not
+        # compared: it is what made the old `tpot ≈ mean itl` check flaky on a loaded machine)
+        assert o.tpot == pytest.approx((o.e2e - o.ttft) / 4, rel=1e-9)
+        assert o.e2e >= o.ttft + sum(o.itl) - 1e-9 and o.tpot >= sum(o.itl) / 4 - 1e-9
+    assert m["itl_ms"]["count"] == 16 and m["tpot_ms"]["count"] == 4
+    assert m["itl_ms"]["mean"] == pytest.approx(1000 * sum(sum(o.itl) for o in res.outcomes) / 16)
+    assert m["tpot_ms"]["mean"] == pytest.approx(1000 * sum(o.tpot for o in res.outcomes) / 4)
 
 
 def test_multi_turn_resends_history_with_real_replies(fake_server):

@@ -177,7 +177,12 @@ def _example(name):
                                          ("agents_smolagents", {}, "smolagents"),
                                          ("agents_langgraph", {}, "langgraph")])
 def test_agent_examples_run_against_the_server(server, name, kw, pkg):
-    """Each example as written (default model name from /v1/models) on the scripted fake engine."""
+    """Each example as written (default model name from /v1/models) on the scripted fake engine;
+    every model call carries the example's output cap (no reply may run to the end of the context)."""
     pytest.importorskip(pkg)
-    out = _example(name).main(server.url + "/v1", **kw)
+    mod = _example(name)
+    out = mod.main(server.url + "/v1", **kw)
     assert out and (isinstance(out, str) or out.city)
+    caps = [c["sampling_params"] for c in server.engine.calls]
+    caps = [sp.get("max_new_tokens") if isinstance(sp, dict) else sp.max_new_tokens for sp in caps]
+    assert caps and all(c == mod.MAX_TOKENS for c in caps), caps

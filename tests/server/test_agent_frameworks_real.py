@@ -35,14 +35,16 @@ def base_url(real_engine):
 def _trajectory_end(e: BaseException) -> bool:
     """Whether ``e`` (or what it wraps) is how a framework ends a run the model did not finish:
     a turn / request / usage limit, the context window filled, or an answer cut by the length
-    limit. Anything else (a 5xx, an answer that did not parse) is a failure."""
+    limit (the context's or the example's MAX_TOKENS cap: a Responses reply left incomplete for
+    max_output_tokens, pydantic-ai's OutputTokenLimitExceeded). Anything else (a 5xx, an answer
+    that did not parse) is a failure."""
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         text = f"{type(e).__name__}: {e}"
         if any(k in text for k in ("MaxTurnsExceeded", "UsageLimitExceeded", "ContextWindowExceeded",
                                    "LengthFinishReasonError", "context_length_exceeded", "GraphRecursionError",
-                                   "maximum context length")):
+                                   "maximum context length", "max_output_tokens", "OutputTokenLimitExceeded")):
             return True
         e = e.__cause__ or e.__context__
     return False

@@ -83,3 +83,32 @@ def test_launch_server_module_serves(tiny_model_dir, tmp_path):
                          r"finish_reason=length, e2e_latency=[\d.]+ s, text='", text), i
     # the 4xx reason, one line
     assert re.search(r"HTTP 400 POST /generate param=sampling_params\.top_p: ", text)
+
+
+def test_start_up_banner_is_info_not_warning(monkeypatch, caplog):
+    """The KV-cache / serving line is the normal start-up report: INFO (shown at the default level),
+    not a WARNING. uvicorn's server is stubbed so main() returns once it would start serving."""
+    import logging
+
+    import uvicorn
+
+    from sglite.launch_server import main
+    from sglite.server.testing import FakeEngine
+
+    class NoServer:
+        started, should_exit = False, True
+
+        def __init__(self, config):
+            pass
+
+        def run(self):
+            pass
+
+    monkeypatch.setattr(uvicorn, "Server", NoServer)
+    lg = logging.getLogger("sglite")   # main() configures sglite's logging: undone afterwards
+    monkeypatch.setattr(lg, "handlers", list(lg.handlers))
+    monkeypatch.setattr(lg, "level", lg.level)
+    with caplog.at_level(logging.INFO, logger="sglite"):
+        main(["--port", "0"], engine=FakeEngine(max_total_tokens=4096))
+    banner = [r for r in caplog.records if "KV cache of 4096 tokens" in r.getMessage()]
+    assert len(banner) == 1 and banner[0].levelno == logging.INFO, [(r.levelname, r.getMessage()) for r in banner]

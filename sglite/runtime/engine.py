@@ -58,7 +58,7 @@ from ..lora import LoraManager
 from ..errors import InvalidRequestError
 from .engine_config import engine_config
 from .engine_info import model_info, server_info
-from .engine_loop import EngineLoop
+from .engine_loop import EngineLoop, loop_sink
 from .engine_requests import RequestBuilder, prep_field, prepare_within
 from .engine_stream import BatchView, OutputAccumulator, sync_stream
 from .logprob_options import LogprobOptions
@@ -210,7 +210,7 @@ class Engine:
         q: asyncio.Queue = asyncio.Queue()
         build = self._builder(prompt, sampling_params, input_ids, rid, return_logprob, logprob_start_len,
                               top_logprobs_num, token_ids_logprob, stream, lora_path)
-        sink_factory = lambda i: (lambda ev: loop.call_soon_threadsafe(q.put_nowait, (i, ev)))  # noqa: E731
+        sink_factory = lambda i: loop_sink(loop, q, i)  # noqa: E731
         batch = await prepare_within(self._prep, lambda: build(sink_factory), self.config.request_prep_timeout,
                                      prep_field(prompt, input_ids, sampling_params),
                                      "tokenizing, compiling its grammar")

@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Optional
 
 from ..errors import InvalidRequestError, QueueFullError
@@ -91,12 +92,18 @@ class EngineLoop:
             self._inbox.put(Abort(r.rid))
 
     def call(self, fn):
-        """Run ``fn`` on the loop thread between steps and return its result (or raise its error)."""
+        """Run ``fn`` on the loop thread between steps and return its result (or raise its error).
+        Raises RuntimeError when the engine is shut down or its loop thread died (never hangs)."""
         if self.stopped:
             raise RuntimeError("engine is shut down")
         fut: Future = Future()
         self._inbox.put(Call(fn, fut))
-        return fut.result()
+        while True:
+            try:
+                return fut.result(timeout=0.5)
+            except FutureTimeout:
+                if not self.alive:
+                    raise RuntimeError("engine loop has stopped") from None
 
     def wait(self, event: threading.Event) -> None:
         """Block until ``event`` is set. Raises RuntimeError if the loop died meanwhile."""
@@ -141,7 +148,10 @@ class EngineLoop:
                     sched.abort_all("aborted by client")
                     sched.close()
                     return
-                self.handle(msg)
+                try:
+                    self.handle(msg)
+                except Exception:  # the loop thread must survive, or every caller hangs
+                    log.exception("engine message %s failed", type(msg).__name__)
                 msg = self._next_message(block=False)
             if not sched.has_work():
                 continue
@@ -206,3 +216,16 @@ class EngineLoop:
 
     def _fail_running(self, exc: Exception) -> None:
         self.scheduler.abort_all(f"internal error: {exc!r}", running_only=True)
+
+
+def loop_sink(loop, q, i: int):
+    """An event sink (called on the engine's loop thread) that hands ``(i, event)`` to ``q`` on
+    the asyncio ``loop``. A caller whose event loop has closed (``asyncio.run`` returned while the
+    engine still held its request, which is then aborted) is no longer listening: its events are
+    dropped instead of raising on the loop thread, which had killed the engine for every caller."""
+    def put(ev) -> None:
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, (i, ev))
+        except RuntimeError:  # "Event loop is closed"
+            pass
+    return put

@@ -30,7 +30,7 @@ import time
 from typing import Optional, Sequence
 
 from .profiling import add_profile_args, engine_profile
-from .report import HelpFormatter, format_table, write_json
+from .report import HelpFormatter, at_least, format_table, write_json
 from .stats import RequestOutcome, compute_metrics
 from .workloads import random_words
 
@@ -187,24 +187,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", help="weights/compute dtype of sglite and HF")
     p.add_argument("--parts", default="a,b,c,d", help="comma-separated parts to run (a, b, c, d)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and lengths")
-    p.add_argument("--repeats", type=int, default=3, help="(a) prompts timed, (d) alternating runs")
-    p.add_argument("--latency-prompt-len", type=int, default=100, help="(a) prompt tokens")
-    p.add_argument("--latency-new-tokens", type=int, default=128, help="(a) new tokens")
-    p.add_argument("--num-requests", type=int, default=256, help="(b) requests submitted at once")
-    p.add_argument("--min-len", type=int, default=32, help="(b) shortest input/output length (tokens)")
-    p.add_argument("--max-len", type=int, default=512, help="(b) longest input/output length (tokens)")
-    p.add_argument("--hf-batch-size", type=int, default=16, help="(b) HF static batch size")
-    p.add_argument("--hf-max-batches", type=int, default=None,
+    p.add_argument("--repeats", type=at_least(1), default=3, help="(a) prompts timed, (d) alternating runs")
+    p.add_argument("--latency-prompt-len", type=at_least(1), default=100, help="(a) prompt tokens")
+    p.add_argument("--latency-new-tokens", type=at_least(1), default=128, help="(a) new tokens")
+    p.add_argument("--num-requests", type=at_least(1), default=256, help="(b) requests submitted at once")
+    p.add_argument("--min-len", type=at_least(1), default=32, help="(b) shortest input/output length (tokens)")
+    p.add_argument("--max-len", type=at_least(1), default=512, help="(b) longest input/output length (tokens)")
+    p.add_argument("--hf-batch-size", type=at_least(1), default=16, help="(b) HF static batch size")
+    p.add_argument("--hf-max-batches", type=at_least(1), default=None,
                    help="(b) run only the first HF batches (default: all)")
-    p.add_argument("--prefix-len", type=int, default=1000, help="(c) shared few-shot prefix tokens")
-    p.add_argument("--num-questions", type=int, default=64, help="(c) questions after the prefix")
-    p.add_argument("--question-len", type=int, default=40, help="(c) tokens per question")
-    p.add_argument("--prefix-new-tokens", type=int, default=8, help="(c) new tokens per question")
-    p.add_argument("--noreuse-requests", type=int, default=64, help="(d) random prompts")
-    p.add_argument("--noreuse-input-len", type=int, default=256, help="(d) prompt tokens")
-    p.add_argument("--noreuse-output-len", type=int, default=32, help="(d) new tokens")
-    p.add_argument("--bandwidth-mib", type=int, default=512, help="(a) size of the bandwidth probe tensor (MiB)")
-    p.add_argument("--max-total-tokens", type=int, default=131072, help="KV pool of each engine (tokens)")
+    p.add_argument("--prefix-len", type=at_least(0), default=1000, help="(c) shared few-shot prefix tokens")
+    p.add_argument("--num-questions", type=at_least(1), default=64, help="(c) questions after the prefix")
+    p.add_argument("--question-len", type=at_least(1), default=40, help="(c) tokens per question")
+    p.add_argument("--prefix-new-tokens", type=at_least(1), default=8, help="(c) new tokens per question")
+    p.add_argument("--noreuse-requests", type=at_least(1), default=64, help="(d) random prompts")
+    p.add_argument("--noreuse-input-len", type=at_least(1), default=256, help="(d) prompt tokens")
+    p.add_argument("--noreuse-output-len", type=at_least(1), default=32, help="(d) new tokens")
+    p.add_argument("--bandwidth-mib", type=at_least(1), default=512, help="(a) size of the bandwidth probe tensor (MiB)")
+    p.add_argument("--max-total-tokens", type=at_least(1), default=131072, help="KV pool of each engine (tokens)")
     p.add_argument("--engine-args", default="", help='more EngineConfig flags, e.g. "--chunked-prefill-size 256"')
     p.add_argument("--output-json", default=None, help="write rows and details here (default: none)")
     p.add_argument("--plot", default=None, help="PNG of bars, sglite vs baseline (default: none)")
@@ -283,7 +283,13 @@ def _plot(rows: list, path) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``sglite bench offline``."""
-    a = build_parser().parse_args(argv)
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    parts = [x.strip() for x in a.parts.split(",") if x.strip()]
+    if not parts or any(x not in PARTS for x in parts):
+        parser.error(f"--parts: choose from {','.join(PARTS)}, got {a.parts!r}")
+    if a.min_len > a.max_len:
+        parser.error(f"--min-len: must be <= --max-len ({a.max_len}), got {a.min_len}")
     out = run(a)
     print(format_table(out["rows"], COLUMNS, digits=3))
     if a.output_json:

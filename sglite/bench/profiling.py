@@ -19,6 +19,8 @@ import httpx
 
 from sglite.runtime.profiler import PROFILER_DIR_ENV, format_phases
 
+from .report import at_least
+
 
 def add_profile_args(p: argparse.ArgumentParser, remote: bool = False) -> None:
     """``--profile``, ``--profile-dir``, ``--profile-steps`` (and ``--admin-api-key`` when ``remote``)."""
@@ -27,7 +29,7 @@ def add_profile_args(p: argparse.ArgumentParser, remote: bool = False) -> None:
     p.add_argument("--profile-dir", default=None,
                    help=f"directory of the profile (default: ${PROFILER_DIR_ENV}, else /tmp/sglite_profiles"
                         + ("; on the server's machine)" if remote else ")"))
-    p.add_argument("--profile-steps", type=int, default=None,
+    p.add_argument("--profile-steps", type=at_least(1), default=None,
                    help="stop profiling after this many engine steps (default: the whole run)")
     if remote:
         p.add_argument("--admin-api-key", default=None,

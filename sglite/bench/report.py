@@ -145,3 +145,32 @@ def format_table(rows: Sequence[dict], columns: Iterable[tuple[str, str]], digit
     for r in rows:
         out.append("| " + " | ".join(fmt(get(r, k), digits) for k, _ in cols) + " |")
     return "\n".join(out)
+
+
+def at_least(low: int):
+    """An argparse ``type``: an int >= ``low`` (else argparse's own "error: argument --x: ..." and
+    exit 2, before any work)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {v}")
+        return v
+    parse.__name__ = f"int >= {low}"
+    return parse
+
+
+def positive_rate(text: str) -> float:
+    """An argparse ``type``: a float > 0, or ``inf`` (a request rate)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0 or inf, got {text!r}") from None
+    if not v > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be > 0 (or inf), got {text}")
+    return v
+
+
+positive_rate.__name__ = "float > 0 or inf"

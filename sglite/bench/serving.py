@@ -35,7 +35,7 @@ import httpx
 from . import client as http_client
 from ..server.launcher import MODES, LaunchedServer
 from .profiling import add_profile_args, server_profile
-from .report import HelpFormatter, format_serving, write_json
+from .report import HelpFormatter, at_least, format_serving, positive_rate, write_json
 from .stats import NAN, RequestOutcome, compute_metrics, flat_metrics
 from .workloads import (DATASETS, SHAREGPT_CONTEXT_LEN, SHAREGPT_MIN_LEN, Session, WorkloadOptions, agent_arguments,
                         agent_program, build_workload, load_sharegpt, sharegpt_workload, with_adapters)
@@ -243,23 +243,23 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                         "else the server's model when local, else the default model)")
     p.add_argument("--num-prompts", type=int, default=64, help="sessions (conversations for multi-turn)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload and of the arrival process")
-    p.add_argument("--max-concurrency", type=int, default=None,
+    p.add_argument("--max-concurrency", type=at_least(1), default=None,
                    help="most requests in flight at once (default: unbounded)")
-    p.add_argument("--input-len", "--random-input-len", type=int, default=d.input_len,
+    p.add_argument("--input-len", "--random-input-len", type=at_least(1), default=d.input_len,
                    help="random: prompt length (words, about tokens)")
-    p.add_argument("--output-len", "--random-output-len", type=int, default=d.output_len,
+    p.add_argument("--output-len", "--random-output-len", type=at_least(1), default=d.output_len,
                    help="new tokens per request (random, shared-prefix, multi-turn; the cap for json)")
     p.add_argument("--range-ratio", "--random-range-ratio", type=float, default=d.range_ratio,
                    help="random: lengths uniform in [len*ratio, len] (1 = fixed)")
-    p.add_argument("--num-groups", type=int, default=d.num_groups, help="shared-prefix: system prompts")
+    p.add_argument("--num-groups", type=at_least(1), default=d.num_groups, help="shared-prefix: system prompts")
     p.add_argument("--system-len", type=int, default=d.system_len, help="shared-prefix/agent: prefix words")
     p.add_argument("--question-len", type=int, default=d.question_len, help="shared-prefix: question words")
-    p.add_argument("--num-turns", type=int, default=d.num_turns, help="multi-turn: turns per conversation")
+    p.add_argument("--num-turns", type=at_least(1), default=d.num_turns, help="multi-turn: turns per conversation")
     p.add_argument("--turn-len", type=int, default=d.turn_len, help="multi-turn: words per user message")
-    p.add_argument("--agent-steps", type=int, default=2, help="agent: thought/action/observation steps")
+    p.add_argument("--agent-steps", type=at_least(1), default=2, help="agent: thought/action/observation steps")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput SLO on TTFT, ms (default: none)")
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput SLO on TPOT, ms (default: none)")
-    p.add_argument("--warmup-requests", type=int, default=1, help="untimed requests sent before the run")
+    p.add_argument("--warmup-requests", type=at_least(0), default=1, help="untimed requests sent before the run")
     p.add_argument("--no-flush-cache", action="store_true",
                    help="keep the server's prefix cache (default: flushed before the run)")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar (default: shown)")
@@ -381,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--launch", action="store_true",
                    help="start a server (see --server-args) for this run (default: use --base-url)")
     p.add_argument("--server-args", default="", help='flags of `sglite serve`, e.g. "--disable-radix-cache"')
-    p.add_argument("--request-rate", type=_rate, default=math.inf, help="sessions per second, or inf")
+    p.add_argument("--request-rate", type=positive_rate, default=math.inf, help="sessions per second, or inf")
     p.add_argument("--output-json", default=None, help="write the result here (SGLang's flat keys + nested metrics)")
     p.add_argument("--output-details", action="store_true", help="include every request in the JSON")
     p.add_argument("--plot", default=None, help="PNG with latency CDFs and throughput bars (default: none)")

@@ -75,3 +75,23 @@ def test_unknown_or_missing_subcommand_is_named_on_stderr(capsys, group):
     assert cli_main([group]) == 2
     out, err = capsys.readouterr()
     assert out == "" and f"a {group} command is required" in err and "commands:" in err
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["serving", "--request-rate", "-1"], "--request-rate"),
+    (["serving", "--request-rate", "nan"], "--request-rate"),
+    (["serving", "--max-concurrency", "0"], "--max-concurrency"),
+    (["serving", "--input-len", "0"], "--input-len"),
+    (["offline", "--num-requests", "-1"], "--num-requests"),
+    (["offline", "--repeats", "0"], "--repeats"),
+    (["offline", "--parts", "nope"], "--parts"),
+    (["offline", "--min-len", "10", "--max-len", "5"], "--min-len"),
+    (["offline", "--profile-steps", "-1"], "--profile-steps"),
+])
+def test_odd_bench_flags_are_argparse_errors_before_any_work(argv, flag, capsys):
+    """A breaker's report: these ended in a ValueError traceback (some after loading the model)."""
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["bench", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and flag in err and "Traceback" not in err

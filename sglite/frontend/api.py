@@ -68,7 +68,8 @@ def gen(name: Optional[str] = None, max_tokens: Optional[int] = None, min_tokens
 
     ``max_tokens``/``min_tokens`` are in tokens. ``dtype`` ∈ {int, float, bool, str} (or their
     names) constrains the output with SGLang's regexes (int/float also stop at space/newline);
-    it wins over ``regex``. ``choices`` turns the call into :func:`select`. ``regex`` and
+    it wins over ``regex``. ``choices`` turns the call into :func:`select` (a ``regex``,
+    ``json_schema`` or ``dtype`` beside it is ignored, with a warning). ``regex`` and
     ``json_schema`` (dict or JSON text) constrain decoding. ``lora_path`` names the LoRA adapter
     this call runs with (SGLang's name; docs/lora.md). Unset arguments inherit ``run()``'s.
 
@@ -78,6 +79,9 @@ def gen(name: Optional[str] = None, max_tokens: Optional[int] = None, min_tokens
     if name is not None and not isinstance(name, str):
         raise InvalidRequestError(f"gen.name: must be a string, got {name!r}", field="name")
     if choices is not None:
+        ignored = [k for k, v in (("regex", regex), ("json_schema", json_schema), ("dtype", dtype)) if v is not None]
+        if ignored:  # SGLang drops them silently; say so
+            warnings.warn(f"gen: choices selects among fixed strings; {', '.join(ignored)} is ignored", stacklevel=2)
         return select(name, choices, 0.0 if temperature is None else temperature, choices_method, lora_path)
     if dtype is not None:
         if dtype not in _DTYPES:

@@ -10,6 +10,7 @@ import contextlib
 import threading
 from typing import Iterator, Optional
 
+from ..errors import InvalidRequestError
 from .executor import StreamExecutor
 from .ir import ExprList, RoleBegin, RoleEnd, VarScopeBegin, VarScopeEnd
 
@@ -81,7 +82,7 @@ class ProgramState(RoleMixin):
             ValueError: ``size < 1``.
         """
         if not isinstance(size, int) or size < 1:
-            raise ValueError(f"fork: size must be an integer >= 1, got {size!r}")
+            raise InvalidRequestError(f"fork: size must be an integer >= 1, got {size!r}", field="fork")
         self._ex.sync()
         if size > 1 and self._ex.asm.text and self._ex.error() is None:
             self._ex.backend.cache_prefix(self._ex.asm.text)
@@ -249,7 +250,7 @@ class ForkGroupMixin:
                 s += other(i)
         elif isinstance(other, (list, tuple)):
             if len(other) != len(self.states):
-                raise ValueError(f"fork: got {len(other)} expressions for {len(self.states)} branches")
+                raise InvalidRequestError(f"fork: got {len(other)} expressions for {len(self.states)} branches", field="fork")
             for s, e in zip(self.states, other):
                 s += e
         else:
@@ -277,7 +278,8 @@ class ProgramStateGroup(ForkGroupMixin):
             ValueError: unknown mode.
         """
         if mode not in ("gather_variable", "concate_and_append"):
-            raise ValueError(f"join: mode must be 'gather_variable' or 'concate_and_append', got {mode!r}")
+            raise InvalidRequestError(f"join: mode must be 'gather_variable' or 'concate_and_append', got {mode!r}",
+                                      field="join")
         pex = self.parent._ex
         for s in self.states:
             s._ex.sync()

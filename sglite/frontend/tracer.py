@@ -116,7 +116,7 @@ class TracerState(RoleMixin):
     def fork(self, size: int = 1, position_ids_offset=None) -> "TracerGroup":
         """Record a fork node and return ``size`` branch tracers."""
         if not isinstance(size, int) or size < 1:
-            raise ValueError(f"fork: size must be an integer >= 1, got {size!r}")
+            raise InvalidRequestError(f"fork: size must be an integer >= 1, got {size!r}", field="fork")
         ctx = self._ctx
         branches = list(range(ctx.next_stream, ctx.next_stream + size))
         ctx.next_stream += size

@@ -362,3 +362,33 @@ def test_frontend_never_imports_torch():
             "sglite.function; sglite.gen('x'); sglite.RuntimeEndpoint\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_fork_and_join_errors_are_sglite_errors(fb):
+    """docs/dsl.md: every error sglite raises on purpose is an SgliteError (a breaker found bare
+    ValueErrors from fork / join), and it names the call."""
+    @sglite.function
+    def bad_size(s, size):
+        s.fork(size)
+
+    @sglite.function
+    def bad_exprs(s):
+        forks = s.fork(2)
+        forks += ["a", "b", "c"]
+
+    @sglite.function
+    def bad_mode(s):
+        s.fork(2).join("nope")
+
+    for prog, kw, word in ((bad_size, {"size": 0}, "fork"), (bad_size, {"size": -1}, "fork"),
+                           (bad_exprs, {}, "fork"), (bad_mode, {}, "join")):
+        with pytest.raises(sglite.SgliteError, match=word) as exc:
+            prog.run(backend=fb, **kw)
+        assert isinstance(exc.value, InvalidRequestError)
+
+
+def test_gen_with_choices_warns_that_its_constraint_is_ignored():
+    with pytest.warns(UserWarning, match="regex is ignored"):
+        sglite.gen("x", regex="[0-9]+", choices=["a", "b"])
+    with pytest.warns(UserWarning, match="json_schema, dtype is ignored"):
+        sglite.gen("x", json_schema={"type": "string"}, dtype=int, choices=["a", "b"])

@@ -203,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--noreuse-requests", type=at_least(1), default=64, help="(d) random prompts")
     p.add_argument("--noreuse-input-len", type=at_least(1), default=256, help="(d) prompt tokens")
     p.add_argument("--noreuse-output-len", type=at_least(1), default=32, help="(d) new tokens")
-    p.add_argument("--bandwidth-mib", type=at_least(1), default=512, help="(a) size of the bandwidth probe tensor (MiB)")
+    p.add_argument("--bandwidth-mib", type=at_least(1), default=512,
+                   help="(a) size of the bandwidth probe tensor (MiB)")
     p.add_argument("--max-total-tokens", type=at_least(1), default=131072, help="KV pool of each engine (tokens)")
     p.add_argument("--engine-args", default="", help='more EngineConfig flags, e.g. "--chunked-prefill-size 256"')
     p.add_argument("--output-json", default=None, help="write rows and details here (default: none)")

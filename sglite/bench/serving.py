@@ -222,10 +222,6 @@ def run_agent(cfg: http_client.ClientConfig, num_programs: int, opts: RunOptions
 
 
 # ---------------------------------------------------------------------------------- CLI
-def _rate(text: str) -> float:
-    return math.inf if text.strip().lower() in ("inf", "infinity") else float(text)
-
-
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by ``serving`` and ``sweep``: workload, load shape, SLOs, launching."""
     d = WorkloadOptions()

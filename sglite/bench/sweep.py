@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 
 from .deploy import Deployment
 from .report import HelpFormatter, format_table, write_json
-from .serving import _rate, add_workload_args, check_args, run_dataset, server_argv
+from .serving import add_workload_args, check_args, run_dataset, server_argv
 from .stats import flat_metrics, max_rate_meeting_attainment
 from .workloads import load_sharegpt
 
@@ -82,7 +82,7 @@ def parse_rates(text: str) -> list[float]:
     Raises:
         ValueError: an empty list or a rate that is not > 0.
     """
-    rates = [_rate(x) for x in text.split(",") if x.strip()]
+    rates = [float(x) for x in text.split(",") if x.strip()]  # float() reads inf / infinity
     if not rates or any(not r > 0 for r in rates):
         raise ValueError(f"request_rates: need one or more rates > 0 (or inf), got {text!r}")
     return rates

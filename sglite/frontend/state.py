@@ -79,7 +79,7 @@ class ProgramState(RoleMixin):
         any branch runs, so every branch, the first included, finds it cached.
 
         Raises:
-            ValueError: ``size < 1``.
+            InvalidRequestError: ``size`` not an integer >= 1 (field ``fork``).
         """
         if not isinstance(size, int) or size < 1:
             raise InvalidRequestError(f"fork: size must be an integer >= 1, got {size!r}", field="fork")
@@ -250,7 +250,8 @@ class ForkGroupMixin:
                 s += other(i)
         elif isinstance(other, (list, tuple)):
             if len(other) != len(self.states):
-                raise InvalidRequestError(f"fork: got {len(other)} expressions for {len(self.states)} branches", field="fork")
+                raise InvalidRequestError(f"fork: got {len(other)} expressions for {len(self.states)} branches",
+                                          field="fork")
             for s, e in zip(self.states, other):
                 s += e
         else:
@@ -275,7 +276,7 @@ class ProgramStateGroup(ForkGroupMixin):
         ``concate_and_append``: each branch's new text is appended to the parent, in order.
 
         Raises:
-            ValueError: unknown mode.
+            InvalidRequestError: unknown mode (field ``join``).
         """
         if mode not in ("gather_variable", "concate_and_append"):
             raise InvalidRequestError(f"join: mode must be 'gather_variable' or 'concate_and_append', got {mode!r}",

@@ -16,6 +16,7 @@ abort naming the budget (:attr:`IncrementalDetokenizer.error`).
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Sequence
 
@@ -143,14 +144,19 @@ class IncrementalDetokenizer:
 
     def _release(self, chunk: str, final: bool) -> tuple[str, str | None]:
         pending = self._pending + chunk
+        # the stop regexes' work this call runs against one deadline (no clock read without them)
+        deadline = time.perf_counter() + self._regex_left if self.stop_regex else math.inf
         try:
-            found = self._find_stop(pending)
-            hold = 0 if final or found is not None else self._holdback(pending)
+            found = self._find_stop(pending, deadline)
+            hold = 0 if final or found is not None else self._holdback(pending, deadline)
         except _BudgetSpent:
             self.error = (f"stop_regex: matching took longer than stop_regex_timeout={self.stop_regex_timeout:g} s "
                           "(--stop-regex-timeout); a pattern that backtracks catastrophically ends its request")
             found, hold = None, 0
             self.finished = True
+        finally:
+            if self.stop_regex:
+                self._regex_left = deadline - time.perf_counter()
         if found is not None:
             start, end, matched = found
             delta = pending[: end if self.no_stop_trim else start]
@@ -163,45 +169,41 @@ class IncrementalDetokenizer:
         self.text += delta
         return delta, None
 
-    def _find_stop(self, text: str) -> tuple[int, int, str] | None:
-        """Earliest (start, end, matched text) of any stop string or regex match in ``text``."""
+    def _find_stop(self, text: str, deadline: float) -> tuple[int, int, str] | None:
+        """Earliest (start, end, matched text) of any stop string or regex match in ``text``;
+        raises _BudgetSpent when a regex search runs past ``deadline`` (``time.perf_counter``)."""
         best = None
         for s in self.stop:
             i = text.find(s)
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, i + len(s), s)
         for rx in self.stop_regex:
-            t0 = time.perf_counter()
-            try:  # the GIL released while it matches; TimeoutError past the request's budget left
-                m = rx.search(text, concurrent=True, timeout=max(self._regex_left, 1e-6))
+            try:  # the GIL released while it matches
+                m = rx.search(text, concurrent=True, timeout=max(deadline - time.perf_counter(), 1e-6))
             except TimeoutError:
                 raise _BudgetSpent from None
-            finally:
-                self._regex_left -= time.perf_counter() - t0
             if m is not None and (best is None or m.start() < best[0]):
                 best = (m.start(), m.end(), m.group(0))
         return best
 
-    def _holdback(self, text: str) -> int:
-        """Length of the longest suffix of ``text`` that could still start a stop."""
+    def _holdback(self, text: str, deadline: float) -> int:
+        """Length of the longest suffix of ``text`` that could still start a stop; raises
+        _BudgetSpent when the stop regexes' DFA walks run past ``deadline``."""
         hold = 0
         for s in self.stop:
             for k in range(min(len(s) - 1, len(text)), hold, -1):
                 if text.endswith(s[:k]):
                     hold = k
                     break
-        t0 = time.perf_counter()
         for checker in self._regex_prefix:
             if not checker.supported:
                 continue
             for start in range(0, len(text) - hold):  # each walk stops at the DFA's dead state
-                if time.perf_counter() - t0 > self._regex_left:
+                if time.perf_counter() > deadline:
                     raise _BudgetSpent
                 if checker.could_start(text[start:]):
                     hold = len(text) - start
                     break
-        if self._regex_prefix:
-            self._regex_left -= time.perf_counter() - t0
         return hold
 
 

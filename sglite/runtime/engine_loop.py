@@ -11,7 +11,6 @@ import logging
 import queue
 import threading
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Optional
 
 from ..errors import InvalidRequestError, QueueFullError
@@ -97,13 +96,11 @@ class EngineLoop:
         if self.stopped:
             raise RuntimeError("engine is shut down")
         fut: Future = Future()
+        done = threading.Event()
+        fut.add_done_callback(lambda _: done.set())
         self._inbox.put(Call(fn, fut))
-        while True:
-            try:
-                return fut.result(timeout=0.5)
-            except FutureTimeout:
-                if not self.alive:
-                    raise RuntimeError("engine loop has stopped") from None
+        self.wait(done)
+        return fut.result()
 
     def wait(self, event: threading.Event) -> None:
         """Block until ``event`` is set. Raises RuntimeError if the loop died meanwhile."""

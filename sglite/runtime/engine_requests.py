@@ -16,6 +16,7 @@ from ..config import EngineConfig
 from ..errors import CapacityError, InvalidRequestError, context_length_message
 from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
+from .tokenizer import check_text
 from .engine_protocol import base_model_only, base_rids, sample_rid, sample_seed
 from .logprob_options import NO_LOGPROBS, LogprobOptions
 from .req import Req
@@ -149,11 +150,7 @@ class RequestBuilder:
             for p in items:
                 if not isinstance(p, str):
                     raise InvalidRequestError(f"text: prompts must be strings, got {type(p).__name__}", field="text")
-                try:
-                    p.encode("utf-8")
-                except UnicodeEncodeError as exc:
-                    raise InvalidRequestError(f"text: not valid Unicode text ({exc.reason} at {exc.start})",
-                                              field="text") from None
+                check_text(p, "text")
             return [self.tokenizer.encode_prompt(p) for p in items], is_list
         if not isinstance(input_ids, list) or not input_ids:
             raise InvalidRequestError("input_ids: must be a non-empty list of token ids (or of lists)", field="input_ids")

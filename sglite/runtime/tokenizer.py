@@ -40,6 +40,17 @@ def resolve_chat_template(value: str, own: Any = None) -> str:
         f"(names: {sorted(named) or 'none'}) or Jinja text", field="chat_template")
 
 
+def check_text(text: str, field: str) -> None:
+    """Refuse text no tokenizer can take: a lone surrogate (``"\\ud800"``, which JSON can carry)
+    is not valid Unicode. Raises InvalidRequestError naming ``field``, the reason and the
+    character's index, in our words rather than the tokenizers library's."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(f"{field}: not valid Unicode text ({exc.reason} at character {exc.start})",
+                                  field=field) from None
+
+
 def _as_id_set(value: Any) -> set[int]:
     if value is None:
         return set()

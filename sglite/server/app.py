@@ -74,8 +74,9 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
 
     Middleware, outermost first: 500 on unexpected errors, HTTP metrics, the 4xx log (one info
     line per client error: method, path, status, field, message), API key (when
-    ``config.api_key`` or ``config.admin_api_key``), cross-site refusal on the operator routes, body cap. ``/metrics`` only with ``config.enable_metrics``; request
-    summaries logged with ``config.log_requests``.
+    ``config.api_key`` or ``config.admin_api_key``), cross-site refusal on the operator routes,
+    body cap. ``/metrics`` only with ``config.enable_metrics``; request summaries logged with
+    ``config.log_requests``.
     """
     config = config or ServerConfig()
     metrics = ServerMetrics(engine.get_server_info)

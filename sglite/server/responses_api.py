@@ -19,10 +19,10 @@
   ``incomplete`` with reason ``"aborted"`` (streamed, the last event is ``response.incomplete``),
   or ``cancelled`` for a background response; the message item is ``incomplete`` either way.
 * ``previous_response_id``: the stored conversation comes before the new input (an incomplete or
-  cancelled response continues from the output it stored: none when cancelled before its output); an id that is not
-  stored is a 400 naming the field (``code: "previous_response_not_found"``). While a response is
-  stored, its prompt + output stay pinned in the radix cache (``--responses-pin-tokens``), so the
-  follow-up prefills only its new input.
+  cancelled response continues from the output it stored: none when cancelled before its
+  output); an id that is not stored is a 400 naming the field (``code:
+  "previous_response_not_found"``). While a response is stored, its prompt + output stay pinned in
+  the radix cache (``--responses-pin-tokens``), so the follow-up prefills only its new input.
 
 The response id is ``resp_<rid>`` when the request carries SGLang's ``rid`` (the router sets
 one, so it knows which worker holds a response), else ``resp_<random>``.

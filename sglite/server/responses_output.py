@@ -6,7 +6,8 @@ model's thinking when a reasoning parser split it off, a ``message`` (one ``outp
 per tool call (``call_id`` is the call's id; the arguments text as generated). A call whose
 arguments were cut by ``max_output_tokens`` (not valid JSON) has status ``incomplete``; the
 response is ``incomplete`` with ``incomplete_details.reason == "max_output_tokens"`` whenever the
-limit ended the output (``"aborted"`` when an abort did). An output with neither text nor calls is one empty message.
+limit ended the output (``"aborted"`` when an abort did). An output with neither text nor calls is
+one empty message.
 
 Streamed, the events are (each with ``sequence_number`` counting from 0): ``response.created``,
 ``response.in_progress``; per message ``response.output_item.added``,

@@ -19,6 +19,7 @@ from typing import Any, Optional
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, StrictInt
 
+from ..runtime.tokenizer import check_text
 from .errors import ApiError
 from .openai_params import check_model, chat_messages
 from .protocol import ChatMessage
@@ -93,10 +94,7 @@ def tokenize(client, req: TokenizeRequest) -> dict:
         text, add_special = req.prompt, req.add_special_tokens
         if len(text) > MAX_PROMPT_CHARS:
             raise ApiError(f"prompt: at most {MAX_PROMPT_CHARS} characters, got {len(text)}", param="prompt")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:  # a lone surrogate: not text the tokenizer can take
-        raise ApiError(f"prompt: not valid Unicode text ({e.reason} at character {e.start})", param="prompt") from None
+    check_text(text, "prompt")  # a lone surrogate: a 400 in our words
     try:
         ids = _encode(engine.tokenizer, text, add_special)
     except Exception as e:  # noqa: BLE001 - the library's own wording stays in the log
